@@ -1,0 +1,551 @@
+"""The broker's logic: routing, joins, credits, acks, redelivery and liveness, without sockets.
+
+`BrokerCore.handle(peer, message, now)` and `tick(now)` update the state and queue outgoing
+messages; `flush()` hands them out as (peer, message) pairs. The process wrapper (`server.py`)
+owns the ROUTER socket; in-process tests drive the same core directly (`inprocess.py`).
+
+    Publish ──► entry{pending consumers} ──► queue[(topic, stage)] ──► Deliver to the least
+       │                                   └► join partials ─► joined handle     loaded instance
+       └─ Ack to producer (journaled)        Ack from every consumer ──► Release to producer
+
+Waits for / unblocked by:
+    delivery of queue[(t, s)]   waits for an instance of s with credit on t that is not paused,
+                                and for admission (overlap depth); unblocked by Request, Ack,
+                                Control(resume / weights_ready)
+    producer credit on t        waits for room in every consumer queue of t; unblocked by
+                                delivery (queue shrinks) or join completion
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import OrderedDict, defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+
+from stream_rlhf.broker import shm
+from stream_rlhf.broker.journal import Journal
+from stream_rlhf.broker.messages import (
+    SCHEMA_VERSION,
+    Ack,
+    Control,
+    Deliver,
+    Error,
+    FieldSpec,
+    Handle,
+    Heartbeat,
+    Hello,
+    Message,
+    Nack,
+    Publish,
+    Ready,
+    Release,
+    Request,
+    Stats,
+)
+from stream_rlhf.broker.topology import CONTROL_STAGE, BrokerConfig, Topology
+
+log = logging.getLogger(__name__)
+
+RECENT_IDS = 200_000  # finished handle ids remembered to deduplicate late re-publishes
+
+
+class Admission(Protocol):
+    """Decides whether the head of a queue may be delivered now (overlap-depth enforcement)."""
+
+    def admit(self, handle: Handle, stage: str, policy_version: int) -> bool: ...
+
+
+class AdmitAll:
+    def admit(self, handle: Handle, stage: str, policy_version: int) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class OverlapAdmission:
+    """Handles of `topics` for iteration i are delivered only once policy_version >= i - depth:
+    rollout runs at most `overlap_depth` policy versions ahead of training (0: on-policy)."""
+
+    topics: frozenset[str]
+    overlap_depth: int
+
+    def admit(self, handle: Handle, stage: str, policy_version: int) -> bool:
+        return handle.topic not in self.topics or handle.iteration - policy_version <= self.overlap_depth
+
+
+@dataclass
+class Instance:
+    peer: bytes
+    stage: str
+    instance_id: str
+    pid: int
+    host: str
+    last_seen: float
+    credits: dict[str, int] = field(default_factory=dict)  # consumer credit per input topic
+    granted: dict[str, int] = field(default_factory=dict)  # producer credit not yet used
+    inflight: dict[str, str] = field(default_factory=dict)  # handle id -> topic
+    counters: dict[str, float] = field(default_factory=dict)  # last Stats it sent
+
+
+@dataclass
+class Entry:
+    handle: Handle
+    pending: set[str]  # consumer stages and joins that still owe an ack
+    producer: str  # instance id
+    attempts: dict[str, int] = field(default_factory=dict)
+
+
+class BrokerCore:
+    def __init__(
+        self,
+        topology: Topology,
+        config: BrokerConfig,
+        now: float,
+        admission: Admission | None = None,
+        broker_id: str = "",
+    ):
+        self.topology = topology
+        self.config = config
+        self.admission = admission or AdmitAll()
+        self.broker_id = broker_id or uuid.uuid4().hex[:8]
+        self.host = ""  # set by the server: segments of dead producers on this host are reclaimed
+        self.policy_version = 0  # the initial weights; training step n publishes n + 1
+        self.instances: dict[bytes, Instance] = {}
+        self.by_instance_id: dict[str, bytes] = {}
+        self.entries: dict[str, Entry] = {}
+        self.recent: OrderedDict[str, None] = OrderedDict()
+        self.queues: dict[tuple[str, str], deque[str]] = {
+            (topic, stage): deque() for topic, t in topology.topics.items() for stage in t.consumers
+        }
+        self.partials: dict[tuple[str, int, int], dict[str, str]] = {}
+        self.paused: set[str] = set()
+        self.stats: defaultdict[str, float] = defaultdict(float)
+        self.started = now
+        self.stopping = False
+        self._out: list[tuple[bytes, Message]] = []
+        self._acks_to: defaultdict[bytes, list[str]] = defaultdict(list)
+        self._releases_to: defaultdict[bytes, list[str]] = defaultdict(list)
+        self._dirty_queues: set[tuple[str, str]] = set()
+        self._dirty_topics: set[str] = set()
+        self.journal = Journal(config.journal, config.journal_fsync) if config.journal else None
+        if self.journal:
+            self._recover(self.journal.live)
+
+    # ---- entry points -------------------------------------------------------------------
+
+    def handle(self, peer: bytes, message: Message, now: float) -> None:
+        inst = self.instances.get(peer)
+        if isinstance(message, Hello):
+            self._on_hello(peer, message, now)
+            return
+        if inst is None:
+            self.reject(peer, f"{type(message).__name__.lower()} from unknown peer: send hello first", "unknown_peer")
+            return
+        inst.last_seen = now
+        if isinstance(message, Publish):
+            self._on_publish(inst, message.handle)
+        elif isinstance(message, Request):
+            self._on_credit(inst, message)
+        elif isinstance(message, Ack):
+            for handle_id in message.handle_ids:
+                self._on_ack(inst, handle_id)
+        elif isinstance(message, Nack):
+            self._on_nack(inst, message)
+        elif isinstance(message, Heartbeat):
+            if message.state == "stopped":
+                self._remove_instance(inst, "stopped")
+        elif isinstance(message, Control):
+            self._on_control(inst, message)
+        elif isinstance(message, Stats):
+            if message.counters:
+                inst.counters = dict(message.counters)
+            else:
+                self._send(peer, Stats(f"broker:{self.broker_id}", self.snapshot()))
+        else:
+            self.reject(peer, f"unexpected message type {type(message).__name__} from {inst.instance_id}", "unexpected_type")
+
+    def tick(self, now: float) -> None:
+        """Heartbeats out, dead peers (silent past heartbeat_timeout_s) removed."""
+        for inst in list(self.instances.values()):
+            if now - inst.last_seen > self.config.heartbeat_timeout_s:
+                self._remove_instance(inst, f"no heartbeat for {now - inst.last_seen:.1f}s")
+            else:
+                self._send(inst.peer, Heartbeat())
+
+    def flush(self) -> list[tuple[bytes, Message]]:
+        """Dispatch what became deliverable, grant producer credit, return the outgoing messages."""
+        for key in list(self._dirty_queues):
+            self._dispatch(key)
+        self._dirty_queues.clear()
+        for topic in list(self._dirty_topics):
+            self._grant_producer_credit(topic)
+        self._dirty_topics.clear()
+        for peer, ids in self._acks_to.items():
+            self._out.append((peer, Ack(ids)))
+        for peer, ids in self._releases_to.items():
+            self._out.append((peer, Release(ids)))
+        self._acks_to.clear()
+        self._releases_to.clear()
+        if self.journal:
+            self.journal.flush()
+        out, self._out = self._out, []
+        return out
+
+    def reject(self, peer: bytes, reason: str, kind: str, fatal: bool = False) -> None:
+        self.stats[f"rejected.{kind}"] += 1
+        self.stats["rejected"] += 1
+        log.warning("rejected message from %r: %s", peer, reason)
+        self._send(peer, Error(reason, fatal, kind))
+
+    def snapshot(self) -> dict[str, float]:
+        counters = dict(self.stats)
+        counters["instances"] = len(self.instances)
+        counters["inflight_handles"] = len(self.entries)
+        counters["policy_version"] = self.policy_version
+        for (topic, stage), queue in self.queues.items():
+            counters[f"queue.{topic}.{stage}"] = len(queue)
+        for inst in self.instances.values():
+            for key, value in inst.counters.items():
+                counters[f"{inst.instance_id}.{key}"] = value
+        return counters
+
+    def close(self) -> int:
+        """Clean shutdown: unlink every payload still tracked; returns the handles left unacked."""
+        left = len(self.entries)
+        if left:
+            log.warning("shutting down with %d handle(s) not acknowledged by every consumer", left)
+        for entry in self.entries.values():
+            self._unlink_payload(entry.handle)
+        self.entries.clear()
+        if self.journal:
+            self.journal.live.clear()
+            self.journal.flush()
+            self.journal.close()
+            self.journal.path.unlink(missing_ok=True)
+        return left
+
+    # ---- handshake and membership ---------------------------------------------------------
+
+    def _on_hello(self, peer: bytes, hello: Hello, now: float) -> None:
+        if hello.schema_version != SCHEMA_VERSION:
+            self.reject(
+                peer, f"schema version {hello.schema_version} != broker's {SCHEMA_VERSION}", "schema", fatal=True
+            )
+            return
+        if hello.stage != CONTROL_STAGE and hello.stage not in self.topology.stages():
+            known = ", ".join(sorted(self.topology.stages()))
+            self.reject(peer, f"stage {hello.stage!r} is not in the topology (stages: {known})", "unknown_stage", fatal=True)
+            return
+        old = self.instances.get(peer) or self.instances.get(self.by_instance_id.get(hello.instance_id, b""))
+        if old is not None:
+            self._remove_instance(old, "reconnected")
+        inst = Instance(peer, hello.stage, hello.instance_id, hello.pid, hello.host, now)
+        self.instances[peer] = inst
+        self.by_instance_id[hello.instance_id] = peer
+        inputs, outputs = self.topology.inputs_of(hello.stage), self.topology.outputs_of(hello.stage)
+        self._send(
+            peer,
+            Ready(SCHEMA_VERSION, self.broker_id, self.config.heartbeat_interval_s, self.config.max_message_bytes, inputs, outputs),
+        )
+        if self.policy_version > 0:
+            self._send(peer, Control("weights_ready", hello.stage, self.policy_version))
+        self._dirty_topics.update(outputs)
+        log.info("instance %s of stage %s joined (pid %d)", hello.instance_id, hello.stage, hello.pid)
+
+    def _remove_instance(self, inst: Instance, reason: str) -> None:
+        self.instances.pop(inst.peer, None)
+        if self.by_instance_id.get(inst.instance_id) == inst.peer:
+            del self.by_instance_id[inst.instance_id]
+        for handle_id, topic in reversed(list(inst.inflight.items())):
+            key = (topic, inst.stage)
+            self.queues[key].appendleft(handle_id)
+            self._dirty_queues.add(key)
+            self.stats["redelivered"] += 1
+        if inst.inflight:
+            log.warning(
+                "instance %s (%s) left: %s; %d handle(s) in flight requeued",
+                inst.instance_id, inst.stage, reason, len(inst.inflight),
+            )
+        else:
+            log.info("instance %s (%s) left: %s", inst.instance_id, inst.stage, reason)
+        self._dirty_topics.update(inst.granted)
+        if reason != "stopped" and inst.host == self.host and inst.pid and not shm.pid_alive(inst.pid):
+            self._reclaim_unpublished(inst.pid)
+
+    def _reclaim_unpublished(self, pid: int) -> None:
+        """A dead producer may have created segments it never published: unlink them."""
+        published = {
+            spec.location.segment for e in self.entries.values() for spec in e.handle.fields.values()
+        }
+        for name, owner in shm.list_segments(self.config.shm_prefix):
+            if owner == pid and name not in published and shm.unlink(name):
+                self.stats["segments_reclaimed"] += 1
+
+    # ---- publish, join, deliver -------------------------------------------------------------
+
+    def _on_publish(self, inst: Instance, handle: Handle) -> None:
+        topic = self.topology.topics.get(handle.topic)
+        if topic is None or inst.stage not in topic.producers:
+            allowed = self.topology.outputs_of(inst.stage)
+            self.reject(
+                inst.peer, f"publish of handle {handle.id} on topic {handle.topic!r}: stage {inst.stage} "
+                f"publishes only {allowed}", "bad_topic",
+            )
+            return
+        self._acks_to[inst.peer].append(handle.id)
+        existing = self.entries.get(handle.id)
+        if existing is not None or handle.id in self.recent:
+            self.stats["duplicate_publishes"] += 1
+            if existing is None or existing.producer != inst.instance_id:
+                self._releases_to[inst.peer].append(handle.id)  # its copy of the payload is not needed
+            return
+        if inst.granted.get(handle.topic, 0) > 0:
+            inst.granted[handle.topic] -= 1
+        else:
+            self.stats["publish_without_credit"] += 1
+        if handle.producer != inst.instance_id:
+            handle = msgspec.structs.replace(handle, producer=inst.instance_id)
+        self._admit(handle, inst.instance_id)
+
+    def _admit(self, handle: Handle, producer: str) -> None:
+        topic = self.topology.topics[handle.topic]
+        pending = [*topic.consumers, *self.topology.joins_of(handle.topic)]
+        self.entries[handle.id] = Entry(handle, set(pending), producer)
+        if self.journal:
+            self.journal.published(handle, pending)
+        self.stats["published"] += 1
+        self.stats[f"published.{handle.topic}"] += 1
+        self._route(handle, topic.consumers, self.topology.joins_of(handle.topic))
+
+    def _route(self, handle: Handle, stages: list[str], joins: list[str]) -> None:
+        for stage in stages:
+            key = (handle.topic, stage)
+            self.queues[key].append(handle.id)
+            self.stats["max_queue_depth"] = max(self.stats["max_queue_depth"], len(self.queues[key]))
+            self._dirty_queues.add(key)
+        for join in joins:
+            self._add_part(join, handle)
+        self._dirty_topics.add(handle.topic)
+
+    def _add_part(self, join: str, part: Handle) -> None:
+        key = (join, part.iteration, part.minibatch)
+        parts = self.partials.setdefault(key, {})
+        if part.topic in parts:
+            self.stats["join_duplicate_parts"] += 1
+            log.warning("join %s: second %s part for %s; the later one waits for the next", join, part.topic, key[1:])
+        parts[part.topic] = part.id
+        order = self.topology.topics[join].join
+        if all(p in parts for p in order):
+            del self.partials[key]
+            self._emit_join(join, [self.entries[parts[p]].handle for p in order])
+
+    def _emit_join(self, join: str, parts: list[Handle]) -> None:
+        fields: dict[str, FieldSpec] = {}
+        metadata = {}
+        for part in parts:
+            for name, spec in part.fields.items():
+                if name in fields:
+                    self.stats["join_field_collisions"] += 1
+                    name = f"{part.topic}.{name}"
+                fields[name] = spec
+            for key, value in part.metadata.items():
+                metadata.setdefault(key, value)
+        if len({p.num_samples for p in parts}) > 1:
+            self.stats["join_sample_mismatch"] += 1
+            log.warning("join %s: parts disagree on num_samples: %s", join, {p.topic: p.num_samples for p in parts})
+        first = parts[0]
+        joined = Handle(
+            id=str(uuid.uuid5(uuid.NAMESPACE_OID, f"{join}/" + "/".join(p.id for p in parts))),
+            topic=join,
+            iteration=first.iteration,
+            minibatch=first.minibatch,
+            policy_version=first.policy_version,
+            num_samples=first.num_samples,
+            fields=fields,
+            metadata=metadata,
+            producer="broker",
+            parents=[p.id for p in parts],
+        )
+        self.stats["joins_emitted"] += 1
+        self._admit(joined, "broker")
+
+    def _dispatch(self, key: tuple[str, str]) -> None:
+        topic, stage = key
+        queue = self.queues[key]
+        if stage in self.paused:
+            return
+        while queue:
+            entry = self.entries.get(queue[0])
+            if entry is None or stage not in entry.pending:  # acked meanwhile (late ack)
+                queue.popleft()
+                continue
+            if not self.admission.admit(entry.handle, stage, self.policy_version):
+                return
+            candidates = [
+                i for i in self.instances.values() if i.stage == stage and i.credits.get(topic, 0) > 0
+            ]
+            if not candidates:
+                return
+            inst = min(candidates, key=lambda i: len(i.inflight))
+            queue.popleft()
+            inst.credits[topic] -= 1
+            inst.inflight[entry.handle.id] = topic
+            attempt = entry.attempts.get(stage, 0) + 1
+            entry.attempts[stage] = attempt
+            self._send(inst.peer, Deliver(entry.handle, attempt))
+            self.stats["delivered"] += 1
+            self._dirty_topics.add(topic)
+
+    def _grant_producer_credit(self, topic: str) -> None:
+        if topic not in self.topology.topics or self.topology.topics[topic].join:
+            return
+        producers = [i for i in self.instances.values() if topic in self.topology.outputs_of(i.stage)]
+        if not producers:
+            return
+        backlog = max([len(self.queues[(topic, s)]) for s in self.topology.topics[topic].consumers] + [0])
+        waiting = sum(1 for parts in self.partials.values() if topic in parts)
+        outstanding = sum(i.granted.get(topic, 0) for i in producers)
+        free = self.config.queue_capacity - max(backlog, waiting) - outstanding
+        share = max(1, self.config.queue_capacity // len(producers))
+        grants: dict[bytes, int] = {}
+        while free > 0:
+            inst = min(producers, key=lambda i: i.granted.get(topic, 0))
+            if inst.granted.get(topic, 0) >= share:
+                break
+            inst.granted[topic] = inst.granted.get(topic, 0) + 1
+            grants[inst.peer] = grants.get(inst.peer, 0) + 1
+            free -= 1
+        for peer, credits in grants.items():
+            self._send(peer, Request(topic, credits))
+
+    # ---- consumer side ---------------------------------------------------------------------
+
+    def _on_credit(self, inst: Instance, request: Request) -> None:
+        if request.topic not in self.topology.topics or inst.stage not in self.topology.topics[request.topic].consumers:
+            self.reject(inst.peer, f"credit for topic {request.topic!r}: stage {inst.stage} does not consume it", "bad_topic")
+            return
+        if request.credits < 0:
+            self.reject(inst.peer, f"credit {request.credits} for {request.topic}: must be >= 0", "bad_credit")
+            return
+        inst.credits[request.topic] = inst.credits.get(request.topic, 0) + request.credits
+        self._dirty_queues.add((request.topic, inst.stage))
+
+    def _on_ack(self, inst: Instance, handle_id: str) -> None:
+        if inst.inflight.pop(handle_id, None) is None:
+            self.stats["stale_acks"] += 1
+            return
+        self.stats["acked"] += 1
+        self._consumer_done(handle_id, inst.stage)
+
+    def _on_nack(self, inst: Instance, nack: Nack) -> None:
+        topic = inst.inflight.pop(nack.handle_id, None)
+        if topic is None:
+            self.stats["stale_acks"] += 1
+            return
+        self.stats["nacked"] += 1
+        entry = self.entries[nack.handle_id]
+        if nack.requeue and entry.attempts.get(inst.stage, 0) < self.config.max_attempts:
+            log.warning("%s nacked %s (%s): requeued", inst.instance_id, nack.handle_id, nack.reason)
+            self.queues[(topic, inst.stage)].appendleft(nack.handle_id)
+            self._dirty_queues.add((topic, inst.stage))
+            return
+        why = "poison" if nack.requeue else "rejected"
+        self.stats[f"dropped.{why}"] += 1
+        self.stats["dropped"] += 1
+        log.error(
+            "handle %s (topic %s) dropped for stage %s after %d attempt(s): %s",
+            nack.handle_id, topic, inst.stage, entry.attempts.get(inst.stage, 0), nack.reason,
+        )
+        self._consumer_done(nack.handle_id, inst.stage)
+
+    def _consumer_done(self, handle_id: str, consumer: str) -> None:
+        entry = self.entries.get(handle_id)
+        if entry is None or consumer not in entry.pending:
+            return
+        entry.pending.discard(consumer)
+        if self.journal:
+            self.journal.acked(handle_id, consumer)
+        if not entry.pending:
+            self._finish(entry)
+
+    def _finish(self, entry: Entry) -> None:
+        handle = entry.handle
+        del self.entries[handle.id]
+        self.recent[handle.id] = None
+        if len(self.recent) > RECENT_IDS:
+            self.recent.popitem(last=False)
+        self.stats["completed"] += 1
+        for parent in handle.parents:
+            self._consumer_done(parent, handle.topic)
+        if entry.producer == "broker":
+            return
+        peer = self.by_instance_id.get(entry.producer)
+        if peer is not None:
+            self._releases_to[peer].append(handle.id)
+        else:
+            self._unlink_payload(handle)
+
+    def _unlink_payload(self, handle: Handle) -> None:
+        """Free a payload whose producer is gone (crashed, or stopped before every ack)."""
+        if handle.producer == "broker":
+            return
+        for spec in handle.fields.values():
+            if spec.location.kind == "shm" and spec.location.host == self.host and shm.unlink(spec.location.segment):
+                self.stats["segments_reclaimed"] += 1
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def _on_control(self, inst: Instance, control: Control) -> None:
+        if control.op == "stats":
+            self._send(inst.peer, Stats(f"broker:{self.broker_id}", self.snapshot()))
+            return
+        if control.target != "*" and control.target not in self.topology.stages():
+            self.reject(inst.peer, f"control {control.op}: unknown target stage {control.target!r}", "bad_control")
+            return
+        if control.op == "weights_ready":
+            if control.version < 0:
+                self.reject(inst.peer, f"weights_ready version {control.version}: must be >= 0", "bad_control")
+                return
+            self.policy_version = max(self.policy_version, control.version)
+            self._dirty_queues.update(self.queues)
+        elif control.op in ("pause", "resume"):
+            stages = self.topology.stages() if control.target == "*" else {control.target}
+            if control.op == "pause":
+                self.paused |= stages
+            else:
+                self.paused -= stages
+                self._dirty_queues.update(k for k in self.queues if k[1] in stages)
+        elif control.op == "shutdown" and control.target == "*":
+            self.stopping = True
+        for other in self.instances.values():
+            if other.stage != CONTROL_STAGE and control.target in ("*", other.stage):
+                self._send(other.peer, control)
+
+    def _send(self, peer: bytes, message: Message) -> None:
+        self._out.append((peer, message))
+
+    # ---- recovery ----------------------------------------------------------------------------
+
+    def _recover(self, live: dict[str, tuple[Handle, list[str]]]) -> None:
+        """Rebuild queues and join partials from the journal: every pending consumer gets the
+        handle again; parts already merged into a live joined handle are not re-joined."""
+        merged = {parent for handle, _ in live.values() for parent in handle.parents}
+        for handle, pending in live.values():
+            self.entries[handle.id] = Entry(handle, set(pending), handle.producer)
+        for handle, pending in live.values():
+            topic = self.topology.topics.get(handle.topic)
+            if topic is None:
+                log.error("journal: handle %s has topic %r, not in this topology: dropped", handle.id, handle.topic)
+                self.stats["dropped.unknown_topic"] += 1
+                del self.entries[handle.id]
+                continue
+            stages = [p for p in pending if p in topic.consumers]
+            joins = [p for p in pending if p in self.topology.topics and handle.id not in merged]
+            self._route(handle, stages, joins)
+        if live:
+            self.stats["recovered"] = len(live)
+            log.info("journal: recovered %d handle(s) in flight", len(live))
+

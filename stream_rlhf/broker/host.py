@@ -1,0 +1,220 @@
+"""Runs one stage instance's logic against broker messages, whatever carries them.
+
+`StageHost` turns a Deliver into a Batch (fetching the payload), calls the stage, puts its outputs
+in the payload plane, publishes their handles and acks the input. It keeps the instance's credits,
+its unconfirmed publishes (resent after a reconnect) and the ids it already processed (a
+redelivered handle is acked again, not processed twice). The socket runner (`runner.py`) and the
+in-process bus (`inprocess.py`) both drive a StageHost, so a stage behaves the same in both.
+
+Output handle ids are derived from the input handle id (or, for sources, from the stage, topic,
+iteration and minibatch): a handle processed twice after a crash publishes the same ids twice,
+and the broker keeps one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Callable
+
+from stream_rlhf.broker.messages import (
+    Ack,
+    Deliver,
+    Handle,
+    Message,
+    Nack,
+    Publish,
+    Ready,
+    Request,
+)
+from stream_rlhf.broker.payload import PayloadError, PayloadTransport
+from stream_rlhf.broker.stage import Batch, Output, Stage
+
+log = logging.getLogger(__name__)
+
+DEDUPE_WINDOW = 65_536
+
+
+class CreditWaitAborted(RuntimeError):
+    """Publishing waited for producer credit but the instance was told to stop."""
+
+
+class StageHost:
+    def __init__(
+        self,
+        stage: Stage,
+        stage_name: str,
+        instance_id: str,
+        transport: PayloadTransport,
+        send: Callable[[Message], None],
+        prefetch: int = 2,
+        wait_for_credit: bool = True,
+    ):
+        self.stage = stage
+        self.stage_name = stage_name
+        self.instance_id = instance_id
+        self.transport = transport
+        self.send = send
+        self.prefetch = prefetch
+        self.wait_for_credit = wait_for_credit
+        self.inputs: list[str] = []
+        self.outputs: list[str] = []
+        self.exhausted = False
+        self.accepting = True  # False while draining: no new consumer credit is asked for
+        self.abort = threading.Event()
+        self._credit = threading.Condition()
+        self._producer_credit: dict[str, int] = {}
+        self._unconfirmed: dict[str, Publish] = {}
+        self._processed: OrderedDict[str, None] = OrderedDict()
+        self.counters: dict[str, float] = {
+            "steps": 0, "step_s": 0.0, "fetch_s": 0.0, "put_s": 0.0, "published": 0,
+            "duplicates_skipped": 0, "credit_wait_s": 0.0, "nacked": 0,
+        }
+
+    # ---- called on the IO side --------------------------------------------------------------
+
+    def on_ready(self, ready: Ready) -> None:
+        """After every (re)handshake: fresh credit, and resend what the broker never confirmed."""
+        self.inputs, self.outputs = list(ready.inputs), list(ready.outputs)
+        with self._credit:
+            self._producer_credit = {topic: 0 for topic in self.outputs}
+            pending = list(self._unconfirmed.values())
+        if self.accepting:
+            for topic in self.inputs:
+                self.send(Request(topic, self.prefetch))
+        for publish in pending:
+            self.send(publish)
+
+    def on_producer_credit(self, request: Request) -> None:
+        with self._credit:
+            self._producer_credit[request.topic] = self._producer_credit.get(request.topic, 0) + request.credits
+            self._credit.notify_all()
+
+    def on_confirmed(self, ack: Ack) -> None:
+        with self._credit:
+            for handle_id in ack.handle_ids:
+                self._unconfirmed.pop(handle_id, None)
+            self._credit.notify_all()
+
+    def unconfirmed(self) -> int:
+        with self._credit:
+            return len(self._unconfirmed)
+
+    def wake(self) -> None:
+        with self._credit:
+            self._credit.notify_all()
+
+    # ---- called on the stage's thread -------------------------------------------------------
+
+    def process(self, deliver: Deliver) -> None:
+        handle = deliver.handle
+        if handle.id in self._processed:
+            self.counters["duplicates_skipped"] += 1
+            self.send(Ack([handle.id]))
+            self._replenish(handle.topic)
+            return
+        started = time.perf_counter()
+        try:
+            tensors = self.transport.get(handle)
+        except PayloadError as exc:
+            self.counters["nacked"] += 1
+            self.send(Nack(handle.id, f"payload unavailable: {exc}", requeue=False))
+            self._replenish(handle.topic)
+            return
+        fetched = time.perf_counter()
+        self.counters["fetch_s"] += fetched - started
+        try:
+            outputs = self.stage.step(Batch(handle, tensors)) or []
+        except Exception as exc:
+            self.send(Nack(handle.id, f"{type(exc).__name__} in {self.stage_name}.step: {exc}", requeue=True))
+            raise
+        self.counters["steps"] += 1
+        self.counters["step_s"] += time.perf_counter() - fetched
+        self._publish_all(outputs, handle, lambda topic, k: f"{handle.id}/{topic}/{k}")
+        self._processed[handle.id] = None
+        if len(self._processed) > DEDUPE_WINDOW:
+            self._processed.popitem(last=False)
+        self.send(Ack([handle.id]))
+        self._replenish(handle.topic)
+
+    def can_produce(self) -> bool:
+        """A source may step when it is not exhausted and every output topic has credit."""
+        if self.inputs or self.exhausted or not self.accepting or not self.outputs:
+            return False
+        with self._credit:
+            return all(self._producer_credit.get(t, 0) > 0 for t in self.outputs)
+
+    def produce(self) -> None:
+        started = time.perf_counter()
+        outputs = self.stage.step(None)
+        if outputs is None:
+            self.exhausted = True
+            log.info("%s: source exhausted", self.instance_id)
+            return
+        self.counters["steps"] += 1
+        self.counters["step_s"] += time.perf_counter() - started
+        self._publish_all(
+            outputs, None, lambda topic, k: f"{self.stage_name}/{topic}/{outputs_key(outputs, topic, k)}"
+        )
+
+    def _replenish(self, topic: str) -> None:
+        if self.accepting:
+            self.send(Request(topic, 1))
+
+    def _publish_all(self, outputs: list[Output], parent: Handle | None, key: Callable[[str, int], str]) -> None:
+        per_topic: dict[str, int] = {}
+        for out in outputs:
+            if out.topic not in self.outputs:
+                raise ValueError(
+                    f"{self.stage_name}.step returned topic {out.topic!r}; this stage publishes {self.outputs}"
+                )
+            k = per_topic.get(out.topic, 0)
+            per_topic[out.topic] = k + 1
+            handle_id = str(uuid.uuid5(uuid.NAMESPACE_OID, key(out.topic, k)))
+            self._wait_credit(out.topic)
+            started = time.perf_counter()
+            fields = self.transport.put(handle_id, out.tensors)
+            self.counters["put_s"] += time.perf_counter() - started
+            handle = Handle(
+                id=handle_id,
+                topic=out.topic,
+                iteration=_inherit(out.iteration, parent, "iteration", out.topic),
+                minibatch=_inherit(out.minibatch, parent, "minibatch", out.topic),
+                policy_version=out.policy_version if out.policy_version is not None
+                else (parent.policy_version if parent else -1),
+                num_samples=out.num_samples,
+                fields=fields,
+                metadata=out.metadata,
+                producer=self.instance_id,
+            )
+            publish = Publish(handle)
+            with self._credit:
+                self._unconfirmed[handle_id] = publish
+            self.send(publish)
+            self.counters["published"] += 1
+
+    def _wait_credit(self, topic: str) -> None:
+        started = time.perf_counter()
+        with self._credit:
+            while self.wait_for_credit and self._producer_credit.get(topic, 0) <= 0:
+                if self.abort.is_set():
+                    raise CreditWaitAborted(f"{self.instance_id}: stopped while waiting for credit on {topic}")
+                self._credit.wait(0.1)
+            self._producer_credit[topic] = self._producer_credit.get(topic, 0) - 1
+        self.counters["credit_wait_s"] += time.perf_counter() - started
+
+
+def outputs_key(outputs: list[Output], topic: str, k: int) -> str:
+    out = [o for o in outputs if o.topic == topic][k]
+    return f"{out.iteration}/{out.minibatch}/{k}"
+
+
+def _inherit(value: int | None, parent: Handle | None, name: str, topic: str) -> int:
+    if value is not None:
+        return value
+    if parent is None:
+        raise ValueError(f"output on {topic!r} from a source stage must set {name}")
+    return getattr(parent, name)

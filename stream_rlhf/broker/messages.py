@@ -1,0 +1,229 @@
+"""Every message that crosses a stream-rlhf socket, and the one codec that reads and writes them.
+
+Control plane (stage <-> broker, one MessagePack frame per message):
+
+    stage                          broker
+      | Hello(schema, stage, id) ---> |   handshake; Error if the schema or stage is wrong
+      | <--------------------- Ready  |
+      | Request(topic, credits) ----> |   consumer credit: "I can take n more"
+      | <------ Request(topic, n)     |   producer credit: "you may publish n more"
+      | Publish(handle) ------------> |   broker journals it and answers Ack([id])
+      | <------------ Deliver(handle) |   at-least-once: in flight until acked
+      | Ack([ids]) / Nack(id) ------> |
+      | <----------- Release([ids])   |   every consumer acked: producer frees the payload
+      | Heartbeat(state) <----------> |   both ways; missed heartbeats = dead peer
+      | <------------ Control(op)     |   weights_ready(version), pause, resume, drain, shutdown
+      | Stats(counters) <-----------> |
+
+Payload plane (consumer -> producer's payload server): FetchRequest, answered by FetchReply
+followed by one raw frame per requested field (tensor bytes, sent and received zero-copy).
+
+Glossary: a *handle* names one mini-batch of one topic: where its tensors are, never the tensor
+bytes. *iteration* is the rollout batch index, *minibatch* the index inside it, *policy_version*
+the number of optimizer steps behind the weights that produced the samples.
+
+Fields are append-only: add new fields at the end with a default, and bump SCHEMA_VERSION when a
+change would break an older peer. Pickle is never used.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+MetadataValue = Union[int, float, str, bool, None, list[Union[int, float, str, bool]]]
+RunnerState = Literal["running", "draining", "stopped"]
+ControlOp = Literal["weights_ready", "pause", "resume", "drain", "shutdown", "stats"]
+LocationKind = Literal["shm", "memory"]
+
+
+class Location(msgspec.Struct, frozen=True):
+    """Where one field's bytes live.
+
+    kind: "shm" (POSIX shared memory segment on `host`, also served over TCP at `endpoint`)
+          or "memory" (the in-process transport used by tests).
+    segment: shared-memory name (shm) or store key (memory).
+    offset: byte offset of the field inside the segment.
+    host: host id of the producer; a consumer on the same host maps the segment directly.
+    endpoint: ZMQ address of the producer's payload server, for consumers on other hosts.
+    """
+
+    kind: LocationKind
+    segment: str
+    offset: int = 0
+    host: str = ""
+    endpoint: str = ""
+
+
+class FieldSpec(msgspec.Struct, frozen=True):
+    """One tensor of a handle: dtype name (torch, e.g. "bfloat16"), shape, size and location."""
+
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    location: Location
+
+
+class Handle(msgspec.Struct, frozen=True):
+    """One mini-batch of one topic. The broker routes these; the bytes stay with the producer.
+
+    parents: for a joined handle, the ids of the part handles it merges (their payloads live as
+    long as the joined handle is unacknowledged).
+    """
+
+    id: str
+    topic: str
+    iteration: int
+    minibatch: int
+    policy_version: int
+    num_samples: int
+    fields: dict[str, FieldSpec] = {}
+    metadata: dict[str, MetadataValue] = {}
+    producer: str = ""
+    parents: list[str] = []
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """First message of a stage instance (or of a control client, stage "_control")."""
+
+    schema_version: int
+    stage: str
+    instance_id: str
+    capabilities: list[str] = []
+    pid: int = 0
+    host: str = ""
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    """Broker's answer to Hello: the instance is registered with these settings."""
+
+    schema_version: int
+    broker_id: str
+    heartbeat_interval_s: float
+    max_message_bytes: int
+    inputs: list[str] = []
+    outputs: list[str] = []
+
+
+class Publish(msgspec.Struct, tag="publish", frozen=True):
+    handle: Handle
+
+
+class Request(msgspec.Struct, tag="request", frozen=True):
+    """Credit. Consumer -> broker: deliver `credits` more handles of `topic`.
+    Broker -> producer: you may publish `credits` more handles on `topic`."""
+
+    topic: str
+    credits: int
+
+
+class Deliver(msgspec.Struct, tag="deliver", frozen=True):
+    handle: Handle
+    attempt: int = 1
+
+
+class Ack(msgspec.Struct, tag="ack", frozen=True):
+    """Consumer -> broker: these deliveries are done. Broker -> producer: these publishes are
+    journaled (the producer may forget them; it resends unconfirmed ones after a reconnect)."""
+
+    handle_ids: list[str]
+
+
+class Nack(msgspec.Struct, tag="nack", frozen=True):
+    """Consumer -> broker: this delivery failed. requeue=False drops it (counted, with reason)."""
+
+    handle_id: str
+    reason: str
+    requeue: bool = True
+
+
+class Release(msgspec.Struct, tag="release", frozen=True):
+    """Broker -> producer: every consumer acked these handles; free their payloads."""
+
+    handle_ids: list[str]
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    state: RunnerState = "running"
+    inflight: int = 0
+
+
+class Control(msgspec.Struct, tag="control", frozen=True):
+    """Control-plane command. target: a stage name, or "*" for every stage.
+    version is set for weights_ready."""
+
+    op: ControlOp
+    target: str = "*"
+    version: int = -1
+
+
+class Stats(msgspec.Struct, tag="stats", frozen=True):
+    """Counters of one process (a stage reports its own; the broker answers a stats query with
+    its counters plus the last report of every instance, keyed `instance_id.counter`)."""
+
+    source: str
+    counters: dict[str, float]
+
+
+class Error(msgspec.Struct, tag="error", frozen=True):
+    """Broker -> peer: your message was rejected. fatal=True: the handshake failed, give up.
+    code: machine-readable kind (malformed, oversize, schema, unknown_peer, bad_topic, ...)."""
+
+    reason: str
+    fatal: bool = False
+    code: str = ""
+
+
+Message = Union[
+    Hello, Ready, Publish, Request, Deliver, Ack, Nack, Release, Heartbeat, Control, Stats, Error
+]
+
+
+class FetchRequest(msgspec.Struct, tag="fetch", frozen=True):
+    handle_id: str
+    fields: list[str]
+
+
+class FetchReply(msgspec.Struct, tag="fetch_reply", frozen=True):
+    """Followed by one raw frame per requested field when error is empty."""
+
+    error: str = ""
+
+
+class MessageRejected(ValueError):
+    """A frame that is not a well-formed message of this schema. The text says why."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_fetch_request_decoder = msgspec.msgpack.Decoder(FetchRequest)
+_fetch_reply_decoder = msgspec.msgpack.Decoder(FetchReply)
+
+
+def encode(message: Message | FetchRequest | FetchReply) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(frame: bytes | memoryview) -> Message:
+    """Decode one control-plane frame; any malformed or unknown frame raises MessageRejected."""
+    try:
+        return _decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageRejected(str(exc)) from None
+
+
+def decode_fetch_request(frame: bytes | memoryview) -> FetchRequest:
+    try:
+        return _fetch_request_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageRejected(str(exc)) from None
+
+
+def decode_fetch_reply(frame: bytes | memoryview) -> FetchReply:
+    try:
+        return _fetch_reply_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageRejected(str(exc)) from None

@@ -1,0 +1,311 @@
+"""Runs one stage instance as a process attached to the broker: sockets, threads, shutdown.
+
+    StageRunner(MyStage(), "rollout", "rollout-0", "tcp://127.0.0.1:5555").run()
+
+Threads:
+    io thread     owns the DEALER socket: handshake, heartbeats, credits, publish confirmations,
+                  payload releases; queues Deliver/Control for the stage thread
+    stage thread  (the caller of run()) calls the stage through a StageHost; it sends by writing
+                  encoded frames to an inproc pipe that the io thread forwards to the broker
+
+Shutdown is a state machine, and signals only flip the state:
+    RUNNING --SIGTERM/SIGINT, Control(drain|shutdown), source exhausted--> DRAINING
+    DRAINING: no new credit; deliveries not yet started are nacked back to the broker; waits for
+              every publish to be confirmed and (up to drain_timeout_s) every payload released
+    DRAINING --drained, or a second signal--> STOPPED: final heartbeat says "stopped", so the
+              broker takes over the payloads it still tracks
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+
+import msgspec
+import zmq
+
+from stream_rlhf.broker import sockets
+from stream_rlhf.broker.host import CreditWaitAborted, StageHost
+from stream_rlhf.broker.messages import (
+    SCHEMA_VERSION,
+    Ack,
+    Control,
+    ControlOp,
+    Deliver,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    MessageRejected,
+    Nack,
+    Ready,
+    Release,
+    Request,
+    Stats,
+    decode,
+)
+from stream_rlhf.broker.payload import PayloadTransport, ShmTransport, host_id
+from stream_rlhf.broker.stage import Stage, StageContext
+
+log = logging.getLogger(__name__)
+_pipe_ids = itertools.count()
+
+
+class RunnerState(enum.Enum):
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class HandshakeError(RuntimeError):
+    """The broker did not answer HELLO in time, or refused it; the message says which and why."""
+
+
+class StageRunner:
+    def __init__(
+        self,
+        stage: Stage,
+        stage_name: str,
+        instance_id: str,
+        broker_address: str,
+        key_dir: str | None = None,
+        transport: PayloadTransport | None = None,
+        prefetch: int = 2,
+        handshake_timeout_s: float = 10.0,
+        drain_timeout_s: float = 30.0,
+        capabilities: list[str] = (),
+        shm_prefix: str = "srlhf",
+    ):
+        self.stage = stage
+        self.stage_name = stage_name
+        self.instance_id = instance_id
+        self.broker_address = broker_address
+        self.key_dir = key_dir
+        self.handshake_timeout_s = handshake_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.capabilities = list(capabilities)
+        self.state = RunnerState.RUNNING
+        self.paused = False
+        self._context = zmq.Context()
+        self.transport = transport or ShmTransport(prefix=shm_prefix, context=self._context)
+        self.host = StageHost(stage, stage_name, instance_id, self.transport, self._send, prefetch)
+        self._inbox: queue.SimpleQueue[Deliver | Control] = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._fatal: str | None = None
+        self._io_stop = threading.Event()
+        self._pipe_address = f"inproc://runner-{next(_pipe_ids)}"
+        self._pipe_in = self._context.socket(zmq.PAIR)
+        self._pipe_in.bind(self._pipe_address)
+        self._pipe_out = self._context.socket(zmq.PAIR)
+        self._pipe_out.connect(self._pipe_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._io_thread = threading.Thread(target=self._io_loop, name=f"{instance_id}-io", daemon=True)
+        self._heartbeat_interval = 0.5
+        self._drain_started = 0.0
+        self._last_hello = -1e9
+        self.log = logging.LoggerAdapter(log, {"stage": instance_id})
+
+    # ---- stage thread ----------------------------------------------------------------------
+
+    def run(self) -> dict[str, float]:
+        """Run until STOPPED; returns the instance's counters. Raises what the stage raised."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self.request_stop())
+        self._io_thread.start()
+        try:
+            self._await_handshake()
+            self.stage.setup(
+                StageContext(self.stage_name, self.instance_id, self.host.inputs, self.host.outputs, self._send_control, self.log)
+            )
+            while self.state is not RunnerState.STOPPED:
+                self._turn()
+        except CreditWaitAborted as exc:
+            self.log.warning("%s", exc)
+        finally:
+            self._shutdown()
+        return dict(self.host.counters)
+
+    def _turn(self) -> None:
+        if self._fatal:
+            raise HandshakeError(self._fatal)
+        if self.state is RunnerState.RUNNING and not self.paused and self.host.can_produce():
+            self.host.produce()
+            if self.host.exhausted:
+                self._enter(RunnerState.DRAINING, "source exhausted")
+            return
+        try:
+            item = self._inbox.get(timeout=0.05)
+        except queue.Empty:
+            item = None
+        if isinstance(item, Deliver):
+            if self.state is RunnerState.RUNNING:
+                self.host.process(item)
+            else:
+                self._send(Nack(item.handle.id, f"{self.instance_id} is draining", requeue=True))
+        elif isinstance(item, Control):
+            self._on_control(item)
+        if self.state is RunnerState.DRAINING and self._drained():
+            self._enter(RunnerState.STOPPED, "drained")
+
+    def _on_control(self, control: Control) -> None:
+        if control.op == "weights_ready":
+            self.stage.on_weights(control.version)
+        elif control.op in ("pause", "resume"):
+            self.paused = control.op == "pause"
+        elif control.op in ("drain", "shutdown"):
+            self._enter(RunnerState.DRAINING, f"control {control.op}")
+            if control.op == "shutdown":
+                self.drain_timeout_s = 0.0
+
+    def _drained(self) -> bool:
+        if self.host.unconfirmed():
+            return False
+        released = getattr(self.transport, "held", lambda: 0)() == 0
+        return released or time.monotonic() - self._drain_started > self.drain_timeout_s
+
+    def request_stop(self) -> None:
+        """Signal handler: first call drains, second stops now. Only flips state."""
+        if self.state is RunnerState.RUNNING:
+            self.state = RunnerState.DRAINING
+            self._drain_started = time.monotonic()
+            self.host.accepting = False
+        else:
+            self.state = RunnerState.STOPPED
+            self.host.abort.set()
+            self.host.wake()
+
+    def _enter(self, state: RunnerState, why: str) -> None:
+        if self.state is state or self.state is RunnerState.STOPPED:
+            return
+        self.log.info("%s: %s -> %s (%s)", self.instance_id, self.state.value, state.value, why)
+        self.state = state
+        if state is RunnerState.DRAINING:
+            self._drain_started = time.monotonic()
+            self.host.accepting = False
+
+    def _await_handshake(self) -> None:
+        if not self._ready.wait(self.handshake_timeout_s):
+            raise HandshakeError(
+                f"{self.instance_id}: no READY from broker {self.broker_address} within "
+                f"{self.handshake_timeout_s}s (is it running? are the CURVE keys right?)"
+            )
+        if self._fatal:
+            raise HandshakeError(f"{self.instance_id}: broker refused the handshake: {self._fatal}")
+
+    def _send_control(self, op: ControlOp, version: int = -1) -> None:
+        self._send(Control(op, "*", version))
+
+    def _send(self, message: Message) -> None:
+        frame = self._encoder.encode(message)
+        if threading.current_thread() is self._io_thread:
+            self._dealer.send(frame)
+        else:
+            self._pipe_out.send(frame)
+
+    def _shutdown(self) -> None:
+        self.state = RunnerState.STOPPED
+        try:
+            self.stage.close()
+        finally:
+            if self._io_thread.is_alive():
+                self._io_stop.set()
+                self._io_thread.join(timeout=5)
+            self.transport.close()
+            self._pipe_out.close(linger=0)
+            self._pipe_in.close(linger=0)
+            self._context.term()
+
+    # ---- io thread ---------------------------------------------------------------------------
+
+    def _hello(self) -> None:
+        now = time.monotonic()
+        if now - self._last_hello < self._heartbeat_interval:
+            return  # several "unknown peer" errors in a row need one hello
+        self._last_hello = now
+        self._send(Hello(SCHEMA_VERSION, self.stage_name, self.instance_id, self.capabilities, os.getpid(), host_id()))
+
+    def _io_loop(self) -> None:
+        self._dealer = sockets.dealer(self._context, self.broker_address, self.instance_id, self.key_dir)
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._pipe_in, zmq.POLLIN)
+        self._hello()
+        last_heard = time.monotonic()
+        next_beat = last_heard + self._heartbeat_interval
+        beats = 0
+        while not self._io_stop.is_set():
+            events = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
+            if self._pipe_in in events:
+                self._forward_pipe()
+            if self._dealer in events:
+                last_heard = time.monotonic()
+                self._read_dealer()
+            now = time.monotonic()
+            if now >= next_beat:
+                beats += 1
+                self._dealer.send(self._encoder.encode(Heartbeat(self.state.value, self._inbox.qsize())))
+                if beats % 10 == 0:
+                    self._dealer.send(self._encoder.encode(Stats(self.instance_id, self.host.counters)))
+                if now - last_heard > 4 * self._heartbeat_interval:
+                    self.log.warning("%s: broker silent for %.1fs, saying hello again", self.instance_id, now - last_heard)
+                    self._hello()
+                    last_heard = now
+                next_beat = now + self._heartbeat_interval
+        self._forward_pipe()
+        self._dealer.send(self._encoder.encode(Heartbeat("stopped")))  # the broker drops us now
+        self._dealer.close(linger=1000)
+
+    def _forward_pipe(self) -> None:
+        while True:
+            try:
+                self._dealer.send(self._pipe_in.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+
+    def _read_dealer(self) -> None:
+        while True:
+            try:
+                frame = self._dealer.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = decode(frame.buffer)
+            except MessageRejected as exc:
+                self.log.error("%s: unreadable message from broker: %s", self.instance_id, exc)
+                continue
+            self._on_broker_message(message)
+
+    def _on_broker_message(self, message: Message) -> None:
+        if isinstance(message, (Deliver, Control)):
+            self._inbox.put(message)
+        elif isinstance(message, Request):
+            self.host.on_producer_credit(message)
+        elif isinstance(message, Ack):
+            self.host.on_confirmed(message)
+        elif isinstance(message, Release):
+            for handle_id in message.handle_ids:
+                self.transport.release(handle_id)
+        elif isinstance(message, Ready):
+            self._heartbeat_interval = message.heartbeat_interval_s
+            self.host.on_ready(message)
+            self._ready.set()
+        elif isinstance(message, Error):
+            self._on_error(message)
+
+    def _on_error(self, error: Error) -> None:
+        if error.fatal:
+            self._fatal = error.reason
+            self._ready.set()
+            self.host.abort.set()
+        elif error.code == "unknown_peer":
+            self.log.warning("%s: broker does not know us (restarted?): saying hello again", self.instance_id)
+            self._hello()
+        else:
+            self.log.error("%s: broker rejected a message: %s", self.instance_id, error.reason)

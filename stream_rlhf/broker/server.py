@@ -1,0 +1,127 @@
+"""The broker process: one ROUTER socket around a BrokerCore, in a loop that fits on a screen.
+
+    stream-rlhf broker configs/broker_demo.yaml      # or BrokerServer(topology, config).serve()
+
+Every frame is size-checked and decoded here; a bad one is rejected with a logged reason and a
+counter, never an exception out of the loop. The loop stops on SIGINT/SIGTERM or on
+Control(shutdown) once every stage instance has left (or `shutdown_grace_s` passed), then
+unlinks every payload it still tracks and any segment of a dead process of this job.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import msgspec
+import zmq
+
+from stream_rlhf.broker import shm, sockets
+from stream_rlhf.broker.core import Admission, BrokerCore
+from stream_rlhf.broker.messages import MessageRejected, decode
+from stream_rlhf.broker.payload import host_id
+from stream_rlhf.broker.topology import CONTROL_STAGE, BrokerConfig, Topology
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 256  # messages read per loop turn before flushing
+
+
+class BrokerServer:
+    def __init__(
+        self,
+        topology: Topology,
+        config: BrokerConfig,
+        admission: Admission | None = None,
+        shutdown_grace_s: float = 10.0,
+    ):
+        self.config = config
+        self.shutdown_grace_s = shutdown_grace_s
+        reclaimed = shm.sweep(config.shm_prefix)
+        self.core = BrokerCore(topology, config, time.monotonic(), admission)
+        self.core.host = host_id()
+        self.core.stats["segments_reclaimed"] += reclaimed
+        self._context = zmq.Context()
+        self._socket, self._auth = sockets.router(
+            self._context, config.address, config.curve.key_dir if config.curve else None, config.max_message_bytes
+        )
+        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._encoder = msgspec.msgpack.Encoder()
+        log.info("broker %s listening on %s", self.core.broker_id, self.address)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve(self) -> dict[str, float]:
+        """Run until stopped; returns the final counters."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self._stop.set())
+        interval = self.config.heartbeat_interval_s
+        next_tick = time.monotonic() + interval
+        stopping_since = None
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if self._socket.poll(max(0, int((next_tick - now) * 1000)) + 1):
+                    self._read_batch()
+                now = time.monotonic()
+                if now >= next_tick:
+                    self.core.tick(now)
+                    next_tick = now + interval
+                self._send(self.core.flush())
+                if self.core.stopping:
+                    stopping_since = stopping_since or now
+                    stages_left = [i for i in self.core.instances.values() if i.stage != CONTROL_STAGE]
+                    if not stages_left or now - stopping_since > self.shutdown_grace_s:
+                        break
+        finally:
+            self.close()
+        return dict(self.core.stats)
+
+    def _read_batch(self) -> None:
+        now = time.monotonic()
+        for _ in range(MAX_BATCH):
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer = frames[0].bytes
+            if len(frames) != 2:
+                self.core.reject(peer, f"{len(frames) - 1} frames, expected 1", "malformed")
+                continue
+            body = frames[1].buffer
+            if len(body) > self.config.max_message_bytes:
+                self.core.reject(
+                    peer, f"message of {len(body)} bytes over the {self.config.max_message_bytes} limit", "oversize"
+                )
+                continue
+            try:
+                message = decode(body)
+            except MessageRejected as exc:
+                self.core.reject(peer, f"malformed message: {exc}", "malformed")
+                continue
+            self.core.handle(peer, message, now)
+
+    def _send(self, outgoing) -> None:
+        for peer, message in outgoing:
+            try:
+                self._socket.send_multipart([peer, self._encoder.encode(message)], zmq.NOBLOCK)
+            except zmq.Again:
+                self.core.stats["send_dropped"] += 1  # peer's queue full: it is gone or stuck
+            except zmq.ZMQError as exc:
+                self.core.stats["send_dropped"] += 1
+                log.debug("send to %r failed: %s", peer, exc)
+
+    def close(self) -> None:
+        left = self.core.close()
+        self.core.stats["unacked_at_shutdown"] = left
+        self.core.stats["segments_reclaimed"] += shm.sweep(self.config.shm_prefix)
+        self._socket.close(linger=0)
+        if self._auth:
+            self._auth.stop()
+        self._context.term()
+        log.info("broker stopped: %s", {k: v for k, v in sorted(self.core.stats.items()) if v})

@@ -1,0 +1,81 @@
+"""The one place sockets are made: the broker's ROUTER, stages' DEALERs, and CURVE keys.
+
+Binding beyond loopback requires CURVE: the broker loads `broker.key_secret` from the key folder
+and admits only clients whose public key is in `authorized_clients/`; clients load
+`client.key_secret` and the broker's public key from the same folder. `stream-rlhf keys DIR`
+writes such a folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from stream_rlhf.broker.topology import needs_curve
+
+
+def generate_keys(key_dir: str | Path) -> Path:
+    """Write broker and client key pairs; the client's public key is authorized."""
+    key_dir = Path(key_dir)
+    authorized = key_dir / "authorized_clients"
+    authorized.mkdir(parents=True, exist_ok=True)
+    zmq.auth.create_certificates(key_dir, "broker")
+    public, _ = zmq.auth.create_certificates(key_dir, "client")
+    shutil.copy(public, authorized / "client.key")
+    return key_dir
+
+
+def _load(path: Path, what: str) -> tuple[bytes, bytes | None]:
+    if not path.exists():
+        raise CurveKeyError(f"{what}: {path} not found (create keys with `stream-rlhf keys {path.parent}`)")
+    return zmq.auth.load_certificate(path)
+
+
+class CurveKeyError(RuntimeError):
+    """A CURVE key file is missing or unreadable; the message names the file."""
+
+
+def router(context: zmq.Context, address: str, key_dir: str | None, max_message_bytes: int) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
+    """Bind the broker's ROUTER. Non-loopback addresses without keys are refused."""
+    sock = context.socket(zmq.ROUTER)
+    sock.linger = 0
+    sock.router_handover = 1  # a reconnecting instance with the same id takes over its route
+    # libzmq drops a peer that sends more than this; the broker rejects (and counts) anything
+    # over max_message_bytes itself, this is only the memory guard far above it.
+    sock.maxmsgsize = max(16 * max_message_bytes, 1 << 24)
+    auth = None
+    if needs_curve(address) and not key_dir:
+        sock.close()
+        raise CurveKeyError(f"broker address {address} is not loopback: CURVE keys are required")
+    if key_dir:
+        public, secret = _load(Path(key_dir) / "broker.key_secret", "broker secret key")
+        auth = ThreadAuthenticator(context)
+        auth.start()
+        auth.configure_curve(domain="*", location=str(Path(key_dir) / "authorized_clients"))
+        sock.curve_server = True
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+    sock.bind(address)
+    return sock, auth
+
+
+def dealer(context: zmq.Context, address: str, identity: str, key_dir: str | None) -> zmq.Socket:
+    """A stage's (or control client's) DEALER to the broker, routed by its instance id."""
+    sock = context.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.routing_id = identity.encode()
+    if key_dir:
+        public, secret = _load(Path(key_dir) / "client.key_secret", "client secret key")
+        server_public, _ = _load(Path(key_dir) / "broker.key", "broker public key")
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        sock.curve_serverkey = server_public
+    elif needs_curve(address):
+        sock.close()
+        raise CurveKeyError(f"broker address {address} is not loopback: CURVE keys are required")
+    sock.connect(address)
+    return sock

@@ -1,0 +1,97 @@
+"""What a stage is, as seen by its author: plain logic over tensors, no sockets.
+
+    class Doubler(Stage):
+        def step(self, batch: Batch | None) -> list[Output] | None:
+            return [Output("doubled", {"x": batch.tensors["x"] * 2}, batch.num_samples)]
+
+A stage that consumes topics gets one `Batch` per delivered handle. A *source* (a stage with no
+input topics, e.g. the prompt dataset) is called with `batch=None` whenever every output topic has
+credit, and returns None once it is exhausted. Outputs inherit iteration, minibatch and
+policy_version from the input batch unless they set them. The runner (`runner.py`, processes and
+sockets) and the in-process bus (`inprocess.py`, tests) call stages through this same interface.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from stream_rlhf.broker.messages import ControlOp, Handle, MetadataValue
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One delivered mini-batch: the handle's routing fields plus its tensors."""
+
+    handle: Handle
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def topic(self) -> str:
+        return self.handle.topic
+
+    @property
+    def iteration(self) -> int:
+        return self.handle.iteration
+
+    @property
+    def minibatch(self) -> int:
+        return self.handle.minibatch
+
+    @property
+    def policy_version(self) -> int:
+        return self.handle.policy_version
+
+    @property
+    def num_samples(self) -> int:
+        return self.handle.num_samples
+
+    @property
+    def metadata(self) -> dict[str, MetadataValue]:
+        return self.handle.metadata
+
+
+@dataclass
+class Output:
+    """One mini-batch to publish. None fields are inherited from the input batch (sources must
+    set iteration and minibatch; policy_version defaults to -1 for them)."""
+
+    topic: str
+    tensors: dict[str, torch.Tensor]
+    num_samples: int
+    iteration: int | None = None
+    minibatch: int | None = None
+    policy_version: int | None = None
+    metadata: dict[str, MetadataValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Given to `Stage.setup`: who this instance is and how it reaches the control plane."""
+
+    stage: str
+    instance_id: str
+    inputs: list[str]
+    outputs: list[str]
+    send_control: Callable[[ControlOp, int], None]
+    """send_control("weights_ready", version) announces new weights to every stage."""
+    log: logging.LoggerAdapter
+
+
+class Stage:
+    """Base class of stage logic. Override `step`; `setup` and `on_weights` are optional."""
+
+    def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+
+    def step(self, batch: Batch | None) -> list[Output] | None:
+        raise NotImplementedError(f"{type(self).__name__}.step")
+
+    def on_weights(self, version: int) -> None:
+        """Weights of `version` are ready (rollout loads them between mini-batches)."""
+
+    def close(self) -> None:
+        """Called once when the instance stops."""

@@ -1,0 +1,154 @@
+"""The dataflow graph the broker routes by, and the broker's own settings, as config dataclasses.
+
+    topics:
+      rollout:    {producers: [rollout], consumers: [ref_forward, reward_forward]}
+      ref_logp:   {producers: [ref_forward]}
+      reward:     {producers: [reward_forward]}
+      experience: {join: [rollout, ref_logp, reward], consumers: [actor_train]}
+
+Every consumer *stage* of a topic gets every handle (fan-out); the instances of one stage compete
+for them (least-loaded first). A join topic has no producers: the broker publishes one merged
+handle when a handle of every part topic has arrived with the same (iteration, minibatch).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from stream_rlhf.config import ConfigError
+
+CONTROL_STAGE = "_control"  # stage name of CLI / launcher clients: no topics, may send Control
+
+
+@dataclass(frozen=True)
+class TopicConfig:
+    producers: list[str] = field(default_factory=list)
+    """Stages allowed to publish on this topic (empty for a join topic)."""
+    consumers: list[str] = field(default_factory=list)
+    """Stages that each receive every handle of this topic."""
+    join: list[str] = field(default_factory=list)
+    """Part topics merged into this one by (iteration, minibatch); excludes `producers`."""
+
+    def __post_init__(self) -> None:
+        if self.join and self.producers:
+            raise ConfigError(f"producers={self.producers}: a join topic has no producers")
+        if not self.join and not self.producers:
+            raise ConfigError("producers=[]: a topic needs producers or a join")
+        if len(set(self.join)) != len(self.join):
+            raise ConfigError(f"join={self.join}: a part is listed twice")
+
+
+@dataclass(frozen=True)
+class CurveConfig:
+    key_dir: str
+    """Folder written by `stream-rlhf keys DIR`: broker.key_secret, and authorized_clients/ with
+    the public keys of the clients allowed in."""
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    address: str = "tcp://127.0.0.1:5555"
+    """Where the broker's ROUTER binds. Anything but loopback / ipc:// requires `curve`."""
+    curve: CurveConfig | None = None
+    heartbeat_interval_s: float = 0.5
+    """Both sides send a heartbeat this often."""
+    heartbeat_timeout_s: float = 3.0
+    """A peer silent this long is dead: its in-flight handles are redelivered."""
+    handshake_timeout_s: float = 10.0
+    max_message_bytes: int = 1 << 20
+    """Larger control messages are rejected, logged and counted."""
+    queue_capacity: int = 16
+    """Handles queued per (topic, consumer stage) before producers get no more credit."""
+    max_attempts: int = 5
+    """Deliveries of one handle before it is dropped as poison (counted, with reason)."""
+    journal: str = ""
+    """Append-only journal of handles in flight; a restarted broker replays it. Empty: none."""
+    journal_fsync: bool = False
+    shm_prefix: str = "srlhf"
+    """Shared-memory segments of this job are named /{shm_prefix}_{pid}_{n}."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "handshake_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ConfigError(
+                f"heartbeat_timeout_s={self.heartbeat_timeout_s}: must be >= 2 * "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s})"
+            )
+        for name in ("max_message_bytes", "queue_capacity", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if not self.shm_prefix.isidentifier():
+            raise ConfigError(f"shm_prefix={self.shm_prefix!r}: letters, digits and _ only")
+        if needs_curve(self.address) and self.curve is None:
+            raise ConfigError(
+                f"address={self.address}: binding beyond loopback requires curve.key_dir "
+                "(create keys with `stream-rlhf keys DIR`)"
+            )
+
+
+@dataclass(frozen=True)
+class Topology:
+    topics: dict[str, TopicConfig]
+
+    def __post_init__(self) -> None:
+        if not self.topics:
+            raise ConfigError("topics={}: at least one topic is needed")
+        parts_used = set()
+        for name, topic in self.topics.items():
+            for part in topic.join:
+                if part not in self.topics:
+                    raise ConfigError(f"topics.{name}.join: part {part!r} is not a topic")
+                if part == name:
+                    raise ConfigError(f"topics.{name}.join: a topic cannot join itself")
+                parts_used.add(part)
+            for stage in [*topic.producers, *topic.consumers]:
+                if not stage or stage.startswith("_"):
+                    raise ConfigError(f"topics.{name}: stage name {stage!r} is reserved or empty")
+        for name, topic in self.topics.items():
+            if not topic.consumers and name not in parts_used:
+                raise ConfigError(
+                    f"topics.{name}.consumers=[]: no consumer and not part of a join, "
+                    "its handles would pile up"
+                )
+        self._check_acyclic_joins()
+
+    def _check_acyclic_joins(self) -> None:
+        def visit(name: str, path: tuple[str, ...]) -> None:
+            if name in path:
+                raise ConfigError(f"topics.{name}.join: joins form a cycle {' -> '.join(path + (name,))}")
+            for part in self.topics[name].join:
+                visit(part, path + (name,))
+
+        for name in self.topics:
+            visit(name, ())
+
+    def inputs_of(self, stage: str) -> list[str]:
+        return [name for name, t in self.topics.items() if stage in t.consumers]
+
+    def outputs_of(self, stage: str) -> list[str]:
+        return [name for name, t in self.topics.items() if stage in t.producers]
+
+    def joins_of(self, part: str) -> list[str]:
+        """Join topics that take `part` as one of their parts."""
+        return [name for name, t in self.topics.items() if part in t.join]
+
+    def stages(self) -> set[str]:
+        return {s for t in self.topics.values() for s in [*t.producers, *t.consumers]}
+
+
+def needs_curve(address: str) -> bool:
+    """True when `address` binds beyond this machine (anything but loopback TCP, ipc, inproc)."""
+    parsed = urlparse(address)
+    if parsed.scheme in ("ipc", "inproc"):
+        return False
+    host = parsed.hostname or ""
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True  # an interface name or a hostname: not provably loopback

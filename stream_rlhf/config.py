@@ -1,0 +1,108 @@
+"""YAML into frozen dataclasses, with errors that name the dotted key and the bad value.
+
+    cfg = load_config(DemoConfig, "configs/broker_demo.yaml", overrides=["broker.queue_capacity=4"])
+
+Every config class is a frozen dataclass whose fields carry type hints; `build(cls, data)` checks
+each value against its hint (nested dataclasses, list, dict, Literal, Optional, int/float/str/bool),
+rejects unknown keys, and then runs the class's own `__post_init__` checks, which raise
+ConfigError with their dotted key too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, of the wrong type or impossible; the message names its key."""
+
+
+def build(cls: type[T], data: Any, prefix: str = "") -> T:
+    """Build dataclass `cls` from plain YAML data, checking every key and type."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or '<root>'}={data!r}: expected a mapping")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"{_join(prefix, str(key))}: unknown key (known: {', '.join(sorted(known))})")
+    kwargs = {key: _convert(hints[key], value, _join(prefix, key)) for key, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"{prefix or '<root>'}: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(_join(prefix, str(exc)) if prefix else str(exc)) from None
+
+
+def load_config(cls: type[T], path: str | Path, overrides: list[str] = ()) -> T:
+    """Read a YAML file, apply `a.b=c` overrides (values parsed as YAML), build `cls`."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {override!r}: expected dotted.key=value")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {part} is not a mapping")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return build(cls, data)
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _convert(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, key)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}={value!r}: must be one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r}: expected a list")
+        item = args[0] if args else Any
+        items = [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r}: expected a mapping")
+        return {str(k): _convert(args[1], v, _join(key, str(k))) for k, v in value.items()}
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected {hint.__name__}")
+    if not isinstance(value, hint):
+        raise ConfigError(f"{key}={value!r}: expected {hint.__name__}")
+    return value

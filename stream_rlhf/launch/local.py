@@ -1,0 +1,169 @@
+"""Local launcher: the broker and one process per stage instance on this machine, supervised.
+
+    job = LocalJob(topology, broker_config, {"rollout": StageSpec("pkg.mod:Rollout", instances=2)})
+    job.start()
+    job.wait(timeout_s=300)   # raises StageFailed naming the instance if one crashes
+    job.stop()
+
+Processes are started with `spawn` (no forked sockets or threads). A crashed stage prints its own
+traceback; the launcher names it and stops the rest cleanly. Ctrl-C drains every stage, then stops
+the broker, which unlinks what shared memory is left.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from stream_rlhf.broker.client import ControlClient
+from stream_rlhf.broker.topology import BrokerConfig, Topology
+from stream_rlhf.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    cls: str
+    """Stage class as "package.module:ClassName"."""
+    instances: int = 1
+    """Data-parallel instances; the broker hands each handle to the least-loaded one."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the class."""
+    prefetch: int = 2
+    """Handles delivered to an instance ahead of the one it is processing."""
+
+    def __post_init__(self) -> None:
+        if ":" not in self.cls:
+            raise ConfigError(f"cls={self.cls!r}: expected 'package.module:ClassName'")
+        if self.instances < 1:
+            raise ConfigError(f"instances={self.instances}: must be >= 1")
+        if self.prefetch < 1:
+            raise ConfigError(f"prefetch={self.prefetch}: must be >= 1")
+
+
+class StageFailed(RuntimeError):
+    """A stage process exited with an error; its traceback is on stderr above."""
+
+
+def load_class(path: str) -> type:
+    module_name, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cls={path!r}: cannot load: {exc}") from None
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
+
+
+def _broker_main(topology: Topology, config: BrokerConfig, address_queue: mp.Queue, admission: Any) -> None:
+    setup_logging()
+    from stream_rlhf.broker.server import BrokerServer
+
+    server = BrokerServer(topology, config, admission)
+    address_queue.put(server.address)
+    server.serve()
+
+
+def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str) -> None:
+    setup_logging()
+    from stream_rlhf.broker.runner import StageRunner
+
+    stage = load_class(spec.cls)(**spec.kwargs)
+    StageRunner(stage, stage_name, instance_id, address, key_dir, prefetch=spec.prefetch, shm_prefix=prefix).run()
+
+
+class LocalJob:
+    def __init__(self, topology: Topology, broker: BrokerConfig, stages: dict[str, StageSpec], admission: Any = None):
+        missing = topology.stages() - set(stages)
+        if missing:
+            raise ConfigError(f"stages: no spec for {sorted(missing)} (they appear in topics)")
+        unused = set(stages) - topology.stages()
+        if unused:
+            raise ConfigError(f"stages: {sorted(unused)} appear in no topic")
+        self.topology = topology
+        self.broker = broker
+        self.stages = stages
+        self.admission = admission
+        self.address = ""
+        self._ctx = mp.get_context("spawn")
+        self.broker_process: mp.Process | None = None
+        self.processes: dict[str, mp.Process] = {}
+
+    @property
+    def key_dir(self) -> str | None:
+        return self.broker.curve.key_dir if self.broker.curve else None
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        address_queue = self._ctx.Queue()
+        self.broker_process = self._ctx.Process(
+            target=_broker_main, args=(self.topology, self.broker, address_queue, self.admission), name="broker"
+        )
+        self.broker_process.start()
+        self.address = address_queue.get(timeout=timeout_s)
+        for stage_name, spec in self.stages.items():
+            for index in range(spec.instances):
+                self.start_instance(stage_name, index)
+        return self.address
+
+    def start_instance(self, stage_name: str, index: int) -> mp.Process:
+        instance_id = f"{stage_name}-{index}"
+        process = self._ctx.Process(
+            target=_stage_main,
+            args=(stage_name, instance_id, self.stages[stage_name], self.address, self.key_dir, self.broker.shm_prefix),
+            name=instance_id,
+        )
+        process.start()
+        self.processes[instance_id] = process
+        return process
+
+    def wait(self, timeout_s: float) -> None:
+        """Until every stage process has exited; a failed one stops the job and raises."""
+        deadline = time.monotonic() + timeout_s
+        while any(p.is_alive() for p in self.processes.values()):
+            failed = [name for name, p in self.processes.items() if p.exitcode not in (None, 0)]
+            if failed:
+                codes = ", ".join(f"{n} (exit {self.processes[n].exitcode})" for n in failed)
+                self.stop()
+                raise StageFailed(f"stage instance(s) failed: {codes}; traceback above")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"job did not finish in {timeout_s}s")
+            time.sleep(0.1)
+        failed = [name for name, p in self.processes.items() if p.exitcode != 0]
+        if failed:
+            self.stop()
+            raise StageFailed(f"stage instance(s) failed: {failed}; traceback above")
+
+    def client(self) -> ControlClient:
+        return ControlClient(self.address, self.key_dir)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Drain every stage, then stop the broker; kill only what ignores that."""
+        if self.broker_process is None:
+            return
+        if self.broker_process.is_alive() and any(p.is_alive() for p in self.processes.values()):
+            try:
+                with self.client() as client:
+                    client.control("shutdown")
+            except Exception as exc:  # the broker may be the thing that died
+                log.warning("could not send shutdown through the broker: %s", exc)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            process.join(max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                log.warning("%s ignored shutdown: terminating", process.name)
+                process.terminate()
+                process.join(5)
+        if self.broker_process.is_alive():
+            self.broker_process.terminate()  # SIGTERM: the broker's clean stop
+            self.broker_process.join(grace_s)
+        if self.broker_process.is_alive():
+            self.broker_process.kill()
+        self.broker_process = None
