@@ -34,6 +34,7 @@ class JobConfig:
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
             raise ConfigError(f"name={self.name!r}: a non-empty folder name")
+        Topology(self.topics)  # checks producers, consumers and joins
         if self.overlap_depth < 0:
             raise ConfigError(f"overlap_depth={self.overlap_depth}: must be >= 0")
         for topic in self.admission_topics:

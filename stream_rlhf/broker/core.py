@@ -50,7 +50,8 @@ from stream_rlhf.broker.topology import CONTROL_STAGE, BrokerConfig, Topology
 
 log = logging.getLogger(__name__)
 
-RECENT_IDS = 200_000  # finished handle ids remembered to deduplicate late re-publishes
+RECENT_IDS = 200_000
+JOIN = "join:"  # pending-consumer names of joins, apart from stage names (which have no ":")  # finished handle ids remembered to deduplicate late re-publishes
 
 
 class Admission(Protocol):
@@ -93,7 +94,7 @@ class Instance:
 @dataclass
 class Entry:
     handle: Handle
-    pending: set[str]  # consumer stages and joins that still owe an ack
+    pending: set[str]  # consumer stages and JOIN + join topic that still owe an ack
     producer: str  # instance id
     attempts: dict[str, int] = field(default_factory=dict)
 
@@ -312,7 +313,7 @@ class BrokerCore:
 
     def _admit(self, handle: Handle, producer: str) -> None:
         topic = self.topology.topics[handle.topic]
-        pending = [*topic.consumers, *self.topology.joins_of(handle.topic)]
+        pending = [*topic.consumers, *(JOIN + j for j in self.topology.joins_of(handle.topic))]
         self.entries[handle.id] = Entry(handle, set(pending), producer)
         if self.journal:
             self.journal.published(handle, pending)
@@ -479,7 +480,7 @@ class BrokerCore:
             self.recent.popitem(last=False)
         self.stats["completed"] += 1
         for parent in handle.parents:
-            self._consumer_done(parent, handle.topic)
+            self._consumer_done(parent, JOIN + handle.topic)
         if entry.producer == "broker":
             return
         peer = self.by_instance_id.get(entry.producer)
@@ -543,7 +544,7 @@ class BrokerCore:
                 del self.entries[handle.id]
                 continue
             stages = [p for p in pending if p in topic.consumers]
-            joins = [p for p in pending if p in self.topology.topics and handle.id not in merged]
+            joins = [p.removeprefix(JOIN) for p in pending if p.startswith(JOIN) and handle.id not in merged]
             self._route(handle, stages, joins)
         if live:
             self.stats["recovered"] = len(live)

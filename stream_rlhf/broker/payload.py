@@ -295,35 +295,40 @@ class PayloadServer:
 
 
 class MemoryTransport:
-    """In-process payloads: tensors stay in a dict shared by every stage of one process."""
+    """In-process payloads: tensors stay in a dict shared by every stage of one process.
+    A field's location is "{handle id}/{field}", so a joined handle may rename fields."""
 
     def __init__(self):
-        self._store: dict[str, Tensors] = {}
-        self._counter = itertools.count()
+        self._store: dict[str, torch.Tensor] = {}
+        self._keys: dict[str, list[str]] = {}
 
     def put(self, handle_id: str, tensors: Tensors) -> dict[str, FieldSpec]:
-        self._store[handle_id] = dict(tensors)
-        return {
-            name: FieldSpec(
-                dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size(), Location("memory", handle_id)
-            )
-            for name, t in tensors.items()
-        }
+        keys = self._keys.setdefault(handle_id, [])
+        fields = {}
+        for name, tensor in tensors.items():
+            key = f"{handle_id}/{name}"
+            self._store[key] = tensor
+            keys.append(key)
+            nbytes = tensor.numel() * tensor.element_size()
+            fields[name] = FieldSpec(dtype_name(tensor.dtype), list(tensor.shape), nbytes, Location("memory", key))
+        return fields
 
     def get(self, handle: Handle) -> Tensors:
         out = {}
         for name, spec in handle.fields.items():
-            stored = self._store.get(spec.location.segment)
-            if stored is None:
+            tensor = self._store.get(spec.location.segment)
+            if tensor is None:
                 raise PayloadError(f"handle {handle.id} field {name!r}: payload {spec.location.segment} released")
-            out[name] = stored[name]
+            out[name] = tensor
         return out
 
     def release(self, handle_id: str) -> None:
-        self._store.pop(handle_id, None)
+        for key in self._keys.pop(handle_id, []):
+            del self._store[key]
 
     def held(self) -> int:
-        return len(self._store)
+        return len(self._keys)
 
     def close(self) -> None:
         self._store.clear()
+        self._keys.clear()

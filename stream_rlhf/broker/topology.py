@@ -106,8 +106,8 @@ class Topology:
                     raise ConfigError(f"topics.{name}.join: a topic cannot join itself")
                 parts_used.add(part)
             for stage in [*topic.producers, *topic.consumers]:
-                if not stage or stage.startswith("_"):
-                    raise ConfigError(f"topics.{name}: stage name {stage!r} is reserved or empty")
+                if not stage or stage.startswith("_") or ":" in stage:
+                    raise ConfigError(f"topics.{name}: stage name {stage!r} is empty, reserved (_) or has ':'")
         for name, topic in self.topics.items():
             if not topic.consumers and name not in parts_used:
                 raise ConfigError(

@@ -101,15 +101,21 @@ class LocalJob:
         return self.broker.curve.key_dir if self.broker.curve else None
 
     def start(self, timeout_s: float = 30.0) -> str:
+        self.start_broker(timeout_s)
+        for stage_name, spec in self.stages.items():
+            for index in range(spec.instances):
+                self.start_instance(stage_name, index)
+        return self.address
+
+    def start_broker(self, timeout_s: float = 30.0) -> str:
+        """Start (or, after a crash, restart) the broker; a restarted one replays its journal and
+        the stages reconnect to it by themselves when the address is fixed."""
         address_queue = self._ctx.Queue()
         self.broker_process = self._ctx.Process(
             target=_broker_main, args=(self.topology, self.broker, address_queue, self.admission), name="broker"
         )
         self.broker_process.start()
         self.address = address_queue.get(timeout=timeout_s)
-        for stage_name, spec in self.stages.items():
-            for index in range(spec.instances):
-                self.start_instance(stage_name, index)
         return self.address
 
     def start_instance(self, stage_name: str, index: int) -> mp.Process:

@@ -1,0 +1,34 @@
+"""Shared fixtures: a unique shared-memory prefix per test, and a check that it leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from stream_rlhf.broker import shm
+
+
+@pytest.fixture
+def shm_prefix():
+    """A shared-memory prefix no other test or process uses; the test fails if segments leak."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    yield prefix
+    left = shm.list_segments(prefix)
+    for name, _ in left:
+        shm.unlink(name)
+    assert not left, f"shared-memory segments left behind: {left}"
+
+
+@pytest.fixture
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pytest_configure(config):
+    os.environ.setdefault("PYTHONHASHSEED", "0")

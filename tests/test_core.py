@@ -1,0 +1,209 @@
+"""Broker logic without sockets: fan-out, competition, joins, credit, redelivery, journal."""
+
+from __future__ import annotations
+
+import pytest
+
+from stream_rlhf.broker.core import BrokerCore, OverlapAdmission
+from stream_rlhf.broker.messages import (
+    SCHEMA_VERSION, Ack, Control, Deliver, Error, Handle, Heartbeat, Hello, Nack, Publish, Ready,
+    Release, Request,
+)
+from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
+
+TOPOLOGY = Topology({
+    "prompts": TopicConfig(producers=["src"], consumers=["rollout"]),
+    "rollout": TopicConfig(producers=["rollout"], consumers=["ref", "reward"]),
+    "ref_logp": TopicConfig(producers=["ref"]),
+    "reward": TopicConfig(producers=["reward"]),
+    "experience": TopicConfig(join=["rollout", "ref_logp", "reward"], consumers=["train"]),
+})
+
+
+class Harness:
+    def __init__(self, config: BrokerConfig | None = None, admission=None, topology=TOPOLOGY):
+        self.now = 0.0
+        self.core = BrokerCore(topology, config or BrokerConfig(queue_capacity=4), self.now, admission)
+        self.inbox: dict[bytes, list] = {}
+
+    def join(self, stage: str, instance: str, credits: dict[str, int] | None = None) -> bytes:
+        peer = instance.encode()
+        self.send(peer, Hello(SCHEMA_VERSION, stage, instance))
+        for topic, n in (credits or {}).items():
+            self.send(peer, Request(topic, n))
+        return peer
+
+    def send(self, peer: bytes, message) -> None:
+        self.core.handle(peer, message, self.now)
+        for to, out in self.core.flush():
+            self.inbox.setdefault(to, []).append(out)
+
+    def take(self, peer: bytes, kind=None) -> list:
+        got = self.inbox.pop(peer, [])
+        return [m for m in got if kind is None or isinstance(m, kind)]
+
+    def publish(self, peer: bytes, topic: str, hid: str, iteration=0, minibatch=0, **kw) -> None:
+        self.send(peer, Publish(Handle(hid, topic, iteration, minibatch, 0, 1, **kw)))
+
+
+def test_fan_out_to_every_consumer_stage_and_release_after_all_acks():
+    h = Harness()
+    roll = h.join("rollout", "roll-0")
+    ref = h.join("ref", "ref-0", {"rollout": 4})
+    rew = h.join("reward", "rew-0", {"rollout": 4})
+    h.publish(roll, "rollout", "a")
+    assert [d.handle.id for d in h.take(ref, Deliver)] == ["a"]
+    assert [d.handle.id for d in h.take(rew, Deliver)] == ["a"]
+    assert h.take(roll, Ack)[0].handle_ids == ["a"]  # publish confirmed
+    h.send(ref, Ack(["a"]))
+    assert h.take(roll, Release) == []  # reward and the join still hold it
+    h.send(rew, Ack(["a"]))
+    assert h.take(roll, Release) == []  # the join waits for ref_logp and reward parts
+
+
+def test_competing_instances_least_loaded_first():
+    h = Harness(BrokerConfig(queue_capacity=16))
+    src = h.join("src", "src-0")
+    r0 = h.join("rollout", "roll-0", {"prompts": 10})
+    r1 = h.join("rollout", "roll-1", {"prompts": 10})
+    for i in range(6):
+        h.publish(src, "prompts", f"p{i}")
+    d0, d1 = h.take(r0, Deliver), h.take(r1, Deliver)
+    assert len(d0) == 3 and len(d1) == 3
+    assert {d.handle.id for d in d0} | {d.handle.id for d in d1} == {f"p{i}" for i in range(6)}
+    h.send(r0, Ack([d.handle.id for d in d0]))  # roll-0 is now idle, roll-1 has 3 in flight
+    h.publish(src, "prompts", "p6")
+    h.publish(src, "prompts", "p7")
+    assert len(h.take(r0, Deliver)) == 2 and h.take(r1, Deliver) == []
+
+
+def test_join_merges_parts_by_minibatch_and_releases_parts_when_joined_is_acked():
+    h = Harness()
+    roll = h.join("rollout", "roll-0")
+    ref = h.join("ref", "ref-0", {"rollout": 4})
+    rew = h.join("reward", "rew-0", {"rollout": 4})
+    train = h.join("train", "train-0", {"experience": 4})
+    h.publish(roll, "rollout", "r1", iteration=0, minibatch=1, fields={}, metadata={"a": 1})
+    h.publish(roll, "rollout", "r2", iteration=0, minibatch=2)
+    h.publish(ref, "ref_logp", "f2", iteration=0, minibatch=2)
+    h.publish(rew, "reward", "w2", iteration=0, minibatch=2)
+    assert h.take(train, Deliver)[0].handle.parents == ["r2", "f2", "w2"]
+    h.publish(ref, "ref_logp", "f1", iteration=0, minibatch=1)
+    assert h.take(train, Deliver) == []
+    h.publish(rew, "reward", "w1", iteration=0, minibatch=1)
+    (joined,) = h.take(train, Deliver)
+    assert (joined.handle.topic, joined.handle.minibatch, joined.handle.metadata) == ("experience", 1, {"a": 1})
+    h.take(roll), h.take(ref), h.take(rew)
+    h.send(ref, Ack(["r1"]))
+    h.send(rew, Ack(["r1"]))
+    h.send(train, Ack([joined.handle.id]))
+    assert h.take(roll, Release)[0].handle_ids == ["r1"]
+    assert h.take(ref, Release)[0].handle_ids == ["f1"]
+    assert h.take(rew, Release)[0].handle_ids == ["w1"]
+
+
+def test_producer_credit_bounded_by_queue_capacity():
+    h = Harness(BrokerConfig(queue_capacity=4))
+    src = h.join("src", "src-0")
+    assert sum(r.credits for r in h.take(src, Request)) == 4
+    for i in range(4):
+        h.publish(src, "prompts", f"p{i}")
+    assert h.take(src, Request) == []  # queue full, no consumer: no more credit
+    roll = h.join("rollout", "roll-0", {"prompts": 1})
+    assert len(h.take(roll, Deliver)) == 1
+    assert sum(r.credits for r in h.take(src, Request)) == 1  # one left the queue, one more allowed
+
+
+def test_dead_instance_handles_are_redelivered_to_a_live_one():
+    h = Harness(BrokerConfig(queue_capacity=8, heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0))
+    src = h.join("src", "src-0")
+    r0 = h.join("rollout", "roll-0", {"prompts": 2})
+    for i in range(2):
+        h.publish(src, "prompts", f"p{i}")
+    assert len(h.take(r0, Deliver)) == 2
+    r1 = h.join("rollout", "roll-1", {"prompts": 4})
+    h.now = 1.5
+    h.send(r1, Heartbeat())
+    h.send(src, Heartbeat())
+    h.now = 2.6
+    h.core.tick(h.now)  # roll-0 silent for 2.6 s
+    for to, out in h.core.flush():
+        h.inbox.setdefault(to, []).append(out)
+    redelivered = h.take(r1, Deliver)
+    assert [(d.handle.id, d.attempt) for d in redelivered] == [("p0", 2), ("p1", 2)]
+    assert h.core.stats["redelivered"] == 2
+
+
+def test_nack_requeues_then_drops_poison_after_max_attempts():
+    h = Harness(BrokerConfig(queue_capacity=8, max_attempts=2))
+    src = h.join("src", "src-0")
+    roll = h.join("rollout", "roll-0", {"prompts": 5})
+    h.publish(src, "prompts", "p0")
+    for _ in range(2):
+        (d,) = h.take(roll, Deliver)
+        h.send(roll, Nack("p0", "boom"))
+    assert h.take(roll, Deliver) == []
+    assert h.core.stats["dropped.poison"] == 1
+    assert h.take(src, Release)[0].handle_ids == ["p0"]
+
+
+def test_duplicate_publish_is_acked_and_dropped():
+    h = Harness()
+    src = h.join("src", "src-0")
+    roll = h.join("rollout", "roll-0", {"prompts": 5})
+    h.publish(src, "prompts", "p0")
+    h.publish(src, "prompts", "p0")  # a resend after a reconnect
+    assert len(h.take(roll, Deliver)) == 1
+    assert h.core.stats["duplicate_publishes"] == 1
+
+
+def test_overlap_admission_bounds_how_far_rollout_runs_ahead():
+    h = Harness(BrokerConfig(queue_capacity=8), admission=OverlapAdmission(frozenset({"prompts"}), 1))
+    src = h.join("src", "src-0")
+    roll = h.join("rollout", "roll-0", {"prompts": 8})
+    for it in range(4):
+        h.publish(src, "prompts", f"p{it}", iteration=it)
+    assert [d.handle.iteration for d in h.take(roll, Deliver)] == [0, 1]  # policy v0, depth 1
+    h.send(src, Control("weights_ready", "*", 1))
+    assert [d.handle.iteration for d in h.take(roll, Deliver)] == [2]
+    h.send(src, Control("weights_ready", "*", 2))
+    assert [d.handle.iteration for d in h.take(roll, Deliver)] == [3]
+
+
+def test_bad_messages_are_rejected_and_counted_not_fatal():
+    h = Harness()
+    h.send(b"stranger", Ack(["x"]))
+    assert h.take(b"stranger", Error)[0].code == "unknown_peer"
+    h.send(b"old", Hello(SCHEMA_VERSION + 1, "src", "old"))
+    assert h.take(b"old", Error)[0].fatal
+    h.send(b"who", Hello(SCHEMA_VERSION, "nobody", "who"))
+    assert "not in the topology" in h.take(b"who", Error)[0].reason
+    src = h.join("src", "src-0")
+    h.publish(src, "reward", "x")  # src does not produce reward
+    assert h.take(src, Error)[0].code == "bad_topic"
+    h.send(src, Ready(SCHEMA_VERSION, "b", 1.0, 1))
+    assert h.take(src, Error)[0].code == "unexpected_type"
+    assert h.core.stats["rejected"] == 5
+
+
+def test_journal_replay_restores_queues_and_join_partials(tmp_path):
+    config = BrokerConfig(queue_capacity=8, journal=str(tmp_path / "j"))
+    h = Harness(config)
+    roll = h.join("rollout", "roll-0")
+    ref = h.join("ref", "ref-0", {"rollout": 4})
+    h.join("reward", "rew-0", {"rollout": 4})
+    h.publish(roll, "rollout", "r0", minibatch=0)
+    h.publish(roll, "rollout", "r1", minibatch=1)
+    h.send(ref, Ack(["r0"]))
+    h.publish(ref, "ref_logp", "f1", minibatch=1)
+    h.core.journal.flush()
+    # the broker dies here; a new one replays the journal
+    h2 = Harness(config)
+    assert set(h2.core.entries) == {"r0", "r1", "f1"}
+    assert list(h2.core.queues[("rollout", "ref")]) == ["r1"]  # r0 was acked by ref
+    assert list(h2.core.queues[("rollout", "reward")]) == ["r0", "r1"]
+    rew = h2.join("reward", "rew-0", {"rollout": 4})
+    train = h2.join("train", "train-0", {"experience": 4})
+    h2.publish(rew, "reward", "w1", minibatch=1)
+    (joined,) = h2.take(train, Deliver)
+    assert joined.handle.parents == ["r1", "f1", "w1"]
