@@ -65,7 +65,10 @@ class ControlClient:
         return None
 
     def close(self) -> None:
-        self._socket.send(encode(Heartbeat("stopped")))  # leave now, not at the heartbeat timeout
+        try:  # leave now, not at the heartbeat timeout
+            self._socket.send(encode(Heartbeat("stopped")), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # never connected
         self._socket.close(linger=100)
         self._context.term()
 

@@ -71,7 +71,7 @@ class StageHost:
         self._processed: OrderedDict[str, None] = OrderedDict()
         self.counters: dict[str, float] = {
             "steps": 0, "step_s": 0.0, "fetch_s": 0.0, "put_s": 0.0, "published": 0,
-            "duplicates_skipped": 0, "credit_wait_s": 0.0, "nacked": 0,
+            "duplicates_skipped": 0, "credit_wait_s": 0.0, "nacked": 0, "send_failed": 0,
         }
 
     # ---- called on the IO side --------------------------------------------------------------

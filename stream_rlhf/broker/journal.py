@@ -70,7 +70,7 @@ class Journal:
             pos += _LENGTH.size + length
             try:
                 record = _decoder.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except (msgspec.MsgspecError, ValueError) as exc:
                 log.warning("journal %s: unreadable record at byte %d ignored: %s", self.path, pos, exc)
                 continue
             if isinstance(record, Published):

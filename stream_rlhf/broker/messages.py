@@ -211,19 +211,19 @@ def decode(frame: bytes | memoryview) -> Message:
     """Decode one control-plane frame; any malformed or unknown frame raises MessageRejected."""
     try:
         return _decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MessageRejected(str(exc)) from None
+    except (msgspec.MsgspecError, ValueError) as exc:  # ValueError: e.g. invalid UTF-8 in a str
+        raise MessageRejected(f"{type(exc).__name__}: {exc}") from None
 
 
 def decode_fetch_request(frame: bytes | memoryview) -> FetchRequest:
     try:
         return _fetch_request_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MessageRejected(str(exc)) from None
+    except (msgspec.MsgspecError, ValueError) as exc:  # ValueError: e.g. invalid UTF-8 in a str
+        raise MessageRejected(f"{type(exc).__name__}: {exc}") from None
 
 
 def decode_fetch_reply(frame: bytes | memoryview) -> FetchReply:
     try:
         return _fetch_reply_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MessageRejected(str(exc)) from None
+    except (msgspec.MsgspecError, ValueError) as exc:  # ValueError: e.g. invalid UTF-8 in a str
+        raise MessageRejected(f"{type(exc).__name__}: {exc}") from None

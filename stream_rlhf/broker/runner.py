@@ -205,7 +205,7 @@ class StageRunner:
     def _send(self, message: Message) -> None:
         frame = self._encoder.encode(message)
         if threading.current_thread() is self._io_thread:
-            self._dealer.send(frame)
+            self._to_broker(frame)
         else:
             self._pipe_out.send(frame)
 
@@ -250,24 +250,32 @@ class StageRunner:
             now = time.monotonic()
             if now >= next_beat:
                 beats += 1
-                self._dealer.send(self._encoder.encode(Heartbeat(self.state.value, self._inbox.qsize())))
+                self._to_broker(self._encoder.encode(Heartbeat(self.state.value, self._inbox.qsize())))
                 if beats % 10 == 0:
-                    self._dealer.send(self._encoder.encode(Stats(self.instance_id, self.host.counters)))
+                    self._to_broker(self._encoder.encode(Stats(self.instance_id, self.host.counters)))
                 if now - last_heard > 4 * self._heartbeat_interval:
                     self.log.warning("%s: broker silent for %.1fs, saying hello again", self.instance_id, now - last_heard)
                     self._hello()
                     last_heard = now
                 next_beat = now + self._heartbeat_interval
         self._forward_pipe()
-        self._dealer.send(self._encoder.encode(Heartbeat("stopped")))  # the broker drops us now
+        self._to_broker(self._encoder.encode(Heartbeat("stopped")))  # the broker drops us now
         self._dealer.close(linger=1000)
 
     def _forward_pipe(self) -> None:
         while True:
             try:
-                self._dealer.send(self._pipe_in.recv(zmq.NOBLOCK))
+                frame = self._pipe_in.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._to_broker(frame)
+
+    def _to_broker(self, frame: bytes) -> None:
+        try:
+            self._dealer.send(frame)
+        except zmq.Again:  # no connection for sndtimeo: publishes are resent after the next hello
+            self.host.counters["send_failed"] += 1
+            self.log.warning("%s: broker unreachable, a message was not sent", self.instance_id)
 
     def _read_dealer(self) -> None:
         while True:

@@ -104,7 +104,11 @@ class BrokerServer:
             except MessageRejected as exc:
                 self.core.reject(peer, f"malformed message: {exc}", "malformed")
                 continue
-            self.core.handle(peer, message, now)
+            try:
+                self.core.handle(peer, message, now)
+            except Exception:  # a broker bug must not take every stage down with it
+                log.exception("internal error handling %s from %r", type(message).__name__, peer)
+                self.core.stats["internal_errors"] += 1
 
     def _send(self, outgoing) -> None:
         for peer, message in outgoing:

@@ -52,7 +52,11 @@ def router(context: zmq.Context, address: str, key_dir: str | None, max_message_
         sock.close()
         raise CurveKeyError(f"broker address {address} is not loopback: CURVE keys are required")
     if key_dir:
-        public, secret = _load(Path(key_dir) / "broker.key_secret", "broker secret key")
+        try:
+            public, secret = _load(Path(key_dir) / "broker.key_secret", "broker secret key")
+        except CurveKeyError:
+            sock.close()
+            raise
         auth = ThreadAuthenticator(context)
         auth.start()
         auth.configure_curve(domain="*", location=str(Path(key_dir) / "authorized_clients"))
@@ -67,10 +71,15 @@ def dealer(context: zmq.Context, address: str, identity: str, key_dir: str | Non
     """A stage's (or control client's) DEALER to the broker, routed by its instance id."""
     sock = context.socket(zmq.DEALER)
     sock.linger = 0
+    sock.sndtimeo = 5000  # a send with no connection at all fails (zmq.Again) instead of hanging
     sock.routing_id = identity.encode()
     if key_dir:
-        public, secret = _load(Path(key_dir) / "client.key_secret", "client secret key")
-        server_public, _ = _load(Path(key_dir) / "broker.key", "broker public key")
+        try:
+            public, secret = _load(Path(key_dir) / "client.key_secret", "client secret key")
+            server_public, _ = _load(Path(key_dir) / "broker.key", "broker public key")
+        except CurveKeyError:
+            sock.close()
+            raise
         sock.curve_publickey = public
         sock.curve_secretkey = secret
         sock.curve_serverkey = server_public

@@ -1,0 +1,52 @@
+"""`stream-rlhf` end to end in a subprocess: the demo job, config errors, keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stream_rlhf.broker import shm
+
+pytestmark = pytest.mark.slow
+
+
+def stream_rlhf(*args: str, cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stream_rlhf.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+
+
+def test_demo_job_runs_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    result = stream_rlhf(
+        "run", "configs/broker_demo.yaml",
+        "--set", f"stages.trainer.kwargs.run_dir={run_dir}",
+        "--set", f"broker.journal={tmp_path / 'journal'}",
+        "--set", "broker.shm_prefix=clidemo",
+        "--set", "stages.rollout.kwargs.step_ms=10",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["experiences"] == summary["expected"] == 24
+    assert summary["duplicates"] == 0 and summary["max_staleness"] <= 1
+    assert "published" in result.stderr  # progress lines
+    assert shm.list_segments("clidemo") == []
+    assert not (tmp_path / "journal").exists()  # clean shutdown leaves no journal to replay
+
+
+def test_config_error_names_the_key_and_starts_nothing():
+    result = stream_rlhf("run", "configs/broker_demo.yaml", "--set", "broker.queue_capacity=0")
+    assert result.returncode == 2
+    assert "broker.queue_capacity=0: must be >= 1" in result.stderr
+    assert "listening" not in result.stderr
+
+
+def test_keys_command_writes_a_usable_key_folder(tmp_path):
+    result = stream_rlhf("keys", str(tmp_path / "k"))
+    assert result.returncode == 0, result.stderr
+    names = {p.name for p in (tmp_path / "k").rglob("*")}
+    assert {"broker.key", "broker.key_secret", "client.key", "client.key_secret", "authorized_clients"} <= names
