@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -61,6 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         job.wait(cfg.timeout_s)
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the drain below finish
         log.warning("interrupted: draining every stage")
         return 130
     except (StageFailed, TimeoutError) as exc:

@@ -26,8 +26,11 @@ from stream_rlhf.broker.messages import (
     decode,
     encode,
 )
-from stream_rlhf.broker.runner import HandshakeError
 from stream_rlhf.broker.topology import CONTROL_STAGE
+
+
+class HandshakeError(RuntimeError):
+    """The broker did not answer HELLO in time, or refused it; the message says which and why."""
 
 
 class ControlClient:

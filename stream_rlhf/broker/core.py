@@ -158,6 +158,8 @@ class BrokerCore:
         elif isinstance(message, Heartbeat):
             if message.state == "stopped":
                 self._remove_instance(inst, "stopped")
+            elif message.state == "draining":
+                inst.credits.clear()  # what it nacks back goes to the other instances
         elif isinstance(message, Control):
             self._on_control(inst, message)
         elif isinstance(message, Stats):
@@ -524,6 +526,12 @@ class BrokerCore:
         for other in self.instances.values():
             if other.stage != CONTROL_STAGE and control.target in ("*", other.stage):
                 self._send(other.peer, control)
+
+    def broadcast_shutdown(self) -> None:
+        """Tell every stage instance to drain and stop (the broker is stopping)."""
+        for inst in self.instances.values():
+            if inst.stage != CONTROL_STAGE:
+                self._send(inst.peer, Control("shutdown"))
 
     def _send(self, peer: bytes, message: Message) -> None:
         self._out.append((peer, message))

@@ -18,15 +18,14 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
 import threading
-from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
 import zmq
 
 from stream_rlhf.broker import shm
+from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.messages import (
     FetchReply,
     FetchRequest,
@@ -57,16 +56,6 @@ class PayloadTransport(Protocol):
     def release(self, handle_id: str) -> None: ...
 
     def close(self) -> None: ...
-
-
-def host_id() -> str:
-    """Identifies this host's shared-memory namespace (override: STREAM_RLHF_HOST_ID)."""
-    override = os.environ.get("STREAM_RLHF_HOST_ID")
-    if override:
-        return override
-    boot = Path("/proc/sys/kernel/random/boot_id")
-    suffix = boot.read_text().strip()[:8] if boot.exists() else ""
-    return f"{socket.gethostname()}:{suffix}"
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from stream_rlhf.broker import sockets
+from stream_rlhf.broker.client import HandshakeError
 from stream_rlhf.broker.host import CreditWaitAborted, StageHost
 from stream_rlhf.broker.messages import (
     SCHEMA_VERSION,
@@ -50,7 +51,8 @@ from stream_rlhf.broker.messages import (
     Stats,
     decode,
 )
-from stream_rlhf.broker.payload import PayloadTransport, ShmTransport, host_id
+from stream_rlhf.broker.payload import PayloadTransport, ShmTransport
+from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.stage import Stage, StageContext
 
 log = logging.getLogger(__name__)
@@ -61,10 +63,6 @@ class RunnerState(enum.Enum):
     RUNNING = "running"
     DRAINING = "draining"
     STOPPED = "stopped"
-
-
-class HandshakeError(RuntimeError):
-    """The broker did not answer HELLO in time, or refused it; the message says which and why."""
 
 
 class StageRunner:
@@ -109,6 +107,8 @@ class StageRunner:
         self._heartbeat_interval = 0.5
         self._drain_started = 0.0
         self._last_hello = -1e9
+        self._wait_for_releases = True
+        self._announced = RunnerState.RUNNING
         self.log = logging.LoggerAdapter(log, {"stage": instance_id})
 
     # ---- stage thread ----------------------------------------------------------------------
@@ -117,7 +117,8 @@ class StageRunner:
         """Run until STOPPED; returns the instance's counters. Raises what the stage raised."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: self.request_stop())
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # launched stages leave Ctrl-C to the launcher
+                    signal.signal(sig, lambda *_: self.request_stop())
         self._io_thread.start()
         try:
             self._await_handshake()
@@ -135,6 +136,9 @@ class StageRunner:
     def _turn(self) -> None:
         if self._fatal:
             raise HandshakeError(self._fatal)
+        if self.state is not self._announced:  # tell the broker at once: it stops delivering here
+            self._announced = self.state
+            self._send(Heartbeat(self.state.value, self._inbox.qsize()))
         if self.state is RunnerState.RUNNING and not self.paused and self.host.can_produce():
             self.host.produce()
             if self.host.exhausted:
@@ -161,14 +165,21 @@ class StageRunner:
             self.paused = control.op == "pause"
         elif control.op in ("drain", "shutdown"):
             self._enter(RunnerState.DRAINING, f"control {control.op}")
-            if control.op == "shutdown":
-                self.drain_timeout_s = 0.0
+            # shutdown: the broker takes over the payloads; wait only for publish confirmations
+            self._wait_for_releases = control.op == "drain"
 
     def _drained(self) -> bool:
-        if self.host.unconfirmed():
+        """Every publish confirmed and (unless shutting down) every payload released, or
+        drain_timeout_s spent."""
+        unconfirmed = self.host.unconfirmed()
+        held = getattr(self.transport, "held", lambda: 0)() if self._wait_for_releases else 0
+        if not unconfirmed and not held:
+            return True
+        if time.monotonic() - self._drain_started <= self.drain_timeout_s:
             return False
-        released = getattr(self.transport, "held", lambda: 0)() == 0
-        return released or time.monotonic() - self._drain_started > self.drain_timeout_s
+        if unconfirmed:
+            self.log.warning("%s: stopping with %d publish(es) the broker never confirmed", self.instance_id, unconfirmed)
+        return True
 
     def request_stop(self) -> None:
         """Signal handler: first call drains, second stops now. Only flips state."""
@@ -292,6 +303,8 @@ class StageRunner:
 
     def _on_broker_message(self, message: Message) -> None:
         if isinstance(message, (Deliver, Control)):
+            if isinstance(message, Control) and message.op == "shutdown":
+                self.host.abort.set()  # a step blocked on producer credit gives up its input
             self._inbox.put(message)
         elif isinstance(message, Request):
             self.host.on_producer_credit(message)

@@ -21,7 +21,7 @@ import zmq
 from stream_rlhf.broker import shm, sockets
 from stream_rlhf.broker.core import Admission, BrokerCore
 from stream_rlhf.broker.messages import MessageRejected, decode
-from stream_rlhf.broker.payload import host_id
+from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.topology import CONTROL_STAGE, BrokerConfig, Topology
 
 log = logging.getLogger(__name__)
@@ -52,14 +52,24 @@ class BrokerServer:
         self._encoder = msgspec.msgpack.Encoder()
         log.info("broker %s listening on %s", self.core.broker_id, self.address)
 
+    def request_stop(self) -> None:
+        """First call (SIGINT/SIGTERM): tell every stage to shut down and stop once they have
+        left (or shutdown_grace_s passed). Second call: stop now. Only flips state."""
+        if self.core.stopping:
+            self._stop.set()
+        else:
+            self.core.stopping = True
+
     def stop(self) -> None:
+        """Stop the loop now (stages are not told)."""
         self._stop.set()
 
     def serve(self) -> dict[str, float]:
         """Run until stopped; returns the final counters."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: self._stop.set())
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # launched stages leave Ctrl-C to the launcher
+                    signal.signal(sig, lambda *_: self.request_stop())
         interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
         stopping_since = None
@@ -74,7 +84,9 @@ class BrokerServer:
                     next_tick = now + interval
                 self._send(self.core.flush())
                 if self.core.stopping:
-                    stopping_since = stopping_since or now
+                    if stopping_since is None:
+                        stopping_since = now
+                        self.core.broadcast_shutdown()
                     stages_left = [i for i in self.core.instances.values() if i.stage != CONTROL_STAGE]
                     if not stages_left or now - stopping_since > self.shutdown_grace_s:
                         break

@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import re
+import socket
 from pathlib import Path
 
 import _posixshmem
@@ -19,6 +20,16 @@ import _posixshmem
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+
+
+def host_id() -> str:
+    """Identifies this host's shared-memory namespace (override: STREAM_RLHF_HOST_ID)."""
+    override = os.environ.get("STREAM_RLHF_HOST_ID")
+    if override:
+        return override
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    suffix = boot.read_text().strip()[:8] if boot.exists() else ""
+    return f"{socket.gethostname()}:{suffix}"
 
 
 def create(name: str, size: int) -> mmap.mmap:

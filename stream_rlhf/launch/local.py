@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing as mp
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +63,14 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
 
 
+def _ignore_terminal_interrupt() -> None:
+    """Ctrl-C reaches the whole process group; the launcher alone handles it and stops the
+    children through the broker (and SIGTERM), so a child never dies half-started."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _broker_main(topology: Topology, config: BrokerConfig, address_queue: mp.Queue, admission: Any) -> None:
+    _ignore_terminal_interrupt()
     setup_logging()
     from stream_rlhf.broker.server import BrokerServer
 
@@ -72,6 +80,7 @@ def _broker_main(topology: Topology, config: BrokerConfig, address_queue: mp.Que
 
 
 def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str) -> None:
+    _ignore_terminal_interrupt()
     setup_logging()
     from stream_rlhf.broker.runner import StageRunner
 
