@@ -20,6 +20,12 @@ def stream_rlhf(*args: str, cwd: Path | None = None, timeout: float = 240) -> su
     )
 
 
+def live_processes_in_group(pgid: int) -> list[str]:
+    """Processes of group `pgid` that are still running (zombies awaiting reaping excluded)."""
+    ps = subprocess.run(["ps", "-o", "stat=,args=", "-g", str(pgid)], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if line.strip() and not line.strip().startswith("Z")]
+
+
 def test_demo_job_runs_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     result = stream_rlhf(
@@ -50,3 +56,29 @@ def test_keys_command_writes_a_usable_key_folder(tmp_path):
     assert result.returncode == 0, result.stderr
     names = {p.name for p in (tmp_path / "k").rglob("*")}
     assert {"broker.key", "broker.key_secret", "client.key", "client.key_secret", "authorized_clients"} <= names
+
+
+def test_ctrl_c_drains_and_leaves_no_process_or_shared_memory(tmp_path):
+    import os
+    import signal
+    import time
+
+    command = [
+        sys.executable, "-m", "stream_rlhf.cli", "run", "configs/broker_demo.yaml",
+        "--set", "stages.prompts.kwargs.iterations=100000", "--set", "stages.trainer.kwargs.iterations=100000",
+        "--set", f"stages.trainer.kwargs.run_dir={tmp_path}", "--set", "broker.shm_prefix=ctrlc",
+        "--set", f"broker.journal={tmp_path / 'journal'}",
+    ]
+    log = open(tmp_path / "log", "w+")
+    job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while "trained: weights v2" not in (tmp_path / "log").read_text():
+        assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    started = time.monotonic()
+    assert job.wait(timeout=30) == 130
+    assert time.monotonic() - started < 20
+    assert live_processes_in_group(job.pid) == []  # no orphan stage or broker
+    assert shm.list_segments("ctrlc") == []
+    assert "draining every stage" in (tmp_path / "log").read_text()
