@@ -207,3 +207,29 @@ def test_journal_replay_restores_queues_and_join_partials(tmp_path):
     h2.publish(rew, "reward", "w1", minibatch=1)
     (joined,) = h2.take(train, Deliver)
     assert joined.handle.parents == ["r1", "f1", "w1"]
+
+
+def test_pause_holds_deliveries_until_resume_and_is_forwarded_to_the_stage():
+    h = Harness()
+    src = h.join("src", "src-0")
+    roll = h.join("rollout", "roll-0", {"prompts": 4})
+    h.send(src, Control("pause", "rollout"))
+    assert [c.op for c in h.take(roll, Control)] == ["pause"]
+    h.publish(src, "prompts", "p0")
+    assert h.take(roll, Deliver) == []
+    h.send(src, Control("resume", "rollout"))
+    assert [d.handle.id for d in h.take(roll, Deliver)] == ["p0"]
+
+
+def test_draining_instance_gets_nothing_more_and_its_nacks_go_elsewhere():
+    h = Harness()
+    src = h.join("src", "src-0")
+    r0 = h.join("rollout", "roll-0", {"prompts": 4})
+    h.publish(src, "prompts", "p0")
+    assert len(h.take(r0, Deliver)) == 1
+    r1 = h.join("rollout", "roll-1", {"prompts": 4})
+    h.send(r0, Heartbeat("draining"))
+    h.send(r0, Nack("p0", "roll-0 is draining"))
+    h.publish(src, "prompts", "p1")
+    assert h.take(r0, Deliver) == []
+    assert [d.handle.id for d in h.take(r1, Deliver)] == ["p0", "p1"]

@@ -25,6 +25,24 @@ def make_job(topics: dict, stages: dict, prefix: str, **broker) -> LocalJob:
     return LocalJob(topology, config, specs)
 
 
+def work_pipeline(n: int, out, prefix: str, workers: int, delay_s: float, prefetch: int = 2, **broker) -> LocalJob:
+    """src -> items -> work (competing instances, y = 2x) -> done -> sink."""
+    return make_job(
+        topics={
+            "items": {"producers": ["src"], "consumers": ["work"]},
+            "done": {"producers": ["work"], "consumers": ["sink"]},
+        },
+        stages={
+            "src": ("CountingSource", {"kwargs": {"n": n}}),
+            "work": ("Worker", {"instances": workers, "prefetch": prefetch,
+                                "kwargs": {"out_topic": "done", "delay_s": delay_s}}),
+            "sink": ("Sink", {"kwargs": {"path": str(out), "expected": n}}),
+        },
+        prefix=prefix,
+        **broker,
+    )
+
+
 def run_to_end(job: LocalJob, timeout_s: float = 90) -> None:
     job.start()
     try:
@@ -73,18 +91,7 @@ def test_fan_out_competing_consumers_and_join(tmp_path, shm_prefix):
 def test_competing_consumers_share_the_work(tmp_path, shm_prefix):
     n = 20
     out = tmp_path / "sink.jsonl"
-    job = make_job(
-        topics={
-            "items": {"producers": ["src"], "consumers": ["work"]},
-            "done": {"producers": ["work"], "consumers": ["sink"]},
-        },
-        stages={
-            "src": ("CountingSource", {"kwargs": {"n": n}}),
-            "work": ("Worker", {"instances": 2, "prefetch": 1, "kwargs": {"out_topic": "done", "delay_s": 0.1}}),
-            "sink": ("Sink", {"kwargs": {"path": str(out), "expected": n}}),
-        },
-        prefix=shm_prefix,
-    )
+    job = work_pipeline(n, out, shm_prefix, workers=2, delay_s=0.1, prefetch=1)
     run_to_end(job)
     records = read_records(out)
     assert sorted(r["metadata"]["index"] for r in records) == list(range(n))
@@ -122,18 +129,7 @@ def test_slow_consumer_throttles_producer_and_memory_stays_bounded(tmp_path, shm
 def test_kill_9_consumer_mid_handle_redelivers_and_output_has_every_item_once(tmp_path, shm_prefix):
     n = 30
     out = tmp_path / "sink.jsonl"
-    job = make_job(
-        topics={
-            "items": {"producers": ["src"], "consumers": ["work"]},
-            "done": {"producers": ["work"], "consumers": ["sink"]},
-        },
-        stages={
-            "src": ("CountingSource", {"kwargs": {"n": n}}),
-            "work": ("Worker", {"instances": 2, "kwargs": {"out_topic": "done", "delay_s": 0.15}}),
-            "sink": ("Sink", {"kwargs": {"path": str(out), "expected": n}}),
-        },
-        prefix=shm_prefix,
-    )
+    job = work_pipeline(n, out, shm_prefix, workers=2, delay_s=0.15)
     job.start()
     try:
         wait_for(lambda: len(read_records(out)) >= 4, 60, "first outputs")
@@ -200,19 +196,9 @@ def test_killed_producer_segments_are_reclaimed(tmp_path, shm_prefix):
 def test_broker_killed_and_restarted_recovers_from_journal(tmp_path, shm_prefix, free_port):
     n = 30
     out = tmp_path / "sink.jsonl"
-    job = make_job(
-        topics={
-            "items": {"producers": ["src"], "consumers": ["work"]},
-            "done": {"producers": ["work"], "consumers": ["sink"]},
-        },
-        stages={
-            "src": ("CountingSource", {"kwargs": {"n": n}}),
-            "work": ("Worker", {"kwargs": {"out_topic": "done", "delay_s": 0.05}}),
-            "sink": ("Sink", {"kwargs": {"path": str(out), "expected": n}}),
-        },
-        prefix=shm_prefix,
-        address=f"tcp://127.0.0.1:{free_port}",
-        journal=str(tmp_path / "broker.journal"),
+    job = work_pipeline(
+        n, out, shm_prefix, workers=1, delay_s=0.05,
+        address=f"tcp://127.0.0.1:{free_port}", journal=str(tmp_path / "broker.journal"),
     )
     job.start()
     try:
