@@ -12,6 +12,29 @@ from stream_rlhf.broker.messages import Handle, decode, encode, Publish
 from stream_rlhf.broker.payload import MemoryTransport, PayloadError, ShmTransport
 
 
+LARGE = 40_000  # float32 elements: past the small-payload slot size, so a segment of its own
+
+
+def test_small_payloads_share_an_arena_and_are_copied_out(shm_prefix):
+    producer = ShmTransport(prefix=shm_prefix, serve=False)
+    consumer = ShmTransport(prefix=shm_prefix, serve=False)
+    try:
+        first = make_handle(producer.put("a", {"x": torch.full((100,), 1.0)}), "a")
+        second = make_handle(producer.put("b", {"x": torch.full((100,), 2.0)}), "b")
+        assert first.fields["x"].location.copy_out
+        assert first.fields["x"].location.segment == second.fields["x"].location.segment
+        kept = consumer.get(first)["x"]
+        producer.release("a")
+        third = make_handle(producer.put("c", {"x": torch.full((100,), 3.0)}), "c")
+        assert third.fields["x"].location.offset == first.fields["x"].location.offset  # slot reused
+        assert kept.tolist() == [1.0] * 100  # the consumer's copy is untouched
+        assert consumer.get(third)["x"].tolist() == [3.0] * 100
+        assert len(shm.list_segments(shm_prefix)) == 1
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def awkward_tensors() -> dict[str, torch.Tensor]:
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     return {
@@ -66,17 +89,43 @@ def test_local_get_is_zero_copy_and_copy_on_write(shm_prefix):
         producer.close()
 
 
-def test_release_unlinks_and_mapped_tensors_stay_valid(shm_prefix):
-    producer = ShmTransport(prefix=shm_prefix, serve=False)
-    handle = make_handle(producer.put("h", {"x": torch.arange(5.0)}))
+def test_release_without_pool_unlinks_and_mapped_tensors_stay_valid(shm_prefix):
+    producer = ShmTransport(prefix=shm_prefix, serve=False, pool_bytes=0)
+    handle = make_handle(producer.put("h", {"x": torch.arange(LARGE, dtype=torch.float32)}))
     got = producer.get(handle)["x"]
     assert len(shm.list_segments(shm_prefix)) == 1
     producer.release("h")
     assert shm.list_segments(shm_prefix) == []
-    assert got.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert got[:5].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     with pytest.raises(PayloadError, match="is gone"):
         producer.get(handle)
     producer.close()
+
+
+def test_segment_is_reused_only_once_no_consumer_maps_it(shm_prefix):
+    import gc
+
+    producer = ShmTransport(prefix=shm_prefix, serve=False)
+    consumer = ShmTransport(prefix=shm_prefix, serve=False)
+    try:
+        first = make_handle(producer.put("h1", {"x": torch.full((LARGE,), 1.0)}), "h1")
+        kept = consumer.get(first)["x"][10:20]  # a consumer keeps a view past its ack
+        producer.release("h1")
+        second = make_handle(producer.put("h2", {"x": torch.full((LARGE,), 2.0)}), "h2")
+        assert second.fields["x"].location.segment != first.fields["x"].location.segment
+        assert kept.tolist() == [1.0] * 10  # not overwritten
+        del kept
+        gc.collect()  # the last view is gone: the mapping and its lock with it
+        producer.release("h2")
+        third = make_handle(producer.put("h3", {"x": torch.full((LARGE,), 3.0)}), "h3")
+        assert third.fields["x"].location.segment in {
+            first.fields["x"].location.segment, second.fields["x"].location.segment
+        }
+        assert torch.equal(consumer.get(third)["x"], torch.full((LARGE,), 3.0))
+        assert len(shm.list_segments(shm_prefix)) == 2  # pooled, not leaked
+    finally:
+        consumer.close()
+        producer.close()
 
 
 def test_tcp_fetch_of_released_handle_names_it(shm_prefix):
@@ -104,8 +153,9 @@ def test_non_tensor_is_refused_with_a_clear_error(shm_prefix):
 def test_close_unlinks_everything_held(shm_prefix):
     producer = ShmTransport(prefix=shm_prefix, serve=False)
     for i in range(3):
-        producer.put(f"h{i}", {"x": torch.ones(10)})
-    assert len(shm.list_segments(shm_prefix)) == 3
+        producer.put(f"h{i}", {"x": torch.ones(LARGE)})
+    producer.put("small", {"x": torch.ones(10)})
+    assert len(shm.list_segments(shm_prefix)) == 4  # three of their own, one slot arena
     producer.close()
     assert shm.list_segments(shm_prefix) == []
 
@@ -135,13 +185,14 @@ def test_other_process_maps_the_segment(shm_prefix):
 
 
 def test_sweep_reclaims_segments_of_dead_processes_only(shm_prefix):
-    live = shm.create(shm.segment_name(shm_prefix, __import__("os").getpid(), 0), 16)
+    import os
+
+    live = shm.create(shm.segment_name(shm_prefix, os.getpid(), 0), 16)
     dead_pid = 2**22 + 12345  # above pid_max on this machine: no such process
-    shm.create(shm.segment_name(shm_prefix, dead_pid, 0), 16).close()
+    os.close(shm.create(shm.segment_name(shm_prefix, dead_pid, 0), 16).fd)
     assert shm.sweep(shm_prefix) == 1
-    assert [pid for _, pid in shm.list_segments(shm_prefix)] == [__import__("os").getpid()]
-    live.close()
-    shm.unlink(shm.segment_name(shm_prefix, __import__("os").getpid(), 0))
+    assert [pid for _, pid in shm.list_segments(shm_prefix)] == [os.getpid()]
+    live.destroy()
 
 
 def test_memory_transport_round_trip():

@@ -131,6 +131,8 @@ class BrokerCore:
         self._releases_to: defaultdict[bytes, list[str]] = defaultdict(list)
         self._dirty_queues: set[tuple[str, str]] = set()
         self._dirty_topics: set[str] = set()
+        self._outputs = {stage: set(topology.outputs_of(stage)) for stage in topology.stages()}
+        self._credit_chunk = max(1, config.queue_capacity // 4)
         self.journal = Journal(config.journal, config.journal_fsync) if config.journal else None
         if self.journal:
             self._recover(self.journal.live)
@@ -143,6 +145,8 @@ class BrokerCore:
             self._on_hello(peer, message, now)
             return
         if inst is None:
+            if isinstance(message, Heartbeat) and message.state == "stopped":
+                return  # a goodbye from a peer already removed (or never known)
             self.reject(peer, f"{type(message).__name__.lower()} from unknown peer: send hello first", "unknown_peer")
             return
         inst.last_seen = now
@@ -220,9 +224,9 @@ class BrokerCore:
         left = len(self.entries)
         if left:
             log.warning("shutting down with %d handle(s) not acknowledged by every consumer", left)
-        for entry in self.entries.values():
+        entries, self.entries = list(self.entries.values()), {}
+        for entry in entries:
             self._unlink_payload(entry.handle)
-        self.entries.clear()
         if self.journal:
             self.journal.live.clear()
             self.journal.flush()
@@ -405,13 +409,15 @@ class BrokerCore:
     def _grant_producer_credit(self, topic: str) -> None:
         if topic not in self.topology.topics or self.topology.topics[topic].join:
             return
-        producers = [i for i in self.instances.values() if topic in self.topology.outputs_of(i.stage)]
+        producers = [i for i in self.instances.values() if topic in self._outputs.get(i.stage, ())]
         if not producers:
             return
         backlog = max([len(self.queues[(topic, s)]) for s in self.topology.topics[topic].consumers] + [0])
         waiting = sum(1 for parts in self.partials.values() if topic in parts)
         outstanding = sum(i.granted.get(topic, 0) for i in producers)
         free = self.config.queue_capacity - max(backlog, waiting) - outstanding
+        if outstanding and free < self._credit_chunk:
+            return  # producers still hold credit: grant in chunks, not one message per handle
         share = max(1, self.config.queue_capacity // len(producers))
         grants: dict[bytes, int] = {}
         while free > 0:
@@ -492,11 +498,16 @@ class BrokerCore:
             self._unlink_payload(handle)
 
     def _unlink_payload(self, handle: Handle) -> None:
-        """Free a payload whose producer is gone (crashed, or stopped before every ack)."""
+        """Free a payload whose producer is gone (crashed, or stopped before every ack). Small
+        payloads share a segment, so one is unlinked only when no live handle points into it."""
         if handle.producer == "broker":
             return
-        for spec in handle.fields.values():
-            if spec.location.kind == "shm" and spec.location.host == self.host and shm.unlink(spec.location.segment):
+        segments = {s.location.segment for s in handle.fields.values() if s.location.kind == "shm" and s.location.host == self.host}
+        if not segments:
+            return
+        still_used = {spec.location.segment for e in self.entries.values() for spec in e.handle.fields.values()}
+        for segment in segments - still_used:
+            if shm.unlink(segment):
                 self.stats["segments_reclaimed"] += 1
 
     # ---- control ---------------------------------------------------------------------------

@@ -49,6 +49,8 @@ class Location(msgspec.Struct, frozen=True):
     offset: byte offset of the field inside the segment.
     host: host id of the producer; a consumer on the same host maps the segment directly.
     endpoint: ZMQ address of the producer's payload server, for consumers on other hosts.
+    copy_out: the bytes sit in a slot the producer reuses once the handle is released, so a
+    consumer copies them out instead of keeping a view (small payloads).
     """
 
     kind: LocationKind
@@ -56,6 +58,7 @@ class Location(msgspec.Struct, frozen=True):
     offset: int = 0
     host: str = ""
     endpoint: str = ""
+    copy_out: bool = False
 
 
 class FieldSpec(msgspec.Struct, frozen=True):

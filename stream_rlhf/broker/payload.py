@@ -19,6 +19,8 @@ import itertools
 import logging
 import os
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
@@ -41,6 +43,7 @@ from stream_rlhf.broker.messages import (
 log = logging.getLogger(__name__)
 
 ALIGN = 64
+MAX_ARENA_MAPS = 64  # small-payload arenas a consumer keeps mapped
 Tensors = dict[str, torch.Tensor]
 
 
@@ -97,11 +100,22 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+@dataclass
+class Held:
+    """A payload this producer holds until released: its segment, the fields' (offset, nbytes)
+    in it, and for a small payload the offset of its slot in a SlotArena segment (else -1)."""
+
+    segment: shm.Segment
+    spans: dict[str, tuple[int, int]]
+    slot_offset: int
+
+
 class ShmTransport:
     """Shared memory on one host, served over TCP to others. One instance per process.
 
     prefer="tcp" makes a consumer fetch over TCP even from its own host (benchmarks, tests).
     serve_host: interface the payload server binds for consumers on other hosts.
+    pool_bytes: released segments kept for reuse (0: a fresh segment for every handle).
     """
 
     def __init__(
@@ -111,6 +125,7 @@ class ShmTransport:
         serve_host: str = "127.0.0.1",
         prefer: Literal["auto", "tcp"] = "auto",
         context: zmq.Context | None = None,
+        pool_bytes: int = 512 << 20,
     ):
         self.prefix = prefix
         self.host = host_id()
@@ -118,8 +133,10 @@ class ShmTransport:
         self._context = context or zmq.Context.instance()
         self._counter = itertools.count()
         self._lock = threading.Lock()
-        # handle id -> (segment, mmap, {field: (offset, nbytes)})
-        self._owned: dict[str, tuple[str, object, dict[str, tuple[int, int]]]] = {}
+        self._owned: dict[str, Held] = {}
+        self._pool = shm.SegmentPool(pool_bytes)
+        self._slots = shm.SlotArena(self._new_segment)
+        self._arena_maps: OrderedDict[str, object] = OrderedDict()  # consumer side, small payloads
         self._fetch_sockets: dict[str, zmq.Socket] = {}
         self._server = PayloadServer(self, self._context, serve_host) if serve else None
         self.endpoint = self._server.endpoint if self._server else ""
@@ -137,22 +154,34 @@ class ShmTransport:
             raw = tensor_bytes(tensor)
             layout.append((name, tensor, raw, offset))
             offset = _align(offset + raw.numel())
-        segment = shm.segment_name(self.prefix, os.getpid(), next(self._counter))
-        mapping = shm.create(segment, offset)
+        if not layout:
+            return {}  # a handle without tensors needs no segment
+        small = offset <= shm.SlotArena.SLOT_BYTES
+        with self._lock:
+            if small:
+                segment, base = self._slots.alloc()
+            else:
+                segment, base = self._pool.take(offset), 0
+        if segment is None:
+            segment = self._new_segment(offset)
         fields = {}
         for name, tensor, raw, field_offset in layout:
             if raw.numel():
-                torch.frombuffer(mapping, dtype=torch.uint8, count=raw.numel(), offset=field_offset).copy_(raw)
+                target = torch.frombuffer(segment.mapping, dtype=torch.uint8, count=raw.numel(), offset=base + field_offset)
+                target.copy_(raw)
             fields[name] = FieldSpec(
                 dtype=dtype_name(tensor.dtype),
                 shape=list(tensor.shape),
                 nbytes=raw.numel(),
-                location=Location("shm", segment, field_offset, self.host, self.endpoint),
+                location=Location("shm", segment.name, base + field_offset, self.host, self.endpoint, small),
             )
         spans = {name: (spec.location.offset, spec.nbytes) for name, spec in fields.items()}
         with self._lock:
-            self._owned[handle_id] = (segment, mapping, spans)
+            self._owned[handle_id] = Held(segment, spans, base if small else -1)
         return fields
+
+    def _new_segment(self, size: int) -> shm.Segment:
+        return shm.create(shm.segment_name(self.prefix, os.getpid(), next(self._counter)), size)
 
     def get(self, handle: Handle) -> Tensors:
         if not handle.fields:
@@ -166,16 +195,28 @@ class ShmTransport:
         out = {}
         for name, spec in handle.fields.items():
             segment = spec.location.segment
-            if segment not in mappings:
-                try:
-                    mappings[segment] = shm.attach(segment)
-                except FileNotFoundError:
-                    raise PayloadError(
-                        f"handle {handle.id} field {name!r}: shared-memory segment {segment} is gone "
-                        f"(producer {handle.producer or '?'} released or lost it)"
-                    ) from None
-            out[name] = view_tensor(mappings[segment], spec, spec.location.offset)
+            try:
+                if spec.location.copy_out:
+                    tensor = view_tensor(self._arena_map(segment), spec, spec.location.offset).clone()
+                else:
+                    if segment not in mappings:
+                        mappings[segment] = shm.attach(segment)
+                    tensor = view_tensor(mappings[segment], spec, spec.location.offset)
+            except FileNotFoundError:
+                raise PayloadError(
+                    f"handle {handle.id} field {name!r}: shared-memory segment {segment} is gone "
+                    f"(producer {handle.producer or '?'} released or lost it)"
+                ) from None
+            out[name] = tensor
         return out
+
+    def _arena_map(self, segment: str):
+        mapping = self._arena_maps.get(segment)
+        if mapping is None:
+            mapping = self._arena_maps[segment] = shm.attach_cached(segment)
+            if len(self._arena_maps) > MAX_ARENA_MAPS:
+                self._arena_maps.popitem(last=False)
+        return mapping
 
     def _fetch_remote(self, handle: Handle) -> Tensors:
         by_endpoint: dict[str, list[str]] = {}
@@ -207,27 +248,32 @@ class ShmTransport:
             self._fetch_sockets[endpoint] = sock
         return sock
 
-    def frames_for(self, handle_id: str, names: list[str]) -> list[memoryview]:
-        """Called by the payload server: zero-copy views of the requested fields."""
+    def frames_for(self, handle_id: str, names: list[str]) -> tuple[Held, list[memoryview]]:
+        """Called by the payload server: what holds the payload and views of the fields."""
         with self._lock:
-            owned = self._owned.get(handle_id)
-        if owned is None:
+            held = self._owned.get(handle_id)
+        if held is None:
             raise PayloadError(f"handle {handle_id} is not held here (released or never put)")
-        _, mapping, spans = owned
-        view = memoryview(mapping)
+        view = memoryview(held.segment.mapping)
         frames = []
         for name in names:
-            if name not in spans:
+            if name not in held.spans:
                 raise PayloadError(f"handle {handle_id} has no field {name!r}")
-            offset, nbytes = spans[name]
+            offset, nbytes = held.spans[name]
             frames.append(view[offset : offset + nbytes])
-        return frames
+        return held, frames
 
     def release(self, handle_id: str) -> None:
+        """Every consumer acked: the segment goes back to the pool (reused once no consumer
+        maps it any more) or, past the pool's size, is unlinked."""
         with self._lock:
-            owned = self._owned.pop(handle_id, None)
-        if owned is not None:
-            shm.unlink(owned[0])  # open mappings (consumers, in-flight frames) stay valid
+            held = self._owned.pop(handle_id, None)
+            if held is None:
+                return
+            if held.slot_offset >= 0:
+                self._slots.free(held.segment, held.slot_offset)
+            else:
+                self._pool.give(held.segment)
 
     def held(self) -> int:
         with self._lock:
@@ -239,8 +285,12 @@ class ShmTransport:
             self._server.stop()
         with self._lock:
             owned, self._owned = self._owned, {}
-        for segment, _, _ in owned.values():
-            shm.unlink(segment)
+            for held in owned.values():
+                if held.slot_offset < 0:
+                    held.segment.destroy()
+            self._pool.close()
+            self._slots.close()
+        self._arena_maps.clear()
         for sock in self._fetch_sockets.values():
             sock.close(linger=0)
         self._fetch_sockets.clear()
@@ -270,12 +320,18 @@ class PayloadServer:
             identity, empty, request_frame = message
             try:
                 request = decode_fetch_request(request_frame)
-                frames = self._transport.frames_for(request.handle_id, request.fields)
+                held, frames = self._transport.frames_for(request.handle_id, request.fields)
             except (MessageRejected, PayloadError) as exc:
                 log.warning("payload fetch rejected: %s", exc)
                 self._socket.send_multipart([identity, empty, encode(FetchReply(error=str(exc)))])
                 continue
-            self._socket.send_multipart([identity, empty, encode(FetchReply()), *frames], copy=False)
+            if held.slot_offset >= 0:  # a small payload: copied into the message, the slot is free to reuse
+                self._socket.send_multipart([identity, empty, encode(FetchReply()), *frames])
+                continue
+            tracker = self._socket.send_multipart(
+                [identity, empty, encode(FetchReply()), *frames], copy=False, track=True
+            )
+            held.segment.trackers.append(tracker)  # not reused before zmq has sent these bytes
         self._socket.close(linger=0)
 
     def stop(self) -> None:

@@ -57,6 +57,7 @@ from stream_rlhf.broker.stage import Stage, StageContext
 
 log = logging.getLogger(__name__)
 _pipe_ids = itertools.count()
+MAX_FRAMES_PER_SEND = 64
 
 
 class RunnerState(enum.Enum):
@@ -93,7 +94,8 @@ class StageRunner:
         self._context = zmq.Context()
         self.transport = transport or ShmTransport(prefix=shm_prefix, context=self._context)
         self.host = StageHost(stage, stage_name, instance_id, self.transport, self._send, prefetch)
-        self._inbox: queue.SimpleQueue[Deliver | Control] = queue.SimpleQueue()
+        # Deliver / Control for the stage thread; None only wakes it (new producer credit)
+        self._inbox: queue.SimpleQueue[Deliver | Control | None] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._fatal: str | None = None
         self._io_stop = threading.Event()
@@ -227,6 +229,7 @@ class StageRunner:
         finally:
             if self._io_thread.is_alive():
                 self._io_stop.set()
+                self._pipe_out.send(b"")  # wake the io thread now, not at its next heartbeat
                 self._io_thread.join(timeout=5)
             self.transport.close()
             self._pipe_out.close(linger=0)
@@ -261,7 +264,8 @@ class StageRunner:
             now = time.monotonic()
             if now >= next_beat:
                 beats += 1
-                self._to_broker(self._encoder.encode(Heartbeat(self.state.value, self._inbox.qsize())))
+                state = "draining" if self.state is RunnerState.STOPPED else self.state.value  # "stopped" is said once, last
+                self._to_broker(self._encoder.encode(Heartbeat(state, self._inbox.qsize())))
                 if beats % 10 == 0:
                     self._to_broker(self._encoder.encode(Stats(self.instance_id, self.host.counters)))
                 if now - last_heard > 4 * self._heartbeat_interval:
@@ -274,32 +278,35 @@ class StageRunner:
         self._dealer.close(linger=1000)
 
     def _forward_pipe(self) -> None:
-        while True:
+        """Everything the stage thread queued goes out as one multipart message (one frame per
+        message): an ack, a credit request and the next publish cost one socket send."""
+        frames = []
+        while len(frames) < MAX_FRAMES_PER_SEND:
             try:
                 frame = self._pipe_in.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            self._to_broker(frame)
+                break
+            if frame:  # an empty frame only wakes this thread (stop)
+                frames.append(frame)
+        if frames:
+            self._to_broker(*frames)
 
-    def _to_broker(self, frame: bytes) -> None:
+    def _to_broker(self, *frames: bytes) -> None:
         try:
-            self._dealer.send(frame)
+            self._dealer.send_multipart(frames)
         except zmq.Again:  # no connection for sndtimeo: publishes are resent after the next hello
             self.host.counters["send_failed"] += 1
             self.log.warning("%s: broker unreachable, a message was not sent", self.instance_id)
 
     def _read_dealer(self) -> None:
-        while True:
-            try:
-                frame = self._dealer.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                message = decode(frame.buffer)
-            except MessageRejected as exc:
-                self.log.error("%s: unreadable message from broker: %s", self.instance_id, exc)
-                continue
-            self._on_broker_message(message)
+        while self._dealer.poll(0):
+            for frame in self._dealer.recv_multipart(copy=False):
+                try:
+                    message = decode(frame.buffer)
+                except MessageRejected as exc:
+                    self.log.error("%s: unreadable message from broker: %s", self.instance_id, exc)
+                    continue
+                self._on_broker_message(message)
 
     def _on_broker_message(self, message: Message) -> None:
         if isinstance(message, (Deliver, Control)):
@@ -308,6 +315,7 @@ class StageRunner:
             self._inbox.put(message)
         elif isinstance(message, Request):
             self.host.on_producer_credit(message)
+            self._inbox.put(None)  # a source waiting for credit steps again now
         elif isinstance(message, Ack):
             self.host.on_confirmed(message)
         elif isinstance(message, Release):

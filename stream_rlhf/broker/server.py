@@ -26,7 +26,8 @@ from stream_rlhf.broker.topology import CONTROL_STAGE, BrokerConfig, Topology
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 256  # messages read per loop turn before flushing
+MAX_BATCH = 256  # socket messages read per loop turn before flushing
+MAX_FRAMES = 64  # message frames in one socket message
 
 
 class BrokerServer:
@@ -95,6 +96,7 @@ class BrokerServer:
         return dict(self.core.stats)
 
     def _read_batch(self) -> None:
+        """Read up to MAX_BATCH socket messages; each carries one or more message frames."""
         now = time.monotonic()
         for _ in range(MAX_BATCH):
             try:
@@ -102,35 +104,43 @@ class BrokerServer:
             except zmq.Again:
                 return
             peer = frames[0].bytes
-            if len(frames) != 2:
-                self.core.reject(peer, f"{len(frames) - 1} frames, expected 1", "malformed")
+            if not 2 <= len(frames) <= MAX_FRAMES + 1:
+                self.core.reject(peer, f"{len(frames) - 1} message frames, expected 1 to {MAX_FRAMES}", "malformed")
                 continue
-            body = frames[1].buffer
-            if len(body) > self.config.max_message_bytes:
-                self.core.reject(
-                    peer, f"message of {len(body)} bytes over the {self.config.max_message_bytes} limit", "oversize"
-                )
-                continue
-            try:
-                message = decode(body)
-            except MessageRejected as exc:
-                self.core.reject(peer, f"malformed message: {exc}", "malformed")
-                continue
-            try:
-                self.core.handle(peer, message, now)
-            except Exception:  # a broker bug must not take every stage down with it
-                log.exception("internal error handling %s from %r", type(message).__name__, peer)
-                self.core.stats["internal_errors"] += 1
+            for frame in frames[1:]:
+                self._handle_frame(peer, frame.buffer, now)
+
+    def _handle_frame(self, peer: bytes, body: memoryview, now: float) -> None:
+        if len(body) > self.config.max_message_bytes:
+            self.core.reject(
+                peer, f"message of {len(body)} bytes over the {self.config.max_message_bytes} limit", "oversize"
+            )
+            return
+        try:
+            message = decode(body)
+        except MessageRejected as exc:
+            self.core.reject(peer, f"malformed message: {exc}", "malformed")
+            return
+        try:
+            self.core.handle(peer, message, now)
+        except Exception:  # a broker bug must not take every stage down with it
+            log.exception("internal error handling %s from %r", type(message).__name__, peer)
+            self.core.stats["internal_errors"] += 1
 
     def _send(self, outgoing) -> None:
+        """One multipart socket message per peer per loop turn, one frame per message."""
+        batches: dict[bytes, list[bytes]] = {}
         for peer, message in outgoing:
-            try:
-                self._socket.send_multipart([peer, self._encoder.encode(message)], zmq.NOBLOCK)
-            except zmq.Again:
-                self.core.stats["send_dropped"] += 1  # peer's queue full: it is gone or stuck
-            except zmq.ZMQError as exc:
-                self.core.stats["send_dropped"] += 1
-                log.debug("send to %r failed: %s", peer, exc)
+            batches.setdefault(peer, []).append(self._encoder.encode(message))
+        for peer, frames in batches.items():
+            for start in range(0, len(frames), MAX_FRAMES):
+                try:
+                    self._socket.send_multipart([peer, *frames[start : start + MAX_FRAMES]], zmq.NOBLOCK)
+                except zmq.Again:
+                    self.core.stats["send_dropped"] += 1  # peer's queue full: it is gone or stuck
+                except zmq.ZMQError as exc:
+                    self.core.stats["send_dropped"] += 1
+                    log.debug("send to %r failed: %s", peer, exc)
 
     def close(self) -> None:
         left = self.core.close()

@@ -8,11 +8,14 @@ exits, which would destroy a producer's payload under every other consumer.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 import re
 import socket
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import _posixshmem
@@ -20,6 +23,7 @@ import _posixshmem
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+ALIGN_POOL = 1 << 16  # small segments may be reused for anything up to 64 KiB
 
 
 def host_id() -> str:
@@ -32,27 +36,148 @@ def host_id() -> str:
     return f"{socket.gethostname()}:{suffix}"
 
 
-def create(name: str, size: int) -> mmap.mmap:
+@dataclass
+class Segment:
+    """A segment this process created: its name, an fd for the mapping-lock test, the mapping."""
+
+    name: str
+    size: int
+    fd: int
+    mapping: mmap.mmap
+    trackers: list = field(default_factory=list)  # zmq MessageTrackers of zero-copy sends from it
+
+    def unused(self) -> bool:
+        """No consumer maps it (none holds its shared lock) and no zero-copy send still reads it."""
+        if not all(t.done for t in self.trackers):
+            return False
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        self.trackers.clear()
+        return True
+
+    def destroy(self) -> None:
+        unlink(self.name)  # mappings elsewhere stay valid until they are dropped
+        os.close(self.fd)
+
+
+def create(name: str, size: int) -> Segment:
     """Create segment `name` (leading "/") of `size` bytes and map it read-write."""
+    size = max(size, 1)
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     try:
-        os.ftruncate(fd, max(size, 1))
-        return mmap.mmap(fd, max(size, 1))
+        os.ftruncate(fd, size)
+        return Segment(name, size, fd, mmap.mmap(fd, size))
     except BaseException:
+        os.close(fd)
         unlink(name)
         raise
-    finally:
-        os.close(fd)
 
 
 def attach(name: str) -> mmap.mmap:
     """Map an existing segment copy-on-write: reads share the producer's pages (zero-copy), a
-    consumer that writes into its tensors gets private pages and never corrupts other readers."""
+    consumer that writes into its tensors gets private pages and never corrupts other readers.
+
+    A shared flock on the segment is held for as long as the mapping lives (until the last
+    tensor viewing it is freed, or the process dies): the producer reuses a segment only when it
+    can take the lock exclusively, so a consumer never sees its tensors overwritten."""
+    fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        mapping = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
+    except BaseException:
+        os.close(fd)
+        raise
+    weakref.finalize(mapping, os.close, fd)  # closing the fd drops the lock
+    return mapping
+
+
+def attach_cached(name: str) -> mmap.mmap:
+    """Map an arena segment (see SlotArena) copy-on-write, without the mapping lock: a consumer
+    copies a slot's bytes out before it acks, so the producer may reuse the slot at release."""
     fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
+
+
+class SlotArena:
+    """Small payloads: segments of `slots` fixed-size slots, so a handle of a few KB costs no
+    segment creation or mapping of its own. A slot is free again as soon as its handle is
+    released, because consumers copy small payloads out (see attach_cached)."""
+
+    SLOT_BYTES = 64 << 10
+    SLOTS = 64
+
+    def __init__(self, make_segment):
+        self._make_segment = make_segment  # size -> Segment
+        self._segments: list[Segment] = []
+        self._free: list[tuple[int, int]] = []  # (segment index, slot)
+
+    def alloc(self) -> tuple[Segment, int]:
+        """A free slot: its segment and the byte offset of the slot in it."""
+        if not self._free:
+            self._segments.append(self._make_segment(self.SLOT_BYTES * self.SLOTS))
+            index = len(self._segments) - 1
+            self._free = [(index, slot) for slot in reversed(range(self.SLOTS))]
+        index, slot = self._free.pop()
+        return self._segments[index], slot * self.SLOT_BYTES
+
+    def free(self, segment: Segment, offset: int) -> None:
+        self._free.append((self._segments.index(segment), offset // self.SLOT_BYTES))
+
+    def close(self) -> None:
+        for segment in self._segments:
+            segment.destroy()
+        self._segments, self._free = [], []
+
+
+class SegmentPool:
+    """Released segments kept for reuse: writing into pages already faulted in is several times
+    faster than into a fresh segment (64 MB: ~4 ms against ~30 ms here). A released segment
+    joins the pool once no consumer maps it any more; at most `max_bytes` are kept."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._free: list[Segment] = []
+        self._waiting: list[Segment] = []  # released, still mapped by a consumer
+
+    def take(self, size: int) -> Segment | None:
+        """A free segment of at least `size` bytes and at most twice that, or None."""
+        self._settle()
+        fits = [s for s in self._free if size <= s.size <= 2 * max(size, ALIGN_POOL)]
+        if not fits:
+            return None
+        best = min(fits, key=lambda s: s.size)
+        self._free.remove(best)
+        return best
+
+    def give(self, segment: Segment) -> None:
+        if segment.size > self.max_bytes:
+            segment.destroy()
+            return
+        self._waiting.append(segment)
+        self._settle()
+
+    def _settle(self) -> None:
+        still = []
+        for segment in self._waiting:
+            (self._free if segment.unused() else still).append(segment)
+        self._waiting = still
+        while self._bytes() > self.max_bytes:
+            victims = self._free or self._waiting
+            victims.pop(0).destroy()
+
+    def _bytes(self) -> int:
+        return sum(s.size for s in self._free) + sum(s.size for s in self._waiting)
+
+    def close(self) -> None:
+        for segment in self._free + self._waiting:
+            segment.destroy()
+        self._free, self._waiting = [], []
 
 
 def unlink(name: str) -> bool:
@@ -82,13 +207,18 @@ def list_segments(prefix: str) -> list[tuple[str, int]]:
 
 
 def pid_alive(pid: int) -> bool:
+    """True if process `pid` runs; a zombie (dead, not yet reaped by its parent) is dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs (macOS): trust kill(0)
+    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def sweep(prefix: str, pids: set[int] | None = None) -> int:
