@@ -3,12 +3,12 @@
 Every figure comes from separate processes (multiprocessing spawn) on this host:
 
     handles/s      a source stage -> BrokerServer -> sink stage, as real StageRunner processes
-                   started by LocalJob over TCP loopback, pipelined with the default credits
-                   (queue_capacity 16, prefetch 2). The source publishes as fast as credit allows
+                   started by LocalJob over TCP loopback, pipelined with a credit window of
+                   queue_capacity 64 and prefetch 16. The source publishes as fast as credit allows
                    for a warm-up, then for a timed span; the figure is the rate at which the
                    handles of the timed span reach the sinks' step(), with 1 and with 4
                    competing sink instances. Each handle carries one tiny tensor (4 float32) in
-                   shared memory.
+                   shared memory (a slot of the producer's small-payload arena).
     raw msgs/s     baseline: a plain pyzmq DEALER -> ROUTER echo between two processes over TCP
                    loopback, 128 messages in flight, each the bytes of an encoded Deliver of such a
                    handle. One echo crosses two socket hops, as a handle does (producer -> broker ->

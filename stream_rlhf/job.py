@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stream_rlhf.broker.core import OverlapAdmission
+from stream_rlhf.broker.admission import OverlapAdmission
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.local import StageSpec

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-import pytest
-
-from stream_rlhf.broker.core import BrokerCore, OverlapAdmission
+from stream_rlhf.broker.admission import OverlapAdmission
+from stream_rlhf.broker.core import BrokerCore
 from stream_rlhf.broker.messages import (
-    SCHEMA_VERSION, Ack, Control, Deliver, Error, Handle, Heartbeat, Hello, Nack, Publish, Ready,
-    Release, Request,
+    SCHEMA_VERSION,
+    Ack,
+    Control,
+    Deliver,
+    Error,
+    Handle,
+    Heartbeat,
+    Hello,
+    Nack,
+    Publish,
+    Ready,
+    Release,
+    Request,
 )
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
 
@@ -140,7 +150,7 @@ def test_nack_requeues_then_drops_poison_after_max_attempts():
     roll = h.join("rollout", "roll-0", {"prompts": 5})
     h.publish(src, "prompts", "p0")
     for _ in range(2):
-        (d,) = h.take(roll, Deliver)
+        assert len(h.take(roll, Deliver)) == 1
         h.send(roll, Nack("p0", "boom"))
     assert h.take(roll, Deliver) == []
     assert h.core.stats["dropped.poison"] == 1

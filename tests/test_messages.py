@@ -6,9 +6,29 @@ import msgspec
 import pytest
 
 from stream_rlhf.broker.messages import (
-    SCHEMA_VERSION, Ack, Control, Deliver, Error, FetchReply, FetchRequest, FieldSpec, Handle,
-    Heartbeat, Hello, Location, MessageRejected, Nack, Publish, Ready, Release, Request, Stats,
-    decode, decode_fetch_reply, decode_fetch_request, encode,
+    SCHEMA_VERSION,
+    Ack,
+    Control,
+    Deliver,
+    Error,
+    FetchReply,
+    FetchRequest,
+    FieldSpec,
+    Handle,
+    Heartbeat,
+    Hello,
+    Location,
+    MessageRejected,
+    Nack,
+    Publish,
+    Ready,
+    Release,
+    Request,
+    Stats,
+    decode,
+    decode_fetch_reply,
+    decode_fetch_request,
+    encode,
 )
 
 HANDLE = Handle(

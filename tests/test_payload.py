@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from stream_rlhf.broker import shm
-from stream_rlhf.broker.messages import Handle, decode, encode, Publish
+from stream_rlhf.broker.messages import Handle, Publish, decode, encode
 from stream_rlhf.broker.payload import MemoryTransport, PayloadError, ShmTransport
-
 
 LARGE = 40_000  # float32 elements: past the small-payload slot size, so a segment of its own
 

@@ -6,9 +6,8 @@ import pytest
 import zmq
 
 from stream_rlhf.broker import sockets
-from stream_rlhf.broker.client import ControlClient
+from stream_rlhf.broker.client import ControlClient, HandshakeError
 from stream_rlhf.broker.messages import SCHEMA_VERSION, Error, Hello, decode, encode
-from stream_rlhf.broker.client import HandshakeError
 from stream_rlhf.broker.runner import StageRunner
 from stream_rlhf.broker.stage import Stage
 from stream_rlhf.broker.topology import BrokerConfig, CurveConfig, needs_curve

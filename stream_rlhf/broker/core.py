@@ -22,11 +22,12 @@ import logging
 import uuid
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 
 from stream_rlhf.broker import shm
+from stream_rlhf.broker.admission import Admission, AdmitAll
+from stream_rlhf.broker.join import merge_parts
 from stream_rlhf.broker.journal import Journal
 from stream_rlhf.broker.messages import (
     SCHEMA_VERSION,
@@ -34,7 +35,6 @@ from stream_rlhf.broker.messages import (
     Control,
     Deliver,
     Error,
-    FieldSpec,
     Handle,
     Heartbeat,
     Hello,
@@ -52,29 +52,6 @@ log = logging.getLogger(__name__)
 
 RECENT_IDS = 200_000
 JOIN = "join:"  # pending-consumer names of joins, apart from stage names (which have no ":")  # finished handle ids remembered to deduplicate late re-publishes
-
-
-class Admission(Protocol):
-    """Decides whether the head of a queue may be delivered now (overlap-depth enforcement)."""
-
-    def admit(self, handle: Handle, stage: str, policy_version: int) -> bool: ...
-
-
-class AdmitAll:
-    def admit(self, handle: Handle, stage: str, policy_version: int) -> bool:
-        return True
-
-
-@dataclass(frozen=True)
-class OverlapAdmission:
-    """Handles of `topics` for iteration i are delivered only once policy_version >= i - depth:
-    rollout runs at most `overlap_depth` policy versions ahead of training (0: on-policy)."""
-
-    topics: frozenset[str]
-    overlap_depth: int
-
-    def admit(self, handle: Handle, stage: str, policy_version: int) -> bool:
-        return handle.topic not in self.topics or handle.iteration - policy_version <= self.overlap_depth
 
 
 @dataclass
@@ -350,32 +327,11 @@ class BrokerCore:
             self._emit_join(join, [self.entries[parts[p]].handle for p in order])
 
     def _emit_join(self, join: str, parts: list[Handle]) -> None:
-        fields: dict[str, FieldSpec] = {}
-        metadata = {}
-        for part in parts:
-            for name, spec in part.fields.items():
-                if name in fields:
-                    self.stats["join_field_collisions"] += 1
-                    name = f"{part.topic}.{name}"
-                fields[name] = spec
-            for key, value in part.metadata.items():
-                metadata.setdefault(key, value)
+        joined, collisions = merge_parts(join, parts)
+        self.stats["join_field_collisions"] += collisions
         if len({p.num_samples for p in parts}) > 1:
             self.stats["join_sample_mismatch"] += 1
             log.warning("join %s: parts disagree on num_samples: %s", join, {p.topic: p.num_samples for p in parts})
-        first = parts[0]
-        joined = Handle(
-            id=str(uuid.uuid5(uuid.NAMESPACE_OID, f"{join}/" + "/".join(p.id for p in parts))),
-            topic=join,
-            iteration=first.iteration,
-            minibatch=first.minibatch,
-            policy_version=first.policy_version,
-            num_samples=first.num_samples,
-            fields=fields,
-            metadata=metadata,
-            producer="broker",
-            parents=[p.id for p in parts],
-        )
         self.stats["joins_emitted"] += 1
         self._admit(joined, "broker")
 

@@ -13,7 +13,8 @@ import logging
 import time
 from collections import deque
 
-from stream_rlhf.broker.core import Admission, BrokerCore
+from stream_rlhf.broker.admission import Admission
+from stream_rlhf.broker.core import BrokerCore
 from stream_rlhf.broker.host import StageHost
 from stream_rlhf.broker.messages import (
     SCHEMA_VERSION,

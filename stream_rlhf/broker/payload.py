@@ -27,7 +27,6 @@ import torch
 import zmq
 
 from stream_rlhf.broker import shm
-from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.messages import (
     FetchReply,
     FetchRequest,
@@ -39,6 +38,7 @@ from stream_rlhf.broker.messages import (
     decode_fetch_request,
     encode,
 )
+from stream_rlhf.broker.shm import host_id
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ import msgspec
 import zmq
 
 from stream_rlhf.broker import shm, sockets
-from stream_rlhf.broker.core import Admission, BrokerCore
+from stream_rlhf.broker.admission import Admission
+from stream_rlhf.broker.core import BrokerCore
 from stream_rlhf.broker.messages import MessageRejected, decode
 from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.topology import CONTROL_STAGE, BrokerConfig, Topology

@@ -8,6 +8,7 @@ exits, which would destroy a producer's payload under every other consumer.
 
 from __future__ import annotations
 
+import _posixshmem
 import fcntl
 import logging
 import mmap
@@ -17,8 +18,6 @@ import socket
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import _posixshmem
 
 log = logging.getLogger(__name__)
 
