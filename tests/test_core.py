@@ -243,3 +243,21 @@ def test_draining_instance_gets_nothing_more_and_its_nacks_go_elsewhere():
     h.publish(src, "prompts", "p1")
     assert h.take(r0, Deliver) == []
     assert [d.handle.id for d in h.take(r1, Deliver)] == ["p0", "p1"]
+
+
+def test_join_completion_returns_producer_credit_to_the_parts():
+    topology = Topology({
+        "a": TopicConfig(producers=["pa"]),
+        "b": TopicConfig(producers=["pb"]),
+        "ab": TopicConfig(join=["a", "b"], consumers=["sink"]),
+    })
+    h = Harness(BrokerConfig(queue_capacity=2), topology=topology)
+    pa, pb = h.join("pa", "pa-0"), h.join("pb", "pb-0")
+    h.join("sink", "sink-0", {"ab": 10})
+    assert sum(r.credits for r in h.take(pa, Request)) == 2
+    h.publish(pa, "a", "a0", minibatch=0)
+    h.publish(pa, "a", "a1", minibatch=1)  # two parts wait for b: a's producer is out of credit
+    assert h.take(pa, Request) == []
+    h.publish(pb, "b", "b0", minibatch=0)
+    h.publish(pb, "b", "b1", minibatch=1)  # both joins complete: nothing waits any more
+    assert sum(r.credits for r in h.take(pa, Request)) == 2

@@ -324,6 +324,7 @@ class BrokerCore:
         order = self.topology.topics[join].join
         if all(p in parts for p in order):
             del self.partials[key]
+            self._dirty_topics.update(order)  # parts no longer wait here: producers may get credit
             self._emit_join(join, [self.entries[parts[p]].handle for p in order])
 
     def _emit_join(self, join: str, parts: list[Handle]) -> None:

@@ -107,11 +107,11 @@ class ToyTrainer(Stage):
                                f"staleness {staleness} > overlap_depth {self.overlap_depth}")
         self.max_staleness = max(self.max_staleness, staleness)
         time.sleep(self.step_s)
-        done = sum(1 for (i, _) in self.seen if i == batch.iteration)
-        if done == self.minibatches and batch.iteration == self.version:
+        # iterations finish out of order when rollout runs ahead; weights advance in order
+        while sum(1 for (i, _) in self.seen if i == self.version) == self.minibatches:
             self.version += 1
             self.ctx.send_control("weights_ready", self.version)
-            self.ctx.log.info("iteration %d trained: weights v%d", batch.iteration, self.version)
+            self.ctx.log.info("iteration %d trained: weights v%d", self.version - 1, self.version)
         if len(self.seen) == self.iterations * self.minibatches:
             self._finish()
         return []
