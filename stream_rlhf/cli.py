@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(JobConfig, args.config, args.set)
     job = LocalJob(cfg.topology, cfg.broker, cfg.stages, cfg.admission())
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, a scheduler's stop: drain as for Ctrl-C
     address = job.start()
     log.info("job %s: broker at %s, %d stage process(es)", cfg.name, address, len(job.processes))
     stop_progress = threading.Event()
@@ -73,6 +74,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         job.stop()
     log.info("job %s finished", cfg.name)
     return 0
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _progress(job: LocalJob, stop: threading.Event, every_s: float = 2.0) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,15 +61,12 @@ def test_keys_command_writes_a_usable_key_folder(tmp_path):
     assert {"broker.key", "broker.key_secret", "client.key", "client.key_secret", "authorized_clients"} <= names
 
 
-def test_ctrl_c_drains_and_leaves_no_process_or_shared_memory(tmp_path):
-    import os
-    import signal
-    import time
-
+def start_long_demo(tmp_path: Path, prefix: str) -> subprocess.Popen:
+    """The demo job with a practically endless prompt stream, in its own session."""
     command = [
         sys.executable, "-m", "stream_rlhf.cli", "run", "configs/broker_demo.yaml",
         "--set", "stages.prompts.kwargs.iterations=100000", "--set", "stages.trainer.kwargs.iterations=100000",
-        "--set", f"stages.trainer.kwargs.run_dir={tmp_path}", "--set", "broker.shm_prefix=ctrlc",
+        "--set", f"stages.trainer.kwargs.run_dir={tmp_path}", "--set", f"broker.shm_prefix={prefix}",
         "--set", f"broker.journal={tmp_path / 'journal'}",
     ]
     log = open(tmp_path / "log", "w+")
@@ -75,10 +75,32 @@ def test_ctrl_c_drains_and_leaves_no_process_or_shared_memory(tmp_path):
     while "trained: weights v2" not in (tmp_path / "log").read_text():
         assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
         time.sleep(0.2)
-    os.killpg(job.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    return job
+
+
+def wait_until_gone(pgid: int, timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while live_processes_in_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return live_processes_in_group(pgid)
+
+
+def test_ctrl_c_drains_and_leaves_no_process_or_shared_memory(tmp_path):
+    job = start_long_demo(tmp_path, "ctrlc")
+    os.killpg(job.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
     started = time.monotonic()
     assert job.wait(timeout=30) == 130
     assert time.monotonic() - started < 20
-    assert live_processes_in_group(job.pid) == []  # no orphan stage or broker
+    assert wait_until_gone(job.pid, 5) == []  # no orphan stage or broker
     assert shm.list_segments("ctrlc") == []
     assert "draining every stage" in (tmp_path / "log").read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_launcher_killed_alone_takes_its_children_with_it(tmp_path, sig):
+    prefix = f"kill{int(sig)}"
+    job = start_long_demo(tmp_path, prefix)
+    os.kill(job.pid, sig)  # the launcher only, as `kill` or a scheduler would
+    job.wait(timeout=30)
+    assert wait_until_gone(job.pid, 30) == []  # SIGTERM: drained; SIGKILL: children get SIGTERM
+    assert shm.list_segments(prefix) == []

@@ -12,10 +12,12 @@ the broker, which unlinks what shared memory is left.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 import multiprocessing as mp
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,7 @@ from stream_rlhf.broker.topology import BrokerConfig, Topology
 from stream_rlhf.config import ConfigError
 
 log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -63,14 +66,18 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
 
 
-def _ignore_terminal_interrupt() -> None:
+def _child_signals() -> None:
     """Ctrl-C reaches the whole process group; the launcher alone handles it and stops the
-    children through the broker (and SIGTERM), so a child never dies half-started."""
+    children through the broker (and SIGTERM), so a child never dies half-started. If the
+    launcher itself dies (even by SIGKILL), Linux sends the child SIGTERM: no orphans."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _broker_main(topology: Topology, config: BrokerConfig, address_queue: mp.Queue, admission: Any) -> None:
-    _ignore_terminal_interrupt()
+    _child_signals()
     setup_logging()
     from stream_rlhf.broker.server import BrokerServer
 
@@ -80,7 +87,7 @@ def _broker_main(topology: Topology, config: BrokerConfig, address_queue: mp.Que
 
 
 def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str) -> None:
-    _ignore_terminal_interrupt()
+    _child_signals()
     setup_logging()
     from stream_rlhf.broker.runner import StageRunner
 
