@@ -2,15 +2,16 @@
 
 A producer `put`s the tensors of one handle and gets back the FieldSpecs to put in the handle; a
 consumer `get`s tensors from a handle; the producer `release`s the payload once the broker says
-every consumer acked. Transports (one table, chosen by name):
+every consumer acked. Two transports implement the PayloadTransport protocol:
 
-    shm     same host: one POSIX shared-memory segment per handle, mapped zero-copy
-            (copy-on-write) by consumers; other hosts: the producer's PayloadServer sends the
-            same mapped bytes as zero-copy ZMQ frames.
-    memory  in-process: tensors kept in a dict, for stages run without sockets in tests.
+    ShmTransport     same host: a POSIX shared-memory segment per handle (reused from a pool once
+                     no consumer maps it), mapped zero-copy (copy-on-write) by consumers;
+                     payloads up to 64 KiB go into slots of a shared arena and are copied out.
+                     Other hosts: the producer's PayloadServer sends the same bytes as ZMQ frames.
+    MemoryTransport  in-process: tensors kept in a dict, for stages run without sockets in tests.
 
-A GPU transport (CUDA IPC handles, NCCL p2p) implements the same PayloadTransport protocol and
-adds its kind to `messages.LocationKind`; consumers pick a transport by `Location.kind`.
+A GPU transport (CUDA IPC handles, NCCL p2p) implements the same protocol and adds its kind to
+`messages.LocationKind`; every stage process of a job uses the transport the job is built with.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class PayloadTransport(Protocol):
     def get(self, handle: Handle) -> Tensors: ...
 
     def release(self, handle_id: str) -> None: ...
+
+    def held(self) -> int:
+        """Payloads put and not yet released."""
+        ...
 
     def close(self) -> None: ...
 

@@ -174,7 +174,7 @@ class StageRunner:
         """Every publish confirmed and (unless shutting down) every payload released, or
         drain_timeout_s spent."""
         unconfirmed = self.host.unconfirmed()
-        held = getattr(self.transport, "held", lambda: 0)() if self._wait_for_releases else 0
+        held = self.transport.held() if self._wait_for_releases else 0
         if not unconfirmed and not held:
             return True
         if time.monotonic() - self._drain_started <= self.drain_timeout_s:
