@@ -55,9 +55,6 @@ class ControlClient:
             raise TimeoutError("broker did not answer a stats request")
         return dict(reply.counters)
 
-    def send_raw(self, message: Message) -> None:
-        self._socket.send(encode(message))
-
     def _receive(self, kind: type) -> Message | None:
         while self._socket.poll(self.timeout_ms):
             message = decode(self._socket.recv())

@@ -241,7 +241,9 @@ class ShmTransport:
             reply = decode_fetch_reply(header.buffer)
             if reply.error:
                 raise PayloadError(f"handle {handle.id}: {endpoint} answered: {reply.error}")
-            for name, frame in zip(names, frames):
+            if len(frames) != len(names):
+                raise PayloadError(f"handle {handle.id}: {endpoint} sent {len(frames)} frames for {len(names)} fields")
+            for name, frame in zip(names, frames, strict=True):
                 out[name] = view_tensor(frame.buffer, handle.fields[name], 0)
         return out
 
