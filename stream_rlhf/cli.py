@@ -2,7 +2,7 @@
 
     stream-rlhf run CONFIG [--set key=value ...]   broker + every stage as local processes
     stream-rlhf broker CONFIG                      only the broker (stages started elsewhere)
-    stream-rlhf stage CONFIG STAGE --broker ADDR [--index N]   one stage instance (SLURM, k8s)
+    stream-rlhf stage CONFIG STAGE --broker ADDR [--index N] [--set key=value]   one instance (SLURM, k8s)
     stream-rlhf stats ADDR                         the broker's counters
     stream-rlhf keys DIR                           CURVE keys for a broker bound beyond loopback
 """
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     stage.add_argument("stage")
     stage.add_argument("--broker", required=True, help="broker address, e.g. tcp://10.0.0.1:5555")
     stage.add_argument("--index", type=int, default=0)
+    stage.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     stats = sub.add_parser("stats", help="print a running broker's counters")
     stats.add_argument("address")
     stats.add_argument("--keys", default=None, help="CURVE key folder")
@@ -107,7 +108,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    cfg = load_config(JobConfig, args.config)
+    cfg = load_config(JobConfig, args.config, args.set)
     if args.stage not in cfg.stages:
         raise ConfigError(f"stage {args.stage!r} is not in stages ({', '.join(cfg.stages)})")
     key_dir = cfg.broker.curve.key_dir if cfg.broker.curve else None

@@ -104,3 +104,32 @@ def test_launcher_killed_alone_takes_its_children_with_it(tmp_path, sig):
     job.wait(timeout=30)
     assert wait_until_gone(job.pid, 30) == []  # SIGTERM: drained; SIGKILL: children get SIGTERM
     assert shm.list_segments(prefix) == []
+
+
+def test_broker_and_stages_started_separately_as_on_a_cluster(tmp_path, free_port):
+    address = f"tcp://127.0.0.1:{free_port}"
+    overrides = [
+        "--set", f"broker.address={address}", "--set", "broker.shm_prefix=separate",
+        "--set", f"broker.journal={tmp_path / 'journal'}", "--set", f"stages.trainer.kwargs.run_dir={tmp_path}",
+    ]
+    module = [sys.executable, "-m", "stream_rlhf.cli"]
+    logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("broker", "stages")}  # files: never a full pipe
+    broker = subprocess.Popen([*module, "broker", "configs/broker_demo.yaml", *overrides],
+                              stdout=subprocess.PIPE, stderr=logs["broker"], text=True)
+    instances = [("prompts", 0), ("rollout", 0), ("rollout", 1), ("ref_forward", 0), ("reward_forward", 0), ("trainer", 0)]
+    stages = [
+        subprocess.Popen([*module, "stage", "configs/broker_demo.yaml", name, "--broker", address,
+                          "--index", str(index), *overrides], stderr=logs["stages"])
+        for name, index in instances
+    ]
+    try:
+        for stage in stages:
+            assert stage.wait(timeout=120) == 0, (tmp_path / "stages.log").read_text()[-3000:]
+        out, _ = broker.communicate(timeout=60)
+    finally:
+        for process in [broker, *stages]:
+            process.kill()
+    assert broker.returncode == 0, (tmp_path / "broker.log").read_text()[-3000:]
+    assert json.loads(out)["joins_emitted"] == 24
+    assert json.loads((tmp_path / "summary.json").read_text())["experiences"] == 24
+    assert shm.list_segments("separate") == []
