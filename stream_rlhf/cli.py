@@ -19,7 +19,7 @@ import time
 
 from stream_rlhf.config import ConfigError, load_config
 from stream_rlhf.job import JobConfig
-from stream_rlhf.launch.local import LocalJob, StageFailed, _stage_main, setup_logging
+from stream_rlhf.launch.local import LocalJob, StageFailed, run_stage, setup_logging
 
 log = logging.getLogger("stream_rlhf")
 
@@ -112,7 +112,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     if args.stage not in cfg.stages:
         raise ConfigError(f"stage {args.stage!r} is not in stages ({', '.join(cfg.stages)})")
     key_dir = cfg.broker.curve.key_dir if cfg.broker.curve else None
-    _stage_main(args.stage, f"{args.stage}-{args.index}", cfg.stages[args.stage], args.broker, key_dir, cfg.broker.shm_prefix)
+    run_stage(args.stage, f"{args.stage}-{args.index}", cfg.stages[args.stage], args.broker, key_dir, cfg.broker.shm_prefix)
     return 0
 
 

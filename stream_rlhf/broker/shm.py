@@ -18,11 +18,11 @@ import socket
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-ALIGN_POOL = 1 << 16  # small segments may be reused for anything up to 64 KiB
 
 
 def host_id() -> str:
@@ -104,15 +104,15 @@ def attach_cached(name: str) -> mmap.mmap:
 
 
 class SlotArena:
-    """Small payloads: segments of `slots` fixed-size slots, so a handle of a few KB costs no
+    """Small payloads: segments of SLOTS fixed-size slots, so a handle of a few KB costs no
     segment creation or mapping of its own. A slot is free again as soon as its handle is
     released, because consumers copy small payloads out (see attach_cached)."""
 
     SLOT_BYTES = 64 << 10
     SLOTS = 64
 
-    def __init__(self, make_segment):
-        self._make_segment = make_segment  # size -> Segment
+    def __init__(self, make_segment: Callable[[int], Segment]):
+        self._make_segment = make_segment
         self._segments: list[Segment] = []
         self._free: list[tuple[int, int]] = []  # (segment index, slot)
 
@@ -147,7 +147,7 @@ class SegmentPool:
     def take(self, size: int) -> Segment | None:
         """A free segment of at least `size` bytes and at most twice that, or None."""
         self._settle()
-        fits = [s for s in self._free if size <= s.size <= 2 * max(size, ALIGN_POOL)]
+        fits = [s for s in self._free if size <= s.size <= 2 * size]
         if not fits:
             return None
         best = min(fits, key=lambda s: s.size)

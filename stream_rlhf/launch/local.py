@@ -89,6 +89,11 @@ def _broker_main(topology: Topology, config: BrokerConfig, address_queue: mp.Que
 def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str) -> None:
     _child_signals()
     setup_logging()
+    run_stage(stage_name, instance_id, spec, address, key_dir, prefix)
+
+
+def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str) -> None:
+    """Build the stage from its spec and run it attached to the broker at `address` until it stops."""
     from stream_rlhf.broker.runner import StageRunner
 
     stage = load_class(spec.cls)(**spec.kwargs)
@@ -172,7 +177,7 @@ class LocalJob:
             return
         if self.broker_process.is_alive() and any(p.is_alive() for p in self.processes.values()):
             try:
-                with self.client() as client:
+                with ControlClient(self.address, self.key_dir, timeout_s=2.0) as client:
                     client.control("shutdown")
             except Exception as exc:  # the broker may be the thing that died
                 log.warning("could not send shutdown through the broker: %s", exc)
