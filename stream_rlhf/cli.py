@@ -16,10 +16,18 @@ import signal
 import sys
 import threading
 import time
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
 
 from stream_rlhf.config import ConfigError, load_config
 from stream_rlhf.job import JobConfig
 from stream_rlhf.launch.local import LocalJob, StageFailed, run_stage, setup_logging
+
+if TYPE_CHECKING:
+    from stream_rlhf.rl.dataflow import Dataflow
 
 log = logging.getLogger("stream_rlhf")
 
@@ -54,26 +62,51 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = load_config(JobConfig, args.config, args.set)
-    job = LocalJob(cfg.topology, cfg.broker, cfg.stages, cfg.admission())
+    if is_dataflow_config(args.config):
+        cfg = load_config(JobConfig, args.config, args.set)
+        job = LocalJob(cfg.topology, cfg.broker, cfg.stages, cfg.admission())
+        return _supervise(job, cfg.name, cfg.timeout_s, _BrokerProgress(job))
+    from stream_rlhf.rl.config import RLJobConfig
+    from stream_rlhf.rl.driver import RLRun
+
+    run = RLRun(load_config(RLJobConfig, args.config, args.set))
+    try:
+        code = _supervise(run.prepare(), run.cfg.name, run.cfg.timeout_s, run.progress())
+    finally:
+        run.cleanup()
+    if code == 0:
+        run.finish()
+    return code
+
+
+def is_dataflow_config(path: str) -> bool:
+    """A config listing `topics` and `stages` itself (like broker_demo.yaml) rather than an RL job."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    return isinstance(data, dict) and "topics" in data
+
+
+def _supervise(job: LocalJob, name: str, timeout_s: float, progress: AbstractContextManager) -> int:
+    """Start the job, show progress, wait for it; 0 when it finished, 1 when a stage failed or it
+    timed out, 130 when interrupted (every stage is drained and stopped in all cases)."""
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, a scheduler's stop: drain as for Ctrl-C
     address = job.start()
-    log.info("job %s: broker at %s, %d stage process(es)", cfg.name, address, len(job.processes))
-    stop_progress = threading.Event()
-    threading.Thread(target=_progress, args=(job, stop_progress), daemon=True).start()
+    log.info("job %s: broker at %s, %d stage process(es)", name, address, len(job.processes))
     try:
-        job.wait(cfg.timeout_s)
+        with progress:
+            job.wait(timeout_s)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the drain below finish
         log.warning("interrupted: draining every stage")
         return 130
     except (StageFailed, TimeoutError) as exc:
-        log.error("job %s failed: %s", cfg.name, exc)
+        log.error("job %s failed: %s", name, exc)
         return 1
     finally:
-        stop_progress.set()
         job.stop()
-    log.info("job %s finished", cfg.name)
+    log.info("job %s finished", name)
     return 0
 
 
@@ -81,39 +114,69 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
-def _progress(job: LocalJob, stop: threading.Event, every_s: float = 2.0) -> None:
-    """One progress line every few seconds from the broker's counters."""
-    started = time.monotonic()
-    while not stop.wait(every_s):
-        try:
-            with job.client() as client:
-                s = client.stats()
-        except Exception:
-            continue
-        queued = sum(v for k, v in s.items() if k.startswith("queue."))
-        log.info(
-            "[%5.1fs] published %d, delivered %d, completed %d, joins %d, queued %d, policy v%d",
-            time.monotonic() - started, s.get("published", 0), s.get("delivered", 0),
-            s.get("completed", 0), s.get("joins_emitted", 0), queued, s.get("policy_version", 0),
-        )
+class _BrokerProgress:
+    """One progress line every few seconds from the broker's counters (dataflow configs)."""
+
+    def __init__(self, job: LocalJob, every_s: float = 2.0):
+        self.job = job
+        self.every_s = every_s
+        self._stop = threading.Event()
+
+    def __enter__(self) -> _BrokerProgress:
+        threading.Thread(target=self._follow, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def _follow(self) -> None:
+        started = time.monotonic()
+        while not self._stop.wait(self.every_s):
+            try:
+                with self.job.client() as client:
+                    s = client.stats()
+            except Exception:
+                continue
+            queued = sum(v for k, v in s.items() if k.startswith("queue."))
+            log.info(
+                "[%5.1fs] published %d, delivered %d, completed %d, joins %d, queued %d, policy v%d",
+                time.monotonic() - started, s.get("published", 0), s.get("delivered", 0),
+                s.get("completed", 0), s.get("joins_emitted", 0), queued, s.get("policy_version", 0),
+            )
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
     from stream_rlhf.broker.server import BrokerServer
 
-    cfg = load_config(JobConfig, args.config, args.set)
-    counters = BrokerServer(cfg.topology, cfg.broker, cfg.admission()).serve()
+    flow = _dataflow(args)
+    counters = BrokerServer(flow.topology, flow.broker, flow.admission).serve()
     print(json.dumps(counters, indent=2, sort_keys=True))
     return 0
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    cfg = load_config(JobConfig, args.config, args.set)
-    if args.stage not in cfg.stages:
-        raise ConfigError(f"stage {args.stage!r} is not in stages ({', '.join(cfg.stages)})")
-    key_dir = cfg.broker.curve.key_dir if cfg.broker.curve else None
-    run_stage(args.stage, f"{args.stage}-{args.index}", cfg.stages[args.stage], args.broker, key_dir, cfg.broker.shm_prefix)
+    flow = _dataflow(args)
+    if args.stage not in flow.stages:
+        raise ConfigError(f"stage {args.stage!r} is not in stages ({', '.join(flow.stages)})")
+    key_dir = flow.broker.curve.key_dir if flow.broker.curve else None
+    run_stage(args.stage, f"{args.stage}-{args.index}", flow.stages[args.stage], args.broker, key_dir, flow.broker.shm_prefix)
     return 0
+
+
+def _dataflow(args: argparse.Namespace) -> Dataflow:
+    """The broker's and stages' view of either config kind (an RL job is compiled; its starting
+    checkpoint is `model.path` or the cached warm start)."""
+    from stream_rlhf.rl.dataflow import Dataflow, compile_job
+
+    if is_dataflow_config(args.config):
+        cfg = load_config(JobConfig, args.config, args.set)
+        return Dataflow(cfg.topology, cfg.broker, cfg.stages, cfg.admission())
+    from stream_rlhf.models.warm_start import warm_start
+    from stream_rlhf.rl.config import RLJobConfig
+    from stream_rlhf.weights.shm_store import weights_root
+
+    cfg = load_config(RLJobConfig, args.config, args.set)
+    return compile_job(cfg, str(warm_start(cfg)), str(weights_root(cfg.broker.shm_prefix, cfg.name)))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

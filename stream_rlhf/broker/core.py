@@ -305,6 +305,7 @@ class BrokerCore:
         self._route(handle, topic.consumers, self.topology.joins_of(handle.topic))
 
     def _route(self, handle: Handle, stages: list[str], joins: list[str]) -> None:
+        self.admission.published(handle)
         for stage in stages:
             key = (handle.topic, stage)
             self.queues[key].append(handle.id)

@@ -13,12 +13,14 @@ and the broker keeps one.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
+from pathlib import Path
 
 from stream_rlhf.broker.messages import (
     Ack,
@@ -52,6 +54,7 @@ class StageHost:
         send: Callable[[Message], None],
         prefetch: int = 2,
         wait_for_credit: bool = True,
+        timeline: Path | None = None,
     ):
         self.stage = stage
         self.stage_name = stage_name
@@ -69,6 +72,7 @@ class StageHost:
         self._producer_credit: dict[str, int] = {}
         self._unconfirmed: dict[str, Publish] = {}
         self._processed: OrderedDict[str, None] = OrderedDict()
+        self.timeline = Timeline(timeline, stage_name, instance_id) if timeline else None
         self.counters: dict[str, float] = {
             "steps": 0, "step_s": 0.0, "fetch_s": 0.0, "put_s": 0.0, "published": 0,
             "duplicates_skipped": 0, "credit_wait_s": 0.0, "nacked": 0, "send_failed": 0,
@@ -133,6 +137,8 @@ class StageHost:
             raise
         self.counters["steps"] += 1
         self.counters["step_s"] += time.perf_counter() - fetched
+        if self.timeline:
+            self.timeline.record(time.perf_counter() - fetched, handle.topic, handle.iteration, handle.minibatch)
         self._publish_all(outputs, handle, lambda topic, k: f"{handle.id}/{topic}/{k}")
         self._processed[handle.id] = None
         if len(self._processed) > DEDUPE_WINDOW:
@@ -156,6 +162,8 @@ class StageHost:
             return
         self.counters["steps"] += 1
         self.counters["step_s"] += time.perf_counter() - started
+        if self.timeline:
+            self.timeline.record(time.perf_counter() - started, "", outputs[0].iteration if outputs else -1, -1)
         self._publish_all(
             outputs, None, lambda topic, k: f"{self.stage_name}/{topic}/{outputs_key(outputs, topic, k)}"
         )
@@ -205,6 +213,24 @@ class StageHost:
                 self._credit.wait(0.1)
             self._producer_credit[topic] = self._producer_credit.get(topic, 0) - 1
         self.counters["credit_wait_s"] += time.perf_counter() - started
+
+
+class Timeline:
+    """One JSON line per step: wall-clock start and end, the input topic, iteration and mini-batch
+    (bench/pipeline.py turns these into busy fractions and bubbles)."""
+
+    def __init__(self, path: Path, stage_name: str, instance_id: str):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a", buffering=1)
+        self.stage_name = stage_name
+        self.instance_id = instance_id
+
+    def record(self, duration_s: float, topic: str, iteration: int, minibatch: int) -> None:
+        end = time.time()
+        self.file.write(json.dumps({
+            "stage": self.stage_name, "instance": self.instance_id, "start": end - duration_s, "end": end,
+            "topic": topic, "iteration": iteration, "minibatch": minibatch,
+        }) + "\n")
 
 
 def outputs_key(outputs: list[Output], topic: str, k: int) -> str:

@@ -88,8 +88,7 @@ class Journal:
             self._file.close()
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         with open(tmp, "wb") as out:
-            for handle, pending in self.live.values():
-                out.write(self._frame(Published(handle, pending)))
+            out.writelines(self._frame(Published(handle, pending)) for handle, pending in self.live.values())
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, self.path)

@@ -34,7 +34,7 @@ import msgspec
 
 SCHEMA_VERSION = 1
 
-MetadataValue = Union[int, float, str, bool, None, list[Union[int, float, str, bool]]]
+MetadataValue = Union[int, float, str, bool, None, list[int | float | str | bool]]
 RunnerState = Literal["running", "draining", "stopped"]
 ControlOp = Literal["weights_ready", "pause", "resume", "drain", "shutdown", "stats"]
 LocationKind = Literal["shm", "memory"]

@@ -26,6 +26,7 @@ import queue
 import signal
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -80,6 +81,7 @@ class StageRunner:
         drain_timeout_s: float = 30.0,
         capabilities: list[str] = (),
         shm_prefix: str = "srlhf",
+        timeline: Path | None = None,
     ):
         self.stage = stage
         self.stage_name = stage_name
@@ -93,7 +95,7 @@ class StageRunner:
         self.paused = False
         self._context = zmq.Context()
         self.transport = transport or ShmTransport(prefix=shm_prefix, context=self._context)
-        self.host = StageHost(stage, stage_name, instance_id, self.transport, self._send, prefetch)
+        self.host = StageHost(stage, stage_name, instance_id, self.transport, self._send, prefetch, timeline=timeline)
         # Deliver / Control for the stage thread; None only wakes it (new producer credit)
         self._inbox: queue.SimpleQueue[Deliver | Control | None] = queue.SimpleQueue()
         self._ready = threading.Event()

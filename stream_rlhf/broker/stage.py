@@ -14,8 +14,8 @@ sockets) and the in-process bus (`inprocess.py`, tests) call stages through this
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

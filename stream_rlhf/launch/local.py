@@ -16,10 +16,12 @@ import ctypes
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from stream_rlhf.broker.client import ControlClient
@@ -40,6 +42,14 @@ class StageSpec:
     """Keyword arguments of the class."""
     prefetch: int = 2
     """Handles delivered to an instance ahead of the one it is processing."""
+    cores: list[int] | None = None
+    """CPU cores the process is pinned to (os.sched_setaffinity); None: all."""
+    threads: int | None = None
+    """torch intra-op threads; None: torch's default."""
+    restarts: int = 0
+    """How often the launcher restarts a crashed instance before failing the job."""
+    timeline: str | None = None
+    """Folder where each instance writes one JSON line per step (start, end, iteration)."""
 
     def __post_init__(self) -> None:
         if ":" not in self.cls:
@@ -48,6 +58,10 @@ class StageSpec:
             raise ConfigError(f"instances={self.instances}: must be >= 1")
         if self.prefetch < 1:
             raise ConfigError(f"prefetch={self.prefetch}: must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads={self.threads}: must be >= 1")
+        if self.restarts < 0:
+            raise ConfigError(f"restarts={self.restarts}: must be >= 0")
 
 
 class StageFailed(RuntimeError):
@@ -96,8 +110,17 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
     """Build the stage from its spec and run it attached to the broker at `address` until it stops."""
     from stream_rlhf.broker.runner import StageRunner
 
+    if spec.cores is not None:
+        os.sched_setaffinity(0, spec.cores)
+    if spec.threads is not None:
+        import torch
+
+        torch.set_num_threads(spec.threads)
     stage = load_class(spec.cls)(**spec.kwargs)
-    StageRunner(stage, stage_name, instance_id, address, key_dir, prefetch=spec.prefetch, shm_prefix=prefix).run()
+    timeline = Path(spec.timeline) / f"{instance_id}.jsonl" if spec.timeline else None
+    StageRunner(
+        stage, stage_name, instance_id, address, key_dir, prefetch=spec.prefetch, shm_prefix=prefix, timeline=timeline
+    ).run()
 
 
 class LocalJob:
@@ -116,6 +139,7 @@ class LocalJob:
         self._ctx = mp.get_context("spawn")
         self.broker_process: mp.Process | None = None
         self.processes: dict[str, mp.Process] = {}
+        self.restarts_left = {name: spec.restarts for name, spec in stages.items()}
 
     @property
     def key_dir(self) -> str | None:
@@ -155,6 +179,7 @@ class LocalJob:
         deadline = time.monotonic() + timeout_s
         while any(p.is_alive() for p in self.processes.values()):
             failed = [name for name, p in self.processes.items() if p.exitcode not in (None, 0)]
+            failed = [name for name in failed if not self._restart(name)]
             if failed:
                 codes = ", ".join(f"{n} (exit {self.processes[n].exitcode})" for n in failed)
                 self.stop()
@@ -167,6 +192,17 @@ class LocalJob:
         if failed:
             self.stop()
             raise StageFailed(f"stage instance(s) failed: {failed}; traceback above")
+
+    def _restart(self, instance_id: str) -> bool:
+        """Restart a crashed instance if its stage allows more restarts; False when it does not."""
+        stage_name, _, index = instance_id.rpartition("-")
+        if self.restarts_left.get(stage_name, 0) <= 0:
+            return False
+        self.restarts_left[stage_name] -= 1
+        log.warning("%s exited with %s: restarting it (%d restart(s) left for %s)", instance_id,
+                    self.processes[instance_id].exitcode, self.restarts_left[stage_name], stage_name)
+        self.start_instance(stage_name, int(index))
+        return True
 
     def client(self) -> ControlClient:
         return ControlClient(self.address, self.key_dir)

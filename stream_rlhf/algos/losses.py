@@ -1,0 +1,108 @@
+"""Actor and critic losses for PPO-style updates: pure functions returning `(loss, metrics)`.
+
+Every loss is a token mean over `mask` (`masked_mean`) and every metric a python float over the
+valid tokens. Inputs are `(B, T)` per-token tensors. Only `logp`, `values` and `entropy` carry
+gradient; old log-probs, behavior log-probs, reference log-probs, advantages and returns are
+detached here.
+
+Log-probs, three policies: `logp` is the policy being trained; `old_logp` the proximal policy, the
+same weights before this update (the actor forward's log-probs), which anchors the PPO clip;
+`behavior_logp` the policy that generated the tokens, which with streaming rollout may be some
+versions older than `old_logp` (decoupled PPO corrects for the gap with an importance weight).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from stream_rlhf.algos.kl import MAX_LOG_RATIO, kl_estimate
+from stream_rlhf.algos.masked import masked_mean
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    behavior_logp: Tensor | None = None,
+    is_cap: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate, optionally decoupled from the behavior policy.
+
+    ratio = exp(logp - old_logp) (log-ratio clamped to [-20, 20]); per token
+    -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A). With `behavior_logp`, each token
+    is weighted by w = exp(old_logp - behavior_logp), detached, truncated to w <= is_cap when
+    `is_cap` is set (truncated importance sampling).
+
+    Metrics: `clipfrac` (fraction of tokens where the clipped term is the one taken, so the token
+    gives no gradient), `approx_kl` (k3 estimate of KL(pi_old || pi): mean of ratio - 1 - log ratio),
+    `ratio_max`; with `behavior_logp` also `is_weight_mean` (mean of the applied, truncated weight)
+    and `is_truncated_frac` (fraction of tokens whose weight was cut to is_cap).
+    """
+    old_logp = old_logp.detach()
+    advantages = advantages.detach()
+    log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+
+    metrics: dict[str, float] = {}
+    if behavior_logp is not None:
+        raw_weight = torch.exp((old_logp - behavior_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        weight = raw_weight if is_cap is None else raw_weight.clamp(max=is_cap)
+        per_token = per_token * weight
+        metrics["is_weight_mean"] = masked_mean(weight, mask).item()
+        metrics["is_truncated_frac"] = (
+            0.0 if is_cap is None else masked_mean((raw_weight > is_cap).float(), mask).item()
+        )
+
+    loss = masked_mean(per_token, mask)
+    with torch.no_grad():
+        metrics["clipfrac"] = masked_mean((clipped < unclipped).float(), mask).item()
+        metrics["approx_kl"] = masked_mean(ratio - 1 - log_ratio, mask).item()
+        metrics["ratio_max"] = torch.where(mask.bool(), ratio, 0.0).max().item()
+    return loss, metrics
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_eps: float
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss: per token 0.5 * max((v - R)^2, (clip(v, old_v - eps, old_v + eps) - R)^2).
+
+    Metrics: `value_clipfrac` (fraction of tokens where the clipped term is the larger, so the token
+    gives no gradient), `value_mse` (mean of the unclipped (v - R)^2).
+    """
+    old_values = old_values.detach()
+    returns = returns.detach()
+    clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    unclipped_error = (values - returns) ** 2
+    clipped_error = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask)
+    with torch.no_grad():
+        metrics = {
+            "value_clipfrac": masked_mean((clipped_error > unclipped_error).float(), mask).item(),
+            "value_mse": masked_mean(unclipped_error, mask).item(),
+        }
+    return loss, metrics
+
+
+def kl_loss(
+    logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: Literal["k1", "k2", "k3"]
+) -> tuple[Tensor, dict[str, float]]:
+    """KL(pi || ref) penalty as a loss: token mean of `kl_estimate(logp, ref_logp, kind)`, see
+    `kl_estimate` for the kinds. Metrics: `kl` (the loss value)."""
+    loss = masked_mean(kl_estimate(logp, ref_logp.detach(), kind), mask)
+    return loss, {"kl": loss.item()}
+
+
+def entropy_loss(entropy: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+    """Negative token-mean entropy, so that `total = pg + coef * entropy_loss` adds an entropy bonus.
+    entropy: (B, T) per-token entropy of the policy. Metrics: `entropy` (the mean entropy)."""
+    loss = -masked_mean(entropy, mask)
+    return loss, {"entropy": -loss.item()}

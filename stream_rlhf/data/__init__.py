@@ -1,0 +1,1 @@
+"""Prompt datasets and the synthetic tasks with verifiable rewards."""

@@ -1,0 +1,1 @@
+"""Model building: tiny configs, tokenizer, value and reward heads, checkpoints, packing."""

@@ -1,0 +1,131 @@
+"""Sequence packing: run variable-length sequences through a model without per-sequence padding.
+
+    packed = pack(sequences, capacity=512)           # rows of at most 512 tokens
+    logits = packed_forward(model, sequences)        # list of (L_i, V), gradients flow
+    logp, ent = sequence_logprobs(model, sequences, temperature=0.7, with_entropy=True)
+
+Sequences are placed into rows of `capacity` tokens by first-fit-decreasing bin packing, so short
+sequences share a row and attention cost stays bounded by capacity**2 per row. Each row gets a
+block-diagonal causal attention mask (a token attends only to earlier tokens of its own sequence)
+and position ids that restart at 0 per sequence; with these, Hugging Face models (sdpa attention)
+give the same logits as separate forwards. Padding only fills the tail of each row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+
+from stream_rlhf.models.logprobs import token_entropy, token_logprobs
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Sequences packed into R rows of C tokens (C = the fullest row's length, <= capacity)."""
+
+    input_ids: Tensor
+    """(R, C) long; tail of each row filled with pad_id."""
+    position_ids: Tensor
+    """(R, C) long; restarts at 0 at the start of every sequence (0 on padding)."""
+    attention_mask: Tensor
+    """(R, 1, C, C) bool, True = attend; block-diagonal causal. Padding attends only to itself."""
+    spans: list[tuple[int, int, int]]
+    """(row, start, length) of each input sequence, in input order."""
+
+
+def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
+    """(row, start) of each length, placing longest first into the first row with room."""
+    fill: list[int] = []  # tokens used per row
+    placement: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, used in enumerate(fill) if used + lengths[i] <= capacity), len(fill))
+        if row == len(fill):
+            fill.append(0)
+        placement[i] = (row, fill[row])
+        fill[row] += lengths[i]
+    return placement
+
+
+def pack(sequences: list[Tensor], capacity: int | None = None, pad_id: int = 0) -> Packed:
+    """Pack 1-D token sequences (L_i,) into rows of at most `capacity` tokens (default: the longest).
+
+    Tensors are built on the device of the first sequence.
+    """
+    if not sequences:
+        raise ValueError("sequences: must not be empty")
+    lengths = [int(s.numel()) for s in sequences]
+    if min(lengths) < 1:
+        raise ValueError(f"sequences[{lengths.index(min(lengths))}] has length 0: must be >= 1")
+    capacity = max(lengths) if capacity is None else capacity
+    if capacity < max(lengths):
+        raise ValueError(f"capacity={capacity}: must be >= the longest sequence ({max(lengths)})")
+
+    placement = _first_fit_decreasing(lengths, capacity)
+    spans = [(row, start, length) for (row, start), length in zip(placement, lengths)]
+    n_rows = max(row for row, _ in placement) + 1
+    width = max(start + length for _, start, length in spans)
+    device = sequences[0].device
+
+    input_ids = torch.full((n_rows, width), pad_id, dtype=torch.long, device=device)  # (R, C)
+    position_ids = torch.zeros((n_rows, width), dtype=torch.long, device=device)  # (R, C)
+    segment = torch.full((n_rows, width), -1, dtype=torch.long, device=device)  # (R, C), -1 = padding
+    for i, (seq, (row, start, length)) in enumerate(zip(sequences, spans)):
+        input_ids[row, start : start + length] = seq.to(device=device, dtype=torch.long)
+        position_ids[row, start : start + length] = torch.arange(length, device=device)
+        segment[row, start : start + length] = i
+
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # (C, C)
+    same = (segment[:, :, None] == segment[:, None, :]) & (segment != -1)[:, :, None]  # (R, C, C)
+    # padding attends to itself so no query row is fully masked (which would give NaN under sdpa)
+    mask = (same & causal) | torch.eye(width, dtype=torch.bool, device=device)  # (R, C, C)
+    return Packed(input_ids, position_ids, mask[:, None], spans)
+
+
+def unpack(values: Tensor, packed: Packed) -> list[Tensor]:
+    """Per-token values (R, C, ...) -> one (L_i, ...) tensor per input sequence, in input order."""
+    return [values[row, start : start + length] for row, start, length in packed.spans]
+
+
+def pad_right(seqs: list[Tensor], value: float) -> Tensor:
+    """Stack (L_i, ...) tensors into (B, Lmax, ...), filling the tail of each with `value`."""
+    return nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=value)
+
+
+def _forward(model: nn.Module, packed: Packed) -> Tensor:
+    """The model's `.logits` for every packed position: (R, C, ...) on the model's device."""
+    device = next(model.parameters()).device
+    out = model(
+        input_ids=packed.input_ids.to(device),
+        position_ids=packed.position_ids.to(device),
+        attention_mask=packed.attention_mask.to(device),
+    )
+    return out.logits
+
+
+def packed_forward(model: nn.Module, sequences: list[Tensor], capacity: int | None = None) -> list[Tensor]:
+    """`model(...).logits` of each sequence (L_i,) as (L_i, ...), computed packed; gradients flow.
+
+    (L_i, V) for a causal LM, (L_i, 1) for a token-classification value or reward head.
+    """
+    packed = pack(sequences, capacity)
+    return unpack(_forward(model, packed), packed)
+
+
+def sequence_logprobs(
+    model: nn.Module,
+    sequences: list[Tensor],
+    temperature: float,
+    with_entropy: bool = False,
+    capacity: int | None = None,
+) -> tuple[list[Tensor], list[Tensor] | None]:
+    """log p(token t+1 | tokens <= t) of each sequence (L_i,) as (L_i - 1,), and optionally the
+    entropy of each of those next-token distributions (L_i - 1,); fp32, gradients flow."""
+    packed = pack(sequences, capacity)
+    logits = _forward(model, packed)[:, :-1]  # (R, C - 1, V): position t predicts t + 1
+    labels = packed.input_ids[:, 1:].to(logits.device)  # (R, C - 1)
+    shifted = replace(packed, spans=[(row, start, length - 1) for row, start, length in packed.spans])
+    logp = unpack(token_logprobs(logits, labels, temperature), shifted)  # list of (L_i - 1,)
+    entropy = unpack(token_entropy(logits, temperature), shifted) if with_entropy else None
+    return logp, entropy

@@ -1,0 +1,288 @@
+"""The RL job config: what `configs/text_ppo.yaml` and `configs/text_grpo.yaml` hold.
+
+Glossary (the words the code and the metrics use):
+    iteration       one rollout batch: `rollout_batch.minibatches` mini-batches of prompts, generated,
+                    scored and then trained on together.
+    mini-batch      the unit that flows between stages as one broker handle.
+    policy_version  the actor weights: v0 is the starting checkpoint; training iteration i publishes
+                    v(i+1). Every sample carries the version that generated it.
+    staleness       trainer version minus the sample's policy_version when it is trained on;
+                    never more than `overlap_depth`.
+    optimizer step  one gradient update; `algorithm.ppo_epochs * algorithm.train_minibatches` of
+                    them make one training iteration.
+
+Every section is a frozen dataclass; unknown keys, wrong types and impossible combinations fail in
+`stream_rlhf.config.build` before any process starts, naming the dotted key and value.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
+from stream_rlhf.broker.topology import BrokerConfig
+from stream_rlhf.config import ConfigError
+
+Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """A random-initialised Qwen2-architecture model (vocabulary from the project's tokenizer)."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    """vLLM serves only head_dim >= 32."""
+    max_position_embeddings: int = 64
+
+    def __post_init__(self) -> None:
+        if self.head_dim < 32:
+            raise ConfigError(f"head_dim={self.head_dim}: must be >= 32 (vLLM cannot serve less)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_key_value_heads={self.num_key_value_heads}: must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """Short SFT on the task's train split so RL starts from a policy that sometimes succeeds."""
+
+    steps: int = 400
+    batch_size: int = 64
+    lr: float = 1e-3
+    cache_dir: str = "runs/.cache"
+    """Finished warm starts are kept here, keyed by a hash of model, task and these settings."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None
+    """A Hugging Face checkpoint folder (config, weights, tokenizer). None: the embedded tiny model."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not os.path.isfile(os.path.join(self.path, "config.json")):
+            raise ConfigError(f"path={self.path!r}: no config.json there (expected a Hugging Face checkpoint folder)")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The synthetic task: prompts, references and the split evaluation uses."""
+
+    name: Literal["arithmetic"] = "arithmetic"
+    max_operand: int = 99
+    eval_prompts: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_operand < 1:
+            raise ConfigError(f"max_operand={self.max_operand}: must be >= 1")
+        if self.eval_prompts < 1:
+            raise ConfigError(f"eval_prompts={self.eval_prompts}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class RolloutBatchConfig:
+    prompts_per_minibatch: int = 32
+    minibatches: int = 2
+    """Mini-batches per iteration (per rollout batch)."""
+    samples_per_prompt: int = 1
+    """Responses per prompt; GRPO and RLOO need >= 2 (they normalise within a prompt's group)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_minibatch", "minibatches", "samples_per_prompt"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+
+    @property
+    def samples_per_minibatch(self) -> int:
+        return self.prompts_per_minibatch * self.samples_per_prompt
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    backend: Literal["torch"] = "torch"
+    instances: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 6
+    stop: list[str] = field(default_factory=lambda: ["<eos>"])
+    """Tokens that end a response (kept in it)."""
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise ConfigError(f"instances={self.instances}: must be >= 1")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Score = function_weight * function(prompt, response, reference) + model_weight * reward model."""
+
+    function: str | None = "stream_rlhf.data.arithmetic:reward"
+    """Dotted path "package.module:name" of a rule-based reward; None for none."""
+    function_weight: float = 1.0
+    model_path: str | None = None
+    """A Hugging Face sequence-classification checkpoint with one label (the scalar head)."""
+    model_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.function is None and self.model_path is None:
+            raise ConfigError("function=None: a reward function or a model_path is needed")
+        if self.function is not None and ":" not in self.function:
+            raise ConfigError(f"function={self.function!r}: expected 'package.module:name'")
+        if self.model_path is not None and not os.path.isfile(os.path.join(self.model_path, "config.json")):
+            raise ConfigError(f"model_path={self.model_path!r}: no config.json there")
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    kind: Literal["k1", "k2", "k3"] = "k1"
+    placement: Literal["reward", "loss"] = "reward"
+    """`reward`: -coef * KL per token is added to the reward; `loss`: coef * KL is added to the loss."""
+    coef: float = 0.01
+    target: float | None = None
+    """Set to make the coefficient adaptive (Ziegler et al.): it moves to keep KL near target."""
+    horizon: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.coef < 0:
+            raise ConfigError(f"coef={self.coef}: must be >= 0")
+        if self.target is not None and self.target <= 0:
+            raise ConfigError(f"target={self.target}: must be > 0")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    advantage: Estimator = "gae"
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    value_clip: float = 0.2
+    is_cap: float = 2.0
+    """Truncation of the behaviour importance weight (decoupled PPO, overlap_depth >= 1)."""
+    entropy_coef: float = 0.0
+    whiten_advantages: bool = True
+    """Whiten over the whole rollout batch (every mini-batch of the iteration)."""
+    ppo_epochs: int = 2
+    train_minibatches: int = 2
+    """Optimizer steps per epoch: the iteration's samples are split into this many."""
+    kl: KLConfig = field(default_factory=KLConfig)
+
+    def __post_init__(self) -> None:
+        if self.advantage not in ADVANTAGE_ESTIMATORS:
+            raise ConfigError(f"advantage={self.advantage!r}: unknown")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ConfigError(f"gamma={self.gamma}, lam={self.lam}: must be in [0, 1]")
+        if self.ppo_epochs < 1 or self.train_minibatches < 1:
+            raise ConfigError(f"ppo_epochs={self.ppo_epochs}, train_minibatches={self.train_minibatches}: must be >= 1")
+        if self.is_cap < 1:
+            raise ConfigError(f"is_cap={self.is_cap}: must be >= 1")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage in NEEDS_CRITIC
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"lr={self.lr}: must be > 0")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Which cores each stage process runs on (on GPUs: which devices).
+
+    separated: rollout (and the prompt source) on `rollout_cores`, forwards and training on
+               `train_cores`; both run at once.
+    colocated: every stage on every core of `rollout_cores + train_cores`, taking turns.
+    """
+
+    mode: Literal["separated", "colocated"] = "separated"
+    rollout_cores: list[int] = field(default_factory=lambda: [0])
+    train_cores: list[int] = field(default_factory=lambda: [1])
+    offload: list[str] = field(default_factory=list)
+    """Stages whose params and optimizer state go to host memory between phases (GPU only;
+    on CPU a no-op the stage reports)."""
+
+    def __post_init__(self) -> None:
+        available = sorted(os.sched_getaffinity(0))
+        for name in ("rollout_cores", "train_cores"):
+            cores = getattr(self, name)
+            if not cores:
+                raise ConfigError(f"{name}=[]: needs at least one core")
+            missing = [c for c in cores if c not in available]
+            if missing:
+                raise ConfigError(f"{name}={cores}: cores {missing} are not available (this machine: {available})")
+
+
+@dataclass(frozen=True)
+class RLJobConfig:
+    name: str
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    schedule: Literal["stream", "sync"] = "stream"
+    overlap_depth: int = 1
+    """How many policy versions rollout may run ahead of training (0: on-policy)."""
+    iterations: int = 20
+    rollout_batch: RolloutBatchConfig = field(default_factory=RolloutBatchConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    actor: OptimizerConfig = field(default_factory=OptimizerConfig)
+    critic: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-3))
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(address="tcp://127.0.0.1:*"))
+    runs_dir: str = "runs"
+    seed: int = 0
+    timeout_s: float = 900.0
+    timeline: bool = False
+    """Write every stage step's start and end to runs/<name>/timeline/ (for bench/pipeline.py)."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name={self.name!r}: a non-empty folder name")
+        if self.iterations < 1:
+            raise ConfigError(f"iterations={self.iterations}: must be >= 1")
+        if self.overlap_depth < 0:
+            raise ConfigError(f"overlap_depth={self.overlap_depth}: must be >= 0")
+        if self.schedule == "sync" and self.overlap_depth != 0:
+            raise ConfigError(f"overlap_depth={self.overlap_depth}: schedule=sync is on-policy, needs 0")
+        grouped = self.algorithm.advantage in ("grpo", "rloo")
+        if grouped and self.rollout_batch.samples_per_prompt < 2:
+            raise ConfigError(
+                f"rollout_batch.samples_per_prompt={self.rollout_batch.samples_per_prompt}: "
+                f"algorithm.advantage={self.algorithm.advantage} needs >= 2 samples per prompt"
+            )
+        samples = self.rollout_batch.samples_per_minibatch * self.rollout_batch.minibatches
+        if self.algorithm.train_minibatches > samples:
+            raise ConfigError(
+                f"algorithm.train_minibatches={self.algorithm.train_minibatches}: more than the {samples} "
+                "samples of an iteration"
+            )
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.runs_dir, self.name)

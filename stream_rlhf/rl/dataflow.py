@@ -1,0 +1,86 @@
+"""Compiles an RL job config into the broker's dataflow and the stage processes of the launcher.
+
+    prompts ─► rollout ─┬─► ref_forward ────┐
+                        ├─► reward_forward ─┤  join by (iteration, mini-batch)
+                        ├─► actor_forward ──┤──────────► experience ─┬─► actor_train ─► weights v+1
+                        └─► critic_forward ─┘  (PPO)                 └─► critic_train (PPO)
+
+GRPO, RLOO and REINFORCE++ have no critic stages. Admission holds the prompts of iteration i
+until training has published version i - overlap_depth. The `sync` schedule adds barriers: a
+mini-batch of rollout (or experience) is delivered only when every mini-batch of its iteration
+has been published there, so generation, forwards and training run phase by phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from stream_rlhf.broker.admission import OverlapAdmission, PhaseAdmission
+from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
+from stream_rlhf.launch.local import StageSpec
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.stages.job_context import JobContext
+
+STAGE_CLASSES = {
+    "prompts": "stream_rlhf.stages.prompts:PromptSource",
+    "rollout": "stream_rlhf.stages.rollout:RolloutStage",
+    "ref_forward": "stream_rlhf.stages.ref_forward:RefForward",
+    "reward_forward": "stream_rlhf.stages.reward_forward:RewardForward",
+    "actor_forward": "stream_rlhf.stages.actor_forward:ActorForward",
+    "critic_forward": "stream_rlhf.stages.critic_forward:CriticForward",
+    "actor_train": "stream_rlhf.stages.actor_train:ActorTrain",
+    "critic_train": "stream_rlhf.stages.critic_train:CriticTrain",
+}
+ROLLOUT_SIDE = {"prompts", "rollout"}
+"""Stages placed on `placement.rollout_cores` when separated; the rest go on `train_cores`."""
+
+
+@dataclass(frozen=True)
+class Dataflow:
+    topology: Topology
+    broker: BrokerConfig
+    stages: dict[str, StageSpec]
+    admission: OverlapAdmission | PhaseAdmission
+
+
+def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str) -> Dataflow:
+    critic = cfg.algorithm.uses_critic
+    forwards = ["ref_forward", "reward_forward", "actor_forward"] + (["critic_forward"] if critic else [])
+    trainers = ["actor_train"] + (["critic_train"] if critic else [])
+    parts = {"ref_forward": "ref_logp", "reward_forward": "reward", "actor_forward": "old_logp", "critic_forward": "values"}
+    topics = {
+        "prompts": TopicConfig(producers=["prompts"], consumers=["rollout"]),
+        "rollout": TopicConfig(producers=["rollout"], consumers=forwards),
+        **{parts[f]: TopicConfig(producers=[f]) for f in forwards},
+        "experience": TopicConfig(join=["rollout", *(parts[f] for f in forwards)], consumers=trainers),
+    }
+    job = JobContext(cfg, checkpoint, weights_root)
+    minibatches = cfg.rollout_batch.minibatches
+    timeline = f"{cfg.run_dir}/timeline" if cfg.timeline else None
+    stages = {
+        name: StageSpec(
+            STAGE_CLASSES[name],
+            instances=cfg.rollout.instances if name == "rollout" else 1,
+            kwargs={"job": job},
+            cores=_cores(cfg, name),
+            threads=len(_cores(cfg, name)),
+            timeline=timeline,
+        )
+        for name in ["prompts", "rollout", *forwards, *trainers]
+    }
+    # a whole iteration must fit in the queues, or the sync barriers (and the trainers, which
+    # wait for every mini-batch of an iteration) would stall on back-pressure
+    capacity = max(cfg.broker.queue_capacity, 2 * minibatches * (cfg.overlap_depth + 1))
+    broker = replace(cfg.broker, queue_capacity=capacity)
+    overlap = OverlapAdmission(frozenset({"prompts"}), cfg.overlap_depth)
+    admission = overlap if cfg.schedule == "stream" else PhaseAdmission(
+        overlap, frozenset({"rollout", "experience"}), minibatches
+    )
+    return Dataflow(Topology(topics), broker, stages, admission)
+
+
+def _cores(cfg: RLJobConfig, stage: str) -> list[int]:
+    placement = cfg.placement
+    if placement.mode == "colocated":
+        return sorted(set(placement.rollout_cores) | set(placement.train_cores))
+    return list(placement.rollout_cores if stage in ROLLOUT_SIDE else placement.train_cores)

@@ -1,0 +1,100 @@
+"""The driver of `stream-rlhf run` for RL configs: everything around the stage processes.
+
+    run = RLRun(cfg)
+    job = run.prepare()        # warm start (cached), eval before, compile the dataflow -> LocalJob
+    ... supervise the job with run.progress() ...
+    summary = run.finish()     # eval after, summary.json + table; always removes the weight files
+
+Sample accounting in the summary is exact: samples_generated = samples_trained + samples_dropped
+(reasons in dropped_reasons) + samples_in_flight_at_stop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from stream_rlhf.launch.local import LocalJob
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.dataflow import compile_job
+from stream_rlhf.telemetry.metrics import read_metrics
+from stream_rlhf.telemetry.progress import IterationProgress, print_summary
+from stream_rlhf.weights.shm_store import weights_root
+
+log = logging.getLogger("stream_rlhf")
+RUN_OUTPUTS = ("metrics.jsonl", "critic_metrics.jsonl", "train_summary.json", "summary.json", "timeline",
+               "rollout_counts", "checkpoint", "tensorboard")
+"""What a run writes in runs/<name>/; a new run of the same name starts without them."""
+
+
+class RLRun:
+    def __init__(self, cfg: RLJobConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.weights = weights_root(cfg.broker.shm_prefix, cfg.name)
+        self.started = time.monotonic()
+        self.before: dict[str, float] = {}
+        self.checkpoint = ""
+
+    def prepare(self) -> LocalJob:
+        from stream_rlhf.models.warm_start import warm_start
+        from stream_rlhf.rl.evaluate import evaluate
+
+        for name in RUN_OUTPUTS:
+            path = self.run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.weights, ignore_errors=True)
+        self.checkpoint = str(warm_start(self.cfg))
+        self.before = evaluate(self.cfg, self.checkpoint)
+        log.info("eval before RL: reward %.3f (greedy %.3f)", self.before["reward"], self.before["greedy_reward"])
+        flow = compile_job(self.cfg, self.checkpoint, str(self.weights))
+        self.job_started = time.monotonic()
+        return LocalJob(flow.topology, flow.broker, flow.stages, flow.admission)
+
+    def progress(self) -> AbstractContextManager:
+        return IterationProgress(self.run_dir / "metrics.jsonl", self.cfg.iterations)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.weights, ignore_errors=True)
+
+    def finish(self) -> dict[str, Any]:
+        from stream_rlhf.rl.evaluate import evaluate
+
+        self.cleanup()
+        job_s = time.monotonic() - self.job_started
+        after = evaluate(self.cfg, str(self.run_dir / "checkpoint"))
+        train = json.loads((self.run_dir / "train_summary.json").read_text())
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        steady = records[1:] or records  # the first iteration also pays for process start-up
+        generated = sum(json.loads(p.read_text())["generated"] for p in (self.run_dir / "rollout_counts").glob("*.json"))
+        summary = {
+            "name": self.cfg.name,
+            "algorithm": self.cfg.algorithm.advantage,
+            "schedule": self.cfg.schedule,
+            "overlap_depth": self.cfg.overlap_depth,
+            "eval_reward_before": self.before["reward"],
+            "eval_reward_after": after["reward"],
+            "eval_greedy_reward_before": self.before["greedy_reward"],
+            "eval_greedy_reward_after": after["greedy_reward"],
+            "iterations": train["iterations"],
+            "tokens_per_s": round(sum(r.get("tokens", 0) for r in steady) / max(sum(r["iteration_s"] for r in steady), 1e-9), 1),
+            "iteration_s": round(sum(r["iteration_s"] for r in steady) / max(len(steady), 1), 3),
+            "samples_generated": generated,
+            "samples_trained": train["samples_trained"],
+            "samples_dropped": train["samples_dropped"],
+            "dropped_reasons": train["dropped_reasons"],
+            "samples_in_flight_at_stop": generated - train["samples_trained"] - train["samples_dropped"],
+            "max_staleness": train["max_staleness"],
+            "job_s": round(job_s, 1),
+            "wall_s": round(time.monotonic() - self.started, 1),
+            "checkpoint": str(self.run_dir / "checkpoint"),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print_summary(summary)
+        return summary

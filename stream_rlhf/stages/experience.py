@@ -1,0 +1,132 @@
+"""One iteration's experience, assembled from the joined handles for the trainers.
+
+    exp = Experience.from_batches(batches)       # every mini-batch of the iteration
+    rewards = exp.token_rewards(kl_coef, cfg.kl) # (N, R): score on the last token, KL penalty
+    part = exp.select(indices)                   # the samples of one optimizer step
+
+Per-token tensors are right-padded to (N, R) with `mask` marking the response tokens; the
+sequences themselves stay ragged (they are packed again for each forward pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from stream_rlhf.algos.kl import kl_estimate
+from stream_rlhf.broker.stage import Batch
+from stream_rlhf.models.packing import pad_right
+from stream_rlhf.rl.config import KLConfig
+from stream_rlhf.stages.samples import Rollout, unragged
+
+
+@dataclass
+class Experience:
+    sequences: list[Tensor]
+    """(P_i + R_i,) token ids."""
+    prompt_lens: Tensor
+    """(N,)"""
+    mask: Tensor
+    """(N, R) 1.0 on response tokens."""
+    behavior_logp: Tensor
+    """(N, R) under the policy that sampled them."""
+    old_logp: Tensor
+    """(N, R) under the actor forward's (proximal) weights."""
+    ref_logp: Tensor
+    """(N, R) under the reference policy."""
+    values: Tensor | None
+    """(N, R) from the critic forward; None without a critic."""
+    scores: Tensor
+    """(N,) sequence rewards."""
+    group_ids: Tensor
+    """(N,)"""
+    policy_versions: Tensor
+    """(N,) the version that generated each sample."""
+
+    @classmethod
+    def from_batches(cls, batches: list[Batch]) -> Experience:
+        sequences, prompt_lens, behavior, old, ref, values, scores, groups, versions = ([] for _ in range(9))
+        for batch in batches:
+            t = batch.tensors
+            rollout = Rollout.from_tensors(t)
+            sequences += rollout.sequences
+            prompt_lens.append(rollout.prompt_lens)
+            behavior += rollout.behavior_logp
+            old += unragged(t, "old_logp")
+            ref += unragged(t, "ref_logp")
+            if "values" in t:
+                values += unragged(t, "values")
+            scores.append(t["scores"])
+            groups.append(rollout.group_ids)
+            versions.append(torch.full((batch.num_samples,), batch.policy_version))
+        return cls(
+            sequences=sequences,
+            prompt_lens=torch.cat(prompt_lens),
+            mask=pad_right([torch.ones(len(b)) for b in behavior], 0.0),
+            behavior_logp=pad_right(behavior, 0.0),
+            old_logp=pad_right(old, 0.0),
+            ref_logp=pad_right(ref, 0.0),
+            values=pad_right(values, 0.0) if values else None,
+            scores=torch.cat(scores).float(),
+            group_ids=torch.cat(groups).long(),
+            policy_versions=torch.cat(versions),
+        )
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    def kl(self, kind: str) -> Tensor:
+        """(N, R) per-token KL estimate of the sampling-time actor against the reference."""
+        return kl_estimate(self.old_logp, self.ref_logp, kind) * self.mask
+
+    def token_rewards(self, kl_coef: float, kl: KLConfig) -> Tensor:
+        """(N, R): the score on each response's last token, minus kl_coef * KL per token when the
+        KL penalty goes in the reward."""
+        last = self.mask.sum(dim=1).long() - 1  # (N,)
+        rewards = torch.zeros_like(self.mask)
+        rewards[torch.arange(self.num_samples), last] = self.scores
+        if kl.placement == "reward":
+            rewards = rewards - kl_coef * self.kl(kl.kind)
+        return rewards
+
+    def padded(self, per_sample: list[Tensor]) -> Tensor:
+        """(N, R) from per-sample response values, padded to this experience's width."""
+        out = pad_right(per_sample, 0.0)
+        return torch.nn.functional.pad(out, (0, self.mask.shape[1] - out.shape[1]))
+
+    def select(self, index: Tensor) -> Experience:
+        """The samples at `index` (an optimizer step's share)."""
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                picked[f.name] = [value[i] for i in index.tolist()]
+            elif value is None:
+                picked[f.name] = None
+            else:
+                picked[f.name] = value[index]
+        return Experience(**picked)
+
+
+class IterationBuffer:
+    """Collects experience mini-batches by iteration; a trainer takes an iteration once all of
+    its mini-batches are in (later iterations wait here while rollout runs ahead)."""
+
+    def __init__(self, minibatches: int):
+        self.minibatches = minibatches
+        self.pending: dict[int, list[Batch]] = {}
+
+    def add(self, batch: Batch) -> None:
+        self.pending.setdefault(batch.iteration, []).append(batch)
+
+    def take(self, iteration: int) -> list[Batch] | None:
+        if len(self.pending.get(iteration, ())) < self.minibatches:
+            return None
+        return sorted(self.pending.pop(iteration), key=lambda b: b.minibatch)

@@ -1,0 +1,30 @@
+"""What every RL stage is built with: the job config and where its models and weights live."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stream_rlhf.rl.config import RLJobConfig
+
+
+@dataclass(frozen=True)
+class JobContext:
+    config: RLJobConfig
+    checkpoint: str
+    """The Hugging Face folder RL starts from (the warm-started tiny model or `model.path`)."""
+    weights_root: str
+    """Where trainers publish weight versions (`weights.shm_store`)."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.run_dir)
+
+
+def seeded_generator(*parts: int | str) -> torch.Generator:
+    """A generator seeded by `parts` (seed, iteration, mini-batch...): the same mini-batch samples
+    the same way whichever schedule, instance or process handles it."""
+    return torch.Generator().manual_seed(random.Random("/".join(map(str, parts))).getrandbits(63))

@@ -1,0 +1,71 @@
+"""Reward: a rule-based function (dotted path in the config), a reward model with a scalar head,
+or both, combined as `function_weight * function + model_weight * model`, one score per sample.
+
+A rule-based function has the signature `fn(prompt: str, response: str, reference: str) -> float`;
+the response is decoded without special tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.launch.local import load_class
+from stream_rlhf.models.checkpoint import load_reward_model, load_tokenizer
+from stream_rlhf.models.packing import pad_right
+from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.stages.samples import Rollout
+
+RewardFunction = Callable[[str, str, str], float]
+
+
+class Scorer:
+    """The configured reward: rule-based function, reward model, or both (also used by evaluation)."""
+
+    def __init__(self, job: JobContext):
+        self.cfg = job.config.reward
+        self.tokenizer = load_tokenizer(job.checkpoint)
+        self.function: RewardFunction | None = load_class(self.cfg.function) if self.cfg.function else None
+        self.model = load_reward_model(self.cfg.model_path) if self.cfg.model_path else None
+
+    def score(self, rollout: Rollout, references: list[str]) -> torch.Tensor:
+        """(N,) scores of the sequences of `rollout`."""
+        scores = torch.zeros(len(rollout.sequences))
+        if self.function is not None:
+            scores += self.cfg.function_weight * self._rule_scores(rollout, references)
+        if self.model is not None:
+            scores += self.cfg.model_weight * self._model_scores(rollout)
+        return scores
+
+    def _rule_scores(self, rollout: Rollout, references: list[str]) -> torch.Tensor:
+        decode = self.tokenizer.decode
+        scores = []
+        for sequence, prompt_len, reference in zip(rollout.sequences, rollout.prompt_lens.tolist(), references):
+            prompt = decode(sequence[:prompt_len], skip_special_tokens=True)
+            response = decode(sequence[prompt_len:], skip_special_tokens=True)
+            scores.append(float(self.function(prompt, response, reference)))
+        return torch.tensor(scores)
+
+    def _model_scores(self, rollout: Rollout) -> torch.Tensor:
+        pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+        input_ids = pad_right(rollout.sequences, pad).long()  # (N, L)
+        lengths = torch.tensor([len(s) for s in rollout.sequences])
+        mask = (torch.arange(input_ids.shape[1])[None] < lengths[:, None]).long()  # (N, L)
+        with torch.inference_mode():
+            logits = self.model(input_ids=input_ids, attention_mask=mask).logits  # (N, 1)
+        return logits[:, 0].float()
+
+
+class RewardForward(Stage):
+    def __init__(self, job: JobContext):
+        self.job = job
+
+    def setup(self, ctx: StageContext) -> None:
+        super().setup(ctx)
+        self.scorer = Scorer(self.job)
+
+    def step(self, batch: Batch | None) -> list[Output]:
+        scores = self.scorer.score(Rollout.from_tensors(batch.tensors), batch.metadata["references"])
+        return [Output("reward", {"scores": scores}, batch.num_samples)]

@@ -1,0 +1,59 @@
+"""Rollout: samples responses from the current policy with the torch KV-cache backend.
+
+Before each mini-batch it loads the newest actor weights the trainer published (weights change
+only between mini-batches), and every output carries the `policy_version` that generated it
+along with the behaviour log-probs of the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from stream_rlhf.backends.torch_rollout import SamplingParams, generate
+from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
+from stream_rlhf.stages.job_context import JobContext, seeded_generator
+from stream_rlhf.stages.samples import Rollout, unragged
+from stream_rlhf.weights.shm_store import WeightStore
+
+
+class RolloutStage(Stage):
+    def __init__(self, job: JobContext):
+        self.job = job
+        self.policy_version = 0
+
+    def setup(self, ctx: StageContext) -> None:
+        super().setup(ctx)
+        cfg = self.job.config.rollout
+        self.tokenizer = load_tokenizer(self.job.checkpoint)
+        self.model = load_policy(self.job.checkpoint).eval()
+        self.weights = WeightStore(self.job.weights_root, "actor")
+        stop_ids = tuple(self.tokenizer.convert_tokens_to_ids(token) for token in cfg.stop)
+        self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, stop_ids,
+                                     self.tokenizer.pad_token_id)
+        self.generated = 0
+
+    def step(self, batch: Batch | None) -> list[Output]:
+        self.policy_version = self.weights.refresh(self.model, self.policy_version)
+        prompts = unragged(batch.tensors, "prompt_ids")
+        generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch)
+        gen = generate(self.model, prompts, self.params, generator)
+        rollout = Rollout(
+            sequences=[torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
+            prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int32),
+            behavior_logp=gen.response_logp,
+            group_ids=batch.tensors["group_ids"],
+        )
+        self.generated += len(prompts)
+        finished = sum(reason == "stop" for reason in gen.finish_reasons)
+        return [Output("rollout", rollout.to_tensors(), len(prompts), policy_version=self.policy_version,
+                       metadata={"references": batch.metadata["references"], "finished": finished})]
+
+    def close(self) -> None:
+        """Leave this instance's sample count for the run summary (generated = trained + dropped +
+        in flight at stop)."""
+        folder = self.job.run_dir / "rollout_counts"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{self.ctx.instance_id}.json").write_text(json.dumps({"generated": self.generated}))

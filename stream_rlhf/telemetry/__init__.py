@@ -1,0 +1,1 @@
+"""Metrics, step timelines and the progress shown while a job runs."""

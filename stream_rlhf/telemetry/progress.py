@@ -1,0 +1,70 @@
+"""What the user watches during `stream-rlhf run`: a progress bar over iterations with reward,
+KL, tokens/s and staleness (a log line per iteration when stderr is not a terminal), and the
+summary table at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from stream_rlhf.telemetry.metrics import read_metrics
+
+log = logging.getLogger("stream_rlhf")
+
+
+def describe(record: dict[str, Any]) -> str:
+    return (f"reward {record.get('reward', float('nan')):.3f}  kl {record.get('kl', float('nan')):.4f}  "
+            f"{record.get('tokens_per_s', 0):.0f} tok/s  staleness {record.get('staleness_mean', 0):.2f}"
+            f"/{record.get('staleness_max', 0)}")
+
+
+class IterationProgress:
+    """Follows runs/<name>/metrics.jsonl (written by actor_train) from a background thread."""
+
+    def __init__(self, metrics_path: Path, iterations: int, every_s: float = 0.5):
+        self.path = metrics_path
+        self.iterations = iterations
+        self.every_s = every_s
+        self.console = Console(stderr=True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+
+    def __enter__(self) -> IterationProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _follow(self) -> None:
+        shown = 0
+        bar = Progress(TextColumn("iteration"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+                       TextColumn("{task.description}"), console=self.console, disable=not self.console.is_terminal)
+        with bar:
+            task = bar.add_task("starting stages", total=self.iterations)
+            while True:
+                stopping = self._stop.wait(self.every_s)
+                records = read_metrics(self.path)
+                for record in records[shown:]:
+                    bar.update(task, completed=record["iteration"] + 1, description=describe(record))
+                    if not self.console.is_terminal:
+                        log.info("iteration %d/%d: %s", record["iteration"] + 1, self.iterations, describe(record))
+                shown = len(records)
+                if stopping:
+                    return
+
+
+def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+    table = Table(title=f"run {summary.get('name', '')}", show_header=False)
+    for key, value in summary.items():
+        if key != "name":
+            table.add_row(key, str(value))
+    (console or Console()).print(table)

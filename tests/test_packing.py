@@ -1,0 +1,138 @@
+"""Packing: packed forwards equal separate forwards (logits and gradients); log-probs from logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
+
+from stream_rlhf.models.logprobs import token_entropy, token_logprobs
+from stream_rlhf.models.packing import pack, packed_forward, pad_right, sequence_logprobs, unpack
+
+VOCAB = 48
+LENGTHS = [5, 1, 9, 3, 7, 2, 9]
+
+
+def _config(**extra) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def lm() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(_config()).eval()
+
+
+@pytest.fixture(scope="module")
+def value_model() -> Qwen2ForTokenClassification:
+    torch.manual_seed(1)
+    return Qwen2ForTokenClassification(_config(num_labels=1)).eval()
+
+
+@pytest.fixture
+def sequences() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(1, VOCAB, (n,), generator=g) for n in LENGTHS]
+
+
+def test_pack_layout(sequences):
+    packed = pack(sequences, capacity=10, pad_id=0)
+    n_rows, width = packed.input_ids.shape
+    assert width <= 10 and n_rows < len(sequences)  # short sequences share rows
+    assert [length for _, _, length in packed.spans] == LENGTHS
+    for seq, ids, pos in zip(sequences, unpack(packed.input_ids, packed), unpack(packed.position_ids, packed)):
+        assert torch.equal(ids, seq) and torch.equal(pos, torch.arange(seq.numel()))
+    used = torch.zeros(n_rows, width, dtype=torch.int)
+    for row, start, length in packed.spans:
+        used[row, start : start + length] += 1
+    assert used.max() == 1
+    assert packed.attention_mask.shape == (n_rows, 1, width, width)
+    # a token attends exactly to itself and the earlier tokens of its own sequence
+    row, start, length = packed.spans[2]
+    last = packed.attention_mask[row, 0, start + length - 1]
+    expected = torch.zeros(width, dtype=torch.bool)
+    expected[start : start + length] = True
+    assert torch.equal(last, expected)
+
+
+def test_pack_default_capacity_is_longest(sequences):
+    packed = pack(sequences)
+    assert packed.input_ids.shape[1] == max(LENGTHS)
+
+
+def test_pack_rejects_bad_input(sequences):
+    with pytest.raises(ValueError, match="capacity=4"):
+        pack(sequences, capacity=4)
+    with pytest.raises(ValueError, match="length 0"):
+        pack([torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)])
+
+
+@pytest.mark.parametrize("capacity", [None, 10, 30])
+def test_packed_logits_equal_separate_forwards(lm, sequences, capacity):
+    with torch.no_grad():
+        packed = packed_forward(lm, sequences, capacity)
+        for seq, logits in zip(sequences, packed):
+            assert logits.shape == (seq.numel(), VOCAB)
+            torch.testing.assert_close(logits, lm(seq[None]).logits[0], atol=1e-5, rtol=0)
+
+
+def test_packed_value_head(value_model, sequences):
+    with torch.no_grad():
+        for seq, values in zip(sequences, packed_forward(value_model, sequences, capacity=10)):
+            assert values.shape == (seq.numel(), 1)
+            torch.testing.assert_close(values, value_model(seq[None]).logits[0], atol=1e-5, rtol=0)
+
+
+def test_packed_gradients_equal_separate(lm, sequences):
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(n, VOCAB, generator=g) for n in LENGTHS]
+    params = [p for p in lm.parameters() if p.requires_grad]
+
+    lm.zero_grad()
+    sum((w * out).sum() for w, out in zip(weights, packed_forward(lm, sequences, capacity=10))).backward()
+    packed_grads = [p.grad.clone() for p in params]
+
+    lm.zero_grad()
+    sum((w * lm(s[None]).logits[0]).sum() for w, s in zip(weights, sequences)).backward()
+    for p, packed_grad in zip(params, packed_grads):
+        torch.testing.assert_close(packed_grad, p.grad, atol=1e-4, rtol=1e-4)
+    lm.zero_grad()
+
+
+def test_sequence_logprobs_match_manual(lm, sequences):
+    with torch.no_grad():
+        logp, entropy = sequence_logprobs(lm, sequences, temperature=0.7, with_entropy=True, capacity=10)
+        for seq, lp, ent in zip(sequences, logp, entropy):
+            full = torch.log_softmax(lm(seq[None]).logits[0, :-1] / 0.7, dim=-1)  # (L - 1, V)
+            assert lp.shape == ent.shape == (seq.numel() - 1,)
+            torch.testing.assert_close(lp, full.gather(-1, seq[1:, None]).squeeze(-1), atol=1e-5, rtol=0)
+            torch.testing.assert_close(ent, -(full.exp() * full).sum(-1), atol=1e-5, rtol=0)
+        assert sequence_logprobs(lm, sequences, temperature=1.0)[1] is None
+
+
+def test_token_logprobs_temperature():
+    logits = torch.randn(3, 4, VOCAB)
+    labels = torch.randint(0, VOCAB, (3, 4))
+    untempered = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+    torch.testing.assert_close(token_logprobs(logits, labels), untempered)
+    torch.testing.assert_close(token_logprobs(logits, labels, temperature=0.0), untempered)
+    assert token_logprobs(logits.half(), labels, 2.0).dtype == torch.float32
+    torch.testing.assert_close(token_entropy(logits, 0.0), token_entropy(logits, 1.0))
+    assert (token_entropy(logits, 10.0) > token_entropy(logits, 0.5)).all()
+
+
+def test_pad_right():
+    padded = pad_right([torch.ones(2, 3), torch.ones(4, 3)], value=-1.0)
+    assert padded.shape == (2, 4, 3)
+    assert (padded[0, 2:] == -1).all() and (padded[1] == 1).all()

@@ -1,0 +1,116 @@
+"""The torch rollout backend: left padding, KV cache, sampling and behaviour log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from stream_rlhf.backends.torch_rollout import SamplingParams, generate
+from stream_rlhf.models.packing import sequence_logprobs
+
+VOCAB = 48
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def lm() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.fixture
+def prompts() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, VOCAB, (n,), generator=g) for n in (6, 1, 3, 9)]
+
+
+def _greedy_without_cache(lm, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    ids = prompt.clone()
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, lm(ids[None]).logits[0, -1].argmax()[None]])
+    return ids[prompt.numel() :]
+
+
+def test_greedy_equals_uncached_argmax(lm, prompts):
+    gen = generate(lm, prompts, SamplingParams(temperature=0, max_new_tokens=8, pad_token_id=PAD))
+    assert gen.finish_reasons == ["length"] * len(prompts)
+    for prompt, response in zip(prompts, gen.response_ids):
+        assert torch.equal(response, _greedy_without_cache(lm, prompt, 8))
+
+
+def test_behaviour_logp_equals_recomputed(lm, prompts):
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=10)
+    gen = generate(lm, prompts, params, generator=torch.Generator().manual_seed(0))
+    full = [torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)]
+    recomputed, _ = sequence_logprobs(lm, full, temperature=0.7)
+    for prompt, logp, again in zip(prompts, gen.response_logp, recomputed):
+        torch.testing.assert_close(logp, again[prompt.numel() - 1 :], atol=1e-4, rtol=0)
+
+
+def test_stop_tokens_end_responses(lm, prompts):
+    free = generate(lm, prompts, SamplingParams(temperature=0, max_new_tokens=8))
+    stop = int(free.response_ids[0][3])
+    gen = generate(lm, prompts, SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop,)))
+    for unstopped, response, reason in zip(free.response_ids, gen.response_ids, gen.finish_reasons):
+        hits = (unstopped == stop).nonzero()
+        if len(hits):
+            assert reason == "stop" and torch.equal(response, unstopped[: int(hits[0]) + 1])
+        else:
+            assert reason == "length" and torch.equal(response, unstopped)
+    assert gen.finish_reasons[0] == "stop" and int(gen.response_ids[0][-1]) == stop
+    assert all(len(ids) == len(lp) for ids, lp in zip(gen.response_ids, gen.response_logp))
+
+
+def test_max_new_tokens_respected(lm, prompts):
+    gen = generate(lm, prompts, SamplingParams(max_new_tokens=3), generator=torch.Generator().manual_seed(0))
+    assert [len(r) for r in gen.response_ids] == [3] * len(prompts)
+    assert [len(r) for r in gen.response_logp] == [3] * len(prompts)
+
+
+def test_same_seed_same_samples(lm, prompts):
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    first = generate(lm, prompts, params, generator=torch.Generator().manual_seed(5))
+    second = generate(lm, prompts, params, generator=torch.Generator().manual_seed(5))
+    for a, b in zip(first.response_ids, second.response_ids):
+        assert torch.equal(a, b)
+
+
+def test_tiny_top_p_is_greedy(lm, prompts):
+    greedy = generate(lm, prompts, SamplingParams(temperature=0, max_new_tokens=6))
+    nucleus = generate(
+        lm,
+        prompts,
+        SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=6),
+        generator=torch.Generator().manual_seed(0),
+    )
+    for a, b in zip(greedy.response_ids, nucleus.response_ids):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"top_p": 0}, "top_p=0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+        ({"pad_token_id": -1}, "pad_token_id=-1"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
