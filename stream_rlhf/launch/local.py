@@ -104,6 +104,12 @@ def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str
     _child_signals()
     setup_logging()
     run_stage(stage_name, instance_id, spec, address, key_dir, prefix)
+    # the instance has stopped cleanly; skip interpreter teardown, which takes seconds per
+    # process once torch and transformers are loaded (a crash above still exits with its traceback)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str) -> None:

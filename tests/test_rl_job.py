@@ -1,0 +1,80 @@
+"""`stream-rlhf run` on a tiny RL job, as a user runs it: real broker, one process per stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stream_rlhf.telemetry.metrics import read_metrics
+from tests.rl_tiny import tiny_job, write_job
+
+pytestmark = pytest.mark.slow
+SUMMARY_KEYS = {"eval_reward_before", "eval_reward_after", "tokens_per_s", "wall_s", "iterations", "samples_trained",
+                "samples_generated", "samples_dropped", "dropped_reasons"}
+
+
+def start_run(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.Popen, Path]:
+    config = write_job(tmp_path / f"{name}.yaml", tiny_job(tmp_path, name, **{"broker": {"shm_prefix": f"t_{name}"}}))
+    log = tmp_path / f"{name}.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stream_rlhf.cli", "run", str(config), *(x for s in sets for x in ("--set", s))],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    return process, log
+
+
+def leftover_shm(prefix: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+def test_tiny_ppo_run_writes_a_consistent_summary(tmp_path):
+    process, log = start_run(tmp_path, "e2e", "overlap_depth=1", "iterations=3", "placement.mode=separated")
+    assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
+    run_dir = tmp_path / "e2e"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["iterations"] == 3
+    assert summary["samples_generated"] == 3 * 2 * 8
+    assert summary["samples_generated"] == (summary["samples_trained"] + summary["samples_dropped"]
+                                            + summary["samples_in_flight_at_stop"])
+    assert summary["samples_dropped"] == 0
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert all(r["staleness_max"] <= 1 for r in records)  # never older than overlap_depth...
+    assert max(r["staleness_max"] for r in records) == 1  # ...though rollout did run ahead
+    assert (run_dir / "checkpoint" / "model.safetensors").is_file()
+    assert "eval_reward_after" in log.read_text() or "│ eval_reward_after" in log.read_text()
+    assert not leftover_shm("t_e2e")
+
+
+def test_killed_stage_stops_the_run_with_a_clear_message_and_no_orphans(tmp_path):
+    process, log = start_run(tmp_path, "kill", "iterations=50", "overlap_depth=1")
+    deadline = time.monotonic() + 180
+    pids: dict[str, int] = {}
+    while time.monotonic() < deadline and not read_metrics(tmp_path / "kill" / "metrics.jsonl"):
+        time.sleep(0.5)
+        pids = {m[0]: int(m[1]) for m in re.findall(r"instance (\S+) of stage \S+ joined \(pid (\d+)\)", log.read_text())}
+    assert "rollout-0" in pids, log.read_text()[-3000:]
+    os.kill(pids["rollout-0"], signal.SIGKILL)
+    assert process.wait(timeout=60) == 1
+    text = log.read_text()
+    assert re.search(r"stage instance\(s\) failed: rollout-0 \(exit -9\)", text), text[-3000:]
+    for name, pid in pids.items():
+        assert not Path(f"/proc/{pid}").exists() or _is_zombie_of_other(pid), f"{name} (pid {pid}) outlived the run"
+    assert not leftover_shm("t_kill")
+    assert not (tmp_path / "kill" / "summary.json").exists()
+
+
+def _is_zombie_of_other(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
