@@ -27,6 +27,8 @@ from tests.rl_tiny import tiny_job, write_job
         ({"model.path": "/nonexistent"}, "model.path='/nonexistent': no config.json there"),
         ({"reward.function": "no_colon"}, "reward.function='no_colon': expected 'package.module:name'"),
         ({"algorithm.kl.kind": "k4"}, "algorithm.kl.kind='k4': must be one of"),
+        ({"restarts": {"actor_train": 1}}, "restarts.actor_train=1: only rollout, ref_forward"),
+        ({"placement.offload": ["trainer"]}, "placement.offload: 'trainer' is not a stage"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, override, message):

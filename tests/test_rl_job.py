@@ -73,6 +73,21 @@ def test_killed_stage_stops_the_run_with_a_clear_message_and_no_orphans(tmp_path
     assert not (tmp_path / "kill" / "summary.json").exists()
 
 
+def test_a_restartable_stage_is_restarted_and_the_run_completes(tmp_path):
+    process, log = start_run(tmp_path, "restart", "iterations=6", "restarts={rollout: 1}")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not read_metrics(tmp_path / "restart" / "metrics.jsonl"):
+        time.sleep(0.5)
+    pid = int(re.search(r"instance rollout-0 of stage rollout joined \(pid (\d+)\)", log.read_text())[1])
+    os.kill(pid, signal.SIGKILL)
+    assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
+    assert "rollout-0 exited with -9: restarting it" in log.read_text()
+    summary = json.loads((tmp_path / "restart" / "summary.json").read_text())
+    assert summary["iterations"] == 6 and summary["samples_trained"] == 6 * 2 * 8
+    assert summary["samples_generated"] >= summary["samples_trained"]
+    assert not leftover_shm("t_restart")
+
+
 def _is_zombie_of_other(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

@@ -26,6 +26,9 @@ from stream_rlhf.broker.topology import BrokerConfig
 from stream_rlhf.config import ConfigError
 
 Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
+ALL_STAGES = ("prompts", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward",
+              "actor_train", "critic_train")
+RESTARTABLE = ("rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward")
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,9 @@ class RLJobConfig:
     runs_dir: str = "runs"
     seed: int = 0
     timeout_s: float = 900.0
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Stage -> how often the launcher restarts a crashed instance (stateless stages only: rollout
+    and the forwards; redelivery gives the new instance the unfinished mini-batches)."""
     timeline: bool = False
     """Write every stage step's start and end to runs/<name>/timeline/ (for bench/pipeline.py)."""
 
@@ -282,6 +288,16 @@ class RLJobConfig:
                 f"algorithm.train_minibatches={self.algorithm.train_minibatches}: more than the {samples} "
                 "samples of an iteration"
             )
+
+        for stage, count in self.restarts.items():
+            if stage not in RESTARTABLE:
+                raise ConfigError(f"restarts.{stage}={count}: only {', '.join(RESTARTABLE)} can restart "
+                                  "(the others hold state a restart would lose)")
+            if count < 0:
+                raise ConfigError(f"restarts.{stage}={count}: must be >= 0")
+        for stage in self.placement.offload:
+            if stage not in ALL_STAGES:
+                raise ConfigError(f"placement.offload: {stage!r} is not a stage ({', '.join(ALL_STAGES)})")
 
     @property
     def run_dir(self) -> str:

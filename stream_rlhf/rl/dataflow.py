@@ -13,6 +13,7 @@ has been published there, so generation, forwards and training run phase by phas
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 from stream_rlhf.broker.admission import OverlapAdmission, PhaseAdmission
@@ -21,6 +22,7 @@ from stream_rlhf.launch.local import StageSpec
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.job_context import JobContext
 
+log = logging.getLogger(__name__)
 STAGE_CLASSES = {
     "prompts": "stream_rlhf.stages.prompts:PromptSource",
     "rollout": "stream_rlhf.stages.rollout:RolloutStage",
@@ -64,12 +66,16 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str) -> Dataflo
             kwargs={"job": job},
             cores=_cores(cfg, name),
             threads=len(_cores(cfg, name)),
+            restarts=cfg.restarts.get(name, 0),
             timeline=timeline,
         )
         for name in ["prompts", "rollout", *forwards, *trainers]
     }
     # a whole iteration must fit in the queues, or the sync barriers (and the trainers, which
     # wait for every mini-batch of an iteration) would stall on back-pressure
+    if cfg.placement.offload:
+        log.info("placement.offload %s: a no-op on CPU, where parameters and optimizer state already live "
+                 "in host memory", cfg.placement.offload)
     capacity = max(cfg.broker.queue_capacity, 2 * minibatches * (cfg.overlap_depth + 1))
     broker = replace(cfg.broker, queue_capacity=capacity)
     overlap = OverlapAdmission(frozenset({"prompts"}), cfg.overlap_depth)

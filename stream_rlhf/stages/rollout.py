@@ -8,6 +8,7 @@ along with the behaviour log-probs of the sampled tokens.
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -34,6 +35,8 @@ class RolloutStage(Stage):
         self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, stop_ids,
                                      self.tokenizer.pad_token_id)
         self.generated = 0
+        self.counts_file = self.job.run_dir / "rollout_counts" / f"{ctx.instance_id}-{os.getpid()}.json"
+        self.counts_file.parent.mkdir(parents=True, exist_ok=True)
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.policy_version = self.weights.refresh(self.model, self.policy_version)
@@ -46,14 +49,13 @@ class RolloutStage(Stage):
             behavior_logp=gen.response_logp,
             group_ids=batch.tensors["group_ids"],
         )
-        self.generated += len(prompts)
+        self._count(len(prompts))
         finished = sum(reason == "stop" for reason in gen.finish_reasons)
         return [Output("rollout", rollout.to_tensors(), len(prompts), policy_version=self.policy_version,
                        metadata={"references": batch.metadata["references"], "finished": finished})]
 
-    def close(self) -> None:
-        """Leave this instance's sample count for the run summary (generated = trained + dropped +
-        in flight at stop)."""
-        folder = self.job.run_dir / "rollout_counts"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{self.ctx.instance_id}.json").write_text(json.dumps({"generated": self.generated}))
+    def _count(self, samples: int) -> None:
+        """Keep this process's sample count on disk for the run summary (generated = trained +
+        dropped + in flight at stop); per process, so a restarted instance adds to it."""
+        self.generated += samples
+        self.counts_file.write_text(json.dumps({"generated": self.generated}))
