@@ -3,6 +3,7 @@ schedules, staleness and determinism without process start-up costs."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,13 @@ def test_critic_free_estimators_train(tmp_path, advantage):
     _, records = run_inprocess(tmp_path, advantage, **{"algorithm.advantage": advantage,
                                                         "rollout_batch.samples_per_prompt": 2})
     assert len(records) == 2 and all(r["samples"] == 32 for r in records)
+
+
+def test_a_hugging_face_checkpoint_folder_loads_with_the_same_code(tmp_path):
+    """`model.path`: any causal-LM folder with its tokenizer (here a copy of the tiny warm start)."""
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "source"))
+    folder = tmp_path / "hf_checkpoint"
+    shutil.copytree(warm_start(cfg), folder)
+    loaded_cfg, records = run_inprocess(tmp_path, "from_path", iterations=1, **{"model.path": str(folder)})
+    assert warm_start(loaded_cfg) == folder
+    assert len(records) == 1 and (Path(loaded_cfg.run_dir) / "checkpoint" / "config.json").is_file()

@@ -119,8 +119,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 6
-    stop: list[str] = field(default_factory=lambda: ["<eos>"])
-    """Tokens that end a response (kept in it)."""
+    stop: list[str] | None = None
+    """Tokens that end a response (kept in it); None: the tokenizer's end-of-sequence token."""
 
     def __post_init__(self) -> None:
         if self.instances < 1:

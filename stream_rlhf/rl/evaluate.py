@@ -10,7 +10,7 @@ import torch
 
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.data.arithmetic import problems
-from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
+from stream_rlhf.models.checkpoint import load_policy, load_tokenizer, stop_token_ids
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
 from stream_rlhf.stages.reward_forward import Scorer
@@ -22,7 +22,7 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     model = load_policy(checkpoint).eval()
     scorer = Scorer(JobContext(cfg, checkpoint, ""))
     eval_set = problems("eval", cfg.task.eval_prompts, cfg.task.seed, cfg.task.max_operand)
-    stop_ids = tuple(tokenizer.convert_tokens_to_ids(token) for token in cfg.rollout.stop)
+    stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop)
     result = {}
     for name, temperature in (("reward", cfg.rollout.temperature), ("greedy_reward", 0.0)):
         params = SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids, tokenizer.pad_token_id)

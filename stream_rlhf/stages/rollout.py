@@ -14,7 +14,7 @@ import torch
 
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
-from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
+from stream_rlhf.models.checkpoint import load_policy, load_tokenizer, stop_token_ids
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
 from stream_rlhf.stages.samples import Rollout, unragged
 from stream_rlhf.weights.shm_store import WeightStore
@@ -31,7 +31,7 @@ class RolloutStage(Stage):
         self.tokenizer = load_tokenizer(self.job.checkpoint)
         self.model = load_policy(self.job.checkpoint).eval()
         self.weights = WeightStore(self.job.weights_root, "actor")
-        stop_ids = tuple(self.tokenizer.convert_tokens_to_ids(token) for token in cfg.stop)
+        stop_ids = stop_token_ids(self.tokenizer, cfg.stop)
         self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, stop_ids,
                                      self.tokenizer.pad_token_id)
         self.generated = 0
