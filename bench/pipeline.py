@@ -76,9 +76,9 @@ SCHEDULES = {
 WORKLOAD = [
     "placement.mode=separated",
     "rollout.stop=[]",
-    "rollout.max_new_tokens=32",
-    "rollout_batch.prompts_per_minibatch=32",
-    "rollout_batch.minibatches=4",
+    "rollout.max_new_tokens=56",
+    "rollout_batch.prompts_per_minibatch=4",
+    "rollout_batch.minibatches=8",
     "algorithm.ppo_epochs=1",
 ]
 RUN_TIMEOUT_S = 600.0
@@ -92,8 +92,8 @@ class Settings:
     """Leading iterations outside the steady-state window."""
 
 
-FULL = Settings(iterations=24, skip=2)
-QUICK = Settings(iterations=5, skip=2)
+FULL = Settings(iterations=30, skip=2)
+QUICK = Settings(iterations=4, skip=2)
 
 
 # ---- running ---------------------------------------------------------------------------------

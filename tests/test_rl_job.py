@@ -22,7 +22,7 @@ SUMMARY_KEYS = {"eval_reward_before", "eval_reward_after", "tokens_per_s", "wall
 
 
 def start_run(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.Popen, Path]:
-    config = write_job(tmp_path / f"{name}.yaml", tiny_job(tmp_path, name, **{"broker": {"shm_prefix": f"t_{name}"}}))
+    config = write_job(tmp_path / f"{name}.yaml", tiny_job(tmp_path, name, broker={"shm_prefix": f"t_{name}"}))
     log = tmp_path / f"{name}.log"
     with log.open("w") as out:
         process = subprocess.Popen(
