@@ -50,6 +50,9 @@ def test_tiny_ppo_run_writes_a_consistent_summary(tmp_path):
     records = read_metrics(run_dir / "metrics.jsonl")
     assert all(r["staleness_max"] <= 1 for r in records)  # never older than overlap_depth...
     assert max(r["staleness_max"] for r in records) == 1  # ...though rollout did run ahead
+    for record in records:  # the loss clips against the weights training starts from...
+        if record["staleness_max"] == 1:  # ...recomputed when rollout ran ahead of them
+            assert record["proximal_recomputed"] == 1
     assert (run_dir / "checkpoint" / "model.safetensors").is_file()
     assert "eval_reward_after" in log.read_text() or "│ eval_reward_after" in log.read_text()
     assert not leftover_shm("t_e2e")

@@ -1,5 +1,10 @@
-"""Actor forward: log-probs of the response tokens under the newest actor weights (the proximal
-policy of decoupled PPO; equal to the behaviour log-probs when rollout used the same version)."""
+"""Actor forward: log-probs of the response tokens under the newest actor weights.
+
+They are the sampling-time policy's log-probs for the KL penalty, and the proximal log-probs the
+PPO loss clips against whenever these weights are the ones training starts from (always with
+overlap_depth 0; actor_train recomputes them when rollout ran ahead). Each output records the
+version it used as `proximal_version`.
+"""
 
 from __future__ import annotations
 
