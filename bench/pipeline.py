@@ -1,59 +1,67 @@
 """Pipeline benchmark: the same PPO job under the sync and stream schedules, side by side.
 
-Each schedule is one `stream-rlhf run configs/text_ppo.yaml` subprocess with the overrides of
-WORKLOAD below, placement `separated` (prompts + rollout on core 0, every forward and trainer
-stage on core 1), `timeline=true`, and a name of its own (runs/bench_pipeline_<schedule>/):
+Each schedule is one `stream-rlhf run configs/text_ppo.yaml` subprocess with the WORKLOAD
+overrides below, placement `separated` (prompts + rollout on core 0, every forward and trainer
+stage on core 1), `timeline=true` and a name of its own (runs/bench_pipeline_<column>/):
 
     sync      schedule=sync   overlap_depth=0   generate all, then forward all, then train
-    stream0   schedule=stream overlap_depth=0   mini-batch pipelining inside an iteration
-    stream1   schedule=stream overlap_depth=1   rollout of iteration i+1 overlaps training of i
+    stream0   schedule=stream overlap_depth=0   mini-batches flow on as they are generated
+    stream1   schedule=stream overlap_depth=1   and rollout of iteration i+1 overlaps training of i
 
 Figures, per schedule, over the steady-state window: from the end of iteration SKIP-1's
-training to the end of the last iteration's (the first SKIP iterations also pay for process
-start-up, the warm-up of every stage and, for stream1, the filling of the pipeline):
+training to the end of the last iteration's. The first SKIP = 2 iterations are left out: the
+first is timed from the trainer's start-up, while rollout may already have run (and in stream1
+it is the pipeline fill), and the second still runs into stages warming up.
 
-    tokens/s       as in the HybridFlow paper: prompt + response tokens of each iteration's
-                   global batch (actor_train's metrics.jsonl `tokens`) / iteration time,
-                   summed over the window: sum(tokens) / sum(iteration_s).
-    iteration s    mean `iteration_s` (training end to training end) over the window.
-    busy           per stage: sum of its step durations (timeline/*.jsonl, clipped to the window)
-                   / window. A step's duration is wall time, so stages time-sharing core 1 can
+    tokens/s       as in the HybridFlow paper: prompt + response tokens of the iteration's global
+                   batch (actor_train's metrics.jsonl `tokens`) / iteration time; over the window,
+                   sum(tokens) / sum(iteration_s).
+    iteration s    mean `iteration_s` (end of training to end of training) over the window.
+    busy           per stage: the sum of its step durations (timeline/*.jsonl, clipped to the
+                   window) / window. Durations are wall time, so stages that time-share core 1 can
                    add up to more than 1.
     bubble ratio   over the two core groups, rollout side (prompts, rollout) and train side (every
                    forward and trainer): 1 - (busy time of each group, overlapping steps within a
-                   group merged, summed) / (2 * window). 0: both core groups always working.
+                   group merged, summed) / (2 * window). 0: both groups always have a step running.
 
-Workload (WORKLOAD; the model, task and warm start are those of text_ppo.yaml, so the cached
-warm start is reused). What streaming can overlap is generation on core 0 with forwards and
-training on core 1; the figure only means something when the two take comparable time. With the
-config as it is, responses stop at <eos> after ~3.5 tokens and one iteration spends ~0.05 s
-generating against ~0.6 s forwarding and training: the job is training-bound and no schedule can
-hide more than ~8 % of it. So:
+Workload. Streaming overlaps generation (core 0) with forwards and training (core 1), so the
+figure means something only when the two take comparable time per iteration. With text_ppo.yaml
+as it is, responses stop at <eos> after ~3.5 tokens: an iteration spends ~0.05 s generating and
+~0.6 s forwarding and training, and no schedule can hide more than a few per cent of that. On this
+CPU the tiny model's decoding is bound by per-step overhead (~0.7 ms a step whatever the batch),
+while forwards and training cost per token, so generation catches up with long responses on small
+batches:
 
-    rollout.stop=[] and rollout.max_new_tokens=MAX_NEW   responses of a fixed length (throughput
-        benchmarks ignore EOS, as verl's do, so the token count per iteration does not drift as the
-        policy changes); generation costs one decode step per token, ~linear in the length,
-        while forwards and training process the whole sequence at once.
-    algorithm.ppo_epochs=1                               one pass over the batch per iteration.
-    rollout_batch.minibatches=4                          mini-batches of 32 prompts: stream0 can
-        forward mini-batch k while mini-batch k+1 generates.
+    rollout.stop=[], rollout.max_new_tokens=48   fixed-length responses (throughput benchmarks
+        ignore EOS, as verl's do, so the tokens per iteration do not drift as the policy
+        changes); 48 decode steps per mini-batch, prompt + response ~54 tokens (the model has 64
+        positions).
+    rollout_batch: 8 mini-batches of 4 prompts, 1 sample each   8 x 48 decode steps per iteration,
+        ~0.33 s; 32 sequences to forward (x3) and train on, ~0.37 s on core 1. Generation is kept a
+        little lighter because under streaming it shares core 0 with the broker and the launcher,
+        which no placement pins and which the OS moves to the less loaded core.
+    algorithm: gae (critic stages), ppo_epochs=1, train_minibatches=2   one pass over the batch,
+        two optimizer steps per trainer.
 
-With these, per iteration on this 2-core VM: generation ~X s on core 0, forwards + training
-~Y s on core 1 (figures of the sync run: the `busy` rows).
+Every knob that sets the timing is pinned here, so a change of the config's defaults does not
+change the benchmark; model, task and warm start are the config's (the cached warm start is used).
 
 Run from the repository root:
 
-    .venv/bin/python bench/pipeline.py            # full run (~4 minutes): the table
-    .venv/bin/python bench/pipeline.py --quick    # smoke run (~2 minutes): few iterations
+    .venv/bin/python bench/pipeline.py            # full run (~3 minutes): the table
+    .venv/bin/python bench/pipeline.py --quick    # smoke run (~1.5 minutes): 4 iterations each
     .venv/bin/python bench/pipeline.py --json     # the table, then one JSON object as the last line
 
-Results and the machine they were measured on: bench/RESULTS.md.
+Each run's output goes to runs/bench_pipeline_<column>.log. Results: bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -63,77 +71,130 @@ from pathlib import Path
 
 from stream_rlhf.broker import shm
 from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
-from stream_rlhf.weights.shm_store import weights_root
+from stream_rlhf.weights.shm_store import SHM_ROOT
 
+REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/text_ppo.yaml"
-RUNS_DIR = Path("runs")
-SCHEDULES = {
-    "sync": ("sync", 0),
-    "stream0": ("stream", 0),
-    "stream1": ("stream", 1),
-}
-"""Column name -> (schedule, overlap_depth)."""
+RUNS_DIR = REPO / "runs"
+SCHEDULES = {"sync": ("sync", 0), "stream0": ("stream", 0), "stream1": ("stream", 1)}
+"""Column -> (schedule, overlap_depth)."""
 WORKLOAD = [
     "placement.mode=separated",
+    "placement.rollout_cores=[0]",
+    "placement.train_cores=[1]",
     "rollout.stop=[]",
-    "rollout.max_new_tokens=56",
+    "rollout.max_new_tokens=48",
     "rollout_batch.prompts_per_minibatch=4",
     "rollout_batch.minibatches=8",
+    "rollout_batch.samples_per_prompt=1",
+    "algorithm.advantage=gae",
     "algorithm.ppo_epochs=1",
+    "algorithm.train_minibatches=2",
 ]
+TARGET = 1.5
+"""stream1 / sync tokens/s on the 2-core machine of bench/RESULTS.md."""
 RUN_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
 class Settings:
+    name: str
+    """Run names are bench_pipeline_<name><column>."""
     iterations: int
     """Iterations of each run."""
-    skip: int
-    """Leading iterations outside the steady-state window."""
+    skip: int = 2
+    """Leading iterations outside the steady-state window (>= 1: the window starts at the end of
+    iteration skip-1)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.skip < self.iterations:
+            raise ValueError(f"skip={self.skip}: must be in [1, iterations={self.iterations})")
 
 
-FULL = Settings(iterations=30, skip=2)
-QUICK = Settings(iterations=4, skip=2)
+FULL = Settings(name="", iterations=45)
+QUICK = Settings(name="quick_", iterations=4)
 
 
 # ---- running ---------------------------------------------------------------------------------
 
 
 def run_schedule(column: str, settings: Settings, prefix: str) -> Path:
-    """One `stream-rlhf run` subprocess; returns its run folder. Its output goes to
-    runs/bench_pipeline_<column>.log (shown, the tail, when it fails)."""
+    """One `stream-rlhf run` subprocess; returns its run folder. Fails when the run does, or when
+    it left anything in /dev/shm."""
     schedule, depth = SCHEDULES[column]
-    name = f"bench_pipeline_{column}"
+    name = f"bench_pipeline_{settings.name}{column}"
     log_path = RUNS_DIR / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG,
-        *(f"--set={o}" for o in [
-            f"name={name}", f"schedule={schedule}", f"overlap_depth={depth}", f"iterations={settings.iterations}",
-            "timeline=true", f"broker.shm_prefix={prefix}", *WORKLOAD,
-        ]),
+    overrides = [
+        f"name={name}", f"schedule={schedule}", f"overlap_depth={depth}", f"iterations={settings.iterations}",
+        "timeline=true", f"broker.shm_prefix={prefix}", *WORKLOAD,
     ]
+    command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
+    before = shm_entries()
+    load = MachineLoad()
     with log_path.open("w") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S).returncode
-    assert_nothing_left(prefix, name)
+        code = subprocess.run(command, check=False, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=RUN_TIMEOUT_S).returncode
     if code != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        raise RuntimeError(f"{' '.join(command)}: exit code {code}; last lines of {log_path}:\n{tail}")
+        raise RuntimeError(f"{' '.join(command)}: exit code {code}; the end of {log_path}:\n{tail}")
+    assert_nothing_left(before, prefix, name)
+    (RUNS_DIR / name / "machine_load.json").write_text(json.dumps(load.since()))
     return RUNS_DIR / name
 
 
-def assert_nothing_left(prefix: str, name: str) -> None:
-    """Remove what a run left in /dev/shm (payload segments, the weight folder), and fail: a
-    leak is a bug, not a figure."""
-    left = [segment for segment, _ in shm.list_segments(prefix)]
-    for segment in left:
-        shm.unlink(segment)
-    weights = weights_root(prefix, name)
-    if weights.exists():
-        left.append(str(weights))
-        subprocess.run(["rm", "-rf", str(weights)], check=False)
-    if left:
-        raise RuntimeError(f"{len(left)} shared-memory object(s) left behind by {name}, e.g. {left[0]}")
+class MachineLoad:
+    """What else used the CPUs while a run went on: busy CPU time of the whole machine
+    (/proc/stat) minus this process's and its waited-for descendants' (the run and its stage
+    processes), and the time the hypervisor gave to other guests (steal); both in cores on
+    average. A benchmark sharing the machine with other work measures that work too."""
+
+    def __init__(self):
+        self.started = time.monotonic()
+        self.stat = self._proc_stat()
+        self.ours = self._our_cpu_s()
+
+    @staticmethod
+    def _proc_stat() -> tuple[float, float]:
+        """(busy, steal) CPU seconds of the whole machine since boot."""
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+        tick = os.sysconf("SC_CLK_TCK")
+        return (user + nice + system + irq + softirq) / tick, steal / tick
+
+    @staticmethod
+    def _our_cpu_s() -> float:
+        usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        return sum(u.ru_utime + u.ru_stime for u in usage)
+
+    def since(self) -> dict[str, float]:
+        wall = time.monotonic() - self.started
+        busy, steal = self._proc_stat()
+        ours = self._our_cpu_s() - self.ours
+        return {
+            "other_cores": max(0.0, busy - self.stat[0] - ours) / wall,
+            "steal_cores": (steal - self.stat[1]) / wall,
+            "our_cores": ours / wall,
+        }
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir(SHM_ROOT)) if SHM_ROOT.is_dir() else set()
+
+
+def assert_nothing_left(before: set[str], prefix: str, name: str) -> None:
+    """Fail if the run left anything of its own in /dev/shm (payload segments, weight folder),
+    after removing it: a leak is a bug, not a figure. Other new entries may belong to other
+    processes of the machine: reported, not removed."""
+    new = sorted(shm_entries() - before)
+    ours = [entry for entry in new if entry.startswith(prefix)]
+    for entry in ours:
+        path = SHM_ROOT / entry
+        shutil.rmtree(path) if path.is_dir() else shm.unlink("/" + entry)
+    if ours:
+        raise RuntimeError(f"{name} left {len(ours)} entr(ies) in {SHM_ROOT}: {ours[:5]}")
+    if new:
+        progress(f"note: new in {SHM_ROOT} during {name}, not of this run's prefix {prefix}: {new[:5]}")
 
 
 # ---- figures ---------------------------------------------------------------------------------
@@ -144,7 +205,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def merged_length(spans: list[tuple[float, float]]) -> float:
-    """Total length of the union of [start, end) spans."""
+    """Length of the union of the (start, end) spans."""
     total, reach = 0.0, float("-inf")
     for start, end in sorted(spans):
         if end > reach:
@@ -158,16 +219,17 @@ def clip(spans: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[f
 
 
 def analyse(run_dir: Path, skip: int) -> dict:
-    """Figures of one run over iterations skip..end (see the module docstring)."""
+    """The figures of one run over iterations skip..last (see the module docstring)."""
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     steps = [r for path in sorted((run_dir / "timeline").glob("*.jsonl")) for r in read_jsonl(path)]
     iterations = len(metrics)
     if iterations <= skip:
-        raise RuntimeError(f"{run_dir}: {iterations} iteration(s) recorded, the window skips {skip}")
+        raise RuntimeError(f"{run_dir}: {iterations} iteration(s) in metrics.jsonl, the window skips {skip}")
     steady = metrics[skip:]
     iteration_s = sum(r["iteration_s"] for r in steady)
-    # the window: end of training of iteration skip-1 -> end of training of the last iteration
-    done = {}
+    tokens = sum(r["tokens"] for r in steady)
+    # an iteration ends with the actor_train step that receives its last mini-batch (and trains)
+    done: dict[int, float] = {}
     for r in steps:
         if r["stage"] == "actor_train":
             done[r["iteration"]] = max(done.get(r["iteration"], 0.0), r["end"])
@@ -176,18 +238,19 @@ def analyse(run_dir: Path, skip: int) -> dict:
     per_stage: dict[str, list[tuple[float, float]]] = {}
     for r in steps:
         per_stage.setdefault(r["stage"], []).append((r["start"], r["end"]))
-    busy = {stage: sum(e - s for s, e in clip(spans, lo, hi)) / window for stage, spans in sorted(per_stage.items())}
-    groups = {"rollout": [], "train": []}
+    busy = {stage: sum(e - s for s, e in clip(spans, lo, hi)) / window for stage, spans in per_stage.items()}
+    groups: dict[str, list[tuple[float, float]]] = {"rollout": [], "train": []}
     for stage, spans in per_stage.items():
         groups["rollout" if stage in ROLLOUT_SIDE else "train"].extend(clip(spans, lo, hi))
     group_busy = {group: merged_length(spans) / window for group, spans in groups.items()}
     summary = json.loads((run_dir / "summary.json").read_text())
+    load_path = run_dir / "machine_load.json"
     return {
-        "tokens_per_s": sum(r["tokens"] for r in steady) / iteration_s,
+        **(json.loads(load_path.read_text()) if load_path.is_file() else {}),
+        "tokens_per_s": tokens / iteration_s,
         "iteration_s": iteration_s / len(steady),
+        "tokens_per_iteration": tokens / len(steady),
         "window_s": window,
-        "window_iterations": len(steady),
-        "tokens_per_iteration": sum(r["tokens"] for r in steady) / len(steady),
         "bubble_ratio": 1 - (group_busy["rollout"] + group_busy["train"]) / 2,
         "group_busy": group_busy,
         "busy": busy,
@@ -201,12 +264,12 @@ def analyse(run_dir: Path, skip: int) -> dict:
 
 
 def format_table(results: dict[str, dict], settings: Settings) -> str:
-    columns = list(results)
+    """The schedules side by side, with their ratios against sync."""
     sync = results["sync"]
-    rows: list[tuple[str, ...]] = [("", *columns)]
+    rows: list[tuple[str, ...]] = [("", *results)]
 
     def row(label: str, fmt: str, get) -> None:
-        rows.append((label, *(format(get(results[c]), fmt) for c in columns)))
+        rows.append((label, *(format(get(r), fmt) for r in results.values())))
 
     row("tokens/s", ",.0f", lambda r: r["tokens_per_s"])
     row("  / sync", ".2f", lambda r: r["tokens_per_s"] / sync["tokens_per_s"])
@@ -220,18 +283,43 @@ def format_table(results: dict[str, dict], settings: Settings) -> str:
     for stage in stages:
         row(f"  {stage}", ".3f", lambda r, s=stage: r["busy"].get(s, 0.0))
     row("max staleness", "d", lambda r: r["max_staleness"])
+    row("samples dropped", "d", lambda r: r["samples_dropped"])
     row("window s", ".1f", lambda r: r["window_s"])
     row("job s (whole run)", ".1f", lambda r: r["job_s"])
-    lines = [f"{label:<22}" + "".join(f"{v:>11}" for v in values) for label, *values in rows]
+    row("run's CPU, cores", ".2f", lambda r: r.get("our_cores", float("nan")))
+    row("other CPU, cores", ".2f", lambda r: r.get("other_cores", float("nan")))
+    row("steal, cores", ".2f", lambda r: r.get("steal_cores", float("nan")))
+    lines = [f"{label:<20}" + "".join(f"{v:>10}" for v in values) for label, *values in rows]
+    ratio = results["stream1"]["tokens_per_s"] / sync["tokens_per_s"]
     notes = [
-        f"steady state: iterations {settings.skip}..{settings.iterations - 1} of {settings.iterations} "
-        f"(the first {settings.skip} skipped: start-up, warm-up, pipeline fill)",
+        f"stream1 / sync tokens/s: {ratio:.2f} (target >= {TARGET}: {'PASS' if ratio >= TARGET else 'MISS'})",
+        (f"steady state: iterations {settings.skip}..{settings.iterations - 1} of {settings.iterations} "
+         f"(the first {settings.skip} left out: start-up, warm-up, pipeline fill)"),
         "tokens/s: prompt + response tokens of the global batch / iteration time (HybridFlow)",
-        "busy: step wall time / window per stage (stages sharing a core can sum past 1); bubble ratio: "
-        "1 - (merged busy time of the rollout side + of the train side) / (2 * window)",
+        ("busy: step wall time / window (stages sharing a core can sum past 1); bubble ratio: "
+         "1 - (merged busy time of the rollout side + of the train side) / (2 * window)"),
+        ("CPU, cores: mean over the whole run (start-up included) of the run's processes, of everything else on "
+         "the machine, and of the hypervisor's steal; other work or steal makes the figures noisy"),
         f"workload: {CONFIG} with {' '.join(WORKLOAD)}",
     ]
     return "\n".join([*lines, "", *notes])
+
+
+def figures(results: dict[str, dict]) -> dict[str, float]:
+    """The JSON line."""
+    sync = results["sync"]["tokens_per_s"]
+    out: dict[str, float] = {}
+    for column, r in results.items():
+        out[f"{column}_tokens_per_s"] = round(r["tokens_per_s"], 1)
+    for column in ("stream0", "stream1"):
+        out[f"{column}_over_sync"] = round(results[column]["tokens_per_s"] / sync, 3)
+    for column, r in results.items():
+        out[f"bubble_ratio_{column}"] = round(r["bubble_ratio"], 3)
+    for column, r in results.items():
+        out[f"iteration_s_{column}"] = round(r["iteration_s"], 3)
+    for column, r in results.items():
+        out[f"other_cores_{column}"] = round(r.get("other_cores", -1.0), 3)
+    return out
 
 
 def progress(text: str) -> None:
@@ -244,29 +332,16 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     args = parser.parse_args()
     settings = QUICK if args.quick else FULL
-    prefix = f"bp{uuid.uuid4().hex[:8]}"
+    prefix = f"bp{uuid.uuid4().hex[:8]}"  # this invocation's shared-memory names
     results = {}
     for column in SCHEDULES:
-        progress(f"{column}: {settings.iterations} iterations (runs/bench_pipeline_{column}.log)")
         started = time.monotonic()
+        progress(f"{column}: {settings.iterations} iterations (runs/bench_pipeline_{settings.name}{column}.log)")
         results[column] = analyse(run_schedule(column, settings, prefix), settings.skip)
         progress(f"{column}: {results[column]['tokens_per_s']:,.0f} tokens/s ({time.monotonic() - started:.0f} s)")
     print(format_table(results, settings))
     if args.json:
-        sync = results["sync"]["tokens_per_s"]
-        print(json.dumps({
-            "sync_tokens_per_s": round(sync, 1),
-            "stream0_tokens_per_s": round(results["stream0"]["tokens_per_s"], 1),
-            "stream1_tokens_per_s": round(results["stream1"]["tokens_per_s"], 1),
-            "stream0_over_sync": round(results["stream0"]["tokens_per_s"] / sync, 3),
-            "stream1_over_sync": round(results["stream1"]["tokens_per_s"] / sync, 3),
-            "bubble_ratio_sync": round(results["sync"]["bubble_ratio"], 3),
-            "bubble_ratio_stream0": round(results["stream0"]["bubble_ratio"], 3),
-            "bubble_ratio_stream1": round(results["stream1"]["bubble_ratio"], 3),
-            "iteration_s_sync": round(results["sync"]["iteration_s"], 3),
-            "iteration_s_stream0": round(results["stream0"]["iteration_s"], 3),
-            "iteration_s_stream1": round(results["stream1"]["iteration_s"], 3),
-        }))
+        print(json.dumps(figures(results)))
 
 
 if __name__ == "__main__":

@@ -92,9 +92,9 @@ def _supervise(job: LocalJob, name: str, timeout_s: float, progress: AbstractCon
     """Start the job, show progress, wait for it; 0 when it finished, 1 when a stage failed or it
     timed out, 130 when interrupted (every stage is drained and stopped in all cases)."""
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, a scheduler's stop: drain as for Ctrl-C
-    address = job.start()
-    log.info("job %s: broker at %s, %d stage process(es)", name, address, len(job.processes))
     try:
+        address = job.start()
+        log.info("job %s: broker at %s, %d stage process(es)", name, address, len(job.processes))
         with progress:
             job.wait(timeout_s)
     except KeyboardInterrupt:

@@ -76,6 +76,19 @@ def test_killed_stage_stops_the_run_with_a_clear_message_and_no_orphans(tmp_path
     assert not (tmp_path / "kill" / "summary.json").exists()
 
 
+def test_ctrl_c_drains_and_stops_everything(tmp_path):
+    process, log = start_run(tmp_path, "sigint", "iterations=50")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not read_metrics(tmp_path / "sigint" / "metrics.jsonl"):
+        time.sleep(0.5)
+    pids = [int(p) for p in re.findall(r"joined \(pid (\d+)\)", log.read_text())]
+    os.killpg(process.pid, signal.SIGINT)  # what a terminal sends to the foreground group
+    assert process.wait(timeout=60) == 130, log.read_text()[-3000:]
+    assert "interrupted: draining every stage" in log.read_text()
+    assert pids and all(not Path(f"/proc/{pid}").exists() or _is_zombie_of_other(pid) for pid in pids)
+    assert not leftover_shm("t_sigint")  # payload segments and the weight versions
+
+
 def test_a_restartable_stage_is_restarted_and_the_run_completes(tmp_path):
     process, log = start_run(tmp_path, "restart", "iterations=6", "restarts={rollout: 1}")
     deadline = time.monotonic() + 180

@@ -49,7 +49,9 @@ class CurveConfig:
 
 @dataclass(frozen=True)
 class BrokerConfig:
-    address: str = "tcp://127.0.0.1:5555"
+    address: str = "tcp://127.0.0.1:*"
+    """Where the broker binds; `*` as the port picks a free one (set a fixed port when stages are
+    started by hand with `stream-rlhf stage ... --broker ADDR`)."""
     """Where the broker's ROUTER binds. Anything but loopback / ipc:// requires `curve`."""
     curve: CurveConfig | None = None
     heartbeat_interval_s: float = 0.5

@@ -17,6 +17,7 @@ import importlib
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import sys
 import time
@@ -166,8 +167,17 @@ class LocalJob:
             target=_broker_main, args=(self.topology, self.broker, address_queue, self.admission), name="broker"
         )
         self.broker_process.start()
-        self.address = address_queue.get(timeout=timeout_s)
-        return self.address
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.address = address_queue.get(timeout=0.1)
+                return self.address
+            except queue.Empty:
+                if not self.broker_process.is_alive():
+                    raise StageFailed(f"the broker exited (code {self.broker_process.exitcode}) before it was "
+                                      f"listening on {self.broker.address}; traceback above") from None
+                if time.monotonic() > deadline:
+                    raise StageFailed(f"the broker was not listening after {timeout_s}s") from None
 
     def start_instance(self, stage_name: str, index: int) -> mp.Process:
         instance_id = f"{stage_name}-{index}"

@@ -257,7 +257,7 @@ class RLJobConfig:
     actor: OptimizerConfig = field(default_factory=OptimizerConfig)
     critic: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-3))
     placement: PlacementConfig = field(default_factory=PlacementConfig)
-    broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(address="tcp://127.0.0.1:*"))
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
     runs_dir: str = "runs"
     seed: int = 0
     timeout_s: float = 900.0
