@@ -23,13 +23,16 @@ it is the pipeline fill), and the second still runs into stages warming up.
     bubble ratio   over the two core groups, rollout side (prompts, rollout) and train side (every
                    forward and trainer): 1 - (busy time of each group, overlapping steps within a
                    group merged, summed) / (2 * window). 0: both groups always have a step running.
+    CPU, cores     mean cores used over the window by the run's processes, by everything else on
+                   the machine, and stolen by the hypervisor (/proc/stat, /proc/<pid>/stat sampled
+                   every 0.5 s): other work on a 2-core machine shows up in every figure.
 
 Workload. Streaming overlaps generation (core 0) with forwards and training (core 1), so the
 figure means something only when the two take comparable time per iteration. With text_ppo.yaml
 as it is, responses stop at <eos> after ~3.5 tokens: an iteration spends ~0.05 s generating and
 ~0.6 s forwarding and training, and no schedule can hide more than a few per cent of that. On this
-CPU the tiny model's decoding is bound by per-step overhead (~0.7 ms a step whatever the batch),
-while forwards and training cost per token, so generation catches up with long responses on small
+CPU the tiny model's decoding is bound by per-step overhead (~0.7 ms a step for 4 prompts), while
+forwards and training cost per token, so generation catches up with long responses on small
 batches:
 
     rollout.stop=[], rollout.max_new_tokens=48   fixed-length responses (throughput benchmarks
@@ -37,9 +40,11 @@ batches:
         changes); 48 decode steps per mini-batch, prompt + response ~54 tokens (the model has 64
         positions).
     rollout_batch: 8 mini-batches of 4 prompts, 1 sample each   8 x 48 decode steps per iteration,
-        ~0.33 s; 32 sequences to forward (x3) and train on, ~0.37 s on core 1. Generation is kept a
-        little lighter because under streaming it shares core 0 with the broker and the launcher,
-        which no placement pins and which the OS moves to the less loaded core.
+        0.3-0.4 s on core 0; 32 sequences to forward (x3) and train on, 0.3-0.4 s on core 1 (sync
+        runs on the machine of bench/RESULTS.md). Generation is kept slightly lighter: under
+        streaming it shares core 0 with the broker and the launcher, which no placement pins and
+        which the OS moves to the less loaded core; and with overlap_depth 1 actor_train adds a
+        forward pass (it recomputes the proximal log-probs when rollout ran ahead).
     algorithm: gae (critic stages), ppo_epochs=1, train_minibatches=2   one pass over the batch,
         two optimizer steps per trainer.
 
@@ -52,7 +57,7 @@ Run from the repository root:
     .venv/bin/python bench/pipeline.py --quick    # smoke run (~1.5 minutes): 4 iterations each
     .venv/bin/python bench/pipeline.py --json     # the table, then one JSON object as the last line
 
-Each run's output goes to runs/bench_pipeline_<column>.log. Results: bench/RESULTS.md.
+Each run's output goes to runs/bench_pipeline_<column>.log (--quick: bench_pipeline_quick_<column>).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -92,7 +98,7 @@ WORKLOAD = [
     "algorithm.train_minibatches=2",
 ]
 TARGET = 1.5
-"""stream1 / sync tokens/s on the 2-core machine of bench/RESULTS.md."""
+"""stream1 / sync tokens/s expected on a 2-core CPU machine."""
 RUN_TIMEOUT_S = 600.0
 
 
@@ -131,51 +137,89 @@ def run_schedule(column: str, settings: Settings, prefix: str) -> Path:
     ]
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     before = shm_entries()
-    load = MachineLoad()
     with log_path.open("w") as log:
-        code = subprocess.run(command, check=False, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=RUN_TIMEOUT_S).returncode
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        sampler = CpuSampler(process.pid)
+        try:
+            code = process.wait(RUN_TIMEOUT_S)
+        finally:
+            sampler.stop()
+            if process.poll() is None:
+                process.terminate()  # the launcher drains and stops its stages on SIGTERM
+                process.wait(60)
     if code != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
         raise RuntimeError(f"{' '.join(command)}: exit code {code}; the end of {log_path}:\n{tail}")
     assert_nothing_left(before, prefix, name)
-    (RUNS_DIR / name / "machine_load.json").write_text(json.dumps(load.since()))
+    (RUNS_DIR / name / "cpu_samples.json").write_text(json.dumps(sampler.samples))
     return RUNS_DIR / name
 
 
-class MachineLoad:
-    """What else used the CPUs while a run went on: busy CPU time of the whole machine
-    (/proc/stat) minus this process's and its waited-for descendants' (the run and its stage
-    processes), and the time the hypervisor gave to other guests (steal); both in cores on
-    average. A benchmark sharing the machine with other work measures that work too."""
+class CpuSampler:
+    """Every PERIOD_S, in a thread: wall time, the machine's busy and steal CPU seconds
+    (/proc/stat) and the CPU seconds of this process and of the run's process tree (/proc/<pid>),
+    so that `machine_load` can tell what else ran during the steady-state window."""
 
-    def __init__(self):
-        self.started = time.monotonic()
-        self.stat = self._proc_stat()
-        self.ours = self._our_cpu_s()
+    PERIOD_S = 0.5
 
-    @staticmethod
-    def _proc_stat() -> tuple[float, float]:
-        """(busy, steal) CPU seconds of the whole machine since boot."""
+    def __init__(self, root_pid: int):
+        self.root_pid = root_pid
+        self.samples: list[tuple[float, float, float, float]] = []
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            self.samples.append(self.sample())
+
+    def sample(self) -> tuple[float, float, float, float]:
         with open("/proc/stat") as f:
             user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-        tick = os.sysconf("SC_CLK_TCK")
-        return (user + nice + system + irq + softirq) / tick, steal / tick
+        busy = (user + nice + system + irq + softirq) / self.tick
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        return time.time(), busy, steal / self.tick, own.ru_utime + own.ru_stime + self._tree_cpu_s()
 
-    @staticmethod
-    def _our_cpu_s() -> float:
-        usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-        return sum(u.ru_utime + u.ru_stime for u in usage)
+    def _tree_cpu_s(self) -> float:
+        """utime + stime of root_pid and its descendants (and of their reaped children)."""
+        parent, cpu = {}, {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            parent[int(entry)] = int(fields[1])
+            cpu[int(entry)] = sum(int(x) for x in fields[11:15]) / self.tick  # utime stime cutime cstime
+        total = 0.0
+        for pid, seconds in cpu.items():
+            ancestor = pid
+            while ancestor > 1 and ancestor != self.root_pid:
+                ancestor = parent.get(ancestor, 0)
+            total += seconds if ancestor == self.root_pid else 0.0
+        return total
 
-    def since(self) -> dict[str, float]:
-        wall = time.monotonic() - self.started
-        busy, steal = self._proc_stat()
-        ours = self._our_cpu_s() - self.ours
-        return {
-            "other_cores": max(0.0, busy - self.stat[0] - ours) / wall,
-            "steal_cores": (steal - self.stat[1]) / wall,
-            "our_cores": ours / wall,
-        }
+
+def machine_load(samples: list[list[float]], lo: float, hi: float) -> dict[str, float]:
+    """Mean cores used, from the first sample at or after `lo` to the last at or before `hi`: by
+    the run (and this process), by everything else on the machine, and stolen by the hypervisor."""
+    inside = [s for s in samples if lo <= s[0] <= hi]
+    if len(inside) < 2:
+        return {}
+    (t0, busy0, steal0, ours0), (t1, busy1, steal1, ours1) = inside[0], inside[-1]
+    wall = t1 - t0
+    return {
+        "our_cores": (ours1 - ours0) / wall,
+        "other_cores": max(0.0, (busy1 - busy0) - (ours1 - ours0)) / wall,
+        "steal_cores": (steal1 - steal0) / wall,
+    }
 
 
 def shm_entries() -> set[str]:
@@ -244,9 +288,10 @@ def analyse(run_dir: Path, skip: int) -> dict:
         groups["rollout" if stage in ROLLOUT_SIDE else "train"].extend(clip(spans, lo, hi))
     group_busy = {group: merged_length(spans) / window for group, spans in groups.items()}
     summary = json.loads((run_dir / "summary.json").read_text())
-    load_path = run_dir / "machine_load.json"
+    samples_path = run_dir / "cpu_samples.json"
+    load = machine_load(json.loads(samples_path.read_text()), lo, hi) if samples_path.is_file() else {}
     return {
-        **(json.loads(load_path.read_text()) if load_path.is_file() else {}),
+        **load,
         "tokens_per_s": tokens / iteration_s,
         "iteration_s": iteration_s / len(steady),
         "tokens_per_iteration": tokens / len(steady),
@@ -298,8 +343,8 @@ def format_table(results: dict[str, dict], settings: Settings) -> str:
         "tokens/s: prompt + response tokens of the global batch / iteration time (HybridFlow)",
         ("busy: step wall time / window (stages sharing a core can sum past 1); bubble ratio: "
          "1 - (merged busy time of the rollout side + of the train side) / (2 * window)"),
-        ("CPU, cores: mean over the whole run (start-up included) of the run's processes, of everything else on "
-         "the machine, and of the hypervisor's steal; other work or steal makes the figures noisy"),
+        ("CPU, cores: mean over the window, used by the run's processes, by everything else on the machine, and "
+         "stolen by the hypervisor; other work or steal makes the figures noisy"),
         f"workload: {CONFIG} with {' '.join(WORKLOAD)}",
     ]
     return "\n".join([*lines, "", *notes])
