@@ -91,9 +91,13 @@ def _child_signals() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _broker_main(topology: Topology, config: BrokerConfig, address_queue: mp.Queue, admission: Any) -> None:
+def _broker_main(
+    topology: Topology, config: BrokerConfig, address_queue: mp.Queue, admission: Any, cores: list[int] | None
+) -> None:
     _child_signals()
     setup_logging()
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
     from stream_rlhf.broker.server import BrokerServer
 
     server = BrokerServer(topology, config, admission)
@@ -131,7 +135,14 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
 
 
 class LocalJob:
-    def __init__(self, topology: Topology, broker: BrokerConfig, stages: dict[str, StageSpec], admission: Any = None):
+    def __init__(
+        self,
+        topology: Topology,
+        broker: BrokerConfig,
+        stages: dict[str, StageSpec],
+        admission: Any = None,
+        broker_cores: list[int] | None = None,
+    ):
         missing = topology.stages() - set(stages)
         if missing:
             raise ConfigError(f"stages: no spec for {sorted(missing)} (they appear in topics)")
@@ -142,6 +153,7 @@ class LocalJob:
         self.broker = broker
         self.stages = stages
         self.admission = admission
+        self.broker_cores = broker_cores
         self.address = ""
         self._ctx = mp.get_context("spawn")
         self.broker_process: mp.Process | None = None
@@ -164,7 +176,8 @@ class LocalJob:
         the stages reconnect to it by themselves when the address is fixed."""
         address_queue = self._ctx.Queue()
         self.broker_process = self._ctx.Process(
-            target=_broker_main, args=(self.topology, self.broker, address_queue, self.admission), name="broker"
+            target=_broker_main, args=(self.topology, self.broker, address_queue, self.admission, self.broker_cores),
+            name="broker",
         )
         self.broker_process.start()
         deadline = time.monotonic() + timeout_s

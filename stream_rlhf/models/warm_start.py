@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -36,18 +37,23 @@ def warm_start(cfg: RLJobConfig) -> Path:
     settings = {"tiny": asdict(cfg.model.tiny), "sft": asdict(cfg.model.warm_start), "task": asdict(cfg.task),
                 "seed": cfg.model.seed}
     settings["sft"].pop("cache_dir")
+    settings["task"].pop("eval_prompts")  # evaluation does not change what SFT learns
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cfg.model.warm_start.cache_dir) / f"tiny-{key}"
     if (folder / "config.json").is_file():
         log.info("warm start: cached SFT model %s", folder)
         return folder
     model, tokenizer = _train(cfg)
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")  # runs started together do not collide
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     (partial / "warm_start.json").write_text(json.dumps(settings, indent=2))
-    partial.rename(folder)  # a crash mid-save never leaves a folder that looks finished
+    try:
+        partial.rename(folder)  # a crash mid-save never leaves a folder that looks finished
+    except OSError:
+        if not (folder / "config.json").is_file():
+            raise
+        shutil.rmtree(partial)  # another run finished the same warm start first: use theirs
     return folder
 
 

@@ -226,14 +226,19 @@ class PlacementConfig:
     mode: Literal["separated", "colocated"] = "separated"
     rollout_cores: list[int] = field(default_factory=lambda: [0])
     train_cores: list[int] = field(default_factory=lambda: [1])
+    broker_cores: list[int] | None = None
+    """Cores of the broker process; None: `train_cores` when separated (rollout keeps its core to
+    itself), every core when colocated."""
     offload: list[str] = field(default_factory=list)
     """Stages whose params and optimizer state go to host memory between phases (GPU only;
     on CPU a no-op the stage reports)."""
 
     def __post_init__(self) -> None:
         available = sorted(os.sched_getaffinity(0))
-        for name in ("rollout_cores", "train_cores"):
+        for name in ("rollout_cores", "train_cores", "broker_cores"):
             cores = getattr(self, name)
+            if cores is None:
+                continue
             if not cores:
                 raise ConfigError(f"{name}=[]: needs at least one core")
             missing = [c for c in cores if c not in available]

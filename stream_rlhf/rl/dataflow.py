@@ -43,6 +43,7 @@ class Dataflow:
     broker: BrokerConfig
     stages: dict[str, StageSpec]
     admission: OverlapAdmission | PhaseAdmission
+    broker_cores: list[int] | None = None
 
 
 def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str) -> Dataflow:
@@ -82,7 +83,11 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str) -> Dataflo
     admission = overlap if cfg.schedule == "stream" else PhaseAdmission(
         overlap, frozenset({"rollout", "experience"}), minibatches
     )
-    return Dataflow(Topology(topics), broker, stages, admission)
+    placement = cfg.placement
+    broker_cores = placement.broker_cores or (
+        placement.train_cores if placement.mode == "separated" else _cores(cfg, "broker")
+    )
+    return Dataflow(Topology(topics), broker, stages, admission, broker_cores)
 
 
 def _cores(cfg: RLJobConfig, stage: str) -> list[int]:

@@ -55,7 +55,7 @@ class RLRun:
         log.info("eval before RL: reward %.3f (greedy %.3f)", self.before["reward"], self.before["greedy_reward"])
         flow = compile_job(self.cfg, self.checkpoint, str(self.weights))
         self.job_started = time.monotonic()
-        return LocalJob(flow.topology, flow.broker, flow.stages, flow.admission)
+        return LocalJob(flow.topology, flow.broker, flow.stages, flow.admission, flow.broker_cores)
 
     def progress(self) -> AbstractContextManager:
         return IterationProgress(self.run_dir / "metrics.jsonl", self.cfg.iterations)
