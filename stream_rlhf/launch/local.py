@@ -92,7 +92,7 @@ def _child_signals() -> None:
 
 
 def _broker_main(
-    topology: Topology, config: BrokerConfig, address_queue: mp.Queue, admission: Any, cores: list[int] | None
+    topology: Topology, config: BrokerConfig, address_queue: mp.Queue, admission: Any, cores: list[int] | None = None
 ) -> None:
     _child_signals()
     setup_logging()

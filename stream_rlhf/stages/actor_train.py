@@ -125,7 +125,7 @@ class ActorTrain(Stage):
             for index in minibatch_indices(exp.num_samples, algo.train_minibatches, generator):
                 part = exp.select(index)
                 logp, entropy = sequence_logprobs(self.model, part.sequences, cfg.rollout.temperature,
-                                                  with_entropy=algo.entropy_coef > 0)
+                                                  with_entropy=True)
                 logp = part.padded(response_slices(logp, part.prompt_lens))  # (n, R)
                 loss, metrics = policy_loss(
                     logp, proximal[index], advantages[index], part.mask, algo.clip_low, algo.clip_high,
@@ -135,16 +135,15 @@ class ActorTrain(Stage):
                     kl_term, kl_metrics = kl_loss(logp, part.ref_logp, part.mask, algo.kl.kind)
                     loss = loss + self.kl_ctl.coef * kl_term
                     metrics.update(kl_loss=kl_metrics["kl"])
-                if entropy is not None:
-                    ent = part.padded(response_slices(entropy, part.prompt_lens))
-                    ent_term, ent_metrics = entropy_loss(ent, part.mask)
+                ent_term, ent_metrics = entropy_loss(part.padded(response_slices(entropy, part.prompt_lens)), part.mask)
+                metrics.update(ent_metrics)  # always reported; in the loss only with a bonus
+                if algo.entropy_coef > 0:
                     loss = loss + algo.entropy_coef * ent_term
-                    metrics.update(ent_metrics)
                 self.optimizer.zero_grad()
                 loss.backward()
                 metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.max_grad_norm).item()
                 self.optimizer.step()
-                metrics["pg_loss"] = loss.item()
+                metrics["loss"] = loss.item()
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
                 steps += 1
