@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import uuid
 
+# Must precede any `import triton`: Triton kernels then run on CPU tensors (tests/test_kernels_*.py).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 from stream_rlhf.broker import shm

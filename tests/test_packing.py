@@ -6,7 +6,6 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-from stream_rlhf.models.logprobs import token_entropy, token_logprobs
 from stream_rlhf.models.packing import pack, packed_forward, pad_right, sequence_logprobs, unpack
 
 VOCAB = 48
@@ -119,17 +118,6 @@ def test_sequence_logprobs_match_manual(lm, sequences):
             torch.testing.assert_close(lp, full.gather(-1, seq[1:, None]).squeeze(-1), atol=1e-5, rtol=0)
             torch.testing.assert_close(ent, -(full.exp() * full).sum(-1), atol=1e-5, rtol=0)
         assert sequence_logprobs(lm, sequences, temperature=1.0)[1] is None
-
-
-def test_token_logprobs_temperature():
-    logits = torch.randn(3, 4, VOCAB)
-    labels = torch.randint(0, VOCAB, (3, 4))
-    untempered = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
-    torch.testing.assert_close(token_logprobs(logits, labels), untempered)
-    torch.testing.assert_close(token_logprobs(logits, labels, temperature=0.0), untempered)
-    assert token_logprobs(logits.half(), labels, 2.0).dtype == torch.float32
-    torch.testing.assert_close(token_entropy(logits, 0.0), token_entropy(logits, 1.0))
-    assert (token_entropy(logits, 10.0) > token_entropy(logits, 0.5)).all()
 
 
 def test_pad_right():

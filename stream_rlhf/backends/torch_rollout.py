@@ -11,7 +11,8 @@ outputs are ignored) until all rows have finished or `max_new_tokens` is reached
 
 Behaviour log-probs: the recorded log-prob of each sampled token is taken under the FULL tempered
 distribution softmax(logits / temperature), not the top-p-truncated one that was sampled from, so
-it equals what a later forward pass recomputes with `sequence_logprobs(..., temperature)`.
+it equals what a later forward pass recomputes with `sequence_logprobs(..., temperature)`
+(both go through `stream_rlhf.kernels.logprob`).
 With temperature 0 (greedy) it is the log-prob under the untempered distribution.
 """
 
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from stream_rlhf.models.logprobs import token_logprobs
+from stream_rlhf.kernels.logprob import logprobs_from_logits
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def generate(
     for step in range(params.max_new_tokens):
         logits = out.logits[:, -1]  # (B, V)
         token = _sample(logits, params, generator)  # (B,)
-        logps.append(token_logprobs(logits, token, params.temperature))
+        logps.append(logprobs_from_logits(logits, token, params.temperature)[0])
         token = token.masked_fill(finished, params.pad_token_id)
         tokens.append(token)
         n_tokens += (~finished).long()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from stream_rlhf.models.logprobs import token_entropy, token_logprobs
+from stream_rlhf.kernels.logprob import logprobs_from_hidden
 
 
 @dataclass(frozen=True)
@@ -121,11 +121,23 @@ def sequence_logprobs(
     capacity: int | None = None,
 ) -> tuple[list[Tensor], list[Tensor] | None]:
     """log p(token t+1 | tokens <= t) of each sequence (L_i,) as (L_i - 1,), and optionally the
-    entropy of each of those next-token distributions (L_i - 1,); fp32, gradients flow."""
+    entropy of each of those next-token distributions (L_i - 1,); fp32, gradients flow.
+
+    Runs the model's decoder to hidden states and hands them with the LM-head weight to the fused
+    kernel (`stream_rlhf.kernels.logprob.logprobs_from_hidden`): the (tokens, vocabulary) logits
+    are never materialised, on Triton or on the chunked torch path.
+    """
     packed = pack(sequences, capacity)
-    logits = _forward(model, packed)[:, :-1]  # (R, C - 1, V): position t predicts t + 1
-    labels = packed.input_ids[:, 1:].to(logits.device)  # (R, C - 1)
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}: an LM head with a bias is not supported by the fused log-probs")
+    device = head.weight.device
+    hidden = model.get_decoder()(
+        input_ids=packed.input_ids.to(device),
+        position_ids=packed.position_ids.to(device),
+        attention_mask=packed.attention_mask.to(device),
+    ).last_hidden_state[:, :-1]  # (R, C - 1, H): position t predicts t + 1
+    labels = packed.input_ids[:, 1:].to(device)  # (R, C - 1)
+    logp, entropy = logprobs_from_hidden(hidden, head.weight, labels, temperature, with_entropy)  # (R, C - 1)
     shifted = replace(packed, spans=[(row, start, length - 1) for row, start, length in packed.spans])
-    logp = unpack(token_logprobs(logits, labels, temperature), shifted)  # list of (L_i - 1,)
-    entropy = unpack(token_entropy(logits, temperature), shifted) if with_entropy else None
-    return logp, entropy
+    return unpack(logp, shifted), unpack(entropy, shifted) if with_entropy else None

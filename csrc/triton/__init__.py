@@ -1,0 +1,1 @@
+"""Triton kernels; each has a PyTorch reference in `stream_rlhf.kernels` and a test comparing the two."""
