@@ -271,8 +271,16 @@ class StageRunner:
                 if beats % 10 == 0:
                     self._to_broker(self._encoder.encode(Stats(self.instance_id, self.host.counters)))
                 if now - last_heard > 4 * self._heartbeat_interval:
-                    self.log.warning("%s: broker silent for %.1fs, saying hello again", self.instance_id, now - last_heard)
-                    self._hello()
+                    if self.state is not RunnerState.RUNNING:
+                        # stopping with nobody to drain to (the launcher died and took the broker
+                        # along): a step waiting for producer credit would wait forever
+                        self.log.warning("%s: broker silent for %.1fs while %s: stopping now", self.instance_id,
+                                         now - last_heard, self.state.value)
+                        self.request_stop()  # not running: this stops
+                    else:
+                        self.log.warning("%s: broker silent for %.1fs, saying hello again", self.instance_id,
+                                         now - last_heard)
+                        self._hello()
                     last_heard = now
                 next_beat = now + self._heartbeat_interval
         self._forward_pipe()
