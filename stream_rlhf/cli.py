@@ -71,7 +71,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     run = RLRun(load_config(RLJobConfig, args.config, args.set))
     try:
-        code = _supervise(run.prepare(), run.cfg.name, run.cfg.timeout_s, run.progress())
+        job = run.prepare()  # warm start and eval before: no stage process exists yet
+    except KeyboardInterrupt:
+        log.warning("interrupted before the stages started")
+        return 130
+    try:
+        code = _supervise(job, run.cfg.name, run.cfg.timeout_s, run.progress())
     finally:
         run.cleanup()
     if code == 0:

@@ -38,6 +38,7 @@ class RLRun:
         self.run_dir = Path(cfg.run_dir)
         self.weights = weights_root(cfg.broker.shm_prefix, cfg.name)
         self.started = time.monotonic()
+        self.job_started = self.started
         self.before: dict[str, float] = {}
         self.checkpoint = ""
 
