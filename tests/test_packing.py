@@ -4,39 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
+from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from stream_rlhf.models.packing import pack, packed_forward, pad_right, sequence_logprobs, unpack
+from tests.tiny_models import tiny_qwen2_config
 
 VOCAB = 48
 LENGTHS = [5, 1, 9, 3, 7, 2, 9]
 
 
-def _config(**extra) -> Qwen2Config:
-    return Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        **extra,
-    )
-
-
 @pytest.fixture(scope="module")
 def lm() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(_config()).eval()
+    return Qwen2ForCausalLM(tiny_qwen2_config(VOCAB)).eval()
 
 
 @pytest.fixture(scope="module")
 def value_model() -> Qwen2ForTokenClassification:
     torch.manual_seed(1)
-    return Qwen2ForTokenClassification(_config(num_labels=1)).eval()
+    return Qwen2ForTokenClassification(tiny_qwen2_config(VOCAB, num_labels=1)).eval()
 
 
 @pytest.fixture

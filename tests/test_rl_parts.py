@@ -4,7 +4,7 @@ reward (rule-based and reward model combined), ragged samples and per-token rewa
 from __future__ import annotations
 
 import torch
-from transformers import Qwen2Config, Qwen2ForSequenceClassification
+from transformers import Qwen2ForSequenceClassification
 
 from stream_rlhf.config import build
 from stream_rlhf.models.checkpoint import build_tiny
@@ -16,6 +16,7 @@ from stream_rlhf.stages.reward_forward import Scorer
 from stream_rlhf.stages.samples import Rollout, ragged, unragged
 from stream_rlhf.weights.shm_store import WeightStore
 from tests.rl_tiny import tiny_job
+from tests.tiny_models import tiny_qwen2_config
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=32)
@@ -44,9 +45,9 @@ def test_reward_function_and_reward_model_combine(tmp_path):
     build_tiny(TINY, tokenizer, seed=0).save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
     torch.manual_seed(0)
-    rm = Qwen2ForSequenceClassification(Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    rm = Qwen2ForSequenceClassification(tiny_qwen2_config(
+        len(tokenizer), num_hidden_layers=1, intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
     ))
     rm.save_pretrained(tmp_path / "rm")
     cfg = build(RLJobConfig, tiny_job(tmp_path, "r", reward={"function": "stream_rlhf.data.arithmetic:reward",

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.models.packing import sequence_logprobs
+from tests.tiny_models import tiny_qwen2_config
 
 VOCAB = 48
 PAD = 0
@@ -16,17 +17,7 @@ PAD = 0
 @pytest.fixture(scope="module")
 def lm() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen2_config(VOCAB)
     return Qwen2ForCausalLM(config).eval()
 
 

@@ -3,7 +3,8 @@
     run = RLRun(cfg)
     job = run.prepare()        # warm start (cached), eval before, compile the dataflow -> LocalJob
     ... supervise the job with run.progress() ...
-    summary = run.finish()     # eval after, summary.json + table; always removes the weight files
+    run.cleanup()              # always, however the job ended: removes the weight versions
+    summary = run.finish()     # after a finished job: eval after, summary.json + table
 
 Sample accounting in the summary is exact: samples_generated = samples_trained + samples_dropped
 (reasons in dropped_reasons) + samples_in_flight_at_stop.
@@ -67,7 +68,6 @@ class RLRun:
     def finish(self) -> dict[str, Any]:
         from stream_rlhf.rl.evaluate import evaluate
 
-        self.cleanup()
         job_s = time.monotonic() - self.job_started
         after = evaluate(self.cfg, str(self.run_dir / "checkpoint"))
         train = json.loads((self.run_dir / "train_summary.json").read_text())

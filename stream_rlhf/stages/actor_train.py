@@ -18,40 +18,24 @@ import time
 
 import torch
 
-from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS
-from stream_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from stream_rlhf.algos.losses import entropy_loss, kl_loss, policy_loss
-from stream_rlhf.algos.masked import masked_mean, masked_whiten
+from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
 from stream_rlhf.models.packing import sequence_logprobs
-from stream_rlhf.rl.config import KLConfig
 from stream_rlhf.stages.experience import Experience, IterationBuffer
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
 from stream_rlhf.stages.samples import response_slices
+from stream_rlhf.stages.training import (
+    MetricMeans,
+    advantages_of,
+    kl_controller,
+    minibatch_indices,
+    optimizer_step,
+    split_by_staleness,
+)
 from stream_rlhf.telemetry.metrics import MetricsWriter
 from stream_rlhf.weights.shm_store import WeightStore
-
-
-def kl_controller(cfg: KLConfig) -> FixedKLController | AdaptiveKLController:
-    if cfg.target is None:
-        return FixedKLController(cfg.coef)
-    return AdaptiveKLController(cfg.coef, cfg.target, cfg.horizon)
-
-
-def advantages_of(exp: Experience, job: JobContext, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, R) advantages and returns of a whole iteration (whitened over it when configured)."""
-    algo = job.config.algorithm
-    rewards = exp.token_rewards(kl_coef, algo.kl)
-    estimator = ADVANTAGE_ESTIMATORS[algo.advantage]
-    advantages, returns = estimator(rewards, exp.mask, exp.values, exp.group_ids, algo.gamma, algo.lam)
-    if algo.whiten_advantages:
-        advantages = masked_whiten(advantages, exp.mask)
-    return advantages, returns
-
-
-def minibatch_indices(num_samples: int, parts: int, generator: torch.Generator) -> list[torch.Tensor]:
-    return list(torch.randperm(num_samples, generator=generator).chunk(parts))
 
 
 class ActorTrain(Stage):
@@ -82,16 +66,12 @@ class ActorTrain(Stage):
 
     def _fresh(self, batches: list[Batch]) -> list[Batch]:
         """The batches within the staleness bound; the rest are dropped and counted."""
-        fresh = []
-        for batch in batches:
-            staleness = self.version - batch.policy_version
-            if staleness > self.job.config.overlap_depth:
-                reason = f"staleness {staleness} > overlap_depth"
-                self.dropped[reason] = self.dropped.get(reason, 0) + batch.num_samples
-                self.ctx.log.warning("dropping mini-batch %d/%d: %s", batch.iteration, batch.minibatch, reason)
-                continue
-            self.max_staleness = max(self.max_staleness, staleness)
-            fresh.append(batch)
+        fresh, stale = split_by_staleness(batches, self.version, self.job.config.overlap_depth)
+        for batch in stale:
+            reason = f"staleness {self.version - batch.policy_version} > overlap_depth"
+            self.dropped[reason] = self.dropped.get(reason, 0) + batch.num_samples
+            self.ctx.log.warning("dropping mini-batch %d/%d: %s", batch.iteration, batch.minibatch, reason)
+        self.max_staleness = max([self.max_staleness, *(self.version - b.policy_version for b in fresh)])
         return fresh
 
     def _train_iteration(self, batches: list[Batch]) -> None:
@@ -119,8 +99,7 @@ class ActorTrain(Stage):
         decoupled = cfg.overlap_depth > 0
         proximal, recomputed = self._proximal_logp(exp, batches)
         generator = seeded_generator(cfg.seed, "actor_train", self.version)
-        sums: dict[str, float] = {}
-        steps = 0
+        means = MetricMeans()
         for _ in range(algo.ppo_epochs):
             for index in minibatch_indices(exp.num_samples, algo.train_minibatches, generator):
                 part = exp.select(index)
@@ -139,19 +118,14 @@ class ActorTrain(Stage):
                 metrics.update(ent_metrics)  # always reported; in the loss only with a bonus
                 if algo.entropy_coef > 0:
                     loss = loss + algo.entropy_coef * ent_term
-                self.optimizer.zero_grad()
-                loss.backward()
-                metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.max_grad_norm).item()
-                self.optimizer.step()
+                metrics["grad_norm"] = optimizer_step(self.model, self.optimizer, loss, cfg.actor.max_grad_norm)
                 metrics["loss"] = loss.item()
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                steps += 1
+                means.add(metrics)
         self.kl_ctl.update(kl_mean, exp.num_samples)
         self.trained += exp.num_samples
         staleness = (self.version - exp.policy_versions).float()
         return {
-            **{key: round(value / steps, 5) for key, value in sums.items()},
+            **means.means(),
             "reward": round(exp.scores.mean().item(), 4),
             "kl": round(kl_mean, 5),
             "kl_coef": round(self.kl_ctl.coef, 5),

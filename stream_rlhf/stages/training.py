@@ -1,0 +1,72 @@
+"""What actor_train and critic_train share: advantages of an iteration, the staleness filter, the
+optimizer step and the averaging of per-step metrics.
+
+Both trainers compute the same token rewards and advantages from the same experiences, with KL
+controllers updated the same way, so they agree on returns without talking to each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS
+from stream_rlhf.algos.kl import AdaptiveKLController, FixedKLController
+from stream_rlhf.algos.masked import masked_whiten
+from stream_rlhf.broker.stage import Batch
+from stream_rlhf.rl.config import KLConfig
+from stream_rlhf.stages.experience import Experience
+from stream_rlhf.stages.job_context import JobContext
+
+
+def kl_controller(cfg: KLConfig) -> FixedKLController | AdaptiveKLController:
+    if cfg.target is None:
+        return FixedKLController(cfg.coef)
+    return AdaptiveKLController(cfg.coef, cfg.target, cfg.horizon)
+
+
+def advantages_of(exp: Experience, job: JobContext, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, R) advantages and returns of a whole iteration (whitened over it when configured)."""
+    algo = job.config.algorithm
+    rewards = exp.token_rewards(kl_coef, algo.kl)
+    estimator = ADVANTAGE_ESTIMATORS[algo.advantage]
+    advantages, returns = estimator(rewards, exp.mask, exp.values, exp.group_ids, algo.gamma, algo.lam)
+    if algo.whiten_advantages:
+        advantages = masked_whiten(advantages, exp.mask)
+    return advantages, returns
+
+
+def minibatch_indices(num_samples: int, parts: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """The samples of each optimizer step of one epoch: a shuffled split into `parts`."""
+    return list(torch.randperm(num_samples, generator=generator).chunk(parts))
+
+
+def split_by_staleness(batches: list[Batch], version: int, overlap_depth: int) -> tuple[list[Batch], list[Batch]]:
+    """(within the bound, older than `overlap_depth` versions) for training at `version`."""
+    fresh = [b for b in batches if version - b.policy_version <= overlap_depth]
+    return fresh, [b for b in batches if version - b.policy_version > overlap_depth]
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
+                   max_grad_norm: float) -> float:
+    """Backward, clip, step; returns the gradient norm before clipping."""
+    optimizer.zero_grad()
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
+    optimizer.step()
+    return grad_norm
+
+
+class MetricMeans:
+    """Means over an iteration's optimizer steps of the metrics each step reports."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.steps += 1
+
+    def means(self) -> dict[str, float]:
+        return {key: round(value / max(self.steps, 1), 5) for key, value in self.sums.items()}
