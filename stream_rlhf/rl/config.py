@@ -32,8 +32,32 @@ RESTARTABLE = ("rollout", "ref_forward", "reward_forward", "actor_forward", "cri
 
 
 @dataclass(frozen=True)
+class TinyVisionConfig:
+    """The vision tower of a tiny Qwen2-VL-architecture model (a ViT over patch_size pixel patches;
+    every spatial_merge_size x spatial_merge_size patches become one image token of the LM)."""
+
+    depth: int = 2
+    embed_dim: int = 64
+    num_heads: int = 2
+    mlp_ratio: int = 2
+    patch_size: int = 8
+    temporal_patch_size: int = 2
+    """Qwen2-VL encodes an image as two identical frames (a video of length temporal_patch_size)."""
+    spatial_merge_size: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "embed_dim", "num_heads", "mlp_ratio", "patch_size", "temporal_patch_size",
+                     "spatial_merge_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.embed_dim % self.num_heads:
+            raise ConfigError(f"num_heads={self.num_heads}: must divide embed_dim={self.embed_dim}")
+
+
+@dataclass(frozen=True)
 class TinyModelConfig:
-    """A random-initialised Qwen2-architecture model (vocabulary from the project's tokenizer)."""
+    """A random-initialised Qwen2-architecture model (vocabulary from the project's tokenizer); with
+    `vision` set, a Qwen2-VL-architecture vision-language model."""
 
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -43,6 +67,8 @@ class TinyModelConfig:
     head_dim: int = 32
     """vLLM serves only head_dim >= 32."""
     max_position_embeddings: int = 64
+    vision: TinyVisionConfig | None = None
+    """The vision tower; None: a text-only model."""
 
     def __post_init__(self) -> None:
         if self.head_dim < 32:
