@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from stream_rlhf.config import ConfigError, load_config
+from stream_rlhf.data.errors import DataError
 from stream_rlhf.job import JobConfig
 from stream_rlhf.launch.local import LocalJob, StageFailed, run_stage, setup_logging
 
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except DataError as exc:
+        print(f"data error: {exc}", file=sys.stderr)
         return 2
 
 
@@ -176,12 +180,16 @@ def _dataflow(args: argparse.Namespace) -> Dataflow:
     if is_dataflow_config(args.config):
         cfg = load_config(JobConfig, args.config, args.set)
         return Dataflow(cfg.topology, cfg.broker, cfg.stages, cfg.admission())
+    from stream_rlhf.models.checkpoint import is_vision_language
     from stream_rlhf.models.warm_start import warm_start
     from stream_rlhf.rl.config import RLJobConfig
+    from stream_rlhf.rl.task_data import resolve_data
     from stream_rlhf.weights.shm_store import weights_root
 
-    cfg = load_config(RLJobConfig, args.config, args.set)
-    return compile_job(cfg, str(warm_start(cfg)), str(weights_root(cfg.broker.shm_prefix, cfg.name)))
+    cfg = resolve_data(load_config(RLJobConfig, args.config, args.set))
+    checkpoint = str(warm_start(cfg))
+    weights = str(weights_root(cfg.broker.shm_prefix, cfg.name))
+    return compile_job(cfg, checkpoint, weights, is_vision_language(checkpoint))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

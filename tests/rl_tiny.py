@@ -1,6 +1,7 @@
 """A tiny RL job for the tests: a 1-layer model, a 40-step warm start, 2 iterations of 2 mini-batches.
 
     data = tiny_job(tmp_path, name="t", schedule="sync", overlap_depth=0)
+    data = tiny_job(tmp_path, name="mm", **VISION)     # the vision-language variant
     cfg = build(RLJobConfig, data)
 """
 
@@ -29,6 +30,18 @@ TINY: dict[str, Any] = {
     "task": {"eval_prompts": 32},
     "placement": {"mode": "colocated", "rollout_cores": [0], "train_cores": [min(1, os.cpu_count() - 1)]},
 }
+
+
+VISION: dict[str, Any] = {
+    "model.tiny.vision": {"depth": 1, "embed_dim": 32, "num_heads": 1, "mlp_ratio": 2, "patch_size": 8,
+                          "temporal_patch_size": 2, "spatial_merge_size": 2},
+    "model.tiny.max_position_embeddings": 48,
+    "task": {"name": "shapes", "train_prompts": 128, "eval_prompts": 32, "data_dir": str(CACHE)},
+    "data.min_pixels": 1024,
+    "data.max_pixels": 1024,
+    "reward.function": "stream_rlhf.data.shapes:reward",
+}
+"""Overrides that make the tiny job a vision-language one: a 1-block vision tower, the shapes task."""
 
 
 def tiny_job(run_root: Path, name: str, **overrides: Any) -> dict[str, Any]:

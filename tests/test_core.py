@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from stream_rlhf.broker.admission import OverlapAdmission
 from stream_rlhf.broker.core import BrokerCore
 from stream_rlhf.broker.messages import (
@@ -20,6 +22,7 @@ from stream_rlhf.broker.messages import (
     Request,
 )
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
+from stream_rlhf.config import ConfigError
 
 TOPOLOGY = Topology({
     "prompts": TopicConfig(producers=["src"], consumers=["rollout"]),
@@ -122,6 +125,33 @@ def test_producer_credit_bounded_by_queue_capacity():
     roll = h.join("rollout", "roll-0", {"prompts": 1})
     assert len(h.take(roll, Deliver)) == 1
     assert sum(r.credits for r in h.take(src, Request)) == 1  # one left the queue, one more allowed
+
+
+def test_topic_capacity_bounds_its_producer_by_the_consumer_queue_alone():
+    """A vision-like topic: consumed by rollout and also a join part. Its own capacity (the
+    prefetch depth) counts only what waits for rollout, not what waits in the join."""
+    topology = Topology({
+        "vision": TopicConfig(producers=["enc"], consumers=["rollout"], capacity=2),
+        "rollout": TopicConfig(producers=["rollout"], consumers=["ref"]),
+        "ref_logp": TopicConfig(producers=["ref"]),
+        "experience": TopicConfig(join=["vision", "rollout", "ref_logp"], consumers=["train"]),
+    })
+    h = Harness(BrokerConfig(queue_capacity=16), topology=topology)
+    enc = h.join("enc", "enc-0")
+    assert sum(r.credits for r in h.take(enc, Request)) == 2
+    h.publish(enc, "vision", "v0", minibatch=0)
+    h.publish(enc, "vision", "v1", minibatch=1)
+    assert h.take(enc, Request) == []  # two encoded ahead: the depth is reached
+    roll = h.join("rollout", "roll-0", {"vision": 1})
+    assert [d.handle.id for d in h.take(roll, Deliver)] == ["v0"]
+    h.send(roll, Ack(["v0"]))
+    # v0 still waits in the experience join, but rollout took it: one more may be encoded
+    assert sum(r.credits for r in h.take(enc, Request)) == 1
+
+
+def test_topic_capacity_needs_consumers():
+    with pytest.raises(ConfigError, match="capacity=2"):
+        TopicConfig(producers=["enc"], capacity=2)
 
 
 def test_dead_instance_handles_are_redelivered_to_a_live_one():

@@ -14,6 +14,13 @@ distribution softmax(logits / temperature), not the top-p-truncated one that was
 it equals what a later forward pass recomputes with `sequence_logprobs(..., temperature)`
 (both go through `stream_rlhf.kernels.logprob`).
 With temperature 0 (greedy) it is the log-prob under the untempered distribution.
+
+Vision-language models (`images=`, one `SampleImages` per prompt): the prefill is fed left-padded
+`inputs_embeds` (the precomputed image features at the image tokens) and left-padded M-RoPE
+positions (3, B, P); each row's decode steps continue at (its largest prompt position + 1), +1 per
+step, on all three axes, as Hugging Face's `rope_deltas` do. The image token itself is never
+sampled (its logit is masked for sampling only; the behaviour log-probs still use the full
+distribution): an image token in a response would have no features in every later forward.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from stream_rlhf.kernels.logprob import logprobs_from_logits
+from stream_rlhf.models.vision_language import SampleImages, check_sample_images, embed_with_images, mrope_positions
 
 
 @dataclass(frozen=True)
@@ -90,29 +98,57 @@ def _left_pad(prompts: list[Tensor], pad_token_id: int, device: torch.device) ->
     return input_ids, attention
 
 
+def _image_prefill(
+    model: nn.Module, prompts: list[Tensor], images: list[SampleImages], input_ids: Tensor, attention: Tensor
+) -> tuple[dict[str, Tensor], Tensor]:
+    """Prefill inputs (inputs_embeds (B, P, H), M-RoPE position_ids (3, B, P)) of left-padded prompts,
+    and each row's first decode position (B, 1): its largest prompt position + 1."""
+    if len(images) != len(prompts):
+        raise ValueError(f"images: {len(images)} entries for {len(prompts)} prompts: must be one per prompt")
+    config = model.config
+    batch, width = input_ids.shape
+    position_ids = torch.zeros((3, batch, width), dtype=torch.long)  # (3, B, P), 0 on padding
+    for i, (prompt, sample) in enumerate(zip(prompts, images)):
+        check_sample_images(i, prompt, sample, config)
+        position_ids[:, i, width - prompt.numel() :] = mrope_positions(prompt.cpu(), sample.grid_thw, config)
+    if bool(((input_ids == config.image_token_id) & (attention == 0)).any()):
+        raise ValueError(f"pad_token_id={config.image_token_id}: must not be the image token")
+    features = torch.cat([sample.features for sample in images]).to(input_ids.device)  # (N, H), prompt order
+    inputs_embeds = embed_with_images(model, input_ids, features)  # (B, P, H)
+    next_position = position_ids.amax(dim=(0, 2))[:, None] + 1  # (B, 1)
+    device = input_ids.device
+    return {"inputs_embeds": inputs_embeds, "position_ids": position_ids.to(device)}, next_position.to(device)
+
+
 @torch.inference_mode()
 def generate(
-    model: nn.Module, prompts: list[Tensor], params: SamplingParams, generator: torch.Generator | None = None
+    model: nn.Module,
+    prompts: list[Tensor],
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    images: list[SampleImages] | None = None,
 ) -> Generation:
-    """Sample one response per prompt (P_i,); `generator` must live on the model's device."""
+    """Sample one response per prompt (P_i,); `generator` must live on the model's device.
+
+    `images`: one `SampleImages` per prompt for a vision-language model (None: a text model).
+    """
     if not prompts:
         return Generation([], [], [])
     if min(p.numel() for p in prompts) < 1:
         raise ValueError("prompts: every prompt must have at least one token")
     device = next(model.parameters()).device
     input_ids, attention = _left_pad(prompts, params.pad_token_id, device)  # (B, P), (B, P)
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    banned: int | None = None  # a token never sampled
+    if images is None:
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        prefill = {"input_ids": input_ids, "position_ids": position_ids}
+        next_position = position_ids[:, -1:] + 1  # (B, 1)
+    else:
+        prefill, next_position = _image_prefill(model, prompts, images, input_ids, attention)
+        banned = model.config.image_token_id
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
     cache = DynamicCache()
-    out = model(
-        input_ids,
-        attention_mask=attention,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    next_position = position_ids[:, -1:] + 1  # (B, 1)
+    out = model(**prefill, attention_mask=attention, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     batch = len(prompts)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
@@ -122,7 +158,8 @@ def generate(
     logps: list[Tensor] = []  # each (B,)
     for step in range(params.max_new_tokens):
         logits = out.logits[:, -1]  # (B, V)
-        token = _sample(logits, params, generator)  # (B,)
+        allowed = logits if banned is None else logits.index_fill(-1, torch.tensor([banned], device=device), -math.inf)
+        token = _sample(allowed, params, generator)  # (B,)
         logps.append(logprobs_from_logits(logits, token, params.temperature)[0])
         token = token.masked_fill(finished, params.pad_token_id)
         tokens.append(token)
@@ -132,8 +169,10 @@ def generate(
         if step == params.max_new_tokens - 1 or bool(finished.all()):
             break
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)  # (B, P + step + 1)
+        # (B, 1) for a text model, (3, B, 1) M-RoPE positions with images
+        step_positions = next_position if images is None else next_position[None].expand(3, -1, -1)
         out = model(
-            token[:, None], attention_mask=attention, position_ids=next_position, past_key_values=cache, use_cache=True
+            token[:, None], attention_mask=attention, position_ids=step_positions, past_key_values=cache, use_cache=True
         )
         next_position = next_position + 1
 

@@ -370,13 +370,15 @@ class BrokerCore:
         producers = [i for i in self.instances.values() if topic in self._outputs.get(i.stage, ())]
         if not producers:
             return
-        backlog = max([len(self.queues[(topic, s)]) for s in self.topology.topics[topic].consumers] + [0])
-        waiting = sum(1 for parts in self.partials.values() if topic in parts)
+        config = self.topology.topics[topic]
+        capacity = config.capacity or self.config.queue_capacity
+        backlog = max([len(self.queues[(topic, s)]) for s in config.consumers] + [0])
+        waiting = 0 if config.capacity else sum(1 for parts in self.partials.values() if topic in parts)
         outstanding = sum(i.granted.get(topic, 0) for i in producers)
-        free = self.config.queue_capacity - max(backlog, waiting) - outstanding
-        if outstanding and free < self._credit_chunk:
+        free = capacity - max(backlog, waiting) - outstanding
+        if outstanding and free < min(self._credit_chunk, capacity):
             return  # producers still hold credit: grant in chunks, not one message per handle
-        share = max(1, self.config.queue_capacity // len(producers))
+        share = max(1, capacity // len(producers))
         grants: dict[bytes, int] = {}
         while free > 0:
             inst = min(producers, key=lambda i: i.granted.get(topic, 0))

@@ -30,8 +30,16 @@ class TopicConfig:
     """Stages that each receive every handle of this topic."""
     join: list[str] = field(default_factory=list)
     """Part topics merged into this one by (iteration, minibatch); excludes `producers`."""
+    capacity: int | None = None
+    """Handles queued for this topic's consumers before its producers get no more credit (how far
+    a producer may run ahead of them, e.g. the vision encoder's prefetch depth). None: the
+    broker's `queue_capacity`, counting handles that wait in a join too. With a capacity of its
+    own only the consumers' queues count: a handle waiting in a join waits for parts that those
+    consumers produce, so they bound it."""
 
     def __post_init__(self) -> None:
+        if self.capacity is not None and (self.capacity < 1 or not self.consumers):
+            raise ConfigError(f"capacity={self.capacity}: must be >= 1, on a topic with consumers")
         if self.join and self.producers:
             raise ConfigError(f"producers={self.producers}: a join topic has no producers")
         if not self.join and not self.producers:

@@ -2,6 +2,7 @@
 
     policy = load_policy(path)          # AutoModelForCausalLM: actor, reference, rollout
     critic = load_critic(path)          # the policy's backbone with a per-token value head
+                                        # (a VLM's: its language model, see vision_language.py)
     scorer = load_reward_model(path)    # a sequence-classification model with one label
 
 Real checkpoints and the embedded tiny model go through the same calls; the tiny one is built
@@ -32,6 +33,7 @@ from transformers.utils import logging as hf_logging
 hf_logging.disable_progress_bar()  # no "Loading weights" bars from every stage process
 
 from stream_rlhf.models.tokenizer import VISION_TOKENS
+from stream_rlhf.models.vision_language import VisionLanguageCritic, load_vision_language_critic
 from stream_rlhf.rl.config import TinyModelConfig
 
 
@@ -120,8 +122,11 @@ def load_policy(path: str | Path) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
 
 
-def load_critic(path: str | Path) -> PreTrainedModel:
-    """The policy checkpoint's backbone with a freshly zero-initialised scalar head per token."""
+def load_critic(path: str | Path) -> PreTrainedModel | VisionLanguageCritic:
+    """The policy checkpoint's backbone with a freshly zero-initialised scalar head per token; for a
+    VLM checkpoint its language model (no vision tower), fed precomputed image features."""
+    if is_vision_language(path):
+        return load_vision_language_critic(path)
     hf_logging.set_verbosity_error()  # the new head is reported as "missing" from the checkpoint
     critic = AutoModelForTokenClassification.from_pretrained(str(path), num_labels=1, dtype=torch.float32)
     head = critic.score

@@ -9,6 +9,11 @@ sequences share a row and attention cost stays bounded by capacity**2 per row. E
 block-diagonal causal attention mask (a token attends only to earlier tokens of its own sequence)
 and position ids that restart at 0 per sequence; with these, Hugging Face models (sdpa attention)
 give the same logits as separate forwards. Padding only fills the tail of each row.
+
+Vision-language models (`images=`, one `SampleImages` per sequence): each row is fed as
+`inputs_embeds` (token embeddings with each sequence's precomputed image features at its image
+tokens) with M-RoPE position ids (3, R, C) (each sequence's own, placed at its span; 0 on padding)
+and the same block-diagonal mask; the vision tower is never run. Features are constants (no grad).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from stream_rlhf.kernels.logprob import logprobs_from_hidden
+from stream_rlhf.models.vision_language import SampleImages, check_sample_images, embed_with_images, mrope_positions
 
 
 @dataclass(frozen=True)
@@ -93,24 +99,48 @@ def pad_right(seqs: list[Tensor], value: float) -> Tensor:
     return nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=value)
 
 
-def _forward(model: nn.Module, packed: Packed) -> Tensor:
-    """The model's `.logits` for every packed position: (R, C, ...) on the model's device."""
-    device = next(model.parameters()).device
-    out = model(
-        input_ids=packed.input_ids.to(device),
-        position_ids=packed.position_ids.to(device),
-        attention_mask=packed.attention_mask.to(device),
-    )
-    return out.logits
+def _model_inputs(
+    model: nn.Module, packed: Packed, sequences: list[Tensor], images: list[SampleImages] | None, device: torch.device
+) -> dict[str, Tensor]:
+    """Keyword inputs of a packed forward: input_ids and (R, C) positions for a text model;
+    inputs_embeds (R, C, H) with the image features scattered in and (3, R, C) M-RoPE positions with images."""
+    mask = packed.attention_mask.to(device)
+    if images is None:
+        return {
+            "input_ids": packed.input_ids.to(device),
+            "position_ids": packed.position_ids.to(device),
+            "attention_mask": mask,
+        }
+    if len(images) != len(sequences):
+        raise ValueError(f"images: {len(images)} entries for {len(sequences)} sequences: must be one per sequence")
+    config = model.config
+    n_rows, width = packed.input_ids.shape
+    position_ids = torch.zeros((3, n_rows, width), dtype=torch.long)  # (3, R, C)
+    for i, (seq, sample, (row, start, length)) in enumerate(zip(sequences, images, packed.spans)):
+        check_sample_images(i, seq, sample, config)
+        position_ids[:, row, start : start + length] = mrope_positions(seq.cpu(), sample.grid_thw, config)
+    # features in row-major order of the packed image tokens: by row, then by start within the row
+    order = sorted(range(len(sequences)), key=lambda i: packed.spans[i][:2])
+    features = torch.cat([images[i].features.to(device) for i in order])  # (N, H)
+    inputs_embeds = embed_with_images(model, packed.input_ids.to(device), features)  # (R, C, H)
+    return {"inputs_embeds": inputs_embeds, "position_ids": position_ids.to(device), "attention_mask": mask}
 
 
-def packed_forward(model: nn.Module, sequences: list[Tensor], capacity: int | None = None) -> list[Tensor]:
+def packed_forward(
+    model: nn.Module,
+    sequences: list[Tensor],
+    capacity: int | None = None,
+    images: list[SampleImages] | None = None,
+) -> list[Tensor]:
     """`model(...).logits` of each sequence (L_i,) as (L_i, ...), computed packed; gradients flow.
 
-    (L_i, V) for a causal LM, (L_i, 1) for a token-classification value or reward head.
+    (L_i, V) for a causal LM, (L_i, 1) for a token-classification value or reward head. `images`:
+    one `SampleImages` per sequence for a vision-language model (None: a text model).
     """
     packed = pack(sequences, capacity)
-    return unpack(_forward(model, packed), packed)
+    device = next(model.parameters()).device
+    logits = model(**_model_inputs(model, packed, sequences, images, device)).logits  # (R, C, ...)
+    return unpack(logits, packed)
 
 
 def sequence_logprobs(
@@ -119,24 +149,22 @@ def sequence_logprobs(
     temperature: float,
     with_entropy: bool = False,
     capacity: int | None = None,
+    images: list[SampleImages] | None = None,
 ) -> tuple[list[Tensor], list[Tensor] | None]:
     """log p(token t+1 | tokens <= t) of each sequence (L_i,) as (L_i - 1,), and optionally the
     entropy of each of those next-token distributions (L_i - 1,); fp32, gradients flow.
 
     Runs the model's decoder to hidden states and hands them with the LM-head weight to the fused
     kernel (`stream_rlhf.kernels.logprob.logprobs_from_hidden`): the (tokens, vocabulary) logits
-    are never materialised, on Triton or on the chunked torch path.
+    are never materialised, on Triton or on the chunked torch path. `images` as in `packed_forward`.
     """
     packed = pack(sequences, capacity)
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}: an LM head with a bias is not supported by the fused log-probs")
     device = head.weight.device
-    hidden = model.get_decoder()(
-        input_ids=packed.input_ids.to(device),
-        position_ids=packed.position_ids.to(device),
-        attention_mask=packed.attention_mask.to(device),
-    ).last_hidden_state[:, :-1]  # (R, C - 1, H): position t predicts t + 1
+    inputs = _model_inputs(model, packed, sequences, images, device)
+    hidden = model.get_decoder()(**inputs).last_hidden_state[:, :-1]  # (R, C - 1, H): position t predicts t + 1
     labels = packed.input_ids[:, 1:].to(device)  # (R, C - 1)
     logp, entropy = logprobs_from_hidden(hidden, head.weight, labels, temperature, with_entropy)  # (R, C - 1)
     shifted = replace(packed, spans=[(row, start, length - 1) for row, start, length in packed.spans])

@@ -3,7 +3,9 @@
     path = warm_start(config)   # a Hugging Face checkpoint folder (weights + tokenizer)
 
 A random model never earns a reward, so RL would have nothing to reinforce. A few hundred SFT
-steps on the task's train split give a policy that sometimes succeeds. The result is saved under
+steps on the task's train split (the arithmetic problems, or the JSONL prompts of `data.train`,
+images included) give a policy that sometimes succeeds. A vision-language model trains its vision
+tower here too; RL then keeps it frozen. The result is saved under
 `model.warm_start.cache_dir/<hash>/`, where the hash covers the tiny model, the task and the SFT
 settings: a second run with the same settings loads it in a second. A config with `model.path`
 skips all of this and uses that checkpoint.
@@ -26,6 +28,7 @@ from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.models.checkpoint import build_tiny
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.task_data import open_prompts
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,12 @@ def warm_start(cfg: RLJobConfig) -> Path:
                 "seed": cfg.model.seed}
     settings["sft"].pop("cache_dir")
     settings["task"].pop("eval_prompts")  # evaluation does not change what SFT learns
+    if cfg.task.name == "arithmetic":
+        settings["task"] = {k: settings["task"][k] for k in ("name", "max_operand", "seed")}
+    if cfg.data.train is not None:
+        stat = os.stat(cfg.data.train)
+        settings["data"] = {"train": os.path.abspath(cfg.data.train), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                            "min_pixels": cfg.data.min_pixels, "max_pixels": cfg.data.max_pixels}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cfg.model.warm_start.cache_dir) / f"tiny-{key}"
     if (folder / "config.json").is_file():
@@ -59,35 +68,56 @@ def warm_start(cfg: RLJobConfig) -> Path:
 
 def _train(cfg: RLJobConfig):
     sft = cfg.model.warm_start
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(vision=cfg.model.tiny.vision is not None)
     model = build_tiny(cfg.model.tiny, tokenizer, cfg.model.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
-    data = problems("train", sft.steps * sft.batch_size, cfg.task.seed + 1, cfg.task.max_operand)
+    dataset = open_prompts(cfg, model.config, tokenizer, "train", cfg.task.seed + 1)
+    if dataset is None:
+        data = problems("train", sft.steps * sft.batch_size, cfg.task.seed + 1, cfg.task.max_operand)
     started = time.monotonic()
     log.info("warm start: %d SFT steps of %d examples on a new tiny model", sft.steps, sft.batch_size)
     for step in range(sft.steps):
-        batch = data[step * sft.batch_size:(step + 1) * sft.batch_size]
-        input_ids, labels, mask = _sft_batch(tokenizer, [(p.prompt, p.answer) for p in batch])
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        if dataset is None:
+            batch = data[step * sft.batch_size:(step + 1) * sft.batch_size]
+            prompts = [torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)])
+                       for p in batch]
+            inputs = _sft_batch(tokenizer, prompts, [p.answer for p in batch])
+        else:
+            samples = [dataset.next_sample() for _ in range(sft.batch_size)]
+            inputs = _sft_batch(tokenizer, [s.prompt_ids for s in samples], [s.answer for s in samples])
+            inputs.update(_image_inputs(model, inputs["input_ids"], [im for s in samples for im in s.images]))
+        loss = model(**inputs).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if (step + 1) % 100 == 0 or step + 1 == sft.steps:
             log.info("warm start: step %d/%d, loss %.3f, %.0fs", step + 1, sft.steps, loss.item(),
                      time.monotonic() - started)
+    if dataset is not None and dataset.skipped:
+        log.warning("warm start: skipped lines of %s: %s", cfg.data.train, dataset.skipped)
     return model.eval(), tokenizer
 
 
-def _sft_batch(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sft_batch(tokenizer, prompts: list[torch.Tensor], answers: list[str]) -> dict[str, torch.Tensor]:
     """Right-padded (B, L) input ids, labels (-100 outside the answer) and attention mask."""
     rows, targets = [], []
-    for prompt, answer in pairs:
-        prompt_ids = [tokenizer.bos_token_id, *tokenizer.encode(prompt, add_special_tokens=False)]
+    for prompt_ids, answer in zip(prompts, answers):
         answer_ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
-        rows.append(prompt_ids + answer_ids)
+        rows.append(prompt_ids.tolist() + answer_ids)
         targets.append([-100] * len(prompt_ids) + answer_ids)
     length = max(map(len, rows))
     input_ids = torch.tensor([r + [tokenizer.pad_token_id] * (length - len(r)) for r in rows])  # (B, L)
     labels = torch.tensor([t + [-100] * (length - len(t)) for t in targets])  # (B, L)
     mask = torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in rows])  # (B, L)
-    return input_ids, labels, mask
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+
+
+def _image_inputs(model, input_ids: torch.Tensor, images: list) -> dict[str, torch.Tensor]:
+    """The full vision-language forward's image arguments for a batch (nothing for text lines)."""
+    if not images:
+        return {}
+    return {
+        "pixel_values": torch.cat([im.pixel_values for im in images]),
+        "image_grid_thw": torch.stack([im.grid_thw for im in images]),
+        "mm_token_type_ids": (input_ids == model.config.image_token_id).int(),
+    }

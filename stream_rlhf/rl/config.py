@@ -26,9 +26,9 @@ from stream_rlhf.broker.topology import BrokerConfig
 from stream_rlhf.config import ConfigError
 
 Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
-ALL_STAGES = ("prompts", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward",
+ALL_STAGES = ("prompts", "vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward",
               "actor_train", "critic_train")
-RESTARTABLE = ("rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward")
+RESTARTABLE = ("vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward")
 
 
 @dataclass(frozen=True)
@@ -106,18 +106,85 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """The synthetic task: prompts, references and the split evaluation uses."""
+    """The synthetic task: prompts, references and the split evaluation uses.
 
-    name: Literal["arithmetic"] = "arithmetic"
+    arithmetic  "a+b=" prompts made in memory (text models).
+    shapes      coloured squares in 32x32 images with questions about them (vision-language
+                models); written once as JSONL + PNG files under `data_dir` and read like `data`.
+    """
+
+    name: Literal["arithmetic", "shapes"] = "arithmetic"
     max_operand: int = 99
+    """arithmetic: the largest operand."""
+    train_prompts: int = 4096
+    """shapes: prompts written for the train split (RL and the warm start cycle over them)."""
     eval_prompts: int = 256
     seed: int = 0
+    data_dir: str = "runs/.cache"
+    """shapes: where the generated dataset is kept (a folder per task setting, reused by later runs)."""
 
     def __post_init__(self) -> None:
         if self.max_operand < 1:
             raise ConfigError(f"max_operand={self.max_operand}: must be >= 1")
-        if self.eval_prompts < 1:
-            raise ConfigError(f"eval_prompts={self.eval_prompts}: must be >= 1")
+        if self.eval_prompts < 1 or self.train_prompts < 1:
+            raise ConfigError(f"train_prompts={self.train_prompts}, eval_prompts={self.eval_prompts}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """A JSONL prompt dataset in place of the synthetic task's prompts, one object per line:
+
+        {"prompt": "<image>how many red?", "images": ["images/1.png"], "answer": "2"}
+
+    Relative image paths are relative to the JSONL file; each `<image>` marker in the prompt takes
+    the next image (`images` may be absent for text-only lines). `answer` is the reference the
+    reward function receives.
+    """
+
+    train: str | None = None
+    """The RL (and warm-start) prompts; None: the synthetic task's."""
+    eval: str | None = None
+    """The held-out prompts of the before/after evaluation; required with `train`."""
+    on_bad_sample: Literal["error", "skip"] = "error"
+    """error: a bad line (unreadable JSON, missing or corrupt image, unsupported image size, image
+    markers that do not match the images) stops the run naming file and line. skip: it is left
+    out, counted by reason and reported in the summary."""
+    min_pixels: int = 16 * 16
+    """Images are resized (keeping their aspect ratio) to at least this many pixels..."""
+    max_pixels: int = 448 * 448
+    """...and at most this many, with sides rounded to the vision tower's patch grid."""
+    max_images_per_prompt: int = 4
+
+    def __post_init__(self) -> None:
+        if (self.train is None) != (self.eval is None):
+            raise ConfigError(f"train={self.train!r}, eval={self.eval!r}: give both or neither")
+        for name in ("train", "eval"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{name}={path!r}: no such file")
+        if not 1 <= self.min_pixels <= self.max_pixels:
+            raise ConfigError(f"min_pixels={self.min_pixels}, max_pixels={self.max_pixels}: need 1 <= min <= max")
+        if self.max_images_per_prompt < 1:
+            raise ConfigError(f"max_images_per_prompt={self.max_images_per_prompt}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision_prefetch stage of a vision-language model (ignored for text models)."""
+
+    prefetch: bool = True
+    """true: the vision_prefetch stage runs the frozen vision tower once per image, ahead of
+    rollout, and every other stage reads its features. false: every stage that needs the
+    features (rollout, forwards, trainers) runs the vision tower itself (the baseline that
+    bench/vision.py compares against)."""
+    prefetch_depth: int = 2
+    """Mini-batches of features the vision stage may hold ready beyond what rollout has taken."""
+    instances: int = 1
+    """Data-parallel instances of the vision stage (independent of the language model's)."""
+
+    def __post_init__(self) -> None:
+        if self.prefetch_depth < 1 or self.instances < 1:
+            raise ConfigError(f"prefetch_depth={self.prefetch_depth}, instances={self.instances}: must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -283,6 +350,8 @@ class RLJobConfig:
     rollout_batch: RolloutBatchConfig = field(default_factory=RolloutBatchConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -320,6 +389,9 @@ class RLJobConfig:
                 "samples of an iteration"
             )
 
+        if self.task.name == "shapes" and self.model.path is None and self.model.tiny.vision is None:
+            raise ConfigError("task.name=shapes: asks about images, needs a vision-language model "
+                              "(model.tiny.vision, or a Qwen2-VL model.path)")
         for stage, count in self.restarts.items():
             if stage not in RESTARTABLE:
                 raise ConfigError(f"restarts.{stage}={count}: only {', '.join(RESTARTABLE)} can restart "

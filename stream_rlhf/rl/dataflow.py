@@ -5,6 +5,15 @@
                         ├─► actor_forward ──┤──────────► experience ─┬─► actor_train ─► weights v+1
                         └─► critic_forward ─┘  (PPO)                 └─► critic_train (PPO)
 
+A vision-language model adds the vision stage and lets every later stage read its features:
+
+    prompts ─► vision_prefetch ─► vision ─► rollout ─► rollout
+                                  generated = join(rollout, vision)        ─► the forwards
+                                  experience = join(rollout, vision, parts) ─► the trainers
+
+With `vision.prefetch: false` there is no vision stage and `prompts` (pixel patches) takes the
+place of `vision`: each stage then runs the vision tower itself.
+
 GRPO, RLOO and REINFORCE++ have no critic stages. Admission holds the prompts of iteration i
 until training has published version i - overlap_depth. The `sync` schedule adds barriers: a
 mini-batch of rollout (or experience) is delivered only when every mini-batch of its iteration
@@ -25,6 +34,7 @@ from stream_rlhf.stages.job_context import JobContext
 log = logging.getLogger(__name__)
 STAGE_CLASSES = {
     "prompts": "stream_rlhf.stages.prompts:PromptSource",
+    "vision_prefetch": "stream_rlhf.stages.vision_prefetch:VisionPrefetch",
     "rollout": "stream_rlhf.stages.rollout:RolloutStage",
     "ref_forward": "stream_rlhf.stages.ref_forward:RefForward",
     "reward_forward": "stream_rlhf.stages.reward_forward:RewardForward",
@@ -46,31 +56,45 @@ class Dataflow:
     broker_cores: list[int] | None = None
 
 
-def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str) -> Dataflow:
+def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_language: bool = False) -> Dataflow:
+    """The dataflow of `cfg` starting from `checkpoint` (`vision_language`: it has a vision tower)."""
     critic = cfg.algorithm.uses_critic
     forwards = ["ref_forward", "reward_forward", "actor_forward"] + (["critic_forward"] if critic else [])
     trainers = ["actor_train"] + (["critic_train"] if critic else [])
     parts = {"ref_forward": "ref_logp", "reward_forward": "reward", "actor_forward": "old_logp", "critic_forward": "values"}
-    topics = {
-        "prompts": TopicConfig(producers=["prompts"], consumers=["rollout"]),
-        "rollout": TopicConfig(producers=["rollout"], consumers=forwards),
-        **{parts[f]: TopicConfig(producers=[f]) for f in forwards},
-        "experience": TopicConfig(join=["rollout", *(parts[f] for f in forwards)], consumers=trainers),
-    }
-    job = JobContext(cfg, checkpoint, weights_root)
+    prefetch = vision_language and cfg.vision.prefetch
+    topics = {**{parts[f]: TopicConfig(producers=[f]) for f in forwards}}
+    if not vision_language:
+        topics.update(
+            prompts=TopicConfig(producers=["prompts"], consumers=["rollout"]),
+            rollout=TopicConfig(producers=["rollout"], consumers=forwards),
+            experience=TopicConfig(join=["rollout", *(parts[f] for f in forwards)], consumers=trainers),
+        )
+    else:
+        images = "vision" if prefetch else "prompts"  # the handle every stage reads image features from
+        topics.update(
+            prompts=TopicConfig(producers=["prompts"], consumers=["vision_prefetch" if prefetch else "rollout"]),
+            rollout=TopicConfig(producers=["rollout"]),
+            generated=TopicConfig(join=["rollout", images], consumers=forwards),
+            experience=TopicConfig(join=["rollout", images, *(parts[f] for f in forwards)], consumers=trainers),
+        )
+        if prefetch:
+            topics["vision"] = TopicConfig(producers=["vision_prefetch"], consumers=["rollout"],
+                                           capacity=cfg.vision.prefetch_depth)
+    job = JobContext(cfg, checkpoint, weights_root, vision_language)
     minibatches = cfg.rollout_batch.minibatches
     timeline = f"{cfg.run_dir}/timeline" if cfg.timeline else None
     stages = {
         name: StageSpec(
             STAGE_CLASSES[name],
-            instances=cfg.rollout.instances if name == "rollout" else 1,
+            instances=_instances(cfg, name),
             kwargs={"job": job},
             cores=_cores(cfg, name),
             threads=len(_cores(cfg, name)),
             restarts=cfg.restarts.get(name, 0),
             timeline=timeline,
         )
-        for name in ["prompts", "rollout", *forwards, *trainers]
+        for name in ["prompts", *(["vision_prefetch"] if prefetch else []), "rollout", *forwards, *trainers]
     }
     # a whole iteration must fit in the queues, or the sync barriers (and the trainers, which
     # wait for every mini-batch of an iteration) would stall on back-pressure
@@ -81,13 +105,17 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str) -> Dataflo
     broker = replace(cfg.broker, queue_capacity=capacity)
     overlap = OverlapAdmission(frozenset({"prompts"}), cfg.overlap_depth)
     admission = overlap if cfg.schedule == "stream" else PhaseAdmission(
-        overlap, frozenset({"rollout", "experience"}), minibatches
+        overlap, frozenset({"generated" if vision_language else "rollout", "experience"}), minibatches
     )
     placement = cfg.placement
     broker_cores = placement.broker_cores or (
         placement.train_cores if placement.mode == "separated" else _cores(cfg, "broker")
     )
     return Dataflow(Topology(topics), broker, stages, admission, broker_cores)
+
+
+def _instances(cfg: RLJobConfig, stage: str) -> int:
+    return {"rollout": cfg.rollout.instances, "vision_prefetch": cfg.vision.instances}.get(stage, 1)
 
 
 def _cores(cfg: RLJobConfig, stage: str) -> list[int]:

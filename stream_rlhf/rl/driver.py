@@ -1,13 +1,16 @@
 """The driver of `stream-rlhf run` for RL configs: everything around the stage processes.
 
     run = RLRun(cfg)
-    job = run.prepare()        # warm start (cached), eval before, compile the dataflow -> LocalJob
+    job = run.prepare()        # dataset (cached), warm start (cached), eval before, compile -> LocalJob
     ... supervise the job with run.progress() ...
     run.cleanup()              # always, however the job ended: removes the weight versions
     summary = run.finish()     # after a finished job: eval after, summary.json + table
 
 Sample accounting in the summary is exact: samples_generated = samples_trained + samples_dropped
-(reasons in dropped_reasons) + samples_in_flight_at_stop.
+(reasons in dropped_reasons) + samples_in_flight_at_stop. Dataset lines left out under
+`data.on_bad_sample: skip` are reported as lines_skipped (train and eval) with their reasons.
+A vision-language run adds images_seen (images in the generated samples) and images_encoded
+(vision tower runs over images, summed over every stage that ran it).
 """
 
 from __future__ import annotations
@@ -20,16 +23,18 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import compile_job
 from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.telemetry.progress import IterationProgress, print_summary
+from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_details
 from stream_rlhf.weights.shm_store import weights_root
 
 log = logging.getLogger("stream_rlhf")
 RUN_OUTPUTS = ("metrics.jsonl", "critic_metrics.jsonl", "train_summary.json", "summary.json", "timeline",
-               "rollout_counts", "checkpoint", "tensorboard")
+               "stage_counts", "checkpoint", "tensorboard")
 """What a run writes in runs/<name>/; a new run of the same name starts without them."""
 
 
@@ -42,20 +47,28 @@ class RLRun:
         self.job_started = self.started
         self.before: dict[str, float] = {}
         self.checkpoint = ""
+        self.vision_language = False
 
     def prepare(self) -> LocalJob:
+        from stream_rlhf.models.checkpoint import is_vision_language
         from stream_rlhf.models.warm_start import warm_start
         from stream_rlhf.rl.evaluate import evaluate
+        from stream_rlhf.rl.task_data import resolve_data
 
         for name in RUN_OUTPUTS:
             path = self.run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.weights, ignore_errors=True)
+        self.cfg = resolve_data(self.cfg)
         self.checkpoint = str(warm_start(self.cfg))
+        self.vision_language = is_vision_language(self.checkpoint)
+        if self.vision_language and self.cfg.reward.model_path is not None:
+            raise ConfigError(f"reward.model_path={self.cfg.reward.model_path!r}: reward models are text-only, "
+                              "and this is a vision-language run")
         self.before = evaluate(self.cfg, self.checkpoint)
         log.info("eval before RL: reward %.3f (greedy %.3f)", self.before["reward"], self.before["greedy_reward"])
-        flow = compile_job(self.cfg, self.checkpoint, str(self.weights))
+        flow = compile_job(self.cfg, self.checkpoint, str(self.weights), self.vision_language)
         self.job_started = time.monotonic()
         return LocalJob(flow.topology, flow.broker, flow.stages, flow.admission, flow.broker_cores)
 
@@ -73,7 +86,8 @@ class RLRun:
         train = json.loads((self.run_dir / "train_summary.json").read_text())
         records = read_metrics(self.run_dir / "metrics.jsonl")
         steady = records[1:] or records  # the first iteration also pays for process start-up
-        generated = sum(json.loads(p.read_text())["generated"] for p in (self.run_dir / "rollout_counts").glob("*.json"))
+        counts = read_stage_counts(self.run_dir)
+        generated = counts.get("rollout", {}).get("generated", 0)
         summary = {
             "name": self.cfg.name,
             "algorithm": self.cfg.algorithm.advantage,
@@ -92,10 +106,24 @@ class RLRun:
             "dropped_reasons": train["dropped_reasons"],
             "samples_in_flight_at_stop": generated - train["samples_trained"] - train["samples_dropped"],
             "max_staleness": train["max_staleness"],
+            "lines_skipped": {"train": _skipped(self.run_dir), "eval": after.get("skipped", {})},
             "job_s": round(job_s, 1),
             "wall_s": round(time.monotonic() - self.started, 1),
             "checkpoint": str(self.run_dir / "checkpoint"),
         }
+        if self.vision_language:
+            summary["images_seen"] = counts.get("prompts", {}).get("images_seen", 0)
+            summary["images_encoded"] = sum(c.get("images_encoded", 0) for c in counts.values())
+            summary["images_encoded_by_stage"] = {s: c["images_encoded"] for s, c in counts.items() if "images_encoded" in c}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print_summary(summary)
         return summary
+
+
+def _skipped(run_dir: Path) -> dict[str, int]:
+    """Train lines the prompt source skipped, by reason."""
+    total: dict[str, int] = {}
+    for details in read_stage_details(run_dir, "prompts"):
+        for reason, count in details.get("skipped", {}).items():
+            total[reason] = total.get(reason, 0) + count
+    return total

@@ -1,39 +1,65 @@
 """Evaluation of a checkpoint on the task's held-out prompts: mean reward of sampled responses
 (at the rollout temperature: the quantity RL maximises) and of greedy ones.
 
-    evaluate(cfg, checkpoint)  -> {"reward": 0.42, "greedy_reward": 0.55}
+    evaluate(cfg, checkpoint)  -> {"reward": 0.42, "greedy_reward": 0.55, "prompts": 256, "skipped": {}}
+
+The prompts are the arithmetic task's eval split or every line of `data.eval` (with
+`data.on_bad_sample: skip`, bad lines are counted in "skipped" by reason). A vision-language
+model encodes each eval image once, with its own vision tower.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer, stop_token_ids
+from stream_rlhf.models.vision_language import SampleImages, encode_images, is_vision_language_model
 from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.task_data import open_prompts
+from stream_rlhf.stages.images import samples_of
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
 from stream_rlhf.stages.reward_forward import Scorer
 from stream_rlhf.stages.samples import Rollout
 
 
-def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[str, float]:
+def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[str, Any]:
     tokenizer = load_tokenizer(checkpoint)
     model = load_policy(checkpoint).eval()
     scorer = Scorer(JobContext(cfg, checkpoint, ""))
-    eval_set = problems("eval", cfg.task.eval_prompts, cfg.task.seed, cfg.task.max_operand)
+    dataset = open_prompts(cfg, model.config, tokenizer, "eval")
+    if dataset is None:
+        items = [(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)]),
+                  p.answer, []) for p in problems("eval", cfg.task.eval_prompts, cfg.task.seed, cfg.task.max_operand)]
+    else:
+        items = [(s.prompt_ids, s.answer, s.images) for s in dataset.each_sample()]
+    chunks = [items[first:first + batch_size] for first in range(0, len(items), batch_size)]
+    chunk_images = [_features(model, chunk) for chunk in chunks]  # encoded once, for both temperatures
     stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop)
-    result = {}
+    result: dict[str, Any] = {"prompts": len(items), "skipped": dict(dataset.skipped) if dataset else {}}
     for name, temperature in (("reward", cfg.rollout.temperature), ("greedy_reward", 0.0)):
         params = SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids, tokenizer.pad_token_id)
         scores = []
-        for first in range(0, len(eval_set), batch_size):
-            chunk = eval_set[first:first + batch_size]
-            prompts = [torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)])
-                       for p in chunk]
-            gen = generate(model, prompts, params, seeded_generator(cfg.seed, "eval", first))
+        for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
+            prompts = [prompt for prompt, _, _ in chunk]
+            gen = generate(model, prompts, params, seeded_generator(cfg.seed, "eval", index * batch_size), images=images)
             rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
                               torch.tensor([len(p) for p in prompts]), gen.response_logp, torch.zeros(len(chunk)))
-            scores.append(scorer.score(rollout, [p.answer for p in chunk]))
+            scores.append(scorer.score(rollout, [answer for _, answer, _ in chunk]))
         result[name] = round(torch.cat(scores).mean().item(), 4)
     return result
+
+
+def _features(model: torch.nn.Module, chunk: list) -> list[SampleImages] | None:
+    """Each prompt's image features (None for a text model)."""
+    if not is_vision_language_model(model):
+        return None
+    images = [image for _, _, own in chunk for image in own]
+    grid = torch.stack([im.grid_thw for im in images]) if images else torch.zeros((0, 3), dtype=torch.long)
+    per_image = encode_images(model, torch.cat([im.pixel_values for im in images]), grid) if images else []
+    counts = [len(own) for _, _, own in chunk]
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return samples_of(per_image, grid, [torch.arange(start, start + n) for start, n in zip(starts, counts)])

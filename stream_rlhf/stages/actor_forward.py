@@ -13,8 +13,10 @@ import torch
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.packing import sequence_logprobs
+from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.samples import Rollout, ragged, response_slices
+from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.shm_store import WeightStore
 
 
@@ -26,12 +28,14 @@ class ActorForward(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         self.model = load_policy(self.job.checkpoint).eval()
+        self.images = ImageInputs(self.job, StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id))
         self.weights = WeightStore(self.job.weights_root, "actor")
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.version = self.weights.refresh(self.model, self.version)
         rollout = Rollout.from_tensors(batch.tensors)
         with torch.inference_mode():
-            logp, _ = sequence_logprobs(self.model, rollout.sequences, self.job.config.rollout.temperature)
+            logp, _ = sequence_logprobs(self.model, rollout.sequences, self.job.config.rollout.temperature,
+                                        images=self.images.of(batch.tensors))
         return [Output("old_logp", ragged("old_logp", response_slices(logp, rollout.prompt_lens)), batch.num_samples,
                        metadata={"proximal_version": self.version})]

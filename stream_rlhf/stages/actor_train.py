@@ -24,17 +24,20 @@ from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
 from stream_rlhf.models.packing import sequence_logprobs
 from stream_rlhf.stages.experience import Experience, IterationBuffer
+from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
 from stream_rlhf.stages.samples import response_slices
 from stream_rlhf.stages.training import (
     MetricMeans,
     advantages_of,
+    freeze_vision_tower,
     kl_controller,
     minibatch_indices,
     optimizer_step,
     split_by_staleness,
 )
 from stream_rlhf.telemetry.metrics import MetricsWriter
+from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.shm_store import WeightStore
 
 
@@ -53,7 +56,9 @@ class ActorTrain(Stage):
         super().setup(ctx)
         cfg = self.job.config
         self.model = load_policy(self.job.checkpoint).train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
+        self.optimizer = torch.optim.AdamW(freeze_vision_tower(self.model), lr=cfg.actor.lr,
+                                           weight_decay=cfg.actor.weight_decay)
+        self.images = ImageInputs(self.job, StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id))
         self.weights = WeightStore(self.job.weights_root, "actor")
         self.metrics = MetricsWriter(self.job.run_dir)
         self.started = self.last_done = time.time()
@@ -79,7 +84,8 @@ class ActorTrain(Stage):
         fresh = self._fresh(batches)
         record = {"iteration": iteration}
         if fresh:
-            record.update(self._update(Experience.from_batches(fresh), fresh))
+            exp = Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh])
+            record.update(self._update(exp, fresh))
         self.version += 1
         self.weights.publish(self.model, self.version)
         self.ctx.send_control("weights_ready", self.version)
@@ -104,7 +110,7 @@ class ActorTrain(Stage):
             for index in minibatch_indices(exp.num_samples, algo.train_minibatches, generator):
                 part = exp.select(index)
                 logp, entropy = sequence_logprobs(self.model, part.sequences, cfg.rollout.temperature,
-                                                  with_entropy=True)
+                                                  with_entropy=True, images=part.images)
                 logp = part.padded(response_slices(logp, part.prompt_lens))  # (n, R)
                 loss, metrics = policy_loss(
                     logp, proximal[index], advantages[index], part.mask, algo.clip_low, algo.clip_high,
@@ -144,7 +150,8 @@ class ActorTrain(Stage):
         if all(b.metadata.get("proximal_version") == self.version for b in batches):
             return exp.old_logp, False
         with torch.no_grad():
-            logp, _ = sequence_logprobs(self.model, exp.sequences, self.job.config.rollout.temperature)
+            logp, _ = sequence_logprobs(self.model, exp.sequences, self.job.config.rollout.temperature,
+                                        images=exp.images)
         return exp.padded(response_slices(logp, exp.prompt_lens)), True
 
     def _finish(self) -> None:

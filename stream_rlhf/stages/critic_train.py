@@ -15,6 +15,7 @@ from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_critic
 from stream_rlhf.stages.critic_forward import response_values
 from stream_rlhf.stages.experience import Experience, IterationBuffer
+from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
 from stream_rlhf.stages.samples import Rollout
 from stream_rlhf.stages.training import (
@@ -26,6 +27,7 @@ from stream_rlhf.stages.training import (
     split_by_staleness,
 )
 from stream_rlhf.telemetry.metrics import MetricsWriter
+from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.shm_store import WeightStore
 
 
@@ -43,13 +45,14 @@ class CriticTrain(Stage):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay)
         self.weights = WeightStore(self.job.weights_root, "critic")
         self.metrics = MetricsWriter(self.job.run_dir, "critic_metrics.jsonl")
+        self.images = ImageInputs(self.job, StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id))
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.buffer.add(batch)
         while (batches := self.buffer.take(self.version)) is not None:
             fresh, _ = split_by_staleness(batches, self.version, self.job.config.overlap_depth)  # actor_train counts drops
             if fresh:
-                self._update(Experience.from_batches(fresh))
+                self._update(Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh]))
             self.version += 1
             self.weights.publish(self.model, self.version)
         return []
@@ -65,7 +68,7 @@ class CriticTrain(Stage):
             for index in minibatch_indices(exp.num_samples, algo.train_minibatches, generator):
                 part = exp.select(index)
                 rollout = Rollout(part.sequences, part.prompt_lens, [], part.group_ids)
-                values = part.padded(response_values(self.model, rollout))  # (n, R)
+                values = part.padded(response_values(self.model, rollout, part.images))  # (n, R)
                 loss, metrics = value_loss(values, part.values, returns[index], part.mask, algo.value_clip)
                 metrics["grad_norm"] = optimizer_step(self.model, self.optimizer, loss, cfg.critic.max_grad_norm)
                 metrics["value_loss"] = loss.item()

@@ -18,6 +18,7 @@ from torch import Tensor
 from stream_rlhf.algos.kl import kl_estimate
 from stream_rlhf.broker.stage import Batch
 from stream_rlhf.models.packing import pad_right
+from stream_rlhf.models.vision_language import SampleImages
 from stream_rlhf.rl.config import KLConfig
 from stream_rlhf.stages.samples import Rollout, unragged
 
@@ -44,9 +45,12 @@ class Experience:
     """(N,)"""
     policy_versions: Tensor
     """(N,) the version that generated each sample."""
+    images: list[SampleImages] | None = None
+    """Each sample's image features (vision-language models)."""
 
     @classmethod
-    def from_batches(cls, batches: list[Batch]) -> Experience:
+    def from_batches(cls, batches: list[Batch], images: list[list[SampleImages] | None] | None = None) -> Experience:
+        """The experience of `batches`; `images` holds each batch's per-sample image features."""
         sequences, prompt_lens, behavior, old, ref, values, scores, groups, versions = ([] for _ in range(9))
         for batch in batches:
             t = batch.tensors
@@ -72,6 +76,7 @@ class Experience:
             scores=torch.cat(scores).float(),
             group_ids=torch.cat(groups).long(),
             policy_versions=torch.cat(versions),
+            images=[im for per_batch in images for im in per_batch] if images and images[0] is not None else None,
         )
 
     @property

@@ -18,6 +18,8 @@ class JobContext:
     """The Hugging Face folder RL starts from (the warm-started tiny model or `model.path`)."""
     weights_root: str
     """Where trainers publish weight versions (`weights.shm_store`)."""
+    vision_language: bool = False
+    """The checkpoint has a vision tower: prompts carry images (see `stages/images.py`)."""
 
     @property
     def run_dir(self) -> Path:

@@ -1,19 +1,27 @@
-"""The prompt source: `iterations * minibatches` mini-batches of task prompts for rollout.
+"""The prompt source: `iterations * minibatches` mini-batches of prompts for rollout.
 
+Prompts come from the arithmetic task (made in memory) or from a JSONL dataset (`data.train`, or
+the files of the `shapes` task), cycled epoch after epoch in a seeded order. Images are decoded
+and cut into patches here, once per prompt (`stages/images.py` has the handle's image fields).
 Each prompt appears `samples_per_prompt` times in its mini-batch with one group id, so GRPO and
-RLOO find a prompt's samples together. References (the answers the reward checks) travel as
-handle metadata.
+RLOO find a prompt's samples together; its images are shared by those samples. References (the
+answers the reward checks) travel as handle metadata. Lines the dataset skips
+(`data.on_bad_sample: skip`) are counted in `stage_counts/` for the summary.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import AutoConfig
 
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.models.checkpoint import load_tokenizer
+from stream_rlhf.rl.task_data import open_prompts
+from stream_rlhf.stages.images import image_batch_fields
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.samples import ragged
+from stream_rlhf.telemetry.stage_counts import StageCounts
 
 
 class PromptSource(Stage):
@@ -21,12 +29,17 @@ class PromptSource(Stage):
         self.job = job
         cfg = job.config
         self.order = [(i, m) for i in range(cfg.iterations) for m in range(cfg.rollout_batch.minibatches)]
-        count = len(self.order) * cfg.rollout_batch.prompts_per_minibatch
-        self.problems = problems("train", count, cfg.task.seed, cfg.task.max_operand)
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
+        cfg = self.job.config
         self.tokenizer = load_tokenizer(self.job.checkpoint)
+        model_config = AutoConfig.from_pretrained(self.job.checkpoint)
+        self.dataset = open_prompts(cfg, model_config, self.tokenizer, "train", cfg.seed)
+        if self.dataset is None:
+            count = len(self.order) * cfg.rollout_batch.prompts_per_minibatch
+            self.problems = problems("train", count, cfg.task.seed, cfg.task.max_operand)
+        self.counts = StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id)
 
     def step(self, batch: Batch | None) -> list[Output] | None:
         if not self.order:
@@ -34,14 +47,34 @@ class PromptSource(Stage):
         iteration, minibatch = self.order.pop(0)
         rb = self.job.config.rollout_batch
         first = (iteration * rb.minibatches + minibatch) * rb.prompts_per_minibatch
-        chosen = self.problems[first:first + rb.prompts_per_minibatch]
-        prompt_ids, references, group_ids = [], [], []
-        for k, problem in enumerate(chosen):
-            ids = torch.tensor([self.tokenizer.bos_token_id, *self.tokenizer.encode(problem.prompt, add_special_tokens=False)])
-            for _ in range(rb.samples_per_prompt):
-                prompt_ids.append(ids)
-                references.append(problem.answer)
-                group_ids.append(first + k)
-        tensors = {**ragged("prompt_ids", prompt_ids), "group_ids": torch.tensor(group_ids)}
-        return [Output("prompts", tensors, len(prompt_ids), iteration, minibatch, policy_version=0,
-                       metadata={"references": references})]
+        prompts, references, images, prompt_images = [], [], [], []
+        for _ in range(rb.prompts_per_minibatch):
+            ids, reference, own_images = self._next_prompt(first + len(prompts))
+            prompts.append(ids)
+            references.append(reference)
+            prompt_images.append(list(range(len(images), len(images) + len(own_images))))
+            images += own_images
+        repeat = rb.samples_per_prompt
+        tensors = {
+            **ragged("prompt_ids", [p for p in prompts for _ in range(repeat)]),
+            "group_ids": torch.arange(first, first + len(prompts)).repeat_interleave(repeat),
+        }
+        if self.job.vision_language:
+            tensors.update(image_batch_fields(images, [ix for ix in prompt_images for _ in range(repeat)]))
+        self._count(len(images) * repeat)
+        return [Output("prompts", tensors, len(prompts) * repeat, iteration, minibatch, policy_version=0,
+                       metadata={"references": [r for r in references for _ in range(repeat)]})]
+
+    def _next_prompt(self, index: int) -> tuple[torch.Tensor, str, list]:
+        """(prompt ids, reference, decoded images) of the next prompt."""
+        if self.dataset is None:
+            problem = self.problems[index]
+            ids = [self.tokenizer.bos_token_id, *self.tokenizer.encode(problem.prompt, add_special_tokens=False)]
+            return torch.tensor(ids), problem.answer, []
+        sample = self.dataset.next_sample()
+        return sample.prompt_ids, sample.answer, sample.images
+
+    def _count(self, images: int) -> None:
+        self.counts.add(images_seen=images)
+        if self.dataset is not None and self.dataset.skipped:
+            self.counts.set_details(skipped=self.dataset.skipped, skipped_examples=self.dataset.skipped_examples)

@@ -35,6 +35,15 @@ def advantages_of(exp: Experience, job: JobContext, kl_coef: float) -> tuple[tor
     return advantages, returns
 
 
+def freeze_vision_tower(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Freeze a vision-language model's vision tower (RL trains the language model only; the
+    vision stage's features stay valid) and return the parameters left to train."""
+    tower = getattr(getattr(model, "model", None), "visual", None)
+    if tower is not None:
+        tower.requires_grad_(False)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def minibatch_indices(num_samples: int, parts: int, generator: torch.Generator) -> list[torch.Tensor]:
     """The samples of each optimizer step of one epoch: a shuffled split into `parts`."""
     return list(torch.randperm(num_samples, generator=generator).chunk(parts))
@@ -51,7 +60,8 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, los
     """Backward, clip, step; returns the gradient norm before clipping."""
     optimizer.zero_grad()
     loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm).item()
     optimizer.step()
     return grad_norm
 

@@ -1,0 +1,201 @@
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL) fed precomputed image features instead of pixels.
+
+    tower = load_vision_tower(path)                              # vision stage: the frozen ViT only
+    feats = encode_images(tower, pixel_values, grid_thw)         # one (tokens_i, H) per image
+    images = SampleImages(torch.cat(feats), grid_thw)            # one per sequence, wire-friendly
+    logits = packed_forward(policy, sequences, images=[images])  # every other stage (packing.py)
+
+The vision tower is frozen during RL, so it runs once per image in its own stage; the language
+model only needs the merger's output ("image features"), which the full model would scatter over
+the `<|image_pad|>` tokens, and the M-RoPE position ids, which depend only on the token ids and the
+image grids. With both, the language model gives exactly what the full model gives from pixels.
+
+Glossary:
+    image tokens    the `config.image_token_id` tokens of a sequence; one image is one contiguous
+                    run of them (Qwen processors wrap each in `<|vision_start|>` ... `<|vision_end|>`),
+                    t * (h / merge) * (w / merge) tokens for grid_thw (t, h, w) in patches.
+    image features  the vision tower's merged output: one row of the LM's hidden size per image token.
+    M-RoPE          Qwen2-VL's rotary positions (3, L): (time, height, width) per token; text tokens
+                    use the same value thrice, image tokens their grid coordinates.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoModelForImageTextToText, PretrainedConfig
+from transformers.modeling_outputs import TokenClassifierOutput
+
+
+@dataclass(frozen=True)
+class SampleImages:
+    """The images of one sequence, already encoded by the vision tower."""
+
+    features: Tensor
+    """(n_tokens, H) float: the features of the sequence's images concatenated in the order of its
+    image tokens (n_tokens = its number of image tokens; (0, H) for a sequence without images)."""
+    grid_thw: Tensor
+    """(n_images, 3) long: (t, h, w) of each image in vision patches, in the same order."""
+
+    def __post_init__(self) -> None:
+        if self.features.ndim != 2:
+            raise ValueError(f"features.shape={tuple(self.features.shape)}: must be (n_tokens, hidden)")
+        if self.grid_thw.ndim != 2 or self.grid_thw.shape[1] != 3:
+            raise ValueError(f"grid_thw.shape={tuple(self.grid_thw.shape)}: must be (n_images, 3)")
+
+
+def is_vision_language_model(model: nn.Module) -> bool:
+    """True for a model whose config has a vision tower: the full VLM or `VisionLanguageCritic`."""
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
+
+
+def vision_tower(model: nn.Module) -> nn.Module:
+    """The vision tower of a full VLM (`*ForConditionalGeneration`), of its base model, or itself."""
+    for candidate in (getattr(getattr(model, "model", None), "visual", None), getattr(model, "visual", None), model):
+        if candidate is not None and hasattr(candidate, "merger") and hasattr(candidate, "spatial_merge_size"):
+            return candidate
+    raise TypeError(f"{type(model).__name__}: neither a Qwen2-VL-style model nor its vision tower")
+
+
+def load_vision_tower(path: str | Path) -> nn.Module:
+    """The frozen vision tower of a VLM checkpoint (eval mode, no grad); the rest is dropped after
+    loading (the whole model is built once, so checkpoint key conversions apply as usual)."""
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)
+    return vision_tower(model).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def encode_images(model: nn.Module, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
+    """Image features, one (tokens_i, H) tensor per image, on the tower's device; no grad.
+
+    `model` is a full VLM or just its vision tower (`load_vision_tower`); `pixel_values` are the
+    processor's flattened patches (sum_i t_i * h_i * w_i, C * temporal_patch * patch**2) and
+    `grid_thw` (n_images, 3) their grids, as given to the full model.
+    """
+    tower = vision_tower(model)
+    device = next(tower.parameters()).device
+    grid_thw = grid_thw.to(device=device, dtype=torch.long)
+    merged = tower(pixel_values.to(device=device, dtype=next(tower.parameters()).dtype), grid_thw=grid_thw)
+    sizes = (grid_thw.prod(-1) // tower.spatial_merge_size**2).tolist()
+    return list(torch.split(merged.pooler_output, sizes))  # each (tokens_i, H)
+
+
+def image_token_count(grid_thw: Tensor, config: PretrainedConfig) -> list[int]:
+    """Image tokens of each image: t * (h / merge) * (w / merge) for each (t, h, w) row."""
+    merge = config.vision_config.spatial_merge_size
+    return [t * (h // merge) * (w // merge) for t, h, w in grid_thw.tolist()]
+
+
+def mrope_positions(input_ids: Tensor, grid_thw: Tensor, config: PretrainedConfig) -> Tensor:
+    """M-RoPE position ids (3, L) long of one sequence (L,), as `model.model.get_rope_index` gives.
+
+    Text tokens count up from the previous token's position + 1 on all three axes; an image's run
+    of tokens at start position s gets (s + t, s + row, s + column) over its merged grid, and the
+    text after it continues from s + max(h, w) / merge (= the image's max + 1). Tokens after the
+    last image (a response) are text. `config` is the VLM's config.
+    """
+    merge = config.vision_config.spatial_merge_size
+    is_image = (input_ids == config.image_token_id).cpu()  # (L,)
+    cuts = ((is_image[1:] != is_image[:-1]).nonzero().squeeze(-1) + 1).tolist()
+    bounds = [0, *cuts, input_ids.numel()]
+    grids = grid_thw.tolist()
+    pieces: list[Tensor] = []
+    current, image = 0, 0
+    for start, end in itertools.pairwise(bounds):
+        length = end - start
+        if not is_image[start]:
+            pieces.append(torch.arange(current, current + length).expand(3, -1))
+            current += length
+            continue
+        if image == len(grids):
+            raise ValueError(f"image run {image + 1} of the sequence has no grid: grid_thw holds {len(grids)} images")
+        t, h, w = grids[image][0], grids[image][1] // merge, grids[image][2] // merge
+        if length != t * h * w:
+            raise ValueError(
+                f"image {image}: {length} image tokens in its run but grid_thw {grids[image]} with merge {merge} "
+                f"gives {t}*{h}*{w}={t * h * w}"
+            )
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        pieces.append(grid.reshape(3, -1) + current)  # (3, t*h*w)
+        current += max(h, w)
+        image += 1
+    if image != len(grids):
+        raise ValueError(f"{image} runs of image tokens in the sequence but grid_thw holds {len(grids)} images")
+    return torch.cat(pieces, dim=1).to(input_ids.device)  # (3, L)
+
+
+def scatter_image_features(inputs_embeds: Tensor, input_ids: Tensor, features: Tensor, image_token_id: int) -> Tensor:
+    """inputs_embeds (..., L, H) with its image-token rows replaced by `features` (N, H) in
+    row-major order of the image tokens of input_ids (..., L); out of place, features detached."""
+    mask = input_ids == image_token_id  # (..., L)
+    n_tokens = int(mask.sum())
+    if n_tokens != features.shape[0]:
+        raise ValueError(f"{n_tokens} image tokens but {features.shape[0]} image feature rows")
+    features = features.detach().to(device=inputs_embeds.device, dtype=inputs_embeds.dtype)
+    return inputs_embeds.masked_scatter(mask[..., None], features)
+
+
+def check_sample_images(index: int, sequence: Tensor, images: SampleImages, config: PretrainedConfig) -> None:
+    """Raise naming the counts when a sequence's image tokens, grids and feature rows disagree."""
+    n_tokens = int((sequence == config.image_token_id).sum())
+    n_grid = sum(image_token_count(images.grid_thw, config))
+    if not n_tokens == n_grid == images.features.shape[0]:
+        raise ValueError(
+            f"sequence {index}: {n_tokens} image tokens, grid_thw {images.grid_thw.tolist()} gives {n_grid}, "
+            f"features hold {images.features.shape[0]} rows: all three must be equal"
+        )
+
+
+def embed_with_images(model: nn.Module, input_ids: Tensor, features: Tensor) -> Tensor:
+    """The model's token embeddings (..., L, H) of input_ids with `features` (N, H) at its image tokens."""
+    embed = model.get_input_embeddings()
+    embeds = embed(input_ids.to(embed.weight.device))
+    return scatter_image_features(embeds, input_ids.to(embed.weight.device), features, model.config.image_token_id)
+
+
+class VisionLanguageCritic(nn.Module):
+    """A VLM checkpoint's language model with a scalar head per token: the critic of a VLM policy.
+
+    Takes `input_ids` or `inputs_embeds` (image features already scattered in) with M-RoPE
+    position ids (3, B, L) and returns `.logits` (B, L, 1), like AutoModelForTokenClassification
+    does for a text checkpoint. `config` is the VLM's (image token, merge size for M-RoPE).
+    """
+
+    def __init__(self, config: PretrainedConfig, language_model: nn.Module):
+        super().__init__()
+        self.config = config
+        self.language_model = language_model
+        self.score = nn.Linear(
+            config.text_config.hidden_size, 1, dtype=language_model.get_input_embeddings().weight.dtype
+        )
+        nn.init.zeros_(self.score.weight)
+        nn.init.zeros_(self.score.bias)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.get_input_embeddings()
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> TokenClassifierOutput:
+        hidden = self.language_model(
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+        ).last_hidden_state  # (B, L, H)
+        return TokenClassifierOutput(logits=self.score(hidden))  # (B, L, 1)
+
+
+def load_vision_language_critic(path: str | Path) -> VisionLanguageCritic:
+    """`VisionLanguageCritic` from a VLM checkpoint: its language model, a zero-initialised head."""
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)
+    return VisionLanguageCritic(model.config, model.model.language_model)

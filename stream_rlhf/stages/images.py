@@ -1,0 +1,80 @@
+"""How images travel between stages, and how a stage gets the features of a mini-batch.
+
+The prompt source decodes and patches the images of a mini-batch once; its handle carries
+
+    pixel_values        (P, D) float32   every image's patches, image after image
+    image_grid_thw      (n, 3) long      each image's patch grid
+    prompt_images       ragged long      per sample: indices of its images, in prompt order
+
+and the vision stage replaces `pixel_values` with `image_features` (T, H), the vision tower's
+output (one row per image token), and `image_tokens` (n,), the rows of each image. Rollout, the forwards and the trainers read that handle
+(`ImageInputs.of`) and never run the vision tower. With `vision.prefetch: false` they get the
+prompt source's handle instead and run the tower themselves, counting each call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from stream_rlhf.models.vision_language import SampleImages, encode_images, load_vision_tower
+from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.stages.samples import ragged, unragged
+from stream_rlhf.telemetry.stage_counts import StageCounts
+
+IMAGE_FIELDS = ("image_grid_thw", "prompt_images", "prompt_images_lens")
+"""The fields a features handle shares with the prompt source's handle."""
+
+
+def image_batch_fields(images: list, sample_images: list[list[int]]) -> dict[str, Tensor]:
+    """The prompt source's image fields from the mini-batch's decoded images (`PatchedImage`s)
+    and each sample's indices into them."""
+    pixel_values = torch.cat([im.pixel_values for im in images]) if images else torch.zeros(0)
+    grid = torch.stack([im.grid_thw for im in images]) if images else torch.zeros((0, 3), dtype=torch.long)
+    return {
+        "pixel_values": pixel_values,
+        "image_grid_thw": grid,
+        **ragged("prompt_images", [torch.tensor(ix, dtype=torch.long) for ix in sample_images]),
+    }
+
+
+class ImageInputs:
+    """The image features of each sample of a mini-batch, for one stage.
+
+    `of(tensors)` returns one `SampleImages` per sample (None for a text model). Features come
+    from the handle when the vision stage computed them; otherwise this stage's own copy of the
+    vision tower encodes `pixel_values`, and `counts` records `images_encoded`.
+    """
+
+    def __init__(self, job: JobContext, counts: StageCounts):
+        self.enabled = job.vision_language
+        self.counts = counts
+        self.tower = None
+        if self.enabled and not job.config.vision.prefetch:
+            self.tower = load_vision_tower(job.checkpoint)
+
+    def of(self, tensors: dict[str, Tensor]) -> list[SampleImages] | None:
+        if not self.enabled:
+            return None
+        grid = tensors["image_grid_thw"].long()
+        if "image_features" in tensors:
+            per_image = list(torch.split(tensors["image_features"], tensors["image_tokens"].tolist()))
+            self.counts.add(images_read=len(grid))
+        else:
+            if self.tower is None:
+                raise RuntimeError("a handle without image_features reached a stage that has no vision tower "
+                                   "(vision.prefetch is on but the vision stage did not run)")
+            per_image = encode_images(self.tower, tensors["pixel_values"], grid) if len(grid) else []
+            self.counts.add(images_encoded=len(grid), encoder_calls=1)
+        return samples_of(per_image, grid, unragged(tensors, "prompt_images"))
+
+
+def samples_of(per_image: list[Tensor], grid: Tensor, sample_images: list[Tensor]) -> list[SampleImages]:
+    """Each sample's images, from the mini-batch's per-image features."""
+    hidden = per_image[0].shape[-1] if per_image else 0
+    out = []
+    for index in sample_images:
+        index = index.long().tolist()
+        features = torch.cat([per_image[i] for i in index]) if index else torch.zeros((0, hidden))
+        out.append(SampleImages(features, grid[index]))
+    return out
