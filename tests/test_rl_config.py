@@ -10,7 +10,7 @@ import pytest
 from stream_rlhf.config import ConfigError, build, load_config
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import compile_job
-from tests.rl_tiny import tiny_job, write_job
+from tests.rl_tiny import VISION, tiny_job, write_job
 
 
 @pytest.mark.parametrize(
@@ -27,8 +27,15 @@ from tests.rl_tiny import tiny_job, write_job
         ({"model.path": "/nonexistent"}, "model.path='/nonexistent': no config.json there"),
         ({"reward.function": "no_colon"}, "reward.function='no_colon': expected 'package.module:name'"),
         ({"algorithm.kl.kind": "k4"}, "algorithm.kl.kind='k4': must be one of"),
-        ({"restarts": {"actor_train": 1}}, "restarts.actor_train=1: only rollout, ref_forward"),
+        ({"restarts": {"actor_train": 1}}, "restarts.actor_train=1: only vision_prefetch, rollout, ref_forward"),
         ({"placement.offload": ["trainer"]}, "placement.offload: 'trainer' is not a stage"),
+        ({"task.name": "shapes"}, "task.name=shapes: asks about images, needs a vision-language model"),
+        ({"data.train": "/nonexistent.jsonl", "data.eval": "/nonexistent.jsonl"},
+         "data.train='/nonexistent.jsonl': no such file"),
+        ({"data.eval": "eval.jsonl"}, "data.train=None, eval='eval.jsonl': give both or neither"),
+        ({"data.on_bad_sample": "ignore"}, "data.on_bad_sample='ignore': must be one of"),
+        ({"vision.prefetch_depth": 0}, "vision.prefetch_depth=0, instances=1: must be >= 1"),
+        ({"model.tiny.vision": {"embed_dim": 30, "num_heads": 4}}, "model.tiny.vision.num_heads=4: must divide"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, override, message):
@@ -49,11 +56,26 @@ def test_cli_rejects_a_bad_config_before_starting_anything(tmp_path):
 
 
 def test_shipped_configs_load_and_compile():
-    for path, critic in (("configs/text_ppo.yaml", True), ("configs/text_grpo.yaml", False)):
+    configs = (("configs/text_ppo.yaml", True, False), ("configs/text_grpo.yaml", False, False),
+               ("configs/mllm_ppo.yaml", True, True))
+    for path, critic, vision in configs:
         cfg = load_config(RLJobConfig, path)
-        flow = compile_job(cfg, "checkpoint", "weights")
+        flow = compile_job(cfg, "checkpoint", "weights", vision_language=vision)
         assert ("critic_forward" in flow.stages) is critic
+        assert ("vision_prefetch" in flow.stages) is vision
         assert flow.topology.topics["experience"].join[0] == "rollout"  # samples keep rollout's policy_version
+
+
+def test_multimodal_dataflow_shares_one_features_handle(tmp_path):
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "mm", **VISION, **{"vision.prefetch_depth": 3}))
+    topics = compile_job(cfg, "checkpoint", "weights", vision_language=True).topology.topics
+    assert topics["vision"].consumers == ["rollout"] and topics["vision"].capacity == 3
+    assert topics["generated"].join == ["rollout", "vision"]
+    assert topics["experience"].join[:2] == ["rollout", "vision"]
+    no_prefetch = build(RLJobConfig, tiny_job(tmp_path, "mm", **VISION, **{"vision.prefetch": False}))
+    flow = compile_job(no_prefetch, "checkpoint", "weights", vision_language=True)
+    assert "vision_prefetch" not in flow.stages and "vision" not in flow.topology.topics
+    assert flow.topology.topics["generated"].join == ["rollout", "prompts"]  # pixels: each stage encodes
 
 
 def test_sync_schedule_adds_barriers_and_room_for_an_iteration(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 from stream_rlhf.broker.inprocess import InProcessBus
 from stream_rlhf.config import build
 from stream_rlhf.launch.local import load_class
+from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.models.warm_start import warm_start
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import compile_job
@@ -23,6 +24,7 @@ from stream_rlhf.rl.task_data import resolve_data
 from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_details
 from tests.rl_tiny import VISION, tiny_job, write_job
+from tests.tiny_models import tiny_qwen2_5_vl
 
 READERS = {"rollout", "ref_forward", "actor_forward", "critic_forward", "actor_train", "critic_train"}
 """The stages that need image features under PPO (reward_forward reads only text)."""
@@ -40,7 +42,8 @@ def run_multimodal(tmp_path: Path, name: str, **overrides) -> tuple[RLJobConfig,
 
 
 def test_each_image_is_encoded_once_while_six_stages_read_its_features(tmp_path):
-    cfg, records, counts = run_multimodal(tmp_path, "prefetch")
+    """With two data-parallel vision instances competing for the mini-batches."""
+    cfg, records, counts = run_multimodal(tmp_path, "prefetch", **{"vision.instances": 2})
     images = cfg.iterations * cfg.rollout_batch.minibatches * cfg.rollout_batch.prompts_per_minibatch
     assert counts["prompts"]["images_seen"] == images  # one image per prompt in the shapes task
     assert counts["vision_prefetch"]["images_encoded"] == images
@@ -55,6 +58,17 @@ def test_without_prefetch_every_stage_that_needs_features_runs_the_vision_tower(
     assert "vision_prefetch" not in counts
     assert {stage for stage, c in counts.items() if c.get("images_encoded") == images} == READERS
     assert len(records) == 2
+
+
+def test_a_qwen2_5_vl_checkpoint_folder_runs_with_the_same_code(tmp_path):
+    """`model.path`: a Qwen2.5-VL folder (window attention in its vision tower) with its tokenizer."""
+    folder = tmp_path / "qwen2_5_vl"
+    tiny_qwen2_5_vl().save_pretrained(folder)
+    build_tokenizer(vision=True).save_pretrained(folder)
+    cfg, records, counts = run_multimodal(tmp_path, "qwen2_5", iterations=1, **{"model.path": str(folder)})
+    assert warm_start(cfg) == folder
+    assert counts["vision_prefetch"]["images_encoded"] == counts["prompts"]["images_seen"] == 16
+    assert len(records) == 1 and (tmp_path / "qwen2_5" / "checkpoint" / "config.json").is_file()
 
 
 def test_grpo_shares_a_prompts_images_between_its_samples(tmp_path):

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.models.checkpoint import build_tiny, load_critic
@@ -30,6 +29,7 @@ from stream_rlhf.models.vision_language import (
 )
 from stream_rlhf.rl.config import TinyModelConfig, TinyVisionConfig
 from stream_rlhf.weights.shm_store import WeightStore
+from tests.tiny_models import tiny_qwen2_5_vl
 
 ATOL = 1e-5  # logits, log-probs, values: packed with precomputed features vs full-model forwards
 ATOL_GENERATE = 1e-4  # behaviour log-probs (KV-cached, left-padded decode) vs a packed recomputation
@@ -46,33 +46,6 @@ LAYOUTS = [
     ([7], []),  # text only
     ([2, 3, 1], [(1, 4, 4), (1, 6, 4)]),
 ]
-
-
-def tiny_qwen2_5_vl() -> Qwen2_5_VLForConditionalGeneration:
-    """A valid tiny Qwen2.5-VL: 32-pixel attention windows (2 x 2 merged tokens), full attention in block 1."""
-    special = {"bos_token_id": TOKENIZER.bos_token_id, "eos_token_id": TOKENIZER.eos_token_id,
-               "pad_token_id": TOKENIZER.pad_token_id}
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(TOKENIZER), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 128,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0},
-            **special,
-        },
-        vision_config={
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-            "patch_size": 8, "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 32,
-            "fullatt_block_indexes": [1],
-        },
-        image_token_id=IMAGE,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-        video_token_id=TOKENIZER.unk_token_id,
-        tie_word_embeddings=True,
-        **special,
-    )
-    torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration(config)
 
 
 def build_model(kind: str) -> torch.nn.Module:

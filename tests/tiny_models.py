@@ -1,10 +1,13 @@
-"""The tiny Qwen2-architecture config the model-level tests build their models from."""
+"""The tiny Qwen2 and Qwen2.5-VL models the tests build (no hub: from config objects)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from transformers import Qwen2Config
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config
+
+from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
 
 
 def tiny_qwen2_config(vocab_size: int, **extra: Any) -> Qwen2Config:
@@ -15,3 +18,33 @@ def tiny_qwen2_config(vocab_size: int, **extra: Any) -> Qwen2Config:
         "tie_word_embeddings": True,
     }
     return Qwen2Config(**{**settings, **extra})
+
+
+def tiny_qwen2_5_vl() -> Qwen2_5_VLForConditionalGeneration:
+    """A valid tiny Qwen2.5-VL for the project's tokenizer with image tokens (patch 8, merge 2):
+    32-pixel attention windows (2 x 2 merged tokens), full attention in block 1."""
+    tokenizer = build_tokenizer(vision=True)
+    start, image, end = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+               "pad_token_id": tokenizer.pad_token_id}
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 128,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0},
+            **special,
+        },
+        vision_config={
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 8, "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 32,
+            "fullatt_block_indexes": [1],
+        },
+        image_token_id=image,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        video_token_id=tokenizer.unk_token_id,
+        tie_word_embeddings=True,
+        **special,
+    )
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(config)

@@ -178,7 +178,8 @@ class VisionConfig:
     features (rollout, forwards, trainers) runs the vision tower itself (the baseline that
     bench/vision.py compares against)."""
     prefetch_depth: int = 2
-    """Mini-batches of features the vision stage may hold ready beyond what rollout has taken."""
+    """Mini-batches of features the vision stage may hold ready at the broker beyond what rollout
+    has taken (rollout's runner itself takes up to 2 into its input queue)."""
     instances: int = 1
     """Data-parallel instances of the vision stage (independent of the language model's)."""
 
