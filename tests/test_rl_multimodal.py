@@ -136,7 +136,7 @@ def test_multimodal_run_writes_image_counts_in_its_summary(tmp_path):
     assert summary["samples_generated"] == summary["samples_trained"] == 3 * 2 * 8
     assert summary["images_seen"] == summary["images_encoded"] == 3 * 2 * 8
     assert summary["images_encoded_by_stage"] == {"vision_prefetch": 48}
-    assert summary["lines_skipped"] == {"train": {}, "eval": {}}
+    assert summary["lines_skipped"] == {"train": {}, "eval": {}} and summary["lines_skipped_examples"] == []
     assert {"eval_reward_before", "eval_reward_after"} <= summary.keys()
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_mm")]
 

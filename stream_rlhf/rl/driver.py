@@ -8,7 +8,8 @@
 
 Sample accounting in the summary is exact: samples_generated = samples_trained + samples_dropped
 (reasons in dropped_reasons) + samples_in_flight_at_stop. Dataset lines left out under
-`data.on_bad_sample: skip` are reported as lines_skipped (train and eval) with their reasons.
+`data.on_bad_sample: skip` are reported as lines_skipped (train and eval, by reason) with the
+first messages in lines_skipped_examples.
 A vision-language run adds images_seen (images in the generated samples) and images_encoded
 (vision tower runs over images, summed over every stage that ran it).
 """
@@ -87,6 +88,7 @@ class RLRun:
         records = read_metrics(self.run_dir / "metrics.jsonl")
         steady = records[1:] or records  # the first iteration also pays for process start-up
         counts = read_stage_counts(self.run_dir)
+        skipped, skipped_examples = _skipped(self.run_dir)
         generated = counts.get("rollout", {}).get("generated", 0)
         summary = {
             "name": self.cfg.name,
@@ -106,7 +108,8 @@ class RLRun:
             "dropped_reasons": train["dropped_reasons"],
             "samples_in_flight_at_stop": generated - train["samples_trained"] - train["samples_dropped"],
             "max_staleness": train["max_staleness"],
-            "lines_skipped": {"train": _skipped(self.run_dir), "eval": after.get("skipped", {})},
+            "lines_skipped": {"train": skipped, "eval": after["skipped"]},
+            "lines_skipped_examples": skipped_examples + after["skipped_examples"],
             "job_s": round(job_s, 1),
             "wall_s": round(time.monotonic() - self.started, 1),
             "checkpoint": str(self.run_dir / "checkpoint"),
@@ -120,10 +123,12 @@ class RLRun:
         return summary
 
 
-def _skipped(run_dir: Path) -> dict[str, int]:
-    """Train lines the prompt source skipped, by reason."""
+def _skipped(run_dir: Path) -> tuple[dict[str, int], list[str]]:
+    """Train lines the prompt source skipped, by reason, and the first messages ("file:line: why")."""
     total: dict[str, int] = {}
+    examples: list[str] = []
     for details in read_stage_details(run_dir, "prompts"):
         for reason, count in details.get("skipped", {}).items():
             total[reason] = total.get(reason, 0) + count
-    return total
+        examples += details.get("skipped_examples", [])
+    return total, examples

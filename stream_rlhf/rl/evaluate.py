@@ -1,10 +1,12 @@
 """Evaluation of a checkpoint on the task's held-out prompts: mean reward of sampled responses
 (at the rollout temperature: the quantity RL maximises) and of greedy ones.
 
-    evaluate(cfg, checkpoint)  -> {"reward": 0.42, "greedy_reward": 0.55, "prompts": 256, "skipped": {}}
+    evaluate(cfg, checkpoint)  -> {"reward": 0.42, "greedy_reward": 0.55, "prompts": 256, "skipped": {},
+                                   "skipped_examples": []}
 
 The prompts are the arithmetic task's eval split or every line of `data.eval` (with
-`data.on_bad_sample: skip`, bad lines are counted in "skipped" by reason). A vision-language
+`data.on_bad_sample: skip`, bad lines are counted in "skipped" by reason, the first messages kept
+in "skipped_examples"). A vision-language
 model encodes each eval image once, with its own vision tower.
 """
 
@@ -39,7 +41,8 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     chunks = [items[first:first + batch_size] for first in range(0, len(items), batch_size)]
     chunk_images = [_features(model, chunk) for chunk in chunks]  # encoded once, for both temperatures
     stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop)
-    result: dict[str, Any] = {"prompts": len(items), "skipped": dict(dataset.skipped) if dataset else {}}
+    result: dict[str, Any] = {"prompts": len(items), "skipped": dict(dataset.skipped) if dataset else {},
+                              "skipped_examples": list(dataset.skipped_examples) if dataset else []}
     for name, temperature in (("reward", cfg.rollout.temperature), ("greedy_reward", 0.0)):
         params = SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids, tokenizer.pad_token_id)
         scores = []
