@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.bench_run import run_bench_json
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 KEYS = {"encoder_calls_prefetch", "encoder_calls_no_prefetch", "iter_s_prefetch", "iter_s_no_prefetch", "speedup"}
 
 
 def test_bench_vision_quick_json(tmp_path):
-    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
-    with stdout.open("w") as out, stderr.open("w") as err:  # files, not pipes: the stage processes
-        code = subprocess.run(  # inherit them and a full pipe would stall the run
-            [sys.executable, "bench/vision.py", "--quick", "--json"], check=False, cwd=REPO, stdout=out, stderr=err,
-            timeout=600,
-        ).returncode
-    assert code == 0, stderr.read_text()[-3000:]
-    figures = json.loads(stdout.read_text().strip().splitlines()[-1])
+    figures, stdout = run_bench_json("bench/vision.py", tmp_path, timeout_s=600)
     assert KEYS <= set(figures), sorted(KEYS - set(figures))
     # every stage that needs features encodes for itself without prefetch: six times the images
     assert figures["encoder_calls_no_prefetch"] == 6 * figures["encoder_calls_prefetch"] > 0
     assert figures["iter_s_prefetch"] > 0 and figures["iter_s_no_prefetch"] > 0  # speed: bench/RESULTS.md
-    assert "encoder calls" in stdout.read_text()  # the human table comes first
+    assert "encoder calls" in stdout  # the human table comes first

@@ -36,6 +36,9 @@ from tests.rl_tiny import VISION, tiny_job, write_job
         ({"data.on_bad_sample": "ignore"}, "data.on_bad_sample='ignore': must be one of"),
         ({"vision.prefetch_depth": 0}, "vision.prefetch_depth=0, instances=1: must be >= 1"),
         ({"model.tiny.vision": {"embed_dim": 30, "num_heads": 4}}, "model.tiny.vision.num_heads=4: must divide"),
+        ({"rollout.medusa.heads": 0}, "rollout.medusa.heads=0: must be >= 1"),
+        ({"rollout.medusa.enabled": True, "task.name": "shapes", "model.tiny.vision": {}},
+         "rollout.medusa.enabled=true: speculative rollout is text-only"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, override, message):
@@ -64,6 +67,15 @@ def test_shipped_configs_load_and_compile():
         assert ("critic_forward" in flow.stages) is critic
         assert ("vision_prefetch" in flow.stages) is vision
         assert flow.topology.topics["experience"].join[0] == "rollout"  # samples keep rollout's policy_version
+
+
+def test_medusa_adds_its_trainer_beside_the_others(tmp_path):
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "m", **{"rollout.medusa.enabled": True}))
+    topics = compile_job(cfg, "checkpoint", "weights").topology.topics
+    assert topics["experience"].consumers == ["actor_train", "critic_train", "medusa_train"]
+    stale = build(RLJobConfig, tiny_job(tmp_path, "m", **{"rollout.medusa.enabled": True,
+                                                          "rollout.medusa.companion": False}))
+    assert "medusa_train" not in compile_job(stale, "checkpoint", "weights").stages
 
 
 def test_multimodal_dataflow_shares_one_features_handle(tmp_path):

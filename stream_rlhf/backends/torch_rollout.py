@@ -74,17 +74,24 @@ class Generation:
     """Either "stop" (a stop token was sampled) or "length" (max_new_tokens reached)."""
 
 
+def sampling_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution `_sample` draws from at temperature > 0: softmax(logits / temperature),
+    top-p-truncated and renormalised. (..., V) -> (..., V) fp32."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # (..., V)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (..., V)
+        # drop a token once the mass before it already reaches top_p; the most likely one stays
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # (..., V)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
 def _sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
     """Next token per row from logits (B, V) -> (B,): argmax, or top-p sampling at temperature."""
     if params.temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # (B, V)
-    if params.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (B, V)
-        # drop a token once the mass before it already reaches top_p; the most likely one stays
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # (B, V)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(sampling_probs(logits, params), 1, generator=generator).squeeze(-1)
 
 
 def _left_pad(prompts: list[Tensor], pad_token_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

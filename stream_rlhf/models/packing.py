@@ -143,6 +143,16 @@ def packed_forward(
     return unpack(logits, packed)
 
 
+def packed_hidden_states(
+    model: nn.Module, sequences: list[Tensor], capacity: int | None = None, images: list[SampleImages] | None = None
+) -> list[Tensor]:
+    """The decoder's last hidden states (what the LM head reads) of each sequence, (L_i, H)."""
+    packed = pack(sequences, capacity)
+    device = model.get_output_embeddings().weight.device
+    hidden = model.get_decoder()(**_model_inputs(model, packed, sequences, images, device)).last_hidden_state
+    return unpack(hidden, packed)
+
+
 def sequence_logprobs(
     model: nn.Module,
     sequences: list[Tensor],

@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 from stream_rlhf.data.arithmetic import problems
-from stream_rlhf.models.checkpoint import build_tiny
+from stream_rlhf.models.checkpoint import build_tiny, load_policy, load_tokenizer
+from stream_rlhf.models.medusa import MedusaHeads, heads_loss, save_heads
+from stream_rlhf.models.packing import packed_hidden_states
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.task_data import open_prompts
@@ -51,6 +53,7 @@ def warm_start(cfg: RLJobConfig) -> Path:
     folder = Path(cfg.model.warm_start.cache_dir) / f"tiny-{key}"
     if (folder / "config.json").is_file():
         log.info("warm start: cached SFT model %s", folder)
+        _ensure_heads(cfg, folder)
         return folder
     model, tokenizer = _train(cfg)
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")  # runs started together do not collide
@@ -63,6 +66,7 @@ def warm_start(cfg: RLJobConfig) -> Path:
         if not (folder / "config.json").is_file():
             raise
         shutil.rmtree(partial)  # another run finished the same warm start first: use theirs
+    _ensure_heads(cfg, folder)
     return folder
 
 
@@ -96,6 +100,45 @@ def _train(cfg: RLJobConfig):
     if dataset is not None and dataset.skipped:
         log.warning("warm start: skipped lines of %s: %s", cfg.data.train, dataset.skipped)
     return model.eval(), tokenizer
+
+
+def _ensure_heads(cfg: RLJobConfig, folder: Path) -> None:
+    """With `rollout.medusa` on, Medusa heads for the cached policy in `folder` (trained once per
+    heads setting and kept beside it; the policy's own cache entry does not depend on them)."""
+    medusa = cfg.rollout.medusa
+    settings = {"heads": medusa.heads, "steps": medusa.warm_start_steps, "lr": medusa.lr, "seed": cfg.task.seed}
+    if not medusa.enabled or medusa.warm_start_steps == 0 or cfg.data.train is not None:
+        return  # (a JSONL dataset: the heads start from the LM head and companion training fits them)
+    marker = folder / "medusa_warm_start.json"
+    if marker.is_file() and json.loads(marker.read_text()) == settings:
+        return
+    save_heads(_train_heads(cfg, load_policy(folder).eval(), load_tokenizer(folder)), folder)
+    marker.write_text(json.dumps(settings))
+
+
+def _train_heads(cfg: RLJobConfig, model, tokenizer) -> MedusaHeads:
+    """Medusa heads trained on the warm-started policy's hidden states over the SFT data (the
+    backbone frozen), so speculative rollout starts with heads that fit the starting policy."""
+    medusa = cfg.rollout.medusa
+    batch_size = cfg.model.warm_start.batch_size
+    heads = MedusaHeads.from_policy(model, medusa.heads)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=medusa.lr, weight_decay=0.0)
+    data = problems("train", medusa.warm_start_steps * batch_size, cfg.task.seed + 2, cfg.task.max_operand)
+    for step in range(medusa.warm_start_steps):
+        batch = data[step * batch_size:(step + 1) * batch_size]
+        prompts = [[tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)] for p in batch]
+        sequences = [torch.tensor(p + tokenizer.encode(b.answer, add_special_tokens=False) + [tokenizer.eos_token_id])
+                     for p, b in zip(prompts, batch)]
+        with torch.no_grad():
+            hidden = packed_hidden_states(model, sequences)
+        loss, metrics = heads_loss(heads, hidden, sequences, [len(p) for p in prompts])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if (step + 1) % 100 == 0 or step + 1 == medusa.warm_start_steps:
+            log.info("warm start: Medusa heads step %d/%d, loss %.3f, head0 accuracy %.2f", step + 1,
+                     medusa.warm_start_steps, loss.item(), metrics.get("head0_acc", 0.0))
+    return heads.eval()
 
 
 def _sft_batch(tokenizer, prompts: list[torch.Tensor], answers: list[str]) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from stream_rlhf.config import ConfigError
 
 Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 ALL_STAGES = ("prompts", "vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward",
-              "actor_train", "critic_train")
+              "actor_train", "critic_train", "medusa_train")
 RESTARTABLE = ("vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward")
 
 
@@ -207,6 +207,42 @@ class RolloutBatchConfig:
 
 
 @dataclass(frozen=True)
+class MedusaConfig:
+    """Medusa heads for lossless speculative rollout, trained beside the actor (companion training).
+
+    Rollout proposes `heads` tokens from the heads and verifies them with one backbone forward;
+    the sampled distribution stays exactly the backbone's. The `medusa_train` stage fine-tunes
+    the heads on each iteration's experiences with the backbone frozen and publishes them; rollout
+    uses heads trained against a backbone at most `max_lag` versions older than its own, and
+    decodes plainly otherwise (counted).
+    """
+
+    enabled: bool = False
+    heads: int = 3
+    lr: float = 1e-3
+    max_lag: int = 2
+    """Policy versions the heads' backbone may trail rollout's before rollout stops using them."""
+    companion: bool = True
+    """false: the heads stay as the warm start left them (stale heads, for comparison)."""
+    epochs: int = 1
+    """Passes of the heads' training over each iteration's experiences."""
+    warm_start_steps: int = 200
+    """Steps training the heads on the warm-started policy's hidden states (embedded tiny model)."""
+    probe_every: int = 8
+    """Every this many mini-batches rollout decodes one plainly, to compare speeds: speculation
+    turns itself off while it is slower than plain decoding, and says so."""
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "epochs", "probe_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.max_lag < 0 or self.warm_start_steps < 0:
+            raise ConfigError(f"max_lag={self.max_lag}, warm_start_steps={self.warm_start_steps}: must be >= 0")
+        if self.lr <= 0:
+            raise ConfigError(f"lr={self.lr}: must be > 0")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     backend: Literal["torch"] = "torch"
     instances: int = 1
@@ -215,6 +251,7 @@ class RolloutConfig:
     max_new_tokens: int = 6
     stop: list[str] | None = None
     """Tokens that end a response (kept in it); None: the tokenizer's end-of-sequence token."""
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -390,6 +427,8 @@ class RLJobConfig:
                 "samples of an iteration"
             )
 
+        if self.rollout.medusa.enabled and (self.model.tiny.vision is not None or self.task.name == "shapes"):
+            raise ConfigError("rollout.medusa.enabled=true: speculative rollout is text-only for now")
         if self.task.name == "shapes" and self.model.path is None and self.model.tiny.vision is None:
             raise ConfigError("task.name=shapes: asks about images, needs a vision-language model "
                               "(model.tiny.vision, or a Qwen2-VL model.path)")

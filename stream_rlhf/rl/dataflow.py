@@ -14,7 +14,9 @@ A vision-language model adds the vision stage and lets every later stage read it
 With `vision.prefetch: false` there is no vision stage and `prompts` (pixel patches) takes the
 place of `vision`: each stage then runs the vision tower itself.
 
-GRPO, RLOO and REINFORCE++ have no critic stages. Admission holds the prompts of iteration i
+With `rollout.medusa` enabled (and companion training on), `medusa_train` is a third consumer
+of the experiences, beside the actor and critic trainers. GRPO, RLOO and REINFORCE++ have no
+critic stages. Admission holds the prompts of iteration i
 until training has published version i - overlap_depth. The `sync` schedule adds barriers: a
 mini-batch of rollout (or experience) is delivered only when every mini-batch of its iteration
 has been published there, so generation, forwards and training run phase by phase.
@@ -42,6 +44,7 @@ STAGE_CLASSES = {
     "critic_forward": "stream_rlhf.stages.critic_forward:CriticForward",
     "actor_train": "stream_rlhf.stages.actor_train:ActorTrain",
     "critic_train": "stream_rlhf.stages.critic_train:CriticTrain",
+    "medusa_train": "stream_rlhf.stages.medusa_train:MedusaTrain",
 }
 ROLLOUT_SIDE = {"prompts", "rollout"}
 """Stages placed on `placement.rollout_cores` when separated; the rest go on `train_cores`."""
@@ -61,6 +64,7 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     critic = cfg.algorithm.uses_critic
     forwards = ["ref_forward", "reward_forward", "actor_forward"] + (["critic_forward"] if critic else [])
     trainers = ["actor_train"] + (["critic_train"] if critic else [])
+    trainers += ["medusa_train"] if cfg.rollout.medusa.enabled and cfg.rollout.medusa.companion else []
     parts = {"ref_forward": "ref_logp", "reward_forward": "reward", "actor_forward": "old_logp", "critic_forward": "values"}
     prefetch = vision_language and cfg.vision.prefetch
     topics = {**{parts[f]: TopicConfig(producers=[f]) for f in forwards}}

@@ -86,6 +86,8 @@ class ActorTrain(Stage):
         if fresh:
             exp = Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh])
             record.update(self._update(exp, fresh))
+        if self.job.config.rollout.medusa.enabled:
+            record.update(_decoding_metrics(batches))
         self.version += 1
         self.weights.publish(self.model, self.version)
         self.ctx.send_control("weights_ready", self.version)
@@ -170,3 +172,16 @@ class ActorTrain(Stage):
         (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
         self.ctx.log.info("trained %d iterations: checkpoint %s", self.version, checkpoint)
         self.ctx.send_control("shutdown", -1)
+
+
+def _decoding_metrics(batches: list[Batch]) -> dict[str, float]:
+    """Rollout's speculative decoding over an iteration: mean tokens per verification step and row
+    (accept_len; 1 = no draft accepted), mini-batches decoded speculatively, and the largest lag of
+    the heads they used (policy version minus the heads' backbone version; <= medusa.max_lag)."""
+    speculative = [b.metadata for b in batches if b.metadata.get("decoding") == "speculative"]
+    row_steps = sum(int(m["spec_row_steps"]) for m in speculative)
+    return {
+        "accept_len": round(1 + sum(int(m["spec_accepted"]) for m in speculative) / row_steps, 3) if row_steps else 0.0,
+        "speculative_minibatches": len(speculative),
+        "medusa_lag_max": max((int(m["medusa_lag"]) for m in speculative), default=0),
+    }

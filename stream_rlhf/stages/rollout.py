@@ -3,7 +3,8 @@
 Before each mini-batch it loads the newest actor weights the trainer published (weights change
 only between mini-batches), and every output carries the `policy_version` that generated it
 along with the behaviour log-probs of the sampled tokens. A vision-language model reads the image
-features of its input handle (the vision stage's; `stages/images.py`).
+features of its input handle (the vision stage's; `stages/images.py`). With `rollout.medusa`
+enabled, decoding is speculative with Medusa heads where that is faster (`stages/speculation.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer, stop_token_ids
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
+from stream_rlhf.stages.speculation import Speculation
 from stream_rlhf.stages.samples import Rollout, unragged
 from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.shm_store import WeightStore
@@ -38,12 +40,17 @@ class RolloutStage(Stage):
         # so a restarted instance adds to the count
         self.counts = StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id)
         self.images = ImageInputs(self.job, self.counts)
+        self.speculation = Speculation(self.job, self.model, ctx.log) if cfg.medusa.enabled else None
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.policy_version = self.weights.refresh(self.model, self.policy_version)
         prompts = unragged(batch.tensors, "prompt_ids")
         generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch)
-        gen = generate(self.model, prompts, self.params, generator, images=self.images.of(batch.tensors))
+        info = {}
+        if self.speculation is not None:
+            gen, info = self.speculation.generate(self.model, prompts, self.params, generator, self.policy_version)
+        else:
+            gen = generate(self.model, prompts, self.params, generator, images=self.images.of(batch.tensors))
         rollout = Rollout(
             sequences=[torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
             prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int32),
@@ -56,4 +63,4 @@ class RolloutStage(Stage):
         if self.job.vision_language:
             del tensors["group_ids"]  # the image handle the broker joins with this one carries them
         return [Output("rollout", tensors, len(prompts), policy_version=self.policy_version,
-                       metadata={"references": batch.metadata["references"], "finished": finished})]
+                       metadata={"references": batch.metadata["references"], "finished": finished, **info})]

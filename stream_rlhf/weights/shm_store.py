@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
@@ -34,11 +35,13 @@ class WeightStore:
         self.folder = Path(root) / model_name
         self.keep = keep
 
-    def publish(self, model: nn.Module, version: int) -> None:
+    def publish(self, model: nn.Module, version: int, metadata: dict[str, str] | None = None) -> None:
+        """Publish `model`'s weights as `version` (versions must increase), with optional string
+        metadata that readers get from `metadata(version)`."""
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"v{version}.safetensors"
         tmp = path.with_suffix(".tmp")
-        save_model(model, str(tmp))
+        save_model(model, str(tmp), metadata=metadata)
         os.replace(tmp, path)
         latest_tmp = self.folder / "LATEST.tmp"
         latest_tmp.write_text(str(version))
@@ -64,6 +67,11 @@ class WeightStore:
         except FileNotFoundError:  # unlinked between reading LATEST and opening: a newer one exists
             return self.load_into(model)
         return version
+
+    def metadata(self, version: int) -> dict[str, str]:
+        """The metadata published with `version` (raises FileNotFoundError once it is replaced)."""
+        with safe_open(str(self.folder / f"v{version}.safetensors"), framework="pt") as f:
+            return f.metadata() or {}
 
     def refresh(self, model: nn.Module, loaded_version: int) -> int:
         """Load the newest version if it is newer than `loaded_version`; returns the version held."""

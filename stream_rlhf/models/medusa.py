@@ -1,0 +1,123 @@
+"""Medusa heads: extra decoding heads on a causal LM's last hidden state, each predicting a token
+further ahead, for lossless speculative rollout (`backends/speculative.py`).
+
+    heads = MedusaHeads.from_policy(policy, num_heads=3)   # vocabulary projections copy the LM head
+    logits = heads(hidden)                                 # (K, ..., V): head k predicts token t + 2 + k
+    save_heads(heads, folder); heads = load_heads(folder)
+
+Head k (0-based) reads the hidden state at position t (the one the LM head turns into the logits
+of token t + 1) and predicts token t + 2 + k. Each head is a residual block (Linear + SiLU, zero-
+initialised, so a new head starts as the LM head itself) followed by its own vocabulary projection,
+initialised from the LM head. The backbone is never changed by them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+WEIGHTS_FILE = "medusa_heads.safetensors"
+CONFIG_FILE = "medusa_heads.json"
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int):
+        super().__init__()
+        if num_heads < 1:
+            raise ValueError(f"num_heads={num_heads}: must be >= 1")
+        self.hidden_size, self.vocab_size, self.num_heads = hidden_size, vocab_size, num_heads
+        self.blocks = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_heads))
+        self.projections = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+
+    @classmethod
+    def from_policy(cls, policy: nn.Module, num_heads: int) -> MedusaHeads:
+        """New heads for `policy` (a Hugging Face causal LM): each projection is a copy of its LM head."""
+        head = policy.get_output_embeddings()
+        vocab_size, hidden_size = head.weight.shape
+        heads = cls(hidden_size, vocab_size, num_heads).to(head.weight.device, head.weight.dtype)
+        with torch.no_grad():
+            for projection in heads.projections:
+                projection.weight.copy_(head.weight)
+        return heads
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """Logits (K, ..., V) of every head from hidden states (..., H)."""
+        return torch.stack([proj(block(hidden)) for block, proj in zip(self.blocks, self.projections)])
+
+
+def heads_loss(heads: MedusaHeads, hidden: list[Tensor], sequences: list[Tensor],
+               prompt_lens: list[int]) -> tuple[Tensor, dict[str, float]]:
+    """Cross-entropy of each head on the response tokens it would draft, and its top-1 accuracy.
+
+    `hidden` (L_i, H) are the backbone's last hidden states of `sequences` (L_i,). Rollout drafts
+    from the hidden state of a kept position t >= P - 1 (P: prompt length), head k predicting token
+    t + 2 + k, so those are the positions trained: t in [P - 1, L - 3 - k].
+    """
+    losses, metrics = [], {}
+    for k in range(heads.num_heads):
+        inputs, targets = [], []
+        for h, seq, p in zip(hidden, sequences, prompt_lens):
+            last = len(seq) - 3 - k  # the last t whose target t + 2 + k is in the sequence
+            if last >= p - 1:
+                inputs.append(h[p - 1:last + 1])
+                targets.append(seq[p + 1 + k:])
+        if not inputs:
+            continue
+        logits = heads.projections[k](heads.blocks[k](torch.cat(inputs)))  # (N_k, V)
+        target = torch.cat(targets).long().to(logits.device)  # (N_k,)
+        losses.append(nn.functional.cross_entropy(logits.float(), target))
+        metrics[f"head{k}_loss"] = losses[-1].item()
+        metrics[f"head{k}_acc"] = (logits.argmax(-1) == target).float().mean().item()
+    if not losses:
+        return torch.zeros((), requires_grad=True), metrics
+    return torch.stack(losses).sum(), metrics
+
+
+def save_heads(heads: MedusaHeads, folder: str | Path) -> None:
+    """Write the heads into `folder` (beside a checkpoint); each file appears whole or not at all."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"{WEIGHTS_FILE}.tmp-{os.getpid()}"
+    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, tmp)
+    os.replace(tmp, folder / WEIGHTS_FILE)
+    tmp = folder / f"{CONFIG_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size,
+                               "num_heads": heads.num_heads}))
+    os.replace(tmp, folder / CONFIG_FILE)
+
+
+def load_heads(folder: str | Path) -> MedusaHeads:
+    folder = Path(folder)
+    heads = MedusaHeads(**json.loads((folder / CONFIG_FILE).read_text()))
+    heads.load_state_dict(load_file(folder / WEIGHTS_FILE))
+    return heads
+
+
+def has_heads(folder: str | Path) -> bool:
+    return (Path(folder) / WEIGHTS_FILE).is_file()
+
+
+def load_rollout_heads(checkpoint: str | Path, policy: nn.Module, num_heads: int) -> MedusaHeads:
+    """The heads saved with `checkpoint` (by the warm start or a finished run), or new ones
+    initialised from `policy`'s LM head when it has none or a different number."""
+    if has_heads(checkpoint):
+        heads = load_heads(checkpoint)
+        if heads.num_heads == num_heads:
+            return heads
+    return MedusaHeads.from_policy(policy, num_heads)

@@ -1,0 +1,86 @@
+"""Companion training of the Medusa heads, beside actor and critic training.
+
+    experience (iteration i) ─► backbone hidden states (newest actor weights, frozen) ─► heads
+    loss on the response tokens ─► publish heads v(n+1), tagged with the backbone version
+
+It takes the same experiences as the trainers but never holds them up: when it falls behind,
+it trains on the newest complete iteration and skips the older ones (counted). Rollout uses the
+heads only while their backbone trails its own by at most `rollout.medusa.max_lag` versions, so
+the heads' lag is bounded whatever this stage's speed. The hidden states are recomputed with the
+newest actor weights the trainer published, not sent over the broker. At the stop the heads are
+saved into the run's checkpoint folder beside the policy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.models.checkpoint import load_policy
+from stream_rlhf.models.medusa import heads_loss, load_rollout_heads, save_heads
+from stream_rlhf.models.packing import packed_hidden_states
+from stream_rlhf.stages.experience import Experience
+from stream_rlhf.stages.job_context import JobContext, seeded_generator
+from stream_rlhf.stages.training import MetricMeans, minibatch_indices
+from stream_rlhf.telemetry.metrics import MetricsWriter
+from stream_rlhf.weights.shm_store import WeightStore
+
+
+class MedusaTrain(Stage):
+    def __init__(self, job: JobContext):
+        self.job = job
+        self.pending: dict[int, list[Batch]] = {}
+        self.backbone_version = 0
+        self.published = 0
+        self.skipped_iterations = 0
+
+    def setup(self, ctx: StageContext) -> None:
+        super().setup(ctx)
+        cfg = self.job.config.rollout.medusa
+        self.backbone = load_policy(self.job.checkpoint).eval().requires_grad_(False)
+        self.heads = load_rollout_heads(self.job.checkpoint, self.backbone, cfg.heads).train()
+        self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.actor = WeightStore(self.job.weights_root, "actor")
+        self.store = WeightStore(self.job.weights_root, "medusa")
+        self.metrics = MetricsWriter(self.job.run_dir, "medusa_metrics.jsonl")
+
+    def step(self, batch: Batch | None) -> list[Output]:
+        self.pending.setdefault(batch.iteration, []).append(batch)
+        complete = [i for i, b in self.pending.items() if len(b) == self.job.config.rollout_batch.minibatches]
+        if complete:
+            newest = max(complete)
+            for older in [i for i in self.pending if i < newest]:
+                del self.pending[older]
+                self.skipped_iterations += 1
+            self._train(newest, sorted(self.pending.pop(newest), key=lambda b: b.minibatch))
+        return []
+
+    def _train(self, iteration: int, batches: list[Batch]) -> None:
+        started = time.monotonic()
+        self.backbone_version = self.actor.refresh(self.backbone, self.backbone_version)
+        exp = Experience.from_batches(batches)
+        cfg = self.job.config
+        generator = seeded_generator(cfg.seed, "medusa_train", iteration)
+        means = MetricMeans()
+        for _ in range(cfg.rollout.medusa.epochs):
+            for index in minibatch_indices(exp.num_samples, cfg.algorithm.train_minibatches, generator):
+                part = exp.select(index)
+                with torch.no_grad():
+                    hidden = packed_hidden_states(self.backbone, part.sequences)
+                loss, metrics = heads_loss(self.heads, hidden, part.sequences, part.prompt_lens.tolist())
+                self.optimizer.zero_grad()
+                loss.backward()
+                self.optimizer.step()
+                means.add({"loss": loss.item(), **metrics})
+        self.published += 1
+        self.store.publish(self.heads, self.published, {"backbone_version": str(self.backbone_version)})
+        self.metrics.write({"iteration": iteration, "backbone_version": self.backbone_version,
+                            "skipped_iterations": self.skipped_iterations,
+                            "train_s": round(time.monotonic() - started, 3), **means.means()})
+
+    def close(self) -> None:
+        """The heads go into the run's checkpoint folder (actor_train wrote it before the stop)."""
+        if hasattr(self, "heads"):
+            save_heads(self.heads, self.job.run_dir / "checkpoint")
