@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, _left_pad, _sample, sampling_probs
+from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, left_pad, sample_tokens, sampling_probs
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.models.medusa import MedusaHeads
 
@@ -156,7 +156,7 @@ def generate_speculative(
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
     device = lm_head.weight.device
     batch, max_new, temperature = len(prompts), params.max_new_tokens, params.temperature
-    input_ids, attention = _left_pad(prompts, params.pad_token_id, device)  # (B, P), (B, P)
+    input_ids, attention = left_pad(prompts, params.pad_token_id, device)  # (B, P), (B, P)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
     cache = DynamicCache()
@@ -164,7 +164,7 @@ def generate_speculative(
     hidden = decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, **run)
     hidden = hidden.last_hidden_state[:, -1]  # (B, H): the last prompt token of every row
     logits = lm_head(hidden)  # (B, V)
-    pending = _sample(logits, params, generator)  # (B,) emitted, not yet in the cache
+    pending = sample_tokens(logits, params, generator)  # (B,) emitted, not yet in the cache
 
     # responses: column max_new is a dump for the writes that are cut
     out_ids = torch.full((batch, max_new + 1), params.pad_token_id, dtype=torch.long, device=device)

@@ -87,14 +87,14 @@ def sampling_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return probs
 
 
-def _sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
+def sample_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
     """Next token per row from logits (B, V) -> (B,): argmax, or top-p sampling at temperature."""
     if params.temperature == 0:
         return logits.argmax(-1)
     return torch.multinomial(sampling_probs(logits, params), 1, generator=generator).squeeze(-1)
 
 
-def _left_pad(prompts: list[Tensor], pad_token_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def left_pad(prompts: list[Tensor], pad_token_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Prompts (P_i,) -> input_ids (B, P) and attention mask (B, P) long, padding on the left."""
     width = max(p.numel() for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)
@@ -144,7 +144,7 @@ def generate(
     if min(p.numel() for p in prompts) < 1:
         raise ValueError("prompts: every prompt must have at least one token")
     device = next(model.parameters()).device
-    input_ids, attention = _left_pad(prompts, params.pad_token_id, device)  # (B, P), (B, P)
+    input_ids, attention = left_pad(prompts, params.pad_token_id, device)  # (B, P), (B, P)
     banned: int | None = None  # a token never sampled
     if images is None:
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # (B, P)
@@ -166,7 +166,7 @@ def generate(
     for step in range(params.max_new_tokens):
         logits = out.logits[:, -1]  # (B, V)
         allowed = logits if banned is None else logits.index_fill(-1, torch.tensor([banned], device=device), -math.inf)
-        token = _sample(allowed, params, generator)  # (B,)
+        token = sample_tokens(allowed, params, generator)  # (B,)
         logps.append(logprobs_from_logits(logits, token, params.temperature)[0])
         token = token.masked_fill(finished, params.pad_token_id)
         tokens.append(token)
