@@ -3,7 +3,7 @@ further ahead, for lossless speculative rollout (`backends/speculative.py`).
 
     heads = MedusaHeads.from_policy(policy, num_heads=3)   # vocabulary projections copy the LM head
     logits = heads(hidden)                                 # (K, ..., V): head k predicts token t + 2 + k
-    save_heads(heads, folder); heads = load_heads(folder)
+    save_heads(heads, folder); heads = load_heads(folder)   # folder/medusa/heads.safetensors
 
 Head k (0-based) reads the hidden state at position t (the one the LM head turns into the logits
 of token t + 1) and predicts token t + 2 + k. Each head is a residual block (Linear + SiLU, zero-
@@ -21,8 +21,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-WEIGHTS_FILE = "medusa_heads.safetensors"
-CONFIG_FILE = "medusa_heads.json"
+HEADS_FOLDER = "medusa"
+"""The heads live in this subfolder of a checkpoint: a `*.safetensors` file at the top would be
+loaded as part of the policy by vLLM (which reads every one there) and fail."""
+WEIGHTS_FILE = "heads.safetensors"
+CONFIG_FILE = "heads.json"
 
 
 class ResidualBlock(nn.Module):
@@ -89,9 +92,13 @@ def heads_loss(heads: MedusaHeads, hidden: list[Tensor], sequences: list[Tensor]
     return torch.stack(losses).sum(), metrics
 
 
-def save_heads(heads: MedusaHeads, folder: str | Path) -> None:
-    """Write the heads into `folder` (beside a checkpoint); each file appears whole or not at all."""
-    folder = Path(folder)
+def heads_folder(checkpoint: str | Path) -> Path:
+    return Path(checkpoint) / HEADS_FOLDER
+
+
+def save_heads(heads: MedusaHeads, checkpoint: str | Path) -> None:
+    """Write the heads into `checkpoint`'s heads folder; each file appears whole or not at all."""
+    folder = heads_folder(checkpoint)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"{WEIGHTS_FILE}.tmp-{os.getpid()}"
     save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, tmp)
@@ -102,15 +109,15 @@ def save_heads(heads: MedusaHeads, folder: str | Path) -> None:
     os.replace(tmp, folder / CONFIG_FILE)
 
 
-def load_heads(folder: str | Path) -> MedusaHeads:
-    folder = Path(folder)
+def load_heads(checkpoint: str | Path) -> MedusaHeads:
+    folder = heads_folder(checkpoint)
     heads = MedusaHeads(**json.loads((folder / CONFIG_FILE).read_text()))
     heads.load_state_dict(load_file(folder / WEIGHTS_FILE))
     return heads
 
 
-def has_heads(folder: str | Path) -> bool:
-    return (Path(folder) / WEIGHTS_FILE).is_file()
+def has_heads(checkpoint: str | Path) -> bool:
+    return (heads_folder(checkpoint) / WEIGHTS_FILE).is_file()
 
 
 def load_rollout_heads(checkpoint: str | Path, policy: nn.Module, num_heads: int) -> MedusaHeads:

@@ -26,7 +26,7 @@ import torch
 
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.models.checkpoint import build_tiny, load_policy, load_tokenizer
-from stream_rlhf.models.medusa import MedusaHeads, heads_loss, save_heads
+from stream_rlhf.models.medusa import MedusaHeads, heads_folder, heads_loss, save_heads
 from stream_rlhf.models.packing import packed_hidden_states
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
@@ -109,7 +109,7 @@ def _ensure_heads(cfg: RLJobConfig, folder: Path) -> None:
     settings = {"heads": medusa.heads, "steps": medusa.warm_start_steps, "lr": medusa.lr, "seed": cfg.task.seed}
     if not medusa.enabled or medusa.warm_start_steps == 0 or cfg.data.train is not None:
         return  # (a JSONL dataset: the heads start from the LM head and companion training fits them)
-    marker = folder / "medusa_warm_start.json"
+    marker = heads_folder(folder) / "warm_start.json"
     if marker.is_file() and json.loads(marker.read_text()) == settings:
         return
     save_heads(_train_heads(cfg, load_policy(folder).eval(), load_tokenizer(folder)), folder)
