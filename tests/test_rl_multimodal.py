@@ -109,8 +109,7 @@ def test_bad_lines_are_skipped_counted_and_reported(tmp_path):
     assert all(r["samples"] == 16 for r in records)  # every mini-batch still full
 
 
-@pytest.mark.parametrize("on_bad", ["error"])
-def test_a_bad_line_with_on_bad_error_names_the_file_and_line(tmp_path, on_bad):
+def test_a_bad_line_with_on_bad_error_names_the_file_and_line(tmp_path):
     cfg = resolve_data(build(RLJobConfig, tiny_job(tmp_path, "source", **VISION)))
     folder = tmp_path / "data"
     folder.mkdir()
@@ -119,7 +118,7 @@ def test_a_bad_line_with_on_bad_error_names_the_file_and_line(tmp_path, on_bad):
     shutil.copy(Path(cfg.data.eval), folder / "eval.jsonl")
     bad = build(RLJobConfig, tiny_job(tmp_path, "err", **{**VISION, "data.train": str(folder / "train.jsonl"),
                                                           "data.eval": str(folder / "eval.jsonl"),
-                                                          "data.on_bad_sample": on_bad}))
+                                                          "data.on_bad_sample": "error"}))
     with pytest.raises(ValueError, match=r"train\.jsonl:1: .*nowhere\.png"):
         warm_start(bad)
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import torch
 from transformers import Qwen2ForSequenceClassification
 
+from stream_rlhf.broker.messages import Handle
+from stream_rlhf.broker.stage import Batch
 from stream_rlhf.config import build
 from stream_rlhf.models.checkpoint import build_tiny
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import KLConfig, RLJobConfig, TinyModelConfig
-from stream_rlhf.stages.experience import Experience
+from stream_rlhf.stages.experience import Experience, IterationBuffer
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.reward_forward import Scorer
 from stream_rlhf.stages.samples import Rollout, ragged, unragged
@@ -83,3 +85,12 @@ def test_token_rewards_put_the_score_on_the_last_token_and_the_kl_on_every_token
     torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.0, 1.05], [0.6, 0.0, 0.0]]))
     no_kl = exp.token_rewards(0.1, KLConfig(placement="loss"))
     torch.testing.assert_close(no_kl, torch.tensor([[0.0, 0.0, 1.0], [0.5, 0.0, 0.0]]))
+
+
+def test_iteration_buffer_take_newest_drops_what_it_skips_over():
+    buffer = IterationBuffer(minibatches=2)
+    for iteration, minibatch in [(0, 0), (1, 1), (1, 0), (2, 0)]:
+        buffer.add(Batch(Handle(f"h{iteration}{minibatch}", "experience", iteration, minibatch, 0, 1), {}))
+    batches, dropped = buffer.take_newest()
+    assert [(b.iteration, b.minibatch) for b in batches] == [(1, 0), (1, 1)] and dropped == 1  # 0 was incomplete
+    assert buffer.take_newest() is None  # iteration 2 still waits for its second mini-batch

@@ -75,7 +75,7 @@ class Generation:
 
 
 def sampling_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """The distribution `_sample` draws from at temperature > 0: softmax(logits / temperature),
+    """The distribution `sample_tokens` draws from at temperature > 0: softmax(logits / temperature),
     top-p-truncated and renormalised. (..., V) -> (..., V) fp32."""
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # (..., V)
     if params.top_p < 1:

@@ -191,22 +191,24 @@ class PromptDataset:
                 self._order, self._position = self._shuffled(self.epoch), 0
             index = self._order[self._position]
             self._position += 1
-            if index in self._bad:
-                continue
-            try:
-                return self.sample(index)
-            except DataError as error:
-                self._reject(index, error)
+            if (sample := self._good_sample(index)) is not None:
+                return sample
 
     def each_sample(self) -> Iterator[PromptSample]:
         """Every good line once, in file order (evaluation); bad lines as in `next_sample`."""
         for index in range(len(self._lines)):
-            if index in self._bad:
-                continue
-            try:
-                yield self.sample(index)
-            except DataError as error:
-                self._reject(index, error)
+            if (sample := self._good_sample(index)) is not None:
+                yield sample
+
+    def _good_sample(self, index: int) -> PromptSample | None:
+        """Line `index` loaded, or None when it is (now found) bad and skipped; raises in error mode."""
+        if index in self._bad:
+            return None
+        try:
+            return self.sample(index)
+        except DataError as error:
+            self._reject(index, error)
+            return None
 
     def _reject(self, index: int, error: DataError) -> None:
         if self.on_bad == "error":

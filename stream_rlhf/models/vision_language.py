@@ -74,8 +74,10 @@ def encode_images(model: nn.Module, pixel_values: Tensor, grid_thw: Tensor) -> l
 
     `model` is a full VLM or just its vision tower (`load_vision_tower`); `pixel_values` are the
     processor's flattened patches (sum_i t_i * h_i * w_i, C * temporal_patch * patch**2) and
-    `grid_thw` (n_images, 3) their grids, as given to the full model.
+    `grid_thw` (n_images, 3) their grids, as given to the full model. No images: [].
     """
+    if len(grid_thw) == 0:
+        return []
     tower = vision_tower(model)
     device = next(tower.parameters()).device
     grid_thw = grid_thw.to(device=device, dtype=torch.long)

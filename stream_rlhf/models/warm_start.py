@@ -17,13 +17,13 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from stream_rlhf.cache_folder import build_once
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.models.checkpoint import build_tiny, load_policy, load_tokenizer
 from stream_rlhf.models.medusa import MedusaHeads, heads_folder, heads_loss, save_heads
@@ -53,19 +53,14 @@ def warm_start(cfg: RLJobConfig) -> Path:
     folder = Path(cfg.model.warm_start.cache_dir) / f"tiny-{key}"
     if (folder / "config.json").is_file():
         log.info("warm start: cached SFT model %s", folder)
-        _ensure_heads(cfg, folder)
-        return folder
-    model, tokenizer = _train(cfg)
-    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")  # runs started together do not collide
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    (partial / "warm_start.json").write_text(json.dumps(settings, indent=2))
-    try:
-        partial.rename(folder)  # a crash mid-save never leaves a folder that looks finished
-    except OSError:
-        if not (folder / "config.json").is_file():
-            raise
-        shutil.rmtree(partial)  # another run finished the same warm start first: use theirs
+
+    def build(partial: Path) -> None:
+        model, tokenizer = _train(cfg)
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        (partial / "warm_start.json").write_text(json.dumps(settings, indent=2))
+
+    build_once(folder, "config.json", build)
     _ensure_heads(cfg, folder)
     return folder
 

@@ -62,7 +62,8 @@ def _features(model: torch.nn.Module, chunk: list) -> list[SampleImages] | None:
         return None
     images = [image for _, _, own in chunk for image in own]
     grid = torch.stack([im.grid_thw for im in images]) if images else torch.zeros((0, 3), dtype=torch.long)
-    per_image = encode_images(model, torch.cat([im.pixel_values for im in images]), grid) if images else []
+    pixel_values = torch.cat([im.pixel_values for im in images]) if images else torch.zeros(0)
+    per_image = encode_images(model, pixel_values, grid)
     counts = [len(own) for _, _, own in chunk]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     return samples_of(per_image, grid, [torch.arange(start, start + n) for start, n in zip(starts, counts)])

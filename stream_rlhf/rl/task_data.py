@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from stream_rlhf.cache_folder import build_once
 from stream_rlhf.data import shapes
 from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.prompts_jsonl import PromptDataset
@@ -32,18 +31,12 @@ def resolve_data(cfg: RLJobConfig) -> RLJobConfig:
     task = cfg.task
     settings = {"task": "shapes", "train": task.train_prompts, "eval": task.eval_prompts, "seed": task.seed}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    folder = Path(task.data_dir) / f"shapes-{key}"
-    if not (folder / "eval.jsonl").is_file():
-        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")  # runs started together do not collide
-        shutil.rmtree(partial, ignore_errors=True)
+
+    def write(partial: Path) -> None:
         shapes.write_split(partial, "train", task.train_prompts, task.seed)
         shapes.write_split(partial, "eval", task.eval_prompts, task.seed)
-        try:
-            partial.rename(folder)
-        except OSError:
-            if not (folder / "eval.jsonl").is_file():
-                raise
-            shutil.rmtree(partial)  # another run wrote the same dataset first
+
+    folder = build_once(Path(task.data_dir) / f"shapes-{key}", "eval.jsonl", write)
     data = replace(cfg.data, train=str(folder / "train.jsonl"), eval=str(folder / "eval.jsonl"))
     return replace(cfg, data=data)
 

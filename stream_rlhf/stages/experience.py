@@ -135,3 +135,16 @@ class IterationBuffer:
         if len(self.pending.get(iteration, ())) < self.minibatches:
             return None
         return sorted(self.pending.pop(iteration), key=lambda b: b.minibatch)
+
+    def take_newest(self) -> tuple[list[Batch], int] | None:
+        """The newest complete iteration and how many older ones were dropped to get to it
+        (a consumer that may fall behind and only wants the freshest data); None while no
+        iteration is complete."""
+        complete = [i for i, batches in self.pending.items() if len(batches) >= self.minibatches]
+        if not complete:
+            return None
+        newest = max(complete)
+        older = [i for i in self.pending if i < newest]
+        for iteration in older:
+            del self.pending[iteration]
+        return self.take(newest), len(older)

@@ -64,7 +64,7 @@ class ImageInputs:
             if self.tower is None:
                 raise RuntimeError("a handle without image_features reached a stage that has no vision tower "
                                    "(vision.prefetch is on but the vision stage did not run)")
-            per_image = encode_images(self.tower, tensors["pixel_values"], grid) if len(grid) else []
+            per_image = encode_images(self.tower, tensors["pixel_values"], grid)
             self.counts.add(images_encoded=len(grid), encoder_calls=1)
         return samples_of(per_image, grid, unragged(tensors, "prompt_images"))
 

@@ -21,7 +21,7 @@ from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.medusa import heads_loss, load_rollout_heads, save_heads
 from stream_rlhf.models.packing import packed_hidden_states
-from stream_rlhf.stages.experience import Experience
+from stream_rlhf.stages.experience import Experience, IterationBuffer
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
 from stream_rlhf.stages.training import MetricMeans, minibatch_indices
 from stream_rlhf.telemetry.metrics import MetricsWriter
@@ -31,7 +31,7 @@ from stream_rlhf.weights.shm_store import WeightStore
 class MedusaTrain(Stage):
     def __init__(self, job: JobContext):
         self.job = job
-        self.pending: dict[int, list[Batch]] = {}
+        self.buffer = IterationBuffer(job.config.rollout_batch.minibatches)
         self.backbone_version = 0
         self.published = 0
         self.skipped_iterations = 0
@@ -47,14 +47,11 @@ class MedusaTrain(Stage):
         self.metrics = MetricsWriter(self.job.run_dir, "medusa_metrics.jsonl")
 
     def step(self, batch: Batch | None) -> list[Output]:
-        self.pending.setdefault(batch.iteration, []).append(batch)
-        complete = [i for i, b in self.pending.items() if len(b) == self.job.config.rollout_batch.minibatches]
-        if complete:
-            newest = max(complete)
-            for older in [i for i in self.pending if i < newest]:
-                del self.pending[older]
-                self.skipped_iterations += 1
-            self._train(newest, sorted(self.pending.pop(newest), key=lambda b: b.minibatch))
+        self.buffer.add(batch)
+        if (taken := self.buffer.take_newest()) is not None:
+            batches, skipped = taken
+            self.skipped_iterations += skipped
+            self._train(batches[0].iteration, batches)
         return []
 
     def _train(self, iteration: int, batches: list[Batch]) -> None:

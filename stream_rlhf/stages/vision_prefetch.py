@@ -35,7 +35,7 @@ class VisionPrefetch(Stage):
     def step(self, batch: Batch | None) -> list[Output]:
         t = batch.tensors
         grid = t["image_grid_thw"].long()
-        per_image = encode_images(self.tower, t["pixel_values"], grid) if len(grid) else []
+        per_image = encode_images(self.tower, t["pixel_values"], grid)
         self.counts.add(images_encoded=len(grid), encoder_calls=1)
         hidden = per_image[0].shape[-1] if per_image else 0
         tensors = {
