@@ -16,8 +16,8 @@ from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer, stop_token_ids
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
-from stream_rlhf.stages.speculation import Speculation
 from stream_rlhf.stages.samples import Rollout, unragged
+from stream_rlhf.stages.speculation import Speculation
 from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.shm_store import WeightStore
 
