@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from stream_rlhf.config import ConfigError, build, load_config
 from stream_rlhf.rl.config import RLJobConfig
@@ -39,6 +40,16 @@ from tests.rl_tiny import VISION, tiny_job, write_job
         ({"rollout.medusa.heads": 0}, "rollout.medusa.heads=0: must be >= 1"),
         ({"rollout.medusa.enabled": True, "task.name": "shapes", "model.tiny.vision": {}},
          "rollout.medusa.enabled=true: speculative rollout is text-only"),
+        ({"rollout.backend": "vllm", "rollout.top_p": 0.9}, "rollout.top_p=0.9: backend=vllm needs top_p 1"),
+        ({"rollout.backend": "vllm", "rollout.medusa.enabled": True},
+         "rollout.medusa.enabled=true: Medusa speculative rollout is built on backend=torch"),
+        ({"rollout.backend": "sglang"}, "rollout.backend='sglang': must be one of"),
+        ({"rollout.vllm.python": "/no/python"}, "rollout.vllm.python='/no/python': not an executable file"),
+        ({"weights.update": "in_flight"}, "weights.update=in_flight: needs rollout.backend=vllm"),
+        ({"weights.transport": "nccl"}, "weights.transport='nccl': must be one of"),
+        ({"weights.bucket_mb": 0}, "weights.bucket_mb=0: must be >= 1"),
+        ({"weights.transport": "broadcast", "restarts": {"rollout": 1}},
+         "restarts.rollout=1: a restarted instance cannot rejoin its weights.transport=broadcast group"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, override, message):
@@ -95,3 +106,10 @@ def test_sync_schedule_adds_barriers_and_room_for_an_iteration(tmp_path):
     flow = compile_job(cfg, "checkpoint", "weights")
     assert flow.admission.barrier_topics == {"rollout", "experience"}
     assert flow.broker.queue_capacity >= 12
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_ipc_without_a_gpu_is_refused_before_anything_starts(tmp_path):
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "ipc", **{"weights.transport": "cuda_ipc"}))
+    with pytest.raises(ConfigError, match="weights.transport=cuda_ipc: needs a CUDA device"):
+        compile_job(cfg, "ckpt", str(tmp_path / "w"))

@@ -11,7 +11,8 @@ Threads:
 Shutdown is a state machine, and signals only flip the state:
     RUNNING --SIGTERM/SIGINT, Control(drain|shutdown), source exhausted--> DRAINING
     DRAINING: no new credit; deliveries not yet started are nacked back to the broker; waits for
-              every publish to be confirmed and (up to drain_timeout_s) every payload released
+              every publish to be confirmed and (up to drain_timeout_s, or until a shutdown for an
+              exhausted source) every payload released
     DRAINING --drained, or a second signal--> STOPPED: final heartbeat says "stopped", so the
               broker takes over the payloads it still tracks
 """
@@ -174,11 +175,15 @@ class StageRunner:
 
     def _drained(self) -> bool:
         """Every publish confirmed and (unless shutting down) every payload released, or
-        drain_timeout_s spent."""
+        drain_timeout_s spent. A source that ran out of items waits for its payloads' releases
+        without that limit: its consumers may be far behind (an engine still starting), and
+        stopping would take the payloads they have not read yet with it."""
         unconfirmed = self.host.unconfirmed()
         held = self.transport.held() if self._wait_for_releases else 0
         if not unconfirmed and not held:
             return True
+        if self.host.exhausted and self._wait_for_releases:
+            return False
         if time.monotonic() - self._drain_started <= self.drain_timeout_s:
             return False
         if unconfirmed:

@@ -115,6 +115,11 @@ def is_vision_language(path: str | Path) -> bool:
     return hasattr(AutoConfig.from_pretrained(str(path)), "vision_config")
 
 
+def max_positions(path: str | Path) -> int:
+    """The longest sequence (prompt + response) the checkpoint's language model takes."""
+    return AutoConfig.from_pretrained(str(path)).get_text_config().max_position_embeddings
+
+
 def load_policy(path: str | Path) -> PreTrainedModel:
     """The causal LM of a text checkpoint, or the whole vision-language model of a VLM checkpoint."""
     if is_vision_language(path):

@@ -243,8 +243,73 @@ class MedusaConfig:
 
 
 @dataclass(frozen=True)
+class VllmConfig:
+    """The vLLM engine of each rollout instance (`rollout.backend: vllm`), a process of its own."""
+
+    python: str | None = None
+    """The Python that runs the engine process; None: this one. vLLM pins its own torch and
+    transformers, so it may live in an environment of its own (`scripts/setup_vllm_cpu.sh` makes
+    `.venv-vllm` on CPU machines)."""
+    max_model_len: int | None = None
+    """Prompt + response tokens per sequence; None: the model's max_position_embeddings."""
+    start_timeout_s: float = 600.0
+    kv_cache_gb: float = 1.0
+    """CPU: KV cache size in GiB (whole GiB, at least 1)."""
+    gpu_memory_utilization: float = 0.5
+    """CUDA: the fraction of the device vLLM may take; the rest is left to colocated training."""
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    """No CUDA graphs or torch.compile: the engine starts in seconds instead of tens of seconds."""
+    max_num_seqs: int = 256
+    """Sequences decoded together by continuous batching."""
+    sleep: bool = False
+    """Release the KV cache and offload the weights after each iteration's last mini-batch and wake
+    (weights, then KV cache) for the next: for colocated CUDA placements. A no-op on CPU."""
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_gb <= 0:
+            raise ConfigError(f"kv_cache_gb={self.kv_cache_gb}: must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.python is not None and not os.access(self.python, os.X_OK):
+            raise ConfigError(f"python={self.python!r}: not an executable file (make .venv-vllm with "
+                              "scripts/setup_vllm_cpu.sh, or point it at a Python with vllm installed)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2")
+        if self.start_timeout_s <= 0:
+            raise ConfigError(f"start_timeout_s={self.start_timeout_s}: must be > 0")
+        if self.tensor_parallel_size < 1 or self.max_num_seqs < 1:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}, max_num_seqs={self.max_num_seqs}: "
+                              "must be >= 1")
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    """How rollout gets each new policy version from actor_train (`stream_rlhf/weights/`)."""
+
+    transport: Literal["shm", "broadcast", "cuda_ipc"] = "shm"
+    """`shm`: the version's safetensors file in /dev/shm (one host); `broadcast`: a
+    torch.distributed group per rollout instance (gloo on CPU, NCCL on GPUs) sending the weights in
+    buckets; `cuda_ipc`: CUDA IPC handles (trainer and rollout on one GPU)."""
+    update: Literal["drain", "in_flight"] = "drain"
+    """`drain`: between mini-batches; `in_flight` (vLLM): between engine steps, requests keep their
+    KV cache and each token records the version that sampled it."""
+    bucket_mb: int = 64
+    """`broadcast` / `cuda_ipc`: parameters travel in flat buckets of at most this many MiB."""
+    timeout_s: float = 180.0
+    """How long a weight-sync group waits for its ranks to join."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb < 1:
+            raise ConfigError(f"bucket_mb={self.bucket_mb}: must be >= 1")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s={self.timeout_s}: must be > 0")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
-    backend: Literal["torch"] = "torch"
+    backend: Literal["torch", "vllm"] = "torch"
+    """`torch`: our KV-cache sampler; `vllm`: a vLLM engine per instance (the `vllm` extra)."""
     instances: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -252,6 +317,7 @@ class RolloutConfig:
     stop: list[str] | None = None
     """Tokens that end a response (kept in it); None: the tokenizer's end-of-sequence token."""
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -262,6 +328,13 @@ class RolloutConfig:
             raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.backend == "vllm" and self.top_p < 1:
+            # vLLM reports log-probs of the top-p-truncated distribution; the pipeline's behaviour
+            # log-probs are under the full tempered one (what the forwards recompute)
+            raise ConfigError(f"top_p={self.top_p}: backend=vllm needs top_p 1 (its log-probs would be "
+                              "of the truncated distribution)")
+        if self.backend == "vllm" and self.medusa.enabled:
+            raise ConfigError("medusa.enabled=true: Medusa speculative rollout is built on backend=torch")
 
 
 @dataclass(frozen=True)
@@ -395,6 +468,7 @@ class RLJobConfig:
     actor: OptimizerConfig = field(default_factory=OptimizerConfig)
     critic: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-3))
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     runs_dir: str = "runs"
     seed: int = 0
@@ -432,6 +506,12 @@ class RLJobConfig:
         if self.task.name == "shapes" and self.model.path is None and self.model.tiny.vision is None:
             raise ConfigError("task.name=shapes: asks about images, needs a vision-language model "
                               "(model.tiny.vision, or a Qwen2-VL model.path)")
+        if self.weights.update == "in_flight" and self.rollout.backend != "vllm":
+            raise ConfigError("weights.update=in_flight: needs rollout.backend=vllm (the torch backend updates "
+                              "between mini-batches)")
+        if self.weights.transport != "shm" and self.restarts.get("rollout", 0):
+            raise ConfigError(f"restarts.rollout={self.restarts['rollout']}: a restarted instance cannot rejoin "
+                              f"its weights.transport={self.weights.transport} group; use transport shm")
         for stage, count in self.restarts.items():
             if stage not in RESTARTABLE:
                 raise ConfigError(f"restarts.{stage}={count}: only {', '.join(RESTARTABLE)} can restart "

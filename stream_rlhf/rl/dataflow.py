@@ -27,8 +27,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+import torch
+
 from stream_rlhf.broker.admission import OverlapAdmission, PhaseAdmission
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
+from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.local import StageSpec
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.job_context import JobContext
@@ -61,6 +64,9 @@ class Dataflow:
 
 def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_language: bool = False) -> Dataflow:
     """The dataflow of `cfg` starting from `checkpoint` (`vision_language`: it has a vision tower)."""
+    if cfg.weights.transport == "cuda_ipc" and not torch.cuda.is_available():
+        raise ConfigError("weights.transport=cuda_ipc: needs a CUDA device shared by the trainer and rollout; "
+                          "this machine has none (use shm or broadcast)")
     critic = cfg.algorithm.uses_critic
     forwards = ["ref_forward", "reward_forward", "actor_forward"] + (["critic_forward"] if critic else [])
     trainers = ["actor_train"] + (["critic_train"] if critic else [])

@@ -36,6 +36,7 @@ from stream_rlhf.stages.training import (
     optimizer_step,
     split_by_staleness,
 )
+from stream_rlhf.stages.weight_sync import open_sender, trained_parameters
 from stream_rlhf.telemetry.metrics import MetricsWriter
 from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.shm_store import WeightStore
@@ -60,6 +61,7 @@ class ActorTrain(Stage):
                                            weight_decay=cfg.actor.weight_decay)
         self.images = ImageInputs(self.job, StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id))
         self.weights = WeightStore(self.job.weights_root, "actor")
+        self.sender = open_sender(self.job)  # rollout's broadcast / CUDA IPC groups; None for shm
         self.metrics = MetricsWriter(self.job.run_dir)
         self.started = self.last_done = time.time()
 
@@ -68,6 +70,10 @@ class ActorTrain(Stage):
         while (batches := self.buffer.take(self.version)) is not None:
             self._train_iteration(batches)
         return []
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
 
     def _fresh(self, batches: list[Batch]) -> list[Batch]:
         """The batches within the staleness bound; the rest are dropped and counted."""
@@ -90,6 +96,8 @@ class ActorTrain(Stage):
             record.update(_decoding_metrics(batches))
         self.version += 1
         self.weights.publish(self.model, self.version)
+        if self.sender is not None:
+            self.sender.publish(trained_parameters(self.model), self.version)
         self.ctx.send_control("weights_ready", self.version)
         now = time.time()
         record.update(iteration_s=round(now - self.last_done, 3), policy_version=self.version, wall_s=round(now - self.started, 3))

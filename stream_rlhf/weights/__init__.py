@@ -1,1 +1,9 @@
-"""Versioned weight sync from trainers to the stages that serve or forward the same model."""
+"""Versioned weight sync from trainers to the stages that serve or forward the same model.
+
+    shm_store.py   WeightStore: a safetensors file per version in /dev/shm (publish / load_into / read_version)
+    buckets.py     named tensors <-> a few uint8 buckets (BucketLayout, pack, unpack): what moves
+    group.py       a process group of its own beside the default one (open_group, rendezvous, addresses)
+    sender.py      the trainer side both pushers share (SnapshotSlot, ServingThreads)
+    broadcast.py   BroadcastSender / BroadcastReceiver: gloo or NCCL broadcast, asked for by each receiver
+    cuda_ipc.py    CudaIpcSender / CudaIpcReceiver: CUDA IPC handles for a rollout on the trainer's GPU
+"""

@@ -3,6 +3,7 @@
     store = WeightStore(root, "actor")
     store.publish(model, version=3)              # trainer, after an iteration's optimizer steps
     loaded = store.refresh(model, loaded)        # rollout / forward, between mini-batches
+    version, tensors = store.read_version()      # the newest version's tensors, {name: tensor}
 
 Each version is one safetensors file under `root/<model>/` (root lies in /dev/shm, i.e. memory);
 `LATEST` names the newest and is replaced atomically, so a reader sees a complete version or the
@@ -18,8 +19,8 @@ import os
 from pathlib import Path
 
 from safetensors import safe_open
-from safetensors.torch import load_model, save_model
-from torch import nn
+from safetensors.torch import load_file, load_model, save_model
+from torch import Tensor, nn
 
 SHM_ROOT = Path("/dev/shm")
 
@@ -67,6 +68,26 @@ class WeightStore:
         except FileNotFoundError:  # unlinked between reading LATEST and opening: a newer one exists
             return self.load_into(model)
         return version
+
+    def read_version(self, version: int | None = None) -> tuple[int, dict[str, Tensor]]:
+        """The tensors of `version` (None: the newest) as {name: tensor}, loaded into memory."""
+        if version is None:
+            newest = self.latest_version()
+            if newest < 0:
+                raise FileNotFoundError(f"no weights published in {self.folder}")
+            try:
+                return newest, load_file(str(self.folder / f"v{newest}.safetensors"))
+            except FileNotFoundError:  # unlinked between reading LATEST and opening: a newer one exists
+                return self.read_version()
+        try:
+            return version, load_file(str(self.folder / f"v{version}.safetensors"))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"version {version} is not in {self.folder} (unlinked once {self.keep} newer "
+                                    f"exist, or never published); the newest is {self.latest_version()}") from None
+
+    def path(self, version: int) -> Path:
+        """The file of `version` (a reader that opens it after `keep` newer versions finds it gone)."""
+        return self.folder / f"v{version}.safetensors"
 
     def metadata(self, version: int) -> dict[str, str]:
         """The metadata published with `version` (raises FileNotFoundError once it is replaced)."""

@@ -1,0 +1,184 @@
+"""A rollout instance's handle on its vLLM engine process.
+
+    engine = VllmClient(checkpoint, VllmOptions(max_model_len=64), python=".venv-vllm/bin/python")
+    gen = engine.generate(prompts, params, seeds)          # a VllmGeneration, as torch_rollout's
+    gen = engine.generate(prompts, params, seeds, images=images)   # a VLM: one SampleImages per prompt
+    engine.update(3, "srl_load_file", "/dev/shm/.../v3.safetensors")
+    engine.close()
+
+The engine runs in a process of its own (`vllm_server.py`) started with `python`, which may be
+another environment's interpreter: vLLM pins its own torch and transformers, and the CPU wheel
+needs its CUDA-linked torchvision removed. This package is put on that process's PYTHONPATH, so
+the environment needs vLLM only. They talk over one ZeroMQ PAIR socket on an ipc:// path
+(`vllm_protocol.py`). If the engine process dies, the next call raises `VllmEngineError`; its own
+log (on stderr, vLLM's INFO lines filtered to warnings unless VLLM_LOGGING_LEVEL is set) says why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import zmq
+
+import stream_rlhf
+from stream_rlhf.backends import vllm_protocol as wire
+from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.backends.vllm_rollout import VllmGeneration, VllmOptions
+from stream_rlhf.models.vision_language import SampleImages
+
+log = logging.getLogger(__name__)
+POLL_S = 0.05
+InFlight = Callable[[], wire.Update | None]
+"""Asked while a generate runs: the update to apply between engine steps now, or None."""
+
+
+class VllmEngineError(RuntimeError):
+    """The engine process failed a request or exited; the message (and its log) says why."""
+
+
+class VllmClient:
+    def __init__(self, checkpoint: str, options: VllmOptions, python: str | None = None,
+                 start_timeout_s: float = 600.0):
+        self.python = python or sys.executable
+        self.version = 0
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PAIR)
+        self._ipc_path = Path(tempfile.gettempdir()) / f"srl-vllm-{uuid.uuid4().hex[:12]}.sock"
+        self._socket.bind(f"ipc://{self._ipc_path}")
+        package_root = str(Path(stream_rlhf.__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        command = [self.python, "-m", "stream_rlhf.backends.vllm_server", f"ipc://{self._ipc_path}", checkpoint,
+                   json.dumps(asdict(options))]
+        try:
+            self.process = subprocess.Popen(command, env=env)
+        except OSError as exc:
+            self._close_socket()
+            raise VllmEngineError(f"rollout.vllm.python={self.python!r}: cannot start it: {exc}") from None
+        started = time.monotonic()
+        reply = self._receive("start", start_timeout_s)
+        if not isinstance(reply, wire.Ready):
+            raise VllmEngineError(f"engine start: expected Ready, got {type(reply).__name__}")
+        log.info("vLLM engine ready in %.1fs (pid %d, %s)", time.monotonic() - started, reply.pid, self.python)
+
+    def generate(self, prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int],
+                 in_flight: InFlight | None = None, images: list[SampleImages] | None = None) -> VllmGeneration:
+        """One response per prompt; `in_flight` is polled while the engine works, and an update it
+        returns is applied between engine steps (`self.version` follows). A vision-language model
+        takes the image features of each prompt (`images`, one per prompt, as the torch backend)."""
+        lens = [len(p) for p in prompts]
+        flat = torch.cat(prompts).to(torch.int32).numpy() if prompts else np.empty(0, "<i4")
+        self._send(wire.Generate(flat.astype("<i4").tobytes(), lens, list(seeds), params.temperature,
+                                 params.top_p, params.max_new_tokens, list(params.stop_token_ids),
+                                 None if images is None else [_prompt_images(i) for i in images]))
+        pending = 0  # updates sent and not yet answered
+        generated: wire.Generated | None = None
+        while generated is None or pending:
+            reply = self._receive("generate", timeout_s=None, poll_s=POLL_S)
+            if reply is None:
+                update = in_flight() if in_flight is not None and generated is None and not pending else None
+                if update is not None:
+                    self._send(update)
+                    pending += 1
+            elif isinstance(reply, wire.Done):
+                self.version, pending = reply.version, pending - 1
+            elif isinstance(reply, wire.Generated):
+                generated = reply
+            else:
+                raise VllmEngineError(f"generate: unexpected {type(reply).__name__}")
+        return _generation(generated)
+
+    def update(self, version: int, method: str, *args: wire.Arg) -> None:
+        """Load weights `version` by `method(*args)` of the engine's workers (`vllm_worker.py`)."""
+        self._request(wire.Update(version, method, list(args)), "update")
+
+    def call(self, method: str, *args: wire.Arg) -> None:
+        """Call a method of the engine's workers that loads no weights (joining a group)."""
+        self._request(wire.Call(method, list(args)), method)
+
+    def sleep(self) -> None:
+        self._request(wire.Sleep(), "sleep")
+
+    def wake_up(self, update: wire.Update | None = None) -> None:
+        self._request(wire.WakeUp(update), "wake_up")
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Shut the engine down and wait for its process; kill it if it does not exit."""
+        if self.process.poll() is None:
+            try:
+                self._request(wire.Close(), "close", timeout_s)
+            except VllmEngineError as exc:
+                log.warning("vLLM engine close: %s", exc)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("vLLM engine process %d did not exit: killing it", self.process.pid)
+                self.process.kill()
+                self.process.wait()
+        self._close_socket()
+
+    def _request(self, request: wire.Request, what: str, timeout_s: float | None = None) -> None:
+        self._send(request)
+        reply = self._receive(what, timeout_s)
+        if not isinstance(reply, wire.Done):
+            raise VllmEngineError(f"{what}: expected Done, got {type(reply).__name__}")
+        self.version = reply.version
+
+    def _send(self, request: wire.Request) -> None:
+        self._socket.send(wire.encoder.encode(request))
+
+    def _receive(self, what: str, timeout_s: float | None, poll_s: float | None = None) -> wire.Reply | None:
+        """The next reply; None after `poll_s` without one. Raises if the engine process exits,
+        answers Failed, or says nothing for `timeout_s`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        polled = time.monotonic()
+        while not self._socket.poll(100 if poll_s is None else int(poll_s * 1000)):
+            code = self.process.poll()
+            if code is not None:
+                raise VllmEngineError(f"{what}: the vLLM engine process exited with code {code} "
+                                      "(its log is above)")
+            if poll_s is not None and time.monotonic() - polled >= poll_s:
+                return None
+            if deadline is not None and time.monotonic() > deadline:
+                self.process.kill()
+                raise VllmEngineError(f"{what}: no answer from the vLLM engine in {timeout_s:.0f}s: killed it")
+        reply = wire.reply_decoder.decode(self._socket.recv())
+        if isinstance(reply, wire.Failed):
+            raise VllmEngineError(f"{what} failed in the vLLM engine process: {reply.message}")
+        return reply
+
+    def _close_socket(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
+        self._ipc_path.unlink(missing_ok=True)
+
+
+def _prompt_images(images: SampleImages) -> wire.PromptImages:
+    features = images.features.detach().to("cpu", torch.float32).numpy().astype("<f4")
+    return wire.PromptImages(features.tobytes(), *features.shape, images.grid_thw.tolist())
+
+
+def _generation(reply: wire.Generated) -> VllmGeneration:
+    def split(data: bytes, dtype: str, torch_dtype: torch.dtype) -> list[torch.Tensor]:
+        flat = torch.from_numpy(np.frombuffer(data, dtype=dtype).copy()).to(torch_dtype)
+        return list(torch.split(flat, reply.response_lens))
+
+    return VllmGeneration(
+        response_ids=split(reply.response_ids, "<i4", torch.long),
+        response_logp=split(reply.response_logp, "<f4", torch.float32),
+        finish_reasons=list(reply.finish_reasons),
+        token_versions=split(reply.token_versions, "<i4", torch.int32),
+    )

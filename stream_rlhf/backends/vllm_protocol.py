@@ -1,0 +1,108 @@
+"""The messages between a rollout instance (`vllm_client.py`) and its vLLM engine process
+(`vllm_server.py`): typed msgpack over one ZeroMQ PAIR socket, never pickle.
+
+    client                                   engine process
+      | ---------- (process start) --------> |  builds the engine (seconds)
+      | <------------- Ready ---------------- |
+      | ------------- Generate -------------> |  continuous batching over the prompts
+      | ------------- Update ---------------> |  (in flight: applied between engine steps)
+      | <------------- Done ----------------- |
+      | <------------ Generated ------------- |
+      | ---- Update / Call / Sleep / WakeUp -> |
+      | <------------- Done ----------------- |
+      | ------------- Close ----------------> |  engine shut down, process exits
+      | <------------- Done ----------------- |
+      any request can be answered by Failed(traceback) instead.
+
+Token ids and log-probs travel as flat little-endian int32 / float32 bytes plus per-sample
+lengths; a vision-language model's prompts carry their image features the same way
+(`PromptImages`), and a text model's carry none (the field is left out of the message). `Update.method` names a `WeightSyncExtension` method of the workers and `args` are
+plain values (paths, names, numbers): weights never travel through this socket.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+Arg = str | int | float
+
+
+class PromptImages(msgspec.Struct, frozen=True):
+    """The images of one prompt, already encoded by the vision tower (a `SampleImages`)."""
+
+    features: bytes
+    """float32 (rows, hidden): one row per image token of the prompt, image after image."""
+    rows: int
+    hidden: int
+    grid_thw: list[list[int]]
+    """(t, h, w) of each image in vision patches, in prompt order ([] for a prompt without images)."""
+
+
+class Generate(msgspec.Struct, tag="generate", frozen=True, omit_defaults=True):
+    prompt_ids: bytes
+    """int32 token ids of every prompt, concatenated."""
+    prompt_lens: list[int]
+    seeds: list[int]
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop_token_ids: list[int]
+    images: list[PromptImages] | None = None
+    """One per prompt for a vision-language model; None (not sent) for a text model."""
+
+
+class Update(msgspec.Struct, tag="update", frozen=True):
+    version: int
+    method: str
+    args: list[Arg]
+
+
+class Call(msgspec.Struct, tag="call", frozen=True):
+    """Call a worker method that loads no weights (joining the trainer's group)."""
+
+    method: str
+    args: list[Arg]
+
+
+class Sleep(msgspec.Struct, tag="sleep", frozen=True):
+    pass
+
+
+class WakeUp(msgspec.Struct, tag="wake_up", frozen=True):
+    update: Update | None = None
+    """Loaded after the weights wake and before the KV cache does."""
+
+
+class Close(msgspec.Struct, tag="close", frozen=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    pid: int
+
+
+class Generated(msgspec.Struct, tag="generated", frozen=True):
+    response_ids: bytes
+    """int32, every response concatenated."""
+    response_logp: bytes
+    """float32 behaviour log-prob of each response token."""
+    token_versions: bytes
+    """int32 weight version that sampled each response token."""
+    response_lens: list[int]
+    finish_reasons: list[str]
+
+
+class Done(msgspec.Struct, tag="done", frozen=True):
+    version: int
+    """The weight version the engine holds now."""
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    message: str
+
+
+Request = Generate | Update | Call | Sleep | WakeUp | Close
+Reply = Ready | Generated | Done | Failed
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+encoder = msgspec.msgpack.Encoder()

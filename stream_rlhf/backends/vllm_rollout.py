@@ -1,0 +1,255 @@
+"""A vLLM engine as a rollout backend: continuous batching, behaviour log-probs, in-place weight updates.
+
+    engine = VllmRollout(checkpoint, VllmOptions(max_model_len=64, cpu_cores=[0]))
+    gen = engine.generate(prompts, params, seeds)       # a `VllmGeneration`, like torch_rollout's
+    gen = engine.generate(prompts, params, seeds, images=images)   # a VLM: one `SampleImages` per prompt
+    engine.update(3, "srl_load_file", "/dev/shm/.../v3.safetensors")    # or "srl_receive_broadcast", 3
+    engine.close()
+
+This runs in the engine process (`vllm_server.py`, started by `vllm_client.py`), which may use
+another Python environment than the rest of the job.
+
+The rest of the pipeline cannot tell this backend from `torch_rollout`: responses are token ids
+(the stop token included), and the behaviour log-prob of each sampled token is taken under the
+full tempered distribution softmax(logits / temperature) (vLLM's `processed_logprobs` at top_p 1;
+untempered when greedy), which a later forward recomputes with `sequence_logprobs`.
+
+Vision-language checkpoints (Qwen2-VL): the vision stage already encoded the images, so vLLM gets
+each prompt's image features as image embeddings (`enable_mm_embeds`) and never runs its vision
+tower. Our prompts hold every image expanded (`<|vision_start|>`, one `<|image_pad|>` per image
+token, `<|vision_end|>`); vLLM wants one `<|image_pad|>` per image and expands it from the image's
+grid itself (an expanded run would be expanded again), so each run is cut to one placeholder on the
+way in. vLLM then computes the same M-RoPE positions as `mrope_positions`. As in the torch
+backend, responses never sample the image token; here the ban is part of vLLM's processing, so the
+behaviour log-prob is renormalised without it: it exceeds the full-distribution value by
+-log(1 - p(image token)), nothing for a model that never wants an image token in a response.
+
+Weight versions: the engine labels every output token with the version in force when it was
+sampled (vLLM's weight-version spans). `update` pauses the scheduler (running requests keep their
+KV cache), loads the new weights through the worker extension (`vllm_worker.py`), relabels and
+resumes, so called between mini-batches it is a drain update and called from the `between_steps`
+hook of `generate` it is an in-flight one; `VllmGeneration.token_versions` then says which
+version sampled each token.
+
+vLLM starts its engine core in a process of its own (spawn): the caller's main module needs an
+`if __name__ == "__main__"` guard. Call `close()` at the end, or the engine process is killed at
+interpreter exit. On CPU, `VLLM_CPU_OMP_THREADS_BIND` pins the engine's threads to `cpu_cores`
+and `VLLM_CPU_KVCACHE_SPACE` sizes its KV cache; sleep mode exists only on CUDA (`sleep()` says
+so and does nothing on CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import count
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from stream_rlhf.backends.torch_rollout import Generation, SamplingParams
+from stream_rlhf.models.checkpoint import is_vision_language
+from stream_rlhf.models.vision_language import SampleImages
+
+log = logging.getLogger(__name__)
+WORKER_EXTENSION = "stream_rlhf.backends.vllm_worker.WeightSyncExtension"
+SHUTDOWN_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    max_model_len: int
+    """Prompt + response tokens per sequence."""
+    kv_cache_gb: float = 1.0
+    """CPU: the KV cache size (VLLM_CPU_KVCACHE_SPACE, whole GiB, at least 1)."""
+    gpu_memory_utilization: float = 0.5
+    """CUDA: the fraction of the device vLLM may take (the rest is for colocated training)."""
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    """No CUDA graphs / torch.compile: starts in seconds instead of tens of seconds."""
+    prefix_caching: bool = True
+    """Off for in-flight updates: KV blocks cached under old weights would serve new requests."""
+    max_num_seqs: int = 256
+    """Sequences decoded together (continuous batching)."""
+    cpu_cores: list[int] | None = None
+    """CPU: cores the engine's threads are bound to (None: vLLM's automatic binding)."""
+    seed: int = 0
+    max_images_per_prompt: int = 4
+    """Vision-language checkpoints: images a prompt may hold (vLLM's limit_mm_per_prompt)."""
+
+
+@dataclass
+class VllmGeneration(Generation):
+    token_versions: list[Tensor] | None = None
+    """(R_i,) int32 weight version that sampled each response token."""
+
+
+class VllmRollout:
+    def __init__(self, checkpoint: str, options: VllmOptions):
+        if options.cpu_cores is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, options.cpu_cores))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(options.kv_cache_gb)))
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        vision_language = is_vision_language(checkpoint)
+        # images come as the vision stage's features (image embeddings), never as pixels or video
+        images = {"enable_mm_embeds": True, "limit_mm_per_prompt": {"image": options.max_images_per_prompt, "video": 0}}
+        args = EngineArgs(
+            model=checkpoint,
+            dtype="float32",
+            max_model_len=options.max_model_len,
+            enforce_eager=options.enforce_eager,
+            tensor_parallel_size=options.tensor_parallel_size,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            enable_prefix_caching=options.prefix_caching,
+            max_num_seqs=options.max_num_seqs,
+            seed=options.seed,
+            worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # our SamplingParams only, not the checkpoint's defaults
+            **(images if vision_language else {}),
+        )
+        self.engine = LLMEngine.from_engine_args(args)
+        self.image_token_id: int | None = self.engine.model_config.hf_config.image_token_id if vision_language else None
+        # vLLM's strongest bias (it clamps to +-100): a response never holds an image token
+        self.no_image_tokens = None if self.image_token_id is None else {self.image_token_id: -100.0}
+        self.prefix_caching = options.prefix_caching
+        self.version = 0
+        self.closed = False
+        self.said_no_sleep = False
+        self.engine.set_weight_version("0")
+        self._request_ids = count()
+
+    def generate(
+        self,
+        prompts: list[Tensor],
+        params: SamplingParams,
+        seeds: list[int],
+        between_steps: Callable[[], None] | None = None,
+        images: list[SampleImages] | None = None,
+    ) -> VllmGeneration:
+        """Sample one response per prompt (P_i,) with per-prompt `seeds`; `between_steps` is
+        called after every engine step (an in-flight weight update goes there). A vision-language
+        checkpoint takes `images`, one per prompt (None: no prompt has images)."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        if len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts: must be one per prompt")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"images: {len(images)} for {len(prompts)} prompts: must be one per prompt")
+        if images is not None and self.image_token_id is None:
+            raise ValueError("images given to the engine of a text-only checkpoint")
+        ids = []
+        for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            request_id = f"r{next(self._request_ids)}"
+            sampling = VllmSamplingParams(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=list(params.stop_token_ids),
+                ignore_eos=True,  # stop at `stop_token_ids` only, exactly as the torch backend
+                logprobs=0,  # the sampled token's
+                seed=seed,
+                detokenize=False,
+                logit_bias=self.no_image_tokens,
+            )
+            self.engine.add_request(request_id, self._prompt(prompt, None if images is None else images[i]), sampling)
+            ids.append(request_id)
+        finished: dict[str, Any] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output.outputs[0]
+            if between_steps is not None:
+                between_steps()
+        return _generation([finished[i] for i in ids])
+
+    def _prompt(self, prompt: Tensor, images: SampleImages | None) -> dict[str, Any]:
+        """vLLM's prompt: the token ids, and for a prompt with images one placeholder per image
+        with the image features vLLM puts at that image's tokens."""
+        if images is None or len(images.grid_thw) == 0:
+            return {"prompt_token_ids": prompt.tolist()}
+        return {
+            "prompt_token_ids": one_placeholder_per_image(prompt, self.image_token_id).tolist(),
+            "multi_modal_data": {"image": {"image_embeds": images.features, "image_grid_thw": images.grid_thw}},
+        }
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Call `method(*args)` of the workers' `WeightSyncExtension`; one result per worker."""
+        if not method.startswith("srl_"):
+            raise ValueError(f"method={method!r}: not a WeightSyncExtension method (srl_...)")
+        return self.engine.collective_rpc(method, args=args)
+
+    def update(self, version: int, method: str, *args: Any) -> None:
+        """Load weights by calling `method(*args)` of the workers and label the tokens sampled from
+        now on with the version loaded (the method's result when it returns one, else `version`).
+        Requests in flight keep their KV cache; the scheduler is paused meanwhile, so no step runs
+        with a half-loaded model."""
+        core = self.engine.engine_core
+        core.call_utility("pause_scheduler", "keep", False)
+        try:
+            loaded = self.call(method, *args)[0]
+            version = loaded if isinstance(loaded, int) else version
+            self.engine.set_weight_version(str(version))
+        finally:
+            core.call_utility("resume_scheduler")
+        if self.prefix_caching and not self.engine.reset_prefix_cache():
+            raise RuntimeError("prefix cache not reset after a weight update (requests still running): "
+                               "turn prefix caching off for in-flight updates")
+        self.version = version
+
+    def sleep(self) -> None:
+        """Release the KV cache and offload the weights (CUDA); on CPU a no-op that says so."""
+        if not torch.cuda.is_available():
+            if not self.said_no_sleep:
+                log.info("vLLM sleep mode exists only on CUDA: on CPU rollout keeps its memory (said once)")
+                self.said_no_sleep = True
+            return
+        self.engine.sleep(level=1)
+
+    def wake_up(self, update: tuple[Any, ...] | None = None) -> None:
+        """Wake the weights, apply `update` (version, method, *args) if given, then wake the KV
+        cache: waking both at once holds the old KV cache beside the new weights (out of memory
+        on large models)."""
+        on_cuda = torch.cuda.is_available()
+        if on_cuda:
+            self.engine.wake_up(tags=["weights"])
+        if update is not None:
+            self.update(*update)
+        if on_cuda:
+            self.engine.wake_up(tags=["kv_cache"])
+
+    def close(self) -> None:
+        """Stop the engine core process (it would be force-killed at exit otherwise); idempotent."""
+        if not self.closed:
+            self.closed = True
+            # vLLM's default grace is 5 s, then it kills the engine core mid-teardown
+            self.engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
+
+
+def one_placeholder_per_image(ids: Tensor, image_token_id: int) -> Tensor:
+    """ids (L,) with each run of image tokens cut to its first token."""
+    is_image = ids == image_token_id
+    keep = torch.ones_like(is_image)
+    keep[1:] = ~(is_image[1:] & is_image[:-1])
+    return ids[keep]
+
+
+def _generation(completions: list[Any]) -> VllmGeneration:
+    response_ids, response_logp, reasons, versions = [], [], [], []
+    for completion in completions:
+        tokens = list(completion.token_ids)
+        response_ids.append(torch.tensor(tokens, dtype=torch.long))
+        response_logp.append(torch.tensor(
+            [step[token].logprob for step, token in zip(completion.logprobs, tokens)], dtype=torch.float32
+        ))
+        reasons.append("stop" if completion.finish_reason == "stop" else "length")
+        token_versions = torch.zeros(len(tokens), dtype=torch.int32)
+        for span in completion.weight_versions or []:
+            token_versions[span.start : span.end] = int(span.version)
+        versions.append(token_versions)
+    return VllmGeneration(response_ids, response_logp, reasons, token_versions=versions)

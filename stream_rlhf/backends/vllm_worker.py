@@ -1,0 +1,86 @@
+"""The weight-sync side of a vLLM worker: mixed into every worker of the rollout's engine.
+
+    EngineArgs(..., worker_extension_cls="stream_rlhf.backends.vllm_worker.WeightSyncExtension")
+    engine.collective_rpc("srl_load_file", args=("/dev/shm/.../v3.safetensors",))
+    engine.collective_rpc("srl_join_broadcast", args=(folder, "rollout-0", 2, "gloo", 60.0))
+    engine.collective_rpc("srl_receive", args=(min_version,))   # -> [version] per worker
+    (srl_join_cuda_ipc instead of srl_join_broadcast: the same through CUDA IPC)
+
+vLLM imports this module inside its worker processes (`vllm_client.py` puts this package on
+their PYTHONPATH), so it imports little at the top; its methods are prefixed `srl_` so that they
+never shadow the worker's own (`update_weights`, `reload_weights` exist). Arguments cross a msgpack boundary
+without types, so only names, paths and numbers are passed: the tensors come from the shared-
+memory file or the broadcast group, never through the RPC.
+
+Weights are loaded with `reload_weights(..., is_checkpoint_format=True)`: on the CPU build the
+linear layers are prepacked oneDNN handles and `model.load_weights` fails; reload restores,
+loads and re-packs them. The caller resets the prefix cache afterwards (KV blocks computed by the
+old weights would be reused otherwise). A model with tied embeddings gets `lm_head.weight` from
+the embedding, or vLLM would keep sampling from the old head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from safetensors.torch import load_file
+from torch import Tensor
+
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
+def with_tied_head(named: Iterable[tuple[str, Tensor]], tied: bool) -> list[tuple[str, Tensor]]:
+    """`named`, completed for a head tied to the embedding: `lm_head.weight` from the embedding
+    (what the trainer sends), or the text embedding from `lm_head.weight` (what a safetensors
+    file of a tied model keeps)."""
+    items = list(named)
+    if not tied:
+        return items
+    embed = next((tensor for name, tensor in items if name in EMBED_NAMES), None)
+    head = next((tensor for name, tensor in items if name == "lm_head.weight"), None)
+    if head is None and embed is not None:
+        items.append(("lm_head.weight", embed))
+    elif embed is None and head is not None:
+        items.append((EMBED_NAMES[0], head))
+    return items
+
+
+class WeightSyncExtension:
+    """Methods vLLM adds to its worker class (`self` is the worker: `reload_weights`, `rank`,
+    `device`, `model_runner` are its own)."""
+
+    def srl_load_file(self, path: str) -> None:
+        """Load a safetensors file (a version of `weights.shm_store.WeightStore`) into the model."""
+        self._srl_reload(load_file(path).items())
+
+    def srl_join_broadcast(self, folder: str, group: str, world_size: int, backend: str, timeout_s: float) -> None:
+        """Join the trainer's broadcast group `group` as rank 1 + this worker's rank."""
+        from stream_rlhf.weights.broadcast import BroadcastReceiver
+
+        self._srl_receiver = BroadcastReceiver.join(
+            Path(folder), group, 1 + self.rank, world_size, backend, timeout_s, device=str(self.device)
+        )
+
+    def srl_receive(self, min_version: int) -> int:
+        """Receive the newest version (at least `min_version`) from the joined broadcast group or
+        CUDA IPC sender and load it; returns its version."""
+        version, named = self._srl_receiver.receive(min_version)
+        self._srl_reload(named)
+        return version
+
+    def srl_join_cuda_ipc(self, folder: str, name: str, timeout_s: float) -> None:
+        """Connect to the trainer's CUDA IPC sender `name` (trainer and worker share this GPU)."""
+        from stream_rlhf.weights.cuda_ipc import CudaIpcReceiver
+
+        self._srl_receiver = CudaIpcReceiver.join(Path(folder), name, timeout_s, device=self.device)
+
+    def srl_close(self) -> None:
+        receiver = getattr(self, "_srl_receiver", None)
+        if receiver is not None:
+            receiver.close()
+            self._srl_receiver = None
+
+    def _srl_reload(self, named: Iterable[tuple[str, Tensor]]) -> None:
+        tied = bool(self.model_runner.model_config.hf_config.get_text_config().tie_word_embeddings)
+        self.reload_weights(weights_iterator=iter(with_tied_head(named, tied)), is_checkpoint_format=True)

@@ -1,0 +1,92 @@
+"""The rollout stage's vLLM backend (`rollout.backend: vllm`): one engine process per instance.
+
+    backend = VllmBackend(job, weights, max_model_len, images)
+    gen, policy_version, info = backend.generate(batch, prompts, params)
+    backend.close()
+
+Weight updates (`weights.update`):
+    drain       before a mini-batch, the engine loads the newest version; every token of the
+                mini-batch is sampled by it.
+    in_flight   also while a mini-batch generates: the update is applied between engine steps,
+                requests keep their KV cache, and `token_versions` records which version sampled
+                each token. The handle's policy_version is the oldest version in it, so the
+                staleness bound holds for every token.
+With `rollout.vllm.sleep`, the engine sleeps after an iteration's last mini-batch (releasing its
+KV cache and weights while training runs on the same device) and wakes for the next one,
+weights first, then the new version, then the KV cache (a no-op on CPU, where vLLM has no sleep
+mode).
+
+A vision-language model's prompts go with the image features of the input handle
+(`stages/images.py`, as the torch backend reads them): vLLM takes them as image embeddings.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.backends.vllm_client import VllmClient
+from stream_rlhf.backends.vllm_protocol import Update
+from stream_rlhf.backends.vllm_rollout import VllmGeneration, VllmOptions
+from stream_rlhf.broker.stage import Batch
+from stream_rlhf.stages.images import ImageInputs
+from stream_rlhf.stages.job_context import JobContext, seeded_generator
+from stream_rlhf.stages.weight_sync import RolloutWeights
+
+
+def engine_options(job: JobContext, max_model_len: int) -> VllmOptions:
+    cfg = job.config.rollout.vllm
+    return VllmOptions(
+        max_model_len=cfg.max_model_len or max_model_len,
+        kv_cache_gb=cfg.kv_cache_gb,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cfg.enforce_eager,
+        prefix_caching=job.config.weights.update == "drain",
+        max_num_seqs=cfg.max_num_seqs,
+        cpu_cores=None if torch.cuda.is_available() else sorted(os.sched_getaffinity(0)),
+        seed=job.config.seed,
+        max_images_per_prompt=job.config.data.max_images_per_prompt,
+    )
+
+
+class VllmBackend:
+    def __init__(self, job: JobContext, weights: RolloutWeights, max_model_len: int, images: ImageInputs):
+        self.job = job
+        self.weights = weights
+        self.images = images
+        cfg = job.config.rollout.vllm
+        self.engine = VllmClient(job.checkpoint, engine_options(job, max_model_len), python=cfg.python,
+                                 start_timeout_s=cfg.start_timeout_s)
+        weights.join_engine(self.engine)
+        self.in_flight = job.config.weights.update == "in_flight"
+        self.sleeping = False
+
+    def generate(self, batch: Batch, prompts: list[Tensor],
+                 params: SamplingParams) -> tuple[VllmGeneration, int, dict[str, int]]:
+        """(responses, the oldest policy version that sampled them, metadata for the handle)."""
+        update = self.weights.engine_update(self.engine.version)
+        if self.sleeping:
+            self.engine.wake_up(update)
+            self.sleeping = False
+        elif update is not None:
+            self.engine.update(update.version, update.method, *update.args)
+        generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch)
+        seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
+        gen = self.engine.generate(prompts, params, seeds, self._in_flight_update if self.in_flight else None,
+                                   images=self.images.of(batch.tensors))
+        if self.job.config.rollout.vllm.sleep and batch.minibatch == self.job.config.rollout_batch.minibatches - 1:
+            self.engine.sleep()
+            self.sleeping = True
+        versions = torch.cat(gen.token_versions) if gen.token_versions else torch.zeros(0, dtype=torch.int32)
+        oldest = int(versions.min()) if len(versions) else self.engine.version
+        return gen, oldest, {"newest_version": int(versions.max()) if len(versions) else oldest}
+
+    def _in_flight_update(self) -> Update | None:
+        return self.weights.engine_update(self.engine.version)
+
+    def close(self) -> None:
+        self.engine.close()

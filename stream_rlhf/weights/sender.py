@@ -1,0 +1,147 @@
+"""The trainer side shared by the weight senders (`broadcast.py`, `cuda_ipc.py`): the newest
+snapshot, and one serving thread per receiver group whose failure surfaces in the caller's thread.
+
+    slot = SnapshotSlot(bucket_bytes=64 << 20)
+    slot.publish(model.named_parameters(), version=3)      # trainer thread: packs, returns
+    snapshot = slot.acquire(min_version=3, stop=stop)       # a serving thread: newest with version >= 3
+    ...send snapshot.buckets...
+    slot.release(snapshot)
+
+    threads = ServingThreads("weight-sync", serve, ["rollout-0", "rollout-1"])  # serve(name, stop)
+    threads.check()              # raises a failed thread's error, naming its group
+    threads.close(timeout_s)     # stops and joins them
+
+Only the newest snapshot is kept: `publish` packs into the newest snapshot's buckets in place
+when no thread is sending it (no allocation), and into new buckets otherwise; a superseded
+snapshot lives on only until the threads sending it release it. So the sender holds one copy of
+the weights, two while a send overlaps a publish. Publish from one thread only. CUDA snapshots
+become visible once their copies finished (publish waits for the current stream).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from stream_rlhf.weights.buckets import BucketLayout, pack
+from stream_rlhf.weights.group import WeightSyncClosed, WeightSyncTimeout
+
+WAKE_S = 0.1
+"""How often waiting serving threads look at their stop event."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: int
+    buckets: tuple[torch.Tensor, ...]
+
+
+class SnapshotSlot:
+    """The newest packed snapshot of a sender's weights, shared by its serving threads."""
+
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+        self.layout: BucketLayout | None = None
+        """Fixed by the first publish: names, shapes and dtypes may not change after it."""
+        self._cond = threading.Condition()
+        self._newest: Snapshot | None = None
+        self._last_version = -1
+        self._readers: dict[int, int] = {}  # version -> serving threads sending it
+
+    def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Pack `named` as `version` (greater than the last), replacing the newest snapshot."""
+        named = list(named)
+        if not named:
+            raise ValueError(f"publish(version={version}): no tensors")
+        if version <= self._last_version:
+            raise ValueError(f"publish(version={version}): versions must increase; "
+                             f"the last published is {self._last_version}")
+        if self.layout is None:
+            self.layout = BucketLayout.of(named, self.bucket_bytes)
+        with self._cond:  # a newest snapshot no thread is sending is overwritten in place
+            old = self._newest
+            reuse = old is not None and old.version not in self._readers
+            if reuse:
+                self._newest = None
+        try:
+            buckets = pack(named, self.layout, out=old.buckets if reuse else None)
+        except ValueError as exc:  # raised before any copy: `old` is intact
+            if reuse:
+                with self._cond:
+                    self._newest = old
+            raise ValueError(f"publish(version={version}): {exc} (the first publish fixed the layout)") from None
+        if buckets[0].is_cuda:  # serving threads send from other streams (NCCL) or processes (CUDA IPC)
+            torch.cuda.current_stream(buckets[0].device).synchronize()
+        with self._cond:
+            self._newest = Snapshot(version, tuple(buckets))
+            self._last_version = version
+            self._cond.notify_all()
+
+    def acquire(self, min_version: int, stop: threading.Event) -> Snapshot:
+        """The newest snapshot once its version is >= `min_version`; hold it until `release`.
+        Raises WeightSyncClosed once `stop` is set."""
+        with self._cond:
+            while self._newest is None or self._newest.version < min_version:
+                if stop.is_set():
+                    raise WeightSyncClosed(f"closed while waiting for a version >= {min_version}")
+                self._cond.wait(WAKE_S)
+            snapshot = self._newest
+            self._readers[snapshot.version] = self._readers.get(snapshot.version, 0) + 1
+            return snapshot
+
+    def release(self, snapshot: Snapshot) -> None:
+        """Done sending `snapshot`: once no thread holds it and it is not the newest, it is freed."""
+        with self._cond:
+            self._readers[snapshot.version] -= 1
+            if self._readers[snapshot.version] == 0:
+                del self._readers[snapshot.version]
+
+
+class ServingThreads:
+    """One daemon thread per group running `serve(name, stop)` until it returns, fails or `stop` is
+    set. A failure is kept; `check()` raises it (every time) in the caller's thread, and `close()`
+    raises one that `check()` never did."""
+
+    def __init__(self, what: str, serve: Callable[[str, threading.Event], None], names: Iterable[str]):
+        self.what = what
+        self.stop = threading.Event()
+        self._failures: dict[str, BaseException] = {}
+        self._reported = False
+        self._threads = [
+            threading.Thread(target=self._run, args=(serve, name), name=f"{what} {name}", daemon=True)
+            for name in names
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, serve: Callable[[str, threading.Event], None], name: str) -> None:
+        try:
+            serve(name, self.stop)
+        except WeightSyncClosed:
+            pass
+        except WeightSyncTimeout as exc:  # its message names the group already
+            self._failures.setdefault(name, exc)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread by check()
+            if not self.stop.is_set():  # errors while closing are the closing's doing
+                failure = RuntimeError(f"{self.what} group {name!r}: serving thread failed: {type(exc).__name__}: {exc}")
+                failure.__cause__ = exc
+                self._failures.setdefault(name, failure)
+
+    def check(self) -> None:
+        """Raise the first failure of a serving thread, if any."""
+        failures = list(self._failures.values())
+        if failures:
+            self._reported = True
+            raise failures[0]
+
+    def close(self, timeout_s: float) -> None:
+        """Stop every thread and wait up to `timeout_s` each (a thread inside a rendezvous or a
+        collective returns when that times out); raise a failure check() has not raised."""
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(timeout_s)
+        if not self._reported:
+            self.check()

@@ -1,0 +1,172 @@
+"""The vLLM rollout backend against a real vLLM engine (CPU build): generation, log-prob parity
+with our forward, weight updates through each CPU transport, in-flight updates, errors."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from stream_rlhf.backends import vllm_protocol as wire
+from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.backends.vllm_client import VllmClient, VllmEngineError
+from stream_rlhf.backends.vllm_rollout import VllmOptions
+from stream_rlhf.models.checkpoint import build_tiny, load_policy
+from stream_rlhf.models.packing import sequence_logprobs
+from stream_rlhf.models.tokenizer import build_tokenizer
+from stream_rlhf.rl.config import TinyModelConfig
+from stream_rlhf.stages.weight_sync import trained_parameters
+from stream_rlhf.weights.broadcast import BroadcastSender
+from stream_rlhf.weights.shm_store import WeightStore
+from tests.vllm_env import vllm_python
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+PROMPTS = ["12+7=", "3+4=", "55+1=", "9+90=", "1+1=", "70+8="] * 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_tokenizer()
+    cfg = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=32, max_position_embeddings=64)
+    build_tiny(cfg, tokenizer, seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    # prefix caching off: the in-flight test updates weights while requests run
+    client = VllmClient(str(checkpoint), VllmOptions(max_model_len=64, cpu_cores=[0], prefix_caching=False),
+                        python=vllm_python(), start_timeout_s=300)
+    yield client
+    client.close()
+    assert client.process.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint) -> list[torch.Tensor]:
+    tokenizer = build_tokenizer()
+    return [torch.tensor(tokenizer.encode(p)) for p in PROMPTS]
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    model = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    return model
+
+
+def logprob_error(model: torch.nn.Module, prompts, gen, temperature: float, upto: list[int] | None = None) -> float:
+    """Max |vLLM behaviour log-prob - our forward's| over the response tokens (the first upto[i])."""
+    sequences = [torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)]
+    with torch.no_grad():
+        ours, _ = sequence_logprobs(model, sequences, temperature or 1.0)
+    errors = []
+    for i, (logp, prompt, theirs) in enumerate(zip(ours, prompts, gen.response_logp)):
+        n = len(theirs) if upto is None else upto[i]
+        if n:
+            errors.append((logp[len(prompt) - 1:][:n] - theirs[:n]).abs().max().item())
+    return max(errors)
+
+
+def params(temperature: float = 1.0, max_new_tokens: int = 5, stop: tuple[int, ...] | None = None) -> SamplingParams:
+    tokenizer = build_tokenizer()
+    return SamplingParams(temperature, 1.0, max_new_tokens, (tokenizer.eos_token_id,) if stop is None else stop,
+                          tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_behaviour_logprobs_equal_our_forward(engine, checkpoint, prompts, temperature):
+    gen = engine.generate(prompts, params(temperature), seeds=list(range(len(prompts))))
+    assert len(gen.response_ids) == len(prompts)
+    eos = build_tokenizer().eos_token_id
+    for ids, logp, reason in zip(gen.response_ids, gen.response_logp, gen.finish_reasons):
+        assert 1 <= len(ids) <= 5 and len(logp) == len(ids)
+        assert (reason == "stop") == (ids[-1].item() == eos)  # the stop token is kept, as in torch_rollout
+    assert logprob_error(load_policy(checkpoint).eval(), prompts, gen, temperature) < 1e-4
+
+
+def test_same_seeds_sample_the_same_responses(engine, prompts):
+    first = engine.generate(prompts, params(), seeds=list(range(len(prompts))))
+    again = engine.generate(prompts, params(), seeds=list(range(len(prompts))))
+    assert all(torch.equal(a, b) for a, b in zip(first.response_ids, again.response_ids))
+
+
+def test_update_through_shared_memory_file(engine, checkpoint, prompts, tmp_path):
+    new = perturbed(load_policy(checkpoint).eval(), seed=1)
+    store = WeightStore(tmp_path, "actor")
+    store.publish(new, version=1)
+    stale = engine.generate(prompts, params(), seeds=list(range(len(prompts))))
+    assert logprob_error(new, prompts, stale, 1.0) > 1e-2  # it still had other weights
+
+    engine.update(1, "srl_load_file", str(store.path(1)))
+    gen = engine.generate(prompts, params(), seeds=list(range(len(prompts))))
+    assert engine.version == 1
+    assert logprob_error(new, prompts, gen, 1.0) < 1e-4
+    assert all((v == 1).all() for v in gen.token_versions)
+
+
+def test_update_through_a_gloo_broadcast_group(engine, checkpoint, prompts, tmp_path):
+    new = perturbed(load_policy(checkpoint).eval(), seed=2)
+    sender = BroadcastSender(tmp_path, {"rollout-0": 2}, "gloo", bucket_bytes=1 << 16, timeout_s=60)
+    try:
+        engine.call("srl_join_broadcast", str(tmp_path), "rollout-0", 2, "gloo", 60.0)
+        sender.publish(trained_parameters(new), version=2)  # tied head: sent once, as the embedding
+        engine.update(2, "srl_receive", 2)
+        sender.check()
+    finally:
+        sender.close()
+    gen = engine.generate(prompts, params(), seeds=list(range(len(prompts))))
+    assert engine.version == 2
+    assert logprob_error(new, prompts, gen, 1.0) < 1e-4
+    engine.call("srl_close")
+
+
+def test_in_flight_update_labels_each_token_with_its_version(engine, checkpoint, prompts, tmp_path):
+    old = perturbed(load_policy(checkpoint).eval(), seed=3)
+    new = perturbed(old, seed=4)
+    store = WeightStore(tmp_path, "actor", keep=3)
+    store.publish(old, version=3)
+    store.publish(new, version=4)
+    engine.update(3, "srl_load_file", str(store.path(3)))
+    sent = []
+
+    def in_flight() -> wire.Update | None:  # asked every 50 ms while the engine generates
+        if sent:
+            return None
+        sent.append(True)
+        return wire.Update(4, "srl_load_file", [str(store.path(4))])
+
+    long = params(max_new_tokens=48, stop=())  # no stop token: every response runs 48 steps
+    gen = engine.generate(prompts, long, seeds=list(range(len(prompts))), in_flight=in_flight)
+    assert engine.version == 4
+    for versions in gen.token_versions:
+        assert len(versions) == 48
+        assert (versions[1:] >= versions[:-1]).all()  # one switch at most, old to new
+    switched = [int((v == 3).sum()) for v in gen.token_versions]
+    assert set(torch.cat(gen.token_versions).tolist()) == {3, 4}, switched
+    # tokens before the switch were sampled by the old weights alone
+    assert logprob_error(old, prompts, gen, 1.0, upto=switched) < 1e-4
+
+
+def test_a_failed_request_is_reported_and_the_engine_keeps_serving(engine, prompts, tmp_path):
+    with pytest.raises(VllmEngineError, match="missing.safetensors"):
+        engine.update(9, "srl_load_file", str(tmp_path / "missing.safetensors"))
+    with pytest.raises(VllmEngineError, match="not a WeightSyncExtension method"):
+        engine.call("reload_weights")
+    gen = engine.generate(prompts[:2], params(), seeds=[0, 1])
+    assert len(gen.response_ids) == 2
+
+
+def test_an_engine_that_cannot_start_is_a_clear_error(checkpoint):
+    with pytest.raises(VllmEngineError, match="exited with code"):
+        VllmClient(str(checkpoint / "nowhere"), VllmOptions(max_model_len=64), python=vllm_python(),
+                   start_timeout_s=120)
+    with pytest.raises(VllmEngineError, match="rollout.vllm.python='/no/python': cannot start it"):
+        VllmClient(str(checkpoint), VllmOptions(max_model_len=64), python="/no/python")

@@ -1,0 +1,200 @@
+"""Weight sync over broadcast groups: a real sender here, real receivers in spawned processes,
+real gloo over loopback; and the shared-memory store's read_version."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from stream_rlhf.weights.broadcast import BroadcastReceiver, BroadcastSender
+from stream_rlhf.weights.buckets import unpack
+from stream_rlhf.weights.group import WeightSyncClosed, WeightSyncTimeout, open_group, publish_address, wait_for_address
+from stream_rlhf.weights.sender import SnapshotSlot
+from stream_rlhf.weights.shm_store import WeightStore
+from tests.weight_receiver import receiver_process
+
+pytestmark = pytest.mark.slow
+
+BUCKET_BYTES = 4096
+
+
+def weights(version: int) -> list[tuple[str, torch.Tensor]]:
+    """A small model's worth of mixed tensors whose values say which version they are."""
+    torch.manual_seed(version)
+    return [
+        ("embed.weight", torch.randn(64, 16)),  # 4 KiB: a bucket of its own
+        ("layer.0.weight", torch.randn(16, 16).bfloat16()),
+        ("layer.0.bias", torch.full((16,), float(version))),
+        ("step", torch.tensor([version], dtype=torch.int64)),
+    ]
+
+
+def assert_same(got: dict[str, torch.Tensor], version: int) -> None:
+    expected = dict(weights(version))
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+@pytest.fixture
+def sender(tmp_path):
+    senders = []
+
+    def make(groups: dict[str, int], timeout_s: float = 20.0, **kwargs) -> BroadcastSender:
+        senders.append(BroadcastSender(tmp_path, groups, "gloo", BUCKET_BYTES, timeout_s, **kwargs))
+        return senders[-1]
+
+    yield make
+    for made in senders:
+        made.close()
+
+
+def test_receiver_gets_the_newest_version_and_waits_for_min_version(tmp_path, sender):
+    trainer = sender({"rollout-0": 2})
+    trainer.publish(weights(1), version=1)
+    with receiver_process(tmp_path, "rollout-0") as receiver:
+        receiver.joined()
+        receiver.ask()
+        version, got = receiver.answer()
+        assert version == 1
+        assert_same(got, 1)
+
+        trainer.publish(weights(2), version=2)
+        trainer.publish(weights(3), version=3)  # before the receiver asks: v2 is never sent
+        receiver.ask()
+        version, got = receiver.answer()
+        assert version == 3
+        assert_same(got, 3)
+
+        receiver.ask(min_version=5)
+        trainer.publish(weights(4), version=4)
+        assert not receiver.answered(within_s=0.5)  # v4 is not enough
+        trainer.publish(weights(5), version=5)
+        version, got = receiver.answer()
+        assert version == 5
+        assert_same(got, 5)
+    trainer.check()
+
+
+def test_groups_update_independently(tmp_path, sender):
+    trainer = sender({"rollout-0": 2, "rollout-1": 2})
+    with receiver_process(tmp_path, "rollout-0") as eager, receiver_process(tmp_path, "rollout-1") as idle:
+        eager.joined()
+        idle.joined()
+        for version in (1, 2, 3):  # rollout-1 never asks meanwhile: nothing waits for it
+            trainer.publish(weights(version), version=version)
+            eager.ask(min_version=version)
+            assert eager.answer()[0] == version
+        idle.ask()
+        version, got = idle.answer()
+        assert version == 3
+        assert_same(got, 3)
+    trainer.check()
+
+
+def test_two_receiver_ranks_of_one_group_get_the_same_tensors(tmp_path, sender):
+    trainer = sender({"rollout-0": 3})
+    trainer.publish(weights(7), version=7)
+    with receiver_process(tmp_path, "rollout-0", rank=1, world_size=3) as first, \
+            receiver_process(tmp_path, "rollout-0", rank=2, world_size=3) as second:
+        first.joined()
+        second.joined()
+        first.ask()
+        second.ask()
+        for receiver in (first, second):
+            version, got = receiver.answer()
+            assert version == 7
+            assert_same(got, 7)
+
+
+def test_a_waiting_receiver_fails_naming_the_group_when_the_sender_closes(tmp_path):
+    trainer = BroadcastSender(tmp_path, {"rollout-0": 2}, "gloo", BUCKET_BYTES, timeout_s=20.0)
+    with receiver_process(tmp_path, "rollout-0") as receiver:
+        receiver.joined()
+        receiver.ask(min_version=1)  # nothing published: it waits
+        assert not receiver.answered(within_s=0.3)
+        trainer.close()
+        assert "group 'rollout-0' at 127.0.0.1:" in receiver.failure()
+
+
+def test_layout_is_fixed_by_the_first_publish(sender):
+    trainer = sender({"rollout-0": 2})
+    trainer.publish(weights(1), version=1)
+    with pytest.raises(ValueError, match="versions must increase"):
+        trainer.publish(weights(1), version=1)
+    changed = [(name, t[:2] if name == "embed.weight" else t) for name, t in weights(2)]
+    with pytest.raises(ValueError, match=r"'embed.weight' is \(2, 16\) float32; the layout has \(64, 16\)"):
+        trainer.publish(changed, version=2)
+
+
+def test_sender_names_the_rank_that_never_joined(tmp_path):
+    trainer = BroadcastSender(tmp_path, {"rollout-0": 2}, "gloo", BUCKET_BYTES, timeout_s=1.5,
+                              rank_names={"rollout-0": ["trainer", "rollout-0 vLLM worker 0"]})
+    start = time.monotonic()
+    message = r"group 'rollout-0' at 127\.0\.0\.1:\d+: rank\(s\) 1 \(rollout-0 vLLM worker 0\) did not join within 1\.5s"
+    with pytest.raises(WeightSyncTimeout, match=message):
+        while time.monotonic() - start < 10:
+            trainer.check()
+            time.sleep(0.05)
+    assert 1.4 < time.monotonic() - start < 4
+    with pytest.raises(WeightSyncTimeout, match=message):
+        trainer.publish(weights(1), version=1)
+    trainer.close()  # already reported: closes quietly
+    assert not (tmp_path / "rollout-0.json").exists()
+
+
+def test_receiver_without_a_sender_names_the_group(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match=r"group 'rollout-9': its address never appeared at .*rollout-9\.json"):
+        BroadcastReceiver.join(tmp_path, "rollout-9", rank=1, world_size=2, backend="gloo", timeout_s=1.0)
+    assert time.monotonic() - start < 3
+
+
+def test_receiver_names_rank_0_when_its_store_is_gone(tmp_path, free_port):
+    publish_address(tmp_path, "rollout-0", f"127.0.0.1:{free_port}")  # an address nobody listens on
+    address = wait_for_address(tmp_path, "rollout-0", timeout_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match=rf"'rollout-0' at 127\.0\.0\.1:{free_port}: rank 0 \(trainer\) "
+                                                r"was not reachable within 1\.0s"):
+        open_group(address, 1, 2, "gloo", 1.0, ["trainer", "me"], "rollout-0")
+    assert time.monotonic() - start < 3
+
+
+def test_a_snapshot_being_sent_is_never_overwritten_and_an_idle_one_is_reused():
+    slot, stop = SnapshotSlot(BUCKET_BYTES), threading.Event()
+    slot.publish(weights(1), version=1)
+    held = slot.acquire(min_version=1, stop=stop)  # a serving thread is sending v1
+    slot.publish(weights(2), version=2)
+    assert_same(dict(unpack(held.buckets, slot.layout)), 1)
+    slot.release(held)
+    newest = slot.acquire(min_version=2, stop=stop)
+    slot.release(newest)
+    slot.publish(weights(3), version=3)  # nobody sends v2: v3 is packed into its buckets
+    newest_again = slot.acquire(min_version=3, stop=stop)
+    assert newest_again.buckets[0].data_ptr() == newest.buckets[0].data_ptr()
+    assert_same(dict(unpack(newest_again.buckets, slot.layout)), 3)
+    stop.set()
+    with pytest.raises(WeightSyncClosed, match="waiting for a version >= 4"):
+        slot.acquire(min_version=4, stop=stop)
+
+
+def test_shm_store_read_version(tmp_path):
+    model = nn.Linear(4, 3)
+    store = WeightStore(tmp_path, "actor", keep=2)
+    with pytest.raises(FileNotFoundError, match="no weights published"):
+        store.read_version()
+    for version in (1, 2, 3):
+        with torch.no_grad():
+            model.bias.fill_(version)
+        store.publish(model, version)
+    version, tensors = store.read_version()
+    assert version == 3 and tensors.keys() == {"weight", "bias"}
+    assert torch.equal(tensors["bias"], torch.full((3,), 3.0)) and torch.equal(tensors["weight"], model.weight)
+    version, tensors = store.read_version(2)
+    assert version == 2 and torch.equal(tensors["bias"], torch.full((3,), 2.0))
+    with pytest.raises(FileNotFoundError, match="version 1 .* newest is 3"):
+        store.read_version(1)  # unlinked: keep=2
