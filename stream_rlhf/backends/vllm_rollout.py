@@ -3,7 +3,7 @@
     engine = VllmRollout(checkpoint, VllmOptions(max_model_len=64, cpu_cores=[0]))
     gen = engine.generate(prompts, params, seeds)       # a `VllmGeneration`, like torch_rollout's
     gen = engine.generate(prompts, params, seeds, images=images)   # a VLM: one `SampleImages` per prompt
-    engine.update(3, "srl_load_file", "/dev/shm/.../v3.safetensors")    # or "srl_receive_broadcast", 3
+    engine.update(3, "srl_load_file", "/dev/shm/.../v3.safetensors")    # or (3, "srl_receive", 3)
     engine.close()
 
 This runs in the engine process (`vllm_server.py`, started by `vllm_client.py`), which may use
@@ -31,9 +31,9 @@ resumes, so called between mini-batches it is a drain update and called from the
 hook of `generate` it is an in-flight one; `VllmGeneration.token_versions` then says which
 version sampled each token.
 
-vLLM starts its engine core in a process of its own (spawn): the caller's main module needs an
-`if __name__ == "__main__"` guard. Call `close()` at the end, or the engine process is killed at
-interpreter exit. On CPU, `VLLM_CPU_OMP_THREADS_BIND` pins the engine's threads to `cpu_cores`
+vLLM starts its engine core in a process of its own (spawn), so the main module must be guarded
+by `if __name__ == "__main__"` (vllm_server's is). Call `close()` at the end, or vLLM kills the
+engine process at interpreter exit. On CPU, `VLLM_CPU_OMP_THREADS_BIND` pins the engine's threads to `cpu_cores`
 and `VLLM_CPU_KVCACHE_SPACE` sizes its KV cache; sleep mode exists only on CUDA (`sleep()` says
 so and does nothing on CPU).
 """
@@ -97,7 +97,9 @@ class VllmRollout:
 
         vision_language = is_vision_language(checkpoint)
         # images come as the vision stage's features (image embeddings), never as pixels or video
-        images = {"enable_mm_embeds": True, "limit_mm_per_prompt": {"image": options.max_images_per_prompt, "video": 0}}
+        # (no processor cache: the workers' reload clears their side of it, and the features are cheap to resend)
+        images = {"enable_mm_embeds": True, "limit_mm_per_prompt": {"image": options.max_images_per_prompt, "video": 0},
+                  "mm_processor_cache_gb": 0}
         args = EngineArgs(
             model=checkpoint,
             dtype="float32",
@@ -195,6 +197,8 @@ class VllmRollout:
             loaded = self.call(method, *args)[0]
             version = loaded if isinstance(loaded, int) else version
             self.engine.set_weight_version(str(version))
+            if self.image_token_id is not None:
+                self.engine.reset_encoder_cache()  # the reload dropped encoder outputs the scheduler counts on
         finally:
             core.call_utility("resume_scheduler")
         if self.prefix_caching and not self.engine.reset_prefix_cache():

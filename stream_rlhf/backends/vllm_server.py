@@ -37,6 +37,10 @@ log = logging.getLogger("vllm_server")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+class ProtocolError(RuntimeError):
+    """A request the engine cannot take in its current state."""
+
+
 class EngineServer:
     def __init__(self, socket: zmq.Socket, rollout: VllmRollout):
         self.socket = socket
@@ -48,7 +52,7 @@ class EngineServer:
             request = wire.request_decoder.decode(self.socket.recv())
             try:
                 reply = self._handle(request)
-            except Exception:
+            except Exception:  # noqa: BLE001 - any failure is answered, and the engine keeps serving
                 reply = wire.Failed(f"{type(request).__name__}: {traceback.format_exc()}")
             self._send(reply)
             if isinstance(request, wire.Close):
@@ -84,7 +88,7 @@ class EngineServer:
         while self.socket.poll(0):
             request = wire.request_decoder.decode(self.socket.recv())
             if not isinstance(request, wire.Update):
-                raise RuntimeError(f"{type(request).__name__} while generating: only Update may come then")
+                raise ProtocolError(f"{type(request).__name__} while generating: only Update may come then")
             self.rollout.update(request.version, request.method, *request.args)
             self._send(wire.Done(self.rollout.version))
 

@@ -82,5 +82,7 @@ class WeightSyncExtension:
             self._srl_receiver = None
 
     def _srl_reload(self, named: Iterable[tuple[str, Tensor]]) -> None:
-        tied = bool(self.model_runner.model_config.hf_config.get_text_config().tie_word_embeddings)
+        config = self.model_runner.model_config.hf_config
+        # a text model's own config; Qwen2-VL's text config has none, its top config does
+        tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", config.tie_word_embeddings))
         self.reload_weights(weights_iterator=iter(with_tied_head(named, tied)), is_checkpoint_format=True)

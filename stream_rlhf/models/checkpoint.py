@@ -1,6 +1,7 @@
 """Loading the models of an RL job from a Hugging Face checkpoint folder, and building the tiny one.
 
     policy = load_policy(path)          # AutoModelForCausalLM: actor, reference, rollout
+    save_checkpoint(policy, tokenizer, folder)   # a folder transformers and vLLM both load
     critic = load_critic(path)          # the policy's backbone with a per-token value head
                                         # (a VLM's: its language model, see vision_language.py)
     scorer = load_reward_model(path)    # a sequence-classification model with one label
@@ -11,6 +12,7 @@ by `build_tiny` and saved into a folder first (see `warm_start.py`).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -27,6 +29,7 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
 )
 from transformers.utils import logging as hf_logging
 
@@ -113,6 +116,24 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 def is_vision_language(path: str | Path) -> bool:
     """True for a checkpoint with a vision tower (Qwen2-VL, Qwen2.5-VL)."""
     return hasattr(AutoConfig.from_pretrained(str(path)), "vision_config")
+
+
+def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> None:
+    """Save a policy as a folder that both transformers and vLLM load. A vision-language one also
+    gets what vLLM's Qwen2-VL processor reads: `preprocessor_config.json`, and a tokenizer that
+    names a video token (ours has no `<|video_pad|>`: the token `video_token_id` stands for)."""
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        return
+    Qwen2VLImageProcessorPil(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                             merge_size=vision.spatial_merge_size).save_pretrained(folder)
+    tokenizer_config = folder / "tokenizer_config.json"
+    settings = json.loads(tokenizer_config.read_text())
+    settings["video_token"] = tokenizer.convert_ids_to_tokens(model.config.video_token_id)
+    tokenizer_config.write_text(json.dumps(settings, indent=2))
 
 
 def max_positions(path: str | Path) -> int:

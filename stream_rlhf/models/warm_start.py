@@ -25,7 +25,7 @@ import torch
 
 from stream_rlhf.cache_folder import build_once
 from stream_rlhf.data.arithmetic import problems
-from stream_rlhf.models.checkpoint import build_tiny, load_policy, load_tokenizer
+from stream_rlhf.models.checkpoint import build_tiny, load_policy, load_tokenizer, save_checkpoint
 from stream_rlhf.models.medusa import MedusaHeads, heads_folder, heads_loss, save_heads
 from stream_rlhf.models.packing import packed_hidden_states
 from stream_rlhf.models.tokenizer import build_tokenizer
@@ -56,8 +56,7 @@ def warm_start(cfg: RLJobConfig) -> Path:
 
     def build(partial: Path) -> None:
         model, tokenizer = _train(cfg)
-        model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
+        save_checkpoint(model, tokenizer, partial)
         (partial / "warm_start.json").write_text(json.dumps(settings, indent=2))
 
     build_once(folder, "config.json", build)

@@ -67,6 +67,9 @@ class RLRun:
         if self.vision_language and self.cfg.reward.model_path is not None:
             raise ConfigError(f"reward.model_path={self.cfg.reward.model_path!r}: reward models are text-only, "
                               "and this is a vision-language run")
+        if self.vision_language and self.cfg.rollout.backend == "vllm" and self.cfg.weights.update == "in_flight":
+            raise ConfigError("weights.update=in_flight: not with images on the vLLM backend (its encoder cache is "
+                              "reset at each update, which requests in flight still use); use drain")
         self.before = evaluate(self.cfg, self.checkpoint)
         log.info("eval before RL: reward %.3f (greedy %.3f)", self.before["reward"], self.before["greedy_reward"])
         flow = compile_job(self.cfg, self.checkpoint, str(self.weights), self.vision_language)

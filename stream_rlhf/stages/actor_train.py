@@ -21,7 +21,7 @@ import torch
 from stream_rlhf.algos.losses import entropy_loss, kl_loss, policy_loss
 from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
-from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
+from stream_rlhf.models.checkpoint import load_policy, load_tokenizer, save_checkpoint
 from stream_rlhf.models.packing import sequence_logprobs
 from stream_rlhf.stages.experience import Experience, IterationBuffer
 from stream_rlhf.stages.images import ImageInputs
@@ -167,8 +167,7 @@ class ActorTrain(Stage):
     def _finish(self) -> None:
         run_dir = self.job.run_dir
         checkpoint = run_dir / "checkpoint"
-        self.model.save_pretrained(checkpoint)
-        load_tokenizer(self.job.checkpoint).save_pretrained(checkpoint)
+        save_checkpoint(self.model, load_tokenizer(self.job.checkpoint), checkpoint)
         summary = {
             "iterations": self.version,
             "samples_trained": self.trained,

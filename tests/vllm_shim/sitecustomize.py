@@ -1,0 +1,80 @@
+"""Test-only import shim: lets vLLM's CPU build serve Qwen2-VL without torchvision.
+
+Why: vLLM's `model_executor/models/qwen2_vl.py` imports `smart_resize` from transformers'
+`qwen2_vl/image_processing_qwen2_vl.py`, which imports torchvision, and transformers'
+`Qwen2VLProcessor` always loads a torchvision-backed video processor. There is no CPU build of
+torchvision for torch 2.13 (the registry's is CUDA-linked), so on a CPU machine both fail.
+
+What it patches, lazily, when (and only if) the modules are imported:
+  - `transformers.models.qwen2_vl.image_processing_qwen2_vl` is the PIL image processor's module
+    (`image_processing_pil_qwen2_vl`: the same `smart_resize`, no torchvision);
+  - `Qwen2VLProcessor` loads no video processor; its image processor stands in where vLLM reads
+    the video processor's kwargs (the engine takes no video: `limit_mm_per_prompt` video 0).
+
+How: Python imports `sitecustomize` at start-up in every process whose PYTHONPATH holds this
+folder, so vLLM's engine and worker processes get it too; the multimodal vLLM tests put the folder
+on PYTHONPATH before starting an engine. On a GPU machine with a torchvision that matches its
+torch this shim is not needed.
+"""
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import ModuleType
+
+QWEN2_VL = "transformers.models.qwen2_vl."
+
+
+def _drop_video_processor(module: ModuleType) -> None:
+    processor = module.Qwen2VLProcessor
+    init = processor.__init__
+
+    # no video_processor argument: transformers loads the sub-processors named in __init__
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        init(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+        self.video_processor = image_processor
+
+    processor.__init__ = __init__
+
+
+class _PatchedLoader(importlib.abc.Loader):
+    """Loads `real`'s module, then applies `patch` to it."""
+
+    def __init__(self, real: importlib.abc.Loader, patch):
+        self.real, self.patch = real, patch
+
+    def create_module(self, spec):
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.real.exec_module(module)
+        self.patch(module)
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Gives the module `target` under the name being imported."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def create_module(self, spec):
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass
+
+
+class _Qwen2VLWithoutTorchvision(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == QWEN2_VL + "image_processing_qwen2_vl":
+            return importlib.util.spec_from_loader(name, _AliasLoader(QWEN2_VL + "image_processing_pil_qwen2_vl"))
+        if name == QWEN2_VL + "processing_qwen2_vl":
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            spec.loader = _PatchedLoader(spec.loader, _drop_video_processor)
+            return spec
+        return None
+
+
+sys.meta_path.insert(0, _Qwen2VLWithoutTorchvision())
