@@ -16,8 +16,9 @@
 
 Token ids and log-probs travel as flat little-endian int32 / float32 bytes plus per-sample
 lengths; a vision-language model's prompts carry their image features the same way
-(`PromptImages`), and a text model's carry none (the field is left out of the message). `Update.method` names a `WeightSyncExtension` method of the workers and `args` are
-plain values (paths, names, numbers): weights never travel through this socket.
+(`PromptImages`), and a text model's carry none (the field is left out of the message).
+`Update.method` names a `WeightSyncExtension` method of the workers and `args` are plain values
+(paths, names, numbers): weights never travel through this socket.
 """
 
 from __future__ import annotations
