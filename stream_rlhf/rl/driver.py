@@ -56,6 +56,10 @@ class RLRun:
         from stream_rlhf.rl.evaluate import evaluate
         from stream_rlhf.rl.task_data import resolve_data
 
+        if self.cfg.rollout.backend == "vllm":
+            from stream_rlhf.backends.vllm_client import check_engine_python
+
+            check_engine_python(self.cfg.rollout.vllm.python)
         for name in RUN_OUTPUTS:
             path = self.run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
