@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,7 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         log.warning("interrupted before the stages started")
         return 130
     try:
-        code = _supervise(job, run.cfg.name, run.cfg.timeout_s, run.progress())
+        code = _supervise(job, run.cfg.name, run.cfg.timeout_s, run.progress(), watch=job.fail_on_dropped_handles)
     finally:
         run.cleanup()
     if code == 0:
@@ -97,15 +98,17 @@ def is_dataflow_config(path: str) -> bool:
     return isinstance(data, dict) and "topics" in data
 
 
-def _supervise(job: LocalJob, name: str, timeout_s: float, progress: AbstractContextManager) -> int:
-    """Start the job, show progress, wait for it; 0 when it finished, 1 when a stage failed or it
-    timed out, 130 when interrupted (every stage is drained and stopped in all cases)."""
+def _supervise(job: LocalJob, name: str, timeout_s: float, progress: AbstractContextManager,
+               watch: Callable[[], None] | None = None) -> int:
+    """Start the job, show progress, wait for it (`watch`: see LocalJob.wait); 0 when it finished,
+    1 when a stage failed or it timed out, 130 when interrupted (every stage is drained and
+    stopped in all cases)."""
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, a scheduler's stop: drain as for Ctrl-C
     try:
         address = job.start()
         log.info("job %s: broker at %s, %d stage process(es)", name, address, len(job.processes))
         with progress:
-            job.wait(timeout_s)
+            job.wait(timeout_s, watch)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the drain below finish
         log.warning("interrupted: draining every stage")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from stream_rlhf.broker import shm
 from stream_rlhf.broker.stage import Batch, Output, Stage
 
 
@@ -38,6 +39,21 @@ class Worker(Stage):
         time.sleep(self.delay_s)
         return [Output(self.out_topic, {self.field: batch.tensors["x"] * 2}, batch.num_samples,
                        metadata={"index": batch.metadata["index"], "worker": self.ctx.instance_id})]
+
+
+class PayloadLosingWorker(Worker):
+    """A Worker that, before it takes anything, unlinks every shared-memory segment of `prefix`
+    (as a /dev/shm cleaner would): the payloads already published are gone when it reads them."""
+
+    def __init__(self, out_topic: str, prefix: str, wait_s: float):
+        super().__init__(out_topic)
+        self.prefix, self.wait_s = prefix, wait_s
+
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        time.sleep(self.wait_s)  # the source publishes meanwhile
+        for name, _ in shm.list_segments(self.prefix):
+            shm.unlink(name)
 
 
 class Sink(Stage):

@@ -11,7 +11,7 @@ import pytest
 
 from stream_rlhf.broker import shm
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
-from stream_rlhf.launch.local import LocalJob, StageSpec
+from stream_rlhf.launch.local import LocalJob, StageFailed, StageSpec
 from tests.stages import read_records
 
 pytestmark = pytest.mark.slow
@@ -212,3 +212,26 @@ def test_broker_killed_and_restarted_recovers_from_journal(tmp_path, shm_prefix,
         job.stop()
     indices = sorted(r["metadata"]["index"] for r in read_records(out))
     assert indices == list(range(n)), "every item exactly once across the broker restart"
+
+
+def test_a_dropped_handle_fails_a_job_that_needs_every_handle(tmp_path, shm_prefix):
+    """Handles the broker gives up on (here: their payloads were unlinked before the consumer read
+    them) would leave a job that waits for them hanging until its timeout; the watch fails it."""
+    out = tmp_path / "out.jsonl"
+    job = make_job(
+        topics={"items": {"producers": ["src"], "consumers": ["work"]},
+                "done": {"producers": ["work"], "consumers": ["sink"]}},
+        stages={"src": ("CountingSource", {"kwargs": {"n": 4}}),
+                "work": ("PayloadLosingWorker", {"kwargs": {"out_topic": "done", "prefix": shm_prefix, "wait_s": 2.0}}),
+                "sink": ("Sink", {"kwargs": {"path": str(out), "expected": 4}})},
+        prefix=shm_prefix,
+    )
+    started = time.monotonic()
+    job.start()
+    try:
+        with pytest.raises(StageFailed, match=r"the broker dropped [1-4] handle\(s\) \(rejected [1-4]; "):
+            job.wait(60, watch=job.fail_on_dropped_handles, watch_every_s=0.5)
+    finally:
+        job.stop()
+    assert time.monotonic() - started < 30
+    assert not read_records(out)

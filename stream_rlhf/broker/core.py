@@ -237,7 +237,9 @@ class BrokerCore:
         if self.policy_version > 0:
             self._send(peer, Control("weights_ready", hello.stage, self.policy_version))
         self._dirty_topics.update(outputs)
-        log.info("instance %s of stage %s joined (pid %d)", hello.instance_id, hello.stage, hello.pid)
+        # control clients (stats, shutdown, the launcher's watch every few seconds) come and go quietly
+        level = logging.DEBUG if hello.stage == CONTROL_STAGE else logging.INFO
+        log.log(level, "instance %s of stage %s joined (pid %d)", hello.instance_id, hello.stage, hello.pid)
 
     def _remove_instance(self, inst: Instance, reason: str) -> None:
         self.instances.pop(inst.peer, None)
@@ -254,7 +256,8 @@ class BrokerCore:
                 inst.instance_id, inst.stage, reason, len(inst.inflight),
             )
         else:
-            log.info("instance %s (%s) left: %s", inst.instance_id, inst.stage, reason)
+            log.log(logging.DEBUG if inst.stage == CONTROL_STAGE else logging.INFO,
+                    "instance %s (%s) left: %s", inst.instance_id, inst.stage, reason)
         self._dirty_topics.update(inst.granted)
         if reason != "stopped" and inst.host == self.host and inst.pid and not shm.pid_alive(inst.pid):
             self._reclaim_unpublished(inst.pid)

@@ -21,6 +21,7 @@ import queue
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,10 +204,20 @@ class LocalJob:
         self.processes[instance_id] = process
         return process
 
-    def wait(self, timeout_s: float) -> None:
-        """Until every stage process has exited; a failed one stops the job and raises."""
+    def wait(self, timeout_s: float, watch: Callable[[], None] | None = None, watch_every_s: float = 2.0) -> None:
+        """Until every stage process has exited; a failed one stops the job and raises. `watch` is
+        called every `watch_every_s` and fails the job by raising StageFailed (e.g.
+        `fail_on_dropped_handles`)."""
         deadline = time.monotonic() + timeout_s
+        next_watch = time.monotonic() + watch_every_s
         while any(p.is_alive() for p in self.processes.values()):
+            if watch is not None and time.monotonic() >= next_watch:
+                next_watch = time.monotonic() + watch_every_s
+                try:
+                    watch()
+                except StageFailed:
+                    self.stop()
+                    raise
             failed = [name for name, p in self.processes.items() if p.exitcode not in (None, 0)]
             failed = [name for name in failed if not self._restart(name)]
             if failed:
@@ -235,6 +246,22 @@ class LocalJob:
 
     def client(self) -> ControlClient:
         return ControlClient(self.address, self.key_dir)
+
+    def fail_on_dropped_handles(self) -> None:
+        """A `wait` watch for jobs that need every handle (an RL iteration waits for all of its
+        mini-batches): StageFailed as soon as the broker has dropped one, instead of a job that
+        waits for it until its timeout. A broker that does not answer is left to `wait`."""
+        try:
+            with ControlClient(self.address, self.key_dir, timeout_s=2.0) as client:
+                stats = client.stats()
+        except Exception:  # noqa: BLE001 - a dead broker is reported by the process checks
+            return
+        dropped = int(stats.get("dropped", 0))
+        if dropped:
+            reasons = ", ".join(f"{k.removeprefix('dropped.')} {int(v)}" for k, v in sorted(stats.items())
+                                if k.startswith("dropped."))
+            raise StageFailed(f"the broker dropped {dropped} handle(s) ({reasons}; the reasons are in its log above): "
+                              "the job cannot complete without them")
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Drain every stage, then stop the broker; kill only what ignores that."""
