@@ -11,16 +11,14 @@ weight-sync extension from it.
 While a Generate runs, Update requests are applied between engine steps (in-flight updates) and
 answered at once; any other request then is a protocol error. A failing request is answered with
 Failed(traceback) and the process keeps serving; the process exits after Close, or when its parent
-dies (Linux parent-death signal).
+dies (Linux parent-death signal); it ignores Ctrl-C, which its rollout stage answers by closing it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
-import signal
 import sys
 import traceback
 
@@ -31,10 +29,10 @@ import zmq
 from stream_rlhf.backends import vllm_protocol as wire
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_rollout import VllmGeneration, VllmOptions, VllmRollout
+from stream_rlhf.launch.local import child_signals
 from stream_rlhf.models.vision_language import SampleImages
 
 log = logging.getLogger("vllm_server")
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ProtocolError(RuntimeError):
@@ -117,8 +115,7 @@ def _generated(gen: VllmGeneration) -> wire.Generated:
 
 def main() -> None:
     address, checkpoint, options_json = sys.argv[1:4]
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    child_signals()  # as the stage that started it: Ctrl-C is its parent's to handle, and it dies with it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s vllm_server %(levelname)s %(message)s")
     context = zmq.Context()
     socket = context.socket(zmq.PAIR)

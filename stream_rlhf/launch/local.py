@@ -82,10 +82,11 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
 
 
-def _child_signals() -> None:
-    """Ctrl-C reaches the whole process group; the launcher alone handles it and stops the
-    children through the broker (and SIGTERM), so a child never dies half-started. If the
-    launcher itself dies (even by SIGKILL), Linux sends the child SIGTERM: no orphans."""
+def child_signals() -> None:
+    """For a child process (the broker, a stage, a rollout's vLLM engine): Ctrl-C reaches the
+    whole process group; the parent alone handles it and stops its children (the launcher
+    through the broker and SIGTERM), so a child never dies half-started. If the parent itself
+    dies (even by SIGKILL), Linux sends the child SIGTERM: no orphans."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -95,7 +96,7 @@ def _child_signals() -> None:
 def _broker_main(
     topology: Topology, config: BrokerConfig, address_queue: mp.Queue, admission: Any, cores: list[int] | None = None
 ) -> None:
-    _child_signals()
+    child_signals()
     setup_logging()
     if cores is not None:
         os.sched_setaffinity(0, cores)
@@ -107,7 +108,7 @@ def _broker_main(
 
 
 def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str) -> None:
-    _child_signals()
+    child_signals()
     setup_logging()
     run_stage(stage_name, instance_id, spec, address, key_dir, prefix)
     # the instance has stopped cleanly; skip interpreter teardown, which takes seconds per

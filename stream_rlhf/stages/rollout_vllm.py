@@ -67,7 +67,7 @@ class VllmBackend:
 
     def generate(self, batch: Batch, prompts: list[Tensor],
                  params: SamplingParams) -> tuple[VllmGeneration, int, dict[str, int]]:
-        """(responses, the oldest policy version that sampled them, metadata for the handle)."""
+        """(responses, the oldest policy version that sampled them, metadata for the handle: none)."""
         update = self.weights.engine_update(self.engine.version)
         if self.sleeping:
             self.engine.wake_up(update)
@@ -81,9 +81,8 @@ class VllmBackend:
         if self.job.config.rollout.vllm.sleep and batch.minibatch == self.job.config.rollout_batch.minibatches - 1:
             self.engine.sleep()
             self.sleeping = True
-        versions = torch.cat(gen.token_versions) if gen.token_versions else torch.zeros(0, dtype=torch.int32)
-        oldest = int(versions.min()) if len(versions) else self.engine.version
-        return gen, oldest, {"newest_version": int(versions.max()) if len(versions) else oldest}
+        oldest = min((int(v.min()) for v in gen.token_versions if len(v)), default=self.engine.version)
+        return gen, oldest, {}
 
     def _in_flight_update(self) -> Update | None:
         return self.weights.engine_update(self.engine.version)

@@ -85,8 +85,9 @@ class RolloutWeights:
         """Join the trainer's group with the torch backend's model (no-op for shm)."""
         device = next(model.parameters()).device
         if self.cfg.transport == "broadcast":
-            self._receiver = BroadcastReceiver.join(sync_folder(self.job), self.instance_id, 1, 2, group_backend(),
-                                                    self.cfg.timeout_s, device=device)
+            self._receiver = BroadcastReceiver.join(sync_folder(self.job), self.instance_id, 1,
+                                                    1 + rollout_ranks(self.job), group_backend(), self.cfg.timeout_s,
+                                                    device=device)
         elif self.cfg.transport == "cuda_ipc":
             self._receiver = CudaIpcReceiver.join(sync_folder(self.job), self.instance_id, self.cfg.timeout_s, device)
 

@@ -3,7 +3,7 @@
     shm_store.py   WeightStore: a safetensors file per version in /dev/shm (publish / load_into / read_version)
     buckets.py     named tensors <-> a few uint8 buckets (BucketLayout, pack, unpack): what moves
     group.py       a process group of its own beside the default one (open_group, rendezvous, addresses)
-    sender.py      the trainer side both pushers share (SnapshotSlot, ServingThreads)
+    sender.py      the trainer side both senders share (SnapshotSender over SnapshotSlot, ServingThreads)
     broadcast.py   BroadcastSender / BroadcastReceiver: gloo or NCCL broadcast, asked for by each receiver
     cuda_ipc.py    CudaIpcSender / CudaIpcReceiver: CUDA IPC handles for a rollout on the trainer's GPU
 """

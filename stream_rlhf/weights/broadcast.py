@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
@@ -50,17 +49,18 @@ from stream_rlhf.weights.group import (
     BACKENDS,
     Backend,
     SyncGroup,
+    address_file,
     open_group,
     publish_address,
     wait_for_address,
     wait_for_keys,
 )
-from stream_rlhf.weights.sender import ServingThreads, SnapshotSlot
+from stream_rlhf.weights.sender import SnapshotSender
 
 SENDER_NAME = "trainer (weight sender)"
 
 
-class BroadcastSender:
+class BroadcastSender(SnapshotSender):
     """The trainer's end: one serving thread per group (see the module docstring)."""
 
     def __init__(self, folder: Path, groups: dict[str, int], backend: Backend, bucket_bytes: int,
@@ -78,31 +78,11 @@ class BroadcastSender:
             if rank_names is not None and len(rank_names.get(name, ())) != world_size:
                 raise ValueError(f"BroadcastSender: rank_names[{name!r}]={rank_names.get(name)}: "
                                  f"need {world_size} names, rank 0 (the sender) first")
-        self.folder = Path(folder)
         self.groups = dict(groups)
         self.backend = backend
-        self.timeout_s = timeout_s
-        self.host = host
         self.rank_names = {name: list(rank_names[name]) if rank_names else default_rank_names(name, world_size)
                            for name, world_size in groups.items()}
-        for name in groups:
-            (self.folder / f"{name}.json").unlink(missing_ok=True)
-        self._slot = SnapshotSlot(bucket_bytes)
-        self._threads = ServingThreads("weight-sync", self._serve, groups)
-
-    def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Snapshot `named` as `version` (greater than the last) for the groups' next requests."""
-        self._threads.check()
-        self._slot.publish(named, version)
-
-    def check(self) -> None:
-        """Raise the error of a group whose serving thread failed, if any."""
-        self._threads.check()
-
-    def close(self) -> None:
-        """Stop serving; raises a failure not raised before. Returns at once unless a group's thread
-        is inside a collective (then within timeout_s)."""
-        self._threads.close(self.timeout_s + 5.0)
+        super().__init__(folder, groups, bucket_bytes, timeout_s, host)
 
     def _serve(self, name: str, stop: threading.Event) -> None:
         group: SyncGroup | None = None
@@ -115,7 +95,7 @@ class BroadcastSender:
         finally:
             if group is not None:
                 group.close()
-            (self.folder / f"{name}.json").unlink(missing_ok=True)
+            address_file(self.folder, name).unlink(missing_ok=True)
 
     def _answer(self, group: SyncGroup, request: int, stop: threading.Event) -> None:
         """Wait for request `request` of the group's rank 1 and broadcast the snapshot it asks for."""

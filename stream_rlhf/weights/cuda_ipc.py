@@ -39,8 +39,8 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from stream_rlhf.weights.buckets import BucketLayout, empty_buckets, unpack
-from stream_rlhf.weights.group import publish_address, rendezvous, wait_for_address, wait_for_keys
-from stream_rlhf.weights.sender import ServingThreads, SnapshotSlot
+from stream_rlhf.weights.group import address_file, publish_address, rendezvous, wait_for_address, wait_for_keys
+from stream_rlhf.weights.sender import SnapshotSender
 
 SENDER_NAME = "trainer (CUDA IPC sender)"
 FIXED = {"tensor_cls": torch.Tensor, "storage_cls": torch.storage.TypedStorage, "dtype": torch.uint8}
@@ -102,37 +102,25 @@ def rebuild_bucket(record: dict, device: torch.device) -> torch.Tensor:
     return rebuild_cuda_tensor(**rebuild_args(record, index))
 
 
-class CudaIpcSender:
+class CudaIpcSender(SnapshotSender):
     """The trainer's end: one serving thread per receiver name (see the module docstring)."""
+
+    what = "cuda-ipc"
 
     def __init__(self, folder: Path, receivers: Sequence[str], bucket_bytes: int, timeout_s: float,
                  host: str = "127.0.0.1"):
         require_cuda("CudaIpcSender")
         if not receivers:
             raise ValueError("CudaIpcSender: no receivers")
-        self.folder = Path(folder)
-        self.timeout_s = timeout_s
-        self.host = host
-        for name in receivers:
-            (self.folder / f"{name}.json").unlink(missing_ok=True)
-        self._slot = SnapshotSlot(bucket_bytes)
-        self._threads = ServingThreads("cuda-ipc", self._serve, receivers)
+        super().__init__(folder, receivers, bucket_bytes, timeout_s, host)
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Snapshot `named` (CUDA tensors) as `version` (greater than the last) on their GPU."""
-        self._threads.check()
         named = list(named)
         for name, tensor in named:
             if not tensor.is_cuda:
                 raise ValueError(f"CudaIpcSender.publish: tensor {name!r} is on {tensor.device}, not a CUDA device")
-        self._slot.publish(named, version)
-
-    def check(self) -> None:
-        self._threads.check()
-
-    def close(self) -> None:
-        """Stop serving; raises a failure not raised before."""
-        self._threads.close(self.timeout_s + 5.0)
+        super().publish(named, version)
 
     def _serve(self, name: str, stop: threading.Event) -> None:
         try:
@@ -141,7 +129,7 @@ class CudaIpcSender:
             for request in itertools.count(1):
                 self._answer(store, name, request, stop)
         finally:
-            (self.folder / f"{name}.json").unlink(missing_ok=True)
+            address_file(self.folder, name).unlink(missing_ok=True)
 
     def _answer(self, store: dist.Store, name: str, request: int, stop: threading.Event) -> None:
         wait_for_keys(store, [f"request/{request}"], f"cuda-ipc receiver {name!r}", stop=stop)

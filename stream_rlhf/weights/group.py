@@ -219,11 +219,15 @@ def _wait_reachable(host: str, port: int, deadline: float, message: str) -> None
             time.sleep(0.05)
 
 
+def address_file(folder: Path, name: str) -> Path:
+    """Where group `name`'s rank 0 publishes its store address (`publish_address`)."""
+    return Path(folder) / f"{name}.json"
+
+
 def publish_address(folder: Path, name: str, address: str) -> Path:
     """Write `<folder>/<name>.json` atomically with the group's store address; returns its path."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.json"
+    path = address_file(folder, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"name": name, "address": address, "pid": os.getpid()}))
     os.replace(tmp, path)
@@ -233,7 +237,7 @@ def publish_address(folder: Path, name: str, address: str) -> Path:
 def wait_for_address(folder: Path, name: str, timeout_s: float) -> str:
     """The address `publish_address` wrote for group `name`; raises WeightSyncTimeout naming the
     group and the file once `timeout_s` passed without it."""
-    path = Path(folder) / f"{name}.json"
+    path = address_file(folder, name)
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -1,5 +1,6 @@
 """The trainer side shared by the weight senders (`broadcast.py`, `cuda_ipc.py`): the newest
-snapshot, and one serving thread per receiver group whose failure surfaces in the caller's thread.
+snapshot, and one serving thread per receiver group whose failure surfaces in the caller's thread;
+`SnapshotSender` puts the two together behind publish / check / close.
 
     slot = SnapshotSlot(bucket_bytes=64 << 20)
     slot.publish(model.named_parameters(), version=3)      # trainer thread: packs, returns
@@ -23,11 +24,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from stream_rlhf.weights.buckets import BucketLayout, pack
-from stream_rlhf.weights.group import WeightSyncClosed, WeightSyncTimeout
+from stream_rlhf.weights.group import WeightSyncClosed, WeightSyncTimeout, address_file
 
 WAKE_S = 0.1
 """How often waiting serving threads look at their stop event."""
@@ -145,3 +147,40 @@ class ServingThreads:
             thread.join(timeout_s)
         if not self._reported:
             self.check()
+
+
+class SnapshotSender:
+    """A transport's trainer end: `publish` snapshots, and one thread per receiver group runs the
+    transport's `_serve(name, stop)` (set every attribute `_serve` reads before calling this
+    `__init__`: the threads start in it). Stale address files of the groups are removed first."""
+
+    what = "weight-sync"
+    """Names the serving threads and their failures."""
+
+    def __init__(self, folder: Path, names: Iterable[str], bucket_bytes: int, timeout_s: float, host: str):
+        self.folder = Path(folder)
+        self.timeout_s = timeout_s
+        self.host = host
+        names = list(names)
+        for name in names:
+            address_file(self.folder, name).unlink(missing_ok=True)
+        self._slot = SnapshotSlot(bucket_bytes)
+        self._threads = ServingThreads(self.what, self._serve, names)
+
+    def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Snapshot `named` as `version` (greater than the last) for the groups' next requests;
+        raises a group's failure first, if any."""
+        self._threads.check()
+        self._slot.publish(named, version)
+
+    def check(self) -> None:
+        """Raise the error of a group whose serving thread failed, if any."""
+        self._threads.check()
+
+    def close(self) -> None:
+        """Stop serving; raises a failure not raised before. Returns at once unless a group's thread
+        is inside a collective or waits for an acknowledgement (then within timeout_s)."""
+        self._threads.close(self.timeout_s + 5.0)
+
+    def _serve(self, name: str, stop: threading.Event) -> None:
+        raise NotImplementedError
