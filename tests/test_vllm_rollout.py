@@ -137,7 +137,7 @@ def test_in_flight_update_labels_each_token_with_its_version(engine, checkpoint,
     engine.update(3, "srl_load_file", str(store.path(3)))
     sent = []
 
-    def in_flight() -> wire.Update | None:  # asked every 50 ms while the engine generates
+    def in_flight() -> wire.Update | None:  # asked as the request goes out, so the switch comes after step 1
         if sent:
             return None
         sent.append(True)
