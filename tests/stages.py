@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from stream_rlhf.broker import shm
 from stream_rlhf.broker.stage import Batch, Output, Stage
+
+T = TypeVar("T")
 
 
 class CountingSource(Stage):
@@ -29,11 +33,31 @@ class CountingSource(Stage):
                        minibatch=i % self.minibatches, metadata={"index": i})]
 
 
-class Worker(Stage):
-    """y = 2x on `out_topic`, after `delay_s`."""
+class GatedSource(CountingSource):
+    """A CountingSource that publishes only once `readers` instances have written their ready
+    file into `ready_dir` (see Worker), so that every reader is in from the first item."""
 
-    def __init__(self, out_topic: str, delay_s: float = 0.0, field: str = "y"):
-        self.out_topic, self.delay_s, self.field = out_topic, delay_s, field
+    def __init__(self, n: int, ready_dir: str, readers: int, timeout_s: float = 60.0):
+        super().__init__(n)
+        self.ready_dir, self.readers, self.timeout_s = Path(ready_dir), readers, timeout_s
+
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        wait_until(lambda: len(os.listdir(self.ready_dir)) >= self.readers, self.timeout_s,
+                   f"{self.readers} ready files in {self.ready_dir}")
+
+
+class Worker(Stage):
+    """y = 2x on `out_topic`, after `delay_s`. Given `ready_dir`, writes a file named after the
+    instance there once set up: by then its credit is at the broker (sent at handshake)."""
+
+    def __init__(self, out_topic: str, delay_s: float = 0.0, field: str = "y", ready_dir: str | None = None):
+        self.out_topic, self.delay_s, self.field, self.ready_dir = out_topic, delay_s, field, ready_dir
+
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        if self.ready_dir:
+            (Path(self.ready_dir) / ctx.instance_id).touch()
 
     def step(self, batch: Batch | None) -> list[Output]:
         time.sleep(self.delay_s)
@@ -42,17 +66,19 @@ class Worker(Stage):
 
 
 class PayloadLosingWorker(Worker):
-    """A Worker that, before it takes anything, unlinks every shared-memory segment of `prefix`
-    (as a /dev/shm cleaner would): the payloads already published are gone when it reads them."""
+    """A Worker that, before it takes anything, waits for the source's first segment of `prefix`
+    and unlinks it (as a /dev/shm cleaner would): small payloads share that segment, so every
+    one published into it is gone when this worker reads it."""
 
-    def __init__(self, out_topic: str, prefix: str, wait_s: float):
+    def __init__(self, out_topic: str, prefix: str, timeout_s: float = 30.0):
         super().__init__(out_topic)
-        self.prefix, self.wait_s = prefix, wait_s
+        self.prefix, self.timeout_s = prefix, timeout_s
 
     def setup(self, ctx) -> None:
         super().setup(ctx)
-        time.sleep(self.wait_s)  # the source publishes meanwhile
-        for name, _ in shm.list_segments(self.prefix):
+        segments = wait_until(lambda: shm.list_segments(self.prefix), self.timeout_s,
+                              f"a shared-memory segment of prefix {self.prefix!r}")
+        for name, _ in segments:
             shm.unlink(name)
 
 
@@ -79,6 +105,20 @@ class Sink(Stage):
         return []
 
 
+def wait_until(predicate: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Polls `predicate` until it returns something truthy, and returns that."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s}s for {what}")
+        time.sleep(0.02)
+    return result
+
+
 def read_records(path: str | Path) -> list[dict]:
+    """The complete lines of `path`: a Sink may be halfway through appending the last one."""
     path = Path(path)
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if not path.exists():
+        return []
+    complete, _, _ = path.read_text().rpartition("\n")
+    return [json.loads(line) for line in complete.splitlines()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,17 +26,24 @@ def make_job(topics: dict, stages: dict, prefix: str, **broker) -> LocalJob:
     return LocalJob(topology, config, specs)
 
 
-def work_pipeline(n: int, out, prefix: str, workers: int, delay_s: float, prefetch: int = 2, **broker) -> LocalJob:
-    """src -> items -> work (competing instances, y = 2x) -> done -> sink."""
+def work_pipeline(n: int, out, prefix: str, workers: int, delay_s: float, prefetch: int = 2,
+                  ready_dir: Path | None = None, **broker) -> LocalJob:
+    """src -> items -> work (competing instances, y = 2x) -> done -> sink. Given `ready_dir` (an
+    empty folder), src publishes only once every work instance is set up."""
+    if ready_dir is None:
+        src = ("CountingSource", {"kwargs": {"n": n}})
+    else:
+        src = ("GatedSource", {"kwargs": {"n": n, "ready_dir": str(ready_dir), "readers": workers}})
     return make_job(
         topics={
             "items": {"producers": ["src"], "consumers": ["work"]},
             "done": {"producers": ["work"], "consumers": ["sink"]},
         },
         stages={
-            "src": ("CountingSource", {"kwargs": {"n": n}}),
+            "src": src,
             "work": ("Worker", {"instances": workers, "prefetch": prefetch,
-                                "kwargs": {"out_topic": "done", "delay_s": delay_s}}),
+                                "kwargs": {"out_topic": "done", "delay_s": delay_s,
+                                           "ready_dir": str(ready_dir) if ready_dir else None}}),
             "sink": ("Sink", {"kwargs": {"path": str(out), "expected": n}}),
         },
         prefix=prefix,
@@ -90,8 +98,9 @@ def test_fan_out_competing_consumers_and_join(tmp_path, shm_prefix):
 
 def test_competing_consumers_share_the_work(tmp_path, shm_prefix):
     n = 20
-    out = tmp_path / "sink.jsonl"
-    job = work_pipeline(n, out, shm_prefix, workers=2, delay_s=0.1, prefetch=1)
+    out, ready = tmp_path / "sink.jsonl", tmp_path / "ready"
+    ready.mkdir()  # a worker that joined late would get few items
+    job = work_pipeline(n, out, shm_prefix, workers=2, delay_s=0.1, prefetch=1, ready_dir=ready)
     run_to_end(job)
     records = read_records(out)
     assert sorted(r["metadata"]["index"] for r in records) == list(range(n))
@@ -130,9 +139,14 @@ def test_kill_9_consumer_mid_handle_redelivers_and_output_has_every_item_once(tm
     n = 30
     out = tmp_path / "sink.jsonl"
     job = work_pipeline(n, out, shm_prefix, workers=2, delay_s=0.15)
+
+    def work_0_is_busy() -> bool:  # a work-0 that joined late would hold nothing to redeliver
+        records = read_records(out)
+        return len(records) >= 4 and any(r["metadata"]["worker"] == "work-0" for r in records)
+
     job.start()
     try:
-        wait_for(lambda: len(read_records(out)) >= 4, 60, "first outputs")
+        wait_for(work_0_is_busy, 60, "first outputs, one of them from work-0")
         victim = job.processes["work-0"]
         os.kill(victim.pid, signal.SIGKILL)  # in the middle of a 150 ms step, with prefetched handles
         with job.client() as client:
@@ -186,7 +200,8 @@ def test_killed_producer_segments_are_reclaimed(tmp_path, shm_prefix):
         # (missed heartbeats) it unlinks every segment of it that no live handle still needs
         with job.client() as client:
             wait_for(lambda: client.stats().get("inflight_handles", 1) == 0, 30, "queue to drain")
-            wait_for(lambda: shm.list_segments(shm_prefix) == [], 10, "segments to be reclaimed")
+        wait_for(lambda: shm.list_segments(shm_prefix) == [], 10, "segments to be reclaimed")
+        with job.client() as client:  # a new one: the broker drops a client silent past heartbeat_timeout_s
             assert client.stats()["segments_reclaimed"] > 0
     finally:
         job.stop()
@@ -222,7 +237,7 @@ def test_a_dropped_handle_fails_a_job_that_needs_every_handle(tmp_path, shm_pref
         topics={"items": {"producers": ["src"], "consumers": ["work"]},
                 "done": {"producers": ["work"], "consumers": ["sink"]}},
         stages={"src": ("CountingSource", {"kwargs": {"n": 4}}),
-                "work": ("PayloadLosingWorker", {"kwargs": {"out_topic": "done", "prefix": shm_prefix, "wait_s": 2.0}}),
+                "work": ("PayloadLosingWorker", {"kwargs": {"out_topic": "done", "prefix": shm_prefix}}),
                 "sink": ("Sink", {"kwargs": {"path": str(out), "expected": 4}})},
         prefix=shm_prefix,
     )

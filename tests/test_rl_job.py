@@ -90,16 +90,19 @@ def test_ctrl_c_drains_and_stops_everything(tmp_path):
 
 
 def test_a_restartable_stage_is_restarted_and_the_run_completes(tmp_path):
-    process, log = start_run(tmp_path, "restart", "iterations=6", "restarts={rollout: 1}")
+    iterations = 20  # enough that the kill lands mid-run on a fast machine too
+    process, log = start_run(tmp_path, "restart", f"iterations={iterations}", "restarts={rollout: 1}")
+    metrics = tmp_path / "restart" / "metrics.jsonl"
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not read_metrics(tmp_path / "restart" / "metrics.jsonl"):
-        time.sleep(0.5)
+    while time.monotonic() < deadline and not read_metrics(metrics):
+        time.sleep(0.05)
     pid = int(re.search(r"instance rollout-0 of stage rollout joined \(pid (\d+)\)", log.read_text())[1])
+    assert process.poll() is None and len(read_metrics(metrics)) < iterations - 2, "the run ended before the kill"
     os.kill(pid, signal.SIGKILL)
     assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
     assert "rollout-0 exited with -9: restarting it" in log.read_text()
     summary = json.loads((tmp_path / "restart" / "summary.json").read_text())
-    assert summary["iterations"] == 6 and summary["samples_trained"] == 6 * 2 * 8
+    assert summary["iterations"] == iterations and summary["samples_trained"] == iterations * 2 * 8
     assert summary["samples_generated"] >= summary["samples_trained"]
     assert not leftover_shm("t_restart")
 

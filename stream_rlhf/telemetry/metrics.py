@@ -38,7 +38,9 @@ def _tensorboard(folder: Path):
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The complete records of `path`; a last line without its newline is still being written."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    complete, _, _ = path.read_text().rpartition("\n")
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
