@@ -15,7 +15,8 @@ with companion-trained heads, side by side.
 Figures, for the config's mini-batch size (64 prompts) and for mini-batches of 4: tokens/s
 (response tokens / wall time of the generation calls, after one untimed warm-up mini-batch),
 accept len (mean response tokens per verification step per row: 1 = every draft
-rejected, heads + 1 = all accepted), and the ratios against plain decoding. Speculative decoding
+rejected, heads + 1 = all accepted), backbone forwards per mini-batch (the prefill included: rows
+decode in lock-step, so the slowest row sets it), and the ratios against plain decoding. Speculative decoding
 is lossless (tests/test_speculative.py), so the three columns sample the same distribution.
 
     .venv/bin/python bench/medusa.py            # the training run (~3 min) and the table
@@ -75,7 +76,8 @@ def train(quick: bool) -> RLJobConfig:
 
 
 def measure(cfg: RLJobConfig, minibatches: int, size: int) -> dict[str, dict[str, float]]:
-    """tokens/s and accept len of each column over `minibatches` mini-batches of `size` prompts."""
+    """tokens/s, accept len and forwards per mini-batch of each column over `minibatches`
+    mini-batches of `size` prompts."""
     checkpoint = Path(cfg.run_dir) / "checkpoint"
     model = load_policy(checkpoint).eval()
     tokenizer = load_tokenizer(checkpoint)
@@ -89,7 +91,7 @@ def measure(cfg: RLJobConfig, minibatches: int, size: int) -> dict[str, dict[str
     torch.set_num_threads(1)  # rollout's placement: one core
     results = {}
     for column in ("plain", "stale", "companion"):
-        tokens = row_steps = accepted = 0
+        tokens = row_steps = accepted = forwards = 0
         elapsed = 0.0
         for index, batch in enumerate(batches):
             generator = seeded_generator(cfg.seed, "bench_medusa", index)
@@ -103,10 +105,14 @@ def measure(cfg: RLJobConfig, minibatches: int, size: int) -> dict[str, dict[str
                 continue  # warm-up
             elapsed += time.perf_counter() - started
             tokens += sum(len(r) for r in gen.response_ids)
-            if column != "plain":
+            if column == "plain":  # the prefill samples the first token, each step one more
+                forwards += max(len(r) for r in gen.response_ids)
+            else:
                 row_steps += stats.row_steps
                 accepted += stats.drafts_accepted
-        results[column] = {"tokens_per_s": tokens / elapsed, "accept_len": 1 + accepted / row_steps if row_steps else 1.0}
+                forwards += 1 + stats.verify_steps
+        results[column] = {"tokens_per_s": tokens / elapsed, "accept_len": 1 + accepted / row_steps if row_steps else 1.0,
+                           "forwards": forwards / minibatches}
     return results
 
 
@@ -135,11 +141,12 @@ def main() -> None:
     for label, table in ((f"mini-batches of {size} prompts (the config's)", results),
                          (f"mini-batches of {SMALL_BATCH} prompts", small)):
         print(label)
-        print(f"{'':14}{'tokens/s':>10}{'vs plain':>10}{'accept len':>12}")
+        print(f"{'':14}{'tokens/s':>10}{'vs plain':>10}{'accept len':>12}{'forwards/mb':>13}")
         for column in ("plain", "stale", "companion"):
             r = table[column]
             base = table["plain"]["tokens_per_s"]
-            print(f"{column:14}{r['tokens_per_s']:>10.1f}{r['tokens_per_s'] / base:>10.2f}{r['accept_len']:>12.2f}")
+            print(f"{column:14}{r['tokens_per_s']:>10.1f}{r['tokens_per_s'] / base:>10.2f}{r['accept_len']:>12.2f}"
+                  f"{r['forwards']:>13.2f}")
     print("targets: " + ", ".join(f"{k} >= {v} ({'pass' if figures[k] >= v else 'miss'})" for k, v in TARGETS.items()))
     if args.json:
         print(json.dumps(figures))

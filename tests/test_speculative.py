@@ -126,6 +126,21 @@ def test_greedy_stop_tokens_cut_mid_draft(lm, prompts, all_heads, position):
         assert stats.tokens == sum(len(r) for r in plain.response_ids)
 
 
+def test_finished_rows_leave_the_batch(lm, prompts, all_heads):
+    free = generate(lm, prompts, SamplingParams(temperature=0, max_new_tokens=TRAIN_TOKENS))
+    params = SamplingParams(temperature=0, max_new_tokens=TRAIN_TOKENS, stop_token_ids=(int(free.response_ids[0][2]),))
+    rows_fed: list[int] = []  # per backbone forward: the prefill, then one per verification step
+    hook = lm.get_input_embeddings().register_forward_hook(lambda module, args, out: rows_fed.append(out.shape[0]))
+    try:
+        gen, stats = generate_speculative(lm, all_heads["random"], prompts, params)
+    finally:
+        hook.remove()
+    assert "stop" in gen.finish_reasons
+    assert rows_fed[0] == len(prompts) and rows_fed[-1] < len(prompts)
+    assert rows_fed[1:] == sorted(rows_fed[1:], reverse=True)
+    assert stats.row_steps == sum(rows_fed[1:])  # only rows still decoding are fed
+
+
 @pytest.mark.parametrize("kind", ["random", "trained"])
 def test_behaviour_logp_equals_recomputed(lm, prompts, all_heads, kind):
     params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12)

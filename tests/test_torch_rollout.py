@@ -65,6 +65,22 @@ def test_stop_tokens_end_responses(lm, prompts):
     assert all(len(ids) == len(lp) for ids, lp in zip(gen.response_ids, gen.response_logp))
 
 
+def test_rows_that_stop_leave_the_batch(lm, prompts):
+    free = generate(lm, prompts, SamplingParams(temperature=0, max_new_tokens=8))
+    stop = int(free.response_ids[0][1])
+    rows_fed: list[int] = []  # per forward: the prefill, then one per decode step
+    hook = lm.get_input_embeddings().register_forward_hook(lambda module, args, out: rows_fed.append(out.shape[0]))
+    try:
+        gen = generate(lm, prompts, SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop,)))
+    finally:
+        hook.remove()
+    assert "stop" in gen.finish_reasons and "length" in gen.finish_reasons
+    lengths = [len(r) for r in gen.response_ids]
+    # forward i feeds the rows whose response is longer than i tokens: those still decoding
+    assert rows_fed == [sum(n > i for n in lengths) for i in range(max(lengths))]
+    assert rows_fed[-1] < len(prompts)
+
+
 def test_max_new_tokens_respected(lm, prompts):
     gen = generate(lm, prompts, SamplingParams(max_new_tokens=3), generator=torch.Generator().manual_seed(0))
     assert [len(r) for r in gen.response_ids] == [3] * len(prompts)

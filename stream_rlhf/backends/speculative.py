@@ -38,6 +38,8 @@ holes. Position ids are tracked per row (the next position = how many tokens the
 positions stay contiguous and each row sees exactly what plain decoding would. Slots rejected by every
 row at the tail are cropped (`DynamicCache.crop`), so the cache grows by max over rows of (n + 1) per
 step. Only the K+1 new queries are computed per step; the holes cost attention width, nothing else.
+A row that has finished leaves the batch (its cache rows too, `batch_select_indices`), so the steps
+that only a few slow rows still need cost in proportion to those rows.
 
 Behaviour log-probs: of each emitted token under the backbone's FULL tempered distribution
 softmax(logits / temperature) at its position (not top-p-truncated, not the heads'), through
@@ -166,69 +168,80 @@ def generate_speculative(
     logits = lm_head(hidden)  # (B, V)
     pending = sample_tokens(logits, params, generator)  # (B,) emitted, not yet in the cache
 
-    # responses: column max_new is a dump for the writes that are cut
+    # responses, by prompt: column max_new is a dump for the writes that are cut
     out_ids = torch.full((batch, max_new + 1), params.pad_token_id, dtype=torch.long, device=device)
     out_logp = torch.zeros((batch, max_new + 1), device=device)
     out_ids[:, 0] = pending
     out_logp[:, 0] = logprobs_from_logits(logits, pending, temperature)[0]
-    n_tokens = torch.ones(batch, dtype=torch.long, device=device)  # (B,) response length so far
-    stopped = torch.isin(pending, stop_ids)  # (B,)
-    finished = stopped | (n_tokens >= max_new)  # (B,)
-    next_position = position_ids[:, -1] + 1  # (B,) position of the pending token
+    lengths = torch.ones(batch, dtype=torch.long, device=device)  # (B,) by prompt, final once a row leaves
+    stopped_by_prompt = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
+    # the working batch: the rows that have not finished (R <= B), rows[r] their prompt
+    rows = torch.arange(batch, device=device)  # (R,)
+    n_tokens = lengths.clone()  # (R,) response length so far
+    stopped = torch.isin(pending, stop_ids)  # (R,)
+    finished = stopped | (n_tokens >= max_new)  # (R,)
+    next_position = position_ids[:, -1] + 1  # (R,) position of the pending token
     accepted = torch.zeros((), dtype=torch.long, device=device)  # drafts accepted so far
     appended, kept_slots = 0, torch.zeros(batch, dtype=torch.long, device=device)  # by the last step
 
     while True:
         active = ~finished
-        left = (max_new - n_tokens).masked_fill(finished, 0)  # (B,) tokens each row may still emit
+        left = (max_new - n_tokens).masked_fill(finished, 0)  # (R,) tokens each row may still emit
         n_active, most_left, most_kept = torch.stack([active.sum(), left.max(), kept_slots.max()]).tolist()
         if appended > most_kept:  # the last step's trailing slots that no row kept
             cache.crop(most_kept - appended)
             attention = attention[:, : most_kept - appended]
-        if n_active == 0:
-            break
+        if n_active < len(rows):  # finished rows leave the working batch with their results
+            lengths[rows], stopped_by_prompt[rows] = n_tokens, stopped
+            if n_active == 0:
+                break
+            (live,) = active.nonzero(as_tuple=True)  # (R',)
+            cache.batch_select_indices(live)
+            rows, attention, hidden, pending = rows[live], attention[live], hidden[live], pending[live]
+            n_tokens, stopped, finished, next_position = n_tokens[live], stopped[live], finished[live], next_position[live]
+            active = finished.logical_not()
         k = min(heads.num_heads, most_left - 1)  # a step emits at most k + 1 tokens
         slots = torch.arange(k + 1, device=device)  # (k+1,)
-        drafts, q = _draft(heads, hidden, k, params, generator)  # (B, k), (B, k, V) | None
-        feed = torch.cat([pending[:, None], drafts], dim=1)  # (B, k+1)
-        attention = torch.cat([attention, torch.ones_like(feed)], dim=1)  # (B, S + k+1)
+        drafts, q = _draft(heads, hidden, k, params, generator)  # (R, k), (R, k, V) | None
+        feed = torch.cat([pending[:, None], drafts], dim=1)  # (R, k+1)
+        attention = torch.cat([attention, torch.ones_like(feed)], dim=1)  # (R, S + k+1)
         out = decoder(
             input_ids=feed, attention_mask=attention, position_ids=next_position[:, None] + slots, **run
-        ).last_hidden_state  # (B, k+1, H)
-        logits = lm_head(out)  # (B, k+1, V): logits[:, j] is the distribution of feed[:, j + 1]
-        n, z = _verify(logits, drafts, q, params, generator)  # (B,), (B,)
+        ).last_hidden_state  # (R, k+1, H)
+        logits = lm_head(out)  # (R, k+1, V): logits[:, j] is the distribution of feed[:, j + 1]
+        n, z = _verify(logits, drafts, q, params, generator)  # (R,), (R,)
 
-        emitted = torch.cat([drafts, z[:, None]], dim=1).scatter(1, n[:, None], z[:, None])  # (B, k+1)
-        emitted_logp = logprobs_from_logits(logits, emitted, temperature)[0]  # (B, k+1)
-        is_stop = (slots <= n[:, None]) & torch.isin(emitted, stop_ids)  # (B, k+1)
-        first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), k + 1)  # (B,)
-        keep = torch.minimum(torch.minimum(n, first_stop) + 1, max_new - n_tokens).masked_fill(finished, 0)
-        columns = torch.where(slots < keep[:, None], n_tokens[:, None] + slots, max_new)  # (B, k+1)
-        out_ids.scatter_(1, columns, emitted)
-        out_logp.scatter_(1, columns, emitted_logp)
+        emitted = torch.cat([drafts, z[:, None]], dim=1).scatter(1, n[:, None], z[:, None])  # (R, k+1)
+        emitted_logp = logprobs_from_logits(logits, emitted, temperature)[0]  # (R, k+1)
+        is_stop = (slots <= n[:, None]) & torch.isin(emitted, stop_ids)  # (R, k+1)
+        first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), k + 1)  # (R,)
+        keep = torch.minimum(torch.minimum(n, first_stop) + 1, max_new - n_tokens)  # (R,)
+        columns = torch.where(slots < keep[:, None], n_tokens[:, None] + slots, max_new)  # (R, k+1)
+        out_ids[rows[:, None], columns] = emitted
+        out_logp[rows[:, None], columns] = emitted_logp
         stopped |= first_stop < keep
         n_tokens += keep
-        finished |= stopped | (n_tokens >= max_new)
+        finished = stopped | (n_tokens >= max_new)
 
         stats.verify_steps += 1
         stats.row_steps += n_active
         stats.drafts_proposed += k * n_active
-        accepted += n.masked_fill(~active, 0).sum()
+        accepted += n.sum()
 
         # rows keep y, d_1..d_n (finished rows nothing): mask the rest; the next iteration crops the
         # trailing slots no row kept
-        appended, kept_slots = k + 1, (n + 1).masked_fill(finished, 0)  # (B,)
+        appended, kept_slots = k + 1, (n + 1).masked_fill(finished, 0)  # (R,)
         attention[:, -appended:] = (slots < kept_slots[:, None]).long()
-        hidden = out[torch.arange(batch, device=device), n]  # (B, H): at d_n, or at y when n = 0
+        hidden = out[torch.arange(len(rows), device=device), n]  # (R, H): at d_n, or at y when n = 0
         next_position = next_position + n + 1
         pending = z
 
-    lengths = n_tokens.tolist()
-    stats.tokens, stats.drafts_accepted = sum(lengths), int(accepted)
+    lengths_list = lengths.tolist()
+    stats.tokens, stats.drafts_accepted = sum(lengths_list), int(accepted)
     out_ids, out_logp = out_ids.cpu(), out_logp.cpu()
     generation = Generation(
-        response_ids=[out_ids[i, :length].clone() for i, length in enumerate(lengths)],
-        response_logp=[out_logp[i, :length].clone() for i, length in enumerate(lengths)],
-        finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
+        response_ids=[out_ids[i, :length].clone() for i, length in enumerate(lengths_list)],
+        response_logp=[out_logp[i, :length].clone() for i, length in enumerate(lengths_list)],
+        finish_reasons=["stop" if s else "length" for s in stopped_by_prompt.tolist()],
     )
     return generation, stats

@@ -6,8 +6,8 @@
 
 Prompts are left-padded into one batch; position ids come from the attention mask, so padding does
 not shift positions and each row decodes exactly as it would alone. One prefill, then one token
-per step for every row through a DynamicCache; rows that finished keep being fed padding (their
-outputs are ignored) until all rows have finished or `max_new_tokens` is reached.
+per step for every row through a DynamicCache; a row that samples a stop token leaves the batch
+(its cache rows too), so the last steps cost only the rows still decoding.
 
 Behaviour log-probs: the recorded log-prob of each sampled token is taken under the FULL tempered
 distribution softmax(logits / temperature), not the top-p-truncated one that was sampled from, so
@@ -157,37 +157,41 @@ def generate(
     cache = DynamicCache()
     out = model(**prefill, attention_mask=attention, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
-    batch = len(prompts)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
-    stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
-    n_tokens = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) response length so far
-    tokens: list[Tensor] = []  # each (B,)
-    logps: list[Tensor] = []  # each (B,)
-    for step in range(params.max_new_tokens):
-        logits = out.logits[:, -1]  # (B, V)
+    batch, max_new = len(prompts), params.max_new_tokens
+    out_ids = torch.full((batch, max_new), params.pad_token_id, dtype=torch.long, device=device)  # by prompt
+    out_logp = torch.zeros((batch, max_new), device=device)
+    lengths = torch.full((batch,), max_new, dtype=torch.long, device=device)  # final once a row leaves
+    stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+    rows = torch.arange(batch, device=device)  # (R,) the prompts of the rows still decoding
+    for step in range(max_new):
+        logits = out.logits[:, -1]  # (R, V)
         allowed = logits if banned is None else logits.index_fill(-1, torch.tensor([banned], device=device), -math.inf)
-        token = sample_tokens(allowed, params, generator)  # (B,)
-        logps.append(logprobs_from_logits(logits, token, params.temperature)[0])
-        token = token.masked_fill(finished, params.pad_token_id)
-        tokens.append(token)
-        n_tokens += (~finished).long()
-        stopped |= ~finished & torch.isin(token, stop_ids)
-        finished |= stopped
-        if step == params.max_new_tokens - 1 or bool(finished.all()):
+        token = sample_tokens(allowed, params, generator)  # (R,)
+        out_ids[rows, step] = token
+        out_logp[rows, step] = logprobs_from_logits(logits, token, params.temperature)[0]
+        if step == max_new - 1:
+            stopped[rows] = torch.isin(token, stop_ids)
             break
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)  # (B, P + step + 1)
-        # (B, 1) for a text model, (3, B, 1) M-RoPE positions with images
+        stop = torch.isin(token, stop_ids)  # (R,)
+        if bool(stop.any()):  # rows that sampled a stop token leave the batch, with their cache rows
+            lengths[rows[stop]], stopped[rows[stop]] = step + 1, True
+            (live,) = stop.logical_not().nonzero(as_tuple=True)  # (R',)
+            if len(live) == 0:
+                break
+            cache.batch_select_indices(live)
+            rows, token, attention, next_position = rows[live], token[live], attention[live], next_position[live]
+        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)  # (R, P + step + 1)
+        # (R, 1) for a text model, (3, R, 1) M-RoPE positions with images
         step_positions = next_position if images is None else next_position[None].expand(3, -1, -1)
         out = model(
             token[:, None], attention_mask=attention, position_ids=step_positions, past_key_values=cache, use_cache=True
         )
         next_position = next_position + 1
 
-    all_tokens = torch.stack(tokens, dim=1).cpu()  # (B, S)
-    all_logps = torch.stack(logps, dim=1).cpu()  # (B, S)
-    lengths = n_tokens.tolist()
+    out_ids, out_logp = out_ids.cpu(), out_logp.cpu()
+    lengths_list = lengths.tolist()
     return Generation(
-        response_ids=[all_tokens[i, :n].clone() for i, n in enumerate(lengths)],
-        response_logp=[all_logps[i, :n].clone() for i, n in enumerate(lengths)],
+        response_ids=[out_ids[i, :n].clone() for i, n in enumerate(lengths_list)],
+        response_logp=[out_logp[i, :n].clone() for i, n in enumerate(lengths_list)],
         finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
     )
