@@ -13,7 +13,8 @@ with companion-trained heads, side by side.
     companion   speculative with the companion-trained heads
 
 Figures, for the config's mini-batch size (64 prompts) and for mini-batches of 4: tokens/s
-(response tokens / wall time of the generation calls, after one untimed warm-up mini-batch),
+(response tokens / wall time of the generation calls, after one untimed warm-up mini-batch; the
+fastest of PASSES interleaved passes),
 accept len (mean response tokens per verification step per row: 1 = every draft
 rejected, heads + 1 = all accepted), backbone forwards per mini-batch (the prefill included: rows
 decode in lock-step, so the slowest row sets it), and the ratios against plain decoding. Speculative decoding
@@ -75,6 +76,13 @@ def train(quick: bool) -> RLJobConfig:
     return load_config(RLJobConfig, str(REPO / CONFIG), overrides)
 
 
+COLUMNS = ("plain", "stale", "companion")
+PASSES = 3
+"""Every column decodes the mini-batches PASSES times, interleaved with the other columns mini-batch
+by mini-batch (so a slow spell of a shared machine hits all three), and its fastest pass counts.
+The seeds are the same in every pass, so every pass generates the same tokens."""
+
+
 def measure(cfg: RLJobConfig, minibatches: int, size: int) -> dict[str, dict[str, float]]:
     """tokens/s, accept len and forwards per mini-batch of each column over `minibatches`
     mini-batches of `size` prompts."""
@@ -89,31 +97,38 @@ def measure(cfg: RLJobConfig, minibatches: int, size: int) -> dict[str, dict[str
                for p in problems("eval", size * (minibatches + 1), cfg.task.seed, cfg.task.max_operand)]
     batches = [prompts[i * size:(i + 1) * size] for i in range(minibatches + 1)]
     torch.set_num_threads(1)  # rollout's placement: one core
-    results = {}
-    for column in ("plain", "stale", "companion"):
-        tokens = row_steps = accepted = forwards = 0
-        elapsed = 0.0
+    elapsed = {column: [0.0] * PASSES for column in COLUMNS}
+    counts = {column: dict.fromkeys(("tokens", "row_steps", "accepted", "forwards"), 0) for column in COLUMNS}
+    for attempt in range(PASSES):
         for index, batch in enumerate(batches):
-            generator = seeded_generator(cfg.seed, "bench_medusa", index)
-            started = time.perf_counter()
-            with torch.inference_mode():
-                if column == "plain":
-                    gen = generate(model, batch, params, generator)
-                else:
-                    gen, stats = generate_speculative(model, heads[column], batch, params, generator)
-            if index == 0:
-                continue  # warm-up
-            elapsed += time.perf_counter() - started
-            tokens += sum(len(r) for r in gen.response_ids)
-            if column == "plain":  # the prefill samples the first token, each step one more
-                forwards += max(len(r) for r in gen.response_ids)
-            else:
-                row_steps += stats.row_steps
-                accepted += stats.drafts_accepted
-                forwards += 1 + stats.verify_steps
-        results[column] = {"tokens_per_s": tokens / elapsed, "accept_len": 1 + accepted / row_steps if row_steps else 1.0,
-                           "forwards": forwards / minibatches}
-    return results
+            for column in COLUMNS:
+                generator = seeded_generator(cfg.seed, "bench_medusa", index)
+                started = time.perf_counter()
+                with torch.inference_mode():
+                    if column == "plain":
+                        gen, stats = generate(model, batch, params, generator), None
+                    else:
+                        gen, stats = generate_speculative(model, heads[column], batch, params, generator)
+                if index == 0:
+                    continue  # warm-up
+                elapsed[column][attempt] += time.perf_counter() - started
+                if attempt == 0:
+                    count = counts[column]
+                    count["tokens"] += sum(len(r) for r in gen.response_ids)
+                    if stats is None:  # the prefill samples the first token, each step one more
+                        count["forwards"] += max(len(r) for r in gen.response_ids)
+                    else:
+                        count["row_steps"] += stats.row_steps
+                        count["accepted"] += stats.drafts_accepted
+                        count["forwards"] += 1 + stats.verify_steps
+    return {
+        column: {
+            "tokens_per_s": count["tokens"] / min(elapsed[column]),
+            "accept_len": 1 + count["accepted"] / count["row_steps"] if count["row_steps"] else 1.0,
+            "forwards": count["forwards"] / minibatches,
+        }
+        for column, count in counts.items()
+    }
 
 
 def main() -> None:
@@ -142,7 +157,7 @@ def main() -> None:
                          (f"mini-batches of {SMALL_BATCH} prompts", small)):
         print(label)
         print(f"{'':14}{'tokens/s':>10}{'vs plain':>10}{'accept len':>12}{'forwards/mb':>13}")
-        for column in ("plain", "stale", "companion"):
+        for column in COLUMNS:
             r = table[column]
             base = table["plain"]["tokens_per_s"]
             print(f"{column:14}{r['tokens_per_s']:>10.1f}{r['tokens_per_s'] / base:>10.2f}{r['accept_len']:>12.2f}"
