@@ -9,7 +9,8 @@ architecture, and the rate in GB/s (the weights' bytes, tied ones once, / that t
                  /dev/shm), the receiver loads it into its model; a warm-cache read (the page
                  cache cannot be dropped without root), so a lower bound for a real reload.
                  `disk_reload_load_s` is the load alone.
-    shm          WeightStore.publish into /dev/shm, then read_version + load in the receiver
+    shm          WeightStore.publish into /dev/shm, then load_into the receiver's model (what the
+                 forward stages and torch rollout do)
     gloo         BroadcastSender.publish (packs the snapshot) -> BroadcastReceiver.receive over a
                  gloo group on loopback -> load (the receiver asked first, as a rollout does)
     cuda_ipc     CudaIpcSender / CudaIpcReceiver, both models on the GPU (only with CUDA;
@@ -124,7 +125,7 @@ def _receiver_main(conn: Connection, config: dict, device: str) -> None:
             conn.send((start, time.perf_counter()))
         elif kind == "shm":
             root, version = arg
-            load_named(model, WeightStore(root, "actor").read_version(version)[1])
+            assert WeightStore(root, "actor").load_into(model) == version
             conn.send((None, time.perf_counter()))
         elif kind in ("join_gloo", "join_cuda_ipc"):
             folder, name = arg

@@ -1,5 +1,5 @@
 """Weight sync over broadcast groups: a real sender here, real receivers in spawned processes,
-real gloo over loopback; and the shared-memory store's read_version."""
+real gloo over loopback."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 from stream_rlhf.weights.broadcast import BroadcastReceiver, BroadcastSender
 from stream_rlhf.weights.buckets import unpack
 from stream_rlhf.weights.group import WeightSyncClosed, WeightSyncTimeout, open_group, publish_address, wait_for_address
 from stream_rlhf.weights.sender import SnapshotSlot
-from stream_rlhf.weights.shm_store import WeightStore
 from tests.weight_receiver import receiver_process
 
 pytestmark = pytest.mark.slow
@@ -180,21 +178,3 @@ def test_a_snapshot_being_sent_is_never_overwritten_and_an_idle_one_is_reused():
     stop.set()
     with pytest.raises(WeightSyncClosed, match="waiting for a version >= 4"):
         slot.acquire(min_version=4, stop=stop)
-
-
-def test_shm_store_read_version(tmp_path):
-    model = nn.Linear(4, 3)
-    store = WeightStore(tmp_path, "actor", keep=2)
-    with pytest.raises(FileNotFoundError, match="no weights published"):
-        store.read_version()
-    for version in (1, 2, 3):
-        with torch.no_grad():
-            model.bias.fill_(version)
-        store.publish(model, version)
-    version, tensors = store.read_version()
-    assert version == 3 and tensors.keys() == {"weight", "bias"}
-    assert torch.equal(tensors["bias"], torch.full((3,), 3.0)) and torch.equal(tensors["weight"], model.weight)
-    version, tensors = store.read_version(2)
-    assert version == 2 and torch.equal(tensors["bias"], torch.full((3,), 2.0))
-    with pytest.raises(FileNotFoundError, match="version 1 .* newest is 3"):
-        store.read_version(1)  # unlinked: keep=2

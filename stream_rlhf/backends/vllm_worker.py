@@ -27,6 +27,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 from torch import Tensor
 
+from stream_rlhf.weights.shm_store import reading
+
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 
 
@@ -51,8 +53,10 @@ class WeightSyncExtension:
     `device`, `model_runner` are its own)."""
 
     def srl_load_file(self, path: str) -> None:
-        """Load a safetensors file (a version of `weights.shm_store.WeightStore`) into the model."""
-        self._srl_reload(load_file(path).items())
+        """Load a safetensors file (a version of `weights.shm_store.WeightStore`) into the model,
+        holding it against reuse by the store meanwhile."""
+        with reading(Path(path)):
+            self._srl_reload(load_file(path).items())
 
     def srl_join_broadcast(self, folder: str, group: str, world_size: int, backend: str, timeout_s: float) -> None:
         """Join the trainer's broadcast group `group` as rank 1 + this worker's rank."""

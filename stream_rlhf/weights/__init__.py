@@ -1,6 +1,6 @@
 """Versioned weight sync from trainers to the stages that serve or forward the same model.
 
-    shm_store.py   WeightStore: a safetensors file per version in /dev/shm (publish / load_into / read_version)
+    shm_store.py   WeightStore: a safetensors file per version in /dev/shm (publish / load_into / refresh)
     buckets.py     named tensors <-> a few uint8 buckets (BucketLayout, pack, unpack): what moves
     group.py       a process group of its own beside the default one (open_group, rendezvous, addresses)
     sender.py      the trainer side both senders share (SnapshotSender over SnapshotSlot, ServingThreads)
