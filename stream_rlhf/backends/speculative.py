@@ -198,8 +198,7 @@ def generate_speculative(
             (live,) = active.nonzero(as_tuple=True)  # (R',)
             cache.batch_select_indices(live)
             rows, attention, hidden, pending = rows[live], attention[live], hidden[live], pending[live]
-            n_tokens, stopped, finished, next_position = n_tokens[live], stopped[live], finished[live], next_position[live]
-            active = finished.logical_not()
+            n_tokens, stopped, next_position = n_tokens[live], stopped[live], next_position[live]
         k = min(heads.num_heads, most_left - 1)  # a step emits at most k + 1 tokens
         slots = torch.arange(k + 1, device=device)  # (k+1,)
         drafts, q = _draft(heads, hidden, k, params, generator)  # (R, k), (R, k, V) | None

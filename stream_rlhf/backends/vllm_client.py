@@ -89,7 +89,8 @@ class VllmClient:
                  in_flight: InFlight | None = None, images: list[SampleImages] | None = None) -> VllmGeneration:
         """One response per prompt; `in_flight` is polled as soon as the request is sent and then
         while the engine works, and an update it returns is applied between engine steps
-        (`self.version` follows). A vision-language model takes the image features of each prompt (`images`, one per prompt, as the torch backend)."""
+        (`self.version` follows). A vision-language model takes the image features of each
+        prompt (`images`, one per prompt, as the torch backend)."""
         lens = [len(p) for p in prompts]
         flat = torch.cat(prompts).to(torch.int32).numpy() if prompts else np.empty(0, "<i4")
         self._send(wire.Generate(flat.astype("<i4").tobytes(), lens, list(seeds), params.temperature,
