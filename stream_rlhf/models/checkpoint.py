@@ -33,8 +33,6 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-hf_logging.disable_progress_bar()  # no "Loading weights" bars from every stage process
-
 from stream_rlhf.models.tokenizer import VISION_TOKENS
 from stream_rlhf.models.vision_language import VisionLanguageCritic, load_vision_language_critic
 from stream_rlhf.rl.config import TinyModelConfig
