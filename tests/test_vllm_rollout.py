@@ -137,13 +137,16 @@ def test_in_flight_update_labels_each_token_with_its_version(engine, checkpoint,
     engine.update(3, "srl_load_file", str(store.path(3)))
     sent = []
 
-    def in_flight() -> wire.Update | None:  # asked as the request goes out, so the switch comes after step 1
+    def in_flight() -> wire.Update | None:  # asked after every 50 ms without a reply from the engine
         if sent:
             return None
         sent.append(True)
         return wire.Update(4, "srl_load_file", [str(store.path(4))])
 
-    long = params(max_new_tokens=48, stop=())  # no stop token: every response runs 48 steps
+    # no stop token: every response runs 48 steps; 192 of them take ~5 s here, far past the 50 ms
+    # before the first ask (24 once finished inside it on CI, and no update landed)
+    prompts = prompts * 8
+    long = params(max_new_tokens=48, stop=())
     gen = engine.generate(prompts, long, seeds=list(range(len(prompts))), in_flight=in_flight)
     assert engine.version == 4
     for versions in gen.token_versions:

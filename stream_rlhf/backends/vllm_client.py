@@ -87,10 +87,9 @@ class VllmClient:
 
     def generate(self, prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int],
                  in_flight: InFlight | None = None, images: list[SampleImages] | None = None) -> VllmGeneration:
-        """One response per prompt; `in_flight` is polled as soon as the request is sent and then
-        while the engine works, and an update it returns is applied between engine steps
-        (`self.version` follows). A vision-language model takes the image features of each
-        prompt (`images`, one per prompt, as the torch backend)."""
+        """One response per prompt; `in_flight` is polled while the engine works, and an update it
+        returns is applied between engine steps (`self.version` follows). A vision-language model
+        takes the image features of each prompt (`images`, one per prompt, as the torch backend)."""
         lens = [len(p) for p in prompts]
         flat = torch.cat(prompts).to(torch.int32).numpy() if prompts else np.empty(0, "<i4")
         self._send(wire.Generate(flat.astype("<i4").tobytes(), lens, list(seeds), params.temperature,
@@ -99,16 +98,13 @@ class VllmClient:
         pending = 0  # updates sent and not yet answered
         generated: wire.Generated | None = None
         while generated is None or pending:
-            # asked at once (a version already waiting is applied after the first step), then
-            # every POLL_S while the engine generates and no update is in flight
-            update = in_flight() if in_flight is not None and generated is None and not pending else None
-            if update is not None:
-                self._send(update)
-                pending += 1
             reply = self._receive("generate", timeout_s=None, poll_s=POLL_S)
             if reply is None:
-                continue
-            if isinstance(reply, wire.Done):
+                update = in_flight() if in_flight is not None and generated is None and not pending else None
+                if update is not None:
+                    self._send(update)
+                    pending += 1
+            elif isinstance(reply, wire.Done):
                 self.version, pending = reply.version, pending - 1
             elif isinstance(reply, wire.Generated):
                 generated = reply
