@@ -169,10 +169,10 @@ def generate(
         token = sample_tokens(allowed, params, generator)  # (R,)
         out_ids[rows, step] = token
         out_logp[rows, step] = logprobs_from_logits(logits, token, params.temperature)[0]
-        if step == max_new - 1:
-            stopped[rows] = torch.isin(token, stop_ids)
-            break
         stop = torch.isin(token, stop_ids)  # (R,)
+        if step == max_new - 1:
+            stopped[rows] = stop
+            break
         if bool(stop.any()):  # rows that sampled a stop token leave the batch, with their cache rows
             lengths[rows[stop]], stopped[rows[stop]] = step + 1, True
             (live,) = stop.logical_not().nonzero(as_tuple=True)  # (R',)

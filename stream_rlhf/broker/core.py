@@ -237,9 +237,8 @@ class BrokerCore:
         if self.policy_version > 0:
             self._send(peer, Control("weights_ready", hello.stage, self.policy_version))
         self._dirty_topics.update(outputs)
-        # control clients (stats, shutdown, the launcher's watch every few seconds) come and go quietly
-        level = logging.DEBUG if hello.stage == CONTROL_STAGE else logging.INFO
-        log.log(level, "instance %s of stage %s joined (pid %d)", hello.instance_id, hello.stage, hello.pid)
+        log.log(_membership_level(hello.stage), "instance %s of stage %s joined (pid %d)", hello.instance_id,
+                hello.stage, hello.pid)
 
     def _remove_instance(self, inst: Instance, reason: str) -> None:
         self.instances.pop(inst.peer, None)
@@ -256,8 +255,7 @@ class BrokerCore:
                 inst.instance_id, inst.stage, reason, len(inst.inflight),
             )
         else:
-            log.log(logging.DEBUG if inst.stage == CONTROL_STAGE else logging.INFO,
-                    "instance %s (%s) left: %s", inst.instance_id, inst.stage, reason)
+            log.log(_membership_level(inst.stage), "instance %s (%s) left: %s", inst.instance_id, inst.stage, reason)
         self._dirty_topics.update(inst.granted)
         if reason != "stopped" and inst.host == self.host and inst.pid and not shm.pid_alive(inst.pid):
             self._reclaim_unpublished(inst.pid)
@@ -532,3 +530,8 @@ class BrokerCore:
             self.stats["recovered"] = len(live)
             log.info("journal: recovered %d handle(s) in flight", len(live))
 
+
+def _membership_level(stage: str) -> int:
+    """Log level of an instance joining or leaving: control clients (stats, shutdown, the
+    launcher's watch every few seconds) come and go quietly."""
+    return logging.DEBUG if stage == CONTROL_STAGE else logging.INFO

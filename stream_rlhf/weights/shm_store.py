@@ -97,9 +97,10 @@ class WeightStore:
         version = self.latest_version()
         if version < 0:
             raise FileNotFoundError(f"no weights published in {self.folder}")
+        path = self.path(version)
         try:
-            with reading(self.path(version)):
-                load_model(model, str(self.path(version)))
+            with reading(path):
+                load_model(model, str(path))
         except FileNotFoundError:  # gone between reading LATEST and opening: a newer one exists
             return self.load_into(model)
         return version
@@ -110,7 +111,8 @@ class WeightStore:
 
     def metadata(self, version: int) -> dict[str, str]:
         """The metadata published with `version` (raises FileNotFoundError once it is replaced)."""
-        with reading(self.path(version)), safe_open(str(self.path(version)), framework="pt") as f:
+        path = self.path(version)
+        with reading(path), safe_open(str(path), framework="pt") as f:
             return f.metadata() or {}
 
     def refresh(self, model: nn.Module, loaded_version: int) -> int:
