@@ -12,7 +12,7 @@ from typing import TypeVar
 import torch
 
 from stream_rlhf.broker import shm
-from stream_rlhf.broker.stage import Batch, Output, Stage
+from stream_rlhf.broker.stage import Batch, Output, Stage, StepAborted
 
 T = TypeVar("T")
 
@@ -80,6 +80,20 @@ class PayloadLosingWorker(Worker):
                               f"a shared-memory segment of prefix {self.prefix!r}")
         for name, _ in segments:
             shm.unlink(name)
+
+
+class StuckWorker(Stage):
+    """A consumer whose step never finishes on its own, as a rollout whose engine hangs: it
+    writes `started` into `ready_dir` and waits until the instance is told to stop."""
+
+    def __init__(self, ready_dir: str):
+        self.ready_dir = Path(ready_dir)
+
+    def step(self, batch: Batch | None) -> list[Output]:
+        (self.ready_dir / "started").touch()
+        while not self.ctx.stopping.wait(0.05):
+            pass
+        raise StepAborted(f"{self.ctx.instance_id}: gave up mini-batch {batch.minibatch}")
 
 
 class Sink(Stage):

@@ -208,6 +208,27 @@ def test_killed_producer_segments_are_reclaimed(tmp_path, shm_prefix):
     assert shm.list_segments(shm_prefix) == []
 
 
+def test_a_step_stuck_outside_gives_up_at_shutdown_and_the_instance_exits_cleanly(tmp_path, shm_prefix):
+    """A step waiting on something that never answers (a hung engine) watches StageContext.stopping:
+    the job's shutdown ends it in well under the launcher's 15 s grace, with exit code 0."""
+    job = make_job(
+        topics={"items": {"producers": ["src"], "consumers": ["stuck"]}},
+        stages={
+            "src": ("CountingSource", {"kwargs": {"n": 3}}),
+            "stuck": ("StuckWorker", {"kwargs": {"ready_dir": str(tmp_path)}}),
+        },
+        prefix=shm_prefix,
+    )
+    job.start()
+    try:
+        wait_for(lambda: (tmp_path / "started").exists(), 60, "the stuck step")
+    finally:
+        started = time.monotonic()
+        job.stop()
+    assert time.monotonic() - started < 10
+    assert job.processes["stuck-0"].exitcode == 0
+
+
 def test_broker_killed_and_restarted_recovers_from_journal(tmp_path, shm_prefix, free_port):
     n = 30
     out = tmp_path / "sink.jsonl"

@@ -4,6 +4,12 @@ with our forward, weight updates through each CPU transport, in-flight updates, 
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +17,7 @@ import torch
 
 from stream_rlhf.backends import vllm_protocol as wire
 from stream_rlhf.backends.torch_rollout import SamplingParams
-from stream_rlhf.backends.vllm_client import VllmClient, VllmEngineError
+from stream_rlhf.backends.vllm_client import GenerateAbandoned, VllmClient, VllmEngineError
 from stream_rlhf.backends.vllm_rollout import VllmOptions
 from stream_rlhf.models.checkpoint import build_tiny, load_policy
 from stream_rlhf.models.packing import sequence_logprobs
@@ -20,6 +26,7 @@ from stream_rlhf.rl.config import TinyModelConfig
 from stream_rlhf.stages.weight_sync import trained_parameters
 from stream_rlhf.weights.broadcast import BroadcastSender
 from stream_rlhf.weights.shm_store import WeightStore
+from tests.stages import wait_until
 from tests.vllm_env import vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -173,3 +180,62 @@ def test_an_engine_that_cannot_start_is_a_clear_error(checkpoint):
                    start_timeout_s=120)
     with pytest.raises(VllmEngineError, match="rollout.vllm.python='/no/python': cannot start it"):
         VllmClient(str(checkpoint), VllmOptions(max_model_len=64), python="/no/python")
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (read from /proc)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid] + [p for child in children for p in process_tree(int(child))]
+
+
+def test_a_generate_abandoned_at_stop_kills_the_hung_engine_and_its_processes(checkpoint, prompts):
+    """A rollout told to stop while its engine never answers (stopped here with SIGSTOP) gives up
+    the generate within a poll, and close() kills the engine and vLLM's own processes below it
+    instead of waiting for a Close the engine would never read."""
+    client = VllmClient(str(checkpoint), VllmOptions(max_model_len=64, cpu_cores=[0]), python=vllm_python(),
+                        start_timeout_s=300)
+    tree = process_tree(client.process.pid)
+    os.kill(client.process.pid, signal.SIGSTOP)
+    stopping = threading.Event()
+    threading.Timer(0.5, stopping.set).start()
+    started = time.monotonic()
+    with pytest.raises(GenerateAbandoned, match="rollout is stopping"):
+        client.generate(prompts[:2], params(), seeds=[0, 1], stopping=stopping)
+    assert time.monotonic() - started < 2
+    client.close()
+    assert client.process.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 5
+    for pid in tree[1:]:  # vLLM's engine core and workers are in the engine's process group
+        wait_until(lambda pid=pid: not alive(pid), 10, f"engine child {pid} to exit")
+
+
+OWNER = """
+import sys, time
+from stream_rlhf.backends.vllm_client import VllmClient
+from stream_rlhf.backends.vllm_rollout import VllmOptions
+client = VllmClient(sys.argv[1], VllmOptions(max_model_len=64, cpu_cores=[0]), python=sys.argv[2], start_timeout_s=300)
+print("engine pid", client.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_engine_whose_rollout_is_killed_exits_with_every_vllm_process(checkpoint):
+    """kill -9 of the process that owns the engine (a rollout stage): the engine gets SIGTERM from
+    Linux, closes vLLM and leaves none of vLLM's processes behind."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(checkpoint), vllm_python()], stdout=subprocess.PIPE,
+                             text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        engine_pid = next(int(line.split()[-1]) for line in owner.stdout if line.startswith("engine pid "))
+        tree = process_tree(engine_pid)
+        assert len(tree) > 1, "vLLM runs its engine core in a process of its own"
+    finally:
+        owner.kill()
+        owner.wait()
+    for pid in tree:
+        wait_until(lambda pid=pid: not alive(pid), 30, f"engine process {pid} to exit")
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped by a parent that is gone."""
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "\nState:\tZ" not in status.read_text()

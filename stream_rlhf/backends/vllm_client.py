@@ -12,6 +12,9 @@ needs its CUDA-linked torchvision removed. This package is put on that process's
 the environment needs vLLM only. They talk over one ZeroMQ PAIR socket on an ipc:// path
 (`vllm_protocol.py`). If the engine process dies, the next call raises `VllmEngineError`; its own
 log (on stderr, vLLM's INFO lines filtered to warnings unless VLLM_LOGGING_LEVEL is set) says why.
+
+The engine process leads a process group of its own, which vLLM's processes (engine core,
+workers) join: killing the engine kills the group, since those outlive a killed parent.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -49,6 +54,11 @@ class VllmEngineError(RuntimeError):
     """The engine process failed a request or exited; the message (and its log) says why."""
 
 
+class GenerateAbandoned(RuntimeError):
+    """A generate gave up waiting because its caller is stopping; the engine is still busy with it,
+    so the next `close` kills the engine process instead of asking it to exit."""
+
+
 def check_engine_python(python: str | None) -> None:
     """Fail before anything starts when the engine's Python (None: this one) has no vLLM."""
     python = python or sys.executable
@@ -64,6 +74,7 @@ class VllmClient:
                  start_timeout_s: float = 600.0):
         self.python = python or sys.executable
         self.version = 0
+        self._abandoned = False
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PAIR)
         self._ipc_path = Path(tempfile.gettempdir()) / f"srl-vllm-{uuid.uuid4().hex[:12]}.sock"
@@ -75,7 +86,7 @@ class VllmClient:
         command = [self.python, "-m", "stream_rlhf.backends.vllm_server", f"ipc://{self._ipc_path}", checkpoint,
                    json.dumps(asdict(options))]
         try:
-            self.process = subprocess.Popen(command, env=env)
+            self.process = subprocess.Popen(command, env=env, start_new_session=True)
         except OSError as exc:
             self._close_socket()
             raise VllmEngineError(f"rollout.vllm.python={self.python!r}: cannot start it: {exc}") from None
@@ -86,10 +97,12 @@ class VllmClient:
         log.info("vLLM engine ready in %.1fs (pid %d, %s)", time.monotonic() - started, reply.pid, self.python)
 
     def generate(self, prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int],
-                 in_flight: InFlight | None = None, images: list[SampleImages] | None = None) -> VllmGeneration:
+                 in_flight: InFlight | None = None, images: list[SampleImages] | None = None,
+                 stopping: threading.Event | None = None) -> VllmGeneration:
         """One response per prompt; `in_flight` is polled while the engine works, and an update it
         returns is applied between engine steps (`self.version` follows). A vision-language model
-        takes the image features of each prompt (`images`, one per prompt, as the torch backend)."""
+        takes the image features of each prompt (`images`, one per prompt, as the torch backend).
+        Raises GenerateAbandoned within POLL_S once `stopping` is set."""
         lens = [len(p) for p in prompts]
         flat = torch.cat(prompts).to(torch.int32).numpy() if prompts else np.empty(0, "<i4")
         self._send(wire.Generate(flat.astype("<i4").tobytes(), lens, list(seeds), params.temperature,
@@ -99,6 +112,9 @@ class VllmClient:
         generated: wire.Generated | None = None
         while generated is None or pending:
             reply = self._receive("generate", timeout_s=None, poll_s=POLL_S)
+            if reply is None and stopping is not None and stopping.is_set():
+                self._abandoned = True
+                raise GenerateAbandoned(f"generate of {len(prompts)} prompts abandoned: the rollout is stopping")
             if reply is None:
                 update = in_flight() if in_flight is not None and generated is None and not pending else None
                 if update is not None:
@@ -127,7 +143,11 @@ class VllmClient:
         self._request(wire.WakeUp(update), "wake_up")
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Shut the engine down and wait for its process; kill it if it does not exit."""
+        """Shut the engine down and wait for its process; kill it if it does not exit, or at once
+        after an abandoned generate (the engine would only read Close once that one is done)."""
+        if self._abandoned and self.process.poll() is None:
+            log.warning("vLLM engine process %d is busy with an abandoned generate: killing it", self.process.pid)
+            self._kill()
         if self.process.poll() is None:
             try:
                 self._request(wire.Close(), "close", timeout_s)
@@ -137,9 +157,16 @@ class VllmClient:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 log.warning("vLLM engine process %d did not exit: killing it", self.process.pid)
-                self.process.kill()
-                self.process.wait()
+        self._kill()  # also what vLLM left of its group, if anything
         self._close_socket()
+
+    def _kill(self) -> None:
+        """SIGKILL the engine's process group (a no-op once it is empty) and reap the engine."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
     def _request(self, request: wire.Request, what: str, timeout_s: float | None = None) -> None:
         self._send(request)
@@ -164,7 +191,7 @@ class VllmClient:
             if poll_s is not None and time.monotonic() - polled >= poll_s:
                 return None
             if deadline is not None and time.monotonic() > deadline:
-                self.process.kill()
+                self._kill()
                 raise VllmEngineError(f"{what}: no answer from the vLLM engine in {timeout_s:.0f}s: killed it")
         reply = wire.reply_decoder.decode(self._socket.recv())
         if isinstance(reply, wire.Failed):

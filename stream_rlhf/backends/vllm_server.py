@@ -11,7 +11,9 @@ weight-sync extension from it.
 While a Generate runs, Update requests are applied between engine steps (in-flight updates) and
 answered at once; any other request then is a protocol error. A failing request is answered with
 Failed(traceback) and the process keeps serving; the process exits after Close, or when its parent
-dies (Linux parent-death signal); it ignores Ctrl-C, which its rollout stage answers by closing it.
+dies (Linux parent-death signal, SIGTERM); it ignores Ctrl-C, which its rollout stage answers by
+closing it. On SIGTERM it closes vLLM, and kills its process group (vLLM's engine core and
+workers, which outlive a dead parent) if that takes longer than TERM_GRACE_S.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 
 import numpy as np
@@ -33,6 +37,7 @@ from stream_rlhf.launch.local import child_signals
 from stream_rlhf.models.vision_language import SampleImages
 
 log = logging.getLogger("vllm_server")
+TERM_GRACE_S = 20.0
 
 
 class ProtocolError(RuntimeError):
@@ -113,9 +118,19 @@ def _generated(gen: VllmGeneration) -> wire.Generated:
     )
 
 
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM: unwind to main's vLLM close, with the process group's SIGKILL as a deadline."""
+    log.warning("SIGTERM (the rollout stage is gone?): closing the engine")
+    deadline = threading.Timer(TERM_GRACE_S, os.killpg, (0, signal.SIGKILL))
+    deadline.daemon = True  # a close that finishes in time lets the process exit at once
+    deadline.start()
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
     address, checkpoint, options_json = sys.argv[1:4]
     child_signals()  # as the stage that started it: Ctrl-C is its parent's to handle, and it dies with it
+    signal.signal(signal.SIGTERM, _terminate)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s vllm_server %(levelname)s %(message)s")
     context = zmq.Context()
     socket = context.socket(zmq.PAIR)

@@ -33,15 +33,11 @@ from stream_rlhf.broker.messages import (
     Request,
 )
 from stream_rlhf.broker.payload import PayloadError, PayloadTransport
-from stream_rlhf.broker.stage import Batch, Output, Stage
+from stream_rlhf.broker.stage import Batch, Output, Stage, StepAborted
 
 log = logging.getLogger(__name__)
 
 DEDUPE_WINDOW = 65_536
-
-
-class CreditWaitAborted(RuntimeError):
-    """Publishing waited for producer credit but the instance was told to stop."""
 
 
 class StageHost:
@@ -67,7 +63,7 @@ class StageHost:
         self.outputs: list[str] = []
         self.exhausted = False
         self.accepting = True  # False while draining: no new consumer credit is asked for
-        self.abort = threading.Event()
+        self.abort = threading.Event()  # the stage's StageContext.stopping
         self._credit = threading.Condition()
         self._producer_credit: dict[str, int] = {}
         self._unconfirmed: dict[str, Publish] = {}
@@ -209,7 +205,7 @@ class StageHost:
         with self._credit:
             while self.wait_for_credit and self._producer_credit.get(topic, 0) <= 0:
                 if self.abort.is_set():
-                    raise CreditWaitAborted(f"{self.instance_id}: stopped while waiting for credit on {topic}")
+                    raise StepAborted(f"{self.instance_id}: stopped while waiting for credit on {topic}")
                 self._credit.wait(0.1)
             self._producer_credit[topic] = self._producer_credit.get(topic, 0) - 1
         self.counters["credit_wait_s"] += time.perf_counter() - started

@@ -65,7 +65,7 @@ class InProcessBus:
             host.stage.setup(StageContext(
                 host.stage_name, host.instance_id, host.inputs, host.outputs,
                 lambda op, version, p=peer: self._control(p, op, version),
-                logging.LoggerAdapter(log, {"stage": host.instance_id}),
+                logging.LoggerAdapter(log, {"stage": host.instance_id}), host.abort,
             ))
         for _ in range(max_turns):
             progressed = False

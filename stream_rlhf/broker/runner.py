@@ -34,7 +34,7 @@ import zmq
 
 from stream_rlhf.broker import sockets
 from stream_rlhf.broker.client import HandshakeError
-from stream_rlhf.broker.host import CreditWaitAborted, StageHost
+from stream_rlhf.broker.host import StageHost
 from stream_rlhf.broker.messages import (
     SCHEMA_VERSION,
     Ack,
@@ -55,7 +55,7 @@ from stream_rlhf.broker.messages import (
 )
 from stream_rlhf.broker.payload import PayloadTransport, ShmTransport
 from stream_rlhf.broker.shm import host_id
-from stream_rlhf.broker.stage import Stage, StageContext
+from stream_rlhf.broker.stage import Stage, StageContext, StepAborted
 
 log = logging.getLogger(__name__)
 _pipe_ids = itertools.count()
@@ -128,11 +128,12 @@ class StageRunner:
         try:
             self._await_handshake()
             self.stage.setup(
-                StageContext(self.stage_name, self.instance_id, self.host.inputs, self.host.outputs, self._send_control, self.log)
+                StageContext(self.stage_name, self.instance_id, self.host.inputs, self.host.outputs, self._send_control,
+                             self.log, self.host.abort)
             )
             while self.state is not RunnerState.STOPPED:
                 self._turn()
-        except CreditWaitAborted as exc:
+        except StepAborted as exc:
             self.log.warning("%s", exc)
         finally:
             self._shutdown()
@@ -326,7 +327,7 @@ class StageRunner:
     def _on_broker_message(self, message: Message) -> None:
         if isinstance(message, (Deliver, Control)):
             if isinstance(message, Control) and message.op == "shutdown":
-                self.host.abort.set()  # a step blocked on producer credit gives up its input
+                self.host.abort.set()  # a step waiting for credit or an engine gives up its input
             self._inbox.put(message)
         elif isinstance(message, Request):
             self.host.on_producer_credit(message)

@@ -14,6 +14,7 @@ sockets) and the in-process bus (`inprocess.py`, tests) call stages through this
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,6 +80,15 @@ class StageContext:
     send_control: Callable[[ControlOp, int], None]
     """send_control("weights_ready", version) announces new weights to every stage."""
     log: logging.LoggerAdapter
+    stopping: threading.Event
+    """Set when the instance must stop now (the broker's shutdown, a second signal, the broker
+    gone while draining): a step that waits on something outside, an engine process say, gives
+    up its input by raising StepAborted."""
+
+
+class StepAborted(RuntimeError):
+    """A step gave up its input because the instance is stopping (`StageContext.stopping`). The
+    input goes back to the broker, and the runner stops cleanly instead of failing."""
 
 
 class Stage:

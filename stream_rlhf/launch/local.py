@@ -281,6 +281,10 @@ class LocalJob:
                 log.warning("%s ignored shutdown: terminating", process.name)
                 process.terminate()
                 process.join(5)
+            if process.is_alive():
+                log.warning("%s ignored SIGTERM: killing it", process.name)
+                process.kill()
+                process.join(5)
         if self.broker_process.is_alive():
             self.broker_process.terminate()  # SIGTERM: the broker's clean stop
             self.broker_process.join(grace_s)

@@ -73,7 +73,8 @@ class RolloutStage(Stage):
         if cfg.backend == "vllm":
             from stream_rlhf.stages.rollout_vllm import VllmBackend
 
-            self.backend = VllmBackend(self.job, self.weights, max_positions(self.job.checkpoint), images)
+            self.backend = VllmBackend(self.job, self.weights, max_positions(self.job.checkpoint), images,
+                                       ctx.stopping)
         else:
             self.backend = TorchBackend(self.job, self.weights, images, ctx.log)
 

@@ -1,6 +1,6 @@
 """The rollout stage's vLLM backend (`rollout.backend: vllm`): one engine process per instance.
 
-    backend = VllmBackend(job, weights, max_model_len, images)
+    backend = VllmBackend(job, weights, max_model_len, images, ctx.stopping)
     gen, policy_version, info = backend.generate(batch, prompts, params)
     backend.close()
 
@@ -23,15 +23,16 @@ A vision-language model's prompts go with the image features of the input handle
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from torch import Tensor
 
 from stream_rlhf.backends.torch_rollout import SamplingParams
-from stream_rlhf.backends.vllm_client import VllmClient
+from stream_rlhf.backends.vllm_client import GenerateAbandoned, VllmClient
 from stream_rlhf.backends.vllm_protocol import Update
 from stream_rlhf.backends.vllm_rollout import VllmGeneration, VllmOptions
-from stream_rlhf.broker.stage import Batch
+from stream_rlhf.broker.stage import Batch, StepAborted
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
 from stream_rlhf.stages.weight_sync import RolloutWeights
@@ -54,8 +55,10 @@ def engine_options(job: JobContext, max_model_len: int) -> VllmOptions:
 
 
 class VllmBackend:
-    def __init__(self, job: JobContext, weights: RolloutWeights, max_model_len: int, images: ImageInputs):
+    def __init__(self, job: JobContext, weights: RolloutWeights, max_model_len: int, images: ImageInputs,
+                 stopping: threading.Event):
         self.job = job
+        self.stopping = stopping
         self.weights = weights
         self.images = images
         cfg = job.config.rollout.vllm
@@ -76,8 +79,11 @@ class VllmBackend:
             self.engine.update(update.version, update.method, *update.args)
         generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch)
         seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
-        gen = self.engine.generate(prompts, params, seeds, self._in_flight_update if self.in_flight else None,
-                                   images=self.images.of(batch.tensors))
+        try:
+            gen = self.engine.generate(prompts, params, seeds, self._in_flight_update if self.in_flight else None,
+                                       images=self.images.of(batch.tensors), stopping=self.stopping)
+        except GenerateAbandoned as exc:
+            raise StepAborted(str(exc)) from None
         if self.job.config.rollout.vllm.sleep and batch.minibatch == self.job.config.rollout_batch.minibatches - 1:
             self.engine.sleep()
             self.sleeping = True
