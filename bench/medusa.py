@@ -20,9 +20,18 @@ rejected, heads + 1 = all accepted), backbone forwards per mini-batch (the prefi
 decode in lock-step, so the slowest row sets it), and the ratios against plain decoding. Speculative decoding
 is lossless (tests/test_speculative.py), so the three columns sample the same distribution.
 
+The bound lines say what speculation can give on this machine at all: one backbone forward over
+the mini-batch's rows costs t(1) for one new position and t(K+1) for a verification of K drafts.
+If drafting and the acceptance test cost nothing and rows never waited for each other, heads that
+emit A tokens per verification step would be at most A t(1) / t(K+1) times faster: the ceiling
+is that with every draft accepted (A = K+1), the bound that with the companion heads' accept len,
+and the target needs A >= 1.5 t(K+1) / t(1). On a compute-bound CPU t(K+1) / t(1) is large and the
+ceiling near 1; on a memory-bound GPU the ratio is near 1 and the ceiling near K+1.
+
     .venv/bin/python bench/medusa.py            # the training run (~3 min) and the table
     .venv/bin/python bench/medusa.py --quick    # smoke run: 3 RL iterations, 20-step warm starts, 2 mini-batches
     .venv/bin/python bench/medusa.py --json     # the table, then one JSON object as the last line
+    .venv/bin/python bench/medusa.py --device cuda   # train as above, decode and time on the GPU
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from stream_rlhf.backends.speculative import generate_speculative
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
@@ -83,13 +93,20 @@ by mini-batch (so a slow spell of a shared machine hits all three), and its fast
 The seeds are the same in every pass, so every pass generates the same tokens."""
 
 
-def measure(cfg: RLJobConfig, minibatches: int, size: int) -> dict[str, dict[str, float]]:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that the clock reads finished work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(cfg: RLJobConfig, minibatches: int, size: int, device: torch.device) -> dict[str, dict[str, float]]:
     """tokens/s, accept len and forwards per mini-batch of each column over `minibatches`
     mini-batches of `size` prompts."""
     checkpoint = Path(cfg.run_dir) / "checkpoint"
-    model = load_policy(checkpoint).eval()
+    model = load_policy(checkpoint).eval().to(device)
     tokenizer = load_tokenizer(checkpoint)
-    heads = {"stale": load_heads(warm_start(cfg)).eval(), "companion": load_heads(checkpoint).eval()}
+    heads = {"stale": load_heads(warm_start(cfg)).eval().to(device),
+             "companion": load_heads(checkpoint).eval().to(device)}
     rollout = cfg.rollout
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens,
                             stop_token_ids(tokenizer, rollout.stop), tokenizer.pad_token_id)
@@ -102,13 +119,15 @@ def measure(cfg: RLJobConfig, minibatches: int, size: int) -> dict[str, dict[str
     for attempt in range(PASSES):
         for index, batch in enumerate(batches):
             for column in COLUMNS:
-                generator = seeded_generator(cfg.seed, "bench_medusa", index)
+                generator = seeded_generator(cfg.seed, "bench_medusa", index, device=device)
+                synchronize(device)
                 started = time.perf_counter()
                 with torch.inference_mode():
                     if column == "plain":
                         gen, stats = generate(model, batch, params, generator), None
                     else:
                         gen, stats = generate_speculative(model, heads[column], batch, params, generator)
+                    synchronize(device)
                 if index == 0:
                     continue  # warm-up
                 elapsed[column][attempt] += time.perf_counter() - started
@@ -131,16 +150,48 @@ def measure(cfg: RLJobConfig, minibatches: int, size: int) -> dict[str, dict[str
     }
 
 
+CEILING_PROMPT = 7
+"""Prompt positions in the KV cache under the timed forwards (the task's prompts have 5 to 7)."""
+
+
+def forward_costs(cfg: RLJobConfig, size: int, device: torch.device, repeats: int = 40) -> dict[str, float]:
+    """t(1) and t(K+1) of the module docstring at `size` rows, in ms: the fastest of `repeats`
+    forwards over 1 and over heads + 1 new positions, one thread, on the final policy."""
+    model = load_policy(Path(cfg.run_dir) / "checkpoint").eval().to(device)
+    prompt = torch.randint(3, model.config.vocab_size, (size, CEILING_PROMPT),
+                           generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+    positions = cfg.rollout.medusa.heads + 1
+    torch.set_num_threads(1)
+    best = {1: float("inf"), positions: float("inf")}
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(prompt, past_key_values=cache, use_cache=True)
+        for _ in range(repeats):
+            for length, fastest in best.items():
+                synchronize(device)
+                started = time.perf_counter()
+                model(prompt[:, :length], past_key_values=cache, use_cache=True)
+                synchronize(device)
+                best[length] = min(fastest, time.perf_counter() - started)
+                cache.crop(-length)
+    return {"one_ms": best[1] * 1e3, "verify_ms": best[positions] * 1e3}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 RL iterations, tiny warm starts")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    parser.add_argument("--device", default="cpu", help="where the three columns decode (training stays on CPU)")
     args = parser.parse_args()
+    device = torch.device(args.device)
     print("training (PPO with companion Medusa training)...", file=sys.stderr, flush=True)
     cfg = train(args.quick)
     size = cfg.rollout_batch.prompts_per_minibatch
-    results = measure(cfg, 2 if args.quick else 16, size)
-    small = measure(cfg, 2 if args.quick else 64, SMALL_BATCH)
+    results = measure(cfg, 2 if args.quick else 16, size, device)
+    small = measure(cfg, 2 if args.quick else 64, SMALL_BATCH, device)
+    scales = {size: ("", results), SMALL_BATCH: (f"_batch{SMALL_BATCH}", small)}  # rows: key suffix, table
+    costs = {rows: forward_costs(cfg, rows, device) for rows in scales}
+    heads = cfg.rollout.medusa.heads
     plain = results["plain"]["tokens_per_s"]
     figures = {
         "plain_tokens_per_s": round(plain, 1),
@@ -150,18 +201,28 @@ def main() -> None:
         "companion_accept_len": round(results["companion"]["accept_len"], 3),
         "speedup": round(results["companion"]["tokens_per_s"] / plain, 3),
         "stale_speedup": round(results["stale"]["tokens_per_s"] / plain, 3),
-        "heads": cfg.rollout.medusa.heads,
+        "heads": heads,
         f"speedup_batch{SMALL_BATCH}": round(small["companion"]["tokens_per_s"] / small["plain"]["tokens_per_s"], 3),
     }
-    for label, table in ((f"mini-batches of {size} prompts (the config's)", results),
-                         (f"mini-batches of {SMALL_BATCH} prompts", small)):
-        print(label)
+    for rows, (suffix, table) in scales.items():
+        step_ratio = costs[rows]["verify_ms"] / costs[rows]["one_ms"]  # t(K+1) / t(1)
+        figures[f"speedup_ceiling{suffix}"] = round((heads + 1) / step_ratio, 3)
+        figures[f"speedup_bound{suffix}"] = round(table["companion"]["accept_len"] / step_ratio, 3)
+        figures[f"accept_len_needed{suffix}"] = round(TARGETS["speedup"] * step_ratio, 3)
+    for rows, (_, table) in scales.items():
+        print(f"mini-batches of {rows} prompts" + (" (the config's)" if rows == size else ""))
         print(f"{'':14}{'tokens/s':>10}{'vs plain':>10}{'accept len':>12}{'forwards/mb':>13}")
         for column in COLUMNS:
             r = table[column]
             base = table["plain"]["tokens_per_s"]
             print(f"{column:14}{r['tokens_per_s']:>10.1f}{r['tokens_per_s'] / base:>10.2f}{r['accept_len']:>12.2f}"
                   f"{r['forwards']:>13.2f}")
+    for rows, (suffix, _) in scales.items():
+        print(f"{rows} rows: a forward costs {costs[rows]['one_ms']:.2f} ms for 1 new position and "
+              f"{costs[rows]['verify_ms']:.2f} ms for {heads + 1}; with free drafting and no lock-step, speculation "
+              f"could be at most {figures['speedup_ceiling' + suffix]:.2f}x with every draft accepted and "
+              f"{figures['speedup_bound' + suffix]:.2f}x with the companion heads; {TARGETS['speedup']}x needs "
+              f"{figures['accept_len_needed' + suffix]:.2f} tokens per step (at most {heads + 1})")
     print("targets: " + ", ".join(f"{k} >= {v} ({'pass' if figures[k] >= v else 'miss'})" for k, v in TARGETS.items()))
     if args.json:
         print(json.dumps(figures))

@@ -9,7 +9,7 @@ from tests.bench_run import run_bench_json
 pytestmark = pytest.mark.slow
 
 KEYS = {"plain_tokens_per_s", "stale_tokens_per_s", "companion_tokens_per_s", "stale_accept_len",
-        "companion_accept_len", "speedup"}
+        "companion_accept_len", "speedup", "speedup_ceiling"}
 
 
 def test_bench_medusa_quick_json(tmp_path):
@@ -20,4 +20,7 @@ def test_bench_medusa_quick_json(tmp_path):
     heads = figures["heads"]
     for key in ("stale_accept_len", "companion_accept_len"):  # tokens per verification step and row
         assert 1.0 <= figures[key] <= heads + 1, (key, figures[key])
+    # with every draft accepted and free, the bound is above 1 and at most heads + 1 (a forward over
+    # heads + 1 positions costs no less than one over a single position)
+    assert 1.0 < figures["speedup_ceiling"] <= heads + 1 + 0.5, figures["speedup_ceiling"]
     assert "accept len" in stdout  # the human table comes first

@@ -26,7 +26,7 @@ class JobContext:
         return Path(self.config.run_dir)
 
 
-def seeded_generator(*parts: int | str) -> torch.Generator:
-    """A generator seeded by `parts` (seed, iteration, mini-batch...): the same mini-batch samples
-    the same way whichever schedule, instance or process handles it."""
-    return torch.Generator().manual_seed(random.Random("/".join(map(str, parts))).getrandbits(63))
+def seeded_generator(*parts: int | str, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on `device` seeded by `parts` (seed, iteration, mini-batch...): the same
+    mini-batch samples the same way whichever schedule, instance or process handles it."""
+    return torch.Generator(device).manual_seed(random.Random("/".join(map(str, parts))).getrandbits(63))
