@@ -165,6 +165,25 @@ def test_in_flight_update_labels_each_token_with_its_version(engine, checkpoint,
     assert logprob_error(old, prompts, gen, 1.0, upto=switched) < 1e-4
 
 
+def test_updates_log_no_warning_for_the_layers_they_leave_alone(checkpoint, tmp_path, capfd):
+    """vLLM's layer-wise reload warns "RotaryEmbedding: Failed to load weights" on every update,
+    since no checkpoint holds the rotary cos/sin cache (vLLM keeps the layer's own, rightly); the
+    worker extension drops that line during its reloads. An engine of its own, so that its output
+    is this test's."""
+    client = VllmClient(str(checkpoint), VllmOptions(max_model_len=64, cpu_cores=[0]), python=vllm_python(),
+                        start_timeout_s=300)
+    try:
+        store = WeightStore(tmp_path, "actor")
+        for version in (1, 2):
+            store.publish(perturbed(load_policy(checkpoint).eval(), seed=version), version=version)
+            client.update(version, "srl_load_file", str(store.path(version)))
+    finally:
+        client.close()
+    log = "".join(capfd.readouterr())
+    assert "Failed to load weights" not in log
+    assert "layerwise" not in log
+
+
 def test_a_failed_request_is_reported_and_the_engine_keeps_serving(engine, prompts, tmp_path):
     with pytest.raises(VllmEngineError, match="missing.safetensors"):
         engine.update(9, "srl_load_file", str(tmp_path / "missing.safetensors"))

@@ -83,6 +83,7 @@ class VllmClient:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.setdefault("PYTHONUNBUFFERED", "1")  # its log lines when they happen, even into a file or pipe
         command = [self.python, "-m", "stream_rlhf.backends.vllm_server", f"ipc://{self._ipc_path}", checkpoint,
                    json.dumps(asdict(options))]
         try:

@@ -16,11 +16,16 @@ Weights are loaded with `reload_weights(..., is_checkpoint_format=True)`: on the
 linear layers are prepacked oneDNN handles and `model.load_weights` fails; reload restores,
 loads and re-packs them. The caller resets the prefix cache afterwards (KV blocks computed by the
 old weights would be reused otherwise). A model with tied embeddings gets `lm_head.weight` from
-the embedding, or vLLM would keep sampling from the old head.
+the embedding, or vLLM would keep sampling from the old head. During a reload, vLLM
+warns "<layer class>: Failed to load weights" for every layer the update holds nothing for and
+puts the layer's own tensors back, which is what an update of the trained parameters wants for
+the rotary cos/sin caches and a VLM's frozen vision tower: those lines are dropped from the
+worker's log while one of our reloads runs (`KeptOwnTensors`), and every other line still shows.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,6 +35,15 @@ from torch import Tensor
 from stream_rlhf.weights.shm_store import reading
 
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+KEPT_OWN_TENSORS = ": Failed to load weights"  # after the layer's class name
+
+
+class KeptOwnTensors(logging.Filter):
+    """Drops vLLM's warning for a layer a reload held nothing for (it keeps its own tensors)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().endswith(KEPT_OWN_TENSORS)
 
 
 def with_tied_head(named: Iterable[tuple[str, Tensor]], tied: bool) -> list[tuple[str, Tensor]]:
@@ -89,4 +103,9 @@ class WeightSyncExtension:
         config = self.model_runner.model_config.hf_config
         # a text model's own config; Qwen2-VL's text config has none, its top config does
         tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", config.tie_word_embeddings))
-        self.reload_weights(weights_iterator=iter(with_tied_head(named, tied)), is_checkpoint_format=True)
+        reload_log, kept = logging.getLogger(RELOAD_LOGGER), KeptOwnTensors()
+        reload_log.addFilter(kept)
+        try:
+            self.reload_weights(weights_iterator=iter(with_tied_head(named, tied)), is_checkpoint_format=True)
+        finally:
+            reload_log.removeFilter(kept)
