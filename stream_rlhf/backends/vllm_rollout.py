@@ -145,8 +145,13 @@ class VllmRollout:
             raise ValueError(f"images: {len(images)} for {len(prompts)} prompts: must be one per prompt")
         if images is not None and self.image_token_id is None:
             raise ValueError("images given to the engine of a text-only checkpoint")
+        if not prompts:
+            return _generation([])
+        # vLLM's own rendering of each prompt (token ids, image placeholders and embeddings)
+        inputs = self.engine.renderer.render_cmpl(
+            [self._prompt(prompt, None if images is None else images[i]) for i, prompt in enumerate(prompts)])
         ids = []
-        for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        for engine_input, seed in zip(inputs, seeds):
             request_id = f"r{next(self._request_ids)}"
             sampling = VllmSamplingParams(
                 temperature=params.temperature,
@@ -159,7 +164,7 @@ class VllmRollout:
                 detokenize=False,
                 logit_bias=self.no_image_tokens,
             )
-            self.engine.add_request(request_id, self._prompt(prompt, None if images is None else images[i]), sampling)
+            self.engine.add_request(request_id, engine_input, sampling)
             ids.append(request_id)
         finished: dict[str, Any] = {}
         while self.engine.has_unfinished_requests():
