@@ -45,6 +45,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from stream_rlhf.backends.speculative import generate_speculative
@@ -52,7 +53,7 @@ from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.config import load_config
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer, stop_token_ids
-from stream_rlhf.models.medusa import load_heads
+from stream_rlhf.models.medusa import MedusaHeads, load_heads
 from stream_rlhf.models.warm_start import warm_start
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.job_context import seeded_generator
@@ -99,21 +100,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(cfg: RLJobConfig, minibatches: int, size: int, device: torch.device) -> dict[str, dict[str, float]]:
+def measure(cfg: RLJobConfig, model: nn.Module, heads: dict[str, MedusaHeads], minibatches: int,
+            size: int) -> dict[str, dict[str, float]]:
     """tokens/s, accept len and forwards per mini-batch of each column over `minibatches`
     mini-batches of `size` prompts."""
-    checkpoint = Path(cfg.run_dir) / "checkpoint"
-    model = load_policy(checkpoint).eval().to(device)
-    tokenizer = load_tokenizer(checkpoint)
-    heads = {"stale": load_heads(warm_start(cfg)).eval().to(device),
-             "companion": load_heads(checkpoint).eval().to(device)}
+    device = next(model.parameters()).device
+    tokenizer = load_tokenizer(Path(cfg.run_dir) / "checkpoint")
     rollout = cfg.rollout
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens,
                             stop_token_ids(tokenizer, rollout.stop), tokenizer.pad_token_id)
     prompts = [torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)])
                for p in problems("eval", size * (minibatches + 1), cfg.task.seed, cfg.task.max_operand)]
     batches = [prompts[i * size:(i + 1) * size] for i in range(minibatches + 1)]
-    torch.set_num_threads(1)  # rollout's placement: one core
     elapsed = {column: [0.0] * PASSES for column in COLUMNS}
     counts = {column: dict.fromkeys(("tokens", "row_steps", "accepted", "forwards"), 0) for column in COLUMNS}
     for attempt in range(PASSES):
@@ -154,14 +152,13 @@ CEILING_PROMPT = 7
 """Prompt positions in the KV cache under the timed forwards (the task's prompts have 5 to 7)."""
 
 
-def forward_costs(cfg: RLJobConfig, size: int, device: torch.device, repeats: int = 40) -> dict[str, float]:
+def forward_costs(cfg: RLJobConfig, model: nn.Module, size: int, repeats: int = 40) -> dict[str, float]:
     """t(1) and t(K+1) of the module docstring at `size` rows, in ms: the fastest of `repeats`
-    forwards over 1 and over heads + 1 new positions, one thread, on the final policy."""
-    model = load_policy(Path(cfg.run_dir) / "checkpoint").eval().to(device)
+    forwards of `model` over 1 and over heads + 1 new positions."""
+    device = next(model.parameters()).device
     prompt = torch.randint(3, model.config.vocab_size, (size, CEILING_PROMPT),
                            generator=torch.Generator().manual_seed(cfg.seed)).to(device)
     positions = cfg.rollout.medusa.heads + 1
-    torch.set_num_threads(1)
     best = {1: float("inf"), positions: float("inf")}
     with torch.inference_mode():
         cache = DynamicCache()
@@ -186,11 +183,16 @@ def main() -> None:
     device = torch.device(args.device)
     print("training (PPO with companion Medusa training)...", file=sys.stderr, flush=True)
     cfg = train(args.quick)
+    checkpoint = Path(cfg.run_dir) / "checkpoint"
+    model = load_policy(checkpoint).eval().to(device)
+    medusa = {"stale": load_heads(warm_start(cfg)).eval().to(device),
+              "companion": load_heads(checkpoint).eval().to(device)}
+    torch.set_num_threads(1)  # rollout's placement: one core
     size = cfg.rollout_batch.prompts_per_minibatch
-    results = measure(cfg, 2 if args.quick else 16, size, device)
-    small = measure(cfg, 2 if args.quick else 64, SMALL_BATCH, device)
+    results = measure(cfg, model, medusa, 2 if args.quick else 16, size)
+    small = measure(cfg, model, medusa, 2 if args.quick else 64, SMALL_BATCH)
     scales = {size: ("", results), SMALL_BATCH: (f"_batch{SMALL_BATCH}", small)}  # rows: key suffix, table
-    costs = {rows: forward_costs(cfg, rows, device) for rows in scales}
+    costs = {rows: forward_costs(cfg, model, rows) for rows in scales}
     heads = cfg.rollout.medusa.heads
     plain = results["plain"]["tokens_per_s"]
     figures = {
@@ -199,12 +201,11 @@ def main() -> None:
         "companion_tokens_per_s": round(results["companion"]["tokens_per_s"], 1),
         "stale_accept_len": round(results["stale"]["accept_len"], 3),
         "companion_accept_len": round(results["companion"]["accept_len"], 3),
-        "speedup": round(results["companion"]["tokens_per_s"] / plain, 3),
         "stale_speedup": round(results["stale"]["tokens_per_s"] / plain, 3),
         "heads": heads,
-        f"speedup_batch{SMALL_BATCH}": round(small["companion"]["tokens_per_s"] / small["plain"]["tokens_per_s"], 3),
     }
     for rows, (suffix, table) in scales.items():
+        figures[f"speedup{suffix}"] = round(table["companion"]["tokens_per_s"] / table["plain"]["tokens_per_s"], 3)
         step_ratio = costs[rows]["verify_ms"] / costs[rows]["one_ms"]  # t(K+1) / t(1)
         figures[f"speedup_ceiling{suffix}"] = round((heads + 1) / step_ratio, 3)
         figures[f"speedup_bound{suffix}"] = round(table["companion"]["accept_len"] / step_ratio, 3)

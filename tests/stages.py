@@ -91,8 +91,7 @@ class StuckWorker(Stage):
 
     def step(self, batch: Batch | None) -> list[Output]:
         (self.ready_dir / "started").touch()
-        while not self.ctx.stopping.wait(0.05):
-            pass
+        self.ctx.stopping.wait()
         raise StepAborted(f"{self.ctx.instance_id}: gave up mini-batch {batch.minibatch}")
 
 

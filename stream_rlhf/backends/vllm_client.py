@@ -148,8 +148,7 @@ class VllmClient:
         after an abandoned generate (the engine would only read Close once that one is done)."""
         if self._abandoned and self.process.poll() is None:
             log.warning("vLLM engine process %d is busy with an abandoned generate: killing it", self.process.pid)
-            self._kill()
-        if self.process.poll() is None:
+        elif self.process.poll() is None:
             try:
                 self._request(wire.Close(), "close", timeout_s)
             except VllmEngineError as exc:
@@ -158,7 +157,7 @@ class VllmClient:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 log.warning("vLLM engine process %d did not exit: killing it", self.process.pid)
-        self._kill()  # also what vLLM left of its group, if anything
+        self._kill()  # the engine if it still runs, and anything vLLM left in its group
         self._close_socket()
 
     def _kill(self) -> None:
