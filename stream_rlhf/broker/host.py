@@ -51,8 +51,12 @@ class StageHost:
         prefetch: int = 2,
         wait_for_credit: bool = True,
         timeline: Path | None = None,
+        before_step: Callable[[Handle], None] | None = None,
     ):
         self.stage = stage
+        self.before_step = before_step
+        """Called with each fetched handle before the stage steps on it (a rank group's leader
+        shares it with the other ranks)."""
         self.stage_name = stage_name
         self.instance_id = instance_id
         self.transport = transport
@@ -124,6 +128,8 @@ class StageHost:
             self.send(Nack(handle.id, f"payload unavailable: {exc}", requeue=False))
             self._replenish(handle.topic)
             return
+        if self.before_step is not None:
+            self.before_step(handle)
         fetched = time.perf_counter()
         self.counters["fetch_s"] += fetched - started
         try:

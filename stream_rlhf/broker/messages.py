@@ -15,6 +15,10 @@ Control plane (stage <-> broker, one MessagePack frame per message):
       | <------------ Control(op)     |   weights_ready(version), pause, resume, drain, shutdown
       | Stats(counters) <-----------> |
 
+Rank group (a stage instance's leader -> its other ranks, over torch.distributed, `rank_group.py`):
+GroupSetup once after the handshake, then GroupBatch per delivered handle, GroupWeights per
+weights_ready, GroupStop last.
+
 Payload plane (consumer -> producer's payload server): FetchRequest, answered by FetchReply
 followed by one raw frame per requested field (tensor bytes, sent and received zero-copy).
 
@@ -196,6 +200,35 @@ class FetchReply(msgspec.Struct, tag="fetch_reply", frozen=True):
     error: str = ""
 
 
+class GroupSetup(msgspec.Struct, tag="group_setup", frozen=True):
+    """Leader -> the other ranks of its stage instance, after its handshake: the topics it was
+    registered with (they set their stage up with them)."""
+
+    inputs: list[str] = []
+    outputs: list[str] = []
+
+
+class GroupBatch(msgspec.Struct, tag="group_batch", frozen=True):
+    """Leader -> ranks: step on this delivered handle (each rank fetches its payload itself)."""
+
+    handle: Handle
+
+
+class GroupWeights(msgspec.Struct, tag="group_weights", frozen=True):
+    """Leader -> ranks: the broker announced weights of `version`."""
+
+    version: int
+
+
+class GroupStop(msgspec.Struct, tag="group_stop", frozen=True):
+    """Leader -> ranks: the instance stops; close the stage and exit."""
+
+    reason: str = ""
+
+
+GroupMessage = Union[GroupSetup, GroupBatch, GroupWeights, GroupStop]
+
+
 class MessageRejected(ValueError):
     """A frame that is not a well-formed message of this schema. The text says why."""
 
@@ -204,9 +237,10 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _fetch_request_decoder = msgspec.msgpack.Decoder(FetchRequest)
 _fetch_reply_decoder = msgspec.msgpack.Decoder(FetchReply)
+_group_decoder = msgspec.msgpack.Decoder(GroupMessage)
 
 
-def encode(message: Message | FetchRequest | FetchReply) -> bytes:
+def encode(message: Message | FetchRequest | FetchReply | GroupMessage) -> bytes:
     return _encoder.encode(message)
 
 
@@ -229,4 +263,12 @@ def decode_fetch_reply(frame: bytes | memoryview) -> FetchReply:
     try:
         return _fetch_reply_decoder.decode(frame)
     except (msgspec.MsgspecError, ValueError) as exc:  # ValueError: e.g. invalid UTF-8 in a str
+        raise MessageRejected(f"{type(exc).__name__}: {exc}") from None
+
+
+def decode_group(frame: bytes | memoryview) -> GroupMessage:
+    """Decode what a stage instance's leader shared with its other ranks (`rank_group.py`)."""
+    try:
+        return _group_decoder.decode(frame)
+    except (msgspec.MsgspecError, ValueError) as exc:
         raise MessageRejected(f"{type(exc).__name__}: {exc}") from None

@@ -8,6 +8,11 @@ Threads:
     stage thread  (the caller of run()) calls the stage through a StageHost; it sends by writing
                   encoded frames to an inproc pipe that the io thread forwards to the broker
 
+A stage instance of several ranks (`rank_group.py`) runs this on its leader only: after the
+handshake it shares GroupSetup with the other ranks, then every handle it fetches (GroupBatch,
+then a barrier, so that the others have fetched it before it is acked), every weights_ready
+(GroupWeights), and GroupStop when it stops (`group_follower.py` is the other ranks' side).
+
 Shutdown is a state machine, and signals only flip the state:
     RUNNING --SIGTERM/SIGINT, Control(drain|shutdown), source exhausted--> DRAINING
     DRAINING: no new credit; deliveries not yet started are nacked back to the broker; waits for
@@ -42,6 +47,11 @@ from stream_rlhf.broker.messages import (
     ControlOp,
     Deliver,
     Error,
+    GroupBatch,
+    GroupSetup,
+    GroupStop,
+    GroupWeights,
+    Handle,
     Heartbeat,
     Hello,
     Message,
@@ -54,6 +64,7 @@ from stream_rlhf.broker.messages import (
     decode,
 )
 from stream_rlhf.broker.payload import PayloadTransport, ShmTransport
+from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.stage import Stage, StageContext, StepAborted
 
@@ -83,8 +94,11 @@ class StageRunner:
         capabilities: list[str] = (),
         shm_prefix: str = "srlhf",
         timeline: Path | None = None,
+        group: RankGroup | None = None,
     ):
         self.stage = stage
+        self.group = group or RankGroup.single()
+        self._group_stopped = not self.group.distributed
         self.stage_name = stage_name
         self.instance_id = instance_id
         self.broker_address = broker_address
@@ -96,7 +110,8 @@ class StageRunner:
         self.paused = False
         self._context = zmq.Context()
         self.transport = transport or ShmTransport(prefix=shm_prefix, context=self._context)
-        self.host = StageHost(stage, stage_name, instance_id, self.transport, self._send, prefetch, timeline=timeline)
+        self.host = StageHost(stage, stage_name, instance_id, self.transport, self._send, prefetch, timeline=timeline,
+                              before_step=self._share_batch if self.group.distributed else None)
         # Deliver / Control for the stage thread; None only wakes it (new producer credit)
         self._inbox: queue.SimpleQueue[Deliver | Control | None] = queue.SimpleQueue()
         self._ready = threading.Event()
@@ -127,9 +142,10 @@ class StageRunner:
         self._io_thread.start()
         try:
             self._await_handshake()
+            self.group.share(GroupSetup(self.host.inputs, self.host.outputs))
             self.stage.setup(
                 StageContext(self.stage_name, self.instance_id, self.host.inputs, self.host.outputs, self._send_control,
-                             self.log, self.host.abort)
+                             self.log, self.host.abort, self.group)
             )
             while self.state is not RunnerState.STOPPED:
                 self._turn()
@@ -166,6 +182,7 @@ class StageRunner:
 
     def _on_control(self, control: Control) -> None:
         if control.op == "weights_ready":
+            self.group.share(GroupWeights(control.version))
             self.stage.on_weights(control.version)
         elif control.op in ("pause", "resume"):
             self.paused = control.op == "pause"
@@ -220,6 +237,21 @@ class StageRunner:
         if self._fatal:
             raise HandshakeError(f"{self.instance_id}: broker refused the handshake: {self._fatal}")
 
+    def _share_batch(self, handle: Handle) -> None:
+        """Every rank of the group fetches `handle` before the leader steps on it (and acks it)."""
+        self.group.share(GroupBatch(handle))
+        self.group.barrier()
+
+    def _stop_group(self) -> None:
+        """Tell the other ranks to stop (once); a group whose ranks are gone is only logged."""
+        if self._group_stopped:
+            return
+        self._group_stopped = True
+        try:
+            self.group.share(GroupStop(self.state.value))
+        except Exception as exc:  # noqa: BLE001 - a dead rank: the launcher reports it
+            self.log.warning("%s: could not tell the other ranks to stop: %s", self.instance_id, exc)
+
     def _send_control(self, op: ControlOp, version: int = -1) -> None:
         self._send(Control(op, "*", version))
 
@@ -233,6 +265,7 @@ class StageRunner:
     def _shutdown(self) -> None:
         self.state = RunnerState.STOPPED
         try:
+            self._stop_group()
             self.stage.close()
         finally:
             if self._io_thread.is_alive():

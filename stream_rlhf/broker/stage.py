@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stream_rlhf.broker.messages import ControlOp, Handle, MetadataValue
+from stream_rlhf.broker.rank_group import RankGroup
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,11 @@ class StageContext:
     """Set when the instance must stop now (the broker's shutdown, a second signal, the broker
     gone while draining): a step that waits on something outside, an engine process say, gives
     up its input by raising StepAborted."""
+    group: RankGroup = field(default_factory=RankGroup.single)
+    """This instance's ranks and this rank's device. Every rank runs the stage's logic on every
+    handle; only the leader's outputs are published and only its `send_control` reaches the broker
+    (on the others it does nothing). Work that must happen once (files, metrics) checks
+    `group.is_leader`."""
 
 
 class StepAborted(RuntimeError):

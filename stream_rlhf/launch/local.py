@@ -5,6 +5,10 @@
     job.wait(timeout_s=300)   # raises StageFailed naming the instance if one crashes
     job.stop()
 
+A stage of `ranks` > 1 runs each instance as that many processes, one torch.distributed group
+(`broker/rank_group.py`): rank 0 is the broker client, the others follow it. A rank that dies fails
+the job, or restarts its whole group when the stage has restarts left.
+
 Processes are started with `spawn` (no forked sockets or threads). A crashed stage prints its own
 traceback; the launcher names it and stops the rest cleanly. Ctrl-C drains every stage, then stops
 the broker, which unlinks what shared memory is left.
@@ -18,8 +22,10 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +58,14 @@ class StageSpec:
     """How often the launcher restarts a crashed instance before failing the job."""
     timeline: str | None = None
     """Folder where each instance writes one JSON line per step (start, end, iteration)."""
+    ranks: int = 1
+    """Processes per instance, one torch.distributed group (gloo on CPU, NCCL on CUDA)."""
+    devices: list[str] | None = None
+    """The torch device of each rank (`cpu`, `cuda:N`); None: `cpu` for every rank."""
+    rank_cores: list[list[int]] | None = None
+    """The cores of each rank (with `threads` torch threads each); None: `cores` for every rank."""
+    group_timeout_s: float = 3600.0
+    """How long a rank waits in a collective (a follower waits this long for its leader's next handle)."""
 
     def __post_init__(self) -> None:
         if ":" not in self.cls:
@@ -64,6 +78,18 @@ class StageSpec:
             raise ConfigError(f"threads={self.threads}: must be >= 1")
         if self.restarts < 0:
             raise ConfigError(f"restarts={self.restarts}: must be >= 0")
+        if self.ranks < 1:
+            raise ConfigError(f"ranks={self.ranks}: must be >= 1")
+        for name in ("devices", "rank_cores"):
+            value = getattr(self, name)
+            if value is not None and len(value) != self.ranks:
+                raise ConfigError(f"{name}={value}: one entry per rank, {self.ranks} rank(s)")
+
+    def device(self, rank: int) -> str:
+        return self.devices[rank] if self.devices else "cpu"
+
+    def cores_of(self, rank: int) -> list[int] | None:
+        return self.rank_cores[rank] if self.rank_cores else self.cores
 
 
 class StageFailed(RuntimeError):
@@ -107,10 +133,11 @@ def _broker_main(
     server.serve()
 
 
-def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str) -> None:
+def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str,
+                rank: int = 0, init_file: str | None = None) -> None:
     child_signals()
     setup_logging()
-    run_stage(stage_name, instance_id, spec, address, key_dir, prefix)
+    run_stage(stage_name, instance_id, spec, address, key_dir, prefix, rank, init_file)
     # the instance has stopped cleanly; skip interpreter teardown, which takes seconds per
     # process once torch and transformers are loaded (a crash above still exits with its traceback)
     logging.shutdown()
@@ -119,21 +146,36 @@ def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str
     os._exit(0)
 
 
-def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str) -> None:
-    """Build the stage from its spec and run it attached to the broker at `address` until it stops."""
+def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str,
+              rank: int = 0, init_file: str | None = None) -> None:
+    """Build the stage from its spec and run rank `rank` of the instance until it stops: rank 0
+    attached to the broker at `address`, the others following it (`init_file`: the group's
+    rendezvous, with `spec.ranks` > 1)."""
+    from stream_rlhf.broker.group_follower import GroupFollower
+    from stream_rlhf.broker.payload import ShmTransport
+    from stream_rlhf.broker.rank_group import RankGroup, RankSpec
     from stream_rlhf.broker.runner import StageRunner
 
-    if spec.cores is not None:
-        os.sched_setaffinity(0, spec.cores)
+    cores = spec.cores_of(rank)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
     if spec.threads is not None:
         import torch
 
         torch.set_num_threads(spec.threads)
-    stage = load_class(spec.cls)(**spec.kwargs)
-    timeline = Path(spec.timeline) / f"{instance_id}.jsonl" if spec.timeline else None
-    StageRunner(
-        stage, stage_name, instance_id, address, key_dir, prefetch=spec.prefetch, shm_prefix=prefix, timeline=timeline
-    ).run()
+    group = RankGroup.join(RankSpec(rank, spec.ranks, init_file, spec.device(rank), spec.group_timeout_s))
+    try:
+        stage = load_class(spec.cls)(**spec.kwargs)
+        if rank > 0:
+            GroupFollower(stage, stage_name, instance_id, group, ShmTransport(prefix=prefix, serve=False)).run()
+            return
+        timeline = Path(spec.timeline) / f"{instance_id}.jsonl" if spec.timeline else None
+        StageRunner(
+            stage, stage_name, instance_id, address, key_dir, prefetch=spec.prefetch, shm_prefix=prefix,
+            timeline=timeline, group=group,
+        ).run()
+    finally:
+        group.close()
 
 
 class LocalJob:
@@ -160,7 +202,10 @@ class LocalJob:
         self._ctx = mp.get_context("spawn")
         self.broker_process: mp.Process | None = None
         self.processes: dict[str, mp.Process] = {}
+        """By process name: the instance id for rank 0, `<instance id>.rank<r>` for the others."""
         self.restarts_left = {name: spec.restarts for name, spec in stages.items()}
+        self._rendezvous: str | None = None  # folder of the rank groups' init files
+        self._group_starts = 0
 
     @property
     def key_dir(self) -> str | None:
@@ -195,15 +240,24 @@ class LocalJob:
                     raise StageFailed(f"the broker was not listening after {timeout_s}s") from None
 
     def start_instance(self, stage_name: str, index: int) -> mp.Process:
+        """Start every rank of instance `index` of `stage_name`; returns its leader's process."""
         instance_id = f"{stage_name}-{index}"
-        process = self._ctx.Process(
-            target=_stage_main,
-            args=(stage_name, instance_id, self.stages[stage_name], self.address, self.key_dir, self.broker.shm_prefix),
-            name=instance_id,
-        )
-        process.start()
-        self.processes[instance_id] = process
-        return process
+        spec = self.stages[stage_name]
+        init_file = None
+        if spec.ranks > 1:
+            self._rendezvous = self._rendezvous or tempfile.mkdtemp(prefix="srlhf-groups-")
+            self._group_starts += 1
+            init_file = os.path.join(self._rendezvous, f"{instance_id}-{self._group_starts}")
+        for rank in range(spec.ranks):
+            name = rank_process_name(instance_id, rank)
+            process = self._ctx.Process(
+                target=_stage_main,
+                args=(stage_name, instance_id, spec, self.address, self.key_dir, self.broker.shm_prefix, rank, init_file),
+                name=name,
+            )
+            process.start()
+            self.processes[name] = process
+        return self.processes[instance_id]
 
     def wait(self, timeout_s: float, watch: Callable[[], None] | None = None, watch_every_s: float = 2.0) -> None:
         """Until every stage process has exited; a failed one stops the job and raises. `watch` is
@@ -234,14 +288,20 @@ class LocalJob:
             self.stop()
             raise StageFailed(f"stage instance(s) failed: {failed}; traceback above")
 
-    def _restart(self, instance_id: str) -> bool:
-        """Restart a crashed instance if its stage allows more restarts; False when it does not."""
+    def _restart(self, process_name: str) -> bool:
+        """Restart the instance of a crashed process (all of its ranks) if its stage allows more
+        restarts; False when it does not."""
+        if self.processes[process_name].exitcode in (None, 0):
+            return True  # started again already, with another rank of its group
+        instance_id = process_name.partition(".rank")[0]
         stage_name, _, index = instance_id.rpartition("-")
         if self.restarts_left.get(stage_name, 0) <= 0:
             return False
         self.restarts_left[stage_name] -= 1
-        log.warning("%s exited with %s: restarting it (%d restart(s) left for %s)", instance_id,
-                    self.processes[instance_id].exitcode, self.restarts_left[stage_name], stage_name)
+        log.warning("%s exited with %s: restarting %s (%d restart(s) left for %s)", process_name,
+                    self.processes[process_name].exitcode, instance_id, self.restarts_left[stage_name], stage_name)
+        for rank in range(self.stages[stage_name].ranks):  # the survivors of a group wait on the dead rank
+            _end(self.processes.pop(rank_process_name(instance_id, rank)), grace_s=5.0)
         self.start_instance(stage_name, int(index))
         return True
 
@@ -279,15 +339,28 @@ class LocalJob:
             process.join(max(0.1, deadline - time.monotonic()))
             if process.is_alive():
                 log.warning("%s ignored shutdown: terminating", process.name)
-                process.terminate()
-                process.join(5)
-            if process.is_alive():
-                log.warning("%s ignored SIGTERM: killing it", process.name)
-                process.kill()
-                process.join(5)
+                _end(process, grace_s=5.0)
         if self.broker_process.is_alive():
             self.broker_process.terminate()  # SIGTERM: the broker's clean stop
             self.broker_process.join(grace_s)
         if self.broker_process.is_alive():
             self.broker_process.kill()
         self.broker_process = None
+        if self._rendezvous is not None:
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
+            self._rendezvous = None
+
+
+def rank_process_name(instance_id: str, rank: int) -> str:
+    return instance_id if rank == 0 else f"{instance_id}.rank{rank}"
+
+
+def _end(process: mp.Process, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL what ignores it for `grace_s`."""
+    if process.is_alive():
+        process.terminate()
+        process.join(grace_s)
+    if process.is_alive():
+        log.warning("%s ignored SIGTERM: killing it", process.name)
+        process.kill()
+        process.join(5)

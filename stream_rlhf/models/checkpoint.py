@@ -116,12 +116,14 @@ def is_vision_language(path: str | Path) -> bool:
     return hasattr(AutoConfig.from_pretrained(str(path)), "vision_config")
 
 
-def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> None:
-    """Save a policy as a folder that both transformers and vLLM load. A vision-language one also
-    gets what vLLM's Qwen2-VL processor reads: `preprocessor_config.json`, and a tokenizer that
-    names a video token (ours has no `<|video_pad|>`: the token `video_token_id` stands for)."""
+def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: str | Path,
+                    state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Save a policy (with `state_dict` in place of its own: a sharded model's gathered weights)
+    as a folder that both transformers and vLLM load. A vision-language one also gets what vLLM's
+    Qwen2-VL processor reads: `preprocessor_config.json`, and a tokenizer that names a video token
+    (ours has no `<|video_pad|>`: the token `video_token_id` stands for)."""
     folder = Path(folder)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, state_dict=state_dict)
     tokenizer.save_pretrained(folder)
     vision = getattr(model.config, "vision_config", None)
     if vision is None:

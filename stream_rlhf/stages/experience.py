@@ -106,6 +106,19 @@ class Experience:
         out = pad_right(per_sample, 0.0)
         return torch.nn.functional.pad(out, (0, self.mask.shape[1] - out.shape[1]))
 
+    def to(self, device: torch.device) -> Experience:
+        """The same samples with every tensor on `device` (image features move when fed)."""
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                moved[f.name] = value.to(device)
+            elif f.name == "sequences":
+                moved[f.name] = [s.to(device) for s in value]
+            else:
+                moved[f.name] = value
+        return Experience(**moved)
+
     def select(self, index: Tensor) -> Experience:
         """The samples at `index` (an optimizer step's share)."""
         picked = {}

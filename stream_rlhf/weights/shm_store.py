@@ -52,9 +52,10 @@ class WeightStore:
         self.folder = Path(root) / model_name
         self.keep = keep
 
-    def publish(self, model: nn.Module, version: int, metadata: dict[str, str] | None = None) -> None:
-        """Publish `model`'s weights as `version` (versions must increase), with optional string
-        metadata that readers get from `metadata(version)`."""
+    def publish(self, model: nn.Module | dict[str, Tensor], version: int, metadata: dict[str, str] | None = None) -> None:
+        """Publish `model`'s weights (or a state dict, e.g. a train engine's `export_weights`) as
+        `version` (versions must increase), with optional string metadata that readers get from
+        `metadata(version)`."""
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(version)
         tmp = path.with_suffix(".tmp")
@@ -97,13 +98,17 @@ class WeightStore:
         version = self.latest_version()
         if version < 0:
             raise FileNotFoundError(f"no weights published in {self.folder}")
-        path = self.path(version)
         try:
-            with reading(path):
-                load_model(model, str(path))
+            self.load_version(model, version)
         except FileNotFoundError:  # gone between reading LATEST and opening: a newer one exists
             return self.load_into(model)
         return version
+
+    def load_version(self, model: nn.Module, version: int) -> None:
+        """Load `version` into `model` in place (FileNotFoundError once it has left the window)."""
+        path = self.path(version)
+        with reading(path):
+            load_model(model, str(path))
 
     def path(self, version: int) -> Path:
         """The file of `version` (a reader that opens it after `keep` newer versions finds it gone)."""
@@ -157,10 +162,11 @@ def write_safetensors(f: BinaryIO, tensors: dict[str, Tensor], metadata: dict[st
     f.flush()
 
 
-def _stored_tensors(model: nn.Module, metadata: dict[str, str] | None) -> tuple[dict[str, Tensor], dict[str, str]]:
+def _stored_tensors(model: nn.Module | dict[str, Tensor],
+                    metadata: dict[str, str] | None) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The state dict `save_model` would store: tied tensors once (the dropped names recorded in
     the metadata, as `save_model` records them, so `load_model` restores them)."""
-    state = model.state_dict()
+    state = dict(model) if isinstance(model, dict) else model.state_dict()
     for name, tensor in state.items():
         if tensor.dtype not in DTYPES:
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be stored (one of {sorted(DTYPES.values())})")

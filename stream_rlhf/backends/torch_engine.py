@@ -1,0 +1,207 @@
+"""The `torch` train engine: a Hugging Face model on this rank's device, FSDP2 across the ranks.
+
+    engine = TorchTrainEngine(load_policy(path), ctx.group, optimizer=cfg.actor)   # trains: sharded
+    engine = TorchTrainEngine(load_critic(path), ctx.group)                        # forward only: replicated
+
+A training engine of several ranks shards its model with FSDP2 (`fully_shard` on every decoder
+layer, then on the whole): each rank holds 1/world of the parameters, gradients and optimizer
+state, and each optimizer step's samples are split over the ranks. Each rank's loss is scaled by
+its share of the step's response tokens, so the averaged gradient is exactly that of the token
+mean over all samples, as on one rank. A forward-only engine keeps a whole copy of the model on
+every rank (data parallel: each rank computes its share of a mini-batch, then all gather).
+
+Log-probs go through the fused kernel (`models/packing.sequence_logprobs`), which reads the LM
+head's weight directly; under FSDP2 the policy is called through `PolicyLogprobs`, the module
+FSDP shards as the root, so that the embedding and head are gathered around it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from stream_rlhf.backends.train_engine import LossFn, Offloadable
+from stream_rlhf.broker.rank_group import RankGroup
+from stream_rlhf.models.checkpoint import save_checkpoint
+from stream_rlhf.models.packing import packed_forward, sequence_logprobs
+from stream_rlhf.models.vision_language import SampleImages
+from stream_rlhf.rl.config import OptimizerConfig
+from stream_rlhf.stages.experience import Experience
+from stream_rlhf.weights.shm_store import WeightStore
+
+
+class PolicyLogprobs(nn.Module):
+    """A causal LM's token log-probs (and entropies) as one module's forward."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, sequences: list[Tensor], temperature: float, with_entropy: bool,
+                images: list[SampleImages] | None) -> tuple[list[Tensor], list[Tensor] | None]:
+        return sequence_logprobs(self.policy, sequences, temperature, with_entropy=with_entropy, images=images)
+
+
+class TorchTrainEngine:
+    def __init__(self, model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None = None):
+        self.group = group
+        self.device = group.device
+        self.model = model.to(self.device)
+        freeze_vision_tower(self.model)
+        self.logprob_module = PolicyLogprobs(self.model)
+        self.sharded = optimizer is not None and group.distributed
+        if self.sharded:
+            for layer in decoder_layers(self.model):
+                fully_shard(layer)
+            fully_shard(self.logprob_module)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # sharded ones, if sharded
+        self.max_grad_norm = optimizer.max_grad_norm if optimizer else 0.0
+        self.optimizer = None if optimizer is None else torch.optim.AdamW(
+            self.trainable, lr=optimizer.lr, weight_decay=optimizer.weight_decay)
+        self.model.train(optimizer is not None)
+        self._host: dict[str, list[Tensor]] = {}
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def logprobs(self, sequences: list[Tensor], temperature: float, with_entropy: bool = False,
+                 images: list[SampleImages] | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
+        return self.logprob_module(sequences, temperature, with_entropy, images)
+
+    def values(self, sequences: list[Tensor], images: list[SampleImages] | None = None) -> list[Tensor]:
+        return [v[:-1, 0] for v in packed_forward(self.model, sequences, images=images)]  # (L_i - 1,)
+
+    def forward_logprobs(self, sequences: list[Tensor], temperature: float,
+                         images: list[SampleImages] | None = None) -> list[Tensor]:
+        return self._shared(lambda seqs, ims: self.logprobs(seqs, temperature, images=ims)[0], sequences, images)
+
+    def forward_values(self, sequences: list[Tensor], images: list[SampleImages] | None = None) -> list[Tensor]:
+        return self._shared(self.values, sequences, images)
+
+    def _shared(self, forward, sequences: list[Tensor], images: list[SampleImages] | None) -> list[Tensor]:
+        """`forward` over this rank's share of `sequences` (no grad), gathered from every rank."""
+        mine = self.group.shard(len(sequences))
+        local_sequences = sequences[mine]
+        with torch.inference_mode():
+            if local_sequences:
+                local = forward(local_sequences, images[mine] if images is not None else None)
+            else:
+                local = []
+                if self.sharded:  # a sharded model's forward is a collective: take part with one token
+                    forward(sequences[:1], images[:1] if images is not None else None)
+        return self.group.gather_ragged([t.float() for t in local])
+
+    # ---- training ----------------------------------------------------------------------------
+
+    def train_step(self, part: Experience, loss_fn: LossFn, per_sample: dict[str, Tensor]) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError("train_step: this engine was built without an optimizer (forward only)")
+        index = torch.arange(part.num_samples)[self.group.shard(part.num_samples)]
+        local = part.select(index).to(self.device)
+        local_per_sample = {name: t[index].to(self.device) for name, t in per_sample.items()}
+        tokens = float(local.mask.sum().item())
+        total = self.group.sum([tokens])[0]
+        loss, metrics = loss_fn(local, local_per_sample)
+        self.optimizer.zero_grad()
+        (loss * (tokens * self.group.world_size / max(total, 1.0))).backward()  # 1.0 on one rank
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        metrics = {**metrics, "loss": loss.item()}
+        return {**self._token_weighted(metrics, tokens, total), "grad_norm": grad_norm.item()}
+
+    def _token_weighted(self, metrics: dict[str, float], tokens: float, total: float) -> dict[str, float]:
+        """Each metric over every rank's tokens: token-weighted means, and maxima for `*_max`."""
+        if not self.group.distributed:
+            return metrics
+        names = sorted(metrics)
+        means = [n for n in names if not n.endswith("_max")]
+        summed = self.group.sum([metrics[n] * tokens / max(total, 1.0) for n in means])
+        tops = self.group.max([metrics[n] for n in names if n.endswith("_max")])
+        return {**dict(zip(means, summed)), **dict(zip([n for n in names if n.endswith("_max")], tops))}
+
+    # ---- weights -----------------------------------------------------------------------------
+
+    def export_weights(self, trainable_only: bool = False) -> dict[str, Tensor]:
+        """Full tensors in Hugging Face names, on the CPU; a sharded engine gathers them (every
+        rank must call this). Tied weights map to one tensor."""
+        named = self.model.named_parameters() if trainable_only else self.model.state_dict(keep_vars=True).items()
+        full: dict[int, Tensor] = {}
+        out = {}
+        for name, tensor in named:
+            if trainable_only and not tensor.requires_grad:
+                continue
+            if id(tensor) not in full:
+                value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                full[id(tensor)] = value.detach().cpu()
+            out[name] = full[id(tensor)]
+        return out
+
+    def refresh(self, store: WeightStore, held: int) -> int:
+        """Every rank loads the same version: the newest any rank has seen, when newer than `held`."""
+        if self.sharded:
+            raise NotImplementedError("refresh of a sharded (training) engine: trainers publish, they do not load")
+        while True:
+            newest = int(self.group.max([float(store.latest_version())])[0])
+            if newest <= held:
+                return held
+            try:
+                store.load_version(self.model, newest)
+                return newest
+            except FileNotFoundError:  # left the window meanwhile: agree on a newer one
+                continue
+
+    def save(self, folder: Path, tokenizer: object) -> None:
+        state = self.export_weights()
+        if self.group.is_leader:
+            save_checkpoint(self.model, tokenizer, folder, state_dict=state)
+
+    # ---- offload -----------------------------------------------------------------------------
+
+    def offload(self, what: set[Offloadable]) -> None:
+        """Move `what` to host memory (pinned when the device is CUDA); a no-op on a CPU device."""
+        self._move(what, torch.device("cpu"))
+
+    def onload(self, what: set[Offloadable]) -> None:
+        self._move(what, self.device)
+
+    def _move(self, what: set[Offloadable], target: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        if self.sharded:
+            raise NotImplementedError("offload of an FSDP2-sharded engine is not built yet (offload policies)")
+        pin = target.type == "cpu"
+        for p in self.model.parameters():
+            if "params" in what:
+                p.data = _moved(p.data, target, pin)
+            if "grads" in what and p.grad is not None:
+                p.grad = _moved(p.grad, target, pin)
+        if "optimizer" in what and self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, Tensor) and value.dim() > 0:
+                        state[key] = _moved(value, target, pin)
+
+
+def _moved(tensor: Tensor, target: torch.device, pin: bool) -> Tensor:
+    moved = tensor.to(target, non_blocking=True)
+    return moved.pin_memory() if pin else moved
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a Hugging Face model (the units FSDP2 shards one by one)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def freeze_vision_tower(model: nn.Module) -> list[nn.Parameter]:
+    """Freeze a vision-language model's vision tower (RL trains the language model only; the
+    vision stage's features stay valid) and return the parameters left to train."""
+    tower = getattr(getattr(model, "model", None), "visual", None)
+    if tower is not None:
+        tower.requires_grad_(False)
+    return [p for p in model.parameters() if p.requires_grad]
+

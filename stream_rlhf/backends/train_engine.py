@@ -1,0 +1,71 @@
+"""The train-engine seam: what a model-holding stage asks of its training backend.
+
+    engine = TorchTrainEngine(load_policy(path), ctx.group, optimizer=cfg.actor)  # torch_engine.py
+    logp = engine.forward_logprobs(sequences, temperature)       # a mini-batch, split over the ranks
+    metrics = engine.train_step(part, loss_fn, per_sample)       # one optimizer step
+    store.publish(engine.export_weights(), version)              # Hugging Face names, full tensors
+
+Stage logic (`stages/`) keeps what to compute: losses and advantages (`algos/`), staleness,
+versions. An engine owns the model, its device, its optimizer and how the ranks of the stage
+instance share the work. Every rank of the instance calls the same methods in the same order
+(collectives inside); results are the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from stream_rlhf.broker.rank_group import RankGroup
+from stream_rlhf.models.vision_language import SampleImages
+from stream_rlhf.stages.experience import Experience
+
+Offloadable = Literal["params", "grads", "optimizer"]
+LossFn = Callable[[Experience, dict[str, Tensor]], tuple[Tensor, dict[str, float]]]
+"""(this rank's samples, their per-sample tensors) -> (token-mean loss, metrics)."""
+
+
+class TrainEngine(Protocol):
+    group: RankGroup
+    device: torch.device
+
+    def logprobs(self, sequences: list[Tensor], temperature: float, with_entropy: bool = False,
+                 images: list[SampleImages] | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
+        """(L_i - 1,) log-probs (and entropies) of this rank's sequences; gradients flow (inside a loss)."""
+
+    def values(self, sequences: list[Tensor], images: list[SampleImages] | None = None) -> list[Tensor]:
+        """(L_i - 1,) values of this rank's sequences, position t valuing the state before token t + 1."""
+
+    def forward_logprobs(self, sequences: list[Tensor], temperature: float,
+                         images: list[SampleImages] | None = None) -> list[Tensor]:
+        """(L_i - 1,) log-probs of a whole mini-batch, no gradient: each rank computes its share and
+        every rank gets all of them, on the CPU."""
+
+    def forward_values(self, sequences: list[Tensor], images: list[SampleImages] | None = None) -> list[Tensor]:
+        """`values` of a whole mini-batch, shared like `forward_logprobs`."""
+
+    def train_step(self, part: Experience, loss_fn: LossFn, per_sample: dict[str, Tensor]) -> dict[str, float]:
+        """One optimizer step on `part`: each rank takes its share of the samples (and of each
+        (N, ...) tensor of `per_sample`), and the gradient is that of the token mean over all of
+        them. Returns the loss function's metrics (token-weighted over the ranks), `loss` and
+        `grad_norm` (before clipping)."""
+
+    def export_weights(self, trainable_only: bool = False) -> dict[str, Tensor]:
+        """Full tensors in Hugging Face names, on the CPU (tied weights share one tensor)."""
+
+    def refresh(self, store: object, held: int) -> int:
+        """Load the newest version of a `WeightStore` if newer than `held` (every rank the same
+        version); returns the version held."""
+
+    def save(self, folder: Path, tokenizer: object) -> None:
+        """A Hugging Face checkpoint folder (written by the leader)."""
+
+    def offload(self, what: set[Offloadable]) -> None:
+        """Move `what` off the device to host memory (pinned on CUDA)."""
+
+    def onload(self, what: set[Offloadable]) -> None:
+        """Bring back what `offload` moved."""

@@ -1,0 +1,72 @@
+"""A stage instance's ranks other than the leader: they run the same stage logic on the handles
+their leader shares, and talk to no broker.
+
+    GroupFollower(stage, "actor_train", "actor_train-0", group, ShmTransport(serve=False)).run()
+
+The leader (`runner.py`) shares GroupSetup after its handshake, then GroupBatch for each handle it
+fetched (this rank fetches the payload itself from the producer, and a barrier tells the leader it
+has), GroupWeights for each weights_ready, and GroupStop when the instance stops. Outputs are the
+leader's to publish: a follower drops what its steps return, and its `send_control` does
+nothing. If the leader dies, the next collective fails and so does this rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from stream_rlhf.broker.messages import GroupBatch, GroupMessage, GroupSetup, GroupStop, GroupWeights
+from stream_rlhf.broker.payload import PayloadTransport
+from stream_rlhf.broker.rank_group import RankGroup
+from stream_rlhf.broker.stage import Batch, Stage, StageContext
+
+log = logging.getLogger(__name__)
+
+
+class LeaderProtocolError(RuntimeError):
+    """The leader shared something out of order (a bug, never bad input from outside)."""
+
+
+class GroupFollower:
+    def __init__(self, stage: Stage, stage_name: str, instance_id: str, group: RankGroup, transport: PayloadTransport):
+        if group.is_leader:
+            raise ValueError(f"{instance_id}: rank 0 is the leader, which runs StageRunner")
+        self.stage = stage
+        self.stage_name = stage_name
+        self.instance_id = instance_id
+        self.group = group
+        self.transport = transport
+        self.steps = 0
+        self.log = logging.LoggerAdapter(log, {"stage": f"{instance_id} rank {group.rank}"})
+
+    def run(self) -> int:
+        """Until the leader says stop; returns the number of steps taken."""
+        setup = self._receive()
+        if isinstance(setup, GroupStop):
+            self.log.info("%s rank %d: the leader stopped before setup (%s)", self.instance_id, self.group.rank,
+                          setup.reason)
+            return 0
+        if not isinstance(setup, GroupSetup):
+            raise LeaderProtocolError(f"{self.instance_id}: expected GroupSetup first, got {type(setup).__name__}")
+        self.stage.setup(StageContext(self.stage_name, self.instance_id, list(setup.inputs), list(setup.outputs),
+                                      lambda op, version=-1: None, self.log, threading.Event(), self.group))
+        try:
+            while not isinstance(message := self._receive(), GroupStop):
+                if isinstance(message, GroupBatch):
+                    tensors = self.transport.get(message.handle)
+                    self.group.barrier()
+                    self.stage.step(Batch(message.handle, tensors))
+                    self.steps += 1
+                elif isinstance(message, GroupWeights):
+                    self.stage.on_weights(message.version)
+                else:
+                    raise LeaderProtocolError(f"{self.instance_id}: unexpected {type(message).__name__}")
+        finally:
+            self.stage.close()
+            self.transport.close()
+        return self.steps
+
+    def _receive(self) -> GroupMessage:
+        message = self.group.share(None)
+        assert message is not None  # share returns the leader's message on a follower
+        return message

@@ -1,0 +1,136 @@
+"""The torch train engine on one rank and on two (FSDP2 over gloo): same weights, same log-probs.
+
+Each case runs in fresh processes (torch.distributed is per process): `_run_ranks` spawns the
+ranks, each writes what it computed to a file, and the test compares the files of a 1-rank and a
+2-rank run fed the same samples.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen2ForCausalLM
+
+from stream_rlhf.algos.losses import policy_loss
+from stream_rlhf.backends.torch_engine import TorchTrainEngine
+from stream_rlhf.broker.rank_group import RankGroup, RankSpec
+from stream_rlhf.rl.config import OptimizerConfig
+from stream_rlhf.stages.experience import Experience
+from stream_rlhf.stages.samples import response_slices
+from stream_rlhf.weights.shm_store import WeightStore
+from tests.tiny_models import tiny_qwen2_config
+
+VOCAB = 40
+
+
+def _model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(tiny_qwen2_config(VOCAB))
+
+
+def _experience(n: int = 6) -> Experience:
+    """`n` samples of uneven lengths (so the ranks' token counts differ)."""
+    g = torch.Generator().manual_seed(1)
+    prompt_lens = torch.randint(2, 5, (n,), generator=g)
+    response_lens = torch.randint(1, 7, (n,), generator=g)
+    sequences = [torch.randint(1, VOCAB, (int(p + r),), generator=g) for p, r in zip(prompt_lens, response_lens)]
+    width = int(response_lens.max())
+    mask = (torch.arange(width)[None] < response_lens[:, None]).float()
+    behavior = -torch.rand(n, width, generator=g) * 3 * mask
+    return Experience(sequences=sequences, prompt_lens=prompt_lens, mask=mask, behavior_logp=behavior,
+                      old_logp=behavior.clone(), ref_logp=behavior.clone(), values=None,
+                      scores=torch.rand(n, generator=g), group_ids=torch.arange(n), policy_versions=torch.zeros(n))
+
+
+def _loss(engine: TorchTrainEngine):
+    def loss_fn(part: Experience, per_sample: dict[str, torch.Tensor]):
+        logp, _ = engine.logprobs(part.sequences, 1.0)
+        logp = part.padded(response_slices(logp, part.prompt_lens))
+        return policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2)
+    return loss_fn
+
+
+def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> None:
+    torch.set_num_threads(1)
+    group = RankGroup.join(RankSpec(rank, world, init_file if world > 1 else None))
+    try:
+        exp = _experience()
+        if case == "train":
+            engine = TorchTrainEngine(_model(), group, OptimizerConfig(lr=1e-2, max_grad_norm=0.5))
+            advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
+            metrics = [engine.train_step(exp, _loss(engine), {"advantages": advantages}) for _ in range(3)]
+            weights = engine.export_weights()
+            if group.is_leader:
+                save_file({k: v.contiguous() for k, v in weights.items() if k != "lm_head.weight"}, out)
+                torch.save(metrics, out + ".metrics")
+        else:
+            engine = TorchTrainEngine(_model(), group)
+            logp = engine.forward_logprobs(exp.sequences, 0.7)
+            save_file({f"{rank}.{i}": t for i, t in enumerate(logp)}, out + f".rank{rank}")
+    finally:
+        group.close()
+
+
+def _run_ranks(world: int, tmp_path: Path, case: str) -> str:
+    out = str(tmp_path / f"{case}-{world}.safetensors")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, str(tmp_path / f"init-{case}-{world}"), out, case))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    assert [p.exitcode for p in procs] == [0] * world
+    return out
+
+
+def test_two_fsdp2_ranks_train_to_the_same_weights_as_one(tmp_path):
+    one = load_file(_run_ranks(1, tmp_path, "train"))
+    two = load_file(_run_ranks(2, tmp_path, "train"))
+    start = _model().state_dict()
+    assert one.keys() == two.keys()
+    moved = max((one[k] - start[k]).abs().max().item() for k in one)
+    assert moved > 1e-3  # the steps changed the weights, so the comparison means something
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=0, msg=name)
+    m1 = torch.load(str(tmp_path / "train-1.safetensors.metrics"))
+    m2 = torch.load(str(tmp_path / "train-2.safetensors.metrics"))
+    for a, b in zip(m1, m2):
+        for key in ("loss", "grad_norm", "clipfrac", "approx_kl"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+
+
+def test_two_forward_ranks_give_the_log_probs_of_one(tmp_path):
+    one = load_file(_run_ranks(1, tmp_path, "forward") + ".rank0")
+    two_ranks = _run_ranks(2, tmp_path, "forward")
+    for rank in (0, 1):
+        two = load_file(two_ranks + f".rank{rank}")
+        assert len(two) == len(one) == 6
+        for i in range(6):
+            torch.testing.assert_close(two[f"{rank}.{i}"], one[f"0.{i}"], atol=1e-6, rtol=0)
+
+
+def test_refresh_loads_a_published_version_and_export_round_trips(tmp_path):
+    trainer = TorchTrainEngine(_model(), RankGroup.single(), OptimizerConfig(lr=1e-2))
+    exp = _experience()
+    advantages = torch.ones_like(exp.mask)
+    trainer.train_step(exp, _loss(trainer), {"advantages": advantages})
+    store = WeightStore(tmp_path / "weights", "actor")
+    store.publish(trainer.export_weights(), 1)
+    reader = TorchTrainEngine(_model(), RankGroup.single())
+    assert reader.refresh(store, 0) == 1
+    assert reader.refresh(store, 1) == 1
+    for name, tensor in reader.export_weights().items():
+        torch.testing.assert_close(tensor, trainer.export_weights()[name])
+    tied = reader.export_weights()
+    assert tied["lm_head.weight"] is tied["model.embed_tokens.weight"]
+
+
+def test_train_step_needs_an_optimizer():
+    engine = TorchTrainEngine(_model(), RankGroup.single())
+    with pytest.raises(RuntimeError, match="without an optimizer"):
+        engine.train_step(_experience(), _loss(engine), {})
