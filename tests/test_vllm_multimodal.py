@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from stream_rlhf.backends.torch_engine import freeze_vision_tower
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_client import VllmClient
 from stream_rlhf.backends.vllm_rollout import VllmOptions
@@ -28,7 +29,6 @@ from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.models.vision_language import SampleImages, encode_images, load_vision_tower
 from stream_rlhf.rl.config import TinyModelConfig, TinyVisionConfig
-from stream_rlhf.stages.training import freeze_vision_tower
 from stream_rlhf.stages.weight_sync import trained_parameters
 from stream_rlhf.telemetry.stage_counts import read_stage_counts
 from stream_rlhf.weights.shm_store import WeightStore

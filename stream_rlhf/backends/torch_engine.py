@@ -10,9 +10,9 @@ its share of the step's response tokens, so the averaged gradient is exactly tha
 mean over all samples, as on one rank. A forward-only engine keeps a whole copy of the model on
 every rank (data parallel: each rank computes its share of a mini-batch, then all gather).
 
-Log-probs go through the fused kernel (`models/packing.sequence_logprobs`), which reads the LM
-head's weight directly; under FSDP2 the policy is called through `PolicyLogprobs`, the module
-FSDP shards as the root, so that the embedding and head are gathered around it.
+Every forward goes through `ModelForward`, the module FSDP2 shards as the root, so that the
+embedding and the heads are gathered around it (the fused log-prob kernel reads the LM head's
+weight directly, not through the model's own forward).
 """
 
 from __future__ import annotations
@@ -34,16 +34,21 @@ from stream_rlhf.stages.experience import Experience
 from stream_rlhf.weights.shm_store import WeightStore
 
 
-class PolicyLogprobs(nn.Module):
-    """A causal LM's token log-probs (and entropies) as one module's forward."""
+class ModelForward(nn.Module):
+    """The model's forward passes as one module's forward, the root FSDP2 shards: a causal LM's
+    token log-probs (and entropies) through the fused kernel, which reads the LM head's weight
+    directly (not through the model's own forward), or a value model's per-position outputs."""
 
-    def __init__(self, policy: nn.Module):
+    def __init__(self, model: nn.Module):
         super().__init__()
-        self.policy = policy
+        self.model = model
 
-    def forward(self, sequences: list[Tensor], temperature: float, with_entropy: bool,
-                images: list[SampleImages] | None) -> tuple[list[Tensor], list[Tensor] | None]:
-        return sequence_logprobs(self.policy, sequences, temperature, with_entropy=with_entropy, images=images)
+    def forward(self, sequences: list[Tensor], images: list[SampleImages] | None, temperature: float | None = None,
+                with_entropy: bool = False) -> tuple[list[Tensor], list[Tensor] | None]:
+        """temperature None: (per-position outputs (L_i, ...), None); else sequence_logprobs."""
+        if temperature is None:
+            return packed_forward(self.model, sequences, images=images), None
+        return sequence_logprobs(self.model, sequences, temperature, with_entropy=with_entropy, images=images)
 
 
 class TorchTrainEngine:
@@ -52,12 +57,12 @@ class TorchTrainEngine:
         self.device = group.device
         self.model = model.to(self.device)
         freeze_vision_tower(self.model)
-        self.logprob_module = PolicyLogprobs(self.model)
+        self.forward_module = ModelForward(self.model)
         self.sharded = optimizer is not None and group.distributed
         if self.sharded:
             for layer in decoder_layers(self.model):
                 fully_shard(layer)
-            fully_shard(self.logprob_module)
+            fully_shard(self.forward_module)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # sharded ones, if sharded
         self.max_grad_norm = optimizer.max_grad_norm if optimizer else 0.0
         self.optimizer = None if optimizer is None else torch.optim.AdamW(
@@ -69,10 +74,11 @@ class TorchTrainEngine:
 
     def logprobs(self, sequences: list[Tensor], temperature: float, with_entropy: bool = False,
                  images: list[SampleImages] | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
-        return self.logprob_module(sequences, temperature, with_entropy, images)
+        return self.forward_module(sequences, images, temperature, with_entropy)
 
     def values(self, sequences: list[Tensor], images: list[SampleImages] | None = None) -> list[Tensor]:
-        return [v[:-1, 0] for v in packed_forward(self.model, sequences, images=images)]  # (L_i - 1,)
+        outputs, _ = self.forward_module(sequences, images)
+        return [v[:-1, 0] for v in outputs]  # (L_i - 1,)
 
     def forward_logprobs(self, sequences: list[Tensor], temperature: float,
                          images: list[SampleImages] | None = None) -> list[Tensor]:

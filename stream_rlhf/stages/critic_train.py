@@ -2,32 +2,25 @@
 version for the critic forward.
 
 Returns come from the same token rewards and GAE as the actor's advantages (`training.py`
-says why the two trainers agree without talking to each other).
+says why the two trainers agree without talking to each other). With several ranks the critic is
+sharded over them (FSDP2, `backends/torch_engine.py`) and each optimizer step's samples are split.
 """
 
 from __future__ import annotations
 
-import torch
+from torch import Tensor
 
 from stream_rlhf.algos.losses import value_loss
 from stream_rlhf.algos.masked import masked_mean
+from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_critic
-from stream_rlhf.stages.critic_forward import response_values
 from stream_rlhf.stages.experience import Experience, IterationBuffer
 from stream_rlhf.stages.images import ImageInputs
-from stream_rlhf.stages.job_context import JobContext, seeded_generator
-from stream_rlhf.stages.samples import Rollout
-from stream_rlhf.stages.training import (
-    MetricMeans,
-    advantages_of,
-    kl_controller,
-    minibatch_indices,
-    optimizer_step,
-    split_by_staleness,
-)
+from stream_rlhf.stages.job_context import JobContext, seeded_generator, stage_counts
+from stream_rlhf.stages.samples import response_slices
+from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
 from stream_rlhf.telemetry.metrics import MetricsWriter
-from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.shm_store import WeightStore
 
 
@@ -41,11 +34,10 @@ class CriticTrain(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         cfg = self.job.config
-        self.model = load_critic(self.job.checkpoint).train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay)
+        self.engine = TorchTrainEngine(load_critic(self.job.checkpoint), ctx.group, cfg.critic)
         self.weights = WeightStore(self.job.weights_root, "critic")
-        self.metrics = MetricsWriter(self.job.run_dir, "critic_metrics.jsonl")
-        self.images = ImageInputs(self.job, StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id))
+        self.metrics = MetricsWriter(self.job.run_dir, "critic_metrics.jsonl") if ctx.group.is_leader else None
+        self.images = ImageInputs(self.job, stage_counts(self.job, ctx))
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.buffer.add(batch)
@@ -54,7 +46,9 @@ class CriticTrain(Stage):
             if fresh:
                 self._update(Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh]))
             self.version += 1
-            self.weights.publish(self.model, self.version)
+            weights = self.engine.export_weights()
+            if self.ctx.group.is_leader:
+                self.weights.publish(weights, self.version)
         return []
 
     def _update(self, exp: Experience) -> None:
@@ -66,12 +60,13 @@ class CriticTrain(Stage):
         means = MetricMeans()
         for _ in range(algo.ppo_epochs):
             for index in minibatch_indices(exp.num_samples, algo.train_minibatches, generator):
-                part = exp.select(index)
-                rollout = Rollout(part.sequences, part.prompt_lens, [], part.group_ids)
-                values = part.padded(response_values(self.model, rollout, part.images))  # (n, R)
-                loss, metrics = value_loss(values, part.values, returns[index], part.mask, algo.value_clip)
-                metrics["grad_norm"] = optimizer_step(self.model, self.optimizer, loss, cfg.critic.max_grad_norm)
-                metrics["value_loss"] = loss.item()
+                metrics = self.engine.train_step(exp.select(index), self._loss, {"returns": returns[index]})
+                metrics["value_loss"] = metrics.pop("loss")
                 means.add(metrics)
         self.kl_ctl.update(kl_mean, exp.num_samples)
-        self.metrics.write({"iteration": self.version, **means.means()})
+        if self.metrics is not None:
+            self.metrics.write({"iteration": self.version, **means.means()})
+
+    def _loss(self, part: Experience, per_sample: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        values = part.padded(response_slices(self.engine.values(part.sequences, part.images), part.prompt_lens))  # (n, R)
+        return value_loss(values, part.values, per_sample["returns"], part.mask, self.job.config.algorithm.value_clip)

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
+from stream_rlhf.broker.stage import StageContext
 from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.telemetry.stage_counts import StageCounts
 
 
 @dataclass(frozen=True)
@@ -30,3 +32,8 @@ def seeded_generator(*parts: int | str, device: torch.device | str = "cpu") -> t
     """A generator on `device` seeded by `parts` (seed, iteration, mini-batch...): the same
     mini-batch samples the same way whichever schedule, instance or process handles it."""
     return torch.Generator(device).manual_seed(random.Random("/".join(map(str, parts))).getrandbits(63))
+
+
+def stage_counts(job: JobContext, ctx: StageContext) -> StageCounts:
+    """The instance's counters for the run summary; only a rank group's leader writes them."""
+    return StageCounts(job.run_dir, ctx.stage, ctx.instance_id, write=ctx.group.is_leader)

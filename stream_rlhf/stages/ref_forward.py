@@ -1,16 +1,14 @@
-"""Reference forward: log-probs of the response tokens under the frozen starting policy (for KL)."""
+"""Reference forward: log-probs of the response tokens under the frozen starting policy (for KL).
+With several ranks each computes a share of the mini-batch."""
 
 from __future__ import annotations
 
-import torch
-
+from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy
-from stream_rlhf.models.packing import sequence_logprobs
 from stream_rlhf.stages.images import ImageInputs
-from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.samples import Rollout, ragged, response_slices
-from stream_rlhf.telemetry.stage_counts import StageCounts
 
 
 class RefForward(Stage):
@@ -19,12 +17,11 @@ class RefForward(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.model = load_policy(self.job.checkpoint).eval()
-        self.images = ImageInputs(self.job, StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id))
+        self.engine = TorchTrainEngine(load_policy(self.job.checkpoint), ctx.group)
+        self.images = ImageInputs(self.job, stage_counts(self.job, ctx))
 
     def step(self, batch: Batch | None) -> list[Output]:
         rollout = Rollout.from_tensors(batch.tensors)
-        with torch.inference_mode():
-            logp, _ = sequence_logprobs(self.model, rollout.sequences, self.job.config.rollout.temperature,
-                                        images=self.images.of(batch.tensors))
+        logp = self.engine.forward_logprobs(rollout.sequences, self.job.config.rollout.temperature,
+                                            images=self.images.of(batch.tensors))
         return [Output("ref_logp", ragged("ref_logp", response_slices(logp, rollout.prompt_lens)), batch.num_samples)]

@@ -1,5 +1,6 @@
 """What actor_train and critic_train share: advantages of an iteration, the staleness filter, the
-optimizer step and the averaging of per-step metrics.
+split into optimizer steps and the averaging of per-step metrics (the steps themselves are the
+train engine's, `backends/torch_engine.py`).
 
 Both trainers compute the same token rewards and advantages from the same experiences, with KL
 controllers updated the same way, so they agree on returns without talking to each other.
@@ -35,15 +36,6 @@ def advantages_of(exp: Experience, job: JobContext, kl_coef: float) -> tuple[tor
     return advantages, returns
 
 
-def freeze_vision_tower(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Freeze a vision-language model's vision tower (RL trains the language model only; the
-    vision stage's features stay valid) and return the parameters left to train."""
-    tower = getattr(getattr(model, "model", None), "visual", None)
-    if tower is not None:
-        tower.requires_grad_(False)
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def minibatch_indices(num_samples: int, parts: int, generator: torch.Generator) -> list[torch.Tensor]:
     """The samples of each optimizer step of one epoch: a shuffled split into `parts`."""
     return list(torch.randperm(num_samples, generator=generator).chunk(parts))
@@ -53,17 +45,6 @@ def split_by_staleness(batches: list[Batch], version: int, overlap_depth: int) -
     """(within the bound, older than `overlap_depth` versions) for training at `version`."""
     fresh = [b for b in batches if version - b.policy_version <= overlap_depth]
     return fresh, [b for b in batches if version - b.policy_version > overlap_depth]
-
-
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
-                   max_grad_norm: float) -> float:
-    """Backward, clip, step; returns the gradient norm before clipping."""
-    optimizer.zero_grad()
-    loss.backward()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm).item()
-    optimizer.step()
-    return grad_norm
 
 
 class MetricMeans:

@@ -17,8 +17,11 @@ FOLDER = "stage_counts"
 
 
 class StageCounts:
-    def __init__(self, run_dir: Path, stage: str, instance_id: str):
+    def __init__(self, run_dir: Path, stage: str, instance_id: str, write: bool = True):
+        """`write=False`: counted in memory only (a rank group's followers, whose leader counts
+        the same samples)."""
         self.stage = stage
+        self.write = write
         self.values: dict[str, int] = {}
         self.details: dict[str, object] = {}
         self.file = Path(run_dir) / FOLDER / f"{instance_id}-{os.getpid()}.json"
@@ -35,6 +38,8 @@ class StageCounts:
         self._write()
 
     def _write(self) -> None:
+        if not self.write:
+            return
         partial = self.file.with_suffix(".partial")
         partial.write_text(json.dumps({"stage": self.stage, "counts": self.values, "details": self.details}))
         partial.replace(self.file)  # a reader never sees half a file
