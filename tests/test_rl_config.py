@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -24,7 +25,17 @@ from tests.rl_tiny import VISION, tiny_job, write_job
         ({"algorithm.advantage": "grpo"}, "rollout_batch.samples_per_prompt=1: algorithm.advantage=grpo needs >= 2"),
         ({"algorithm.advantage": "vtrace"}, "algorithm.advantage='vtrace': must be one of"),
         ({"model.tiny.head_dim": 16}, "model.tiny.head_dim=16: must be >= 32"),
-        ({"placement.train_cores": [4096]}, "placement.train_cores=[4096]: cores [4096] are not available"),
+        ({"placement.stages": {"rollout": {"ranks": 2}}},
+         "placement.stages.rollout.ranks=2: only ref_forward, actor_forward, critic_forward, actor_train, critic_train"),
+        ({"placement.stages": {"trainer": {"ranks": 2}}}, "placement.stages.trainer: 'trainer' is not a stage"),
+        ({"placement.stages": {"actor_train": {"ranks": 0}}}, "placement.stages.actor_train.ranks=0: must be >= 1"),
+        ({"placement.stages": {"actor_train": {"ranks": 2, "devices": [0]}}},
+         "placement.stages.actor_train.devices=[0]: one device per rank, ranks=2"),
+        ({"placement.stages": {"actor_train": {"ranks": 2, "devices": [0, 0]}}},
+         "placement.stages.actor_train.devices=[0, 0]: two ranks on one device"),
+        ({"placement.stages": {"actor_train": {"ranks": 9}}},
+         "placement.stages.actor_train.ranks=9: an optimizer step has as few as 8 samples"),
+        ({"placement.device": "tpu"}, "placement.device='tpu': must be one of"),
         ({"model.path": "/nonexistent"}, "model.path='/nonexistent': no config.json there"),
         ({"reward.function": "no_colon"}, "reward.function='no_colon': expected 'package.module:name'"),
         ({"algorithm.kl.kind": "k4"}, "algorithm.kl.kind='k4': must be one of"),
@@ -113,3 +124,43 @@ def test_cuda_ipc_without_a_gpu_is_refused_before_anything_starts(tmp_path):
     cfg = build(RLJobConfig, tiny_job(tmp_path, "ipc", **{"weights.transport": "cuda_ipc"}))
     with pytest.raises(ConfigError, match="weights.transport=cuda_ipc: needs a CUDA device"):
         compile_job(cfg, "ckpt", str(tmp_path / "w"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"placement.train_cores": [4096]}, "placement.train_cores=[4096]: cores [4096] are not available"),
+        ({"placement.stages": {"actor_train": {"ranks": 2, "cores": [0, 4096]}}},
+         "placement.stages.actor_train.cores=[0, 4096]: cores [4096] are not available"),
+        ({"placement.stages": {"critic_train": {"ranks": 3, "cores": [0, 1]}}},
+         "placement.stages.critic_train.ranks=3: more ranks than its cores [0, 1]"),
+        ({"placement.device": "cpu", "placement.stages": {"actor_train": {"ranks": 2, "devices": [0, 1]}}},
+         "placement.stages.actor_train.devices=[0, 1]: CUDA device indices, but this stage runs on the CPU"),
+    ],
+)
+def test_bad_placement_fails_at_compile_naming_the_key(tmp_path, override, message):
+    """Checks against this machine run when the job compiles, in the driver, before any process."""
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "bad", **override))
+    with pytest.raises(ConfigError) as err:
+        compile_job(cfg, "checkpoint", "weights")
+    assert message in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_placement_without_a_gpu_is_refused_before_anything_starts(tmp_path):
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "cuda", **{"placement.device": "cuda"}))
+    with pytest.raises(ConfigError, match="placement.device=cuda: this machine has no CUDA device"):
+        compile_job(cfg, "checkpoint", "weights")
+
+
+def test_ranks_share_out_their_stage_cores_and_get_devices(tmp_path):
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "g", **{
+        "placement.device": "cpu",
+        "placement.stages": {"actor_train": {"ranks": 2, "cores": [0, 1]}, "ref_forward": {"ranks": 1}},
+    }))
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores (the placement names cores 0 and 1)")
+    stages = compile_job(cfg, "checkpoint", "weights").stages
+    actor = stages["actor_train"]
+    assert (actor.ranks, actor.rank_cores, actor.threads, actor.devices) == (2, [[0], [1]], 1, ["cpu", "cpu"])
+    assert stages["critic_train"].ranks == 1 and stages["critic_train"].devices == ["cpu"]

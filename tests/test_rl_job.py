@@ -100,7 +100,7 @@ def test_a_restartable_stage_is_restarted_and_the_run_completes(tmp_path):
     assert process.poll() is None and len(read_metrics(metrics)) < iterations - 2, "the run ended before the kill"
     os.kill(pid, signal.SIGKILL)
     assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
-    assert "rollout-0 exited with -9: restarting it" in log.read_text()
+    assert "rollout-0 exited with -9: restarting it (" in log.read_text()
     summary = json.loads((tmp_path / "restart" / "summary.json").read_text())
     assert summary["iterations"] == iterations and summary["samples_trained"] == iterations * 2 * 8
     assert summary["samples_generated"] >= summary["samples_trained"]

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-from stream_rlhf.algos.losses import policy_loss
+from stream_rlhf.algos.losses import policy_loss, value_loss
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.broker.rank_group import RankGroup, RankSpec
 from stream_rlhf.rl.config import OptimizerConfig
@@ -30,6 +30,13 @@ VOCAB = 40
 def _model() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     return Qwen2ForCausalLM(tiny_qwen2_config(VOCAB))
+
+
+def _critic() -> Qwen2ForTokenClassification:
+    torch.manual_seed(0)
+    critic = Qwen2ForTokenClassification(tiny_qwen2_config(VOCAB, num_labels=1))
+    critic.dropout.p = 0.0
+    return critic
 
 
 def _experience(n: int = 6) -> Experience:
@@ -60,12 +67,27 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
     try:
         exp = _experience()
         if case == "train":
-            engine = TorchTrainEngine(_model(), group, OptimizerConfig(lr=1e-2, max_grad_norm=0.5))
+            engine = TorchTrainEngine(_model(), group, OptimizerConfig(lr=1e-3, max_grad_norm=0.5))
             advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
             metrics = [engine.train_step(exp, _loss(engine), {"advantages": advantages}) for _ in range(3)]
             weights = engine.export_weights()
             if group.is_leader:
                 save_file({k: v.contiguous() for k, v in weights.items() if k != "lm_head.weight"}, out)
+                torch.save(metrics, out + ".metrics")
+        elif case == "critic":
+            engine = TorchTrainEngine(_critic(), group, OptimizerConfig(lr=1e-3))
+            returns = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
+            exp.values = torch.zeros_like(exp.mask)
+
+            def loss_fn(part: Experience, per_sample: dict[str, torch.Tensor]):
+                values = part.padded(response_slices(engine.values(part.sequences), part.prompt_lens))
+                return value_loss(values, part.values, per_sample["returns"], part.mask, 10.0)
+
+            metrics = [engine.train_step(exp.select(torch.arange(i % 2, 6, 2)), loss_fn,
+                                         {"returns": returns[i % 2::2]}) for i in range(4)]
+            weights = engine.export_weights()
+            if group.is_leader:
+                save_file({k: v.contiguous() for k, v in weights.items()}, out)
                 torch.save(metrics, out + ".metrics")
         else:
             engine = TorchTrainEngine(_model(), group)
@@ -102,6 +124,16 @@ def test_two_fsdp2_ranks_train_to_the_same_weights_as_one(tmp_path):
     for a, b in zip(m1, m2):
         for key in ("loss", "grad_norm", "clipfrac", "approx_kl"):
             assert b[key] == pytest.approx(a[key], abs=1e-5), key
+
+
+def test_two_fsdp2_critic_ranks_train_to_the_same_weights_as_one(tmp_path):
+    one = load_file(_run_ranks(1, tmp_path, "critic"))
+    two = load_file(_run_ranks(2, tmp_path, "critic"))
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=0, msg=name)
+    m1 = torch.load(str(tmp_path / "critic-1.safetensors.metrics"))
+    m2 = torch.load(str(tmp_path / "critic-2.safetensors.metrics"))
+    assert [b["grad_norm"] for b in m2] == pytest.approx([a["grad_norm"] for a in m1], abs=1e-5)
 
 
 def test_two_forward_ranks_give_the_log_probs_of_one(tmp_path):

@@ -45,10 +45,13 @@ class ModelForward(nn.Module):
 
     def forward(self, sequences: list[Tensor], images: list[SampleImages] | None, temperature: float | None = None,
                 with_entropy: bool = False) -> tuple[list[Tensor], list[Tensor] | None]:
-        """temperature None: (per-position outputs (L_i, ...), None); else sequence_logprobs."""
+        """temperature None: (per-position outputs (L_i, ...), None); else sequence_logprobs. Each
+        output is a tensor of its own, not a view into the packed rows: FSDP2 hooks the backward
+        of a module's outputs, and warns of views (B x L floats: cheap to copy)."""
         if temperature is None:
-            return packed_forward(self.model, sequences, images=images), None
-        return sequence_logprobs(self.model, sequences, temperature, with_entropy=with_entropy, images=images)
+            return _own(packed_forward(self.model, sequences, images=images)), None
+        logp, entropy = sequence_logprobs(self.model, sequences, temperature, with_entropy=with_entropy, images=images)
+        return _own(logp), _own(entropy) if entropy is not None else None
 
 
 class TorchTrainEngine:
@@ -142,8 +145,10 @@ class TorchTrainEngine:
             if trainable_only and not tensor.requires_grad:
                 continue
             if id(tensor) not in full:
-                value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                full[id(tensor)] = value.detach().cpu()
+                if isinstance(tensor, DTensor):  # gathered into a padded buffer: a tensor of its own
+                    full[id(tensor)] = tensor.full_tensor().detach().cpu().clone()
+                else:
+                    full[id(tensor)] = tensor.detach().cpu()
             out[name] = full[id(tensor)]
         return out
 
@@ -191,6 +196,10 @@ class TorchTrainEngine:
                 for key, value in state.items():
                     if isinstance(value, Tensor) and value.dim() > 0:
                         state[key] = _moved(value, target, pin)
+
+
+def _own(tensors: list[Tensor]) -> list[Tensor]:
+    return [t.clone() for t in tensors]
 
 
 def _moved(tensor: Tensor, target: torch.device, pin: bool) -> Tensor:

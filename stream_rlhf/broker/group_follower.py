@@ -13,6 +13,7 @@ nothing. If the leader dies, the next collective fails and so does this rank.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from stream_rlhf.broker.messages import GroupBatch, GroupMessage, GroupSetup, GroupStop, GroupWeights
@@ -41,6 +42,8 @@ class GroupFollower:
 
     def run(self) -> int:
         """Until the leader says stop; returns the number of steps taken."""
+        self.log.info("%s rank %d of %d (pid %d) follows its leader on %s", self.instance_id, self.group.rank,
+                      self.group.world_size, os.getpid(), self.group.device)
         setup = self._receive()
         if isinstance(setup, GroupStop):
             self.log.info("%s rank %d: the leader stopped before setup (%s)", self.instance_id, self.group.rank,

@@ -298,9 +298,11 @@ class LocalJob:
         if self.restarts_left.get(stage_name, 0) <= 0:
             return False
         self.restarts_left[stage_name] -= 1
-        log.warning("%s exited with %s: restarting %s (%d restart(s) left for %s)", process_name,
-                    self.processes[process_name].exitcode, instance_id, self.restarts_left[stage_name], stage_name)
-        for rank in range(self.stages[stage_name].ranks):  # the survivors of a group wait on the dead rank
+        ranks = self.stages[stage_name].ranks
+        log.warning("%s exited with %s: restarting it%s (%d restart(s) left for %s)", process_name,
+                    self.processes[process_name].exitcode, f" with every rank of {instance_id}" if ranks > 1 else "",
+                    self.restarts_left[stage_name], stage_name)
+        for rank in range(ranks):  # the survivors of a group wait on the dead rank
             _end(self.processes.pop(rank_process_name(instance_id, rank)), grace_s=5.0)
         self.start_instance(stage_name, int(index))
         return True

@@ -150,11 +150,14 @@ def load_policy(path: str | Path) -> PreTrainedModel:
 
 def load_critic(path: str | Path) -> PreTrainedModel | VisionLanguageCritic:
     """The policy checkpoint's backbone with a freshly zero-initialised scalar head per token; for a
-    VLM checkpoint its language model (no vision tower), fed precomputed image features."""
+    VLM checkpoint its language model (no vision tower), fed precomputed image features. No dropout
+    before the head (transformers' token classifiers default to 0.1): value targets are regressed
+    exactly, and training gives the same result whichever ranks share it."""
     if is_vision_language(path):
         return load_vision_language_critic(path)
     hf_logging.set_verbosity_error()  # the new head is reported as "missing" from the checkpoint
     critic = AutoModelForTokenClassification.from_pretrained(str(path), num_labels=1, dtype=torch.float32)
+    critic.dropout.p = 0.0
     head = critic.score
     torch.nn.init.zeros_(head.weight)
     if head.bias is not None:

@@ -24,10 +24,13 @@ from typing import Literal
 from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
 from stream_rlhf.broker.topology import BrokerConfig
 from stream_rlhf.config import ConfigError
+from stream_rlhf.launch.placement import PlacementConfig
 
 Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 ALL_STAGES = ("prompts", "vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward",
               "actor_train", "critic_train", "medusa_train")
+GROUP_STAGES = ("ref_forward", "actor_forward", "critic_forward", "actor_train", "critic_train")
+"""Stages whose instances can be groups of several ranks (`placement.stages.<stage>.ranks`)."""
 RESTARTABLE = ("vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward")
 
 
@@ -419,38 +422,6 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
-class PlacementConfig:
-    """Which cores each stage process runs on (on GPUs: which devices).
-
-    separated: rollout (and the prompt source) on `rollout_cores`, forwards and training on
-               `train_cores`; both run at once.
-    colocated: every stage on every core of `rollout_cores + train_cores`, taking turns.
-    """
-
-    mode: Literal["separated", "colocated"] = "separated"
-    rollout_cores: list[int] = field(default_factory=lambda: [0])
-    train_cores: list[int] = field(default_factory=lambda: [1])
-    broker_cores: list[int] | None = None
-    """Cores of the broker process; None: `train_cores` when separated (rollout keeps its core to
-    itself), every core when colocated."""
-    offload: list[str] = field(default_factory=list)
-    """Stages whose params and optimizer state go to host memory between phases (GPU only;
-    on CPU a no-op the stage reports)."""
-
-    def __post_init__(self) -> None:
-        available = sorted(os.sched_getaffinity(0))
-        for name in ("rollout_cores", "train_cores", "broker_cores"):
-            cores = getattr(self, name)
-            if cores is None:
-                continue
-            if not cores:
-                raise ConfigError(f"{name}=[]: needs at least one core")
-            missing = [c for c in cores if c not in available]
-            if missing:
-                raise ConfigError(f"{name}={cores}: cores {missing} are not available (this machine: {available})")
-
-
-@dataclass(frozen=True)
 class RLJobConfig:
     name: str
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -521,6 +492,24 @@ class RLJobConfig:
         for stage in self.placement.offload:
             if stage not in ALL_STAGES:
                 raise ConfigError(f"placement.offload: {stage!r} is not a stage ({', '.join(ALL_STAGES)})")
+        self._check_stage_placements()
+
+    def _check_stage_placements(self) -> None:
+        samples = self.rollout_batch.samples_per_minibatch * self.rollout_batch.minibatches
+        steps = self.algorithm.train_minibatches
+        smallest_step = samples - (steps - 1) * -(-samples // steps)  # torch.chunk's last part
+        for stage, own in self.placement.stages.items():
+            key = f"placement.stages.{stage}"
+            if stage not in ALL_STAGES:
+                raise ConfigError(f"{key}: {stage!r} is not a stage ({', '.join(ALL_STAGES)})")
+            if own.ranks > 1 and stage not in GROUP_STAGES:
+                hint = " (use rollout.instances)" if stage == "rollout" else ""
+                raise ConfigError(f"{key}.ranks={own.ranks}: only {', '.join(GROUP_STAGES)} run as groups of "
+                                  f"ranks{hint}")
+            if stage.endswith("_train") and own.ranks > smallest_step:
+                raise ConfigError(f"{key}.ranks={own.ranks}: an optimizer step has as few as {smallest_step} "
+                                  f"samples ({samples} per iteration in algorithm.train_minibatches={steps} "
+                                  "steps): every rank needs one")
 
     @property
     def run_dir(self) -> str:

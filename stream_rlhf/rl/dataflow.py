@@ -33,6 +33,7 @@ from stream_rlhf.broker.admission import OverlapAdmission, PhaseAdmission
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.local import StageSpec
+from stream_rlhf.launch.placement import RankPlacement, preflight, stage_ranks
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.job_context import JobContext
 
@@ -51,6 +52,9 @@ STAGE_CLASSES = {
 }
 ROLLOUT_SIDE = {"prompts", "rollout"}
 """Stages placed on `placement.rollout_cores` when separated; the rest go on `train_cores`."""
+NO_MODEL = {"prompts", "reward_forward"}
+"""Stages whose work stays on the CPU whatever `placement.device` says (the reward is a rule, or a
+reward model scored on the CPU)."""
 
 
 @dataclass(frozen=True)
@@ -94,18 +98,10 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     job = JobContext(cfg, checkpoint, weights_root, vision_language)
     minibatches = cfg.rollout_batch.minibatches
     timeline = f"{cfg.run_dir}/timeline" if cfg.timeline else None
-    stages = {
-        name: StageSpec(
-            STAGE_CLASSES[name],
-            instances=_instances(cfg, name),
-            kwargs={"job": job},
-            cores=_cores(cfg, name),
-            threads=len(_cores(cfg, name)),
-            restarts=cfg.restarts.get(name, 0),
-            timeline=timeline,
-        )
-        for name in ["prompts", *(["vision_prefetch"] if prefetch else []), "rollout", *forwards, *trainers]
-    }
+    names = ["prompts", *(["vision_prefetch"] if prefetch else []), "rollout", *forwards, *trainers]
+    ranks = {name: stage_ranks(cfg.placement, name, name in ROLLOUT_SIDE, _uses_device(cfg, name)) for name in names}
+    preflight(cfg.placement, ranks)
+    stages = {name: _stage_spec(cfg, name, job, ranks[name], timeline) for name in names}
     # a whole iteration must fit in the queues, or the sync barriers (and the trainers, which
     # wait for every mini-batch of an iteration) would stall on back-pressure
     if cfg.placement.offload:
@@ -118,18 +114,31 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
         overlap, frozenset({"generated" if vision_language else "rollout", "experience"}), minibatches
     )
     placement = cfg.placement
-    broker_cores = placement.broker_cores or (
-        placement.train_cores if placement.mode == "separated" else _cores(cfg, "broker")
-    )
+    broker_cores = placement.broker_cores or placement.mode_cores(rollout_side=False)
     return Dataflow(Topology(topics), broker, stages, admission, broker_cores)
+
+
+def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPlacement],
+                timeline: str | None) -> StageSpec:
+    return StageSpec(
+        STAGE_CLASSES[name],
+        instances=_instances(cfg, name),
+        kwargs={"job": job},
+        cores=ranks[0].cores,
+        threads=ranks[0].threads,
+        restarts=cfg.restarts.get(name, 0),
+        timeline=timeline,
+        ranks=len(ranks),
+        devices=[r.device for r in ranks],
+        rank_cores=[r.cores for r in ranks],
+        group_timeout_s=cfg.timeout_s,
+    )
+
+
+def _uses_device(cfg: RLJobConfig, stage: str) -> bool:
+    """The stage keeps a torch model on its rank's device (vLLM places its own engine)."""
+    return stage not in NO_MODEL and not (stage == "rollout" and cfg.rollout.backend == "vllm")
 
 
 def _instances(cfg: RLJobConfig, stage: str) -> int:
     return {"rollout": cfg.rollout.instances, "vision_prefetch": cfg.vision.instances}.get(stage, 1)
-
-
-def _cores(cfg: RLJobConfig, stage: str) -> list[int]:
-    placement = cfg.placement
-    if placement.mode == "colocated":
-        return sorted(set(placement.rollout_cores) | set(placement.train_cores))
-    return list(placement.rollout_cores if stage in ROLLOUT_SIDE else placement.train_cores)

@@ -25,7 +25,7 @@ class ActorForward(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         self.engine = TorchTrainEngine(load_policy(self.job.checkpoint), ctx.group)
-        self.images = ImageInputs(self.job, stage_counts(self.job, ctx))
+        self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "actor")
 
     def step(self, batch: Batch | None) -> list[Output]:

@@ -52,7 +52,7 @@ class ActorTrain(Stage):
         cfg = self.job.config
         self.engine = TorchTrainEngine(load_policy(self.job.checkpoint), ctx.group, cfg.actor)
         self.trained_names = [name for name, p in self.engine.model.named_parameters() if p.requires_grad]
-        self.images = ImageInputs(self.job, stage_counts(self.job, ctx))
+        self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "actor")
         leader = ctx.group.is_leader
         self.sender = open_sender(self.job) if leader else None  # rollout's broadcast / CUDA IPC groups; None for shm

@@ -20,7 +20,7 @@ class CriticForward(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         self.engine = TorchTrainEngine(load_critic(self.job.checkpoint), ctx.group)
-        self.images = ImageInputs(self.job, stage_counts(self.job, ctx))
+        self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "critic")
 
     def step(self, batch: Batch | None) -> list[Output]:

@@ -37,7 +37,7 @@ class CriticTrain(Stage):
         self.engine = TorchTrainEngine(load_critic(self.job.checkpoint), ctx.group, cfg.critic)
         self.weights = WeightStore(self.job.weights_root, "critic")
         self.metrics = MetricsWriter(self.job.run_dir, "critic_metrics.jsonl") if ctx.group.is_leader else None
-        self.images = ImageInputs(self.job, stage_counts(self.job, ctx))
+        self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.buffer.add(batch)

@@ -46,12 +46,13 @@ class ImageInputs:
     vision tower encodes `pixel_values`, and `counts` records `images_encoded`.
     """
 
-    def __init__(self, job: JobContext, counts: StageCounts):
+    def __init__(self, job: JobContext, counts: StageCounts, device: torch.device | str = "cpu"):
+        """`device`: where this stage's own vision tower runs (without the vision stage)."""
         self.enabled = job.vision_language
         self.counts = counts
         self.tower = None
         if self.enabled and not job.config.vision.prefetch:
-            self.tower = load_vision_tower(job.checkpoint)
+            self.tower = load_vision_tower(job.checkpoint).to(device)
 
     def of(self, tensors: dict[str, Tensor]) -> list[SampleImages] | None:
         if not self.enabled:

@@ -39,8 +39,9 @@ class MedusaTrain(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         cfg = self.job.config.rollout.medusa
-        self.backbone = load_policy(self.job.checkpoint).eval().requires_grad_(False)
-        self.heads = load_rollout_heads(self.job.checkpoint, self.backbone, cfg.heads).train()
+        self.device = ctx.group.device
+        self.backbone = load_policy(self.job.checkpoint).eval().requires_grad_(False).to(self.device)
+        self.heads = load_rollout_heads(self.job.checkpoint, self.backbone, cfg.heads).train().to(self.device)
         self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.actor = WeightStore(self.job.weights_root, "actor")
         self.store = WeightStore(self.job.weights_root, "medusa")

@@ -18,7 +18,7 @@ class RefForward(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         self.engine = TorchTrainEngine(load_policy(self.job.checkpoint), ctx.group)
-        self.images = ImageInputs(self.job, stage_counts(self.job, ctx))
+        self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
 
     def step(self, batch: Batch | None) -> list[Output]:
         rollout = Rollout.from_tensors(batch.tensors)

@@ -31,11 +31,13 @@ from stream_rlhf.telemetry.stage_counts import StageCounts
 class TorchBackend:
     """Our KV-cache sampler (optionally speculative) over the policy model in this process."""
 
-    def __init__(self, job: JobContext, weights: RolloutWeights, images: ImageInputs, log: logging.LoggerAdapter):
+    def __init__(self, job: JobContext, weights: RolloutWeights, images: ImageInputs, log: logging.LoggerAdapter,
+                 device: torch.device):
         self.job = job
         self.weights = weights
         self.images = images
-        self.model = load_policy(job.checkpoint).eval()
+        self.device = device
+        self.model = load_policy(job.checkpoint).eval().to(device)
         self.policy_version = 0
         weights.join_model(self.model)
         medusa = job.config.rollout.medusa.enabled
@@ -44,7 +46,8 @@ class TorchBackend:
     def generate(self, batch: Batch, prompts: list[Tensor],
                  params: SamplingParams) -> tuple[Generation, int, dict[str, int | str]]:
         self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
-        generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch)
+        generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch,
+                                     device=self.device)
         if self.speculation is not None:
             gen, info = self.speculation.generate(self.model, prompts, params, generator, self.policy_version)
             return gen, self.policy_version, info
@@ -69,14 +72,14 @@ class RolloutStage(Stage):
         # so a restarted instance adds to the count
         self.counts = StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id)
         self.weights = RolloutWeights(self.job, ctx.instance_id)
-        images = ImageInputs(self.job, self.counts)
+        images = ImageInputs(self.job, self.counts, ctx.group.device)
         if cfg.backend == "vllm":
             from stream_rlhf.stages.rollout_vllm import VllmBackend
 
             self.backend = VllmBackend(self.job, self.weights, max_positions(self.job.checkpoint), images,
                                        ctx.stopping)
         else:
-            self.backend = TorchBackend(self.job, self.weights, images, ctx.log)
+            self.backend = TorchBackend(self.job, self.weights, images, ctx.log, ctx.group.device)
 
     def on_weights(self, version: int) -> None:
         self.weights.announced = max(self.weights.announced, version)

@@ -36,7 +36,7 @@ class Speculation:
     def __init__(self, job: JobContext, model: nn.Module, log: logging.LoggerAdapter):
         self.cfg = job.config.rollout.medusa
         self.log = log
-        self.heads = load_rollout_heads(job.checkpoint, model, self.cfg.heads).eval()
+        self.heads = load_rollout_heads(job.checkpoint, model, self.cfg.heads).eval().to(next(model.parameters()).device)
         self.store = WeightStore(job.weights_root, "medusa")
         self.heads_version = 0
         self.heads_backbone = 0

@@ -16,8 +16,7 @@ import torch
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.vision_language import encode_images, load_vision_tower
 from stream_rlhf.stages.images import IMAGE_FIELDS
-from stream_rlhf.stages.job_context import JobContext
-from stream_rlhf.telemetry.stage_counts import StageCounts
+from stream_rlhf.stages.job_context import JobContext, stage_counts
 
 PROMPT_FIELDS = ("prompt_ids", "prompt_ids_lens", "group_ids")
 """The prompt source's text fields, passed on for rollout."""
@@ -29,13 +28,13 @@ class VisionPrefetch(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.tower = load_vision_tower(self.job.checkpoint)
-        self.counts = StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id)
+        self.tower = load_vision_tower(self.job.checkpoint).to(ctx.group.device)
+        self.counts = stage_counts(self.job, ctx)
 
     def step(self, batch: Batch | None) -> list[Output]:
         t = batch.tensors
         grid = t["image_grid_thw"].long()
-        per_image = encode_images(self.tower, t["pixel_values"], grid)
+        per_image = [f.cpu() for f in encode_images(self.tower, t["pixel_values"], grid)]  # the payload is host memory
         self.counts.add(images_encoded=len(grid), encoder_calls=1)
         hidden = per_image[0].shape[-1] if per_image else 0
         tensors = {

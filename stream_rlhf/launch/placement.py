@@ -1,0 +1,148 @@
+"""Placement: which cores and devices each stage's ranks run on, checked against this machine.
+
+    placement:
+      mode: separated                # rollout on rollout_cores, the rest on train_cores (CPU)
+      device: auto                   # cuda when this machine has a GPU, else cpu
+      stages:
+        actor_train: {ranks: 2, cores: [0, 1]}      # CPU: the ranks share the cores out
+        critic_train: {ranks: 2, devices: [0, 1]}   # CUDA: one device per rank
+
+    ranks = stage_ranks(placement, "actor_train", default_cores=[1])   # [RankPlacement, ...]
+    preflight(placement, stages)     # before any process starts: cores, GPUs, device indices
+
+Config checks that need no machine run when the config is built; `preflight` runs where the
+stages will run, and raises ConfigError naming the key (a core or device that does not exist,
+more ranks than cores or devices, CUDA on a machine without it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from stream_rlhf.config import ConfigError
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where one stage's ranks run (`placement.stages.<stage>`)."""
+
+    ranks: int = 1
+    """Processes per instance, one torch.distributed group: a training stage shards its model over
+    them (FSDP2), a forward stage splits each mini-batch."""
+    devices: list[int] | None = None
+    """device cuda: the CUDA device of each rank; None: 0, 1, ... ranks - 1."""
+    cores: list[int] | None = None
+    """device cpu: the cores the ranks share out (len // ranks each); None: the mode's cores."""
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ConfigError(f"ranks={self.ranks}: must be >= 1")
+        if self.devices is not None and len(self.devices) != self.ranks:
+            raise ConfigError(f"devices={self.devices}: one device per rank, ranks={self.ranks}")
+        if self.devices is not None and len(set(self.devices)) != len(self.devices):
+            raise ConfigError(f"devices={self.devices}: two ranks on one device (NCCL needs a device per rank)")
+        if self.cores is not None and not self.cores:
+            raise ConfigError("cores=[]: needs at least one core")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Which cores and devices each stage runs on.
+
+    separated: rollout (and the prompt source) on `rollout_cores`, forwards and training on
+               `train_cores`; both run at once.
+    colocated: every stage on every core of `rollout_cores + train_cores`, taking turns.
+    On CUDA (`device`), the models of the torch stages live on the GPUs and the cores only run
+    their Python.
+    """
+
+    mode: Literal["separated", "colocated"] = "separated"
+    rollout_cores: list[int] = field(default_factory=lambda: [0])
+    train_cores: list[int] = field(default_factory=lambda: [1])
+    broker_cores: list[int] | None = None
+    """Cores of the broker process; None: `train_cores` when separated (rollout keeps its core to
+    itself), every core when colocated."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the torch stages keep their models: `auto` is cuda when this machine has a GPU."""
+    stages: dict[str, StagePlacement] = field(default_factory=dict)
+    """Per-stage ranks, cores and devices (stages not named: one rank on the mode's cores)."""
+    offload: list[str] = field(default_factory=list)
+    """Stages whose params and optimizer state go to host memory between phases (GPU only;
+    on CPU a no-op the stage reports)."""
+
+    def __post_init__(self) -> None:
+        for name in ("rollout_cores", "train_cores", "broker_cores"):
+            if getattr(self, name) == []:
+                raise ConfigError(f"{name}=[]: needs at least one core")
+
+    def resolved_device(self) -> Literal["cpu", "cuda"]:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def mode_cores(self, rollout_side: bool) -> list[int]:
+        """The cores a stage gets from `mode`: its side's when separated, all when colocated."""
+        if self.mode == "colocated":
+            return sorted(set(self.rollout_cores) | set(self.train_cores))
+        return list(self.rollout_cores if rollout_side else self.train_cores)
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """One rank of a stage: its torch device, its cores and its torch threads."""
+
+    device: str
+    cores: list[int]
+    threads: int
+
+
+def stage_ranks(placement: PlacementConfig, stage: str, rollout_side: bool, uses_device: bool) -> list[RankPlacement]:
+    """The ranks of `stage` (`uses_device`: it holds a torch model that can live on a GPU)."""
+    own = placement.stages.get(stage, StagePlacement())
+    cores = own.cores or placement.mode_cores(rollout_side)
+    key = f"placement.stages.{stage}"
+    on_cuda = uses_device and placement.resolved_device() == "cuda"
+    if own.devices is not None and not on_cuda:
+        raise ConfigError(f"{key}.devices={own.devices}: CUDA device indices, but this stage runs on the CPU "
+                          f"(placement.device={placement.device}); give cores instead")
+    if on_cuda:
+        devices = own.devices if own.devices is not None else list(range(own.ranks))
+        per_rank = [cores] * own.ranks
+    else:
+        if own.ranks > len(cores):
+            raise ConfigError(f"{key}.ranks={own.ranks}: more ranks than its cores {cores} (one core at least per rank)")
+        share = len(cores) // own.ranks
+        per_rank = [cores[r * share:(r + 1) * share] for r in range(own.ranks)]
+        devices = None
+    return [RankPlacement(f"cuda:{devices[r]}" if devices is not None else "cpu", per_rank[r], len(per_rank[r]))
+            for r in range(own.ranks)]
+
+
+def preflight(placement: PlacementConfig, ranks: dict[str, list[RankPlacement]]) -> None:
+    """Check the placement against this machine (where the stages run), before any starts."""
+    available = sorted(os.sched_getaffinity(0))
+    for name in ("rollout_cores", "train_cores", "broker_cores"):
+        _check_cores(f"placement.{name}", getattr(placement, name), available)
+    for stage, own in placement.stages.items():
+        _check_cores(f"placement.stages.{stage}.cores", own.cores, available)
+    if placement.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("placement.device=cuda: this machine has no CUDA device (use cpu or auto)")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for stage, stage_ranks_ in ranks.items():
+        for rank in stage_ranks_:
+            if rank.device.startswith("cuda:") and int(rank.device[5:]) >= count:
+                key = f"placement.stages.{stage}.devices" if stage in placement.stages else f"placement.stages.{stage}"
+                raise ConfigError(f"{key}: {rank.device} does not exist (this machine has {count} CUDA device(s)); "
+                                  f"ranks={len(stage_ranks_)} needs that many devices")
+
+
+def _check_cores(key: str, cores: list[int] | None, available: list[int]) -> None:
+    if cores is None:
+        return
+    missing = [c for c in cores if c not in available]
+    if missing:
+        raise ConfigError(f"{key}={cores}: cores {missing} are not available (this machine: {available})")

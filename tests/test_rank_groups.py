@@ -1,0 +1,101 @@
+"""Stage instances of several ranks in a whole job: results, accounting, a rank that dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from stream_rlhf.telemetry.metrics import read_metrics
+from tests.test_rl_job import _gone_or_zombie, leftover_shm, start_run
+
+pytestmark = pytest.mark.slow
+GROUPS = "placement.stages={actor_train: {ranks: 2}, critic_train: {ranks: 2}, actor_forward: {ranks: 2}}"
+"""Colocated on both cores (tests/rl_tiny.py): each rank of a group gets one."""
+
+
+@pytest.fixture(autouse=True)
+def _two_cores():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a group of two ranks needs two cores (one each)")
+
+
+def test_two_rank_actor_stages_train_as_one_rank_does(tmp_path):
+    """GRPO (no critic: which critic version a forward sees depends on timing), sync schedule,
+    on-policy: both runs sample the same tokens from the same weights, so the 2-rank FSDP2 trainer
+    and the 2-rank forwards must give the metrics of the 1-rank run."""
+    grpo = ("algorithm.advantage=grpo", "rollout_batch.samples_per_prompt=2", "schedule=sync", "overlap_depth=0",
+            "iterations=3")
+    one, one_log = start_run(tmp_path, "one", *grpo)
+    assert one.wait(timeout=300) == 0, one_log.read_text()[-3000:]
+    two, two_log = start_run(tmp_path, "two", *grpo,
+                             "placement.stages={actor_train: {ranks: 2}, actor_forward: {ranks: 2}, ref_forward: {ranks: 2}}")
+    assert two.wait(timeout=300) == 0, two_log.read_text()[-3000:]
+    text = two_log.read_text()
+    for stage in ("actor_train", "actor_forward", "ref_forward"):
+        assert re.search(rf"{stage}-0 rank 1 of 2 \(pid \d+\) follows its leader on cpu", text), stage
+    records = {name: read_metrics(tmp_path / name / "metrics.jsonl") for name in ("one", "two")}
+    assert [r["iteration"] for r in records["two"]] == [0, 1, 2]
+    for a, b in zip(records["one"], records["two"]):
+        assert b["reward"] == a["reward"] and b["response_len"] == a["response_len"]
+        for key in ("loss", "kl", "approx_kl", "entropy", "grad_norm", "ratio_max"):
+            assert b[key] == pytest.approx(a[key], abs=1e-4), key
+    summaries = {name: json.loads((tmp_path / name / "summary.json").read_text()) for name in ("one", "two")}
+    assert summaries["two"]["eval_reward_after"] == summaries["one"]["eval_reward_after"]
+    assert (tmp_path / "two" / "checkpoint" / "model.safetensors").is_file()
+    assert not leftover_shm("t_two")
+
+
+def test_ppo_with_two_rank_trainers_accounts_for_every_sample(tmp_path):
+    process, log = start_run(tmp_path, "groups", "iterations=3", GROUPS)
+    assert process.wait(timeout=300) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    for stage in ("actor_train", "critic_train", "actor_forward"):
+        assert re.search(rf"{stage}-0 rank 1 of 2 \(pid \d+\) follows its leader on cpu", text), stage
+    summary = json.loads((tmp_path / "groups" / "summary.json").read_text())
+    assert summary["samples_trained"] == summary["samples_generated"] == 3 * 2 * 8
+    assert summary["samples_dropped"] == 0
+    assert len(read_metrics(tmp_path / "groups" / "metrics.jsonl")) == 3  # written by the leader only
+    critic = read_metrics(tmp_path / "groups" / "critic_metrics.jsonl")
+    assert critic and [r["iteration"] for r in critic] == list(range(len(critic)))
+    assert not leftover_shm("t_groups")
+
+
+def test_a_dead_rank_fails_the_job_naming_it_and_leaves_no_process(tmp_path):
+    process, log = start_run(tmp_path, "rankdead", "iterations=50", GROUPS)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not read_metrics(tmp_path / "rankdead" / "metrics.jsonl"):
+        time.sleep(0.2)
+    text = log.read_text()
+    follower = re.search(r"actor_train-0 rank 1 of 2 \(pid (\d+)\)", text)
+    assert follower, text[-3000:]
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]
+    os.kill(int(follower[1]), signal.SIGKILL)
+    assert process.wait(timeout=120) == 1, log.read_text()[-3000:]
+    assert re.search(r"stage instance\(s\) failed: .*actor_train-0\.rank1 \(exit -9\)", log.read_text())
+    assert all(_gone_or_zombie(pid) for pid in pids)
+    assert not leftover_shm("t_rankdead")
+
+
+def test_a_restartable_group_restarts_every_rank_and_the_run_completes(tmp_path):
+    iterations = 12
+    process, log = start_run(tmp_path, "regroup", f"iterations={iterations}", "restarts={ref_forward: 1}",
+                             "placement.stages={ref_forward: {ranks: 2}}")
+    metrics = tmp_path / "regroup" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not read_metrics(metrics):
+        time.sleep(0.05)
+    follower = re.search(r"ref_forward-0 rank 1 of 2 \(pid (\d+)\)", log.read_text())
+    assert follower and process.poll() is None, log.read_text()[-3000:]
+    os.kill(int(follower[1]), signal.SIGKILL)
+    assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "ref_forward-0.rank1 exited with -9: restarting it with every rank of ref_forward-0" in text
+    assert len(re.findall(r"ref_forward-0 rank 1 of 2 \(pid \d+\)", text)) == 2  # a new group
+    summary = json.loads((tmp_path / "regroup" / "summary.json").read_text())
+    assert summary["iterations"] == iterations and summary["samples_trained"] == iterations * 2 * 8
+    assert not leftover_shm("t_regroup")
