@@ -1,8 +1,8 @@
-"""The rollout stage's vLLM backend (`rollout.backend: vllm`): one engine process per instance.
+"""The rollout stage's vLLM engine (`rollout.backend: vllm`): one engine process per instance.
 
-    backend = VllmBackend(job, weights, max_model_len, images, ctx.stopping)
-    gen, policy_version, info = backend.generate(batch, prompts, params)
-    backend.close()
+    engine = VllmRolloutEngine(job, weights, images, ctx)
+    out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
+    engine.close()
 
 Weight updates (`weights.update`):
     drain       before a mini-batch, the engine loads the newest version; every token of the
@@ -28,11 +28,13 @@ import threading
 import torch
 from torch import Tensor
 
+from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_client import GenerateAbandoned, VllmClient
 from stream_rlhf.backends.vllm_protocol import Update
-from stream_rlhf.backends.vllm_rollout import VllmGeneration, VllmOptions
-from stream_rlhf.broker.stage import Batch, StepAborted
+from stream_rlhf.backends.vllm_rollout import VllmOptions
+from stream_rlhf.broker.stage import Batch, StageContext, StepAborted
+from stream_rlhf.models.checkpoint import max_positions
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
 from stream_rlhf.stages.weight_sync import RolloutWeights
@@ -54,23 +56,21 @@ def engine_options(job: JobContext, max_model_len: int) -> VllmOptions:
     )
 
 
-class VllmBackend:
-    def __init__(self, job: JobContext, weights: RolloutWeights, max_model_len: int, images: ImageInputs,
-                 stopping: threading.Event):
+class VllmRolloutEngine:
+    def __init__(self, job: JobContext, weights: RolloutWeights, images: ImageInputs, ctx: StageContext):
         self.job = job
-        self.stopping = stopping
+        self.stopping: threading.Event = ctx.stopping
         self.weights = weights
         self.images = images
         cfg = job.config.rollout.vllm
-        self.engine = VllmClient(job.checkpoint, engine_options(job, max_model_len), python=cfg.python,
-                                 start_timeout_s=cfg.start_timeout_s)
+        self.engine = VllmClient(job.checkpoint, engine_options(job, max_positions(job.checkpoint)),
+                                 python=cfg.python, start_timeout_s=cfg.start_timeout_s)
         weights.join_engine(self.engine)
         self.in_flight = job.config.weights.update == "in_flight"
         self.sleeping = False
 
-    def generate(self, batch: Batch, prompts: list[Tensor],
-                 params: SamplingParams) -> tuple[VllmGeneration, int, dict[str, int]]:
-        """(responses, the oldest policy version that sampled them, metadata for the handle: none)."""
+    def generate(self, batch: Batch, prompts: list[Tensor], params: SamplingParams) -> Generated:
+        """The responses, stamped with the oldest policy version that sampled a token of them."""
         update = self.weights.engine_update(self.engine.version)
         if self.sleeping:
             self.engine.wake_up(update)
@@ -88,7 +88,7 @@ class VllmBackend:
             self.engine.sleep()
             self.sleeping = True
         oldest = min((int(v.min()) for v in gen.token_versions if len(v)), default=self.engine.version)
-        return gen, oldest, {}
+        return Generated(gen, oldest, token_versions=gen.token_versions if self.in_flight else None)
 
     def _in_flight_update(self) -> Update | None:
         return self.weights.engine_update(self.engine.version)

@@ -1,0 +1,50 @@
+"""The rollout-engine seam: what the rollout stage asks of a generation backend.
+
+    engine = ROLLOUT_ENGINES[cfg.rollout.backend] -> load_class(...)(job, weights, images, ctx)
+    out = engine.generate(batch, prompts, params)     # Generated: responses, version, metadata
+    engine.close()
+
+Each engine keeps its own weights current before it generates (`stages/weight_sync.py`:
+RolloutWeights), so a response carries the policy version that sampled it; how it sleeps, wakes
+and takes weight updates between or during generation is its own business. The rollout stage
+(`stages/rollout.py`) turns what it returns into the rollout handle, the same fields whatever the
+engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import Tensor
+
+from stream_rlhf.backends.torch_rollout import Generation, SamplingParams
+from stream_rlhf.broker.stage import Batch
+
+ROLLOUT_ENGINES = {
+    "torch": "stream_rlhf.stages.rollout_torch:TorchRolloutEngine",
+    "vllm": "stream_rlhf.stages.rollout_vllm:VllmRolloutEngine",
+}
+"""`rollout.backend` -> the engine class, loaded only when chosen (vLLM's client stays unimported)."""
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One mini-batch's responses from a rollout engine."""
+
+    generation: Generation
+    policy_version: int
+    """The oldest policy version that sampled a token of these responses."""
+    metadata: dict[str, int | str] = field(default_factory=dict)
+    """Handle metadata the engine adds (speculative decoding statistics, ...)."""
+    token_versions: list[Tensor] | None = None
+    """(R_i,) the version that sampled each response token, when weights changed during
+    generation (vLLM's in-flight updates); None when one version sampled every token."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, batch: Batch, prompts: list[Tensor], params: SamplingParams) -> Generated:
+        """Sample one response per prompt of `batch`, with the newest weights it can load first."""
+
+    def close(self) -> None:
+        """Release the engine (its process, its device memory)."""

@@ -1,0 +1,49 @@
+"""The rollout stage's torch engine (`rollout.backend: torch`): our KV-cache sampler over the
+policy model in the rollout process, on its rank's device; speculative with Medusa heads when
+`rollout.medusa` is enabled (`stages/speculation.py`).
+
+    engine = TorchRolloutEngine(job, weights, images, ctx)
+    out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
+
+Before each mini-batch it loads the newest policy version (`RolloutWeights.refresh_model`): every
+token of the mini-batch is sampled by that version.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from stream_rlhf.backends.rollout_engine import Generated
+from stream_rlhf.backends.torch_rollout import SamplingParams, generate
+from stream_rlhf.broker.stage import Batch, StageContext
+from stream_rlhf.models.checkpoint import load_policy
+from stream_rlhf.stages.images import ImageInputs
+from stream_rlhf.stages.job_context import JobContext, seeded_generator
+from stream_rlhf.stages.speculation import Speculation
+from stream_rlhf.stages.weight_sync import RolloutWeights
+
+
+class TorchRolloutEngine:
+    def __init__(self, job: JobContext, weights: RolloutWeights, images: ImageInputs, ctx: StageContext):
+        self.job = job
+        self.weights = weights
+        self.images = images
+        self.device = ctx.group.device
+        self.model = load_policy(job.checkpoint).eval().to(self.device)
+        self.policy_version = 0
+        weights.join_model(self.model)
+        medusa = job.config.rollout.medusa.enabled
+        self.speculation = Speculation(job, self.model, ctx.log) if medusa else None
+
+    def generate(self, batch: Batch, prompts: list[Tensor], params: SamplingParams) -> Generated:
+        self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
+        generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch,
+                                     device=self.device)
+        if self.speculation is not None:
+            gen, info = self.speculation.generate(self.model, prompts, params, generator, self.policy_version)
+            return Generated(gen, self.policy_version, info)
+        gen = generate(self.model, prompts, params, generator, images=self.images.of(batch.tensors))
+        return Generated(gen, self.policy_version)
+
+    def close(self) -> None:
+        """Nothing outside this process to release."""
