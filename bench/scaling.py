@@ -34,19 +34,16 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from stream_rlhf.algos.losses import policy_loss  # noqa: E402
-from stream_rlhf.backends.torch_engine import TorchTrainEngine  # noqa: E402
-from stream_rlhf.broker.rank_group import RankGroup, RankSpec  # noqa: E402
-from stream_rlhf.rl.config import OptimizerConfig  # noqa: E402
-from stream_rlhf.stages.experience import Experience  # noqa: E402
-from stream_rlhf.stages.samples import response_slices  # noqa: E402
+from stream_rlhf.algos.losses import policy_loss
+from stream_rlhf.backends.optimizer_config import OptimizerConfig
+from stream_rlhf.backends.torch_engine import TorchTrainEngine
+from stream_rlhf.broker.rank_group import RankGroup, RankSpec
+from stream_rlhf.stages.experience import Experience
+from stream_rlhf.stages.samples import response_slices
 
 VOCAB = 128
 FULL = {"hidden": 512, "intermediate": 1376, "layers": 4, "heads": 8, "samples": 64, "length": 128, "steps": 3}
@@ -80,7 +77,7 @@ def rank_main(rank: int, ranks: int, threads: int, cores: list[int], device: str
               size: dict[str, int], repeats: int, out: mp.Queue) -> None:
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(threads)
-    group = RankGroup.join(RankSpec(rank, ranks, init_file if ranks > 1 else None, device))
+    group = RankGroup.join(RankSpec(rank, ranks, f"file://{init_file}" if ranks > 1 else None, device))
     try:
         engine = TorchTrainEngine(build_model(size), group, OptimizerConfig(lr=1e-5))
         exp = samples(size)

@@ -2,7 +2,8 @@
 
     stream-rlhf run CONFIG [--set key=value ...]   broker + every stage as local processes
     stream-rlhf broker CONFIG                      only the broker (stages started elsewhere)
-    stream-rlhf stage CONFIG STAGE --broker ADDR [--index N] [--set key=value]   one instance (SLURM, k8s)
+    stream-rlhf stage CONFIG STAGE --broker ADDR [--index N] [--rank R --group tcp://HOST:PORT] [--set key=value]
+                                                   one instance, or one rank of it (SLURM, k8s)
     stream-rlhf stats ADDR                         the broker's counters
     stream-rlhf keys DIR                           CURVE keys for a broker bound beyond loopback
 """
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     stage.add_argument("stage")
     stage.add_argument("--broker", required=True, help="broker address, e.g. tcp://10.0.0.1:5555")
     stage.add_argument("--index", type=int, default=0)
+    stage.add_argument("--rank", type=int, default=0, help="this process's rank, for a stage of several ranks")
+    stage.add_argument("--group", default=None, metavar="URL",
+                       help="the ranks' rendezvous (tcp://HOST:PORT, where rank 0 listens; or file:///PATH)")
     stage.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     stats = sub.add_parser("stats", help="print a running broker's counters")
     stats.add_argument("address")
@@ -171,7 +175,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
     if args.stage not in flow.stages:
         raise ConfigError(f"stage {args.stage!r} is not in stages ({', '.join(flow.stages)})")
     key_dir = flow.broker.curve.key_dir if flow.broker.curve else None
-    run_stage(args.stage, f"{args.stage}-{args.index}", flow.stages[args.stage], args.broker, key_dir, flow.broker.shm_prefix)
+    run_stage(args.stage, f"{args.stage}-{args.index}", flow.stages[args.stage], args.broker, key_dir,
+              flow.broker.shm_prefix, args.rank, args.group)
     return 0
 
 

@@ -36,6 +36,8 @@ from tests.rl_tiny import VISION, tiny_job, write_job
         ({"placement.stages": {"actor_train": {"ranks": 9}}},
          "placement.stages.actor_train.ranks=9: an optimizer step has as few as 8 samples"),
         ({"placement.device": "tpu"}, "placement.device='tpu': must be one of"),
+        ({"actor.lr": float("inf")}, "actor.lr=inf: must be finite and > 0"),
+        ({"critic.max_grad_norm": 0}, "critic.max_grad_norm=0.0: must be finite and > 0"),
         ({"model.path": "/nonexistent"}, "model.path='/nonexistent': no config.json there"),
         ({"reward.function": "no_colon"}, "reward.function='no_colon': expected 'package.module:name'"),
         ({"algorithm.kl.kind": "k4"}, "algorithm.kl.kind='k4': must be one of"),

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from stream_rlhf.algos.losses import policy_loss, value_loss
+from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.broker.rank_group import RankGroup, RankSpec
-from stream_rlhf.rl.config import OptimizerConfig
 from stream_rlhf.stages.experience import Experience
 from stream_rlhf.stages.samples import response_slices
 from stream_rlhf.weights.shm_store import WeightStore
@@ -63,7 +63,7 @@ def _loss(engine: TorchTrainEngine):
 
 def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> None:
     torch.set_num_threads(1)
-    group = RankGroup.join(RankSpec(rank, world, init_file if world > 1 else None))
+    group = RankGroup.join(RankSpec(rank, world, f"file://{init_file}" if world > 1 else None))
     try:
         exp = _experience()
         if case == "train":
@@ -166,3 +166,37 @@ def test_train_step_needs_an_optimizer():
     engine = TorchTrainEngine(_model(), RankGroup.single())
     with pytest.raises(RuntimeError, match="without an optimizer"):
         engine.train_step(_experience(), _loss(engine), {})
+
+
+def test_offload_on_a_cpu_device_leaves_the_engine_as_it_was():
+    engine = TorchTrainEngine(_model(), RankGroup.single(), OptimizerConfig(lr=1e-3))
+    exp = _experience()
+    engine.train_step(exp, _loss(engine), {"advantages": torch.ones_like(exp.mask)})
+    before = {k: v.clone() for k, v in engine.export_weights().items()}
+    engine.offload({"params", "grads", "optimizer"})
+    engine.onload({"params", "grads", "optimizer"})
+    for name, tensor in engine.export_weights().items():
+        assert torch.equal(tensor, before[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="moves a CUDA engine's state to host memory and back")
+def test_offload_round_trip_on_cuda_keeps_training_exact():
+    def trained(offload: bool) -> dict[str, torch.Tensor]:
+        engine = TorchTrainEngine(_model(), RankGroup.single("cuda:0"), OptimizerConfig(lr=1e-3))
+        exp = _experience()
+        advantages = torch.ones_like(exp.mask)
+        engine.train_step(exp, _loss(engine), {"advantages": advantages})
+        if offload:
+            engine.offload({"params", "grads", "optimizer"})
+            assert all(p.device.type == "cpu" and p.is_pinned() for p in engine.model.parameters())
+            state = [v for s in engine.optimizer.state.values() for v in s.values() if v.dim() > 0]
+            assert state and all(v.device.type == "cpu" for v in state)
+            engine.onload({"params", "grads", "optimizer"})
+            assert all(p.device.type == "cuda" for p in engine.model.parameters())
+        engine.train_step(exp, _loss(engine), {"advantages": advantages})
+        return engine.export_weights()
+
+    plain, round_trip = trained(False), trained(True)
+    for name in plain:
+        assert torch.equal(round_trip[name], plain[name]), name

@@ -21,15 +21,16 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.models.vision_language import SampleImages
-from stream_rlhf.rl.config import OptimizerConfig
 from stream_rlhf.stages.experience import Experience
 from stream_rlhf.weights.shm_store import WeightStore
 
@@ -62,10 +63,11 @@ class TorchTrainEngine:
         freeze_vision_tower(self.model)
         self.forward_module = ModelForward(self.model)
         self.sharded = optimizer is not None and group.distributed
-        if self.sharded:
+        if self.sharded:  # over this group's ranks, on their device type (a CPU group on a GPU machine too)
+            mesh = init_device_mesh(self.device.type, (group.world_size,))
             for layer in decoder_layers(self.model):
-                fully_shard(layer)
-            fully_shard(self.forward_module)
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.forward_module, mesh=mesh)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # sharded ones, if sharded
         self.max_grad_norm = optimizer.max_grad_norm if optimizer else 0.0
         self.optimizer = None if optimizer is None else torch.optim.AdamW(

@@ -1,6 +1,6 @@
 """The ranks of one stage instance: a torch.distributed group whose leader speaks for it.
 
-    group = RankGroup.join(RankSpec(rank=1, world_size=2, init_file="/tmp/g/actor_train-0", device="cpu"))
+    group = RankGroup.join(RankSpec(rank=1, world_size=2, init_method="file:///tmp/g/actor_train-0", device="cpu"))
     message = group.share(None)          # a follower receives what the leader shares...
     group.share(GroupBatch(handle))      # ...the leader (rank 0) shares it
     mine = group.shard(len(samples))     # this rank's contiguous slice of a mini-batch
@@ -30,8 +30,9 @@ class RankSpec:
 
     rank: int = 0
     world_size: int = 1
-    init_file: str | None = None
-    """The group's rendezvous file (torch.distributed FileStore), fresh for every start of the group."""
+    init_method: str | None = None
+    """The group's rendezvous, a torch.distributed init URL: `file:///path` (a FileStore, fresh for
+    every start of the group; the local launcher's) or `tcp://host:port` (rank 0 listens there)."""
     device: str = "cpu"
     """`cpu` or `cuda:N`: where this rank's models live."""
     timeout_s: float = 3600.0
@@ -40,8 +41,8 @@ class RankSpec:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank}: must be in [0, world_size={self.world_size})")
-        if self.world_size > 1 and not self.init_file:
-            raise ValueError(f"world_size={self.world_size}: a group of several ranks needs an init_file")
+        if self.world_size > 1 and not self.init_method:
+            raise ValueError(f"world_size={self.world_size}: a group of several ranks needs an init_method")
 
 
 class RankGroup:
@@ -64,7 +65,7 @@ class RankGroup:
         if spec.world_size == 1:
             return cls.single(device)
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{spec.init_file}", rank=spec.rank,
+        dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank,
                                 world_size=spec.world_size, timeout=datetime.timedelta(seconds=spec.timeout_s))
         return cls(spec.rank, spec.world_size, device, dist.group.WORLD)
 

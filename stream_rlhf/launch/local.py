@@ -134,10 +134,10 @@ def _broker_main(
 
 
 def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str,
-                rank: int = 0, init_file: str | None = None) -> None:
+                rank: int = 0, init_method: str | None = None) -> None:
     child_signals()
     setup_logging()
-    run_stage(stage_name, instance_id, spec, address, key_dir, prefix, rank, init_file)
+    run_stage(stage_name, instance_id, spec, address, key_dir, prefix, rank, init_method)
     # the instance has stopped cleanly; skip interpreter teardown, which takes seconds per
     # process once torch and transformers are loaded (a crash above still exits with its traceback)
     logging.shutdown()
@@ -147,10 +147,10 @@ def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str
 
 
 def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str,
-              rank: int = 0, init_file: str | None = None) -> None:
+              rank: int = 0, init_method: str | None = None) -> None:
     """Build the stage from its spec and run rank `rank` of the instance until it stops: rank 0
-    attached to the broker at `address`, the others following it (`init_file`: the group's
-    rendezvous, with `spec.ranks` > 1)."""
+    attached to the broker at `address`, the others following it (`init_method`: the group's
+    rendezvous URL, with `spec.ranks` > 1)."""
     from stream_rlhf.broker.group_follower import GroupFollower
     from stream_rlhf.broker.payload import ShmTransport
     from stream_rlhf.broker.rank_group import RankGroup, RankSpec
@@ -163,7 +163,11 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
         import torch
 
         torch.set_num_threads(spec.threads)
-    group = RankGroup.join(RankSpec(rank, spec.ranks, init_file, spec.device(rank), spec.group_timeout_s))
+    if not 0 <= rank < spec.ranks:
+        raise ConfigError(f"rank={rank}: {instance_id} has ranks 0..{spec.ranks - 1}")
+    if spec.ranks > 1 and not init_method:
+        raise ConfigError(f"{instance_id}: a group of {spec.ranks} ranks needs a rendezvous (init_method)")
+    group = RankGroup.join(RankSpec(rank, spec.ranks, init_method, spec.device(rank), spec.group_timeout_s))
     try:
         stage = load_class(spec.cls)(**spec.kwargs)
         if rank > 0:
@@ -243,16 +247,16 @@ class LocalJob:
         """Start every rank of instance `index` of `stage_name`; returns its leader's process."""
         instance_id = f"{stage_name}-{index}"
         spec = self.stages[stage_name]
-        init_file = None
+        init_method = None
         if spec.ranks > 1:
             self._rendezvous = self._rendezvous or tempfile.mkdtemp(prefix="srlhf-groups-")
             self._group_starts += 1
-            init_file = os.path.join(self._rendezvous, f"{instance_id}-{self._group_starts}")
+            init_method = "file://" + os.path.join(self._rendezvous, f"{instance_id}-{self._group_starts}")
         for rank in range(spec.ranks):
             name = rank_process_name(instance_id, rank)
             process = self._ctx.Process(
                 target=_stage_main,
-                args=(stage_name, instance_id, spec, self.address, self.key_dir, self.broker.shm_prefix, rank, init_file),
+                args=(stage_name, instance_id, spec, self.address, self.key_dir, self.broker.shm_prefix, rank, init_method),
                 name=name,
             )
             process.start()
