@@ -65,20 +65,24 @@ def test_ppo_with_two_rank_trainers_accounts_for_every_sample(tmp_path):
     assert not leftover_shm("t_groups")
 
 
-def test_a_dead_rank_fails_the_job_naming_it_and_leaves_no_process(tmp_path):
-    process, log = start_run(tmp_path, "rankdead", "iterations=50", GROUPS)
+@pytest.mark.parametrize(("victim", "named"), [("follower", r"actor_train-0\.rank1"), ("leader", r"actor_train-0")])
+def test_a_dead_rank_fails_the_job_naming_it_and_leaves_no_process(tmp_path, victim, named):
+    """Whichever rank dies, the others fail in their next collective (no hang) and the job stops."""
+    name = f"dead{victim}"
+    process, log = start_run(tmp_path, name, "iterations=50", GROUPS)
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not read_metrics(tmp_path / "rankdead" / "metrics.jsonl"):
+    while time.monotonic() < deadline and not read_metrics(tmp_path / name / "metrics.jsonl"):
         time.sleep(0.2)
     text = log.read_text()
-    follower = re.search(r"actor_train-0 rank 1 of 2 \(pid (\d+)\)", text)
-    assert follower, text[-3000:]
-    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]
-    os.kill(int(follower[1]), signal.SIGKILL)
+    pids = {"follower": re.search(r"actor_train-0 rank 1 of 2 \(pid (\d+)\)", text),
+            "leader": re.search(r"instance actor_train-0 of stage actor_train joined \(pid (\d+)\)", text)}
+    assert all(pids.values()), text[-3000:]
+    every = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]
+    os.kill(int(pids[victim][1]), signal.SIGKILL)
     assert process.wait(timeout=120) == 1, log.read_text()[-3000:]
-    assert re.search(r"stage instance\(s\) failed: .*actor_train-0\.rank1 \(exit -9\)", log.read_text())
-    assert all(_gone_or_zombie(pid) for pid in pids)
-    assert not leftover_shm("t_rankdead")
+    assert re.search(rf"stage instance\(s\) failed: .*{named} \(exit -9\)", log.read_text()), log.read_text()[-3000:]
+    assert all(_gone_or_zombie(pid) for pid in every)
+    assert not leftover_shm(f"t_{name}")
 
 
 def test_a_restartable_group_restarts_every_rank_and_the_run_completes(tmp_path):

@@ -44,15 +44,22 @@ class GroupFollower:
         """Until the leader says stop; returns the number of steps taken."""
         self.log.info("%s rank %d of %d (pid %d) follows its leader on %s", self.instance_id, self.group.rank,
                       self.group.world_size, os.getpid(), self.group.device)
-        setup = self._receive()
-        if isinstance(setup, GroupStop):
-            self.log.info("%s rank %d: the leader stopped before setup (%s)", self.instance_id, self.group.rank,
-                          setup.reason)
-            return 0
-        if not isinstance(setup, GroupSetup):
-            raise LeaderProtocolError(f"{self.instance_id}: expected GroupSetup first, got {type(setup).__name__}")
-        self.stage.setup(StageContext(self.stage_name, self.instance_id, list(setup.inputs), list(setup.outputs),
-                                      lambda op, version=-1: None, self.log, threading.Event(), self.group))
+        try:
+            setup = self._receive()
+            if isinstance(setup, GroupStop):
+                self.log.info("%s rank %d: the leader stopped before setup (%s)", self.instance_id, self.group.rank,
+                              setup.reason)
+                return 0
+            if not isinstance(setup, GroupSetup):
+                raise LeaderProtocolError(f"{self.instance_id}: expected GroupSetup first, got {type(setup).__name__}")
+            self.stage.setup(StageContext(self.stage_name, self.instance_id, list(setup.inputs), list(setup.outputs),
+                                          lambda op, version=-1: None, self.log, threading.Event(), self.group))
+            self._follow()
+        finally:
+            self.transport.close()
+        return self.steps
+
+    def _follow(self) -> None:
         try:
             while not isinstance(message := self._receive(), GroupStop):
                 if isinstance(message, GroupBatch):
@@ -66,8 +73,6 @@ class GroupFollower:
                     raise LeaderProtocolError(f"{self.instance_id}: unexpected {type(message).__name__}")
         finally:
             self.stage.close()
-            self.transport.close()
-        return self.steps
 
     def _receive(self) -> GroupMessage:
         message = self.group.share(None)

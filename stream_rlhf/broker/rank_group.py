@@ -144,4 +144,3 @@ class RankGroup:
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
-

@@ -149,6 +149,9 @@ class StageRunner:
             )
             while self.state is not RunnerState.STOPPED:
                 self._turn()
+            # only after a clean stop: after a failure the other ranks may be waiting in one of the
+            # step's collectives, and they fail by themselves once this process is gone
+            self._stop_group()
         except StepAborted as exc:
             self.log.warning("%s", exc)
         finally:
@@ -265,7 +268,6 @@ class StageRunner:
     def _shutdown(self) -> None:
         self.state = RunnerState.STOPPED
         try:
-            self._stop_group()
             self.stage.close()
         finally:
             if self._io_thread.is_alive():
