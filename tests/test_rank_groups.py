@@ -6,11 +6,20 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from stream_rlhf.config import build
+from stream_rlhf.models.warm_start import warm_start
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.task_data import resolve_data
 from stream_rlhf.telemetry.metrics import read_metrics
+from tests.rl_tiny import VISION, tiny_job, write_job
 from tests.test_rl_job import _gone_or_zombie, leftover_shm, start_run
 
 pytestmark = pytest.mark.slow
@@ -103,3 +112,27 @@ def test_a_restartable_group_restarts_every_rank_and_the_run_completes(tmp_path)
     summary = json.loads((tmp_path / "regroup" / "summary.json").read_text())
     assert summary["iterations"] == iterations and summary["samples_trained"] == iterations * 2 * 8
     assert not leftover_shm("t_regroup")
+
+
+def test_a_vision_language_job_with_two_rank_trainers_keeps_the_vision_tower(tmp_path):
+    """FSDP2 shards the frozen vision tower with the rest of the policy: it must come back whole and
+    unchanged, and the images are counted once, not once per rank."""
+    data = tiny_job(tmp_path, "vlm", broker={"shm_prefix": "t_vlm"}, **VISION)
+    config = write_job(tmp_path / "vlm.yaml", data)
+    log = tmp_path / "vlm.log"
+    sets = ["iterations=2", "placement.stages={actor_train: {ranks: 2}, critic_train: {ranks: 2}, "
+            "actor_forward: {ranks: 2}, ref_forward: {ranks: 2}}"]
+    with log.open("w") as out:
+        result = subprocess.run([sys.executable, "-m", "stream_rlhf.cli", "run", str(config),
+                                 *(x for s in sets for x in ("--set", s))], stdout=out, stderr=subprocess.STDOUT,
+                                timeout=300, check=False)
+    assert result.returncode == 0, log.read_text()[-3000:]
+    summary = json.loads((tmp_path / "vlm" / "summary.json").read_text())
+    assert summary["samples_trained"] == 2 * 2 * 8 and summary["images_seen"] == 2 * 2 * 8
+    start = load_file(str(warm_start(resolve_data(build(RLJobConfig, data))) / "model.safetensors"))  # the run's
+    trained = load_file(str(tmp_path / "vlm" / "checkpoint" / "model.safetensors"))
+    tower = [name for name in start if ".visual." in name or name.startswith("visual.")]
+    assert tower and all(torch.equal(trained[name], start[name]) for name in tower)
+    language = [name for name in start if name not in tower and "embed_tokens" not in name]
+    assert any(not torch.equal(trained[name], start[name]) for name in language)  # the language model trained
+    assert not leftover_shm("t_vlm")

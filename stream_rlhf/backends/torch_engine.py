@@ -73,7 +73,6 @@ class TorchTrainEngine:
         self.optimizer = None if optimizer is None else torch.optim.AdamW(
             self.trainable, lr=optimizer.lr, weight_decay=optimizer.weight_decay)
         self.model.train(optimizer is not None)
-        self._host: dict[str, list[Tensor]] = {}
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -221,4 +220,3 @@ def freeze_vision_tower(model: nn.Module) -> list[nn.Parameter]:
     if tower is not None:
         tower.requires_grad_(False)
     return [p for p in model.parameters() if p.requires_grad]
-
