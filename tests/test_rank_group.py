@@ -34,7 +34,7 @@ def test_two_ranks_share_the_leaders_messages_and_gather_in_rank_order(tmp_path)
     procs = [ctx.Process(target=_rank, args=(r, f"file://{tmp_path / 'init'}", out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict((r[0], r[1:]) for r in (out.get(timeout=60) for _ in procs))
+    results = {r[0]: r[1:] for r in (out.get(timeout=60) for _ in procs)}
     for p in procs:
         p.join(30)
     assert [p.exitcode for p in procs] == [0, 0]

@@ -120,8 +120,8 @@ def test_a_vision_language_job_with_two_rank_trainers_keeps_the_vision_tower(tmp
     data = tiny_job(tmp_path, "vlm", broker={"shm_prefix": "t_vlm"}, **VISION)
     config = write_job(tmp_path / "vlm.yaml", data)
     log = tmp_path / "vlm.log"
-    sets = ["iterations=2", "placement.stages={actor_train: {ranks: 2}, critic_train: {ranks: 2}, "
-            "actor_forward: {ranks: 2}, ref_forward: {ranks: 2}}"]
+    groups = "{actor_train: {ranks: 2}, critic_train: {ranks: 2}, actor_forward: {ranks: 2}, ref_forward: {ranks: 2}}"
+    sets = ["iterations=2", f"placement.stages={groups}"]
     with log.open("w") as out:
         result = subprocess.run([sys.executable, "-m", "stream_rlhf.cli", "run", str(config),
                                  *(x for s in sets for x in ("--set", s))], stdout=out, stderr=subprocess.STDOUT,

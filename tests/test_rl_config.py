@@ -82,6 +82,18 @@ def test_cli_rejects_a_bad_config_before_starting_anything(tmp_path):
     assert not (tmp_path / "bad").exists()  # nothing ran: no run folder
 
 
+def test_cli_rejects_a_placement_this_machine_cannot_run_before_the_warm_start(tmp_path):
+    path = write_job(tmp_path / "cores.yaml", tiny_job(tmp_path, "cores"))
+    result = subprocess.run(
+        [sys.executable, "-m", "stream_rlhf.cli", "run", str(path), "--set",
+         "placement.stages={critic_train: {ranks: 2, cores: [0, 4096]}}"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "placement.stages.critic_train.cores=[0, 4096]: cores [4096] are not available" in result.stderr
+    assert "warm start" not in result.stderr and not (tmp_path / "cores").exists()
+
+
 def test_shipped_configs_load_and_compile():
     configs = (("configs/text_ppo.yaml", True, False), ("configs/text_grpo.yaml", False, False),
                ("configs/mllm_ppo.yaml", True, True))

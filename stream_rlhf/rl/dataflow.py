@@ -99,8 +99,7 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     minibatches = cfg.rollout_batch.minibatches
     timeline = f"{cfg.run_dir}/timeline" if cfg.timeline else None
     names = ["prompts", *(["vision_prefetch"] if prefetch else []), "rollout", *forwards, *trainers]
-    ranks = {name: stage_ranks(cfg.placement, name, name in ROLLOUT_SIDE, _uses_device(cfg, name)) for name in names}
-    preflight(cfg.placement, ranks)
+    ranks = check_placement(cfg, names)
     stages = {name: _stage_spec(cfg, name, job, ranks[name], timeline) for name in names}
     # a whole iteration must fit in the queues, or the sync barriers (and the trainers, which
     # wait for every mini-batch of an iteration) would stall on back-pressure
@@ -116,6 +115,15 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     placement = cfg.placement
     broker_cores = placement.broker_cores or placement.mode_cores(rollout_side=False)
     return Dataflow(Topology(topics), broker, stages, admission, broker_cores)
+
+
+def check_placement(cfg: RLJobConfig, stages: list[str] | None = None) -> dict[str, list[RankPlacement]]:
+    """The ranks of each of `stages` (default: every stage the config could have), checked against
+    this machine; the driver calls it before the warm start, so a bad placement costs nothing."""
+    names = stages if stages is not None else list(STAGE_CLASSES)
+    ranks = {name: stage_ranks(cfg.placement, name, name in ROLLOUT_SIDE, _uses_device(cfg, name)) for name in names}
+    preflight(cfg.placement, ranks)
+    return ranks
 
 
 def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPlacement],

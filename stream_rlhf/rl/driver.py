@@ -27,7 +27,7 @@ from typing import Any
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import compile_job
+from stream_rlhf.rl.dataflow import check_placement, compile_job
 from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.telemetry.progress import IterationProgress, print_summary
 from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_details
@@ -56,6 +56,7 @@ class RLRun:
         from stream_rlhf.rl.evaluate import evaluate
         from stream_rlhf.rl.task_data import resolve_data
 
+        check_placement(self.cfg)  # cores and devices of this machine, before anything costly
         if self.cfg.rollout.backend == "vllm":
             from stream_rlhf.backends.vllm_client import check_engine_python
 
