@@ -19,6 +19,7 @@ from stream_rlhf.algos.losses import policy_loss, value_loss
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.broker.rank_group import RankGroup, RankSpec
+from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.stages.experience import Experience
 from stream_rlhf.stages.samples import response_slices
 from stream_rlhf.weights.shm_store import WeightStore
@@ -71,6 +72,13 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
             advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
             metrics = [engine.train_step(exp, _loss(engine), {"advantages": advantages}) for _ in range(3)]
             weights = engine.export_weights()
+            engine.save(Path(out + ".checkpoint"), build_tokenizer())
+            group.barrier()  # the leader has written it
+            for reloaded in (TorchTrainEngine(_model(), group, OptimizerConfig()),  # sharded like this one
+                             TorchTrainEngine(_model(), RankGroup.single())):
+                reloaded.load(Path(out + ".checkpoint"))
+                again = reloaded.export_weights()
+                assert again.keys() == weights.keys() and all(torch.equal(again[k], weights[k]) for k in weights)
             if group.is_leader:
                 save_file({k: v.contiguous() for k, v in weights.items() if k != "lm_head.weight"}, out)
                 torch.save(metrics, out + ".metrics")

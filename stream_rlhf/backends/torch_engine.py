@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -168,9 +169,22 @@ class TorchTrainEngine:
                 continue
 
     def save(self, folder: Path, tokenizer: object) -> None:
+        """The weights as a Hugging Face checkpoint folder (gathered on every rank, written by the
+        leader). Optimizer state is not saved (resume from a checkpoint is not built yet)."""
         state = self.export_weights()
         if self.group.is_leader:
             save_checkpoint(self.model, tokenizer, folder, state_dict=state)
+
+    def load(self, folder: Path) -> None:
+        """The weights of a Hugging Face checkpoint folder of this model's class (what `save`
+        writes), into this engine's model: each rank keeps its shard."""
+        if not hasattr(type(self.model), "from_pretrained"):
+            raise TypeError(f"load: {type(self.model).__name__} is not a Hugging Face model class")
+        full = type(self.model).from_pretrained(str(folder), dtype=torch.float32).state_dict()
+        if self.sharded:
+            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.model.load_state_dict(full)
 
     # ---- offload -----------------------------------------------------------------------------
 

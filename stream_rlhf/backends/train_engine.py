@@ -64,6 +64,9 @@ class TrainEngine(Protocol):
     def save(self, folder: Path, tokenizer: object) -> None:
         """A Hugging Face checkpoint folder (written by the leader)."""
 
+    def load(self, folder: Path) -> None:
+        """The weights of a checkpoint folder `save` wrote, each rank its share."""
+
     def offload(self, what: set[Offloadable]) -> None:
         """Move `what` off the device to host memory (pinned on CUDA)."""
 
