@@ -7,8 +7,8 @@
         actor_train: {ranks: 2, cores: [0, 1]}      # CPU: the ranks share the cores out
         critic_train: {ranks: 2, devices: [0, 1]}   # CUDA: one device per rank
 
-    ranks = stage_ranks(placement, "actor_train", default_cores=[1])   # [RankPlacement, ...]
-    preflight(placement, stages)     # before any process starts: cores, GPUs, device indices
+    ranks = {"actor_train": stage_ranks(placement, "actor_train", rollout_side=False, uses_device=True)}
+    preflight(placement, ranks)      # before any process starts: cores, GPUs, device indices
 
 Config checks that need no machine run when the config is built; `preflight` runs where the
 stages will run, and raises ConfigError naming the key (a core or device that does not exist,
@@ -132,12 +132,12 @@ def preflight(placement: PlacementConfig, ranks: dict[str, list[RankPlacement]])
     if placement.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("placement.device=cuda: this machine has no CUDA device (use cpu or auto)")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    for stage, stage_ranks_ in ranks.items():
-        for rank in stage_ranks_:
+    for stage, placed in ranks.items():
+        for rank in placed:
             if rank.device.startswith("cuda:") and int(rank.device[5:]) >= count:
                 key = f"placement.stages.{stage}.devices" if stage in placement.stages else f"placement.stages.{stage}"
                 raise ConfigError(f"{key}: {rank.device} does not exist (this machine has {count} CUDA device(s)); "
-                                  f"ranks={len(stage_ranks_)} needs that many devices")
+                                  f"ranks={len(placed)} needs that many devices")
 
 
 def _check_cores(key: str, cores: list[int] | None, available: list[int]) -> None:
