@@ -105,6 +105,24 @@ def test_shipped_configs_load_and_compile():
         assert flow.topology.topics["experience"].join[0] == "rollout"  # samples keep rollout's policy_version
 
 
+def test_the_dataflow_leaves_out_the_forwards_a_config_never_uses(tmp_path):
+    no_kl = compile_job(build(RLJobConfig, tiny_job(tmp_path, "nokl", **{"algorithm.kl.coef": 0.0})), "c", "w")
+    assert "ref_forward" not in no_kl.stages and "actor_forward" in no_kl.stages  # two optimizer steps
+    assert no_kl.topology.topics["experience"].join == ["rollout", "reward", "old_logp", "values"]
+    assert no_kl.left_out == {"ref_forward": "algorithm.kl.coef=0 and fixed (no kl.target): no KL to compute"}
+    one_step = build(RLJobConfig, tiny_job(tmp_path, "one", **{"algorithm.kl.coef": 0.0,
+                                                               "algorithm.train_minibatches": 1}))
+    flow = compile_job(one_step, "c", "w")
+    assert flow.topology.topics["experience"].join == ["rollout", "reward", "values"]
+    assert set(flow.left_out) == {"ref_forward", "actor_forward"}
+    adaptive = build(RLJobConfig, tiny_job(tmp_path, "a", **{"algorithm.kl.coef": 0.0, "algorithm.kl.target": 0.1,
+                                                             "algorithm.train_minibatches": 1}))
+    assert compile_job(adaptive, "c", "w").left_out == {}  # the coefficient can grow: KL is needed
+    grpo = build(RLJobConfig, tiny_job(tmp_path, "g", **{"algorithm.advantage": "grpo",
+                                                         "rollout_batch.samples_per_prompt": 2}))
+    assert compile_job(grpo, "c", "w").left_out == {"critic_forward": "algorithm.advantage=grpo has no critic"}
+
+
 def test_medusa_adds_its_trainer_beside_the_others(tmp_path):
     cfg = build(RLJobConfig, tiny_job(tmp_path, "m", **{"rollout.medusa.enabled": True}))
     topics = compile_job(cfg, "checkpoint", "weights").topology.topics

@@ -71,3 +71,29 @@ def test_a_hugging_face_checkpoint_folder_loads_with_the_same_code(tmp_path):
     loaded_cfg, records = run_inprocess(tmp_path, "from_path", iterations=1, **{"model.path": str(folder)})
     assert warm_start(loaded_cfg) == folder
     assert len(records) == 1 and (Path(loaded_cfg.run_dir) / "checkpoint" / "config.json").is_file()
+
+
+def test_without_kl_and_with_one_step_the_ref_and_actor_forwards_are_left_out_and_change_nothing(tmp_path):
+    """kl.coef 0 (fixed): no reference stage; and with one optimizer step per iteration no actor
+    forward either, the step's own log-probs being the proximal ones. Against a run that keeps both
+    stages (kl.coef 1e-30: a KL that cannot move a float32 loss), the losses agree to 1e-6."""
+    torch.set_num_threads(1)
+    common = {"algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2, "schedule": "sync",
+              "overlap_depth": 0, "iterations": 2, "algorithm.ppo_epochs": 1, "algorithm.train_minibatches": 1}
+    kept_cfg, kept = run_inprocess(tmp_path, "kept", **common, **{"algorithm.kl.coef": 1e-30})
+    left_cfg, left = run_inprocess(tmp_path, "left", **common, **{"algorithm.kl.coef": 0.0})
+    flows = {name: compile_job(cfg, "checkpoint", "weights") for name, cfg in (("kept", kept_cfg), ("left", left_cfg))}
+    assert {"ref_forward", "actor_forward"} <= set(flows["kept"].stages)
+    assert not {"ref_forward", "actor_forward"} & set(flows["left"].stages)
+    assert flows["left"].topology.topics["experience"].join == ["rollout", "reward"]
+    assert "no KL" in flows["left"].left_out["ref_forward"] and "one optimizer step" in flows["left"].left_out["actor_forward"]
+    assert [r["proximal_from_step"] for r in kept] == [0, 0] and [r["proximal_from_step"] for r in left] == [1, 1]
+    for a, b in zip(kept, left):
+        assert b["reward"] == a["reward"] and b["tokens"] == a["tokens"]
+        for key in ("loss", "approx_kl", "clipfrac", "entropy"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
+        assert b["kl"] == 0.0
+    kept_weights = load_file(Path(kept_cfg.run_dir) / "checkpoint" / "model.safetensors")
+    left_weights = load_file(Path(left_cfg.run_dir) / "checkpoint" / "model.safetensors")
+    for key, value in kept_weights.items():
+        torch.testing.assert_close(left_weights[key], value, rtol=0, atol=1e-5, msg=key)

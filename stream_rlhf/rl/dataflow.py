@@ -25,7 +25,7 @@ has been published there, so generation, forwards and training run phase by phas
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -64,6 +64,22 @@ class Dataflow:
     stages: dict[str, StageSpec]
     admission: OverlapAdmission | PhaseAdmission
     broker_cores: list[int] | None = None
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Stages this config does not need, with the reason (logged, and in the run's summary)."""
+
+
+def left_out_stages(cfg: RLJobConfig) -> dict[str, str]:
+    """The forward stages whose output this config would never use, and why."""
+    algo = cfg.algorithm
+    out = {}
+    if not algo.uses_critic:
+        out["critic_forward"] = f"algorithm.advantage={algo.advantage} has no critic"
+    if algo.kl.coef == 0 and algo.kl.target is None:
+        out["ref_forward"] = "algorithm.kl.coef=0 and fixed (no kl.target): no KL to compute"
+        if algo.ppo_epochs == 1 and algo.train_minibatches == 1:
+            out["actor_forward"] = ("one optimizer step per iteration (ppo_epochs=1, train_minibatches=1) and no KL: "
+                                    "the proximal log-probs are the training forward's own, detached")
+    return out
 
 
 def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_language: bool = False) -> Dataflow:
@@ -72,7 +88,10 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
         raise ConfigError("weights.transport=cuda_ipc: needs a CUDA device shared by the trainer and rollout; "
                           "this machine has none (use shm or broadcast)")
     critic = cfg.algorithm.uses_critic
-    forwards = ["ref_forward", "reward_forward", "actor_forward"] + (["critic_forward"] if critic else [])
+    left_out = left_out_stages(cfg)
+    for stage, reason in left_out.items():
+        log.info("dataflow: no %s stage: %s", stage, reason)
+    forwards = [f for f in ("ref_forward", "reward_forward", "actor_forward", "critic_forward") if f not in left_out]
     trainers = ["actor_train"] + (["critic_train"] if critic else [])
     trainers += ["medusa_train"] if cfg.rollout.medusa.enabled and cfg.rollout.medusa.companion else []
     parts = {"ref_forward": "ref_logp", "reward_forward": "reward", "actor_forward": "old_logp", "critic_forward": "values"}
@@ -114,7 +133,7 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     )
     placement = cfg.placement
     broker_cores = placement.broker_cores or placement.mode_cores(rollout_side=False)
-    return Dataflow(Topology(topics), broker, stages, admission, broker_cores)
+    return Dataflow(Topology(topics), broker, stages, admission, broker_cores, left_out)
 
 
 def check_placement(cfg: RLJobConfig, stages: list[str] | None = None) -> dict[str, list[RankPlacement]]:

@@ -49,6 +49,8 @@ class RLRun:
         self.before: dict[str, float] = {}
         self.checkpoint = ""
         self.vision_language = False
+        self.left_out: dict[str, str] = {}
+        """Stages the dataflow leaves out, with the reason (`rl/dataflow.left_out_stages`)."""
 
     def prepare(self) -> LocalJob:
         from stream_rlhf.models.checkpoint import is_vision_language
@@ -78,6 +80,7 @@ class RLRun:
         self.before = evaluate(self.cfg, self.checkpoint)
         log.info("eval before RL: reward %.3f (greedy %.3f)", self.before["reward"], self.before["greedy_reward"])
         flow = compile_job(self.cfg, self.checkpoint, str(self.weights), self.vision_language)
+        self.left_out = flow.left_out
         self.job_started = time.monotonic()
         return LocalJob(flow.topology, flow.broker, flow.stages, flow.admission, flow.broker_cores)
 
@@ -103,6 +106,7 @@ class RLRun:
             "algorithm": self.cfg.algorithm.advantage,
             "schedule": self.cfg.schedule,
             "overlap_depth": self.cfg.overlap_depth,
+            "stages_left_out": self.left_out,
             "eval_reward_before": self.before["reward"],
             "eval_reward_after": after["reward"],
             "eval_greedy_reward_before": self.before["greedy_reward"],

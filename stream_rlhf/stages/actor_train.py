@@ -110,7 +110,9 @@ class ActorTrain(Stage):
         means = MetricMeans()
         for _ in range(algo.ppo_epochs):
             for index in minibatch_indices(exp.num_samples, algo.train_minibatches, generator):
-                per_sample = {"proximal": proximal[index], "advantages": advantages[index]}
+                per_sample = {"advantages": advantages[index]}
+                if proximal is not None:
+                    per_sample["proximal"] = proximal[index]
                 means.add(self.engine.train_step(exp.select(index), self._loss, per_sample))
         self.kl_ctl.update(kl_mean, exp.num_samples)
         self.trained += exp.num_samples
@@ -123,6 +125,7 @@ class ActorTrain(Stage):
             "staleness_mean": round(staleness.mean().item(), 3),
             "staleness_max": int(staleness.max().item()),
             "proximal_recomputed": int(recomputed),
+            "proximal_from_step": int(proximal is None),
             "response_len": round(exp.mask.sum(1).mean().item(), 2),
             "samples": exp.num_samples,
             "tokens": exp.num_tokens,
@@ -136,11 +139,13 @@ class ActorTrain(Stage):
         logp, entropy = self.engine.logprobs(part.sequences, cfg.rollout.temperature, with_entropy=True,
                                              images=part.images)
         logp = part.padded(response_slices(logp, part.prompt_lens))  # (n, R)
+        # without an actor forward the one optimizer step's own log-probs are the proximal ones
+        proximal = per_sample["proximal"] if "proximal" in per_sample else logp.detach()
         loss, metrics = policy_loss(
-            logp, per_sample["proximal"], per_sample["advantages"], part.mask, algo.clip_low, algo.clip_high,
+            logp, proximal, per_sample["advantages"], part.mask, algo.clip_low, algo.clip_high,
             behavior_logp=part.behavior_logp if decoupled else None, is_cap=algo.is_cap if decoupled else None,
         )
-        if algo.kl.placement == "loss":
+        if algo.kl.placement == "loss" and part.ref_logp is not None:
             kl_term, kl_metrics = kl_loss(logp, part.ref_logp, part.mask, algo.kl.kind)
             loss = loss + self.kl_ctl.coef * kl_term
             metrics.update(kl_loss=kl_metrics["kl"])
@@ -160,10 +165,13 @@ class ActorTrain(Stage):
         if self.sender is not None:
             self.sender.publish([(name, weights[name]) for name in self.trained_names], self.version)
 
-    def _proximal_logp(self, exp: Experience, batches: list[Batch]) -> tuple[torch.Tensor, bool]:
+    def _proximal_logp(self, exp: Experience, batches: list[Batch]) -> tuple[torch.Tensor | None, bool]:
         """(N, R) log-probs under the weights this iteration starts from: the proximal policy the
         loss clips against. The actor forward's are used when it had these weights; when rollout
-        ran ahead it had older ones, and they are recomputed here (one forward pass, no grad)."""
+        ran ahead it had older ones, and they are recomputed here (one forward pass, no grad).
+        None without an actor forward: the iteration's one optimizer step gives them itself."""
+        if exp.old_logp is None:
+            return None, False
         if all(b.metadata.get("proximal_version") == self.version for b in batches):
             return exp.old_logp, False
         logp = self.engine.forward_logprobs(exp.sequences, self.job.config.rollout.temperature, images=exp.images)

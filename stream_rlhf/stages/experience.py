@@ -33,10 +33,11 @@ class Experience:
     """(N, R) 1.0 on response tokens."""
     behavior_logp: Tensor
     """(N, R) under the policy that sampled them."""
-    old_logp: Tensor
-    """(N, R) under the actor forward's (proximal) weights."""
-    ref_logp: Tensor
-    """(N, R) under the reference policy."""
+    old_logp: Tensor | None
+    """(N, R) under the actor forward's (proximal) weights; None when the dataflow has no actor
+    forward (one optimizer step per iteration: the training forward gives them)."""
+    ref_logp: Tensor | None
+    """(N, R) under the reference policy; None when the dataflow has no reference (no KL)."""
     values: Tensor | None
     """(N, R) from the critic forward; None without a critic."""
     scores: Tensor
@@ -58,8 +59,10 @@ class Experience:
             sequences += rollout.sequences
             prompt_lens.append(rollout.prompt_lens)
             behavior += rollout.behavior_logp
-            old += unragged(t, "old_logp")
-            ref += unragged(t, "ref_logp")
+            if "old_logp" in t:
+                old += unragged(t, "old_logp")
+            if "ref_logp" in t:
+                ref += unragged(t, "ref_logp")
             if "values" in t:
                 values += unragged(t, "values")
             scores.append(t["scores"])
@@ -70,8 +73,8 @@ class Experience:
             prompt_lens=torch.cat(prompt_lens),
             mask=pad_right([torch.ones(len(b)) for b in behavior], 0.0),
             behavior_logp=pad_right(behavior, 0.0),
-            old_logp=pad_right(old, 0.0),
-            ref_logp=pad_right(ref, 0.0),
+            old_logp=pad_right(old, 0.0) if old else None,
+            ref_logp=pad_right(ref, 0.0) if ref else None,
             values=pad_right(values, 0.0) if values else None,
             scores=torch.cat(scores).float(),
             group_ids=torch.cat(groups).long(),
@@ -88,7 +91,13 @@ class Experience:
         return sum(len(s) for s in self.sequences)
 
     def kl(self, kind: str) -> Tensor:
-        """(N, R) per-token KL estimate of the sampling-time actor against the reference."""
+        """(N, R) per-token KL estimate of the sampling-time actor against the reference (zeros
+        without a reference: the job has no KL)."""
+        if self.ref_logp is None:
+            return torch.zeros_like(self.mask)
+        if self.old_logp is None:
+            raise ValueError("kl: reference log-probs without the actor forward's (the dataflow drops the actor "
+                             "forward only when there is no KL)")
         return kl_estimate(self.old_logp, self.ref_logp, kind) * self.mask
 
     def token_rewards(self, kl_coef: float, kl: KLConfig) -> Tensor:
