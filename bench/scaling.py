@@ -105,6 +105,9 @@ def rank_main(rank: int, ranks: int, threads: int, cores: list[int], device: str
             out.put(size["steps"] * exp.num_tokens / best)
     finally:
         group.close()
+    out.close()
+    out.join_thread()  # the figure is in the pipe...
+    os._exit(0)  # ...and no interpreter teardown: it aborts now and then once FSDP2 ran over gloo
 
 
 def _synchronize(device: torch.device) -> None:

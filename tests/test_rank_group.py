@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -26,6 +27,9 @@ def _rank(rank: int, init: str, out: mp.Queue) -> None:
                  group.max([float(rank)])))
     finally:
         group.close()
+    out.close()
+    out.join_thread()
+    os._exit(0)  # as a stage process ends (launch/local.py): no interpreter teardown after torch.distributed
 
 
 def test_two_ranks_share_the_leaders_messages_and_gather_in_rank_order(tmp_path):

@@ -157,7 +157,9 @@ def load_critic(path: str | Path) -> PreTrainedModel | VisionLanguageCritic:
         return load_vision_language_critic(path)
     hf_logging.set_verbosity_error()  # the new head is reported as "missing" from the checkpoint
     critic = AutoModelForTokenClassification.from_pretrained(str(path), num_labels=1, dtype=torch.float32)
-    critic.dropout.p = 0.0
+    for module in critic.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     head = critic.score
     torch.nn.init.zeros_(head.weight)
     if head.bias is not None:
