@@ -41,19 +41,23 @@ class ModelForward(nn.Module):
     token log-probs (and entropies) through the fused kernel, which reads the LM head's weight
     directly (not through the model's own forward), or a value model's per-position outputs."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, sharded: bool):
         super().__init__()
         self.model = model
+        self.sharded = sharded
 
     def forward(self, sequences: list[Tensor], images: list[SampleImages] | None, temperature: float | None = None,
                 with_entropy: bool = False) -> tuple[list[Tensor], list[Tensor] | None]:
-        """temperature None: (per-position outputs (L_i, ...), None); else sequence_logprobs. Each
-        output is a tensor of its own, not a view into the packed rows: FSDP2 hooks the backward
-        of a module's outputs, and warns of views (B x L floats: cheap to copy)."""
+        """temperature None: (per-position outputs (L_i, ...), None); else sequence_logprobs. Sharded,
+        each output is a tensor of its own, not a view into the packed rows: FSDP2 hooks the
+        backward of a module's outputs, and warns of views (B x L floats: cheap to copy)."""
         if temperature is None:
-            return _own(packed_forward(self.model, sequences, images=images)), None
+            return self._own(packed_forward(self.model, sequences, images=images)), None
         logp, entropy = sequence_logprobs(self.model, sequences, temperature, with_entropy=with_entropy, images=images)
-        return _own(logp), _own(entropy) if entropy is not None else None
+        return self._own(logp), self._own(entropy) if entropy is not None else None
+
+    def _own(self, tensors: list[Tensor]) -> list[Tensor]:
+        return [t.clone() for t in tensors] if self.sharded else tensors
 
 
 class TorchTrainEngine:
@@ -62,8 +66,8 @@ class TorchTrainEngine:
         self.device = group.device
         self.model = model.to(self.device)
         freeze_vision_tower(self.model)
-        self.forward_module = ModelForward(self.model)
         self.sharded = optimizer is not None and group.distributed
+        self.forward_module = ModelForward(self.model, self.sharded)
         if self.sharded:  # over this group's ranks, on their device type (a CPU group on a GPU machine too)
             mesh = init_device_mesh(self.device.type, (group.world_size,))
             for layer in decoder_layers(self.model):
@@ -211,10 +215,6 @@ class TorchTrainEngine:
                 for key, value in state.items():
                     if isinstance(value, Tensor) and value.dim() > 0:
                         state[key] = _moved(value, target, pin)
-
-
-def _own(tensors: list[Tensor]) -> list[Tensor]:
-    return [t.clone() for t in tensors]
 
 
 def _moved(tensor: Tensor, target: torch.device, pin: bool) -> Tensor:

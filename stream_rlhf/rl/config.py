@@ -447,7 +447,8 @@ class RLJobConfig:
     def _check_stage_placements(self) -> None:
         samples = self.rollout_batch.samples_per_minibatch * self.rollout_batch.minibatches
         steps = self.algorithm.train_minibatches
-        smallest_step = samples - (steps - 1) * -(-samples // steps)  # torch.chunk's last part
+        chunk = -(-samples // steps)  # torch.chunk's part size; the last part holds what is left
+        smallest_step = samples % chunk or chunk
         for stage, own in self.placement.stages.items():
             key = f"placement.stages.{stage}"
             if stage not in ALL_STAGES:
