@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-from stream_rlhf.models.packing import pack, packed_forward, pad_right, sequence_logprobs, unpack
+from stream_rlhf.models.packing import pack, pack_shared, packed_forward, pad_right, sequence_logprobs, unpack
 from tests.tiny_models import tiny_qwen2_config
 
 VOCAB = 48
@@ -104,6 +104,57 @@ def test_sequence_logprobs_match_manual(lm, sequences):
             torch.testing.assert_close(lp, full.gather(-1, seq[1:, None]).squeeze(-1), atol=1e-5, rtol=0)
             torch.testing.assert_close(ent, -(full.exp() * full).sum(-1), atol=1e-5, rtol=0)
         assert sequence_logprobs(lm, sequences, temperature=1.0)[1] is None
+
+
+@pytest.fixture
+def groups() -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Three prompts (lengths 4, 6, 1) sampled 3, 2 and 1 times, then a prompt of its own whose
+    response is empty, interleaved as a mini-batch may be: responses of uneven lengths."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (4, 6, 1, 3)]
+    plan = [(0, 3), (1, 2), (0, 1), (2, 5), (0, 4), (1, 1), (3, 0)]  # (prompt, response length)
+    sequences = [torch.cat([prompts[k], torch.randint(1, VOCAB, (n,), generator=g)]) for k, n in plan]
+    return sequences, torch.tensor([len(prompts[k]) for k, _ in plan])
+
+
+def test_shared_prompts_are_in_the_rows_once(groups):
+    sequences, prompt_lens = groups
+    packed = pack_shared(sequences, prompt_lens)
+    assert int((packed.input_ids != 0).sum()) == sum(len(s) for s in sequences) - 2 * 4 - 1 * 6  # two copies saved
+    for seq, ids, pos in zip(sequences, unpack(packed.input_ids, packed), unpack(packed.position_ids, packed)):
+        assert torch.equal(ids, seq) and torch.equal(pos, torch.arange(seq.numel()))
+    # the last token of sample 2 sees its prompt and its own response, nothing of its siblings'
+    index = packed.token_index[2]
+    width = packed.input_ids.shape[1]
+    row = int(index[-1]) // width
+    seen = packed.attention_mask[row, 0, int(index[-1]) % width].nonzero().flatten()
+    assert torch.equal(row * width + seen, index)
+    small = pack_shared(sequences, prompt_lens, capacity=10)  # a group splits where a row would overflow
+    assert small.input_ids.shape[1] <= 10
+    assert [torch.equal(a, b) for a, b in zip(unpack(small.input_ids, small), sequences)] == [True] * len(sequences)
+    with pytest.raises(ValueError, match="prefix_lens: 2 entries for 7 sequences"):
+        pack_shared(sequences, prompt_lens[:2])
+
+
+def test_shared_prompts_give_the_log_probs_values_and_gradients_of_separate_forwards(lm, value_model, groups):
+    sequences, prompt_lens = groups
+    with torch.no_grad():
+        for seq, values in zip(sequences, packed_forward(value_model, sequences, prompt_lens=prompt_lens)):
+            torch.testing.assert_close(values, value_model(seq[None]).logits[0], atol=1e-5, rtol=0)
+    params = [p for p in lm.parameters() if p.requires_grad]
+    lm.zero_grad()
+    logp, entropy = sequence_logprobs(lm, sequences, 0.7, with_entropy=True, prompt_lens=prompt_lens)
+    sum(lp.sum() + 0.5 * ent.sum() for lp, ent in zip(logp, entropy)).backward()
+    shared_grads = [p.grad.clone() for p in params]
+    lm.zero_grad()
+    logp_sep, entropy_sep = sequence_logprobs(lm, sequences, 0.7, with_entropy=True)
+    sum(lp.sum() + 0.5 * ent.sum() for lp, ent in zip(logp_sep, entropy_sep)).backward()
+    for a, b, c, d in zip(logp, logp_sep, entropy, entropy_sep):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        torch.testing.assert_close(c, d, atol=1e-5, rtol=0)
+    for p, shared in zip(params, shared_grads):
+        torch.testing.assert_close(shared, p.grad, atol=1e-4, rtol=1e-4)
+    lm.zero_grad()
 
 
 def test_pad_right():

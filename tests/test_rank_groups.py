@@ -23,7 +23,7 @@ from tests.rl_tiny import VISION, tiny_job, write_job
 from tests.test_rl_job import _gone_or_zombie, leftover_shm, start_run
 
 pytestmark = pytest.mark.slow
-GROUPS = "placement.stages={actor_train: {ranks: 2}, critic_train: {ranks: 2}, actor_forward: {ranks: 2}}"
+GROUPS = "placement.stages={actor_train: {ranks: 2}, critic_train: {ranks: 2}, ref_forward: {ranks: 2}}"
 """Colocated on both cores (tests/rl_tiny.py): each rank of a group gets one."""
 
 
@@ -63,7 +63,7 @@ def test_ppo_with_two_rank_trainers_accounts_for_every_sample(tmp_path):
     process, log = start_run(tmp_path, "groups", "iterations=3", GROUPS)
     assert process.wait(timeout=300) == 0, log.read_text()[-3000:]
     text = log.read_text()
-    for stage in ("actor_train", "critic_train", "actor_forward"):
+    for stage in ("actor_train", "critic_train", "ref_forward"):
         assert re.search(rf"{stage}-0 rank 1 of 2 \(pid \d+\) follows its leader on cpu", text), stage
     summary = json.loads((tmp_path / "groups" / "summary.json").read_text())
     assert summary["samples_trained"] == summary["samples_generated"] == 3 * 2 * 8
@@ -120,7 +120,7 @@ def test_a_vision_language_job_with_two_rank_trainers_keeps_the_vision_tower(tmp
     data = tiny_job(tmp_path, "vlm", broker={"shm_prefix": "t_vlm"}, **VISION)
     config = write_job(tmp_path / "vlm.yaml", data)
     log = tmp_path / "vlm.log"
-    groups = "{actor_train: {ranks: 2}, critic_train: {ranks: 2}, actor_forward: {ranks: 2}, ref_forward: {ranks: 2}}"
+    groups = "{actor_train: {ranks: 2}, critic_train: {ranks: 2}, ref_forward: {ranks: 2}}"
     sets = ["iterations=2", f"placement.stages={groups}"]
     with log.open("w") as out:
         result = subprocess.run([sys.executable, "-m", "stream_rlhf.cli", "run", str(config),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -108,21 +109,38 @@ def test_shipped_configs_load_and_compile():
 
 
 def test_the_dataflow_leaves_out_the_forwards_a_config_never_uses(tmp_path):
-    no_kl = compile_job(build(RLJobConfig, tiny_job(tmp_path, "nokl", **{"algorithm.kl.coef": 0.0})), "c", "w")
+    on_policy = {"overlap_depth": 0}
+    no_kl = compile_job(build(RLJobConfig, tiny_job(tmp_path, "nokl", **on_policy, **{"algorithm.kl.coef": 0.0})),
+                        "c", "w")
     assert "ref_forward" not in no_kl.stages and "actor_forward" in no_kl.stages  # two optimizer steps
     assert no_kl.topology.topics["experience"].join == ["rollout", "reward", "old_logp", "values"]
     assert no_kl.left_out == {"ref_forward": "algorithm.kl.coef=0 and fixed (no kl.target): no KL to compute"}
-    one_step = build(RLJobConfig, tiny_job(tmp_path, "one", **{"algorithm.kl.coef": 0.0,
-                                                               "algorithm.train_minibatches": 1}))
+    one_step = build(RLJobConfig, tiny_job(tmp_path, "one", **on_policy, **{"algorithm.kl.coef": 0.0,
+                                                                             "algorithm.train_minibatches": 1}))
     flow = compile_job(one_step, "c", "w")
     assert flow.topology.topics["experience"].join == ["rollout", "reward", "values"]
     assert set(flow.left_out) == {"ref_forward", "actor_forward"}
-    adaptive = build(RLJobConfig, tiny_job(tmp_path, "a", **{"algorithm.kl.coef": 0.0, "algorithm.kl.target": 0.1,
-                                                             "algorithm.train_minibatches": 1}))
+    adaptive = build(RLJobConfig, tiny_job(tmp_path, "a", **on_policy, **{
+        "algorithm.kl.coef": 0.0, "algorithm.kl.target": 0.1}))
     assert compile_job(adaptive, "c", "w").left_out == {}  # the coefficient can grow: KL is needed
-    grpo = build(RLJobConfig, tiny_job(tmp_path, "g", **{"algorithm.advantage": "grpo",
-                                                         "rollout_batch.samples_per_prompt": 2}))
+    with_kl = build(RLJobConfig, tiny_job(tmp_path, "kl1", **on_policy, **{"algorithm.train_minibatches": 1}))
+    assert set(compile_job(with_kl, "c", "w").left_out) == {"actor_forward"}  # the KL is the sampler's
+    grpo = build(RLJobConfig, tiny_job(tmp_path, "g", **on_policy, **{"algorithm.advantage": "grpo",
+                                                                      "rollout_batch.samples_per_prompt": 2}))
     assert compile_job(grpo, "c", "w").left_out == {"critic_forward": "algorithm.advantage=grpo has no critic"}
+
+
+def test_with_rollout_running_ahead_there_is_no_actor_forward_whose_log_probs_would_be_stale(tmp_path, caplog):
+    """overlap_depth >= 1: the proximal policy is the one training starts from, which a forward
+    before training cannot have; actor_train computes those log-probs (never both passes)."""
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "k1", overlap_depth=1,
+                                      **{"placement.stages": {"actor_forward": {"ranks": 1}}}))
+    with caplog.at_level(logging.INFO, logger="stream_rlhf.rl.dataflow"):
+        flow = compile_job(cfg, "c", "w")
+    assert "actor_forward" not in flow.stages and "ref_forward" in flow.stages  # the KL still needs the reference
+    assert flow.topology.topics["experience"].join == ["rollout", "ref_logp", "reward", "values"]
+    assert flow.left_out["actor_forward"].startswith("overlap_depth=1: rollout runs ahead of training")
+    assert "placement.stages.actor_forward: not used, this config has no actor_forward stage" in caplog.text
 
 
 def test_medusa_adds_its_trainer_beside_the_others(tmp_path):

@@ -14,21 +14,33 @@ from stream_rlhf.broker.inprocess import InProcessBus
 from stream_rlhf.config import build
 from stream_rlhf.launch.local import load_class
 from stream_rlhf.models.warm_start import warm_start
+from stream_rlhf.rl import dataflow
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import compile_job
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job
 
 
-def run_inprocess(tmp_path: Path, name: str, **overrides) -> tuple[RLJobConfig, list[dict]]:
+def run_inprocess(tmp_path: Path, name: str, every_forward: bool = False, **overrides) -> tuple[RLJobConfig, list[dict]]:
+    """`every_forward`: compile the dataflow with the reference and actor forwards it would leave out."""
     cfg = build(RLJobConfig, tiny_job(tmp_path, name, **overrides))
-    flow = compile_job(cfg, str(warm_start(cfg)), str(tmp_path / f"{name}-weights"))
+    with pytest.MonkeyPatch.context() as patch:
+        if every_forward:
+            patch.setattr(dataflow, "left_out_stages", _only_the_critic_left_out)
+        flow = compile_job(cfg, str(warm_start(cfg)), str(tmp_path / f"{name}-weights"))
     bus = InProcessBus(flow.topology, flow.broker, flow.admission)
     for stage_name, spec in flow.stages.items():
         bus.add(stage_name, load_class(spec.cls)(**spec.kwargs), spec.instances)
     stats = bus.run()
     assert stats["published.experience"] == cfg.iterations * cfg.rollout_batch.minibatches
     return cfg, read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+
+
+LEFT_OUT_STAGES = dataflow.left_out_stages
+
+
+def _only_the_critic_left_out(cfg: RLJobConfig) -> dict[str, str]:
+    return {stage: why for stage, why in LEFT_OUT_STAGES(cfg).items() if stage == "critic_forward"}
 
 
 def test_sync_and_stream_on_policy_train_on_the_same_batches(tmp_path):
@@ -80,20 +92,42 @@ def test_without_kl_and_with_one_step_the_ref_and_actor_forwards_are_left_out_an
     torch.set_num_threads(1)
     common = {"algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2, "schedule": "sync",
               "overlap_depth": 0, "iterations": 2, "algorithm.ppo_epochs": 1, "algorithm.train_minibatches": 1}
-    kept_cfg, kept = run_inprocess(tmp_path, "kept", **common, **{"algorithm.kl.coef": 1e-30})
+    kept_cfg, kept = run_inprocess(tmp_path, "kept", every_forward=True, **common, **{"algorithm.kl.coef": 1e-30})
     left_cfg, left = run_inprocess(tmp_path, "left", **common, **{"algorithm.kl.coef": 0.0})
-    flows = {name: compile_job(cfg, "checkpoint", "weights") for name, cfg in (("kept", kept_cfg), ("left", left_cfg))}
-    assert {"ref_forward", "actor_forward"} <= set(flows["kept"].stages)
-    assert not {"ref_forward", "actor_forward"} & set(flows["left"].stages)
-    assert flows["left"].topology.topics["experience"].join == ["rollout", "reward"]
-    assert "no KL" in flows["left"].left_out["ref_forward"] and "one optimizer step" in flows["left"].left_out["actor_forward"]
+    flow = compile_job(left_cfg, "checkpoint", "weights")
+    assert not {"ref_forward", "actor_forward"} & set(flow.stages)
+    assert flow.topology.topics["experience"].join == ["rollout", "reward"]
+    assert "no KL" in flow.left_out["ref_forward"] and "one optimizer step" in flow.left_out["actor_forward"]
     assert [r["proximal_from_step"] for r in kept] == [0, 0] and [r["proximal_from_step"] for r in left] == [1, 1]
-    for a, b in zip(kept, left):
-        assert b["reward"] == a["reward"] and b["tokens"] == a["tokens"]
-        for key in ("loss", "approx_kl", "clipfrac", "entropy"):
-            assert b[key] == pytest.approx(a[key], abs=1e-6), key
-        assert b["kl"] == 0.0
+    assert_same_training(kept, left)
+    assert all(r["kl"] == 0.0 for r in left)
     kept_weights = load_file(Path(kept_cfg.run_dir) / "checkpoint" / "model.safetensors")
     left_weights = load_file(Path(left_cfg.run_dir) / "checkpoint" / "model.safetensors")
     for key, value in kept_weights.items():
         torch.testing.assert_close(left_weights[key], value, rtol=0, atol=1e-5, msg=key)
+
+
+def test_with_rollout_ahead_the_trainer_computes_the_proximal_log_probs_once_and_trains_as_with_the_forward(tmp_path):
+    """overlap_depth 1, two optimizer steps: no actor forward; actor_train computes the proximal
+    log-probs itself, as it did before when the forward's were stale, and the KL (in the reward)
+    is the sampler's behaviour log-probs against the reference. Against a run with the actor
+    forward kept, the losses and the KL agree."""
+    torch.set_num_threads(1)
+    common = {"overlap_depth": 1, "iterations": 2, "algorithm.kl.placement": "reward"}
+    _, kept = run_inprocess(tmp_path, "kept1", every_forward=True, **common)
+    left_cfg, left = run_inprocess(tmp_path, "left1", **common)
+    assert "actor_forward" not in compile_job(left_cfg, "c", "w").stages
+    assert "proximal_recomputed" in kept[0]
+    assert [r["proximal_recomputed"] for r in left] == [1, 1]  # once per iteration, never a second pass
+    assert_same_training(kept, left)
+    for a, b in zip(kept, left):
+        assert b["kl"] == pytest.approx(a["kl"], abs=1e-6)  # same weights sampled and forwarded
+
+
+def assert_same_training(kept: list[dict], left: list[dict]) -> None:
+    """The same samples and the same losses, to 1e-6, iteration by iteration."""
+    assert len(kept) == len(left)
+    for a, b in zip(kept, left):
+        assert b["reward"] == a["reward"] and b["tokens"] == a["tokens"]
+        for key in ("loss", "approx_kl", "clipfrac", "entropy"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key

@@ -27,7 +27,8 @@ from tests.rl_tiny import VISION, tiny_job, write_job
 from tests.tiny_models import tiny_qwen2_5_vl
 
 READERS = {"rollout", "ref_forward", "actor_forward", "critic_forward", "actor_train", "critic_train"}
-"""The stages that need image features under PPO (reward_forward reads only text)."""
+"""The stages that need image features under PPO with overlap_depth 0, the one dataflow with every
+forward (reward_forward reads only text)."""
 
 
 def run_multimodal(tmp_path: Path, name: str, **overrides) -> tuple[RLJobConfig, list[dict], dict]:
@@ -43,7 +44,7 @@ def run_multimodal(tmp_path: Path, name: str, **overrides) -> tuple[RLJobConfig,
 
 def test_each_image_is_encoded_once_while_six_stages_read_its_features(tmp_path):
     """With two data-parallel vision instances competing for the mini-batches."""
-    cfg, records, counts = run_multimodal(tmp_path, "prefetch", **{"vision.instances": 2})
+    cfg, records, counts = run_multimodal(tmp_path, "prefetch", overlap_depth=0, **{"vision.instances": 2})
     images = cfg.iterations * cfg.rollout_batch.minibatches * cfg.rollout_batch.prompts_per_minibatch
     assert counts["prompts"]["images_seen"] == images  # one image per prompt in the shapes task
     assert counts["vision_prefetch"]["images_encoded"] == images
@@ -53,7 +54,7 @@ def test_each_image_is_encoded_once_while_six_stages_read_its_features(tmp_path)
 
 
 def test_without_prefetch_every_stage_that_needs_features_runs_the_vision_tower(tmp_path):
-    _, records, counts = run_multimodal(tmp_path, "no_prefetch", **{"vision.prefetch": False})
+    _, records, counts = run_multimodal(tmp_path, "no_prefetch", overlap_depth=0, **{"vision.prefetch": False})
     images = counts["prompts"]["images_seen"]
     assert "vision_prefetch" not in counts
     assert {stage for stage, c in counts.items() if c.get("images_encoded") == images} == READERS

@@ -71,7 +71,11 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
         if case == "train":
             engine = TorchTrainEngine(_model(), group, OptimizerConfig(lr=1e-3, max_grad_norm=0.5))
             advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
-            metrics = [engine.train_step(exp, _loss(engine), {"advantages": advantages}) for _ in range(3)]
+            metrics = []
+            for _ in range(3):  # a no-grad forward between training steps, as a proximal recompute does
+                proximal = engine.forward_logprobs(exp.sequences, 1.0)
+                metrics.append(engine.train_step(exp, _loss(engine), {"advantages": advantages}))
+                metrics[-1]["proximal_sum"] = float(sum(t.sum() for t in proximal))
             weights = engine.export_weights()
             engine.save(Path(out + ".checkpoint"), build_tokenizer())
             group.barrier()  # the leader has written it
@@ -132,7 +136,7 @@ def test_two_fsdp2_ranks_train_to_the_same_weights_as_one(tmp_path):
     m1 = torch.load(str(tmp_path / "train-1.safetensors.metrics"))
     m2 = torch.load(str(tmp_path / "train-2.safetensors.metrics"))
     for a, b in zip(m1, m2):
-        for key in ("loss", "grad_norm", "clipfrac", "approx_kl"):
+        for key in ("loss", "grad_norm", "clipfrac", "approx_kl", "proximal_sum"):
             assert b[key] == pytest.approx(a[key], abs=1e-5), key
 
 

@@ -81,6 +81,30 @@ def test_rows_that_stop_leave_the_batch(lm, prompts):
     assert rows_fed[-1] < len(prompts)
 
 
+def test_a_prompt_sampled_several_times_is_prefilled_once(lm, prompts):
+    """Four copies of each prompt, interleaved: the prefill feeds the distinct prompts only, and
+    every sample is what it would be from a prefill of its own (greedy: identical responses;
+    sampled: behaviour log-probs equal the recomputed ones)."""
+    repeated = [prompts[i % len(prompts)] for i in range(4 * len(prompts))]
+    rows_fed: list[int] = []
+    hook = lm.get_input_embeddings().register_forward_hook(lambda module, args, out: rows_fed.append(out.shape[0]))
+    try:
+        greedy = generate(lm, repeated, SamplingParams(temperature=0, max_new_tokens=5))
+    finally:
+        hook.remove()
+    assert rows_fed == [len(prompts)] + [len(repeated)] * 4
+    alone = generate(lm, prompts, SamplingParams(temperature=0, max_new_tokens=5))
+    for i, response in enumerate(greedy.response_ids):
+        assert torch.equal(response, alone.response_ids[i % len(prompts)])
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    gen = generate(lm, repeated, params, generator=torch.Generator().manual_seed(3))
+    assert len({tuple(r.tolist()) for r in gen.response_ids}) > len(prompts)  # copies sample apart
+    full = [torch.cat([p, r]) for p, r in zip(repeated, gen.response_ids)]
+    recomputed, _ = sequence_logprobs(lm, full, temperature=1.0)
+    for prompt, logp, again in zip(repeated, gen.response_logp, recomputed):
+        torch.testing.assert_close(logp, again[prompt.numel() - 1 :], atol=1e-4, rtol=0)
+
+
 def test_max_new_tokens_respected(lm, prompts):
     gen = generate(lm, prompts, SamplingParams(max_new_tokens=3), generator=torch.Generator().manual_seed(0))
     assert [len(r) for r in gen.response_ids] == [3] * len(prompts)

@@ -47,13 +47,15 @@ class ModelForward(nn.Module):
         self.sharded = sharded
 
     def forward(self, sequences: list[Tensor], images: list[SampleImages] | None, temperature: float | None = None,
-                with_entropy: bool = False) -> tuple[list[Tensor], list[Tensor] | None]:
-        """temperature None: (per-position outputs (L_i, ...), None); else sequence_logprobs. Sharded,
+                with_entropy: bool = False, prompt_lens: Tensor | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
+        """temperature None: (per-position outputs (L_i, ...), None); else sequence_logprobs. With
+        `prompt_lens` the samples of a prompt share its forward (`models/packing.py`). Sharded,
         each output is a tensor of its own, not a view into the packed rows: FSDP2 hooks the
         backward of a module's outputs, and warns of views (B x L floats: cheap to copy)."""
         if temperature is None:
-            return self._own(packed_forward(self.model, sequences, images=images)), None
-        logp, entropy = sequence_logprobs(self.model, sequences, temperature, with_entropy=with_entropy, images=images)
+            return self._own(packed_forward(self.model, sequences, images=images, prompt_lens=prompt_lens)), None
+        logp, entropy = sequence_logprobs(self.model, sequences, temperature, with_entropy=with_entropy, images=images,
+                                          prompt_lens=prompt_lens)
         return self._own(logp), self._own(entropy) if entropy is not None else None
 
     def _own(self, tensors: list[Tensor]) -> list[Tensor]:
@@ -82,31 +84,39 @@ class TorchTrainEngine:
     # ---- forward -----------------------------------------------------------------------------
 
     def logprobs(self, sequences: list[Tensor], temperature: float, with_entropy: bool = False,
-                 images: list[SampleImages] | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
-        return self.forward_module(sequences, images, temperature, with_entropy)
+                 images: list[SampleImages] | None = None,
+                 prompt_lens: Tensor | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
+        return self.forward_module(sequences, images, temperature, with_entropy, prompt_lens)
 
-    def values(self, sequences: list[Tensor], images: list[SampleImages] | None = None) -> list[Tensor]:
-        outputs, _ = self.forward_module(sequences, images)
+    def values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
+               prompt_lens: Tensor | None = None) -> list[Tensor]:
+        outputs, _ = self.forward_module(sequences, images, prompt_lens=prompt_lens)
         return [v[:-1, 0] for v in outputs]  # (L_i - 1,)
 
     def forward_logprobs(self, sequences: list[Tensor], temperature: float,
-                         images: list[SampleImages] | None = None) -> list[Tensor]:
-        return self._shared(lambda seqs, ims: self.logprobs(seqs, temperature, images=ims)[0], sequences, images)
+                         images: list[SampleImages] | None = None, prompt_lens: Tensor | None = None) -> list[Tensor]:
+        return self._shared(lambda seqs, ims, lens: self.logprobs(seqs, temperature, images=ims, prompt_lens=lens)[0],
+                            sequences, images, prompt_lens)
 
-    def forward_values(self, sequences: list[Tensor], images: list[SampleImages] | None = None) -> list[Tensor]:
-        return self._shared(self.values, sequences, images)
+    def forward_values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
+                       prompt_lens: Tensor | None = None) -> list[Tensor]:
+        return self._shared(self.values, sequences, images, prompt_lens)
 
-    def _shared(self, forward, sequences: list[Tensor], images: list[SampleImages] | None) -> list[Tensor]:
+    def _shared(self, forward, sequences: list[Tensor], images: list[SampleImages] | None,
+                prompt_lens: Tensor | None) -> list[Tensor]:
         """`forward` over this rank's share of `sequences` (no grad), gathered from every rank."""
         mine = self.group.shard(len(sequences))
         local_sequences = sequences[mine]
-        with torch.inference_mode():
+        local_lens = prompt_lens[mine] if prompt_lens is not None else None
+        # no inference mode on a sharded engine: FSDP2 reuses its all-gather buffers in the training
+        # forwards, and an inference tensor cannot be written to outside inference mode
+        with torch.no_grad() if self.sharded else torch.inference_mode():
             if local_sequences:
-                local = forward(local_sequences, images[mine] if images is not None else None)
+                local = forward(local_sequences, images[mine] if images is not None else None, local_lens)
             else:
                 local = []
                 if self.sharded:  # a sharded model's forward is a collective: take part with one token
-                    forward(sequences[:1], images[:1] if images is not None else None)
+                    forward(sequences[:1], images[:1] if images is not None else None, None)
         return self.group.gather_ragged([t.float() for t in local])
 
     # ---- training ----------------------------------------------------------------------------

@@ -7,7 +7,8 @@
 Prompts are left-padded into one batch; position ids come from the attention mask, so padding does
 not shift positions and each row decodes exactly as it would alone. One prefill, then one token
 per step for every row through a DynamicCache; a row that samples a stop token leaves the batch
-(its cache rows too), so the last steps cost only the rows still decoding.
+(its cache rows too), so the last steps cost only the rows still decoding. A text prompt that
+comes several times (the samples of one prompt) is prefilled once, and its cache rows copied.
 
 Behaviour log-probs: the recorded log-prob of each sampled token is taken under the FULL tempered
 distribution softmax(logits / temperature), not the top-p-truncated one that was sampled from, so
@@ -105,6 +106,23 @@ def left_pad(prompts: list[Tensor], pad_token_id: int, device: torch.device) -> 
     return input_ids, attention
 
 
+def distinct_prompts(prompts: list[Tensor]) -> tuple[list[Tensor], Tensor | None]:
+    """The distinct prompts, in first-seen order, and for each input prompt the index of its
+    distinct one (B,); (prompts, None) when every prompt is distinct."""
+    index_of: dict[tuple[int, ...], int] = {}
+    distinct: list[Tensor] = []
+    copies = []
+    for prompt in prompts:
+        key = tuple(prompt.tolist())
+        if key not in index_of:
+            index_of[key] = len(distinct)
+            distinct.append(prompt)
+        copies.append(index_of[key])
+    if len(distinct) == len(prompts):
+        return prompts, None
+    return distinct, torch.tensor(copies, dtype=torch.long, device=prompts[0].device)
+
+
 def _image_prefill(
     model: nn.Module, prompts: list[Tensor], images: list[SampleImages], input_ids: Tensor, attention: Tensor
 ) -> tuple[dict[str, Tensor], Tensor]:
@@ -144,7 +162,9 @@ def generate(
     if min(p.numel() for p in prompts) < 1:
         raise ValueError("prompts: every prompt must have at least one token")
     device = next(model.parameters()).device
-    input_ids, attention = left_pad(prompts, params.pad_token_id, device)  # (B, P), (B, P)
+    # a text prompt sampled several times (GRPO's groups) is prefilled once; its cache rows are copied
+    distinct, copies = distinct_prompts(prompts) if images is None else (prompts, None)
+    input_ids, attention = left_pad(distinct, params.pad_token_id, device)  # (U, P), (U, P)
     banned: int | None = None  # a token never sampled
     if images is None:
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # (B, P)
@@ -155,7 +175,11 @@ def generate(
         banned = model.config.image_token_id
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
     cache = DynamicCache()
-    out = model(**prefill, attention_mask=attention, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits = model(**prefill, attention_mask=attention, past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]  # (U, V)
+    if copies is not None:  # one row per prompt from here on
+        cache.batch_select_indices(copies)
+        logits, attention, next_position = logits[copies], attention[copies], next_position[copies]
 
     batch, max_new = len(prompts), params.max_new_tokens
     out_ids = torch.full((batch, max_new), params.pad_token_id, dtype=torch.long, device=device)  # by prompt
@@ -163,8 +187,7 @@ def generate(
     lengths = torch.full((batch,), max_new, dtype=torch.long, device=device)  # final once a row leaves
     stopped = torch.zeros(batch, dtype=torch.bool, device=device)
     rows = torch.arange(batch, device=device)  # (R,) the prompts of the rows still decoding
-    for step in range(max_new):
-        logits = out.logits[:, -1]  # (R, V)
+    for step in range(max_new):  # logits: (R, V)
         allowed = logits if banned is None else logits.index_fill(-1, torch.tensor([banned], device=device), -math.inf)
         token = sample_tokens(allowed, params, generator)  # (R,)
         out_ids[rows, step] = token
@@ -183,9 +206,9 @@ def generate(
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)  # (R, P + step + 1)
         # (R, 1) for a text model, (3, R, 1) M-RoPE positions with images
         step_positions = next_position if images is None else next_position[None].expand(3, -1, -1)
-        out = model(
+        logits = model(
             token[:, None], attention_mask=attention, position_ids=step_positions, past_key_values=cache, use_cache=True
-        )
+        ).logits[:, -1]
         next_position = next_position + 1
 
     out_ids, out_logp = out_ids.cpu(), out_logp.cpu()

@@ -34,18 +34,22 @@ class TrainEngine(Protocol):
     device: torch.device
 
     def logprobs(self, sequences: list[Tensor], temperature: float, with_entropy: bool = False,
-                 images: list[SampleImages] | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
-        """(L_i - 1,) log-probs (and entropies) of this rank's sequences; gradients flow (inside a loss)."""
+                 images: list[SampleImages] | None = None,
+                 prompt_lens: Tensor | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
+        """(L_i - 1,) log-probs (and entropies) of this rank's sequences; gradients flow (inside a
+        loss). `prompt_lens` (N,): samples of the same prompt may share its forward (same result)."""
 
-    def values(self, sequences: list[Tensor], images: list[SampleImages] | None = None) -> list[Tensor]:
+    def values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
+               prompt_lens: Tensor | None = None) -> list[Tensor]:
         """(L_i - 1,) values of this rank's sequences, position t valuing the state before token t + 1."""
 
     def forward_logprobs(self, sequences: list[Tensor], temperature: float,
-                         images: list[SampleImages] | None = None) -> list[Tensor]:
+                         images: list[SampleImages] | None = None, prompt_lens: Tensor | None = None) -> list[Tensor]:
         """(L_i - 1,) log-probs of a whole mini-batch, no gradient: each rank computes its share and
         every rank gets all of them, on the CPU."""
 
-    def forward_values(self, sequences: list[Tensor], images: list[SampleImages] | None = None) -> list[Tensor]:
+    def forward_values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
+                       prompt_lens: Tensor | None = None) -> list[Tensor]:
         """`values` of a whole mini-batch, shared like `forward_logprobs`."""
 
     def train_step(self, part: Experience, loss_fn: LossFn, per_sample: dict[str, Tensor]) -> dict[str, float]:

@@ -14,11 +14,17 @@ Vision-language models (`images=`, one `SampleImages` per sequence): each row is
 `inputs_embeds` (token embeddings with each sequence's precomputed image features at its image
 tokens) with M-RoPE position ids (3, R, C) (each sequence's own, placed at its span; 0 on padding)
 and the same block-diagonal mask; the vision tower is never run. Features are constants (no grad).
+
+Shared prompts (`pack_shared`, `prompt_lens=`): the samples of one prompt (GRPO's groups) hold
+the prompt once, [prompt, response_1, response_2, ...] in a row, each response attending to the
+prompt and to itself, so the model runs every prompt once instead of once per sample. Each
+sequence's outputs are gathered back (`token_index`); gradients through the shared prompt add up
+as they would over separate copies.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -34,11 +40,35 @@ class Packed:
     input_ids: Tensor
     """(R, C) long; tail of each row filled with pad_id."""
     position_ids: Tensor
-    """(R, C) long; restarts at 0 at the start of every sequence (0 on padding)."""
+    """(R, C) long; each sequence's own positions from 0 (0 on padding)."""
     attention_mask: Tensor
-    """(R, 1, C, C) bool, True = attend; block-diagonal causal. Padding attends only to itself."""
-    spans: list[tuple[int, int, int]]
-    """(row, start, length) of each input sequence, in input order."""
+    """(R, 1, C, C) bool, True = attend: a token attends to the earlier tokens of its own sequence
+    (a shared prefix included). Padding attends only to itself."""
+    token_index: list[Tensor]
+    """Per input sequence, in input order, the flat positions (row * C + column) of its tokens in
+    order. A prefix shared by several sequences (`pack_shared`) is in the rows once and in each of
+    their lists."""
+
+    @property
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(row, start, length) of each input sequence, in input order (`pack`: a sequence's tokens
+        are contiguous)."""
+        width = self.input_ids.shape[1]
+        return [(int(index[0]) // width, int(index[0]) % width, len(index)) for index in self.token_index]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What one stretch of a row holds: a prefix, then the rest of each sequence that shares it."""
+
+    prefix: Tensor
+    branches: list[tuple[int, Tensor]]
+    """(input index, tokens after the prefix) per sequence; the prefix is a whole sequence's when
+    its rest is empty."""
+
+    @property
+    def length(self) -> int:
+        return len(self.prefix) + sum(len(rest) for _, rest in self.branches)
 
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
@@ -54,44 +84,102 @@ def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[tuple[int, 
     return placement
 
 
-def pack(sequences: list[Tensor], capacity: int | None = None, pad_id: int = 0) -> Packed:
-    """Pack 1-D token sequences (L_i,) into rows of at most `capacity` tokens (default: the longest).
-
-    Tensors are built on the device of the first sequence.
-    """
+def _check_lengths(sequences: list[Tensor]) -> list[int]:
     if not sequences:
         raise ValueError("sequences: must not be empty")
     lengths = [int(s.numel()) for s in sequences]
     if min(lengths) < 1:
         raise ValueError(f"sequences[{lengths.index(min(lengths))}] has length 0: must be >= 1")
+    return lengths
+
+
+def pack(sequences: list[Tensor], capacity: int | None = None, pad_id: int = 0) -> Packed:
+    """Pack 1-D token sequences (L_i,) into rows of at most `capacity` tokens (default: the longest).
+
+    Tensors are built on the device of the first sequence.
+    """
+    lengths = _check_lengths(sequences)
     capacity = max(lengths) if capacity is None else capacity
     if capacity < max(lengths):
         raise ValueError(f"capacity={capacity}: must be >= the longest sequence ({max(lengths)})")
+    empty = sequences[0].new_empty(0)
+    return _lay_out([_Unit(seq, [(i, empty)]) for i, seq in enumerate(sequences)], len(sequences), capacity, pad_id)
 
-    placement = _first_fit_decreasing(lengths, capacity)
-    spans = [(row, start, length) for (row, start), length in zip(placement, lengths)]
+
+def pack_shared(sequences: list[Tensor], prefix_lens: Tensor, capacity: int | None = None, pad_id: int = 0) -> Packed:
+    """`pack`, with the sequences that begin with the same prefix (the same `prefix_lens[i]`
+    tokens: the samples of one prompt) sharing one copy of it: [prefix, rest_1, rest_2, ...] in a
+    row, each rest attending to the prefix and to itself, its positions continuing the prefix's.
+    The model then runs each shared prefix once; outputs at the prefix are the same as unshared.
+
+    Members of a group are placed together while the row stays within `capacity` (default: twice
+    the longest sequence, which bounds the attention cost of a row); the rest start a new copy.
+    """
+    lengths = _check_lengths(sequences)
+    if len(prefix_lens) != len(sequences):
+        raise ValueError(f"prefix_lens: {len(prefix_lens)} entries for {len(sequences)} sequences")
+    capacity = 2 * max(lengths) if capacity is None else capacity
+    if capacity < max(lengths):
+        raise ValueError(f"capacity={capacity}: must be >= the longest sequence ({max(lengths)})")
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (seq, p) in enumerate(zip(sequences, prefix_lens.tolist())):
+        groups.setdefault(tuple(seq[:p].tolist()) if 0 < p < len(seq) else (-1, i), []).append(i)
+    units: list[_Unit] = []
+    for key, members in groups.items():
+        if key[0] == -1 or len(members) == 1:
+            units += [_Unit(sequences[i], [(i, sequences[i].new_empty(0))]) for i in members]
+            continue
+        prefix = sequences[members[0]][: len(key)]
+        unit = _Unit(prefix, [])
+        for i in members:
+            rest = sequences[i][len(key):]
+            if unit.branches and unit.length + len(rest) > capacity:
+                units.append(unit)
+                unit = _Unit(prefix, [])
+            unit.branches.append((i, rest))
+        units.append(unit)
+    return _lay_out(units, len(sequences), capacity, pad_id)
+
+
+def _lay_out(units: list[_Unit], count: int, capacity: int, pad_id: int) -> Packed:
+    """Rows holding `units` (placed first-fit decreasing), the mask and positions that make every
+    sequence see exactly its own tokens, and each sequence's token positions."""
+    placement = _first_fit_decreasing([u.length for u in units], capacity)
     n_rows = max(row for row, _ in placement) + 1
-    width = max(start + length for _, start, length in spans)
-    device = sequences[0].device
-
+    width = max(start + u.length for (_, start), u in zip(placement, units))
+    device = units[0].prefix.device
     input_ids = torch.full((n_rows, width), pad_id, dtype=torch.long, device=device)  # (R, C)
     position_ids = torch.zeros((n_rows, width), dtype=torch.long, device=device)  # (R, C)
     segment = torch.full((n_rows, width), -1, dtype=torch.long, device=device)  # (R, C), -1 = padding
-    for i, (seq, (row, start, length)) in enumerate(zip(sequences, spans)):
-        input_ids[row, start : start + length] = seq.to(device=device, dtype=torch.long)
-        position_ids[row, start : start + length] = torch.arange(length, device=device)
-        segment[row, start : start + length] = i
+    branch = torch.zeros((n_rows, width), dtype=torch.long, device=device)  # (R, C), 0 = the prefix
+    token_index: list[Tensor] = [input_ids.new_empty(0)] * count
+    for u, (unit, (row, start)) in enumerate(zip(units, placement)):
+        p = len(unit.prefix)
+        input_ids[row, start : start + p] = unit.prefix.to(device=device, dtype=torch.long)
+        position_ids[row, start : start + p] = torch.arange(p, device=device)
+        segment[row, start : start + unit.length] = u
+        prefix_index = row * width + start + torch.arange(p, device=device)
+        offset = start + p
+        for b, (i, rest) in enumerate(unit.branches, start=1):
+            n = len(rest)
+            input_ids[row, offset : offset + n] = rest.to(device=device, dtype=torch.long)
+            position_ids[row, offset : offset + n] = p + torch.arange(n, device=device)
+            branch[row, offset : offset + n] = b
+            token_index[i] = torch.cat([prefix_index, row * width + offset + torch.arange(n, device=device)])
+            offset += n
 
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # (C, C)
     same = (segment[:, :, None] == segment[:, None, :]) & (segment != -1)[:, :, None]  # (R, C, C)
+    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])  # key in the prefix or own rest
     # padding attends to itself so no query row is fully masked (which would give NaN under sdpa)
-    mask = (same & causal) | torch.eye(width, dtype=torch.bool, device=device)  # (R, C, C)
-    return Packed(input_ids, position_ids, mask[:, None], spans)
+    mask = (same & causal & visible) | torch.eye(width, dtype=torch.bool, device=device)  # (R, C, C)
+    return Packed(input_ids, position_ids, mask[:, None], token_index)
 
 
 def unpack(values: Tensor, packed: Packed) -> list[Tensor]:
     """Per-token values (R, C, ...) -> one (L_i, ...) tensor per input sequence, in input order."""
-    return [values[row, start : start + length] for row, start, length in packed.spans]
+    flat = values.reshape(-1, *values.shape[2:])  # (R * C, ...)
+    return [flat[index] for index in packed.token_index]
 
 
 def pad_right(seqs: list[Tensor], value: float) -> Tensor:
@@ -126,18 +214,29 @@ def _model_inputs(
     return {"inputs_embeds": inputs_embeds, "position_ids": position_ids.to(device), "attention_mask": mask}
 
 
+def _packed(sequences: list[Tensor], capacity: int | None, images: list[SampleImages] | None,
+            prompt_lens: Tensor | None) -> Packed:
+    """The layout of a forward: prompts shared by their samples when `prompt_lens` is given (text
+    models; a vision-language model's M-RoPE positions are placed per whole sequence)."""
+    if prompt_lens is None or images is not None:
+        return pack(sequences, capacity)
+    return pack_shared(sequences, prompt_lens, capacity)
+
+
 def packed_forward(
     model: nn.Module,
     sequences: list[Tensor],
     capacity: int | None = None,
     images: list[SampleImages] | None = None,
+    prompt_lens: Tensor | None = None,
 ) -> list[Tensor]:
     """`model(...).logits` of each sequence (L_i,) as (L_i, ...), computed packed; gradients flow.
 
     (L_i, V) for a causal LM, (L_i, 1) for a token-classification value or reward head. `images`:
     one `SampleImages` per sequence for a vision-language model (None: a text model).
+    `prompt_lens` (N,): the samples of one prompt share its forward (`pack_shared`).
     """
-    packed = pack(sequences, capacity)
+    packed = _packed(sequences, capacity, images, prompt_lens)
     device = next(model.parameters()).device
     logits = model(**_model_inputs(model, packed, sequences, images, device)).logits  # (R, C, ...)
     return unpack(logits, packed)
@@ -160,22 +259,29 @@ def sequence_logprobs(
     with_entropy: bool = False,
     capacity: int | None = None,
     images: list[SampleImages] | None = None,
+    prompt_lens: Tensor | None = None,
 ) -> tuple[list[Tensor], list[Tensor] | None]:
     """log p(token t+1 | tokens <= t) of each sequence (L_i,) as (L_i - 1,), and optionally the
     entropy of each of those next-token distributions (L_i - 1,); fp32, gradients flow.
 
     Runs the model's decoder to hidden states and hands them with the LM-head weight to the fused
     kernel (`stream_rlhf.kernels.logprob.logprobs_from_hidden`): the (tokens, vocabulary) logits
-    are never materialised, on Triton or on the chunked torch path. `images` as in `packed_forward`.
+    are never materialised, on Triton or on the chunked torch path. `images` and `prompt_lens` as
+    in `packed_forward`; with a shared prompt, each (position, next token) pair is computed once.
     """
-    packed = pack(sequences, capacity)
+    packed = _packed(sequences, capacity, images, prompt_lens)
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}: an LM head with a bias is not supported by the fused log-probs")
     device = head.weight.device
     inputs = _model_inputs(model, packed, sequences, images, device)
-    hidden = model.get_decoder()(**inputs).last_hidden_state[:, :-1]  # (R, C - 1, H): position t predicts t + 1
-    labels = packed.input_ids[:, 1:].to(device)  # (R, C - 1)
-    logp, entropy = logprobs_from_hidden(hidden, head.weight, labels, temperature, with_entropy)  # (R, C - 1)
-    shifted = replace(packed, spans=[(row, start, length - 1) for row, start, length in packed.spans])
-    return unpack(logp, shifted), unpack(entropy, shifted) if with_entropy else None
+    hidden = model.get_decoder()(**inputs).last_hidden_state  # (R, C, H)
+    positions = torch.cat([index[:-1] for index in packed.token_index]).to(device)  # (M,): position t predicts t + 1
+    labels = torch.cat([seq[1:] for seq in sequences]).to(device=device, dtype=torch.long)  # (M,)
+    vocab = head.weight.shape[0]
+    pairs, inverse = torch.unique(positions * vocab + labels, return_inverse=True)  # shared prompt: once each
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (R * C, H)
+    logp, entropy = logprobs_from_hidden(flat[pairs // vocab], head.weight, pairs % vocab, temperature, with_entropy)
+    lengths = [len(seq) - 1 for seq in sequences]
+    return (list(logp[inverse].split(lengths)),
+            list(entropy[inverse].split(lengths)) if with_entropy else None)

@@ -5,6 +5,12 @@
                         ├─► actor_forward ──┤──────────► experience ─┬─► actor_train ─► weights v+1
                         └─► critic_forward ─┘  (PPO)                 └─► critic_train (PPO)
 
+The forwards a config never needs are left out (`left_out_stages`): the reference without a KL,
+the actor forward whenever rollout may run ahead (overlap_depth >= 1: actor_train computes the
+proximal log-probs itself) or one optimizer step gives them, the critic's without a critic.
+Without an actor forward the KL is the sampling policy's (its behaviour log-probs) against the
+reference.
+
 A vision-language model adds the vision stage and lets every later stage read its features:
 
     prompts ─► vision_prefetch ─► vision ─► rollout ─► rollout
@@ -76,9 +82,13 @@ def left_out_stages(cfg: RLJobConfig) -> dict[str, str]:
         out["critic_forward"] = f"algorithm.advantage={algo.advantage} has no critic"
     if algo.kl.coef == 0 and algo.kl.target is None:
         out["ref_forward"] = "algorithm.kl.coef=0 and fixed (no kl.target): no KL to compute"
-        if algo.ppo_epochs == 1 and algo.train_minibatches == 1:
-            out["actor_forward"] = ("one optimizer step per iteration (ppo_epochs=1, train_minibatches=1) and no KL: "
-                                    "the proximal log-probs are the training forward's own, detached")
+    if cfg.overlap_depth >= 1:
+        out["actor_forward"] = (f"overlap_depth={cfg.overlap_depth}: rollout runs ahead of training, so a forward "
+                                "before training would have older weights than the proximal policy; actor_train "
+                                "computes the proximal log-probs itself, once, from the weights it starts from")
+    elif algo.ppo_epochs == 1 and algo.train_minibatches == 1:
+        out["actor_forward"] = ("one optimizer step per iteration (ppo_epochs=1, train_minibatches=1): "
+                                "the proximal log-probs are the training forward's own, detached")
     return out
 
 
@@ -91,6 +101,8 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     left_out = left_out_stages(cfg)
     for stage, reason in left_out.items():
         log.info("dataflow: no %s stage: %s", stage, reason)
+        if stage in cfg.placement.stages:
+            log.warning("placement.stages.%s: not used, this config has no %s stage", stage, stage)
     forwards = [f for f in ("ref_forward", "reward_forward", "actor_forward", "critic_forward") if f not in left_out]
     trainers = ["actor_train"] + (["critic_train"] if critic else [])
     trainers += ["medusa_train"] if cfg.rollout.medusa.enabled and cfg.rollout.medusa.companion else []

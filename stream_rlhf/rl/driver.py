@@ -124,6 +124,7 @@ class RLRun:
             "lines_skipped_examples": skipped_examples + after["skipped_examples"],
             "job_s": round(job_s, 1),
             "wall_s": round(time.monotonic() - self.started, 1),
+            "start_checkpoint": self.checkpoint,
             "checkpoint": str(self.run_dir / "checkpoint"),
         }
         if self.vision_language:

@@ -1,9 +1,10 @@
 """Actor forward: log-probs of the response tokens under the newest actor weights.
 
-They are the sampling-time policy's log-probs for the KL penalty, and the proximal log-probs the
-PPO loss clips against whenever these weights are the ones training starts from (always with
-overlap_depth 0; actor_train recomputes them when rollout ran ahead). Each output records the
-version it used as `proximal_version`. With several ranks each computes a share of the mini-batch.
+They are the policy's log-probs for the KL penalty and the proximal log-probs the PPO loss clips
+against: the dataflow has this stage only with overlap_depth 0, where they come from the weights
+training starts from (rl/dataflow.py; with rollout running ahead actor_train computes them
+itself). Each output records the version it used as `proximal_version`, and actor_train checks it.
+With several ranks each computes a share of the mini-batch.
 """
 
 from __future__ import annotations
@@ -32,6 +33,6 @@ class ActorForward(Stage):
         self.version = self.engine.refresh(self.weights, self.version)
         rollout = Rollout.from_tensors(batch.tensors)
         logp = self.engine.forward_logprobs(rollout.sequences, self.job.config.rollout.temperature,
-                                            images=self.images.of(batch.tensors))
+                                            images=self.images.of(batch.tensors), prompt_lens=rollout.prompt_lens)
         return [Output("old_logp", ragged("old_logp", response_slices(logp, rollout.prompt_lens)), batch.num_samples,
                        metadata={"proximal_version": self.version})]

@@ -26,5 +26,5 @@ class CriticForward(Stage):
     def step(self, batch: Batch | None) -> list[Output]:
         self.version = self.engine.refresh(self.weights, self.version)
         rollout = Rollout.from_tensors(batch.tensors)
-        values = self.engine.forward_values(rollout.sequences, self.images.of(batch.tensors))
+        values = self.engine.forward_values(rollout.sequences, self.images.of(batch.tensors), rollout.prompt_lens)
         return [Output("values", ragged("values", response_slices(values, rollout.prompt_lens)), batch.num_samples)]

@@ -68,5 +68,5 @@ class CriticTrain(Stage):
             self.metrics.write({"iteration": self.version, **means.means()})
 
     def _loss(self, part: Experience, per_sample: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        values = part.padded(response_slices(self.engine.values(part.sequences, part.images), part.prompt_lens))  # (n, R)
+        values = part.padded(response_slices(self.engine.values(part.sequences, part.images, part.prompt_lens), part.prompt_lens))  # (n, R)
         return value_loss(values, part.values, per_sample["returns"], part.mask, self.job.config.algorithm.value_clip)

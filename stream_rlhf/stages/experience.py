@@ -91,14 +91,13 @@ class Experience:
         return sum(len(s) for s in self.sequences)
 
     def kl(self, kind: str) -> Tensor:
-        """(N, R) per-token KL estimate of the sampling-time actor against the reference (zeros
-        without a reference: the job has no KL)."""
+        """(N, R) per-token KL estimate of the sampling-time actor against the reference: the actor
+        forward's log-probs (same weights, the trainer's precision) or, without an actor forward,
+        the behaviour log-probs of the sampler. Zeros without a reference: the job has no KL."""
         if self.ref_logp is None:
             return torch.zeros_like(self.mask)
-        if self.old_logp is None:
-            raise ValueError("kl: reference log-probs without the actor forward's (the dataflow drops the actor "
-                             "forward only when there is no KL)")
-        return kl_estimate(self.old_logp, self.ref_logp, kind) * self.mask
+        actor = self.behavior_logp if self.old_logp is None else self.old_logp
+        return kl_estimate(actor, self.ref_logp, kind) * self.mask
 
     def token_rewards(self, kl_coef: float, kl: KLConfig) -> Tensor:
         """(N, R): the score on each response's last token, minus kl_coef * KL per token when the

@@ -23,5 +23,5 @@ class RefForward(Stage):
     def step(self, batch: Batch | None) -> list[Output]:
         rollout = Rollout.from_tensors(batch.tensors)
         logp = self.engine.forward_logprobs(rollout.sequences, self.job.config.rollout.temperature,
-                                            images=self.images.of(batch.tensors))
+                                            images=self.images.of(batch.tensors), prompt_lens=rollout.prompt_lens)
         return [Output("ref_logp", ragged("ref_logp", response_slices(logp, rollout.prompt_lens)), batch.num_samples)]
