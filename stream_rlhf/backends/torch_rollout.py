@@ -6,7 +6,7 @@
 
 Prompts are left-padded into one batch; position ids come from the attention mask, so padding does
 not shift positions and each row decodes exactly as it would alone. One prefill, then one token
-per step for every row through a DynamicCache; a row that samples a stop token leaves the batch
+per step for every row through a KV cache written in place (`kv_cache.py`); a row that samples a stop token leaves the batch
 (its cache rows too), so the last steps cost only the rows still decoding. A text prompt that
 comes several times (the samples of one prompt) is prefilled once, and its cache rows copied.
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
 
+from stream_rlhf.backends.kv_cache import preallocated_cache
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.models.vision_language import SampleImages, check_sample_images, embed_with_images, mrope_positions
 
@@ -174,7 +174,7 @@ def generate(
         prefill, next_position = _image_prefill(model, prompts, images, input_ids, attention)
         banned = model.config.image_token_id
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
-    cache = DynamicCache()
+    cache = preallocated_cache(input_ids.shape[1] + params.max_new_tokens)
     logits = model(**prefill, attention_mask=attention, past_key_values=cache, use_cache=True,
                    logits_to_keep=1).logits[:, -1]  # (U, V)
     if copies is not None:  # one row per prompt from here on

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from stream_rlhf.broker.messages import (
@@ -52,11 +53,14 @@ class StageHost:
         wait_for_credit: bool = True,
         timeline: Path | None = None,
         before_step: Callable[[Handle], None] | None = None,
+        step_context: Callable[[], AbstractContextManager[None]] = nullcontext,
     ):
         self.stage = stage
         self.before_step = before_step
         """Called with each fetched handle before the stage steps on it (a rank group's leader
         shares it with the other ranks)."""
+        self.step_context = step_context
+        """Every step runs inside one (the launcher's core lending marks the instance busy)."""
         self.stage_name = stage_name
         self.instance_id = instance_id
         self.transport = transport
@@ -133,7 +137,8 @@ class StageHost:
         fetched = time.perf_counter()
         self.counters["fetch_s"] += fetched - started
         try:
-            outputs = self.stage.step(Batch(handle, tensors)) or []
+            with self.step_context():
+                outputs = self.stage.step(Batch(handle, tensors)) or []
         except Exception as exc:
             self.send(Nack(handle.id, f"{type(exc).__name__} in {self.stage_name}.step: {exc}", requeue=True))
             raise
@@ -157,7 +162,8 @@ class StageHost:
 
     def produce(self) -> None:
         started = time.perf_counter()
-        outputs = self.stage.step(None)
+        with self.step_context():
+            outputs = self.stage.step(None)
         if outputs is None:
             self.exhausted = True
             log.info("%s: source exhausted", self.instance_id)

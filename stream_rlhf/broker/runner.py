@@ -32,6 +32,8 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import msgspec
@@ -95,6 +97,7 @@ class StageRunner:
         shm_prefix: str = "srlhf",
         timeline: Path | None = None,
         group: RankGroup | None = None,
+        step_context: Callable[[], AbstractContextManager[None]] = nullcontext,
     ):
         self.stage = stage
         self.group = group or RankGroup.single()
@@ -111,7 +114,8 @@ class StageRunner:
         self._context = zmq.Context()
         self.transport = transport or ShmTransport(prefix=shm_prefix, context=self._context)
         self.host = StageHost(stage, stage_name, instance_id, self.transport, self._send, prefetch, timeline=timeline,
-                              before_step=self._share_batch if self.group.distributed else None)
+                              before_step=self._share_batch if self.group.distributed else None,
+                              step_context=step_context)
         # Deliver / Control for the stage thread; None only wakes it (new producer credit)
         self._inbox: queue.SimpleQueue[Deliver | Control | None] = queue.SimpleQueue()
         self._ready = threading.Event()

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 from stream_rlhf.broker.client import ControlClient
 from stream_rlhf.broker.topology import BrokerConfig, Topology
 from stream_rlhf.config import ConfigError
+from stream_rlhf.launch.core_board import CoreLending
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -66,6 +68,8 @@ class StageSpec:
     """The cores of each rank (with `threads` torch threads each); None: `cores` for every rank."""
     group_timeout_s: float = 3600.0
     """How long a rank waits in a collective (a follower waits this long for its leader's next handle)."""
+    lending: CoreLending | None = None
+    """Borrow the other side's cores while it is idle (`core_lending.py`; one-rank instances)."""
 
     def __post_init__(self) -> None:
         if ":" not in self.cls:
@@ -155,6 +159,7 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
     from stream_rlhf.broker.payload import ShmTransport
     from stream_rlhf.broker.rank_group import RankGroup, RankSpec
     from stream_rlhf.broker.runner import StageRunner
+    from stream_rlhf.launch.core_lending import ThreadGovernor
 
     cores = spec.cores_of(rank)
     if cores is not None:
@@ -174,10 +179,17 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
             GroupFollower(stage, stage_name, instance_id, group, ShmTransport(prefix=prefix, serve=False)).run()
             return
         timeline = Path(spec.timeline) / f"{instance_id}.jsonl" if spec.timeline else None
+        governor = None
+        if spec.lending is not None and spec.ranks == 1:
+            governor = ThreadGovernor(spec.lending, int(instance_id.rsplit("-", 1)[1]), spec.cores_of(0) or [])
+            governor.install()
         StageRunner(
             stage, stage_name, instance_id, address, key_dir, prefetch=spec.prefetch, shm_prefix=prefix,
-            timeline=timeline, group=group,
+            timeline=timeline, group=group, step_context=governor.busy if governor else nullcontext,
         ).run()
+        if governor is not None:
+            log.info("%s: borrowed the other side's cores %d times", instance_id, governor.borrowed)
+            governor.close()
     finally:
         group.close()
 

@@ -73,6 +73,9 @@ class PlacementConfig:
     offload: list[str] = field(default_factory=list)
     """Stages whose params and optimizer state go to host memory between phases (GPU only;
     on CPU a no-op the stage reports)."""
+    lend_idle_cores: bool = True
+    """separated, on the CPU: a side with no step running lends its cores to the other side's
+    running stage (`core_lending.py`); false: each side keeps to its own cores."""
 
     def __post_init__(self) -> None:
         for name in ("rollout_cores", "train_cores", "broker_cores"):

@@ -4,8 +4,9 @@
     logits = packed_forward(model, sequences)        # list of (L_i, V), gradients flow
     logp, ent = sequence_logprobs(model, sequences, temperature=0.7, with_entropy=True)
 
-Sequences are placed into rows of `capacity` tokens by first-fit-decreasing bin packing, so short
-sequences share a row and attention cost stays bounded by capacity**2 per row. Each row gets a
+Sequences are placed into rows of at most `capacity` tokens by first-fit-decreasing bin packing,
+so short sequences share a row and attention cost stays bounded by capacity**2 per row; of the row
+widths tried, the one with the fewest padded slots wins (the model computes padding too). Each row gets a
 block-diagonal causal attention mask (a token attends only to earlier tokens of its own sequence)
 and position ids that restart at 0 per sequence; with these, Hugging Face models (sdpa attention)
 give the same logits as separate forwards. Padding only fills the tail of each row.
@@ -31,6 +32,13 @@ from torch import Tensor, nn
 
 from stream_rlhf.kernels.logprob import logprobs_from_hidden
 from stream_rlhf.models.vision_language import SampleImages, check_sample_images, embed_with_images, mrope_positions
+
+
+MAX_WIDTHS_TRIED = 16
+"""Row widths `_fewest_slots` tries (multiples of the longest sequence), besides the capacity."""
+SHARED_ROW_FACTOR = 4
+"""`pack_shared`'s default row capacity, in longest sequences: a prompt's samples share a row up to
+this (GRPO's 4 to 8 samples of short answers fit; long answers split into several copies)."""
 
 
 @dataclass(frozen=True)
@@ -112,13 +120,13 @@ def pack_shared(sequences: list[Tensor], prefix_lens: Tensor, capacity: int | No
     row, each rest attending to the prefix and to itself, its positions continuing the prefix's.
     The model then runs each shared prefix once; outputs at the prefix are the same as unshared.
 
-    Members of a group are placed together while the row stays within `capacity` (default: twice
-    the longest sequence, which bounds the attention cost of a row); the rest start a new copy.
+    Members of a group are placed together while the row stays within `capacity` (default: four
+    times the longest sequence, which bounds the attention cost of a row); the rest start a new copy.
     """
     lengths = _check_lengths(sequences)
     if len(prefix_lens) != len(sequences):
         raise ValueError(f"prefix_lens: {len(prefix_lens)} entries for {len(sequences)} sequences")
-    capacity = 2 * max(lengths) if capacity is None else capacity
+    capacity = SHARED_ROW_FACTOR * max(lengths) if capacity is None else capacity
     if capacity < max(lengths):
         raise ValueError(f"capacity={capacity}: must be >= the longest sequence ({max(lengths)})")
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -141,10 +149,25 @@ def pack_shared(sequences: list[Tensor], prefix_lens: Tensor, capacity: int | No
     return _lay_out(units, len(sequences), capacity, pad_id)
 
 
+def _fewest_slots(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
+    """First-fit-decreasing placement into the row width, a multiple of the longest length up to
+    `capacity`, that leaves the fewest padded slots (rows x width: the model computes padding
+    too); the narrower one on a tie."""
+    longest = max(lengths)
+    best: tuple[int, int, list[tuple[int, int]]] | None = None
+    for width in sorted({*range(longest, capacity + 1, longest)[:MAX_WIDTHS_TRIED], capacity}):
+        placement = _first_fit_decreasing(lengths, width)
+        rows = max(row for row, _ in placement) + 1
+        used = max(start + n for (_, start), n in zip(placement, lengths))
+        if best is None or rows * used < best[0] * best[1]:
+            best = (rows, used, placement)
+    return best[2]
+
+
 def _lay_out(units: list[_Unit], count: int, capacity: int, pad_id: int) -> Packed:
-    """Rows holding `units` (placed first-fit decreasing), the mask and positions that make every
-    sequence see exactly its own tokens, and each sequence's token positions."""
-    placement = _first_fit_decreasing([u.length for u in units], capacity)
+    """Rows holding `units` (`_fewest_slots`), the mask and positions that make every sequence see
+    exactly its own tokens, and each sequence's token positions."""
+    placement = _fewest_slots([u.length for u in units], capacity)
     n_rows = max(row for row, _ in placement) + 1
     width = max(start + u.length for (_, start), u in zip(placement, units))
     device = units[0].prefix.device

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from stream_rlhf.broker.admission import OverlapAdmission, PhaseAdmission
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.config import ConfigError
+from stream_rlhf.launch.core_board import CoreLending
 from stream_rlhf.launch.local import StageSpec
 from stream_rlhf.launch.placement import RankPlacement, preflight, stage_ranks
 from stream_rlhf.rl.config import RLJobConfig
@@ -131,7 +133,7 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     timeline = f"{cfg.run_dir}/timeline" if cfg.timeline else None
     names = ["prompts", *(["vision_prefetch"] if prefetch else []), "rollout", *forwards, *trainers]
     ranks = check_placement(cfg, names)
-    stages = {name: _stage_spec(cfg, name, job, ranks[name], timeline) for name in names}
+    stages = _lend_idle_cores(cfg, {name: _stage_spec(cfg, name, job, ranks[name], timeline) for name in names})
     # a whole iteration must fit in the queues, or the sync barriers (and the trainers, which
     # wait for every mini-batch of an iteration) would stall on back-pressure
     if cfg.placement.offload:
@@ -172,6 +174,36 @@ def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPl
         rank_cores=[r.cores for r in ranks],
         group_timeout_s=cfg.timeout_s,
     )
+
+
+def _lend_idle_cores(cfg: RLJobConfig, stages: dict[str, StageSpec]) -> dict[str, StageSpec]:
+    """With a separated placement on the CPU (and `placement.lend_idle_cores`), every one-rank
+    stage on its side's cores (the prompt source aside) borrows the other side's while none of
+    that side's stages is in a step; each instance gets a slot of the run's core board."""
+    placement = cfg.placement
+    sides = (set(placement.rollout_cores), set(placement.train_cores))
+    if (not placement.lend_idle_cores or placement.mode != "separated" or placement.resolved_device() != "cpu"
+            or sides[0] & sides[1]):
+        return stages
+    members: dict[bool, list[str]] = {True: [], False: []}  # rollout side?
+    for name, spec in stages.items():
+        rollout_side = name in ROLLOUT_SIDE
+        if name != "prompts" and spec.ranks == 1 and set(spec.cores or ()) == sides[not rollout_side]:
+            members[rollout_side].append(name)
+    first: dict[str, int] = {}
+    for name in members[True] + members[False]:
+        first[name] = sum(stages[n].instances for n in first)
+    slots = {side: tuple(first[n] + i for n in names for i in range(stages[n].instances))
+             for side, names in members.items()}
+    if not slots[True] or not slots[False]:
+        return stages
+    board, total = str(Path(cfg.run_dir) / "core_board"), len(slots[True]) + len(slots[False])
+    lent = dict(stages)
+    for side, names in members.items():
+        lender_cores = tuple(placement.train_cores if side else placement.rollout_cores)
+        for name in names:
+            lent[name] = replace(stages[name], lending=CoreLending(board, total, first[name], slots[not side], lender_cores))
+    return lent
 
 
 def _uses_device(cfg: RLJobConfig, stage: str) -> bool:

@@ -1,0 +1,92 @@
+"""Cores that follow the work: while one side of a separated placement waits, the other side's
+running stage computes on its cores too.
+
+    placement: {mode: separated, rollout_cores: [0], train_cores: [1], lend_idle_cores: true}
+
+Rollout (core 0) and training (core 1) each hold one core, yet in a streaming run one side is
+often idle: rollout once it has generated what admission lets it, training while it waits for
+an iteration's experience. Each stage instance owns one byte of a small board file that every
+stage process maps (`core_board.py`), set while the instance is in a step. A stage whose side may
+borrow keeps the other side's cores in its CPU affinity and, at every module forward, before
+every module's backward and before every optimizer step, sets its torch threads to its own cores
+plus the other side's when no stage of that side is in a step (`ThreadGovernor`). Both sides may borrow, so whichever
+runs alone runs on every core; when both run, each is back on its own cores within one module.
+
+    governor = ThreadGovernor(lending, instance_index=0, own_cores=[1])
+    with governor.busy():          # the launcher wraps every step of the instance
+        stage.step(batch)          # torch threads follow the board from module to module
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from stream_rlhf.launch.core_board import CoreBoard, CoreLending
+
+
+class ThreadGovernor:
+    """Sets this process's torch threads from the board at every module forward, before every
+    module's backward and before every optimizer step (process-wide hooks, installed by `install`)."""
+
+    def __init__(self, lending: CoreLending, instance_index: int, own_cores: list[int]):
+        self.lending = lending
+        self.slot = lending.first_slot + instance_index
+        self.own_threads = len(own_cores)
+        self.all_threads = len(own_cores) + len(lending.lender_cores)
+        self.board = CoreBoard(lending.board, lending.slots)
+        self.board.set(self.slot, False)  # a restarted instance may find its crashed run's mark
+        self.threads = self.own_threads
+        self.borrowed = 0
+        """How often threads went up to the lender's cores (a count the tests read)."""
+        self._hooks: list[object] = []
+
+    def install(self) -> None:
+        """Widen the affinity to the lender's cores and hook every module of the process."""
+        os.sched_setaffinity(0, set(os.sched_getaffinity(0)) | set(self.lending.lender_cores))
+        torch.set_num_threads(self.own_threads)
+        self._hooks = [nn.modules.module.register_module_forward_pre_hook(self._before_forward),
+                       nn.modules.module.register_module_forward_hook(self._after_forward),
+                       register_optimizer_step_pre_hook(self._before_optimizer_step)]
+
+    def adjust(self) -> None:
+        threads = self.own_threads if self.board.any_busy(self.lending.lender_slots) else self.all_threads
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.borrowed += threads > self.threads
+            self.threads = threads
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Marks this instance busy for the duration (one step) and starts it with the right threads."""
+        self.board.set(self.slot, True)
+        self.adjust()
+        try:
+            yield
+        finally:
+            self.board.set(self.slot, False)
+
+    def _before_forward(self, module: nn.Module, args: object) -> None:
+        self.adjust()
+
+    def _after_forward(self, module: nn.Module, args: object, output: object) -> None:
+        # a module's backward starts when its output's gradient is ready
+        if isinstance(output, Tensor) and output.requires_grad:
+            output.register_hook(self._before_backward)
+
+    def _before_backward(self, grad: Tensor) -> None:
+        self.adjust()
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self.adjust()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self.board.set(self.slot, False)
+        self.board.close()

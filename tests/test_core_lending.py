@@ -1,0 +1,99 @@
+"""Core lending: the board every stage process maps, the thread governor's hooks, and which
+stages of a dataflow take part."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from stream_rlhf.config import build
+from stream_rlhf.launch.core_board import CoreBoard, CoreLending
+from stream_rlhf.launch.core_lending import ThreadGovernor
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.dataflow import compile_job
+from tests.rl_tiny import tiny_job
+
+
+def test_the_board_is_shared_through_its_file_and_names_bad_slots(tmp_path):
+    path = str(tmp_path / "board")
+    one, other = CoreBoard(path, 4), CoreBoard(path, 4)
+    one.set(2, True)
+    assert other.any_busy((2,)) and not other.any_busy((0, 1, 3))
+    one.set(2, False)
+    assert not other.any_busy((0, 1, 2, 3))
+    with pytest.raises(ValueError, match=r"first_slot=4, lender_slots=\(0,\) must lie in \[0, 4\)"):
+        CoreLending(path, 4, 4, (0,), (0,))
+
+
+class ThreadProbe(nn.Module):
+    """Records torch's thread count in its forward and in its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[tuple[str, int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(("forward", torch.get_num_threads()))
+        out = self.linear(x)
+        out.register_hook(lambda grad: self.seen.append(("backward", torch.get_num_threads())))
+        return out
+
+
+@pytest.fixture
+def governor(tmp_path):
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    lending = CoreLending(str(tmp_path / "board"), slots=2, first_slot=1, lender_slots=(0,), lender_cores=(0,))
+    governor = ThreadGovernor(lending, instance_index=0, own_cores=[1])
+    governor.install()
+    yield governor
+    governor.close()
+    os.sched_setaffinity(0, affinity)
+    torch.set_num_threads(threads)
+
+
+def test_threads_follow_the_other_sides_steps_from_module_to_module(governor):
+    """Own core while the lender steps, own + lender's while it does not, switching inside a
+    step: in the forward, before each backward and before the optimizer step."""
+    lender = CoreBoard(governor.lending.board, governor.lending.slots)
+    probe = ThreadProbe()
+    optimizer = torch.optim.SGD(probe.parameters(), lr=0.1)
+    optimizer.register_step_pre_hook(lambda *args: probe.seen.append(("step", torch.get_num_threads())))
+    assert 0 in os.sched_getaffinity(0)  # the lender's core is in reach
+    lender.set(0, True)
+    with governor.busy():
+        assert lender.any_busy((1,))  # this instance is marked busy while it steps
+        loss = probe(torch.ones(2, 4)).sum()
+        lender.set(0, False)  # the lender finishes while this step runs
+        loss.backward()
+        optimizer.step()
+    assert not lender.any_busy((1,))
+    assert probe.seen == [("forward", 1), ("backward", 2), ("step", 2)]
+    lender.set(0, True)
+    with governor.busy():
+        probe(torch.ones(2, 4))
+    assert probe.seen[-1] == ("forward", 1)
+    assert governor.borrowed == 1
+
+
+def test_a_separated_cpu_placement_lends_idle_cores_between_the_two_sides(tmp_path):
+    data = tiny_job(tmp_path, "lend", placement={"mode": "separated", "rollout_cores": [0], "train_cores": [1],
+                                                 "device": "cpu"})
+    flow = compile_job(build(RLJobConfig, data), "c", "w")
+    lending = {name: spec.lending for name, spec in flow.stages.items()}
+    assert lending["prompts"] is None  # no model: nothing to borrow for
+    rollout, train = lending["rollout"], lending["actor_train"]
+    assert rollout.lender_cores == (1,) and train.lender_cores == (0,)
+    assert rollout.lender_slots == tuple(lending[name].first_slot for name in flow.stages
+                                         if name not in ("prompts", "rollout"))
+    assert train.lender_slots == (rollout.first_slot,)
+    assert len({spec.first_slot for spec in lending.values() if spec}) == rollout.slots == len(flow.stages) - 1
+    assert rollout.board == str(tmp_path / "lend" / "core_board")
+    for change in ({"lend_idle_cores": False}, {"mode": "colocated"}):
+        off = tiny_job(tmp_path, "off", placement={**data["placement"], **change})
+        assert all(spec.lending is None for spec in compile_job(build(RLJobConfig, off), "c", "w").stages.values())
+    grouped = tiny_job(tmp_path, "g", placement={**data["placement"], "stages": {"actor_train": {"ranks": 1, "cores": [0, 1]}}})
+    assert compile_job(build(RLJobConfig, grouped), "c", "w").stages["actor_train"].lending is None  # its own cores
