@@ -53,8 +53,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, left_pad, sample_tokens, sampling_probs
 from stream_rlhf.backends.kv_cache import preallocated_cache
+from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, left_pad, sample_tokens, sampling_probs
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.models.medusa import MedusaHeads
 

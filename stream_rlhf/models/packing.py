@@ -33,7 +33,6 @@ from torch import Tensor, nn
 from stream_rlhf.kernels.logprob import logprobs_from_hidden
 from stream_rlhf.models.vision_language import SampleImages, check_sample_images, embed_with_images, mrope_positions
 
-
 MAX_WIDTHS_TRIED = 16
 """Row widths `_fewest_slots` tries (multiples of the longest sequence), besides the capacity."""
 SHARED_ROW_FACTOR = 4
