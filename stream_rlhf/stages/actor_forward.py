@@ -15,6 +15,7 @@ from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.samples import Rollout, ragged, response_slices
+from stream_rlhf.stages.topics import topic_output
 from stream_rlhf.weights.shm_store import WeightStore
 
 
@@ -34,5 +35,5 @@ class ActorForward(Stage):
         rollout = Rollout.from_tensors(batch.tensors)
         logp = self.engine.forward_logprobs(rollout.sequences, self.job.config.rollout.temperature,
                                             images=self.images.of(batch.tensors), prompt_lens=rollout.prompt_lens)
-        return [Output("old_logp", ragged("old_logp", response_slices(logp, rollout.prompt_lens)), batch.num_samples,
+        return [topic_output("old_logp", ragged("old_logp", response_slices(logp, rollout.prompt_lens)), batch.num_samples,
                        metadata={"proximal_version": self.version})]

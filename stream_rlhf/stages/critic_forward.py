@@ -9,6 +9,7 @@ from stream_rlhf.models.checkpoint import load_critic
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.samples import Rollout, ragged, response_slices
+from stream_rlhf.stages.topics import topic_output
 from stream_rlhf.weights.shm_store import WeightStore
 
 
@@ -27,4 +28,4 @@ class CriticForward(Stage):
         self.version = self.engine.refresh(self.weights, self.version)
         rollout = Rollout.from_tensors(batch.tensors)
         values = self.engine.forward_values(rollout.sequences, self.images.of(batch.tensors), rollout.prompt_lens)
-        return [Output("values", ragged("values", response_slices(values, rollout.prompt_lens)), batch.num_samples)]
+        return [topic_output("values", ragged("values", response_slices(values, rollout.prompt_lens)), batch.num_samples)]

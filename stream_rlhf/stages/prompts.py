@@ -21,6 +21,7 @@ from stream_rlhf.rl.task_data import open_prompts
 from stream_rlhf.stages.images import image_batch_fields
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.samples import ragged
+from stream_rlhf.stages.topics import topic_output
 from stream_rlhf.telemetry.stage_counts import StageCounts
 
 
@@ -62,7 +63,7 @@ class PromptSource(Stage):
         if self.job.vision_language:
             tensors.update(image_batch_fields(images, [ix for ix in prompt_images for _ in range(repeat)]))
         self._count(len(images) * repeat)
-        return [Output("prompts", tensors, len(prompts) * repeat, iteration, minibatch, policy_version=0,
+        return [topic_output("prompts", tensors, len(prompts) * repeat, iteration, minibatch, policy_version=0,
                        metadata={"references": [r for r in references for _ in range(repeat)]})]
 
     def _next_prompt(self, index: int) -> tuple[torch.Tensor, str, list]:

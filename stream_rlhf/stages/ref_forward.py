@@ -9,6 +9,7 @@ from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.samples import Rollout, ragged, response_slices
+from stream_rlhf.stages.topics import topic_output
 
 
 class RefForward(Stage):
@@ -24,4 +25,4 @@ class RefForward(Stage):
         rollout = Rollout.from_tensors(batch.tensors)
         logp = self.engine.forward_logprobs(rollout.sequences, self.job.config.rollout.temperature,
                                             images=self.images.of(batch.tensors), prompt_lens=rollout.prompt_lens)
-        return [Output("ref_logp", ragged("ref_logp", response_slices(logp, rollout.prompt_lens)), batch.num_samples)]
+        return [topic_output("ref_logp", ragged("ref_logp", response_slices(logp, rollout.prompt_lens)), batch.num_samples)]

@@ -17,6 +17,7 @@ from stream_rlhf.models.checkpoint import load_reward_model, load_tokenizer
 from stream_rlhf.models.packing import pad_right
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.samples import Rollout
+from stream_rlhf.stages.topics import topic_output
 
 RewardFunction = Callable[[str, str, str], float]
 
@@ -68,4 +69,4 @@ class RewardForward(Stage):
 
     def step(self, batch: Batch | None) -> list[Output]:
         scores = self.scorer.score(Rollout.from_tensors(batch.tensors), batch.metadata["references"])
-        return [Output("reward", {"scores": scores}, batch.num_samples)]
+        return [topic_output("reward", {"scores": scores}, batch.num_samples)]

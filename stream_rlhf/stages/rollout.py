@@ -22,6 +22,7 @@ from stream_rlhf.models.checkpoint import load_tokenizer, stop_token_ids
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.samples import Rollout, ragged, unragged
+from stream_rlhf.stages.topics import topic_output
 from stream_rlhf.stages.weight_sync import RolloutWeights
 
 
@@ -62,7 +63,7 @@ class RolloutStage(Stage):
             tensors.update(ragged("token_versions", out.token_versions))  # (R_i,) version per token
         if self.job.vision_language:
             del tensors["group_ids"]  # the image handle the broker joins with this one carries them
-        return [Output("rollout", tensors, len(prompts), policy_version=out.policy_version,
+        return [topic_output("rollout", tensors, len(prompts), policy_version=out.policy_version,
                        metadata={"references": batch.metadata["references"], "finished": finished, **out.metadata})]
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.vision_language import encode_images, load_vision_tower
 from stream_rlhf.stages.images import IMAGE_FIELDS
 from stream_rlhf.stages.job_context import JobContext, stage_counts
+from stream_rlhf.stages.topics import topic_output
 
 PROMPT_FIELDS = ("prompt_ids", "prompt_ids_lens", "group_ids")
 """The prompt source's text fields, passed on for rollout."""
@@ -42,4 +43,4 @@ class VisionPrefetch(Stage):
             "image_features": torch.cat(per_image) if per_image else torch.zeros((0, hidden)),
             "image_tokens": torch.tensor([len(f) for f in per_image], dtype=torch.long),
         }
-        return [Output("vision", tensors, batch.num_samples, metadata=dict(batch.metadata))]
+        return [topic_output("vision", tensors, batch.num_samples, metadata=dict(batch.metadata))]
