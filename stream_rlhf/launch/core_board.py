@@ -1,9 +1,9 @@
 """The core board of core lending (`core_lending.py`): which stage instances are in a step.
 
-    lending = CoreLending(board="runs/<name>/core_board", slots=6, first_slot=4, lender_slots=(0,), lender_cores=(0,))
+    lending = CoreLending(board="runs/<name>/core_board", slots=6, first_slot=4, lender_cores=(0,))
     board = CoreBoard(lending.board, lending.slots)
     board.set(slot, True)                   # this instance steps
-    board.any_busy(lending.lender_slots)    # does any of the other side's?
+    board.any_busy((0, 1, 2))               # do any of these?
 
 One byte per stage instance in a small file every stage process of the job maps (the run folder
 keeps it; it is rewritten by the next run of the same name). Each instance writes only its own
@@ -27,15 +27,12 @@ class CoreLending:
     """Bytes on the board: one per stage instance that takes part."""
     first_slot: int
     """Instance i of the stage writes slot first_slot + i."""
-    lender_slots: tuple[int, ...]
-    """The slots of the other side's instances: their cores are borrowed while all are idle."""
     lender_cores: tuple[int, ...]
-    """The other side's cores."""
+    """The other side's cores, borrowed while no other instance on the board is in a step."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.first_slot < self.slots or any(not 0 <= s < self.slots for s in self.lender_slots):
-            raise ValueError(f"slots: first_slot={self.first_slot}, lender_slots={self.lender_slots} "
-                             f"must lie in [0, {self.slots})")
+        if not 0 <= self.first_slot < self.slots:
+            raise ValueError(f"first_slot={self.first_slot}: must lie in [0, slots={self.slots})")
 
 
 class CoreBoard:

@@ -9,8 +9,11 @@ an iteration's experience. Each stage instance owns one byte of a small board fi
 stage process maps (`core_board.py`), set while the instance is in a step. A stage whose side may
 borrow keeps the other side's cores in its CPU affinity and, at every module forward, before
 every module's backward and before every optimizer step, sets its torch threads to its own cores
-plus the other side's when no stage of that side is in a step (`ThreadGovernor`). Both sides may borrow, so whichever
-runs alone runs on every core; when both run, each is back on its own cores within one module.
+plus the other side's when it is the only stage instance in a step (`ThreadGovernor`): a stage
+running alone runs on every core; as soon as another starts, each is back on its own cores
+within one module. (Only alone: several OpenMP processes of several threads each on the same
+cores slow each other down far more than one thread each; three tiny-model forwards of a sync
+phase ran 4x slower when each took two threads.)
 
     governor = ThreadGovernor(lending, instance_index=0, own_cores=[1])
     with governor.busy():          # the launcher wraps every step of the instance
@@ -39,6 +42,7 @@ class ThreadGovernor:
         self.slot = lending.first_slot + instance_index
         self.own_threads = len(own_cores)
         self.all_threads = len(own_cores) + len(lending.lender_cores)
+        self.others = tuple(s for s in range(lending.slots) if s != self.slot)
         self.board = CoreBoard(lending.board, lending.slots)
         self.board.set(self.slot, False)  # a restarted instance may find its crashed run's mark
         self.threads = self.own_threads
@@ -55,7 +59,7 @@ class ThreadGovernor:
                        register_optimizer_step_pre_hook(self._before_optimizer_step)]
 
     def adjust(self) -> None:
-        threads = self.own_threads if self.board.any_busy(self.lending.lender_slots) else self.all_threads
+        threads = self.own_threads if self.board.any_busy(self.others) else self.all_threads
         if threads != self.threads:
             torch.set_num_threads(threads)
             self.borrowed += threads > self.threads

@@ -33,6 +33,8 @@ from torch import Tensor, nn
 from stream_rlhf.kernels.logprob import logprobs_from_hidden
 from stream_rlhf.models.vision_language import SampleImages, check_sample_images, embed_with_images, mrope_positions
 
+WIDER_ROW_SAVING = 0.125
+"""The share of slots a wider row width must save over a narrower one to be chosen."""
 MAX_WIDTHS_TRIED = 16
 """Row widths `_fewest_slots` tries (multiples of the longest sequence), besides the capacity."""
 SHARED_ROW_FACTOR = 4
@@ -150,17 +152,17 @@ def pack_shared(sequences: list[Tensor], prefix_lens: Tensor, capacity: int | No
 
 def _fewest_slots(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
     """First-fit-decreasing placement into the row width, a multiple of the longest length up to
-    `capacity`, that leaves the fewest padded slots (rows x width: the model computes padding
-    too); the narrower one on a tie."""
+    `capacity`, that leaves the fewest slots (rows x width: the model computes padding too). A
+    wider row must save WIDER_ROW_SAVING of the slots: attention grows with the width."""
     longest = max(lengths)
-    best: tuple[int, int, list[tuple[int, int]]] | None = None
+    best: tuple[int, list[tuple[int, int]]] | None = None
     for width in sorted({*range(longest, capacity + 1, longest)[:MAX_WIDTHS_TRIED], capacity}):
         placement = _first_fit_decreasing(lengths, width)
         rows = max(row for row, _ in placement) + 1
-        used = max(start + n for (_, start), n in zip(placement, lengths))
-        if best is None or rows * used < best[0] * best[1]:
-            best = (rows, used, placement)
-    return best[2]
+        slots = rows * max(start + n for (_, start), n in zip(placement, lengths))
+        if best is None or slots < (1 - WIDER_ROW_SAVING) * best[0]:
+            best = (slots, placement)
+    return best[1]
 
 
 def _lay_out(units: list[_Unit], count: int, capacity: int, pad_id: int) -> Packed:

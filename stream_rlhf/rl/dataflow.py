@@ -178,31 +178,25 @@ def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPl
 
 def _lend_idle_cores(cfg: RLJobConfig, stages: dict[str, StageSpec]) -> dict[str, StageSpec]:
     """With a separated placement on the CPU (and `placement.lend_idle_cores`), every one-rank
-    stage on its side's cores (the prompt source aside) borrows the other side's while none of
-    that side's stages is in a step; each instance gets a slot of the run's core board."""
+    stage on its side's cores (the prompt source aside) borrows the other side's while it is the
+    only one in a step; each instance gets a slot of the run's core board."""
     placement = cfg.placement
     sides = (set(placement.rollout_cores), set(placement.train_cores))
     if (not placement.lend_idle_cores or placement.mode != "separated" or placement.resolved_device() != "cpu"
             or sides[0] & sides[1]):
         return stages
-    members: dict[bool, list[str]] = {True: [], False: []}  # rollout side?
-    for name, spec in stages.items():
-        rollout_side = name in ROLLOUT_SIDE
-        if name != "prompts" and spec.ranks == 1 and set(spec.cores or ()) == sides[not rollout_side]:
-            members[rollout_side].append(name)
-    first: dict[str, int] = {}
-    for name in members[True] + members[False]:
-        first[name] = sum(stages[n].instances for n in first)
-    slots = {side: tuple(first[n] + i for n in names for i in range(stages[n].instances))
-             for side, names in members.items()}
-    if not slots[True] or not slots[False]:
+    rollout_side = {name: name in ROLLOUT_SIDE for name, spec in stages.items()
+                    if name != "prompts" and spec.ranks == 1 and set(spec.cores or ()) == sides[name not in ROLLOUT_SIDE]}
+    if len(set(rollout_side.values())) < 2:  # nothing to lend to the other side
         return stages
-    board, total = str(Path(cfg.run_dir) / "core_board"), len(slots[True]) + len(slots[False])
+    first, total = {}, 0
+    for name in rollout_side:
+        first[name], total = total, total + stages[name].instances
+    board = str(Path(cfg.run_dir) / "core_board")
     lent = dict(stages)
-    for side, names in members.items():
+    for name, side in rollout_side.items():
         lender_cores = tuple(placement.train_cores if side else placement.rollout_cores)
-        for name in names:
-            lent[name] = replace(stages[name], lending=CoreLending(board, total, first[name], slots[not side], lender_cores))
+        lent[name] = replace(stages[name], lending=CoreLending(board, total, first[name], lender_cores))
     return lent
 
 
