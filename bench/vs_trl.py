@@ -21,7 +21,8 @@ Figures per side, over the steps after the first SKIP (start-up, first compilati
     reward      mean reward over the first and the last quarter of the steps (the same samples
                 per step on both sides; the curve itself is printed below the table)
 
-TRL is not a dependency of this project. Set up its environment once, pinned to this torch:
+TRL is not a dependency of this project. Set up its environment once, pinned to this torch
+(`scripts/setup_trl.sh` does the same):
 
     python3 -m venv .venv-trl && .venv-trl/bin/pip install -c constraints/cpu.txt torch trl==1.16.0
 
@@ -188,8 +189,9 @@ def side_figures(step_s: list[float], tokens: list[int], reward: list[float], le
 
 def format_row(name: str, ours: dict, trl: dict) -> list[str]:
     ratio = ours["tokens_per_s"] / trl["tokens_per_s"]
-    lines = [f"{name}  (ours / TRL tokens/s = {ratio:.2f}x, target >= {TARGET}: {'PASS' if ratio >= TARGET else 'FAIL'})"]
-    lines.append(f"  {'':14s}{'s/step':>9s}{'tokens/s':>10s}{'peak MB':>9s}{'reward first':>14s}{'last':>7s}{'len':>6s}")
+    verdict = "PASS" if ratio >= TARGET else "FAIL"
+    lines = [f"{name}  (ours / TRL tokens/s = {ratio:.2f}x, target >= {TARGET}: {verdict})",
+             f"  {'':14s}{'s/step':>9s}{'tokens/s':>10s}{'peak MB':>9s}{'reward first':>14s}{'last':>7s}{'len':>6s}"]
     for side, f in (("stream-rlhf", ours), ("TRL", trl)):
         lines.append(f"  {side:14s}{f['s_per_step']:9.3f}{f['tokens_per_s']:10.0f}{f['peak_mb']:9.0f}"
                      f"{f['reward_first']:14.3f}{f['reward_last']:7.3f}{f['completion_len']:6.2f}")
@@ -216,8 +218,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = [ROWS[name] for name in args.rows.split(",")]
     version = trl_python_or_exit(args.trl_python)
-    print(f"TRL {version} ({args.trl_python}) against stream-rlhf, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}",
-          flush=True)
+    when = time.strftime("%Y-%m-%d %H:%M")
+    print(f"TRL {version} ({args.trl_python}) against stream-rlhf, {os.cpu_count()} CPUs, {when}", flush=True)
     results = {}
     for row in rows:
         steps = args.steps or (12 if row.fixed else 30)

@@ -36,7 +36,8 @@ class PreallocatedLayer(DynamicLayer):
         self._view()
         self.is_initialized = True
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object) -> tuple[Tensor, Tensor]:
+    def update(self, key_states: Tensor, value_states: Tensor, *args: object,
+               **kwargs: object) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]

@@ -47,7 +47,8 @@ class ModelForward(nn.Module):
         self.sharded = sharded
 
     def forward(self, sequences: list[Tensor], images: list[SampleImages] | None, temperature: float | None = None,
-                with_entropy: bool = False, prompt_lens: Tensor | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
+                with_entropy: bool = False,
+                prompt_lens: Tensor | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
         """temperature None: (per-position outputs (L_i, ...), None); else sequence_logprobs. With
         `prompt_lens` the samples of a prompt share its forward (`models/packing.py`). Sharded,
         each output is a tensor of its own, not a view into the packed rows: FSDP2 hooks the

@@ -6,9 +6,10 @@
 
 Prompts are left-padded into one batch; position ids come from the attention mask, so padding does
 not shift positions and each row decodes exactly as it would alone. One prefill, then one token
-per step for every row through a KV cache written in place (`kv_cache.py`); a row that samples a stop token leaves the batch
-(its cache rows too), so the last steps cost only the rows still decoding. A text prompt that
-comes several times (the samples of one prompt) is prefilled once, and its cache rows copied.
+per step for every row through a KV cache written in place (`kv_cache.py`); a row that samples a
+stop token leaves the batch (its cache rows too), so the last steps cost only the rows still
+decoding. A text prompt that comes several times (the samples of one prompt) is prefilled once,
+and its cache rows copied.
 
 Behaviour log-probs: the recorded log-prob of each sampled token is taken under the FULL tempered
 distribution softmax(logits / temperature), not the top-p-truncated one that was sampled from, so

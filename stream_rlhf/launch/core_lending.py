@@ -6,10 +6,10 @@ running stage computes on its cores too.
 Rollout (core 0) and training (core 1) each hold one core, yet in a streaming run one side is
 often idle: rollout once it has generated what admission lets it, training while it waits for
 an iteration's experience. Each stage instance owns one byte of a small board file that every
-stage process maps (`core_board.py`), set while the instance is in a step. A stage whose side may
-borrow keeps the other side's cores in its CPU affinity and, at every module forward, before
-every module's backward and before every optimizer step, sets its torch threads to its own cores
-plus the other side's when it is the only stage instance in a step (`ThreadGovernor`): a stage
+stage process maps (`core_board.py`), set while the instance is in a step. At every module
+forward, before every module's backward and before every optimizer step, a stage sets its CPU
+affinity and torch threads to its own cores plus the other side's when it is the only stage
+instance in a step, and back to its own cores otherwise (`ThreadGovernor`): a stage
 running alone runs on every core; as soon as another starts, each is back on its own cores
 within one module. (Only alone: several OpenMP processes of several threads each on the same
 cores slow each other down far more than one thread each; three tiny-model forwards of a sync
@@ -40,8 +40,10 @@ class ThreadGovernor:
     def __init__(self, lending: CoreLending, instance_index: int, own_cores: list[int]):
         self.lending = lending
         self.slot = lending.first_slot + instance_index
-        self.own_threads = len(own_cores)
-        self.all_threads = len(own_cores) + len(lending.lender_cores)
+        self.own_cores = set(own_cores)
+        self.all_cores = self.own_cores | set(lending.lender_cores)
+        self.own_threads = len(self.own_cores)
+        self.all_threads = len(self.all_cores)
         self.others = tuple(s for s in range(lending.slots) if s != self.slot)
         self.board = CoreBoard(lending.board, lending.slots)
         self.board.set(self.slot, False)  # a restarted instance may find its crashed run's mark
@@ -51,8 +53,8 @@ class ThreadGovernor:
         self._hooks: list[object] = []
 
     def install(self) -> None:
-        """Widen the affinity to the lender's cores and hook every module of the process."""
-        os.sched_setaffinity(0, set(os.sched_getaffinity(0)) | set(self.lending.lender_cores))
+        """Hook every module and optimizer of the process (this thread runs on its own cores)."""
+        os.sched_setaffinity(0, self.own_cores)
         torch.set_num_threads(self.own_threads)
         self._hooks = [nn.modules.module.register_module_forward_pre_hook(self._before_forward),
                        nn.modules.module.register_module_forward_hook(self._after_forward),
@@ -61,6 +63,9 @@ class ThreadGovernor:
     def adjust(self) -> None:
         threads = self.own_threads if self.board.any_busy(self.others) else self.all_threads
         if threads != self.threads:
+            # this thread's affinity follows (torch's worker threads, created while it was wide,
+            # idle when not borrowing): never on the lender's cores while another stage steps
+            os.sched_setaffinity(0, self.all_cores if threads > self.own_threads else self.own_cores)
             torch.set_num_threads(threads)
             self.borrowed += threads > self.threads
             self.threads = threads
