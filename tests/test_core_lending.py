@@ -11,7 +11,7 @@ from torch import nn
 
 from stream_rlhf.config import build
 from stream_rlhf.launch.core_board import CoreBoard, CoreLending
-from stream_rlhf.launch.core_lending import ThreadGovernor
+from stream_rlhf.launch.core_lending import ThreadGovernor, govern
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import compile_job
 from tests.rl_tiny import tiny_job
@@ -28,19 +28,29 @@ def test_the_board_is_shared_through_its_file_and_names_bad_slots(tmp_path):
         CoreLending(path, 4, 4, (0,))
 
 
-class ThreadProbe(nn.Module):
+class ProbeDecoderLayer(nn.Module):
     """Records torch's thread count in its forward and in its backward."""
 
-    def __init__(self):
+    def __init__(self, seen: list[tuple[str, int]]):
         super().__init__()
         self.linear = nn.Linear(4, 4)
-        self.seen: list[tuple[str, int]] = []
+        self.seen = seen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen.append(("forward", torch.get_num_threads()))
-        out = self.linear(x)
-        out.register_hook(lambda grad: self.seen.append(("backward", torch.get_num_threads())))
-        return out
+        x = x.clone().requires_grad_()
+        x.register_hook(lambda grad: self.seen.append(("backward", torch.get_num_threads())))
+        return self.linear(x)
+
+
+class ThreadProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, int]] = []
+        self.layer = ProbeDecoderLayer(self.seen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
 
 
 @pytest.fixture
@@ -62,6 +72,7 @@ def test_threads_follow_the_other_steps_from_module_to_module(governor):
     switching inside a step: in the forward, before each backward and before the optimizer step."""
     lender = CoreBoard(governor.lending.board, governor.lending.slots)
     probe = ThreadProbe()
+    govern(probe)  # hooks the decoder layer
     optimizer = torch.optim.SGD(probe.parameters(), lr=0.1)
     optimizer.register_step_pre_hook(lambda *args: probe.seen.append(("step", torch.get_num_threads())))
     assert os.sched_getaffinity(0) == {1}  # its own core until it borrows

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.broker.rank_group import RankGroup
+from stream_rlhf.launch.core_lending import govern
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.models.vision_language import SampleImages
@@ -68,6 +69,7 @@ class TorchTrainEngine:
         self.group = group
         self.device = group.device
         self.model = model.to(self.device)
+        govern(self.model)  # core lending, when the launcher turned it on for this stage
         freeze_vision_tower(self.model)
         self.sharded = optimizer is not None and group.distributed
         self.forward_module = ModelForward(self.model, self.sharded)

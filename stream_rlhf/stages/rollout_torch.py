@@ -16,6 +16,7 @@ from torch import Tensor
 from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.broker.stage import Batch, StageContext
+from stream_rlhf.launch.core_lending import govern
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
@@ -30,6 +31,7 @@ class TorchRolloutEngine:
         self.images = images
         self.device = ctx.group.device
         self.model = load_policy(job.checkpoint).eval().to(self.device)
+        govern(self.model)  # core lending, when the launcher turned it on for this stage
         self.policy_version = 0
         weights.join_model(self.model)
         medusa = job.config.rollout.medusa.enabled
