@@ -34,7 +34,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stream_rlhf.launch.core_board import CoreBoard, CoreLending
 
-
 LAYER_CLASS_SUFFIXES = ("DecoderLayer", "Block")
 """The modules a governed model is hooked at: transformers' decoder layers and vision blocks."""
 
