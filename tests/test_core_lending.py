@@ -31,9 +31,9 @@ def test_the_board_is_shared_through_its_file_and_names_bad_slots(tmp_path):
 class ProbeDecoderLayer(nn.Module):
     """Records torch's thread count in its forward and in its backward."""
 
-    def __init__(self, seen: list[tuple[str, int]]):
+    def __init__(self, seen: list[tuple[str, int]], width: int):
         super().__init__()
-        self.linear = nn.Linear(4, 4)
+        self.linear = nn.Linear(width, width)
         self.seen = seen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,10 +44,10 @@ class ProbeDecoderLayer(nn.Module):
 
 
 class ThreadProbe(nn.Module):
-    def __init__(self):
+    def __init__(self, width: int = 2048):  # 4.2M parameters: big enough to borrow for
         super().__init__()
         self.seen: list[tuple[str, int]] = []
-        self.layer = ProbeDecoderLayer(self.seen)
+        self.layer = ProbeDecoderLayer(self.seen, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x)
@@ -79,7 +79,7 @@ def test_threads_follow_the_other_steps_from_module_to_module(governor):
     lender.set(0, True)
     with governor.busy():
         assert lender.any_busy((1,))  # this instance is marked busy while it steps
-        loss = probe(torch.ones(2, 4)).sum()
+        loss = probe(torch.ones(2, 2048)).sum()
         lender.set(0, False)  # the lender finishes while this step runs
         loss.backward()
         optimizer.step()
@@ -88,14 +88,22 @@ def test_threads_follow_the_other_steps_from_module_to_module(governor):
     assert os.sched_getaffinity(0) == {0, 1}  # the lender's core too, while borrowing
     lender.set(0, True)
     with governor.busy():
-        probe(torch.ones(2, 4))
+        probe(torch.ones(2, 2048))
     assert probe.seen[-1] == ("forward", 1) and os.sched_getaffinity(0) == {1}
     lender.set(0, False)
     lender.set(2, True)  # another stage of this side steps: two processes must not both take two threads
     with governor.busy():
-        probe(torch.ones(2, 4))
+        probe(torch.ones(2, 2048))
     assert probe.seen[-1] == ("forward", 1)
     assert governor.borrowed == 1
+
+
+def test_a_stage_with_only_small_models_never_borrows(governor):
+    probe = ThreadProbe(width=4)
+    govern(probe)
+    with governor.busy():  # alone on the board
+        probe(torch.ones(2, 4))
+    assert probe.seen == [("forward", 1)] and governor.borrowed == 0
 
 
 def test_a_separated_cpu_placement_lends_idle_cores_between_the_two_sides(tmp_path):

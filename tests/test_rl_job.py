@@ -55,8 +55,9 @@ def test_tiny_ppo_run_writes_a_consistent_summary(tmp_path):
             assert record["proximal_recomputed"] == 1
     assert (run_dir / "checkpoint" / "model.safetensors").is_file()
     assert "eval_reward_after" in log.read_text()  # the summary table was printed
-    # separated on the CPU: training ran on rollout's core too while rollout waited
-    assert re.search(r"actor_train-0: borrowed the other side's cores [1-9]\d* times", log.read_text())
+    # separated on the CPU, every stage takes part in core lending; the tiny model never borrows
+    assert ("actor_train-0: borrowed the other side's cores 0 times (no model big enough to gain from more "
+            "threads)") in log.read_text()
     assert not leftover_shm("t_e2e")
 
 

@@ -34,6 +34,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stream_rlhf.launch.core_board import CoreBoard, CoreLending
 
+MIN_PARAMETERS = 4_000_000
+"""Smaller models gain nothing from a second thread on the CPU: their ops are too small to split
+(the 0.4M-parameter default model decoded and trained slower on two threads than on one)."""
 LAYER_CLASS_SUFFIXES = ("DecoderLayer", "Block")
 """The modules a governed model is hooked at: transformers' decoder layers and vision blocks."""
 
@@ -55,6 +58,8 @@ class ThreadGovernor:
         self.board = CoreBoard(lending.board, lending.slots)
         self.board.set(self.slot, False)  # a restarted instance may find its crashed run's mark
         self.threads = self.own_threads
+        self.may_borrow = False
+        """Set once a model big enough to gain from more threads is attached."""
         self.borrowed = 0
         """How often threads went up to the lender's cores (a count the tests read)."""
         self._hooks: list[object] = []
@@ -70,14 +75,19 @@ class ThreadGovernor:
 
     def attach(self, model: nn.Module) -> None:
         """Hook the layers of `model` (its decoder layers and vision blocks; the model itself when
-        it has neither): before each one's forward and before each one's backward."""
+        it has neither): before each one's forward and before each one's backward. A model under
+        MIN_PARAMETERS is left alone, and a stage with no other model never borrows."""
+        if sum(p.numel() for p in model.parameters()) < MIN_PARAMETERS:
+            return
+        self.may_borrow = True
         layers = [m for m in model.modules() if type(m).__name__.endswith(LAYER_CLASS_SUFFIXES)] or [model]
         for layer in layers:
             self._hooks += [layer.register_forward_pre_hook(self._before_forward),
                             layer.register_forward_hook(self._after_forward)]
 
     def adjust(self) -> None:
-        threads = self.own_threads if self.board.any_busy(self.others) else self.all_threads
+        alone = self.may_borrow and not self.board.any_busy(self.others)
+        threads = self.all_threads if alone else self.own_threads
         if threads != self.threads:
             # this thread's affinity follows (torch's worker threads, created while it was wide,
             # idle when not borrowing): never on the lender's cores while another stage steps

@@ -188,7 +188,8 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
             timeline=timeline, group=group, step_context=governor.busy if governor else nullcontext,
         ).run()
         if governor is not None:
-            log.info("%s: borrowed the other side's cores %d times", instance_id, governor.borrowed)
+            log.info("%s: borrowed the other side's cores %d times%s", instance_id, governor.borrowed,
+                     "" if governor.may_borrow else " (no model big enough to gain from more threads)")
             governor.close()
     finally:
         group.close()
