@@ -5,8 +5,9 @@ Each column is one `stream-rlhf run configs/mllm_ppo.yaml` subprocess with the W
 overrides below and a name of its own (runs/bench_vision_<column>/):
 
     prefetch      vision.prefetch=true    the vision stage encodes each image once, ahead of rollout
-    no_prefetch   vision.prefetch=false   rollout, ref/actor/critic forward and actor/critic
-                                          training each encode the images of every mini-batch
+    no_prefetch   vision.prefetch=false   rollout, ref/critic forward and actor/critic training
+                                          each encode the images of every mini-batch (the job
+                                          has no actor forward: overlap_depth 1)
 
 Figures, from each run's summary.json:
 

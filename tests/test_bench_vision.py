@@ -15,7 +15,8 @@ KEYS = {"encoder_calls_prefetch", "encoder_calls_no_prefetch", "iter_s_prefetch"
 def test_bench_vision_quick_json(tmp_path):
     figures, stdout = run_bench_json("bench/vision.py", tmp_path, timeout_s=840)
     assert KEYS <= set(figures), sorted(KEYS - set(figures))
-    # every stage that needs features encodes for itself without prefetch: six times the images
-    assert figures["encoder_calls_no_prefetch"] == 6 * figures["encoder_calls_prefetch"] > 0
+    # every stage that needs features encodes for itself without prefetch: five times the images
+    # (rollout, the reference and critic forwards, both trainers; mllm_ppo has no actor forward)
+    assert figures["encoder_calls_no_prefetch"] == 5 * figures["encoder_calls_prefetch"] > 0
     assert figures["iter_s_prefetch"] > 0 and figures["iter_s_no_prefetch"] > 0  # speed: bench/RESULTS.md
     assert "encoder calls" in stdout  # the human table comes first
