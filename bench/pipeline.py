@@ -78,6 +78,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from process_tree import process_table, tree  # bench/, beside this script
+
 from stream_rlhf.broker import shm
 from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
 from stream_rlhf.weights.shm_store import SHM_ROOT
@@ -191,24 +193,8 @@ class CpuSampler:
 
     def _tree_cpu_s(self) -> float:
         """utime + stime of root_pid and its descendants (and of their reaped children)."""
-        parent, cpu = {}, {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            parent[int(entry)] = int(fields[1])
-            cpu[int(entry)] = sum(int(x) for x in fields[11:15]) / self.tick  # utime stime cutime cstime
-        total = 0.0
-        for pid, seconds in cpu.items():
-            ancestor = pid
-            while ancestor > 1 and ancestor != self.root_pid:
-                ancestor = parent.get(ancestor, 0)
-            total += seconds if ancestor == self.root_pid else 0.0
-        return total
+        table = process_table()
+        return sum(sum(int(x) for x in table[pid][11:15]) for pid in tree(self.root_pid, table)) / self.tick
 
 
 def machine_load(samples: list[list[float]], lo: float, hi: float) -> dict[str, float]:

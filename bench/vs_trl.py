@@ -48,6 +48,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from process_tree import process_table, tree  # bench/, beside this script
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/text_grpo.yaml"
 SKIP = 2
@@ -97,26 +99,7 @@ class PeakMemory:
 
     def _run(self) -> None:
         while not self._stop.wait(self.PERIOD_S):
-            self.peak_kb = max(self.peak_kb, sum(_rss_kb(pid) for pid in _tree(self.root_pid)))
-
-
-def _tree(root: int) -> list[int]:
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:  # gone meanwhile
-                continue
-    members = []
-    for pid in parent:
-        ancestor = pid
-        while ancestor > 1 and ancestor != root:
-            ancestor = parent.get(ancestor, 0)
-        if ancestor == root:
-            members.append(pid)
-    return members
+            self.peak_kb = max(self.peak_kb, sum(_rss_kb(pid) for pid in tree(self.root_pid, process_table())))
 
 
 def _rss_kb(pid: int) -> int:

@@ -136,8 +136,9 @@ def test_two_fsdp2_ranks_train_to_the_same_weights_as_one(tmp_path):
     m1 = torch.load(str(tmp_path / "train-1.safetensors.metrics"))
     m2 = torch.load(str(tmp_path / "train-2.safetensors.metrics"))
     for a, b in zip(m1, m2):
-        for key in ("loss", "grad_norm", "clipfrac", "approx_kl", "proximal_sum"):
+        for key in ("loss", "grad_norm", "clipfrac", "approx_kl"):
             assert b[key] == pytest.approx(a[key], abs=1e-5), key
+        assert b["proximal_sum"] == pytest.approx(a["proximal_sum"], rel=1e-6)  # a float32 sum of ~140
 
 
 def test_two_fsdp2_critic_ranks_train_to_the_same_weights_as_one(tmp_path):

@@ -5,9 +5,9 @@
     logp, ent = sequence_logprobs(model, sequences, temperature=0.7, with_entropy=True)
 
 Sequences are placed into rows of at most `capacity` tokens by first-fit-decreasing bin packing,
-so short sequences share a row and attention cost stays bounded by capacity**2 per row; of the row
-widths tried, the one with the fewest padded slots wins (the model computes padding too). Each row gets a
-block-diagonal causal attention mask (a token attends only to earlier tokens of its own sequence)
+so short sequences share a row and attention cost stays bounded by capacity**2 per row; of the
+row widths tried, the one with the fewest padded slots wins (the model computes padding too).
+Each row gets a block-diagonal causal attention mask (a token attends only to earlier tokens of its own sequence)
 and position ids that restart at 0 per sequence; with these, Hugging Face models (sdpa attention)
 give the same logits as separate forwards. Padding only fills the tail of each row.
 
@@ -57,6 +57,8 @@ class Packed:
     """Per input sequence, in input order, the flat positions (row * C + column) of its tokens in
     order. A prefix shared by several sequences (`pack_shared`) is in the rows once and in each of
     their lists."""
+    shares_prefixes: bool = False
+    """Some positions belong to several sequences (a prefix shared by them)."""
 
     @property
     def spans(self) -> list[tuple[int, int, int]]:
@@ -78,6 +80,11 @@ class _Unit:
     @property
     def length(self) -> int:
         return len(self.prefix) + sum(len(rest) for _, rest in self.branches)
+
+    @classmethod
+    def whole(cls, index: int, sequence: Tensor) -> _Unit:
+        """A sequence that shares nothing."""
+        return cls(sequence, [(index, sequence.new_empty(0))])
 
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
@@ -111,8 +118,7 @@ def pack(sequences: list[Tensor], capacity: int | None = None, pad_id: int = 0) 
     capacity = max(lengths) if capacity is None else capacity
     if capacity < max(lengths):
         raise ValueError(f"capacity={capacity}: must be >= the longest sequence ({max(lengths)})")
-    empty = sequences[0].new_empty(0)
-    return _lay_out([_Unit(seq, [(i, empty)]) for i, seq in enumerate(sequences)], len(sequences), capacity, pad_id)
+    return _lay_out([_Unit.whole(i, seq) for i, seq in enumerate(sequences)], len(sequences), capacity, pad_id)
 
 
 def pack_shared(sequences: list[Tensor], prefix_lens: Tensor, capacity: int | None = None, pad_id: int = 0) -> Packed:
@@ -130,13 +136,16 @@ def pack_shared(sequences: list[Tensor], prefix_lens: Tensor, capacity: int | No
     capacity = SHARED_ROW_FACTOR * max(lengths) if capacity is None else capacity
     if capacity < max(lengths):
         raise ValueError(f"capacity={capacity}: must be >= the longest sequence ({max(lengths)})")
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, (seq, p) in enumerate(zip(sequences, prefix_lens.tolist())):
-        groups.setdefault(tuple(seq[:p].tolist()) if 0 < p < len(seq) else (-1, i), []).append(i)
+    groups: dict[tuple[int, ...], list[int]] = {}  # prefix tokens -> the sequences that start with them
     units: list[_Unit] = []
+    for i, (seq, p) in enumerate(zip(sequences, prefix_lens.tolist())):
+        if 0 < p < len(seq):
+            groups.setdefault(tuple(seq[:p].tolist()), []).append(i)
+        else:
+            units.append(_Unit.whole(i, seq))
     for key, members in groups.items():
-        if key[0] == -1 or len(members) == 1:
-            units += [_Unit(sequences[i], [(i, sequences[i].new_empty(0))]) for i in members]
+        if len(members) == 1:
+            units.append(_Unit.whole(members[0], sequences[members[0]]))
             continue
         prefix = sequences[members[0]][: len(key)]
         unit = _Unit(prefix, [])
@@ -197,7 +206,8 @@ def _lay_out(units: list[_Unit], count: int, capacity: int, pad_id: int) -> Pack
     visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])  # key in the prefix or own rest
     # padding attends to itself so no query row is fully masked (which would give NaN under sdpa)
     mask = (same & causal & visible) | torch.eye(width, dtype=torch.bool, device=device)  # (R, C, C)
-    return Packed(input_ids, position_ids, mask[:, None], token_index)
+    shares = any(len(unit.branches) > 1 for unit in units)
+    return Packed(input_ids, position_ids, mask[:, None], token_index, shares)
 
 
 def unpack(values: Tensor, packed: Packed) -> list[Tensor]:
@@ -302,10 +312,14 @@ def sequence_logprobs(
     hidden = model.get_decoder()(**inputs).last_hidden_state  # (R, C, H)
     positions = torch.cat([index[:-1] for index in packed.token_index]).to(device)  # (M,): position t predicts t + 1
     labels = torch.cat([seq[1:] for seq in sequences]).to(device=device, dtype=torch.long)  # (M,)
-    vocab = head.weight.shape[0]
-    pairs, inverse = torch.unique(positions * vocab + labels, return_inverse=True)  # shared prompt: once each
+    inverse = None
+    if packed.shares_prefixes:  # each (position, next token) pair once
+        vocab = head.weight.shape[0]
+        pairs, inverse = torch.unique(positions * vocab + labels, return_inverse=True)
+        positions, labels = pairs // vocab, pairs % vocab
     flat = hidden.reshape(-1, hidden.shape[-1])  # (R * C, H)
-    logp, entropy = logprobs_from_hidden(flat[pairs // vocab], head.weight, pairs % vocab, temperature, with_entropy)
+    logp, entropy = logprobs_from_hidden(flat[positions], head.weight, labels, temperature, with_entropy)
+    if inverse is not None:
+        logp, entropy = logp[inverse], entropy[inverse] if with_entropy else None
     lengths = [len(seq) - 1 for seq in sequences]
-    return (list(logp[inverse].split(lengths)),
-            list(entropy[inverse].split(lengths)) if with_entropy else None)
+    return list(logp.split(lengths)), list(entropy.split(lengths)) if with_entropy else None

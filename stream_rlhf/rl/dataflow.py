@@ -185,8 +185,9 @@ def _lend_idle_cores(cfg: RLJobConfig, stages: dict[str, StageSpec]) -> dict[str
     if (not placement.lend_idle_cores or placement.mode != "separated" or placement.resolved_device() != "cpu"
             or sides[0] & sides[1]):
         return stages
-    rollout_side = {name: name in ROLLOUT_SIDE for name, spec in stages.items()
-                    if name != "prompts" and spec.ranks == 1 and set(spec.cores or ()) == sides[name not in ROLLOUT_SIDE]}
+    rollout_side = {name: name in ROLLOUT_SIDE for name, spec in stages.items()  # on its side's cores, one rank
+                    if name != "prompts" and spec.ranks == 1
+                    and set(spec.cores or ()) == sides[name not in ROLLOUT_SIDE]}
     if len(set(rollout_side.values())) < 2:  # nothing to lend to the other side
         return stages
     first, total = {}, 0

@@ -11,8 +11,9 @@ the iteration starts from), weighted by the truncated importance ratio proximal 
 proximal log-probs come from the actor forward only with k = 0 (it then has exactly these weights);
 with k >= 1 the dataflow has no actor forward and they are computed here, once, or taken from the
 one optimizer step's own forward. After the last iteration it saves the checkpoint, writes
-train_summary.json and stops the job. With several ranks the policy is sharded over them (FSDP2, `backends/torch_engine.py`), each optimizer step's
-samples are split, and the leader alone writes files and talks to rollout.
+train_summary.json and stops the job. With several ranks the policy is sharded over them (FSDP2,
+`backends/torch_engine.py`), each optimizer step's samples are split, and the leader alone writes
+files and talks to rollout.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class Experience:
     """(N, R) under the policy that sampled them."""
     old_logp: Tensor | None
     """(N, R) under the actor forward's (proximal) weights; None when the dataflow has no actor
-    forward (one optimizer step per iteration: the training forward gives them)."""
+    forward (`rl/dataflow.left_out_stages`: actor_train then gets them itself)."""
     ref_logp: Tensor | None
     """(N, R) under the reference policy; None when the dataflow has no reference (no KL)."""
     values: Tensor | None
