@@ -173,6 +173,7 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
     if spec.ranks > 1 and not init_method:
         raise ConfigError(f"{instance_id}: a group of {spec.ranks} ranks needs a rendezvous (init_method)")
     group = RankGroup.join(RankSpec(rank, spec.ranks, init_method, spec.device(rank), spec.group_timeout_s))
+    log.info("%s: rank %d of %d on %s", instance_id, rank, spec.ranks, spec.device(rank))
     try:
         stage = load_class(spec.cls)(**spec.kwargs)
         if rank > 0:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA device, in few long runs: run on a GPU machine from the repository
+# root, with a Python that has this project's dependencies (`pip install -e ".[test]"`, no -c).
+#
+#     scripts/gpu_checks.sh OUT_DIR [PART ...]     PART: tests kernels weights medusa jobs pipeline (default: all)
+#
+#   tests     pytest -m gpu, Triton compiled for the device (TRITON_INTERPRET=0): kernels vs
+#             references, CUDA IPC weight sync, engine offload round trip, whole jobs on cuda:0
+#   kernels   bench/kernels.py: fused log-probs vs eager, bf16, time and peak memory
+#   weights   bench/weight_sync.py: shm, gloo and CUDA IPC vs reloading a file
+#   medusa    bench/medusa.py --device cuda: speculative decoding columns timed on the GPU
+#   jobs      stream-rlhf run text_grpo and mllm_ppo (the main job) with every torch stage on cuda
+#   pipeline  bench/pipeline.py: stream vs sync schedules, stages on cuda
+#
+# Each part writes OUT_DIR/<part>.log (and its --json figures as the log's last line); one failing
+# part does not stop the others; the exit status is the number of parts that failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu_checks.sh OUT_DIR [PART ...]}
+shift
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests kernels weights medusa jobs pipeline)
+mkdir -p "$out"
+python=${PYTHON:-python3}
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+
+run_part() {
+    case "$1" in
+        tests) "$python" -m pytest -q -m gpu -p no:cacheprovider -rs tests ;;
+        kernels) "$python" bench/kernels.py --json ;;
+        weights) "$python" bench/weight_sync.py --json ;;
+        medusa) "$python" bench/medusa.py --device cuda --json ;;
+        jobs) "$python" -m stream_rlhf.cli run configs/text_grpo.yaml --set placement.device=cuda &&
+              "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda ;;
+        pipeline) "$python" bench/pipeline.py --json ;;
+        *) echo "unknown part $1: tests kernels weights medusa jobs pipeline" >&2; return 2 ;;
+    esac
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+"$python" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
+    | tee -a "$out/device.txt"
+failed=0
+for part in "${parts[@]}"; do
+    start=$SECONDS
+    run_part "$part" > "$out/$part.log" 2>&1
+    rc=$?
+    echo "$part: exit $rc in $((SECONDS - start)) s" | tee -a "$out/device.txt"
+    [ $rc -eq 0 ] || failed=$((failed + 1))
+done
+exit $failed
