@@ -144,14 +144,14 @@ def test_in_flight_update_labels_each_token_with_its_version(engine, checkpoint,
     engine.update(3, "srl_load_file", str(store.path(3)))
     sent = []
 
-    def in_flight() -> wire.Update | None:  # asked after every 50 ms without a reply from the engine
+    def in_flight() -> wire.Update | None:  # asked as the request goes out: the update lands after step 1
         if sent:
             return None
         sent.append(True)
         return wire.Update(4, "srl_load_file", [str(store.path(4))])
 
-    # no stop token: every response runs 48 steps; 192 of them take ~5 s here, far past the 50 ms
-    # before the first ask (24 once finished inside it on CI, and no update landed)
+    # no stop token: every response runs 48 steps (asked only after 50 ms of silence, the update
+    # once missed a generate that CI finished inside them)
     prompts = prompts * 8
     long = params(max_new_tokens=48, stop=())
     gen = engine.generate(prompts, long, seeds=list(range(len(prompts))), in_flight=in_flight)
@@ -161,6 +161,7 @@ def test_in_flight_update_labels_each_token_with_its_version(engine, checkpoint,
         assert (versions[1:] >= versions[:-1]).all()  # one switch at most, old to new
     switched = [int((v == 3).sum()) for v in gen.token_versions]
     assert set(torch.cat(gen.token_versions).tolist()) == {3, 4}, switched
+    assert sent == [True]
     # tokens before the switch were sampled by the old weights alone
     assert logprob_error(old, prompts, gen, 1.0, upto=switched) < 1e-4
 

@@ -47,7 +47,8 @@ from stream_rlhf.models.vision_language import SampleImages
 log = logging.getLogger(__name__)
 POLL_S = 0.05
 InFlight = Callable[[], wire.Update | None]
-"""Asked while a generate runs: the update to apply between engine steps now, or None."""
+"""Asked as a generate starts and after every POLL_S without a reply from the engine: the update
+to apply between engine steps now, or None."""
 
 
 class VllmEngineError(RuntimeError):
@@ -100,8 +101,10 @@ class VllmClient:
     def generate(self, prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int],
                  in_flight: InFlight | None = None, images: list[SampleImages] | None = None,
                  stopping: threading.Event | None = None) -> VllmGeneration:
-        """One response per prompt; `in_flight` is polled while the engine works, and an update it
-        returns is applied between engine steps (`self.version` follows). A vision-language model
+        """One response per prompt; `in_flight` is asked as the request goes out and while the
+        engine works, and an update it returns is applied between engine steps (one asked at the
+        start lands after the first step, however fast the engine; `self.version` follows). A
+        vision-language model
         takes the image features of each prompt (`images`, one per prompt, as the torch backend).
         Raises GenerateAbandoned within POLL_S once `stopping` is set."""
         lens = [len(p) for p in prompts]
@@ -109,7 +112,7 @@ class VllmClient:
         self._send(wire.Generate(flat.astype("<i4").tobytes(), lens, list(seeds), params.temperature,
                                  params.top_p, params.max_new_tokens, list(params.stop_token_ids),
                                  None if images is None else [_prompt_images(i) for i in images]))
-        pending = 0  # updates sent and not yet answered
+        pending = self._send_in_flight(in_flight)  # updates sent and not yet answered
         generated: wire.Generated | None = None
         while generated is None or pending:
             reply = self._receive("generate", timeout_s=None, poll_s=POLL_S)
@@ -117,10 +120,8 @@ class VllmClient:
                 self._abandoned = True
                 raise GenerateAbandoned(f"generate of {len(prompts)} prompts abandoned: the rollout is stopping")
             if reply is None:
-                update = in_flight() if in_flight is not None and generated is None and not pending else None
-                if update is not None:
-                    self._send(update)
-                    pending += 1
+                if generated is None and not pending:
+                    pending += self._send_in_flight(in_flight)
             elif isinstance(reply, wire.Done):
                 self.version, pending = reply.version, pending - 1
             elif isinstance(reply, wire.Generated):
@@ -128,6 +129,14 @@ class VllmClient:
             else:
                 raise VllmEngineError(f"generate: unexpected {type(reply).__name__}")
         return _generation(generated)
+
+    def _send_in_flight(self, in_flight: InFlight | None) -> int:
+        """Ask `in_flight` for an update and send it to the engine; how many were sent (0 or 1)."""
+        update = in_flight() if in_flight is not None else None
+        if update is None:
+            return 0
+        self._send(update)
+        return 1
 
     def update(self, version: int, method: str, *args: wire.Arg) -> None:
         """Load weights `version` by `method(*args)` of the engine's workers (`vllm_worker.py`)."""
