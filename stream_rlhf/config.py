@@ -11,6 +11,8 @@ ConfigError with their dotted key too.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -19,6 +21,8 @@ from typing import Any, Literal, TypeVar, Union
 import yaml
 
 T = TypeVar("T")
+_YAML11_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
+"""A number in exponent notation that YAML 1.1 leaves a string when it has no dot (2e-4)."""
 
 
 class ConfigError(ValueError):
@@ -101,6 +105,10 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 2e-4 (no dot) as a string; users mean the number
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r}: must be a finite number")
     if hint in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{key}={value!r}: expected {hint.__name__}")
     if not isinstance(value, hint):

@@ -49,6 +49,9 @@ def test_good_config_builds():
     ("topics.loop", {"join": ["loop2"], "consumers": ["sink"]}, "is not a topic"),
     ("overlap_depth", -1, "overlap_depth=-1: must be >= 0"),
     ("topics.items.producers", "src", "topics.items.producers='src': expected a list"),
+    ("broker.heartbeat_interval_s", float("nan"), "broker.heartbeat_interval_s=nan: must be a finite number"),
+    ("broker.handshake_timeout_s", float("inf"), "broker.handshake_timeout_s=inf: must be a finite number"),
+    ("broker.handshake_timeout_s", "soon", "broker.handshake_timeout_s='soon': expected float"),
 ])
 def test_bad_values_name_the_key(path, value, message):
     with pytest.raises(ConfigError, match=__import__("re").escape(message)):
@@ -71,6 +74,8 @@ def test_overrides_and_yaml_errors(tmp_path):
     assert (cfg.broker.queue_capacity, cfg.overlap_depth) == (3, 0)
     with pytest.raises(ConfigError, match="broker.queue_capacity=-3"):
         load_config(JobConfig, path, ["broker.queue_capacity=-3"])
+    # YAML 1.1 reads 2e1 (no dot) as a string: a float key takes it as the number it means
+    assert load_config(JobConfig, path, ["broker.handshake_timeout_s=2e1"]).broker.handshake_timeout_s == 20.0
     path.write_text("name: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(JobConfig, path)

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stream_rlhf.broker.client import ControlClient
-from stream_rlhf.broker.messages import Error, decode, encode
+from stream_rlhf.broker.messages import SCHEMA_VERSION, Error, Hello, decode, encode
+from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.topology import BrokerConfig
 from tests.broker_process import broker_process
 from tests.test_messages import MESSAGES
@@ -78,3 +79,29 @@ def test_well_formed_client_still_served_after_fuzzing(broker):
     assert process.is_alive()
     assert stats["rejected.malformed"] > 0 and stats["rejected.oversize"] >= 1
     assert stats["rejected"] >= stats["rejected.malformed"]
+    assert stats.get("internal_errors", 0) == 0  # every frame was rejected on decode, none broke a handler
+
+
+def test_a_hello_naming_an_impossible_pid_is_rejected_and_the_broker_outlives_its_heartbeat_check():
+    """A schema-valid HELLO with this host's id and pid 2**40, then silence: the broker once
+    removed the silent peer with os.kill(2**40, 0), and the OverflowError left its loop."""
+    config = BrokerConfig(address="tcp://127.0.0.1:*", shm_prefix="fuzzpid", heartbeat_interval_s=0.1,
+                          heartbeat_timeout_s=0.3)
+    with broker_process(config) as (process, address):
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(address)
+        try:
+            sock.send(encode(Hello(SCHEMA_VERSION, "rollout", "rollout-9", [], 2**40, host_id())))
+            assert sock.poll(10_000)
+            reply = decode(sock.recv())
+            assert isinstance(reply, Error) and reply.code == "malformed" and "pid" in reply.reason
+            time.sleep(4 * config.heartbeat_timeout_s)  # past the check that would have removed it
+            with ControlClient(address) as client:
+                stats = client.stats()
+        finally:
+            sock.close()
+            context.term()
+        assert process.is_alive()
+        assert stats["rejected.malformed"] == 1 and stats.get("internal_errors", 0) == 0

@@ -39,7 +39,8 @@ from tests.rl_tiny import VISION, tiny_job, write_job
         ({"placement.device": "tpu"}, "placement.device='tpu': must be one of"),
         ({"algorithm.train_minibatches": 5, "placement.stages": {"actor_train": {"ranks": 5}}},
          "placement.stages.actor_train.ranks=5: an optimizer step has as few as 4 samples"),  # 16 in 4 parts of 4
-        ({"actor.lr": float("inf")}, "actor.lr=inf: must be finite and > 0"),
+        ({"actor.lr": float("inf")}, "actor.lr=inf: must be a finite number"),
+        ({"actor.lr": -1e-3}, "actor.lr=-0.001: must be finite and > 0"),
         ({"critic.max_grad_norm": 0}, "critic.max_grad_norm=0.0: must be finite and > 0"),
         ({"model.path": "/nonexistent"}, "model.path='/nonexistent': no config.json there"),
         ({"reward.function": "no_colon"}, "reward.function='no_colon': expected 'package.module:name'"),

@@ -27,18 +27,35 @@ bytes. *iteration* is the rollout batch index, *minibatch* the index inside it, 
 the number of optimizer steps behind the weights that produced the samples.
 
 Fields are append-only: add new fields at the end with a default, and bump SCHEMA_VERSION when a
-change would break an older peer. Pickle is never used.
+change would break an older peer. Pickle is never used. Every field is bounded where it is decoded
+(names, texts, ids, counts, offsets, shapes, pids): a frame outside the bounds is rejected like a
+malformed one, so no handler ever sees, say, a pid that `os.kill` cannot take.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
+from msgspec import Meta
 
 SCHEMA_VERSION = 1
+PID_MAX = 1 << 22
+"""Linux's largest pid_max: no process id is larger."""
+
+Name = Annotated[str, Meta(max_length=256)]
+"""Stage, instance, topic, field, host, dtype and handle names; shared-memory segment names."""
+Text = Annotated[str, Meta(max_length=4096)]
+"""Free text: reasons, addresses."""
+Count = Annotated[int, Meta(ge=0, le=1 << 40)]
+"""Indices, counts, byte sizes and offsets."""
+Version = Annotated[int, Meta(ge=-1, le=1 << 40)]
+"""A policy or weight version; -1 where none applies."""
+Pid = Annotated[int, Meta(ge=0, le=PID_MAX)]
+Names = Annotated[list[Name], Meta(max_length=1 << 16)]
 
 MetadataValue = Union[int, float, str, bool, None, list[int | float | str | bool]]
+"""Per-handle values (per-sample lists such as reference answers): bounded by the frame size alone."""
 RunnerState = Literal["running", "draining", "stopped"]
 ControlOp = Literal["weights_ready", "pause", "resume", "drain", "shutdown", "stats"]
 LocationKind = Literal["shm", "memory"]
@@ -58,19 +75,19 @@ class Location(msgspec.Struct, frozen=True):
     """
 
     kind: LocationKind
-    segment: str
-    offset: int = 0
-    host: str = ""
-    endpoint: str = ""
+    segment: Name
+    offset: Count = 0
+    host: Name = ""
+    endpoint: Text = ""
     copy_out: bool = False
 
 
 class FieldSpec(msgspec.Struct, frozen=True):
     """One tensor of a handle: dtype name (torch, e.g. "bfloat16"), shape, size and location."""
 
-    dtype: str
-    shape: list[int]
-    nbytes: int
+    dtype: Name
+    shape: Annotated[list[Count], Meta(max_length=16)]
+    nbytes: Count
     location: Location
 
 
@@ -81,38 +98,38 @@ class Handle(msgspec.Struct, frozen=True):
     long as the joined handle is unacknowledged).
     """
 
-    id: str
-    topic: str
-    iteration: int
-    minibatch: int
-    policy_version: int
-    num_samples: int
-    fields: dict[str, FieldSpec] = {}
-    metadata: dict[str, MetadataValue] = {}
-    producer: str = ""
-    parents: list[str] = []
+    id: Name
+    topic: Name
+    iteration: Count
+    minibatch: Count
+    policy_version: Version
+    num_samples: Count
+    fields: Annotated[dict[Name, FieldSpec], Meta(max_length=256)] = {}
+    metadata: Annotated[dict[Name, MetadataValue], Meta(max_length=256)] = {}
+    producer: Name = ""
+    parents: Names = []
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     """First message of a stage instance (or of a control client, stage "_control")."""
 
     schema_version: int
-    stage: str
-    instance_id: str
-    capabilities: list[str] = []
-    pid: int = 0
-    host: str = ""
+    stage: Name
+    instance_id: Name
+    capabilities: Annotated[list[Name], Meta(max_length=64)] = []
+    pid: Pid = 0
+    host: Name = ""
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
     """Broker's answer to Hello: the instance is registered with these settings."""
 
     schema_version: int
-    broker_id: str
-    heartbeat_interval_s: float
-    max_message_bytes: int
-    inputs: list[str] = []
-    outputs: list[str] = []
+    broker_id: Name
+    heartbeat_interval_s: Annotated[float, Meta(gt=0, le=3600)]
+    max_message_bytes: Count
+    inputs: Names = []
+    outputs: Names = []
 
 
 class Publish(msgspec.Struct, tag="publish", frozen=True):
@@ -123,39 +140,39 @@ class Request(msgspec.Struct, tag="request", frozen=True):
     """Credit. Consumer -> broker: deliver `credits` more handles of `topic`.
     Broker -> producer: you may publish `credits` more handles on `topic`."""
 
-    topic: str
-    credits: int
+    topic: Name
+    credits: Count
 
 
 class Deliver(msgspec.Struct, tag="deliver", frozen=True):
     handle: Handle
-    attempt: int = 1
+    attempt: Annotated[int, Meta(ge=1, le=1 << 20)] = 1
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
     """Consumer -> broker: these deliveries are done. Broker -> producer: these publishes are
     journaled (the producer may forget them; it resends unconfirmed ones after a reconnect)."""
 
-    handle_ids: list[str]
+    handle_ids: Names
 
 
 class Nack(msgspec.Struct, tag="nack", frozen=True):
     """Consumer -> broker: this delivery failed. requeue=False drops it (counted, with reason)."""
 
-    handle_id: str
-    reason: str
+    handle_id: Name
+    reason: Text
     requeue: bool = True
 
 
 class Release(msgspec.Struct, tag="release", frozen=True):
     """Broker -> producer: every consumer acked these handles; free their payloads."""
 
-    handle_ids: list[str]
+    handle_ids: Names
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     state: RunnerState = "running"
-    inflight: int = 0
+    inflight: Count = 0
 
 
 class Control(msgspec.Struct, tag="control", frozen=True):
@@ -163,25 +180,25 @@ class Control(msgspec.Struct, tag="control", frozen=True):
     version is set for weights_ready."""
 
     op: ControlOp
-    target: str = "*"
-    version: int = -1
+    target: Name = "*"
+    version: Version = -1
 
 
 class Stats(msgspec.Struct, tag="stats", frozen=True):
     """Counters of one process (a stage reports its own; the broker answers a stats query with
     its counters plus the last report of every instance, keyed `instance_id.counter`)."""
 
-    source: str
-    counters: dict[str, float]
+    source: Name
+    counters: Annotated[dict[Text, float], Meta(max_length=65536)]
 
 
 class Error(msgspec.Struct, tag="error", frozen=True):
     """Broker -> peer: your message was rejected. fatal=True: the handshake failed, give up.
     code: machine-readable kind (malformed, oversize, schema, unknown_peer, bad_topic, ...)."""
 
-    reason: str
+    reason: Text
     fatal: bool = False
-    code: str = ""
+    code: Name = ""
 
 
 Message = Union[
@@ -190,22 +207,22 @@ Message = Union[
 
 
 class FetchRequest(msgspec.Struct, tag="fetch", frozen=True):
-    handle_id: str
-    fields: list[str]
+    handle_id: Name
+    fields: Annotated[list[Name], Meta(max_length=256)]
 
 
 class FetchReply(msgspec.Struct, tag="fetch_reply", frozen=True):
     """Followed by one raw frame per requested field when error is empty."""
 
-    error: str = ""
+    error: Text = ""
 
 
 class GroupSetup(msgspec.Struct, tag="group_setup", frozen=True):
     """Leader -> the other ranks of its stage instance, after its handshake: the topics it was
     registered with (they set their stage up with them)."""
 
-    inputs: list[str] = []
-    outputs: list[str] = []
+    inputs: Names = []
+    outputs: Names = []
 
 
 class GroupBatch(msgspec.Struct, tag="group_batch", frozen=True):
@@ -217,13 +234,13 @@ class GroupBatch(msgspec.Struct, tag="group_batch", frozen=True):
 class GroupWeights(msgspec.Struct, tag="group_weights", frozen=True):
     """Leader -> ranks: the broker announced weights of `version`."""
 
-    version: int
+    version: Version
 
 
 class GroupStop(msgspec.Struct, tag="group_stop", frozen=True):
     """Leader -> ranks: the instance stops; close the stage and exit."""
 
-    reason: str = ""
+    reason: Text = ""
 
 
 GroupMessage = Union[GroupSetup, GroupBatch, GroupWeights, GroupStop]

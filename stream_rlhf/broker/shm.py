@@ -206,7 +206,10 @@ def list_segments(prefix: str) -> list[tuple[str, int]]:
 
 
 def pid_alive(pid: int) -> bool:
-    """True if process `pid` runs; a zombie (dead, not yet reaped by its parent) is dead."""
+    """True if process `pid` runs; a zombie (dead, not yet reaped by its parent) is dead. A pid
+    no process can have (0, negative, past Linux's pid_max) is not alive."""
+    if not 0 < pid <= 1 << 22:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
