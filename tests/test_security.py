@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import zmq
 
@@ -51,6 +53,29 @@ def test_curve_broker_admits_only_authorized_clients(tmp_path):
             ControlClient(local, str(stranger), timeout_s=2)
         with pytest.raises(HandshakeError):
             ControlClient(local, None, timeout_s=2)  # plaintext against a CURVE server
+        assert process.is_alive()
+
+
+def test_runner_without_keys_against_a_curve_broker_fails_and_never_hangs(tmp_path):
+    """The broker never answers a plaintext peer, so the runner's io thread sat in a send with
+    its socket open and `Context.term()` waited for it for ever after the HandshakeError."""
+    keys = sockets.generate_keys(tmp_path / "keys")
+    config = BrokerConfig(address="tcp://0.0.0.0:*", curve=CurveConfig(str(keys)), shm_prefix="curvehang")
+    with broker_process(config) as (process, address):
+        runner = StageRunner(Stage(), "src", "src-0", address.replace("0.0.0.0", "127.0.0.1"), handshake_timeout_s=1)
+        failures: list[Exception] = []
+
+        def run() -> None:
+            try:
+                runner.run()
+            except HandshakeError as exc:
+                failures.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the runner hung after its failed handshake"
+        assert len(failures) == 1 and "are the CURVE keys right?" in str(failures[0])
         assert process.is_alive()
 
 

@@ -293,7 +293,18 @@ class StageRunner:
         self._send(Hello(SCHEMA_VERSION, self.stage_name, self.instance_id, self.capabilities, os.getpid(), host_id()))
 
     def _io_loop(self) -> None:
+        """The io thread: owns the DEALER and closes it on every path, since `Context.term()` in
+        `_shutdown` waits for every socket of the context (a send blocked on a broker that never
+        answered, e.g. a CURVE broker refusing our keys, is ended by that term and lands here)."""
         self._dealer = sockets.dealer(self._context, self.broker_address, self.instance_id, self.key_dir)
+        try:
+            self._serve_dealer()
+        except zmq.ContextTerminated:
+            self.log.warning("%s: the stage stopped while a message to the broker waited to go out", self.instance_id)
+        finally:
+            self._dealer.close(linger=1000 if self._ready.is_set() else 0)
+
+    def _serve_dealer(self) -> None:
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._pipe_in, zmq.POLLIN)
@@ -329,8 +340,8 @@ class StageRunner:
                     last_heard = now
                 next_beat = now + self._heartbeat_interval
         self._forward_pipe()
-        self._to_broker(self._encoder.encode(Heartbeat("stopped")))  # the broker drops us now
-        self._dealer.close(linger=1000)
+        if self._ready.is_set():  # a broker that never said READY has nothing to drop
+            self._to_broker(self._encoder.encode(Heartbeat("stopped")))  # the broker drops us now
 
     def _forward_pipe(self) -> None:
         """Everything the stage thread queued goes out as one multipart message (one frame per
