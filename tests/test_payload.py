@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import msgspec
 import pytest
 import torch
 
@@ -148,6 +149,24 @@ def test_tcp_fetch_of_released_handle_names_it(shm_prefix):
             consumer.get(handle)
     finally:
         consumer.close()
+        producer.close()
+
+
+@pytest.mark.parametrize("bad", [
+    {"segment": ""}, {"segment": "/a/b"}, {"segment": "/../etc"}, {"segment": "no_slash"},
+    {"offset": 1 << 30}, {"shape": [LARGE * 2], "nbytes": LARGE * 8},
+])
+def test_a_bad_location_is_a_payload_error_naming_the_handle(shm_prefix, bad):
+    """What a hostile or broken producer could put in a handle never reaches shm_open or
+    frombuffer unchecked: the consumer gets a PayloadError (and nacks), never an OSError."""
+    producer = ShmTransport(prefix=shm_prefix, serve=False)
+    try:
+        spec = producer.put("h", {"x": torch.zeros(LARGE)})["x"]
+        location = msgspec.structs.replace(spec.location, **{k: v for k, v in bad.items() if k in ("segment", "offset")})
+        spec = msgspec.structs.replace(spec, location=location, **{k: v for k, v in bad.items() if k in ("shape", "nbytes")})
+        with pytest.raises(PayloadError, match="handle h field 'x'"):
+            producer.get(make_handle({"x": spec}))
+    finally:
         producer.close()
 
 

@@ -91,6 +91,8 @@ def view_tensor(buffer, spec: FieldSpec, offset: int) -> torch.Tensor:
     expected = itemsize * _numel(spec.shape)
     if expected != spec.nbytes:
         raise PayloadError(f"shape {spec.shape} of {spec.dtype} is {expected} bytes, spec says {spec.nbytes}")
+    if offset + expected > len(buffer):
+        raise PayloadError(f"{expected} bytes at offset {offset} run past the {len(buffer)} bytes of the payload")
     return torch.frombuffer(buffer, dtype=dtype, count=expected // itemsize, offset=offset).reshape(spec.shape)
 
 
@@ -212,6 +214,8 @@ class ShmTransport:
                     f"handle {handle.id} field {name!r}: shared-memory segment {segment} is gone "
                     f"(producer {handle.producer or '?'} released or lost it)"
                 ) from None
+            except (OSError, ValueError, PayloadError) as exc:  # a bad name, a field past the segment...
+                raise PayloadError(f"handle {handle.id} field {name!r}: segment {segment!r}: {exc}") from None
             out[name] = tensor
         return out
 

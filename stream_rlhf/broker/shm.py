@@ -23,6 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+_SEGMENT_NAME = re.compile(r"/[A-Za-z0-9_.-]{1,250}")
 
 
 def host_id() -> str:
@@ -75,6 +76,14 @@ def create(name: str, size: int) -> Segment:
         raise
 
 
+def checked_name(name: str) -> str:
+    """`name` if it can name a segment (one leading `/`, then letters, digits, `_`, `.`, `-`);
+    a name from the wire is checked before it reaches shm_open."""
+    if not _SEGMENT_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a shared-memory segment name")
+    return name
+
+
 def attach(name: str) -> mmap.mmap:
     """Map an existing segment copy-on-write: reads share the producer's pages (zero-copy), a
     consumer that writes into its tensors gets private pages and never corrupts other readers.
@@ -82,7 +91,7 @@ def attach(name: str) -> mmap.mmap:
     A shared flock on the segment is held for as long as the mapping lives (until the last
     tensor viewing it is freed, or the process dies): the producer reuses a segment only when it
     can take the lock exclusively, so a consumer never sees its tensors overwritten."""
-    fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
+    fd = _posixshmem.shm_open(checked_name(name), os.O_RDWR, mode=0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         mapping = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
@@ -96,7 +105,7 @@ def attach(name: str) -> mmap.mmap:
 def attach_cached(name: str) -> mmap.mmap:
     """Map an arena segment (see SlotArena) copy-on-write, without the mapping lock: a consumer
     copies a slot's bytes out before it acks, so the producer may reuse the slot at release."""
-    fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
+    fd = _posixshmem.shm_open(checked_name(name), os.O_RDWR, mode=0o600)
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
     finally:
