@@ -54,6 +54,13 @@ def test_config_error_names_the_key_and_starts_nothing():
     assert "listening" not in result.stderr
 
 
+def test_a_missing_key_folder_is_one_line_naming_the_file(tmp_path):
+    result = stream_rlhf("stats", "tcp://127.0.0.1:1", "--keys", str(tmp_path / "nowhere"))
+    assert result.returncode == 2
+    assert f"config error: client secret key: {tmp_path / 'nowhere' / 'client.key_secret'} not found" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_keys_command_writes_a_usable_key_folder(tmp_path):
     result = stream_rlhf("keys", str(tmp_path / "k"))
     assert result.returncode == 0, result.stderr

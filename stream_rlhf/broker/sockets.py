@@ -16,6 +16,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from stream_rlhf.broker.topology import needs_curve
+from stream_rlhf.config import ConfigError
 
 
 def generate_keys(key_dir: str | Path) -> Path:
@@ -35,8 +36,9 @@ def _load(path: Path, what: str) -> tuple[bytes, bytes | None]:
     return zmq.auth.load_certificate(path)
 
 
-class CurveKeyError(RuntimeError):
-    """A CURVE key file is missing or unreadable; the message names the file."""
+class CurveKeyError(ConfigError):
+    """A CURVE key file is missing or unreadable; the message names the file. A config error:
+    the command line says it in one line (exit 2), without a traceback."""
 
 
 def router(context: zmq.Context, address: str, key_dir: str | None, max_message_bytes: int) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
