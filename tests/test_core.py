@@ -291,3 +291,51 @@ def test_join_completion_returns_producer_credit_to_the_parts():
     h.publish(pb, "b", "b0", minibatch=0)
     h.publish(pb, "b", "b1", minibatch=1)  # both joins complete: nothing waits any more
     assert sum(r.credits for r in h.take(pa, Request)) == 2
+
+
+def credit(h: Harness, peer: bytes, topic: str) -> int:
+    """The producer credit on `topic` granted to `peer` since the last look (other messages stay)."""
+    grants = [m for m in h.inbox.get(peer, []) if isinstance(m, Request) and m.topic == topic]
+    h.inbox[peer] = [m for m in h.inbox.get(peer, []) if m not in grants]
+    return sum(r.credits for r in grants)
+
+
+def test_a_rollout_instance_that_says_hello_second_gets_credit_while_the_first_holds_it():
+    """The two-rollout-instance deadlock of the vLLM broadcast job: the first instance to say hello
+    took the whole capacity; the second, holding mini-batch 1 of iteration 0, waited for credit
+    forever: iteration 0 never trained, so the first got no prompts of iteration 1 to publish."""
+    h = Harness(BrokerConfig(queue_capacity=16), admission=OverlapAdmission(frozenset({"prompts"}), 0))
+    src = h.join("src", "src-0")
+    for it, mb in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        h.publish(src, "prompts", f"p{it}{mb}", iteration=it, minibatch=mb)
+    first = h.join("rollout", "rollout-1", {"prompts": 1})
+    assert credit(h, first, "rollout") == 16  # alone: the whole capacity
+    second = h.join("rollout", "rollout-0", {"prompts": 1})
+    assert credit(h, second, "rollout") == 8  # its share, although the first holds all 16
+    ref, rew = h.join("ref", "ref-0", {"rollout": 4}), h.join("reward", "rew-0", {"rollout": 4})
+    train = h.join("train", "train-0", {"experience": 4})
+    for peer, mb in [(first, 0), (second, 1)]:
+        assert [d.handle.id for d in h.take(peer, Deliver)] == [f"p0{mb}"]
+        h.publish(peer, "rollout", f"r0{mb}", minibatch=mb)
+        h.publish(ref, "ref_logp", f"l0{mb}", minibatch=mb)
+        h.publish(rew, "reward", f"w0{mb}", minibatch=mb)
+        h.send(peer, Ack([f"p0{mb}"]))
+    assert h.take(first, Deliver) == []  # iteration 1 waits for the weights iteration 0 trains
+    assert [d.handle.minibatch for d in h.take(train, Deliver)] == [0, 1]  # iteration 0 is whole
+    assert h.core.stats["publish_without_credit"] == 0
+
+
+def test_a_producer_out_of_credit_gets_the_free_room_even_below_a_chunk():
+    """Credit goes out in chunks (capacity // 4) while every producer holds some; one that has
+    none may be waiting for it, and its idle peers may never use theirs."""
+    h = Harness(BrokerConfig(queue_capacity=8))  # chunks of 2; 8 producers: a share of 1 each
+    peers = [f"src-{i}".encode() for i in range(8)]
+    for peer in peers[:-1]:  # all say hello in one turn of the broker
+        h.core.handle(peer, Hello(SCHEMA_VERSION, "src", peer.decode()), h.now)
+    last = h.join("src", "src-7")
+    assert [credit(h, p, "prompts") for p in peers] == [1] * 8
+    h.publish(last, "prompts", "p0")
+    assert credit(h, last, "prompts") == 0  # its one handle fills the capacity with its peers' shares
+    roll = h.join("rollout", "roll-0", {"prompts": 1})
+    assert [d.handle.id for d in h.take(roll, Deliver)] == ["p0"]
+    assert credit(h, last, "prompts") == 1  # the room p0 left, less than a chunk

@@ -38,10 +38,6 @@ def assert_every_sample_trained(summary: dict, iterations: int, samples: int) ->
 
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
-@pytest.mark.skip(reason="hangs now and then, on the base commit 79afb4a too (1 of 3 runs; 2 of 3 after issue 15): "
-                  "two experience joins, then rollout-0 waits for credit on `rollout` forever and nothing "
-                  "is trained. A deadlock between per-instance producer credit, joins and in-flight broadcast "
-                  "updates with two rollout instances; fixing it makes this test run again (see the issue 15 note)")
 def test_tiny_ppo_on_two_vllm_engines_with_broadcast_groups_and_in_flight_updates(tmp_path):
     config = write_job(tmp_path / "vllm_bcast.yaml", tiny_job(
         tmp_path, "vllm_bcast", iterations=3, overlap_depth=1, broker={"shm_prefix": "t_vllm_bcast"},

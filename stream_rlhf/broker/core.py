@@ -12,8 +12,9 @@ Waits for / unblocked by:
     delivery of queue[(t, s)]   waits for an instance of s with credit on t that is not paused,
                                 and for admission (overlap depth); unblocked by Request, Ack,
                                 Control(resume / weights_ready)
-    producer credit on t        waits for room in every consumer queue of t; unblocked by
-                                delivery (queue shrinks) or join completion
+    producer credit on t        waits for room in every consumer queue of t (less the credit
+                                its peers hold, up to their share); unblocked by delivery
+                                (queue shrinks), join completion or a peer leaving
 """
 
 from __future__ import annotations
@@ -366,6 +367,15 @@ class BrokerCore:
             self._dirty_topics.add(topic)
 
     def _grant_producer_credit(self, topic: str) -> None:
+        """Share the free room of `topic` among its producers, each up to capacity // producers.
+
+        Credit a producer holds beyond that share (taken while it had fewer peers: the first
+        rollout instance to say hello gets the whole capacity) does not count against the others,
+        and a producer out of credit gets what is free even below a chunk: it may be waiting, and
+        its peers' credit may never be used. Two rollout instances deadlocked so: the late one
+        waited for credit holding mini-batch 1 of an iteration, which therefore never trained, so
+        no later prompts were admitted and the early one never published what would have freed
+        room. The topic may hold that surplus beyond its capacity until it is used."""
         if topic not in self.topology.topics or self.topology.topics[topic].join:
             return
         producers = [i for i in self.instances.values() if topic in self._outputs.get(i.stage, ())]
@@ -373,13 +383,13 @@ class BrokerCore:
             return
         config = self.topology.topics[topic]
         capacity = config.capacity or self.config.queue_capacity
+        share = max(1, capacity // len(producers))
         backlog = max([len(self.queues[(topic, s)]) for s in config.consumers] + [0])
         waiting = 0 if config.capacity else sum(1 for parts in self.partials.values() if topic in parts)
-        outstanding = sum(i.granted.get(topic, 0) for i in producers)
-        free = capacity - max(backlog, waiting) - outstanding
-        if outstanding and free < min(self._credit_chunk, capacity):
-            return  # producers still hold credit: grant in chunks, not one message per handle
-        share = max(1, capacity // len(producers))
+        held = [i.granted.get(topic, 0) for i in producers]
+        free = capacity - max(backlog, waiting) - sum(min(h, share) for h in held)
+        if all(held) and free < min(self._credit_chunk, capacity):
+            return  # every producer still holds credit: grant in chunks, not one message per handle
         grants: dict[bytes, int] = {}
         while free > 0:
             inst = min(producers, key=lambda i: i.granted.get(topic, 0))
