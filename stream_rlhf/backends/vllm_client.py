@@ -104,8 +104,8 @@ class VllmClient:
         """One response per prompt; `in_flight` is asked as the request goes out and while the
         engine works, and an update it returns is applied between engine steps (one asked at the
         start lands after the first step, however fast the engine; `self.version` follows). A
-        vision-language model
-        takes the image features of each prompt (`images`, one per prompt, as the torch backend).
+        vision-language model takes the image features of each prompt (`images`, one per prompt,
+        as the torch backend).
         Raises GenerateAbandoned within POLL_S once `stopping` is set."""
         lens = [len(p) for p in prompts]
         flat = torch.cat(prompts).to(torch.int32).numpy() if prompts else np.empty(0, "<i4")
