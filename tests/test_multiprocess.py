@@ -250,6 +250,20 @@ def test_broker_killed_and_restarted_recovers_from_journal(tmp_path, shm_prefix,
     assert indices == list(range(n)), "every item exactly once across the broker restart"
 
 
+def test_a_dead_broker_fails_the_job_naming_it(tmp_path, shm_prefix):
+    """Stages keep saying hello to a broker that is gone; the launcher notices it, not a timeout."""
+    job = work_pipeline(1000, tmp_path / "sink.jsonl", shm_prefix, workers=1, delay_s=0.05)
+    job.start()
+    try:
+        wait_for(lambda: len(read_records(tmp_path / "sink.jsonl")) >= 2, 60, "first outputs")
+        os.kill(job.broker_process.pid, signal.SIGKILL)
+        with pytest.raises(StageFailed, match=r"the broker exited \(code -9\) while 3 stage process\(es\) ran"):
+            job.wait(600)
+    finally:
+        job.stop()
+    assert not any(p.is_alive() for p in job.processes.values())
+
+
 def test_a_dropped_handle_fails_a_job_that_needs_every_handle(tmp_path, shm_prefix):
     """Handles the broker gives up on (here: their payloads were unlinked before the consumer read
     them) would leave a job that waits for them hanging until its timeout; the watch fails it."""

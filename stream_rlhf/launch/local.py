@@ -278,12 +278,17 @@ class LocalJob:
         return self.processes[instance_id]
 
     def wait(self, timeout_s: float, watch: Callable[[], None] | None = None, watch_every_s: float = 2.0) -> None:
-        """Until every stage process has exited; a failed one stops the job and raises. `watch` is
-        called every `watch_every_s` and fails the job by raising StageFailed (e.g.
-        `fail_on_dropped_handles`)."""
+        """Until every stage process has exited; a failed one, or the broker exiting under them,
+        stops the job and raises. `watch` is called every `watch_every_s` and fails the job by
+        raising StageFailed (e.g. `fail_on_dropped_handles`)."""
         deadline = time.monotonic() + timeout_s
         next_watch = time.monotonic() + watch_every_s
         while any(p.is_alive() for p in self.processes.values()):
+            if self.broker_process is not None and not self.broker_process.is_alive():
+                code = self.broker_process.exitcode
+                self.stop()
+                raise StageFailed(f"the broker exited (code {code}) while {len(self.processes)} stage process(es) "
+                                  "ran; its log is above")
             if watch is not None and time.monotonic() >= next_watch:
                 next_watch = time.monotonic() + watch_every_s
                 try:
