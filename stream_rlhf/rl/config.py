@@ -76,6 +76,10 @@ class TinyModelConfig:
     """The vision tower; None: a text-only model."""
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.head_dim < 32:
             raise ConfigError(f"head_dim={self.head_dim}: must be >= 32 (vLLM cannot serve less)")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -94,6 +98,14 @@ class WarmStartConfig:
     lr: float = 1e-3
     cache_dir: str = "runs/.cache"
     """Finished warm starts are kept here, keyed by a hash of model, task and these settings."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ConfigError(f"steps={self.steps}: must be >= 0")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size}: must be >= 1")
+        if not self.lr > 0:
+            raise ConfigError(f"lr={self.lr}: must be > 0")
 
 
 @dataclass(frozen=True)
