@@ -54,6 +54,8 @@ def load_config(cls: type[T], path: str | Path, overrides: list[str] = ()) -> T:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level is a {type(data).__name__}, expected a mapping of keys")
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
@@ -64,7 +66,10 @@ def load_config(cls: type[T], path: str | Path, overrides: list[str] = ()) -> T:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: {part} is not a mapping")
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {key}: the value {raw!r} is not valid YAML: {exc}") from None
     return build(cls, data)
 
 

@@ -76,9 +76,14 @@ def test_overrides_and_yaml_errors(tmp_path):
         load_config(JobConfig, path, ["broker.queue_capacity=-3"])
     # YAML 1.1 reads 2e1 (no dot) as a string: a float key takes it as the number it means
     assert load_config(JobConfig, path, ["broker.handshake_timeout_s=2e1"]).broker.handshake_timeout_s == 20.0
+    with pytest.raises(ConfigError, match=r"--set broker.queue_capacity: the value '\[3' is not valid YAML"):
+        load_config(JobConfig, path, ["broker.queue_capacity=[3"])
     path.write_text("name: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(JobConfig, path)
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="the top level is a list, expected a mapping"):
+        load_config(JobConfig, path, ["a.b=1"])
 
 
 def test_shipped_configs_load():
