@@ -348,6 +348,8 @@ class KLConfig:
             raise ConfigError(f"coef={self.coef}: must be >= 0")
         if self.target is not None and self.target <= 0:
             raise ConfigError(f"target={self.target}: must be > 0")
+        if self.horizon < 1:
+            raise ConfigError(f"horizon={self.horizon}: must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -377,6 +379,9 @@ class AlgorithmConfig:
             raise ConfigError(f"ppo_epochs={self.ppo_epochs}, train_minibatches={self.train_minibatches}: must be >= 1")
         if self.is_cap < 1:
             raise ConfigError(f"is_cap={self.is_cap}: must be >= 1")
+        for name in ("clip_low", "clip_high", "value_clip", "entropy_coef"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
 
     @property
     def uses_critic(self) -> bool:
@@ -415,6 +420,8 @@ class RLJobConfig:
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
             raise ConfigError(f"name={self.name!r}: a non-empty folder name")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s={self.timeout_s}: must be > 0")
         if self.iterations < 1:
             raise ConfigError(f"iterations={self.iterations}: must be >= 1")
         if self.overlap_depth < 0:
