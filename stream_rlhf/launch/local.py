@@ -278,14 +278,15 @@ class LocalJob:
         return self.processes[instance_id]
 
     def wait(self, timeout_s: float, watch: Callable[[], None] | None = None, watch_every_s: float = 2.0) -> None:
-        """Until every stage process has exited; a failed one, or the broker exiting under them,
+        """Until every stage process has exited; a failed one, or the broker failing under them,
         stops the job and raises. `watch` is called every `watch_every_s` and fails the job by
-        raising StageFailed (e.g. `fail_on_dropped_handles`)."""
+        raising StageFailed (e.g. `fail_on_dropped_handles`). A broker that exits with code 0 has
+        stopped cleanly once every instance left (their processes may still be closing)."""
         deadline = time.monotonic() + timeout_s
         next_watch = time.monotonic() + watch_every_s
         while any(p.is_alive() for p in self.processes.values()):
-            if self.broker_process is not None and not self.broker_process.is_alive():
-                code = self.broker_process.exitcode
+            code = self.broker_process.exitcode if self.broker_process is not None else None
+            if code not in (None, 0):
                 self.stop()
                 raise StageFailed(f"the broker exited (code {code}) while {len(self.processes)} stage process(es) "
                                   "ran; its log is above")
