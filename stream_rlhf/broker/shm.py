@@ -20,10 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stream_rlhf.broker.messages import PID_MAX
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-_SEGMENT_NAME = re.compile(r"/[A-Za-z0-9_.-]{1,250}")
+_SEGMENT_NAME = re.compile(r"/[\w.-]{1,250}")  # \w: every shm_prefix (an identifier) and pid
 
 
 def host_id() -> str:
@@ -77,7 +79,7 @@ def create(name: str, size: int) -> Segment:
 
 
 def checked_name(name: str) -> str:
-    """`name` if it can name a segment (one leading `/`, then letters, digits, `_`, `.`, `-`);
+    """`name` if it can name a segment (one leading `/`, then word characters, `.`, `-`);
     a name from the wire is checked before it reaches shm_open."""
     if not _SEGMENT_NAME.fullmatch(name):
         raise ValueError(f"{name!r} is not a shared-memory segment name")
@@ -217,7 +219,7 @@ def list_segments(prefix: str) -> list[tuple[str, int]]:
 def pid_alive(pid: int) -> bool:
     """True if process `pid` runs; a zombie (dead, not yet reaped by its parent) is dead. A pid
     no process can have (0, negative, past Linux's pid_max) is not alive."""
-    if not 0 < pid <= 1 << 22:
+    if not 0 < pid <= PID_MAX:
         return False
     try:
         os.kill(pid, 0)
