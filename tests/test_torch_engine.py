@@ -84,6 +84,9 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
                 reloaded.load(Path(out + ".checkpoint"))
                 again = reloaded.export_weights()
                 assert again.keys() == weights.keys() and all(torch.equal(again[k], weights[k]) for k in weights)
+            _assert_resumes_exactly(engine, lambda: TorchTrainEngine(_model(), group, OptimizerConfig(lr=1e-3, max_grad_norm=0.5)),
+                                    Path(out + ".state"), exp, advantages)
+            weights = engine.export_weights()
             if group.is_leader:
                 save_file({k: v.contiguous() for k, v in weights.items() if k != "lm_head.weight"}, out)
                 torch.save(metrics, out + ".metrics")
@@ -109,6 +112,20 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
     finally:
         group.close()
     os._exit(0)  # no interpreter teardown: it aborts now and then once FSDP2 ran over gloo (bench/scaling.py)
+
+
+def _assert_resumes_exactly(engine: TorchTrainEngine, fresh, path: Path, exp: Experience,
+                            advantages: torch.Tensor) -> None:
+    """`engine`'s saved state loaded into a `fresh()` engine trains one more step to the very same
+    weights as `engine` itself."""
+    engine.save_state(path)
+    engine.group.barrier()  # the leader has written it
+    resumed = fresh()
+    resumed.load_state(path)
+    for e in (engine, resumed):
+        e.train_step(exp, _loss(e), {"advantages": advantages})
+    a, b = engine.export_weights(), resumed.export_weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _run_ranks(world: int, tmp_path: Path, case: str) -> str:
@@ -175,6 +192,25 @@ def test_refresh_loads_a_published_version_and_export_round_trips(tmp_path):
         torch.testing.assert_close(tensor, trainer.export_weights()[name])
     tied = reader.export_weights()
     assert tied["lm_head.weight"] is tied["model.embed_tokens.weight"]
+
+
+def test_saved_state_resumes_training_exactly_where_weights_alone_do_not(tmp_path):
+    exp = _experience()
+    advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
+    engine = TorchTrainEngine(_model(), RankGroup.single(), OptimizerConfig(lr=1e-2))
+    for _ in range(2):
+        engine.train_step(exp, _loss(engine), {"advantages": advantages})
+    weights_only = TorchTrainEngine(_model(), RankGroup.single(), OptimizerConfig(lr=1e-2))
+    weights_only.model.load_state_dict(engine.export_weights())
+    weights_only.train_step(exp, _loss(weights_only), {"advantages": advantages})
+    _assert_resumes_exactly(engine, lambda: TorchTrainEngine(_model(), RankGroup.single(), OptimizerConfig(lr=1e-2)),
+                            tmp_path / "state.pt", exp, advantages)
+    a, b = engine.export_weights(), weights_only.export_weights()
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # Adam's moments matter: the test above can fail
+    forward_only = TorchTrainEngine(_model(), RankGroup.single())
+    forward_only.load_state(tmp_path / "state.pt")  # a trainer's state: its weights, no optimizer needed
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)["model"]
+    assert all(torch.equal(forward_only.export_weights()[k], saved[k]) for k in saved)
 
 
 def test_train_step_needs_an_optimizer():

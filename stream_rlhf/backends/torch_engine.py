@@ -21,7 +21,12 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -187,10 +192,37 @@ class TorchTrainEngine:
 
     def save(self, folder: Path, tokenizer: object) -> None:
         """The weights as a Hugging Face checkpoint folder (gathered on every rank, written by the
-        leader). Optimizer state is not saved (resume from a checkpoint is not built yet)."""
+        leader). `save_state` keeps what training resumes from."""
         state = self.export_weights()
         if self.group.is_leader:
             save_checkpoint(self.model, tokenizer, folder, state_dict=state)
+
+    def save_state(self, path: Path) -> None:
+        """Everything training resumes from, in one file: the full weights, the optimizer's state
+        (full tensors, gathered from every rank's shard) and the torch RNG. Every rank calls it;
+        the leader writes."""
+        weights = self.export_weights()
+        optimizer = None
+        if self.optimizer is not None:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if self.group.is_leader:
+            torch.save({"model": weights, "optimizer": optimizer, "rng": torch.get_rng_state()}, path)
+
+    def load_state(self, path: Path) -> None:
+        """What `save_state` wrote, into this engine: each rank keeps its shard of the weights and
+        of the optimizer's state."""
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        options = StateDictOptions(full_state_dict=True)
+        if self.sharded:
+            set_model_state_dict(self.model, state["model"], options=options)
+        else:
+            self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            if state["optimizer"] is None:
+                raise ValueError(f"{path}: holds no optimizer state, and this engine trains")
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        torch.set_rng_state(state["rng"])
 
     def load(self, folder: Path) -> None:
         """The weights of a Hugging Face checkpoint folder of this model's class (what `save`

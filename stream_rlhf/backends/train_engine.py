@@ -71,6 +71,12 @@ class TrainEngine(Protocol):
     def load(self, folder: Path) -> None:
         """The weights of a checkpoint folder `save` wrote, each rank its share."""
 
+    def save_state(self, path: Path) -> None:
+        """Weights, optimizer state and RNG in one file (every rank calls it, the leader writes)."""
+
+    def load_state(self, path: Path) -> None:
+        """What `save_state` wrote, each rank its share."""
+
     def offload(self, what: set[Offloadable]) -> None:
         """Move `what` off the device to host memory (pinned on CUDA)."""
 
