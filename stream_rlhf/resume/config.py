@@ -1,0 +1,27 @@
+"""How often a run checkpoints itself and how many checkpoints it keeps (`checkpoint:` in an RL
+config); the checkpoints are `runs/<name>/checkpoints/` (`resume/store.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stream_rlhf.config import ConfigError
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10
+    """Checkpoint after every this many training iterations (and after the last one, and when a
+    run is stopped); 0: only after the last one and at a stop."""
+    keep: int = 2
+    """The newest complete checkpoints kept; older ones are deleted once a newer one is complete."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"every={self.every}: must be >= 0 (0: only at the end and at a stop)")
+        if self.keep < 1:
+            raise ConfigError(f"keep={self.keep}: must be >= 1")
+
+    def due(self, version: int, iterations: int) -> bool:
+        """Whether the state after `version` training iterations is checkpointed."""
+        return version == iterations or (self.every > 0 and version % self.every == 0)
