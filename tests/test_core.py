@@ -6,6 +6,7 @@ import pytest
 
 from stream_rlhf.broker.admission import OverlapAdmission
 from stream_rlhf.broker.core import BrokerCore
+from stream_rlhf.broker.host import StageHost
 from stream_rlhf.broker.messages import (
     SCHEMA_VERSION,
     Ack,
@@ -21,6 +22,8 @@ from stream_rlhf.broker.messages import (
     Release,
     Request,
 )
+from stream_rlhf.broker.payload import MemoryTransport
+from stream_rlhf.broker.stage import Output, Stage
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.config import ConfigError
 
@@ -197,6 +200,51 @@ def test_duplicate_publish_is_acked_and_dropped():
     assert h.core.stats["duplicate_publishes"] == 1
 
 
+def test_publish_without_credit_is_rejected_not_queued_and_its_payload_released():
+    h = Harness(BrokerConfig(queue_capacity=4))
+    src = h.join("src", "src-0")
+    assert sum(r.credits for r in h.take(src, Request)) == 4
+    for i in range(5):
+        h.publish(src, "prompts", f"p{i}")
+    replies = h.take(src)
+    (error,) = [m for m in replies if isinstance(m, Error)]
+    assert error.code == "no_credit" and "p4" in error.reason and not error.fatal
+    assert [m.handle_ids for m in replies if isinstance(m, Release)] == [["p4"]]  # the producer frees it
+    assert h.core.stats["rejected.no_credit"] == 1 and h.core.stats["published"] == 4
+    assert list(h.core.queues[("prompts", "rollout")]) == ["p0", "p1", "p2", "p3"]
+    h.publish(src, "prompts", "p0")  # a resend of what it has: acked again, nothing queued
+    assert [type(m) for m in h.take(src)] == [Ack] and len(h.core.queues[("prompts", "rollout")]) == 4
+
+
+class ThreePrompts(Stage):
+    def step(self, batch):
+        return [Output("prompts", {}, num_samples=1, iteration=0, minibatch=i) for i in range(3)]
+
+
+def test_a_resend_after_a_handshake_waits_for_the_new_credit():
+    """A producer that says hello again resends what was never confirmed; each resend spends one
+    credit of the new handshake, as the broker counts it, so none is rejected."""
+    h = Harness(BrokerConfig(queue_capacity=4))
+    src = h.join("src", "src-0")
+    outbox: list = []
+    host = StageHost(ThreePrompts(), "src", "src-0", MemoryTransport(), outbox.append)
+    host.on_ready(Ready(SCHEMA_VERSION, "b", 1.0, 1 << 20, [], ["prompts"]))
+    host.on_producer_credit(h.take(src, Request)[0])
+    host.produce()
+    assert len(outbox) == 3  # not confirmed: the broker restarted before it read them
+    h2 = Harness(BrokerConfig(queue_capacity=4))
+    src2 = h2.join("src", "src-0")
+    host.on_ready(Ready(SCHEMA_VERSION, "b", 1.0, 1 << 20, [], ["prompts"]))
+    outbox.clear()
+    (grant,) = h2.take(src2, Request)
+    host.on_producer_credit(Request("prompts", 2))  # part of it: two resends go out
+    assert len(outbox) == 2
+    host.on_producer_credit(Request("prompts", grant.credits - 2))
+    for publish in outbox:
+        h2.send(src2, publish)
+    assert h2.core.stats["published"] == 3 and h2.core.stats["rejected"] == 0
+
+
 def test_overlap_admission_bounds_how_far_rollout_runs_ahead():
     h = Harness(BrokerConfig(queue_capacity=8), admission=OverlapAdmission(frozenset({"prompts"}), 1))
     src = h.join("src", "src-0")
@@ -322,7 +370,7 @@ def test_a_rollout_instance_that_says_hello_second_gets_credit_while_the_first_h
         h.send(peer, Ack([f"p0{mb}"]))
     assert h.take(first, Deliver) == []  # iteration 1 waits for the weights iteration 0 trains
     assert [d.handle.minibatch for d in h.take(train, Deliver)] == [0, 1]  # iteration 0 is whole
-    assert h.core.stats["publish_without_credit"] == 0
+    assert h.core.stats["rejected.no_credit"] == 0
 
 
 def test_a_producer_out_of_credit_gets_the_free_room_even_below_a_chunk():

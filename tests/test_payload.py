@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import msgspec
 import pytest
 import torch
+import zmq
 
 from stream_rlhf.broker import shm
 from stream_rlhf.broker.messages import Handle, Publish, decode, encode
@@ -232,3 +234,35 @@ def test_memory_transport_round_trip():
     transport.release("h")
     with pytest.raises(PayloadError):
         transport.get(handle)
+
+
+def test_a_request_over_the_limit_drops_its_connection_counted_and_logged(shm_prefix, caplog):
+    """The payload server read three 64 MB frames in full; now libzmq refuses a request over
+    REQUEST_BYTES by closing its connection, and the server counts and logs it naming the limit.
+    A consumer that closes after its fetches says goodbye and is not counted."""
+    producer = ShmTransport(prefix=shm_prefix)
+    consumer = ShmTransport(prefix=shm_prefix, serve=False, prefer="tcp")
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.linger = 0
+    try:
+        want = {"x": torch.arange(LARGE, dtype=torch.float32)}
+        handle = make_handle(producer.put("h", want))
+        assert_same(consumer.get(handle), want)
+        consumer.close()
+        sock.connect(producer.endpoint)
+        sock.send_multipart([b"", b"\x00" * (64 << 20)])
+        deadline = time.monotonic() + 10
+        while producer.counters.get("payload.connections_dropped", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        served = ShmTransport(prefix=shm_prefix, serve=False, prefer="tcp")
+        assert_same(served.get(handle), want)  # the server serves on
+        served.close()
+        time.sleep(0.5)  # time for the goodbyes' disconnects to be judged
+        dropped = producer.counters["payload.connections_dropped"]
+    finally:
+        sock.close()  # libzmq reconnected it: this close is one more dropped connection
+        context.term()
+        producer.close()
+    assert dropped == 1
+    assert "a frame over the 65,536-byte limit (payload.REQUEST_BYTES)" in caplog.text

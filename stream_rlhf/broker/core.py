@@ -47,12 +47,14 @@ from stream_rlhf.broker.messages import (
     Request,
     Stats,
 )
+from stream_rlhf.broker.ratelog import RateLimitedLog, truncate
 from stream_rlhf.broker.topology import CONTROL_STAGE, BrokerConfig, Topology
 
 log = logging.getLogger(__name__)
 
-RECENT_IDS = 200_000
-JOIN = "join:"  # pending-consumer names of joins, apart from stage names (which have no ":")  # finished handle ids remembered to deduplicate late re-publishes
+RECENT_IDS = 200_000  # finished handle ids remembered to deduplicate late re-publishes
+JOIN = "join:"  # pending-consumer names of joins, apart from stage names (which have no ":")
+REASON_CHARS = 1000  # an Error's reason is cut to this (the wire allows 4096)
 
 
 @dataclass
@@ -102,6 +104,7 @@ class BrokerCore:
         self.partials: dict[tuple[str, int, int], dict[str, str]] = {}
         self.paused: set[str] = set()
         self.stats: defaultdict[str, float] = defaultdict(float)
+        self.ratelog = RateLimitedLog(log)  # every rejection and peer-caused warning goes through it
         self.started = now
         self.stopping = False
         self._out: list[tuple[bytes, Message]] = []
@@ -153,7 +156,9 @@ class BrokerCore:
             self.reject(peer, f"unexpected message type {type(message).__name__} from {inst.instance_id}", "unexpected_type")
 
     def tick(self, now: float) -> None:
-        """Heartbeats out, dead peers (silent past heartbeat_timeout_s) removed."""
+        """Heartbeats out, dead peers (silent past heartbeat_timeout_s) removed, held-back log
+        lines summed up."""
+        self.ratelog.flush()
         for inst in list(self.instances.values()):
             if now - inst.last_seen > self.config.heartbeat_timeout_s:
                 self._remove_instance(inst, f"no heartbeat for {now - inst.last_seen:.1f}s")
@@ -180,10 +185,11 @@ class BrokerCore:
         return out
 
     def reject(self, peer: bytes, reason: str, kind: str, fatal: bool = False) -> None:
+        """Counted by `kind`, logged once per kind per window, answered with an Error."""
         self.stats[f"rejected.{kind}"] += 1
         self.stats["rejected"] += 1
-        log.warning("rejected message from %r: %s", peer, reason)
-        self._send(peer, Error(reason, fatal, kind))
+        self.ratelog.log(logging.WARNING, kind, "rejected message (%s) from %r: %s", kind, peer, reason)
+        self._send(peer, Error(truncate(reason, REASON_CHARS), fatal, kind))
 
     def snapshot(self) -> dict[str, float]:
         counters = dict(self.stats)
@@ -222,7 +228,7 @@ class BrokerCore:
             return
         if hello.stage != CONTROL_STAGE and hello.stage not in self.topology.stages():
             known = ", ".join(sorted(self.topology.stages()))
-            self.reject(peer, f"stage {hello.stage!r} is not in the topology (stages: {known})", "unknown_stage", fatal=True)
+            self.reject(peer, f"stage {truncate(hello.stage)!r} is not in the topology (stages: {known})", "unknown_stage", fatal=True)
             return
         old = self.instances.get(peer) or self.instances.get(self.by_instance_id.get(hello.instance_id, b""))
         if old is not None:
@@ -238,7 +244,7 @@ class BrokerCore:
         if self.policy_version > 0:
             self._send(peer, Control("weights_ready", hello.stage, self.policy_version))
         self._dirty_topics.update(outputs)
-        log.log(_membership_level(hello.stage), "instance %s of stage %s joined (pid %d)", hello.instance_id,
+        log.log(_membership_level(hello.stage), "instance %s of stage %s joined (pid %d)", truncate(hello.instance_id),
                 hello.stage, hello.pid)
 
     def _remove_instance(self, inst: Instance, reason: str) -> None:
@@ -253,10 +259,11 @@ class BrokerCore:
         if inst.inflight:
             log.warning(
                 "instance %s (%s) left: %s; %d handle(s) in flight requeued",
-                inst.instance_id, inst.stage, reason, len(inst.inflight),
+                truncate(inst.instance_id), inst.stage, reason, len(inst.inflight),
             )
         else:
-            log.log(_membership_level(inst.stage), "instance %s (%s) left: %s", inst.instance_id, inst.stage, reason)
+            log.log(_membership_level(inst.stage), "instance %s (%s) left: %s", truncate(inst.instance_id), inst.stage,
+                    reason)
         self._dirty_topics.update(inst.granted)
         if reason != "stopped" and inst.host == self.host and inst.pid and not shm.pid_alive(inst.pid):
             self._reclaim_unpublished(inst.pid)
@@ -273,25 +280,34 @@ class BrokerCore:
     # ---- publish, join, deliver -------------------------------------------------------------
 
     def _on_publish(self, inst: Instance, handle: Handle) -> None:
+        """Every publish costs the producer one credit, a duplicate too (the producer spent one
+        on it). Without credit a new handle is rejected and its payload released: the producer
+        frees it, nothing is queued."""
         topic = self.topology.topics.get(handle.topic)
         if topic is None or inst.stage not in topic.producers:
             allowed = self.topology.outputs_of(inst.stage)
             self.reject(
-                inst.peer, f"publish of handle {handle.id} on topic {handle.topic!r}: stage {inst.stage} "
-                f"publishes only {allowed}", "bad_topic",
+                inst.peer, f"publish of handle {truncate(handle.id)} on topic {truncate(handle.topic)!r}: stage "
+                f"{inst.stage} publishes only {allowed}", "bad_topic",
+            )
+            return
+        existing = self.entries.get(handle.id)
+        duplicate = existing is not None or handle.id in self.recent
+        if inst.granted.get(handle.topic, 0) > 0:
+            inst.granted[handle.topic] -= 1
+        elif not duplicate:
+            self._releases_to[inst.peer].append(handle.id)
+            self.reject(
+                inst.peer, f"publish of handle {truncate(handle.id)} on topic {handle.topic!r} without producer "
+                "credit: not queued, its payload released", "no_credit",
             )
             return
         self._acks_to[inst.peer].append(handle.id)
-        existing = self.entries.get(handle.id)
-        if existing is not None or handle.id in self.recent:
+        if duplicate:
             self.stats["duplicate_publishes"] += 1
             if existing is None or existing.producer != inst.instance_id:
                 self._releases_to[inst.peer].append(handle.id)  # its copy of the payload is not needed
             return
-        if inst.granted.get(handle.topic, 0) > 0:
-            inst.granted[handle.topic] -= 1
-        else:
-            self.stats["publish_without_credit"] += 1
         if handle.producer != inst.instance_id:
             handle = msgspec.structs.replace(handle, producer=inst.instance_id)
         self._admit(handle, inst.instance_id)
@@ -322,7 +338,8 @@ class BrokerCore:
         parts = self.partials.setdefault(key, {})
         if part.topic in parts:
             self.stats["join_duplicate_parts"] += 1
-            log.warning("join %s: second %s part for %s; the later one waits for the next", join, part.topic, key[1:])
+            self.ratelog.log(logging.WARNING, "join_duplicate_part", "join %s: second %s part for %s; the later one "
+                             "waits for the next", join, part.topic, key[1:])
         parts[part.topic] = part.id
         order = self.topology.topics[join].join
         if all(p in parts for p in order):
@@ -335,7 +352,8 @@ class BrokerCore:
         self.stats["join_field_collisions"] += collisions
         if len({p.num_samples for p in parts}) > 1:
             self.stats["join_sample_mismatch"] += 1
-            log.warning("join %s: parts disagree on num_samples: %s", join, {p.topic: p.num_samples for p in parts})
+            self.ratelog.log(logging.WARNING, "join_sample_mismatch", "join %s: parts disagree on num_samples: %s",
+                             join, str({p.topic: p.num_samples for p in parts}))
         self.stats["joins_emitted"] += 1
         self._admit(joined, "broker")
 
@@ -405,7 +423,7 @@ class BrokerCore:
 
     def _on_credit(self, inst: Instance, request: Request) -> None:
         if request.topic not in self.topology.topics or inst.stage not in self.topology.topics[request.topic].consumers:
-            self.reject(inst.peer, f"credit for topic {request.topic!r}: stage {inst.stage} does not consume it", "bad_topic")
+            self.reject(inst.peer, f"credit for topic {truncate(request.topic)!r}: stage {inst.stage} does not consume it", "bad_topic")
             return
         if request.credits < 0:
             self.reject(inst.peer, f"credit {request.credits} for {request.topic}: must be >= 0", "bad_credit")
@@ -428,15 +446,16 @@ class BrokerCore:
         self.stats["nacked"] += 1
         entry = self.entries[nack.handle_id]
         if nack.requeue and entry.attempts.get(inst.stage, 0) < self.config.max_attempts:
-            log.warning("%s nacked %s (%s): requeued", inst.instance_id, nack.handle_id, nack.reason)
+            self.ratelog.log(logging.WARNING, "nack_requeued", "%s nacked %s (%s): requeued", inst.instance_id,
+                             nack.handle_id, nack.reason)
             self.queues[(topic, inst.stage)].appendleft(nack.handle_id)
             self._dirty_queues.add((topic, inst.stage))
             return
         why = "poison" if nack.requeue else "rejected"
         self.stats[f"dropped.{why}"] += 1
         self.stats["dropped"] += 1
-        log.error(
-            "handle %s (topic %s) dropped for stage %s after %d attempt(s): %s",
+        self.ratelog.log(
+            logging.ERROR, f"dropped.{why}", "handle %s (topic %s) dropped for stage %s after %d attempt(s): %s",
             nack.handle_id, topic, inst.stage, entry.attempts.get(inst.stage, 0), nack.reason,
         )
         self._consumer_done(nack.handle_id, inst.stage)
@@ -470,10 +489,16 @@ class BrokerCore:
 
     def _unlink_payload(self, handle: Handle) -> None:
         """Free a payload whose producer is gone (crashed, or stopped before every ack). Small
-        payloads share a segment, so one is unlinked only when no live handle points into it."""
+        payloads share a segment, so one is unlinked only when no live handle points into it.
+        Only this job's segments (named with its shm_prefix): a handle naming another job's
+        segment does not make the broker unlink it."""
         if handle.producer == "broker":
             return
-        segments = {s.location.segment for s in handle.fields.values() if s.location.kind == "shm" and s.location.host == self.host}
+        segments = {
+            s.location.segment for s in handle.fields.values()
+            if s.location.kind == "shm" and s.location.host == self.host
+            and shm.has_prefix(s.location.segment, self.config.shm_prefix)
+        }
         if not segments:
             return
         still_used = {spec.location.segment for e in self.entries.values() for spec in e.handle.fields.values()}
@@ -488,7 +513,7 @@ class BrokerCore:
             self._send(inst.peer, Stats(f"broker:{self.broker_id}", self.snapshot()))
             return
         if control.target != "*" and control.target not in self.topology.stages():
-            self.reject(inst.peer, f"control {control.op}: unknown target stage {control.target!r}", "bad_control")
+            self.reject(inst.peer, f"control {control.op}: unknown target stage {truncate(control.target)!r}", "bad_control")
             return
         if control.op == "weights_ready":
             if control.version < 0:

@@ -9,6 +9,10 @@ in-process bus (`inprocess.py`) both drive a StageHost, so a stage behaves the s
 Output handle ids are derived from the input handle id (or, for sources, from the stage, topic,
 iteration and minibatch): a handle processed twice after a crash publishes the same ids twice,
 and the broker keeps one.
+
+Every publish costs one producer credit, resends too: the broker rejects a publish without
+credit. A host that may not block for credit (the in-process bus runs every stage on one thread)
+and every resend after a (re)handshake wait in `_deferred` until the broker grants some.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -31,6 +35,7 @@ from stream_rlhf.broker.messages import (
     Nack,
     Publish,
     Ready,
+    Release,
     Request,
 )
 from stream_rlhf.broker.payload import PayloadError, PayloadTransport
@@ -75,6 +80,8 @@ class StageHost:
         self._credit = threading.Condition()
         self._producer_credit: dict[str, int] = {}
         self._unconfirmed: dict[str, Publish] = {}
+        self._deferred: deque[Publish] = deque()  # published once the broker grants credit
+        self._epoch = 0  # handshakes so far: credit taken before the last one is void
         self._processed: OrderedDict[str, None] = OrderedDict()
         self.timeline = Timeline(timeline, stage_name, instance_id) if timeline else None
         self.counters: dict[str, float] = {
@@ -85,21 +92,43 @@ class StageHost:
     # ---- called on the IO side --------------------------------------------------------------
 
     def on_ready(self, ready: Ready) -> None:
-        """After every (re)handshake: fresh credit, and resend what the broker never confirmed."""
+        """After every (re)handshake: fresh credit; what the broker never confirmed is resent as
+        credit comes (a restarted broker has not seen it; the same one acks a duplicate)."""
         self.inputs, self.outputs = list(ready.inputs), list(ready.outputs)
         with self._credit:
             self._producer_credit = {topic: 0 for topic in self.outputs}
-            pending = list(self._unconfirmed.values())
+            self._deferred = deque(self._unconfirmed.values())
+            self._epoch += 1
         if self.accepting:
             for topic in self.inputs:
                 self.send(Request(topic, self.prefetch))
-        for publish in pending:
-            self.send(publish)
 
     def on_producer_credit(self, request: Request) -> None:
+        """Credit pays for deferred publishes first (in order), the rest is the stage's."""
         with self._credit:
             self._producer_credit[request.topic] = self._producer_credit.get(request.topic, 0) + request.credits
+            ready, waiting = [], deque()
+            for publish in self._deferred:
+                topic = publish.handle.topic
+                if publish.handle.id not in self._unconfirmed:
+                    continue  # confirmed or released meanwhile
+                if self._producer_credit.get(topic, 0) > 0:
+                    self._producer_credit[topic] -= 1
+                    ready.append(publish)
+                else:
+                    waiting.append(publish)
+            self._deferred = waiting
             self._credit.notify_all()
+        for publish in ready:
+            self.send(publish)
+
+    def on_release(self, release: Release) -> None:
+        """Every consumer acked these handles, or the broker rejected their publish: free them."""
+        with self._credit:
+            for handle_id in release.handle_ids:
+                self._unconfirmed.pop(handle_id, None)
+        for handle_id in release.handle_ids:
+            self.transport.release(handle_id)
 
     def on_confirmed(self, ack: Ack) -> None:
         with self._credit:
@@ -190,7 +219,7 @@ class StageHost:
             k = per_topic.get(out.topic, 0)
             per_topic[out.topic] = k + 1
             handle_id = str(uuid.uuid5(uuid.NAMESPACE_OID, key(out.topic, k)))
-            self._wait_credit(out.topic)
+            epoch = self._wait_credit(out.topic) if self.wait_for_credit else self._epoch
             started = time.perf_counter()
             fields = self.transport.put(handle_id, out.tensors)
             self.counters["put_s"] += time.perf_counter() - started
@@ -209,18 +238,36 @@ class StageHost:
             publish = Publish(handle)
             with self._credit:
                 self._unconfirmed[handle_id] = publish
-            self.send(publish)
+                send_now = self._spend(out.topic, epoch)
+                if not send_now:
+                    self._deferred.append(publish)
+            if send_now:
+                self.send(publish)
             self.counters["published"] += 1
 
-    def _wait_credit(self, topic: str) -> None:
+    def _wait_credit(self, topic: str) -> int:
+        """Block until the broker grants credit on `topic`, take one; returns the handshake epoch."""
         started = time.perf_counter()
         with self._credit:
-            while self.wait_for_credit and self._producer_credit.get(topic, 0) <= 0:
+            while self._producer_credit.get(topic, 0) <= 0:
                 if self.abort.is_set():
                     raise StepAborted(f"{self.instance_id}: stopped while waiting for credit on {topic}")
                 self._credit.wait(0.1)
-            self._producer_credit[topic] = self._producer_credit.get(topic, 0) - 1
+            self._producer_credit[topic] -= 1
+            epoch = self._epoch
         self.counters["credit_wait_s"] += time.perf_counter() - started
+        return epoch
+
+    def _spend(self, topic: str, epoch: int) -> bool:
+        """Whether a publish on `topic` may go out now (call with the lock held). A blocking host
+        took its credit in `_wait_credit`, unless a handshake since reset it (then it waits for
+        the new broker's credit); a host that does not block takes credit only if there is some."""
+        if self.wait_for_credit:
+            return epoch == self._epoch
+        if self._producer_credit.get(topic, 0) <= 0:
+            return False
+        self._producer_credit[topic] -= 1
+        return True
 
 
 class Timeline:

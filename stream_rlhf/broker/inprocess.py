@@ -105,8 +105,7 @@ class InProcessBus:
         elif isinstance(message, Ack):
             host.on_confirmed(message)
         elif isinstance(message, Release):
-            for handle_id in message.handle_ids:
-                self.transport.release(handle_id)
+            host.on_release(message)
         elif isinstance(message, Control) and message.op == "weights_ready":
             host.stage.on_weights(message.version)
         elif isinstance(message, Error):

@@ -12,6 +12,11 @@ every consumer acked. Two transports implement the PayloadTransport protocol:
 
 A GPU transport (CUDA IPC handles, NCCL p2p) implements the same protocol and adds its kind to
 `messages.LocationKind`; every stage process of a job uses the transport the job is built with.
+
+The payload server reads requests of at most REQUEST_BYTES: libzmq closes the connection of a
+peer that sends a larger frame, and the server counts those (`connwatch.py`; a consumer says
+goodbye with a FetchRequest without fields before it closes). Its counters are the transport's
+`counters`, which the stage runner reports with its own.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 import zmq
 
 from stream_rlhf.broker import shm
+from stream_rlhf.broker.connwatch import ConnectionWatch
 from stream_rlhf.broker.messages import (
     FetchReply,
     FetchRequest,
@@ -39,12 +45,17 @@ from stream_rlhf.broker.messages import (
     decode_fetch_request,
     encode,
 )
+from stream_rlhf.broker.ratelog import RateLimitedLog, truncate
 from stream_rlhf.broker.shm import host_id
 
 log = logging.getLogger(__name__)
 
 ALIGN = 64
 MAX_ARENA_MAPS = 64  # small-payload arenas a consumer keeps mapped
+REQUEST_BYTES = 64 << 10
+"""Largest fetch request the payload server reads (a handle id and its field names)."""
+GOODBYE = FetchRequest("", [])
+"""What a consumer sends its payload servers before it closes its connection to them."""
 Tensors = dict[str, torch.Tensor]
 
 
@@ -53,6 +64,9 @@ class PayloadError(RuntimeError):
 
 
 class PayloadTransport(Protocol):
+    counters: dict[str, float]
+    """What the transport counted (its payload server's rejections), keyed `payload.*`."""
+
     def put(self, handle_id: str, tensors: Tensors) -> dict[str, FieldSpec]: ...
 
     def get(self, handle: Handle) -> Tensors: ...
@@ -145,7 +159,8 @@ class ShmTransport:
         self._slots = shm.SlotArena(self._new_segment)
         self._arena_maps: OrderedDict[str, object] = OrderedDict()  # consumer side, small payloads
         self._fetch_sockets: dict[str, zmq.Socket] = {}
-        self._server = PayloadServer(self, self._context, serve_host) if serve else None
+        self.counters: dict[str, float] = {}
+        self._server = PayloadServer(self, self._context, serve_host, self.counters) if serve else None
         self.endpoint = self._server.endpoint if self._server else ""
 
     def put(self, handle_id: str, tensors: Tensors) -> dict[str, FieldSpec]:
@@ -303,47 +318,79 @@ class ShmTransport:
             self._slots.close()
         self._arena_maps.clear()
         for sock in self._fetch_sockets.values():
-            sock.close(linger=0)
+            try:
+                sock.send(encode(GOODBYE), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # never connected, or its last fetch failed midway: a dropped connection then
+            sock.close(linger=100)
         self._fetch_sockets.clear()
 
 
 class PayloadServer:
-    """A ROUTER socket on its own thread answering FetchRequests from the transport's segments."""
+    """A ROUTER socket on its own thread answering FetchRequests from the transport's segments.
+    A bad request is answered with its reason, counted in `counters` and logged (rate-limited)."""
 
-    def __init__(self, transport: ShmTransport, context: zmq.Context, host: str):
+    def __init__(self, transport: ShmTransport, context: zmq.Context, host: str, counters: dict[str, float]):
         self._transport = transport
         self._socket = context.socket(zmq.ROUTER)
         self._socket.linger = 0
+        self._socket.maxmsgsize = REQUEST_BYTES
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
+        self.counters = counters
+        self._ratelog = RateLimitedLog(log)
+        self._watch = ConnectionWatch(self._socket, f"payload server {self.endpoint}", REQUEST_BYTES,
+                                      "payload.REQUEST_BYTES", self._ratelog, counters, "payload.connections_dropped")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="payload-server", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._watch.monitor, zmq.POLLIN)
         while not self._stop.is_set():
-            if not self._socket.poll(100):
-                continue
-            message = self._socket.recv_multipart()
-            if len(message) != 3:
-                log.warning("payload fetch rejected: %d frames, expected 3", len(message))
-                continue
-            identity, empty, request_frame = message
-            try:
-                request = decode_fetch_request(request_frame)
-                held, frames = self._transport.frames_for(request.handle_id, request.fields)
-            except (MessageRejected, PayloadError) as exc:
-                log.warning("payload fetch rejected: %s", exc)
-                self._socket.send_multipart([identity, empty, encode(FetchReply(error=str(exc)))])
-                continue
-            if held.slot_offset >= 0:  # a small payload: copied into the message, the slot is free to reuse
-                self._socket.send_multipart([identity, empty, encode(FetchReply()), *frames])
-                continue
-            tracker = self._socket.send_multipart(
-                [identity, empty, encode(FetchReply()), *frames], copy=False, track=True
-            )
-            held.segment.trackers.append(tracker)  # not reused before zmq has sent these bytes
+            poller.poll(100)
+            self._watch.collect()
+            while self._socket.poll(0):
+                message = self._socket.recv_multipart(copy=False)
+                try:
+                    self._answer(message)
+                except Exception as exc:  # noqa: BLE001 - a bug must not stop the payload plane
+                    self._reject("internal_error", f"{type(exc).__name__}: {exc}", None)
+            self._watch.judge()
+            self._ratelog.flush()
+        self._watch.close()
         self._socket.close(linger=0)
+
+    def _answer(self, message: list[zmq.Frame]) -> None:
+        if len(message) != 3:
+            self._reject("malformed", f"{len(message)} frames, expected 3", None)
+            return
+        identity, empty, request_frame = message[0].bytes, b"", message[2]  # bytes: tracked sends take no Frames
+        try:
+            request = decode_fetch_request(request_frame.buffer)
+            if request == GOODBYE:
+                self._watch.goodbye(request_frame)
+                return
+            held, frames = self._transport.frames_for(request.handle_id, request.fields)
+        except (MessageRejected, PayloadError) as exc:
+            self._reject("malformed" if isinstance(exc, MessageRejected) else "not_held", str(exc),
+                         [identity, empty])
+            return
+        if held.slot_offset >= 0:  # a small payload: copied into the message, the slot is free to reuse
+            self._socket.send_multipart([identity, empty, encode(FetchReply()), *frames])
+            return
+        tracker = self._socket.send_multipart(
+            [identity, empty, encode(FetchReply()), *frames], copy=False, track=True
+        )
+        held.segment.trackers.append(tracker)  # not reused before zmq has sent these bytes
+
+    def _reject(self, kind: str, reason: str, envelope: list[zmq.Frame] | None) -> None:
+        self.counters[f"payload.rejected.{kind}"] = self.counters.get(f"payload.rejected.{kind}", 0) + 1
+        self._ratelog.log(logging.WARNING, kind, "payload fetch rejected (%s): %s", kind, reason)
+        if envelope is not None:
+            self._socket.send_multipart([*envelope, encode(FetchReply(error=truncate(reason, 1000)))])
 
     def stop(self) -> None:
         self._stop.set()
@@ -355,6 +402,7 @@ class MemoryTransport:
     A field's location is "{handle id}/{field}", so a joined handle may rename fields."""
 
     def __init__(self):
+        self.counters: dict[str, float] = {}
         self._store: dict[str, torch.Tensor] = {}
         self._keys: dict[str, list[str]] = {}
 

@@ -325,7 +325,8 @@ class StageRunner:
                 state = "draining" if self.state is RunnerState.STOPPED else self.state.value  # "stopped" is said once, last
                 self._to_broker(self._encoder.encode(Heartbeat(state, self._inbox.qsize())))
                 if beats % 10 == 0:
-                    self._to_broker(self._encoder.encode(Stats(self.instance_id, self.host.counters)))
+                    counters = {**self.host.counters, **self.transport.counters}
+                    self._to_broker(self._encoder.encode(Stats(self.instance_id, counters)))
                 if now - last_heard > 4 * self._heartbeat_interval:
                     if self.state is not RunnerState.RUNNING:
                         # stopping with nobody to drain to (the launcher died and took the broker
@@ -385,8 +386,7 @@ class StageRunner:
         elif isinstance(message, Ack):
             self.host.on_confirmed(message)
         elif isinstance(message, Release):
-            for handle_id in message.handle_ids:
-                self.transport.release(handle_id)
+            self.host.on_release(message)
         elif isinstance(message, Ready):
             self._heartbeat_interval = message.heartbeat_interval_s
             self.host.on_ready(message)

@@ -3,7 +3,10 @@
     stream-rlhf broker configs/broker_demo.yaml      # or BrokerServer(topology, config).serve()
 
 Every frame is size-checked and decoded here; a bad one is rejected with a logged reason and a
-counter, never an exception out of the loop. The loop stops on SIGINT/SIGTERM or on
+counter, never an exception out of the loop: a handler that raises (a broker bug) is counted in
+`internal_errors` and answered as a rejection naming the message type. libzmq itself refuses a
+frame far over `max_message_bytes` by closing its connection; `connwatch.py` counts those. Log
+lines about peers are rate-limited (`ratelog.py`). The loop stops on SIGINT/SIGTERM or on
 Control(shutdown) once every stage instance has left (or `shutdown_grace_s` passed), then
 unlinks every payload it still tracks and any segment of a dead process of this job.
 """
@@ -20,8 +23,9 @@ import zmq
 
 from stream_rlhf.broker import shm, sockets
 from stream_rlhf.broker.admission import Admission
+from stream_rlhf.broker.connwatch import ConnectionWatch
 from stream_rlhf.broker.core import BrokerCore
-from stream_rlhf.broker.messages import MessageRejected, decode
+from stream_rlhf.broker.messages import Heartbeat, Message, MessageRejected, decode
 from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.topology import CONTROL_STAGE, BrokerConfig, Topology
 
@@ -50,6 +54,11 @@ class BrokerServer:
             self._context, config.address, config.curve.key_dir if config.curve else None, config.max_message_bytes
         )
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._watch = ConnectionWatch(self._socket, f"broker {self.core.broker_id}", self._socket.maxmsgsize,
+                                      "max_message_bytes", self.core.ratelog, self.core.stats)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._watch.monitor, zmq.POLLIN)
         self._stop = threading.Event()
         self._encoder = msgspec.msgpack.Encoder()
         log.info("broker %s listening on %s", self.core.broker_id, self.address)
@@ -78,13 +87,15 @@ class BrokerServer:
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                if self._socket.poll(max(0, int((next_tick - now) * 1000)) + 1):
-                    self._read_batch()
+                self._poller.poll(max(0, int((next_tick - now) * 1000)) + 1)
+                self._watch.collect()
+                if self._read_batch():
+                    self._watch.judge()
                 now = time.monotonic()
                 if now >= next_tick:
-                    self.core.tick(now)
+                    self._tick(now)
                     next_tick = now + interval
-                self._send(self.core.flush())
+                self._send(self._flush())
                 if self.core.stopping:
                     if stopping_since is None:
                         stopping_since = now
@@ -96,37 +107,64 @@ class BrokerServer:
             self.close()
         return dict(self.core.stats)
 
-    def _read_batch(self) -> None:
-        """Read up to MAX_BATCH socket messages; each carries one or more message frames."""
+    def _read_batch(self) -> bool:
+        """Read up to MAX_BATCH socket messages; each carries one or more message frames.
+        Returns True once the socket is read dry."""
         now = time.monotonic()
         for _ in range(MAX_BATCH):
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return True
             peer = frames[0].bytes
             if not 2 <= len(frames) <= MAX_FRAMES + 1:
                 self.core.reject(peer, f"{len(frames) - 1} message frames, expected 1 to {MAX_FRAMES}", "malformed")
                 continue
             for frame in frames[1:]:
-                self._handle_frame(peer, frame.buffer, now)
+                message = self._handle_frame(peer, frame.buffer, now)
+                if isinstance(message, Heartbeat) and message.state == "stopped":
+                    self._watch.goodbye(frame)
+        return False
 
-    def _handle_frame(self, peer: bytes, body: memoryview, now: float) -> None:
+    def _handle_frame(self, peer: bytes, body: memoryview, now: float) -> Message | None:
+        """Decode and handle one frame; returns the message, None if it was rejected unread."""
         if len(body) > self.config.max_message_bytes:
             self.core.reject(
                 peer, f"message of {len(body)} bytes over the {self.config.max_message_bytes} limit", "oversize"
             )
-            return
+            return None
         try:
             message = decode(body)
         except MessageRejected as exc:
             self.core.reject(peer, f"malformed message: {exc}", "malformed")
-            return
+            return None
         try:
             self.core.handle(peer, message, now)
-        except Exception:  # a broker bug must not take every stage down with it
-            log.exception("internal error handling %s from %r", type(message).__name__, peer)
-            self.core.stats["internal_errors"] += 1
+        except Exception as exc:  # noqa: BLE001 - a broker bug must not take every stage down with it
+            self._internal_error(f"handling {type(message).__name__}", exc, peer)
+        return message
+
+    def _tick(self, now: float) -> None:
+        try:
+            self.core.tick(now)
+        except Exception as exc:  # noqa: BLE001 - as in _handle_frame
+            self._internal_error("in the heartbeat check", exc, None)
+
+    def _flush(self) -> list[tuple[bytes, Message]]:
+        try:
+            return self.core.flush()
+        except Exception as exc:  # noqa: BLE001 - as in _handle_frame
+            self._internal_error("dispatching", exc, None)
+            return []
+
+    def _internal_error(self, where: str, exc: Exception, peer: bytes | None) -> None:
+        """Counted in `internal_errors`, logged with its traceback (rate-limited), and answered
+        to the peer whose message raised as a rejection naming the message type."""
+        self.core.stats["internal_errors"] += 1
+        self.core.ratelog.log(logging.ERROR, "internal_error", "internal error %s from %r: %s", where, peer, exc,
+                              exc_info=exc)
+        if peer is not None:
+            self.core.reject(peer, f"internal error {where}: {type(exc).__name__}: {exc}", "internal_error")
 
     def _send(self, outgoing) -> None:
         """One multipart socket message per peer per loop turn, one frame per message."""
@@ -147,6 +185,7 @@ class BrokerServer:
         left = self.core.close()
         self.core.stats["unacked_at_shutdown"] = left
         self.core.stats["segments_reclaimed"] += shm.sweep(self.config.shm_prefix)
+        self._watch.close()
         self._socket.close(linger=0)
         if self._auth:
             self._auth.stop()

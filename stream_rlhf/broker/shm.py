@@ -203,14 +203,23 @@ def segment_name(prefix: str, pid: int, counter: int) -> str:
     return f"/{prefix}_{pid}_{counter}"
 
 
+def has_prefix(name: str, prefix: str) -> bool:
+    """True if `name` is a segment name of `prefix` (made by `segment_name`)."""
+    return name.startswith("/") and _of_prefix(prefix).fullmatch(name[1:]) is not None
+
+
+def _of_prefix(prefix: str) -> re.Pattern[str]:
+    return re.compile(rf"{re.escape(prefix)}_(\d+)_\d+")
+
+
 def list_segments(prefix: str) -> list[tuple[str, int]]:
     """(name, creator pid) of every segment of `prefix` on this host (Linux: /dev/shm)."""
     if not SHM_DIR.is_dir():
         return []
-    pattern = re.compile(rf"^{re.escape(prefix)}_(\d+)_\d+$")
+    pattern = _of_prefix(prefix)
     found = []
     for entry in SHM_DIR.iterdir():
-        match = pattern.match(entry.name)
+        match = pattern.fullmatch(entry.name)
         if match:
             found.append(("/" + entry.name, int(match.group(1))))
     return found

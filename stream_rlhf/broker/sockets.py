@@ -19,6 +19,10 @@ from stream_rlhf.broker.topology import needs_curve
 from stream_rlhf.config import ConfigError
 
 
+ENVELOPE_BYTES = 256
+"""What CURVE adds to a frame on the wire (33 bytes today), with room to spare."""
+
+
 def generate_keys(key_dir: str | Path) -> Path:
     """Write broker and client key pairs; the client's public key is authorized."""
     key_dir = Path(key_dir)
@@ -46,9 +50,10 @@ def router(context: zmq.Context, address: str, key_dir: str | None, max_message_
     sock = context.socket(zmq.ROUTER)
     sock.linger = 0
     sock.router_handover = 1  # a reconnecting instance with the same id takes over its route
-    # libzmq drops a peer that sends more than this; the broker rejects (and counts) anything
-    # over max_message_bytes itself, this is only the memory guard far above it.
-    sock.maxmsgsize = max(16 * max_message_bytes, 1 << 24)
+    # libzmq closes the connection of a peer whose frame is over this, without reading it; the
+    # broker counts those (connwatch.py). It checks the frame on the wire, which CURVE makes a
+    # few bytes longer; a frame within that allowance is rejected (with a reason) by the broker.
+    sock.maxmsgsize = max_message_bytes + ENVELOPE_BYTES
     auth = None
     if needs_curve(address) and not key_dir:
         sock.close()
