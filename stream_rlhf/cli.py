@@ -1,6 +1,7 @@
 """The `stream-rlhf` command.
 
     stream-rlhf run CONFIG [--set key=value ...]   broker + every stage as local processes
+                           [--resume [RUN_DIR]]    ... continuing a stopped run from its last checkpoint
     stream-rlhf broker CONFIG                      only the broker (stages started elsewhere)
     stream-rlhf stage CONFIG STAGE --broker ADDR [--index N] [--rank R --group tcp://HOST:PORT] [--set key=value]
                                                    one instance, or one rank of it (SLURM, k8s)
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a job on this machine")
     run.add_argument("config")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    run.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN_DIR",
+                     help="continue the run in RUN_DIR (default runs/<name>) from its last complete checkpoint")
     broker = sub.add_parser("broker", help="run only the broker of a job")
     broker.add_argument("config")
     broker.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -72,13 +76,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     if is_dataflow_config(args.config):
+        if args.resume is not None:
+            raise ConfigError(f"--resume: {args.config} is a dataflow config (topics and stages); only RL jobs resume")
         cfg = load_config(JobConfig, args.config, args.set)
         job = LocalJob(cfg.topology, cfg.broker, cfg.stages, cfg.admission())
         return _supervise(job, cfg.name, cfg.timeout_s, _BrokerProgress(job))
     from stream_rlhf.rl.config import RLJobConfig
     from stream_rlhf.rl.driver import RLRun
 
-    run = RLRun(load_config(RLJobConfig, args.config, args.set))
+    cfg = load_config(RLJobConfig, args.config, args.set)
+    if args.resume:  # a run folder named on the command line: runs_dir and name follow from it
+        folder = Path(args.resume).resolve()
+        cfg = dataclasses.replace(cfg, runs_dir=str(folder.parent), name=folder.name)
+    run = RLRun(cfg, resume=args.resume is not None)
     try:
         job = run.prepare()  # warm start and eval before: no stage process exists yet
     except KeyboardInterrupt:

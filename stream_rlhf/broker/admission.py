@@ -36,13 +36,16 @@ class AdmitAll:
 @dataclass(frozen=True)
 class OverlapAdmission:
     """Handles of `topics` for iteration i are delivered only once policy_version >= i - depth:
-    rollout runs at most `overlap_depth` policy versions ahead of training (0: on-policy)."""
+    rollout runs at most `overlap_depth` policy versions ahead of training (0: on-policy). A
+    resumed run starts at `start_version`, the version its checkpoint holds."""
 
     topics: frozenset[str]
     overlap_depth: int
+    start_version: int = 0
 
     def admit(self, handle: Handle, stage: str, policy_version: int) -> bool:
-        return handle.topic not in self.topics or handle.iteration - policy_version <= self.overlap_depth
+        version = max(policy_version, self.start_version)
+        return handle.topic not in self.topics or handle.iteration - version <= self.overlap_depth
 
     def published(self, handle: Handle) -> None:
         pass

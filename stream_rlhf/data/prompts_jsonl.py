@@ -224,6 +224,20 @@ class PromptDataset:
             summary = ", ".join(f"{count} {kind}" for kind, count in sorted(self.skipped.items()))
             raise DataError(self.file, "file", f"no usable lines in {self.file} ({len(self._bad)} skipped: {summary})")
 
+    def cursor(self) -> dict[str, object]:
+        """Where `next_sample` stands: what `seek` takes to continue from here (JSON values)."""
+        return {"epoch": self.epoch, "position": self._position, "bad": sorted(self._bad),
+                "skipped": dict(self.skipped), "skipped_examples": list(self.skipped_examples)}
+
+    def seek(self, cursor: dict) -> None:
+        """Continue from a `cursor()` of a dataset over the same file and seed."""
+        if not 0 <= cursor["position"] <= len(self._lines) or any(not 0 <= i < len(self._lines) for i in cursor["bad"]):
+            raise ValueError(f"{self.file}: a cursor of another file ({len(self._lines)} lines here): {cursor}")
+        self.epoch, self._position = cursor["epoch"], cursor["position"]
+        self._order = self._shuffled(self.epoch)
+        self._bad = set(cursor["bad"])
+        self.skipped, self.skipped_examples = dict(cursor["skipped"]), list(cursor["skipped_examples"])
+
     def _shuffled(self, epoch: int) -> list[int]:
         order = list(range(len(self._lines)))
         random.Random(f"{self.seed}/{epoch}").shuffle(order)

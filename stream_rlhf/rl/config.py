@@ -27,6 +27,7 @@ from stream_rlhf.backends.vllm_config import VllmConfig
 from stream_rlhf.broker.topology import BrokerConfig
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.placement import PlacementConfig
+from stream_rlhf.resume.config import CheckpointConfig
 
 Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 ALL_STAGES = ("prompts", "vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward",
@@ -416,6 +417,8 @@ class RLJobConfig:
     and the forwards; redelivery gives the new instance the unfinished mini-batches)."""
     timeline: bool = False
     """Write every stage step's start and end to runs/<name>/timeline/ (for bench/pipeline.py)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When the run saves its state for `stream-rlhf run --resume` (`resume/config.py`)."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

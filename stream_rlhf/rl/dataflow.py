@@ -42,6 +42,7 @@ from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.core_board import CoreLending
 from stream_rlhf.launch.local import StageSpec
 from stream_rlhf.launch.placement import RankPlacement, preflight, stage_ranks
+from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.job_context import JobContext
 
@@ -94,8 +95,10 @@ def left_out_stages(cfg: RLJobConfig) -> dict[str, str]:
     return out
 
 
-def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_language: bool = False) -> Dataflow:
-    """The dataflow of `cfg` starting from `checkpoint` (`vision_language`: it has a vision tower)."""
+def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_language: bool = False,
+                resume: ResumePoint | None = None) -> Dataflow:
+    """The dataflow of `cfg` starting from `checkpoint` (`vision_language`: it has a vision tower),
+    or continuing from the run checkpoint `resume`."""
     if cfg.weights.transport == "cuda_ipc" and not torch.cuda.is_available():
         raise ConfigError("weights.transport=cuda_ipc: needs a CUDA device shared by the trainer and rollout; "
                           "this machine has none (use shm or broadcast)")
@@ -128,7 +131,7 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
         if prefetch:
             topics["vision"] = TopicConfig(producers=["vision_prefetch"], consumers=["rollout"],
                                            capacity=cfg.vision.prefetch_depth)
-    job = JobContext(cfg, checkpoint, weights_root, vision_language)
+    job = JobContext(cfg, checkpoint, weights_root, vision_language, resume)
     minibatches = cfg.rollout_batch.minibatches
     timeline = f"{cfg.run_dir}/timeline" if cfg.timeline else None
     names = ["prompts", *(["vision_prefetch"] if prefetch else []), "rollout", *forwards, *trainers]
@@ -141,7 +144,7 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
                  "in host memory", cfg.placement.offload)
     capacity = max(cfg.broker.queue_capacity, 2 * minibatches * (cfg.overlap_depth + 1))
     broker = replace(cfg.broker, queue_capacity=capacity)
-    overlap = OverlapAdmission(frozenset({"prompts"}), cfg.overlap_depth)
+    overlap = OverlapAdmission(frozenset({"prompts"}), cfg.overlap_depth, job.start_version)
     admission = overlap if cfg.schedule == "stream" else PhaseAdmission(
         overlap, frozenset({"generated" if vision_language else "rollout", "experience"}), minibatches
     )

@@ -1,13 +1,15 @@
 """The driver of `stream-rlhf run` for RL configs: everything around the stage processes.
 
-    run = RLRun(cfg)
+    run = RLRun(cfg)           # RLRun(cfg, resume=True): continue from the last checkpoint (`rl/resume.py`)
     job = run.prepare()        # dataset (cached), warm start (cached), eval before, compile -> LocalJob
     ... supervise the job with run.progress() ...
     run.cleanup()              # always, however the job ended: removes the weight versions
     summary = run.finish()     # after a finished job: eval after, summary.json + table
 
 Sample accounting in the summary is exact: samples_generated = samples_trained + samples_dropped
-(reasons in dropped_reasons) + samples_in_flight_at_stop. Dataset lines left out under
+(reasons in dropped_reasons) + samples_discarded_at_resume + samples_in_flight_at_stop, over every
+run of a resumed job (`samples_discarded_at_resume`: generated after a checkpoint by a run that
+stopped, and generated again by the run that resumed from it). Dataset lines left out under
 `data.on_bad_sample: skip` are reported as lines_skipped (train and eval, by reason) with the
 first messages in lines_skipped_examples.
 A vision-language run adds images_seen (images in the generated samples) and images_encoded
@@ -28,6 +30,7 @@ from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import check_placement, compile_job
+from stream_rlhf.rl.resume import Resumed, prepare_resume, read_record, record_start
 from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.telemetry.progress import IterationProgress, print_summary
 from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_details
@@ -35,13 +38,17 @@ from stream_rlhf.weights.shm_store import weights_root
 
 log = logging.getLogger("stream_rlhf")
 RUN_OUTPUTS = ("metrics.jsonl", "critic_metrics.jsonl", "train_summary.json", "summary.json", "timeline",
-               "stage_counts", "checkpoint", "tensorboard")
+               "stage_counts", "checkpoint", "checkpoints", "tensorboard")
 """What a run writes in runs/<name>/; a new run of the same name starts without them."""
+RESUME_KEEPS = ("metrics.jsonl", "critic_metrics.jsonl", "timeline", "stage_counts", "checkpoints", "tensorboard")
+"""What a resumed run continues (the metrics cut back to its checkpoint) instead of deleting."""
 
 
 class RLRun:
-    def __init__(self, cfg: RLJobConfig):
+    def __init__(self, cfg: RLJobConfig, resume: bool = False):
         self.cfg = cfg
+        self.resume = resume
+        self.resumed: Resumed | None = None
         self.run_dir = Path(cfg.run_dir)
         self.weights = weights_root(cfg.broker.shm_prefix, cfg.name)
         self.started = time.monotonic()
@@ -65,11 +72,15 @@ class RLRun:
             check_engine_python(self.cfg.rollout.vllm.python)
         for name in RUN_OUTPUTS:
             path = self.run_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            if not (self.resume and name in RESUME_KEEPS):
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.weights, ignore_errors=True)
         self.cfg = resolve_data(self.cfg)
-        self.checkpoint = str(warm_start(self.cfg))
+        if self.resume:
+            self.resumed = prepare_resume(self.run_dir, self.cfg, self.weights)
+        started_from = self.resumed.start_checkpoint if self.resumed else None
+        self.checkpoint = started_from if started_from and Path(started_from).is_dir() else str(warm_start(self.cfg))
         self.vision_language = is_vision_language(self.checkpoint)
         if self.vision_language and self.cfg.reward.model_path is not None:
             raise ConfigError(f"reward.model_path={self.cfg.reward.model_path!r}: reward models are text-only, "
@@ -77,9 +88,14 @@ class RLRun:
         if self.vision_language and self.cfg.rollout.backend == "vllm" and self.cfg.weights.update == "in_flight":
             raise ConfigError("weights.update=in_flight: not with images on the vLLM backend (its encoder cache is "
                               "reset at each update, which requests in flight still use); use drain")
-        self.before = evaluate(self.cfg, self.checkpoint)
+        if self.resumed is None:
+            self.before = evaluate(self.cfg, self.checkpoint)
+            record_start(self.run_dir, self.cfg, self.before, self.checkpoint)
+        else:
+            self.before = self.resumed.eval_before
         log.info("eval before RL: reward %.3f (greedy %.3f)", self.before["reward"], self.before["greedy_reward"])
-        flow = compile_job(self.cfg, self.checkpoint, str(self.weights), self.vision_language)
+        flow = compile_job(self.cfg, self.checkpoint, str(self.weights), self.vision_language,
+                           self.resumed.point if self.resumed else None)
         self.left_out = flow.left_out
         self.job_started = time.monotonic()
         return LocalJob(flow.topology, flow.broker, flow.stages, flow.admission, flow.broker_cores)
@@ -101,6 +117,7 @@ class RLRun:
         counts = read_stage_counts(self.run_dir)
         skipped, skipped_examples = _skipped(self.run_dir)
         generated = counts.get("rollout", {}).get("generated", 0)
+        discarded = self.resumed.discarded if self.resumed else 0
         summary = {
             "name": self.cfg.name,
             "algorithm": self.cfg.algorithm.advantage,
@@ -118,7 +135,8 @@ class RLRun:
             "samples_trained": train["samples_trained"],
             "samples_dropped": train["samples_dropped"],
             "dropped_reasons": train["dropped_reasons"],
-            "samples_in_flight_at_stop": generated - train["samples_trained"] - train["samples_dropped"],
+            "samples_discarded_at_resume": discarded,
+            "samples_in_flight_at_stop": generated - train["samples_trained"] - train["samples_dropped"] - discarded,
             "max_staleness": train["max_staleness"],
             "lines_skipped": {"train": skipped, "eval": after["skipped"]},
             "lines_skipped_examples": skipped_examples + after["skipped_examples"],
@@ -126,6 +144,7 @@ class RLRun:
             "wall_s": round(time.monotonic() - self.started, 1),
             "start_checkpoint": self.checkpoint,
             "checkpoint": str(self.run_dir / "checkpoint"),
+            "resumed_from": [r["version"] for r in read_record(self.run_dir)["resumes"]],
         }
         if self.vision_language:
             summary["images_seen"] = counts.get("prompts", {}).get("images_seen", 0)

@@ -33,6 +33,7 @@ from stream_rlhf.stages.experience import Experience, IterationBuffer
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator, stage_counts
 from stream_rlhf.stages.samples import response_slices
+from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
 from stream_rlhf.stages.weight_sync import open_sender
 from stream_rlhf.telemetry.metrics import MetricsWriter
@@ -59,7 +60,10 @@ class ActorTrain(Stage):
         self.weights = WeightStore(self.job.weights_root, "actor")
         leader = ctx.group.is_leader
         self.sender = open_sender(self.job) if leader else None  # rollout's broadcast / CUDA IPC groups; None for shm
-        self.metrics = MetricsWriter(self.job.run_dir) if leader else None
+        self.checkpoints = TrainerCheckpoints(self.job, "actor", self.engine, ctx.group)
+        if (state := self.checkpoints.resume()) is not None:
+            self._restore(state)
+        self.metrics = MetricsWriter(self.job.run_dir, purge_step=self.version) if leader else None
         self.started = self.last_done = time.time()
 
     def step(self, batch: Batch | None) -> list[Output]:
@@ -69,8 +73,25 @@ class ActorTrain(Stage):
         return []
 
     def close(self) -> None:
+        self.checkpoints.save_at_stop(self.version, self._state())
         if self.sender is not None:
             self.sender.close()
+
+    def _state(self) -> dict:
+        """What a checkpoint keeps besides the engine's state (`trainer_checkpoint.py`)."""
+        return {"kl_coef": self.kl_ctl.coef, "samples_trained": self.trained, "dropped_reasons": self.dropped,
+                "max_staleness": self.max_staleness}
+
+    def _restore(self, state: dict) -> None:
+        """Continue from a checkpoint: its version, KL coefficient and counters; rollout's groups get
+        its weights (the shared-memory store already has them: the driver put them there)."""
+        self.version, self.kl_ctl.coef = state["version"], state["kl_coef"]
+        self.trained, self.dropped = state["samples_trained"], state["dropped_reasons"]
+        self.max_staleness = state["max_staleness"]
+        if self.sender is not None:
+            weights = self.engine.export_weights()
+            self.sender.publish([(name, weights[name]) for name in self.trained_names], self.version)
+        self.ctx.log.info("resumed from %s at policy version %d", self.job.resume.folder, self.version)
 
     def _fresh(self, batches: list[Batch]) -> list[Batch]:
         """The batches within the staleness bound; the rest are dropped and counted."""
@@ -84,6 +105,7 @@ class ActorTrain(Stage):
 
     def _train_iteration(self, batches: list[Batch]) -> None:
         iteration = self.version
+        self.checkpoints.iteration_started()
         fresh = self._fresh(batches)
         record = {"iteration": iteration}
         if fresh:
@@ -100,6 +122,7 @@ class ActorTrain(Stage):
         self.last_done = now
         if self.metrics is not None:
             self.metrics.write(record)
+        self.checkpoints.iteration_done(self.version, self._state())
         if self.version == self.job.config.iterations:
             self._finish()
 

@@ -19,6 +19,7 @@ from stream_rlhf.stages.experience import Experience, IterationBuffer
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator, stage_counts
 from stream_rlhf.stages.samples import response_slices
+from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
 from stream_rlhf.telemetry.metrics import MetricsWriter
 from stream_rlhf.weights.shm_store import WeightStore
@@ -36,12 +37,17 @@ class CriticTrain(Stage):
         cfg = self.job.config
         self.engine = TorchTrainEngine(load_critic(self.job.checkpoint), ctx.group, cfg.critic)
         self.weights = WeightStore(self.job.weights_root, "critic")
-        self.metrics = MetricsWriter(self.job.run_dir, "critic_metrics.jsonl") if ctx.group.is_leader else None
+        self.checkpoints = TrainerCheckpoints(self.job, "critic", self.engine, ctx.group)
+        if (state := self.checkpoints.resume()) is not None:
+            self.version, self.kl_ctl.coef = state["version"], state["kl_coef"]
+        self.metrics = MetricsWriter(self.job.run_dir, "critic_metrics.jsonl", purge_step=self.version) \
+            if ctx.group.is_leader else None
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.buffer.add(batch)
         while (batches := self.buffer.take(self.version)) is not None:
+            self.checkpoints.iteration_started()
             fresh, _ = split_by_staleness(batches, self.version, self.job.config.overlap_depth)  # actor_train counts drops
             if fresh:
                 self._update(Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh]))
@@ -49,7 +55,11 @@ class CriticTrain(Stage):
             weights = self.engine.export_weights()
             if self.ctx.group.is_leader:
                 self.weights.publish(weights, self.version)
+            self.checkpoints.iteration_done(self.version, {"kl_coef": self.kl_ctl.coef})
         return []
+
+    def close(self) -> None:
+        self.checkpoints.save_at_stop(self.version, {"kl_coef": self.kl_ctl.coef})
 
     def _update(self, exp: Experience) -> None:
         cfg = self.job.config

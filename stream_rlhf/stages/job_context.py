@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from stream_rlhf.broker.stage import StageContext
+from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.telemetry.stage_counts import StageCounts
 
@@ -22,6 +23,13 @@ class JobContext:
     """Where trainers publish weight versions (`weights.shm_store`)."""
     vision_language: bool = False
     """The checkpoint has a vision tower: prompts carry images (see `stages/images.py`)."""
+    resume: ResumePoint | None = None
+    """The run checkpoint this run continues from (`resume/store.py`); None: a fresh run."""
+
+    @property
+    def start_version(self) -> int:
+        """The policy version the run starts from: 0, or the resumed checkpoint's."""
+        return self.resume.version if self.resume is not None else 0
 
     @property
     def run_dir(self) -> Path:

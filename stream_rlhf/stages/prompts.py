@@ -6,7 +6,9 @@ and cut into patches here, once per prompt (`stages/images.py` has the handle's 
 Each prompt appears `samples_per_prompt` times in its mini-batch with one group id, so GRPO and
 RLOO find a prompt's samples together; its images are shared by those samples. References (the
 answers the reward checks) travel as handle metadata. Lines the dataset skips
-(`data.on_bad_sample: skip`) are counted in `stage_counts/` for the summary.
+(`data.on_bad_sample: skip`) are counted in `stage_counts/` for the summary. The dataset's
+cursor is recorded at every iteration's start (`prompt_cursor.py`), and a resumed run starts
+at its checkpoint's iteration from there.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from stream_rlhf.models.checkpoint import load_tokenizer
 from stream_rlhf.rl.task_data import open_prompts
 from stream_rlhf.stages.images import image_batch_fields
 from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.stages.prompt_cursor import PromptCursors
 from stream_rlhf.stages.samples import ragged
 from stream_rlhf.stages.topics import topic_output
 from stream_rlhf.telemetry.stage_counts import StageCounts
@@ -29,7 +32,8 @@ class PromptSource(Stage):
     def __init__(self, job: JobContext):
         self.job = job
         cfg = job.config
-        self.order = [(i, m) for i in range(cfg.iterations) for m in range(cfg.rollout_batch.minibatches)]
+        start = job.start_version  # a resumed run serves the iterations its checkpoint had not trained
+        self.order = [(i, m) for i in range(start, cfg.iterations) for m in range(cfg.rollout_batch.minibatches)]
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
@@ -38,14 +42,19 @@ class PromptSource(Stage):
         model_config = AutoConfig.from_pretrained(self.job.checkpoint)
         self.dataset = open_prompts(cfg, model_config, self.tokenizer, "train", cfg.seed)
         if self.dataset is None:
-            count = len(self.order) * cfg.rollout_batch.prompts_per_minibatch
+            count = cfg.iterations * cfg.rollout_batch.minibatches * cfg.rollout_batch.prompts_per_minibatch
             self.problems = problems("train", count, cfg.task.seed, cfg.task.max_operand)
+        self.cursors = PromptCursors(self.job.run_dir)
+        if self.dataset is not None and self.job.start_version:
+            self.dataset.seek(self.cursors.at(self.job.start_version))
         self.counts = StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id)
 
     def step(self, batch: Batch | None) -> list[Output] | None:
         if not self.order:
             return None
         iteration, minibatch = self.order.pop(0)
+        if minibatch == 0 and self.dataset is not None:
+            self.cursors.record(iteration, self.dataset.cursor())
         rb = self.job.config.rollout_batch
         first = (iteration * rb.minibatches + minibatch) * rb.prompts_per_minibatch
         prompts, references, images, prompt_images = [], [], [], []

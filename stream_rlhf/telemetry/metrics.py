@@ -13,10 +13,12 @@ from typing import Any
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, filename: str = "metrics.jsonl"):
+    def __init__(self, run_dir: str | Path, filename: str = "metrics.jsonl", purge_step: int = 0):
+        """`purge_step` > 0 (a resumed run): TensorBoard forgets what an earlier run of this
+        folder logged from that iteration on, as the driver cut the JSONL files there."""
         self.path = Path(run_dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tensorboard = _tensorboard(Path(run_dir) / "tensorboard")
+        self.tensorboard = _tensorboard(Path(run_dir) / "tensorboard", purge_step)
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
@@ -29,12 +31,21 @@ class MetricsWriter:
             self.tensorboard.flush()
 
 
-def _tensorboard(folder: Path):
+def _tensorboard(folder: Path, purge_step: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # the `tensorboard` extra is not installed
         return None
-    return SummaryWriter(str(folder))
+    return SummaryWriter(str(folder), purge_step=purge_step or None)
+
+
+def cut_metrics(path: str | Path, version: int) -> None:
+    """Keep the records of iterations before `version` (a run resuming from that checkpoint
+    writes the rest again) and drop a torn last line."""
+    path = Path(path)
+    if path.is_file():
+        kept = [r for r in read_metrics(path) if int(r.get("iteration", 0)) < version]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

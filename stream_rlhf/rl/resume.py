@@ -1,0 +1,120 @@
+"""The driver's side of `stream-rlhf run CONFIG --resume`: which checkpoint, whether the config
+still fits it, and the run folder made ready to continue from it.
+
+    record_start(run_dir, cfg, eval_before, start_checkpoint)   # a fresh run, before its stages
+    resumed = prepare_resume(run_dir, cfg, weights_root)        # a resumed run, before its stages
+
+A fresh run writes `checkpoints/run.json`: its config, the eval before RL and the checkpoint it
+started from, and a list of its resumes. A resumed run picks the newest complete and intact
+checkpoint (`resume/store.py`), refuses a config that changed what the checkpoint's state
+depends on (model, task, training data, batch shape, advantage estimator, seed; a learning rate
+or the iteration count may change), cuts `metrics.jsonl` and `critic_metrics.jsonl` back to the
+checkpoint's iterations, and puts the checkpoint's actor (and critic) weights in the shared-memory
+weight store as the checkpoint's version, so rollout and the forwards start from them.
+
+Samples generated after the checkpoint by the interrupted run are not in it: they are generated
+again, and counted in the summary as `samples_discarded_at_resume`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stream_rlhf.config import ConfigError
+from stream_rlhf.resume.store import ResumePoint
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.stages.trainer_checkpoint import ENGINE, FOLDER, STATE, checkpoint_parts, checkpoint_store
+from stream_rlhf.telemetry.metrics import cut_metrics
+from stream_rlhf.telemetry.stage_counts import read_stage_counts
+from stream_rlhf.weights.shm_store import WeightStore
+
+log = logging.getLogger("stream_rlhf")
+RUN_RECORD = "run.json"
+FIXED_KEYS = ("model", "task", "data.train", "rollout_batch", "algorithm.advantage", "seed")
+"""Config keys a resumed run must share with its checkpoint (and every key below them)."""
+
+
+def record_start(run_dir: Path, cfg: RLJobConfig, eval_before: dict[str, Any], start_checkpoint: str) -> None:
+    folder = run_dir / FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"config": _plain(cfg), "eval_before": eval_before, "start_checkpoint": start_checkpoint, "resumes": []}
+    (folder / RUN_RECORD).write_text(json.dumps(record, indent=1))
+
+
+def read_record(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / FOLDER / RUN_RECORD).read_text())
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    point: ResumePoint
+    eval_before: dict[str, Any]
+    start_checkpoint: str
+    """The warm start (or `model.path`) the interrupted run started from."""
+    discarded: int
+    """Samples, over every resume so far, that interrupted runs generated after their checkpoint."""
+
+
+def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resumed:
+    if cfg.rollout.medusa.enabled and cfg.rollout.medusa.companion:
+        raise ConfigError("rollout.medusa.companion=true: --resume does not restore Medusa heads yet; "
+                          "resume with rollout.medusa.companion=false or start a fresh run")
+    if not (run_dir / FOLDER / RUN_RECORD).is_file():
+        raise ConfigError(f"--resume: {run_dir / FOLDER / RUN_RECORD} does not exist: {run_dir} holds no run to resume")
+    record = read_record(run_dir)
+    _check_unchanged(record["config"], _plain(cfg))
+    point = checkpoint_store(run_dir, cfg).latest(checkpoint_parts(cfg))
+    if point is None:
+        raise ConfigError(f"--resume: no complete checkpoint in {run_dir / FOLDER} (every {cfg.checkpoint.every} "
+                          "iterations; the run stopped before its first)")
+    if point.version >= cfg.iterations:
+        raise ConfigError(f"iterations={cfg.iterations}: the checkpoint in {point.folder} has trained "
+                          f"{point.version} already; raise iterations to train on")
+    actor = json.loads((point.part("actor") / STATE).read_text())
+    generated = read_stage_counts(run_dir).get("rollout", {}).get("generated", 0)
+    discarded = sum(r["discarded"] for r in record["resumes"])
+    new = max(0, generated - discarded - actor["samples_trained"] - sum(actor["dropped_reasons"].values()))
+    record["resumes"].append({"version": point.version, "discarded": new})
+    (run_dir / FOLDER / RUN_RECORD).write_text(json.dumps(record, indent=1))
+    for name in ("metrics.jsonl", "critic_metrics.jsonl"):
+        cut_metrics(run_dir / name, point.version)
+    for part in checkpoint_parts(cfg):
+        weights = torch.load(point.part(part) / ENGINE, map_location="cpu", weights_only=True)["model"]
+        WeightStore(weights_root, part).publish(weights, point.version)
+    log.info("resuming from %s: policy version %d of %d (%d samples of the interrupted run generated again)",
+             point.folder, point.version, cfg.iterations, new)
+    return Resumed(point, record["eval_before"], record["start_checkpoint"], discarded + new)
+
+
+def _plain(cfg: RLJobConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def _check_unchanged(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    for key in FIXED_KEYS:
+        before, after = _flat(_at(saved, key), key), _flat(_at(now, key), key)
+        for name in sorted(before.keys() | after.keys()):
+            if before.get(name) != after.get(name):
+                raise ConfigError(f"{name}={after.get(name)!r}: the run to resume had {before.get(name)!r}; a resumed "
+                                  "run keeps its model, task, data, batch shape, advantage estimator and seed")
+
+
+def _at(tree: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def _flat(value: Any, prefix: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for name, inner in value.items():
+        out.update(_flat(inner, f"{prefix}.{name}"))
+    return out
