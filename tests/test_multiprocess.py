@@ -208,9 +208,9 @@ def test_killed_producer_segments_are_reclaimed(tmp_path, shm_prefix):
     assert shm.list_segments(shm_prefix) == []
 
 
-def test_a_step_stuck_outside_gives_up_at_shutdown_and_the_instance_exits_cleanly(tmp_path, shm_prefix):
+def test_a_step_stuck_outside_gives_up_at_shutdown_and_the_instance_exits_cleanly(tmp_path, shm_prefix, caplog):
     """A step waiting on something that never answers (a hung engine) watches StageContext.stopping:
-    the job's shutdown ends it in well under the launcher's 15 s grace, with exit code 0."""
+    the job's shutdown ends it, with exit code 0, and the launcher never has to terminate it."""
     job = make_job(
         topics={"items": {"producers": ["src"], "consumers": ["stuck"]}},
         stages={
@@ -223,10 +223,9 @@ def test_a_step_stuck_outside_gives_up_at_shutdown_and_the_instance_exits_cleanl
     try:
         wait_for(lambda: (tmp_path / "started").exists(), 60, "the stuck step")
     finally:
-        started = time.monotonic()
         job.stop()
-    assert time.monotonic() - started < 10
     assert job.processes["stuck-0"].exitcode == 0
+    assert "ignored shutdown" not in caplog.text  # what the launcher logs before it sends SIGTERM
 
 
 def test_broker_killed_and_restarted_recovers_from_journal(tmp_path, shm_prefix, free_port):
@@ -276,12 +275,10 @@ def test_a_dropped_handle_fails_a_job_that_needs_every_handle(tmp_path, shm_pref
                 "sink": ("Sink", {"kwargs": {"path": str(out), "expected": 4}})},
         prefix=shm_prefix,
     )
-    started = time.monotonic()
     job.start()
-    try:
+    try:  # the watch's message, not the wait's timeout
         with pytest.raises(StageFailed, match=r"the broker dropped [1-4] handle\(s\) \(rejected [1-4]; "):
             job.wait(60, watch=job.fail_on_dropped_handles, watch_every_s=0.5)
     finally:
         job.stop()
-    assert time.monotonic() - started < 30
     assert not read_records(out)
