@@ -15,6 +15,7 @@ import pytest
 from stream_rlhf.broker import shm
 
 pytestmark = pytest.mark.slow
+DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "broker_demo.yaml")
 
 
 def stream_rlhf(*args: str, cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -32,7 +33,7 @@ def live_processes_in_group(pgid: int) -> list[str]:
 def test_demo_job_runs_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     result = stream_rlhf(
-        "run", "configs/broker_demo.yaml",
+        "run", DEMO,
         "--set", f"stages.trainer.kwargs.run_dir={run_dir}",
         "--set", f"broker.journal={tmp_path / 'journal'}",
         "--set", "broker.shm_prefix=clidemo",
@@ -48,7 +49,7 @@ def test_demo_job_runs_end_to_end(tmp_path):
 
 
 def test_config_error_names_the_key_and_starts_nothing():
-    result = stream_rlhf("run", "configs/broker_demo.yaml", "--set", "broker.queue_capacity=0")
+    result = stream_rlhf("run", DEMO, "--set", "broker.queue_capacity=0")
     assert result.returncode == 2
     assert "broker.queue_capacity=0: must be >= 1" in result.stderr
     assert "listening" not in result.stderr
@@ -71,7 +72,7 @@ def test_keys_command_writes_a_usable_key_folder(tmp_path):
 def start_long_demo(tmp_path: Path, prefix: str) -> subprocess.Popen:
     """The demo job with a practically endless prompt stream, in its own session."""
     command = [
-        sys.executable, "-m", "stream_rlhf.cli", "run", "configs/broker_demo.yaml",
+        sys.executable, "-m", "stream_rlhf.cli", "run", DEMO,
         "--set", "stages.prompts.kwargs.iterations=100000", "--set", "stages.trainer.kwargs.iterations=100000",
         "--set", f"stages.trainer.kwargs.run_dir={tmp_path}", "--set", f"broker.shm_prefix={prefix}",
         "--set", f"broker.journal={tmp_path / 'journal'}",
@@ -95,12 +96,12 @@ def wait_until_gone(pgid: int, timeout_s: float) -> list[str]:
 def test_ctrl_c_drains_and_leaves_no_process_or_shared_memory(tmp_path):
     job = start_long_demo(tmp_path, "ctrlc")
     os.killpg(job.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
-    started = time.monotonic()
-    assert job.wait(timeout=30) == 130
-    assert time.monotonic() - started < 20
-    assert wait_until_gone(job.pid, 5) == []  # no orphan stage or broker
+    assert job.wait(timeout=60) == 130
+    assert wait_until_gone(job.pid, 30) == []  # no orphan stage or broker
     assert shm.list_segments("ctrlc") == []
-    assert "draining every stage" in (tmp_path / "log").read_text()
+    log = (tmp_path / "log").read_text()
+    assert "draining every stage" in log
+    assert "ignored shutdown" not in log and "ignored SIGTERM" not in log  # every stage drained: none was killed
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
@@ -121,11 +122,11 @@ def test_broker_and_stages_started_separately_as_on_a_cluster(tmp_path, free_por
     ]
     module = [sys.executable, "-m", "stream_rlhf.cli"]
     logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("broker", "stages")}  # files: never a full pipe
-    broker = subprocess.Popen([*module, "broker", "configs/broker_demo.yaml", *overrides],
+    broker = subprocess.Popen([*module, "broker", DEMO, *overrides],
                               stdout=subprocess.PIPE, stderr=logs["broker"], text=True)
     instances = [("prompts", 0), ("rollout", 0), ("rollout", 1), ("ref_forward", 0), ("reward_forward", 0), ("trainer", 0)]
     stages = [
-        subprocess.Popen([*module, "stage", "configs/broker_demo.yaml", name, "--broker", address,
+        subprocess.Popen([*module, "stage", DEMO, name, "--broker", address,
                           "--index", str(index), *overrides], stderr=logs["stages"])
         for name, index in instances
     ]
