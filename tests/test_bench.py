@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.bench_run import REPO
+
 pytestmark = pytest.mark.slow
 
 KEYS = {
@@ -18,7 +20,8 @@ KEYS = {
 
 def test_bench_broker_quick_json():
     result = subprocess.run(
-        [sys.executable, "bench/broker.py", "--quick", "--json"], capture_output=True, text=True, timeout=240
+        [sys.executable, "bench/broker.py", "--quick", "--json"], cwd=REPO, capture_output=True, text=True,
+        timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from stream_rlhf.config import ConfigError, build, load_config
 from stream_rlhf.job import JobConfig
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 GOOD = {
     "name": "t",
@@ -87,5 +91,5 @@ def test_overrides_and_yaml_errors(tmp_path):
 
 
 def test_shipped_configs_load():
-    cfg = load_config(JobConfig, "configs/broker_demo.yaml")
+    cfg = load_config(JobConfig, CONFIGS / "broker_demo.yaml")
     assert cfg.topology.topics["experience"].join == ["rollout", "ref_logp", "reward"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from stream_rlhf.broker.inprocess import InProcessBus
@@ -9,6 +11,8 @@ from stream_rlhf.broker.stage import Batch, Output, Stage
 from stream_rlhf.config import load_config
 from stream_rlhf.demo.stages import PromptSource, ToyForward, ToyRollout, ToyTrainer
 from stream_rlhf.job import JobConfig
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 class Collect(Stage):
@@ -21,7 +25,7 @@ class Collect(Stage):
 
 
 def test_demo_dataflow_in_process(tmp_path):
-    cfg = load_config(JobConfig, "configs/broker_demo.yaml")
+    cfg = load_config(JobConfig, CONFIGS / "broker_demo.yaml")
     bus = InProcessBus(cfg.topology, cfg.broker.__class__(queue_capacity=4), cfg.admission())
     bus.add("prompts", PromptSource(iterations=3, minibatches=2, batch_size=2, prompt_len=4))
     bus.add("rollout", ToyRollout(response_len=3), instances=2)

@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from stream_rlhf.config import ConfigError, build, load_config
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import compile_job
 from tests.rl_tiny import VISION, tiny_job, write_job
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 @pytest.mark.parametrize(
@@ -106,10 +109,9 @@ def test_cli_rejects_a_placement_this_machine_cannot_run_before_the_warm_start(t
 
 
 def test_shipped_configs_load_and_compile():
-    configs = (("configs/text_ppo.yaml", True, False), ("configs/text_grpo.yaml", False, False),
-               ("configs/mllm_ppo.yaml", True, True))
-    for path, critic, vision in configs:
-        cfg = load_config(RLJobConfig, path)
+    configs = (("text_ppo.yaml", True, False), ("text_grpo.yaml", False, False), ("mllm_ppo.yaml", True, True))
+    for name, critic, vision in configs:
+        cfg = load_config(RLJobConfig, CONFIGS / name)
         flow = compile_job(cfg, "checkpoint", "weights", vision_language=vision)
         assert ("critic_forward" in flow.stages) is critic
         assert ("vision_prefetch" in flow.stages) is vision
