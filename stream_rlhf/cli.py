@@ -100,6 +100,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         run.cleanup()
     if code == 0:
         run.finish()
+    else:
+        run.log_resume_hint(args.config)
     return code
 
 

@@ -56,6 +56,7 @@ def test_a_sync_run_stopped_and_resumed_ends_with_the_weights_of_an_uninterrupte
     _stop_after(_start(cut, log), tmp_path / "cut" / "metrics.jsonl", 3, log)
     stopped_at = [int(p.name[5:]) for p in (tmp_path / "cut" / "checkpoints").glob("iter-*")]
     assert max(stopped_at) >= 3  # saved at the stop, not only every 2 iterations
+    assert f"continue with `stream-rlhf run {cut} --resume" in log.read_text()
     assert _start(cut, log, "--resume").wait(timeout=300) == 0, log.read_text()[-3000:]
 
     expected = load_file(tmp_path / "whole" / "checkpoint" / "model.safetensors")
@@ -75,7 +76,9 @@ def test_a_sync_run_stopped_and_resumed_ends_with_the_weights_of_an_uninterrupte
 
 
 def test_a_streaming_ppo_run_resumes_with_its_accounting_and_staleness_bound_intact(tmp_path):
-    config = _config(tmp_path, "stream", iterations=6, overlap_depth=1, checkpoint={"every": 1, "keep": 1})
+    """PPO (a critic too), overlap_depth 1, weights broadcast to rollout over a gloo group."""
+    config = _config(tmp_path, "stream", iterations=6, overlap_depth=1, checkpoint={"every": 1, "keep": 1},
+                     weights={"transport": "broadcast"})  # rollout joins its group and gets the resumed version
     log = tmp_path / "stream.log"
     _stop_after(_start(config, log), tmp_path / "stream" / "metrics.jsonl", 2, log)
     assert _start(config, log, "--resume", str(tmp_path / "stream")).wait(timeout=300) == 0, log.read_text()[-3000:]

@@ -31,6 +31,7 @@ from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import check_placement, compile_job
 from stream_rlhf.rl.resume import Resumed, prepare_resume, read_record, record_start
+from stream_rlhf.stages.trainer_checkpoint import checkpoint_parts, checkpoint_store
 from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.telemetry.progress import IterationProgress, print_summary
 from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_details
@@ -105,6 +106,13 @@ class RLRun:
 
     def cleanup(self) -> None:
         shutil.rmtree(self.weights, ignore_errors=True)
+
+    def log_resume_hint(self, config: str) -> None:
+        """After a run that did not finish: how to continue it, if it left a checkpoint."""
+        point = checkpoint_store(self.run_dir, self.cfg).latest(checkpoint_parts(self.cfg))
+        if point is not None:
+            log.info("checkpoint %s holds policy version %d: continue with `stream-rlhf run %s --resume %s`",
+                     point.folder, point.version, config, self.run_dir)
 
     def finish(self) -> dict[str, Any]:
         from stream_rlhf.rl.evaluate import evaluate
