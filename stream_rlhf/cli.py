@@ -24,9 +24,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
-
-from stream_rlhf.config import ConfigError, load_config
+from stream_rlhf.config import ConfigError, load_config, read_yaml
 from stream_rlhf.data.errors import DataError
 from stream_rlhf.job import JobConfig
 from stream_rlhf.launch.local import LocalJob, StageFailed, run_stage, setup_logging
@@ -88,29 +86,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.resume:  # a run folder named on the command line: runs_dir and name follow from it
         folder = Path(args.resume).resolve()
         cfg = dataclasses.replace(cfg, runs_dir=str(folder.parent), name=folder.name)
-    run = RLRun(cfg, resume=args.resume is not None)
-    try:
-        job = run.prepare()  # warm start and eval before: no stage process exists yet
-    except KeyboardInterrupt:
-        log.warning("interrupted before the stages started")
-        return 130
-    try:
-        code = _supervise(job, run.cfg.name, run.cfg.timeout_s, run.progress(), watch=job.fail_on_dropped_handles)
-    finally:
-        run.cleanup()
-    if code == 0:
-        run.finish()
-    else:
+    resume, recoveries = args.resume is not None, 0
+    while True:
+        run = RLRun(cfg, resume=resume)
+        try:
+            job = run.prepare()  # warm start and eval before: no stage process exists yet
+        except KeyboardInterrupt:
+            log.warning("interrupted before the stages started")
+            return 130
+        try:
+            code = _supervise(job, run.cfg.name, run.cfg.timeout_s, run.progress(), watch=job.fail_on_dropped_handles)
+        finally:
+            run.cleanup()
+        if code == 0:
+            run.finish()
+            return 0
+        if code == 1 and job.failed and recoveries < cfg.checkpoint.recoveries and run.resumable():
+            recoveries += 1
+            log.warning("recovering from the failure of %s: resuming from the newest checkpoint (recovery %d of %d)",
+                        ", ".join(job.failed), recoveries, cfg.checkpoint.recoveries)
+            resume = True
+            continue
         run.log_resume_hint(args.config)
-    return code
+        return code
 
 
 def is_dataflow_config(path: str) -> bool:
     """A config listing `topics` and `stages` itself (like broker_demo.yaml) rather than an RL job."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    data = read_yaml(path)
     return isinstance(data, dict) and "topics" in data
 
 

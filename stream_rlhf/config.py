@@ -11,6 +11,7 @@ ConfigError with their dotted key too.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import re
 import types
@@ -50,10 +51,7 @@ def build(cls: type[T], data: Any, prefix: str = "") -> T:
 def load_config(cls: type[T], path: str | Path, overrides: list[str] = ()) -> T:
     """Read a YAML file, apply `a.b=c` overrides (values parsed as YAML), build `cls`."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level is a {type(data).__name__}, expected a mapping of keys")
     for override in overrides:
@@ -71,6 +69,38 @@ def load_config(cls: type[T], path: str | Path, overrides: list[str] = ()) -> T:
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {key}: the value {raw!r} is not valid YAML: {exc}") from None
     return build(cls, data)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The YAML data of the file at `path` ({} when empty); a missing file or bad YAML is a
+    ConfigError naming the file and, for bad YAML, its line and column."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        context = getattr(exc, "context", None)
+        raise ConfigError(f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")) from None
+
+
+def import_dotted(path: str, key: str) -> Any:
+    """The object that `path` ("package.module:name") names; a ConfigError naming `key` when it
+    does not import."""
+    module_name, sep, name = path.partition(":")
+    if not sep or not module_name or not name:
+        raise ConfigError(f"{key}={path!r}: expected 'package.module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an ImportError, or whatever the module raises as it imports
+        raise ConfigError(f"{key}={path!r}: module {module_name} does not import ({type(exc).__name__}: {exc})") from None
+    if not hasattr(module, name):
+        raise ConfigError(f"{key}={path!r}: module {module_name} has no {name}")
+    return getattr(module, name)
 
 
 def _join(prefix: str, key: str) -> str:
