@@ -10,9 +10,11 @@
     ranks = {"actor_train": stage_ranks(placement, "actor_train", rollout_side=False, uses_device=True)}
     preflight(placement, ranks)      # before any process starts: cores, GPUs, device indices
 
-Config checks that need no machine run when the config is built; `preflight` runs where the
-stages will run, and raises ConfigError naming the key (a core or device that does not exist,
-more ranks than cores or devices, CUDA on a machine without it).
+Cores left out follow the machine: `rollout_cores` and `train_cores` default to halves of the
+cores this process may run on (`os.sched_getaffinity`), both the one core of a one-core machine
+(`split_cores`). Config checks that need no machine run when the config is built; `preflight`
+runs where the stages will run, and raises ConfigError naming the key (a core or device that
+does not exist, more ranks than cores or devices, CUDA on a machine without it).
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ class StagePlacement:
             raise ConfigError(f"devices={self.devices}: one device per rank, ranks={self.ranks}")
         if self.devices is not None and len(set(self.devices)) != len(self.devices):
             raise ConfigError(f"devices={self.devices}: two ranks on one device (NCCL needs a device per rank)")
-        if self.cores is not None and not self.cores:
-            raise ConfigError("cores=[]: needs at least one core")
+        if self.devices is not None and min(self.devices, default=0) < 0:
+            raise ConfigError(f"devices={self.devices}: device indices are >= 0")
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,10 @@ class PlacementConfig:
     """
 
     mode: Literal["separated", "colocated"] = "separated"
-    rollout_cores: list[int] = field(default_factory=lambda: [0])
-    train_cores: list[int] = field(default_factory=lambda: [1])
+    rollout_cores: list[int] | None = None
+    """None: the first half of the cores this process may run on (at least one; `split_cores`)."""
+    train_cores: list[int] | None = None
+    """None: the cores left to rollout's; on a one-core machine that same core."""
     broker_cores: list[int] | None = None
     """Cores of the broker process; None: `train_cores` when separated (rollout keeps its core to
     itself), every core when colocated."""
@@ -79,8 +83,13 @@ class PlacementConfig:
 
     def __post_init__(self) -> None:
         for name in ("rollout_cores", "train_cores", "broker_cores"):
-            if getattr(self, name) == []:
-                raise ConfigError(f"{name}=[]: needs at least one core")
+            _check_core_list(name, getattr(self, name))
+        for stage, own in self.stages.items():
+            _check_core_list(f"stages.{stage}.cores", own.cores)
+        # fill in the cores left out from this machine's; frozen, so set once here
+        rollout, train = split_cores(machine_cores(), self.rollout_cores, self.train_cores)
+        object.__setattr__(self, "rollout_cores", rollout)
+        object.__setattr__(self, "train_cores", train)
 
     def resolved_device(self) -> Literal["cpu", "cuda"]:
         if self.device == "auto":
@@ -125,9 +134,32 @@ def stage_ranks(placement: PlacementConfig, stage: str, rollout_side: bool, uses
             for r in range(own.ranks)]
 
 
-def preflight(placement: PlacementConfig, ranks: dict[str, list[RankPlacement]]) -> None:
-    """Check the placement against this machine (where the stages run), before any starts."""
-    available = sorted(os.sched_getaffinity(0))
+def machine_cores() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def split_cores(available: list[int], rollout: list[int] | None,
+                train: list[int] | None) -> tuple[list[int], list[int]]:
+    """(rollout cores, train cores): the given ones, and for a side left out (None) its share of
+    `available`: with neither given, rollout takes the first half (at least one core) and
+    training the rest; with one given, the other takes the cores it leaves. A side that would get
+    none (one core, or every core taken) shares the other's."""
+    if rollout is None and train is None:
+        half = max(1, len(available) // 2)
+        return available[:half], available[half:] or available[:half]
+    if rollout is None:
+        return [c for c in available if c not in train] or list(train), train
+    if train is None:
+        return rollout, [c for c in available if c not in rollout] or list(rollout)
+    return rollout, train
+
+
+def preflight(placement: PlacementConfig, ranks: dict[str, list[RankPlacement]],
+              available: list[int] | None = None) -> None:
+    """Check the placement against this machine (where the stages run), before any starts;
+    `available`: the cores to check against (default: `machine_cores()`)."""
+    available = machine_cores() if available is None else available
     for name in ("rollout_cores", "train_cores", "broker_cores"):
         _check_cores(f"placement.{name}", getattr(placement, name), available)
     for stage, own in placement.stages.items():
@@ -143,9 +175,19 @@ def preflight(placement: PlacementConfig, ranks: dict[str, list[RankPlacement]])
                                   f"ranks={len(placed)} needs that many devices")
 
 
+def _check_core_list(key: str, cores: list[int] | None) -> None:
+    if cores is None:
+        return
+    if not cores:
+        raise ConfigError(f"{key}=[]: needs at least one core")
+    if min(cores) < 0 or len(set(cores)) != len(cores):
+        raise ConfigError(f"{key}={cores}: core numbers are >= 0, each listed once")
+
+
 def _check_cores(key: str, cores: list[int] | None, available: list[int]) -> None:
     if cores is None:
         return
     missing = [c for c in cores if c not in available]
     if missing:
-        raise ConfigError(f"{key}={cores}: cores {missing} are not available (this machine: {available})")
+        raise ConfigError(f"{key}={cores}: cores {missing} are not available to this process (it may run on "
+                          f"cores {available}; leave the key out to use them)")
