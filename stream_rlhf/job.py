@@ -6,15 +6,20 @@
     broker: {...}               # BrokerConfig
     topics: {...}               # Topology.topics
     stages: {rollout: {cls: "pkg.mod:Class", instances: 2, kwargs: {...}}, ...}
+
+Each stage class is imported and its kwargs matched against its signature when the config builds,
+so a class that does not import or a kwarg it does not take fails before any process starts.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from stream_rlhf.broker.admission import OverlapAdmission
+from stream_rlhf.broker.stage import Stage
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
-from stream_rlhf.config import ConfigError
+from stream_rlhf.config import ConfigError, import_dotted
 from stream_rlhf.launch.local import StageSpec
 
 
@@ -37,9 +42,13 @@ class JobConfig:
         Topology(self.topics)  # checks producers, consumers and joins
         if self.overlap_depth < 0:
             raise ConfigError(f"overlap_depth={self.overlap_depth}: must be >= 0")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s={self.timeout_s}: must be > 0")
         for topic in self.admission_topics:
             if topic not in self.topics:
                 raise ConfigError(f"admission_topics: {topic!r} is not a topic")
+        for name, spec in self.stages.items():
+            check_stage_class(f"stages.{name}", spec)
 
     @property
     def topology(self) -> Topology:
@@ -47,3 +56,23 @@ class JobConfig:
 
     def admission(self) -> OverlapAdmission:
         return OverlapAdmission(frozenset(self.admission_topics), self.overlap_depth)
+
+
+def check_stage_class(key: str, spec: StageSpec) -> None:
+    """The stage class of `spec` imports, is a Stage and takes exactly its kwargs (every required
+    argument, no unknown one), checked before any process starts; errors name `key`.cls or
+    `key`.kwargs.<argument>."""
+    cls = import_dotted(spec.cls, f"{key}.cls")
+    if not (isinstance(cls, type) and issubclass(cls, Stage)):
+        raise ConfigError(f"{key}.cls={spec.cls!r}: not a Stage class")
+    parameters = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    named = [n for n, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    for argument in spec.kwargs:
+        if argument not in named:
+            raise ConfigError(f"{key}.kwargs.{argument}: {spec.cls} takes no such argument "
+                              f"(it takes {', '.join(named) or 'none'})")
+    missing = [n for n in named if parameters[n].default is inspect.Parameter.empty and n not in spec.kwargs]
+    if missing:
+        raise ConfigError(f"{key}.kwargs: {spec.cls} needs {', '.join(missing)}")

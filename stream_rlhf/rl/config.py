@@ -17,6 +17,7 @@ Every section is a frozen dataclass; unknown keys, wrong types and impossible co
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -25,7 +26,7 @@ from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.vllm_config import VllmConfig
 from stream_rlhf.broker.topology import BrokerConfig
-from stream_rlhf.config import ConfigError
+from stream_rlhf.config import ConfigError, import_dotted
 from stream_rlhf.launch.placement import PlacementConfig
 from stream_rlhf.resume.config import CheckpointConfig
 
@@ -35,6 +36,18 @@ ALL_STAGES = ("prompts", "vision_prefetch", "rollout", "ref_forward", "reward_fo
 GROUP_STAGES = ("ref_forward", "actor_forward", "critic_forward", "actor_train", "critic_train")
 """Stages whose instances can be groups of several ranks (`placement.stages.<stage>.ranks`)."""
 RESTARTABLE = ("vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward")
+DEFAULT_RESTARTS = 2
+CRITIC_STAGES = ("critic_forward", "critic_train")
+CRITIC_OPTIMIZER = OptimizerConfig(lr=1e-3)
+"""The critic's optimizer when `critic` is left out."""
+IGNORED_ALGORITHM_KEYS = {
+    "gae": (),
+    "grpo": ("gamma", "lam", "value_clip"),
+    "rloo": ("gamma", "lam", "value_clip"),
+    "reinforce_pp": ("lam", "value_clip"),
+}
+"""The `algorithm` keys each advantage estimator never reads (`algos/advantages.py`); those without a
+critic ignore `critic.*` and the critic stages' placement too. Setting one is a config error."""
 
 
 @dataclass(frozen=True)
@@ -328,8 +341,8 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.function is None and self.model_path is None:
             raise ConfigError("function=None: a reward function or a model_path is needed")
-        if self.function is not None and ":" not in self.function:
-            raise ConfigError(f"function={self.function!r}: expected 'package.module:name'")
+        if self.function is not None and not callable(import_dotted(self.function, "function")):
+            raise ConfigError(f"function={self.function!r}: not callable (expected fn(prompt, response, reference))")
         if self.model_path is not None and not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise ConfigError(f"model_path={self.model_path!r}: no config.json there")
 
@@ -383,6 +396,8 @@ class AlgorithmConfig:
         for name in ("clip_low", "clip_high", "value_clip", "entropy_coef"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.clip_low >= 1:
+            raise ConfigError(f"clip_low={self.clip_low}: must be < 1 (the ratio's lower bound is 1 - clip_low)")
 
     @property
     def uses_critic(self) -> bool:
@@ -405,7 +420,7 @@ class RLJobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: OptimizerConfig = field(default_factory=OptimizerConfig)
-    critic: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-3))
+    critic: OptimizerConfig = field(default_factory=lambda: CRITIC_OPTIMIZER)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
@@ -414,7 +429,9 @@ class RLJobConfig:
     timeout_s: float = 900.0
     restarts: dict[str, int] = field(default_factory=dict)
     """Stage -> how often the launcher restarts a crashed instance (stateless stages only: rollout
-    and the forwards; redelivery gives the new instance the unfinished mini-batches)."""
+    and the forwards; redelivery gives the new instance the unfinished mini-batches). A stateless
+    stage left out restarts up to DEFAULT_RESTARTS times (rollout only with weights.transport shm);
+    0 turns it off. A crash no restart covers resumes the run (`checkpoint.recoveries`)."""
     timeline: bool = False
     """Write every stage step's start and end to runs/<name>/timeline/ (for bench/pipeline.py)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -465,6 +482,7 @@ class RLJobConfig:
             if stage not in ALL_STAGES:
                 raise ConfigError(f"placement.offload: {stage!r} is not a stage ({', '.join(ALL_STAGES)})")
         self._check_stage_placements()
+        self._check_keys_the_algorithm_ignores()
 
     def _check_stage_placements(self) -> None:
         samples = self.rollout_batch.samples_per_minibatch * self.rollout_batch.minibatches
@@ -483,6 +501,35 @@ class RLJobConfig:
                 raise ConfigError(f"{key}.ranks={own.ranks}: an optimizer step has as few as {smallest_step} "
                                   f"samples ({samples} per iteration in algorithm.train_minibatches={steps} "
                                   "steps): every rank needs one")
+
+    def _check_keys_the_algorithm_ignores(self) -> None:
+        """A key set away from its default that the chosen estimator never reads is an error, not
+        silence (the run would not do what the config says)."""
+        algo = self.algorithm
+        why = f"algorithm.advantage={algo.advantage} ignores it"
+        for key in IGNORED_ALGORITHM_KEYS[algo.advantage]:
+            if getattr(algo, key) != getattr(AlgorithmConfig(), key):
+                raise ConfigError(f"algorithm.{key}={getattr(algo, key)}: {why}")
+        if algo.uses_critic:
+            return
+        why = f"algorithm.advantage={algo.advantage} has no critic"
+        for key in (f.name for f in dataclasses.fields(OptimizerConfig)):
+            if getattr(self.critic, key) != getattr(CRITIC_OPTIMIZER, key):
+                raise ConfigError(f"critic.{key}={getattr(self.critic, key)}: {why}")
+        for stage in CRITIC_STAGES:
+            if stage in self.placement.stages:
+                raise ConfigError(f"placement.stages.{stage}: {why}, so no {stage} stage")
+            if stage in self.placement.offload:
+                raise ConfigError(f"placement.offload: {stage!r}: {why}, so no {stage} stage")
+            if stage in self.restarts:
+                raise ConfigError(f"restarts.{stage}={self.restarts[stage]}: {why}, so no {stage} stage")
+
+    def restarts_of(self, stage: str) -> int:
+        """How often the launcher restarts a crashed instance of `stage` (see `restarts`)."""
+        if stage in self.restarts:
+            return self.restarts[stage]
+        rejoins = stage != "rollout" or self.weights.transport == "shm"
+        return DEFAULT_RESTARTS if stage in RESTARTABLE and rejoins else 0
 
     @property
     def run_dir(self) -> str:
