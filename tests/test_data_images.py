@@ -11,7 +11,7 @@ from PIL import Image
 from transformers import Qwen2VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from stream_rlhf.data.images import ImageError, ImageSpec, load_image
+from stream_rlhf.data.images import ImageError, ImageSpec, check_image_file, image_tokens, load_image
 
 SPEC = ImageSpec(patch_size=8, temporal_patch_size=2, merge_size=2, min_pixels=16 * 16, max_pixels=64 * 64)
 
@@ -114,3 +114,25 @@ def test_unsupported_size(tmp_path, width, height, reason):
 def test_error_pickles():
     error = pickle.loads(pickle.dumps(ImageError("a.png", "corrupt image", "cannot be decoded (x)")))
     assert (error.path, error.kind, str(error)) == ("a.png", "corrupt image", "a.png: cannot be decoded (x)")
+
+
+@pytest.mark.parametrize("width, height", [(32, 32), (80, 48), (200, 30), (20, 20)])
+def test_image_tokens_from_the_header_match_the_decoded_image(tmp_path, width, height):
+    path = tmp_path / "a.png"
+    _random_image(width, height).save(path)
+    assert image_tokens(path, SPEC) == load_image(path, SPEC).num_tokens
+
+
+def test_image_tokens_leave_bad_images_to_the_decode(tmp_path):
+    (tmp_path / "text.png").write_text("hello")
+    Image.new("RGB", (8, 40)).save(tmp_path / "thin.png")
+    assert image_tokens(tmp_path / "text.png", SPEC) is None and image_tokens(tmp_path / "thin.png", SPEC) is None
+
+
+def test_check_image_file_reads_nothing(tmp_path):
+    (tmp_path / "text.png").write_text("hello")
+    check_image_file(tmp_path / "text.png")  # a file: whether it decodes is for load_image
+    for path, reason in ((tmp_path / "nope.png", "file not found"), (tmp_path, "is a directory")):
+        with pytest.raises(ImageError, match=reason) as info:
+            check_image_file(path)
+        assert info.value.kind == "missing image"

@@ -139,12 +139,20 @@ def test_bad_line_skip_mode(tmp_path, bad, kind, words):
     assert data.skipped_examples[0].startswith(f"{path}:3: ") and words in data.skipped_examples[0]
 
 
+def _corrupt_png(path: Path) -> None:
+    _image(path, 64, 64)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # the header reads, the pixels do not
+
+
 def test_all_bad(tmp_path):
-    _image(tmp_path / "images/1.png")
+    _corrupt_png(tmp_path / "images/cut.png")
     path = _write(tmp_path, ["{", {"prompt": "<image>", "images": ["images/9.png"], "answer": "1"},
-                             {"prompt": "<image>", "images": ["images/8.png"], "answer": "1"}])
-    data = _dataset(path, on_bad="skip")  # the JSON error is found at once, the images when sampled
-    with pytest.raises(DataError, match=r"no usable lines in .*train.jsonl \(3 skipped: 1 json, 2 missing image\)"):
+                             {"prompt": "<image>", "images": ["images/cut.png"], "answer": "1"}])
+    data = _dataset(path, on_bad="skip")  # bad JSON and a missing file are found at once, a corrupt image when sampled
+    assert data.skipped == {"json": 1, "missing image": 1}
+    with pytest.raises(DataError, match=r"no usable lines in .*train.jsonl \(3 skipped: 1 corrupt image, 1 json, "
+                                        r"1 missing image\)"):
         data.next_sample()
     path = _write(tmp_path, ["{", "[]"])
     with pytest.raises(DataError, match=r"no usable lines .*\(2 skipped: 1 json, 1 schema\)"):
@@ -188,3 +196,46 @@ def test_text_only_model(tmp_path):
     assert data.skipped == {"image tokens": 1} and "the model takes none" in data.skipped_examples[0]
     with pytest.raises(ValueError, match="give both"):
         PromptDataset(path, TOKENIZER, SPEC, None, on_bad="skip", max_images_per_prompt=1, seed=0)
+
+
+def test_a_missing_image_is_found_when_the_file_is_read_a_corrupt_one_when_sampled(tmp_path):
+    _image(tmp_path / "images/1.png")
+    _corrupt_png(tmp_path / "images/cut.png")
+    missing = _write(tmp_path, [_good(1), {"prompt": "<image>", "images": ["images/gone.png"], "answer": "1"}])
+    with pytest.raises(DataError, match=r"train.jsonl:2: image images/gone.png: file not found"):
+        _dataset(missing)  # no line sampled yet
+    corrupt = _write(tmp_path, [_good(1), {"prompt": "<image>", "images": ["images/cut.png"], "answer": "1"}])
+    assert _dataset(corrupt).skipped == {}  # images are decoded lazily
+
+
+def test_training_counts_a_corrupt_image_by_the_same_rule_as_eval(tmp_path):
+    """The prompt source (training, `next_sample`) and the evaluation (`each_sample`) apply
+    `on_bad` alike to an image that only fails when decoded."""
+    for i in range(3):
+        _image(tmp_path / f"images/{i}.png")
+    _corrupt_png(tmp_path / "images/cut.png")
+    path = _write(tmp_path, [_good(0), {"prompt": "<image>x", "images": ["images/cut.png"], "answer": "9"},
+                             _good(1), _good(2)])
+    training, evaluation = _dataset(path, on_bad="skip"), _dataset(path, on_bad="skip")
+    trained = [training.next_sample().answer for _ in range(6)]
+    evaluated = [sample.answer for sample in evaluation.each_sample()]
+    assert sorted(trained) == ["0", "0", "1", "1", "2", "2"] and evaluated == ["0", "1", "2"]
+    assert training.skipped == evaluation.skipped == {"corrupt image": 1}
+    assert training.skipped_examples == evaluation.skipped_examples
+    assert training.skipped_examples[0].startswith(f"{path}:2: image images/cut.png: cannot be decoded")
+    training, message = _dataset(path), f"{path}:2: image images/cut.png: cannot be decoded"
+    with pytest.raises(DataError, match=message):
+        for _ in range(4):  # one epoch: the corrupt line among them
+            training.next_sample()
+    with pytest.raises(DataError, match=message):
+        list(_dataset(path).each_sample())
+
+
+def test_longest_prompt_counts_image_tokens_from_headers(tmp_path):
+    _image(tmp_path / "images/1.png")
+    _image(tmp_path / "images/2.png", 48, 80)  # 6x10 patches: 15 image tokens
+    path = _write(tmp_path, [_good(1), {"prompt": "<image>and<image>?", "images": ["images/1.png", "images/2.png"],
+                                        "answer": "x"}, {"prompt": "text only", "answer": "y"}])
+    data = _dataset(path)
+    assert data.longest_prompt() == (len(data.sample(1).prompt_ids), f"{path}:2")
+    assert len(data.sample(1).prompt_ids) == 1 + 2 + 4 + 3 + 2 + 15 + 1

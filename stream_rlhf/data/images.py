@@ -132,6 +132,30 @@ def load_image(path: str | Path, spec: ImageSpec) -> PatchedImage:
     return patchify(np.asarray(image), spec)
 
 
+def check_image_file(path: str | Path) -> None:
+    """Raise ImageError "missing image" when no file is at `path` (a cheap check: nothing is read)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ImageError(path, "missing image", "is a directory, not an image file")
+    if not path.is_file():
+        raise ImageError(path, "missing image", "file not found")
+
+
+def image_tokens(path: str | Path, spec: ImageSpec) -> int | None:
+    """The image tokens `load_image` would make of the image at `path`, from its header alone
+    (no pixels decoded); None when the header cannot be read or the size is unsupported (the
+    decode, when the image is used, says why)."""
+    try:
+        with Image.open(path) as opened:
+            width, height = opened.size
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return None
+    if min(height, width) < spec.factor or max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        return None
+    new_height, new_width = smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
+    return new_height * new_width // spec.factor**2
+
+
 def decode_image(path: str | Path) -> Image.Image:
     """The fully decoded RGB image at `path`; transparency is composited onto white as transformers does."""
     try:

@@ -15,13 +15,14 @@ template).
                          max_images_per_prompt=1, seed=0)
     sample = data.next_sample()   # PromptSample: source, prompt, prompt_ids, images, answer
 
-Lines are read and checked as text when the dataset is built; images are decoded only when a line
-is sampled. A bad line raises `DataError` ("{file}:{line}: {reason}"), or with on_bad="skip" is
+Lines are read and checked as text when the dataset is built, and every image path must name a
+file then; images are decoded only when a line is sampled (`longest_prompt()` reads image headers
+only). A bad line raises `DataError` ("{file}:{line}: {reason}"), or with on_bad="skip" is
 counted in `skipped` by kind and never tried again. The kinds:
 
     json           the line is not valid UTF-8 JSON
     schema         not an object, a missing / unknown / wrongly typed key
-    missing image  an image file does not exist
+    missing image  an image file does not exist (found when the dataset is built)
     corrupt image  an image file cannot be decoded (truncated, not an image)
     image size     an image size `load_image` does not support (see images.py)
     image tokens   <image> markers do not match the images, too many images, or the prompt text
@@ -44,7 +45,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from stream_rlhf.data.errors import DataError
-from stream_rlhf.data.images import ImageError, ImageSpec, PatchedImage, load_image
+from stream_rlhf.data.images import ImageError, ImageSpec, PatchedImage, check_image_file, image_tokens, load_image
 
 IMAGE_MARKER = "<image>"
 KEYS = ("prompt", "images", "answer")
@@ -182,6 +183,21 @@ class PromptDataset:
             raise DataError(source, "image tokens", str(error)) from None
         return PromptSample(source, line.prompt, ids, images, line.answer)
 
+    def longest_prompt(self) -> tuple[int, str]:
+        """(tokens, source) of the longest prompt among the lines not found bad, images counted from
+        their headers (an image whose header does not read counts as one token: its decode says
+        why when the line is sampled)."""
+        longest = (0, self.file)
+        bos = 0 if self.tokenizer.bos_token_id is None else 1
+        for index, line in enumerate(self._lines):
+            if index in self._bad or isinstance(line, DataError):
+                continue
+            text = sum(len(self.tokenizer.encode(segment, add_special_tokens=False))
+                       for segment in line.prompt.split(IMAGE_MARKER) if segment)
+            images = sum(2 + (image_tokens(path, self.spec) or 1) for path in line.image_paths)
+            longest = max(longest, (bos + text + images, self.sources[index]), key=lambda pair: pair[0])
+        return longest
+
     def next_sample(self) -> PromptSample:
         """The next good line in this epoch's shuffled order; a new shuffle starts each epoch."""
         while True:
@@ -277,4 +293,9 @@ class PromptDataset:
                 return DataError(source, "image tokens", f"prompt text contains the special token {text} "
                                  "(write images as <image> markers)")
         paths = tuple(Path(name) if Path(name).is_absolute() else folder / name for name in names)
+        for name, path in zip(names, paths):
+            try:
+                check_image_file(path)
+            except ImageError as error:
+                return DataError(source, error.kind, f"image {name}: {error.reason}")
         return _Line(prompt, tuple(names), paths, record["answer"])

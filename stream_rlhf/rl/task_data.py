@@ -1,33 +1,50 @@
 """Where an RL job's prompts come from: the synthetic task's, or a JSONL dataset (`data.train`).
 
-    cfg = resolve_data(cfg)                      # shapes: writes (once) and points data.* at its files
+    cfg = resolve_data(cfg)                      # shapes: writes (once) and points data.* at its files;
+                                                 # then check_prompts(cfg)
     dataset = open_prompts(cfg, model_config, tokenizer, "train") # a PromptDataset, or None
 
 The `shapes` task is written as JSONL + PNG files under `task.data_dir/shapes-<hash>/` the first
 time and read from there like any user dataset, so the same loader (and its bad-input handling)
 serves both. `arithmetic` prompts are made in memory and need no dataset.
+
+`check_prompts` runs in the driver before the warm start, with the model's tokenizer (the tiny
+model's is built, a `model.path` one is read) and no image decoded: every line of the prompt files
+parses and names image files that exist (a DataError naming file:line, or with
+`data.on_bad_sample: skip` counted as in training), and the longest prompt plus
+`rollout.max_new_tokens` fits the model's positions (a ConfigError naming both keys).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from stream_rlhf.cache_folder import build_once
+from stream_rlhf.config import ConfigError
 from stream_rlhf.data import shapes
+from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.prompts_jsonl import PromptDataset
-from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
+from stream_rlhf.rl.config import DataConfig, RLJobConfig
 
 
 def resolve_data(cfg: RLJobConfig) -> RLJobConfig:
-    """`cfg` with `data.train` / `data.eval` set to the synthetic task's files when it has some."""
-    if cfg.data.train is not None or cfg.task.name != "shapes":
-        return cfg
+    """`cfg` with `data.train` / `data.eval` set to the synthetic task's files when it has some,
+    checked by `check_prompts`."""
+    if cfg.data.train is None and cfg.task.name == "shapes":
+        cfg = replace(cfg, data=_shapes_files(cfg))
+    check_prompts(cfg)
+    return cfg
+
+
+def _shapes_files(cfg: RLJobConfig) -> DataConfig:
     task = cfg.task
     settings = {"task": "shapes", "train": task.train_prompts, "eval": task.eval_prompts, "seed": task.seed}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
@@ -37,19 +54,85 @@ def resolve_data(cfg: RLJobConfig) -> RLJobConfig:
         shapes.write_split(partial, "eval", task.eval_prompts, task.seed)
 
     folder = build_once(Path(task.data_dir) / f"shapes-{key}", "eval.jsonl", write)
-    data = replace(cfg.data, train=str(folder / "train.jsonl"), eval=str(folder / "eval.jsonl"))
-    return replace(cfg, data=data)
+    return replace(cfg.data, train=str(folder / "train.jsonl"), eval=str(folder / "eval.jsonl"))
 
 
 def open_prompts(cfg: RLJobConfig, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, split: str,
                  seed: int = 0) -> PromptDataset | None:
     """The JSONL prompts of `split` ("train" or "eval") for the model of `model_config`; None when
     the job's prompts are the in-memory arithmetic task."""
+    vision = getattr(model_config, "vision_config", None)
+    ids = ((model_config.vision_start_token_id, model_config.image_token_id, model_config.vision_end_token_id)
+           if vision else None)
+    return _prompt_file(cfg, split, tokenizer, vision, ids, seed)
+
+
+@dataclass(frozen=True)
+class _ModelView:
+    """What the prompt checks need of the model, before any checkpoint exists."""
+
+    tokenizer: PreTrainedTokenizerBase
+    positions: int
+    positions_key: str
+    """The config key that sets `positions`, for messages."""
+    vision: Any
+    """As `_prompt_file` takes it."""
+    vision_token_ids: tuple[int, int, int] | None
+
+
+def _prompt_file(cfg: RLJobConfig, split: str, tokenizer: PreTrainedTokenizerBase, vision: Any,
+                 vision_token_ids: tuple[int, int, int] | None, seed: int) -> PromptDataset | None:
+    """`vision`: a vision config with patch_size, temporal_patch_size, spatial_merge_size (a
+    transformers one or `TinyVisionConfig`); None for a text-only model."""
     path = cfg.data.train if split == "train" else cfg.data.eval
     if path is None:
         return None
-    vision = getattr(model_config, "vision_config", None)
     spec = ImageSpec.from_vision_config(vision, cfg.data.min_pixels, cfg.data.max_pixels) if vision else None
-    ids = ((model_config.vision_start_token_id, model_config.image_token_id, model_config.vision_end_token_id)
-           if vision else None)
-    return PromptDataset(path, tokenizer, spec, ids, cfg.data.on_bad_sample, cfg.data.max_images_per_prompt, seed)
+    return PromptDataset(path, tokenizer, spec, vision_token_ids, cfg.data.on_bad_sample,
+                         cfg.data.max_images_per_prompt, seed)
+
+
+def check_prompts(cfg: RLJobConfig) -> None:
+    """Every prompt line parses and names image files that exist (DataError naming file:line, or
+    counted under `data.on_bad_sample: skip`), and the longest prompt + `rollout.max_new_tokens`
+    fits the model's positions (ConfigError naming both keys and the numbers)."""
+    model = _model_view(cfg)
+    longest = _longest_arithmetic(cfg, model.tokenizer) if cfg.data.train is None else (0, "")
+    for split in ("train", "eval"):
+        dataset = _prompt_file(cfg, split, model.tokenizer, model.vision, model.vision_token_ids, cfg.seed)
+        if dataset is not None:
+            longest = max(longest, dataset.longest_prompt(), key=lambda pair: pair[0])
+    tokens, source = longest
+    needed = tokens + cfg.rollout.max_new_tokens
+    if needed > model.positions:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} after the longest prompt ({tokens} "
+                          f"tokens, {source}) needs {needed} positions, more than {model.positions_key}="
+                          f"{model.positions}")
+
+
+def _model_view(cfg: RLJobConfig) -> _ModelView:
+    if cfg.model.path is None:
+        tiny = cfg.model.tiny
+        tokenizer = build_tokenizer(vision=tiny.vision is not None)
+        ids = tuple(tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))) if tiny.vision else None
+        return _ModelView(tokenizer, tiny.max_position_embeddings, "model.tiny.max_position_embeddings",
+                          tiny.vision, ids)
+    from stream_rlhf.models.checkpoint import load_tokenizer
+
+    config = AutoConfig.from_pretrained(cfg.model.path)
+    vision = getattr(config, "vision_config", None)
+    ids = (config.vision_start_token_id, config.image_token_id, config.vision_end_token_id) if vision else None
+    return _ModelView(load_tokenizer(cfg.model.path), config.get_text_config().max_position_embeddings,
+                      f"max_position_embeddings (model.path={cfg.model.path!r})", vision, ids)
+
+
+def _longest_arithmetic(cfg: RLJobConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
+    """(tokens, description) of the longest arithmetic prompt the run uses, with its bos (as the
+    prompt source and the evaluation encode them)."""
+    count = cfg.iterations * cfg.rollout_batch.minibatches * cfg.rollout_batch.prompts_per_minibatch
+    task = cfg.task
+    prompts = {p.prompt for p in problems("train", count, task.seed, task.max_operand)}
+    prompts |= {p.prompt for p in problems("eval", task.eval_prompts, task.seed, task.max_operand)}
+    encoded = tokenizer(sorted(prompts), add_special_tokens=False)["input_ids"]
+    tokens, prompt = max(zip(map(len, encoded), sorted(prompts)))
+    return 1 + tokens, f'"{prompt}" of task.max_operand={task.max_operand}'
