@@ -173,6 +173,8 @@ def test_a_bad_line_read_by_the_warm_start_is_a_data_error_of_the_cli(tmp_path):
     folder.mkdir()
     (folder / "train.jsonl").write_text('{"prompt": "<image>how many?", "images": ["a.png"], "answer": "1"}\n{oops\n')
     shutil.copy(Path(cfg.data.eval), folder / "eval.jsonl")
+    shutil.copytree(Path(cfg.data.eval).parent / "images", folder / "images")  # every image path names a file
+    shutil.copy(folder / "images" / "eval-000000.png", folder / "a.png")
     config = write_job(tmp_path / "bad.yaml", tiny_job(tmp_path, "bad", **{
         **VISION, "data.train": str(folder / "train.jsonl"), "data.eval": str(folder / "eval.jsonl")}))
     result = subprocess.run([sys.executable, "-m", "stream_rlhf.cli", "run", str(config)],
