@@ -86,21 +86,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.resume:  # a run folder named on the command line: runs_dir and name follow from it
         folder = Path(args.resume).resolve()
         cfg = dataclasses.replace(cfg, runs_dir=str(folder.parent), name=folder.name)
-    run = RLRun(cfg, resume=args.resume is not None)
-    try:
-        job = run.prepare()  # warm start and eval before: no stage process exists yet
-    except KeyboardInterrupt:
-        log.warning("interrupted before the stages started")
-        return 130
-    try:
-        code = _supervise(job, run.cfg.name, run.cfg.timeout_s, run.progress(), watch=job.fail_on_dropped_handles)
-    finally:
-        run.cleanup()
-    if code == 0:
-        run.finish()
-    else:
+    resume, recoveries = args.resume is not None, 0
+    while True:
+        run = RLRun(cfg, resume=resume)
+        try:
+            job = run.prepare()  # warm start and eval before: no stage process exists yet
+        except KeyboardInterrupt:
+            log.warning("interrupted before the stages started")
+            return 130
+        try:
+            code = _supervise(job, run.cfg.name, run.cfg.timeout_s, run.progress(), watch=job.fail_on_dropped_handles)
+        finally:
+            run.cleanup()
+        if code == 0:
+            run.finish()
+            return 0
+        if code == 1 and job.failed and recoveries < cfg.checkpoint.recoveries and run.resumable():
+            recoveries += 1
+            log.warning("recovering from the failure of %s: resuming from the newest checkpoint (recovery %d of %d)",
+                        ", ".join(job.failed), recoveries, cfg.checkpoint.recoveries)
+            resume = True
+            continue
         run.log_resume_hint(args.config)
-    return code
+        return code
 
 
 def is_dataflow_config(path: str) -> bool:

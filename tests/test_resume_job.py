@@ -8,6 +8,9 @@ the stop (every iteration trained once, the staleness bound kept).
 from __future__ import annotations
 
 import json
+import os
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -103,3 +106,55 @@ def test_resume_refuses_a_changed_model_naming_the_key(tmp_path):
     process = _start(config, log, "--resume", "--set", "model.tiny.intermediate_size=96", "--set", "iterations=3")
     assert process.wait(timeout=120) == 2
     assert "model.tiny.intermediate_size=96: the run to resume had 128" in log.read_text()
+
+
+def _live_pids(log: Path) -> dict[str, int]:
+    """The newest process of every stage instance that is still running, from the broker's log."""
+    pids = {m[0]: int(m[1]) for m in re.findall(r"instance (\S+) of stage \S+ joined \(pid (\d+)\)", log.read_text())}
+    return {name: pid for name, pid in pids.items() if _alive(pid)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.timeout(900)  # each resume starts every stage process again: about a minute on a loaded 2-core machine
+def test_a_run_whose_stages_are_killed_again_and_again_finishes_with_every_sample_accounted(tmp_path):
+    """kill -9 of a restartable stage (restarted by the launcher), of a trainer and of a random
+    stage (the run resumes itself from its newest checkpoint), at moments of a seeded choice."""
+    iterations, per_iteration = 10, 2 * 8
+    config = _config(tmp_path, "chaos", iterations=iterations, overlap_depth=1,
+                     checkpoint={"every": 1, "keep": 2, "recoveries": 3})
+    log = tmp_path / "chaos.log"
+    process = _start(config, log)
+    metrics = tmp_path / "chaos" / "metrics.jsonl"
+    rng = random.Random(7)
+    victims = []
+    for kill, pick in enumerate(("ref_forward", "actor_train", None)):
+        deadline = time.monotonic() + 240
+        while len(read_metrics(metrics)) < 2 + 2 * kill or not _live_pids(log):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(rng.uniform(0, 1.0))  # somewhere inside an iteration
+        live = _live_pids(log)
+        victim = next(n for n in live if n.startswith(pick)) if pick else rng.choice(sorted(live))
+        os.kill(live[victim], signal.SIGKILL)
+        victims.append(victim)
+    assert process.wait(timeout=400) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "ref_forward-0 exited with -9: restarting it" in text  # stateless: restarted in place
+    assert "recovering from the failure of actor_train-0" in text  # a trainer: the run resumed itself
+    summary = json.loads((tmp_path / "chaos" / "summary.json").read_text())
+    records = read_metrics(metrics)
+    assert [r["iteration"] for r in records] == list(range(iterations)), victims  # each trained once
+    assert all(r["staleness_max"] <= 1 for r in records)
+    assert summary["samples_trained"] == iterations * per_iteration and summary["samples_dropped"] == 0
+    assert len(summary["resumed_from"]) >= 1
+    # what the stopped runs generated after their checkpoints is counted as discarded; a rollout
+    # killed between counting a mini-batch and publishing it generates it again (at most one each)
+    regenerated = summary["samples_generated"] - summary["samples_trained"] - summary["samples_discarded_at_resume"]
+    assert 0 <= regenerated <= 8 * victims.count("rollout-0"), (summary, victims)

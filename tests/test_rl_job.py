@@ -63,7 +63,9 @@ def test_tiny_ppo_run_writes_a_consistent_summary(tmp_path):
 
 
 def test_killed_stage_stops_the_run_with_a_clear_message_and_no_orphans(tmp_path):
-    process, log = start_run(tmp_path, "kill", "iterations=50", "overlap_depth=1")
+    # no restart, no recovery: the launcher's own reaction to a crash (tests/test_resume_job.py has the rest)
+    process, log = start_run(tmp_path, "kill", "iterations=50", "overlap_depth=1", "restarts={rollout: 0}",
+                             "checkpoint.recoveries=0")
     deadline = time.monotonic() + 180
     pids: dict[str, int] = {}
     while time.monotonic() < deadline and not read_metrics(tmp_path / "kill" / "metrics.jsonl"):

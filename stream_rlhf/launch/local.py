@@ -39,6 +39,8 @@ from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.core_board import CoreLending
 
 log = logging.getLogger(__name__)
+RESTART_BACKOFF_S = 0.5
+"""The wait before a crashed instance's first restart; it doubles with each further restart."""
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -222,6 +224,8 @@ class LocalJob:
         self.processes: dict[str, mp.Process] = {}
         """By process name: the instance id for rank 0, `<instance id>.rank<r>` for the others."""
         self.restarts_left = {name: spec.restarts for name, spec in stages.items()}
+        self.failed: list[str] = []
+        """The processes whose failure stopped the job ("broker" for the broker), once `wait` raised."""
         self._rendezvous: str | None = None  # folder of the rank groups' init files
         self._group_starts = 0
 
@@ -287,6 +291,7 @@ class LocalJob:
         while any(p.is_alive() for p in self.processes.values()):
             code = self.broker_process.exitcode if self.broker_process is not None else None
             if code not in (None, 0):
+                self.failed = ["broker"]
                 self.stop()
                 raise StageFailed(f"the broker exited (code {code}) while {len(self.processes)} stage process(es) "
                                   "ran; its log is above")
@@ -301,6 +306,7 @@ class LocalJob:
             failed = [name for name in failed if not self._restart(name)]
             if failed:
                 codes = ", ".join(f"{n} (exit {self.processes[n].exitcode})" for n in failed)
+                self.failed = failed
                 self.stop()
                 raise StageFailed(f"stage instance(s) failed: {codes}; traceback above")
             if time.monotonic() > deadline:
@@ -309,6 +315,7 @@ class LocalJob:
             time.sleep(0.1)
         failed = [name for name, p in self.processes.items() if p.exitcode != 0]
         if failed:
+            self.failed = failed
             self.stop()
             raise StageFailed(f"stage instance(s) failed: {failed}; traceback above")
 
@@ -322,12 +329,14 @@ class LocalJob:
         if self.restarts_left.get(stage_name, 0) <= 0:
             return False
         self.restarts_left[stage_name] -= 1
-        ranks = self.stages[stage_name].ranks
-        log.warning("%s exited with %s: restarting it%s (%d restart(s) left for %s)", process_name,
-                    self.processes[process_name].exitcode, f" with every rank of {instance_id}" if ranks > 1 else "",
-                    self.restarts_left[stage_name], stage_name)
-        for rank in range(ranks):  # the survivors of a group wait on the dead rank
+        spec = self.stages[stage_name]
+        backoff_s = RESTART_BACKOFF_S * 2 ** (spec.restarts - self.restarts_left[stage_name] - 1)
+        log.warning("%s exited with %s: restarting it%s in %.1fs (%d restart(s) left for %s)", process_name,
+                    self.processes[process_name].exitcode, f" with every rank of {instance_id}" if spec.ranks > 1 else "",
+                    backoff_s, self.restarts_left[stage_name], stage_name)
+        for rank in range(spec.ranks):  # the survivors of a group wait on the dead rank
             _end(self.processes.pop(rank_process_name(instance_id, rank)), grace_s=5.0)
+        time.sleep(backoff_s)  # a stage that fails at start-up does not spin through its restarts
         self.start_instance(stage_name, int(index))
         return True
 

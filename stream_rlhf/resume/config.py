@@ -15,12 +15,17 @@ class CheckpointConfig:
     run is stopped); 0: only after the last one and at a stop."""
     keep: int = 2
     """The newest complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    recoveries: int = 2
+    """How often a run whose stage failed (a crash the launcher could not restart, e.g. a trainer)
+    resumes itself from its newest checkpoint before it fails for good."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ConfigError(f"every={self.every}: must be >= 0 (0: only at the end and at a stop)")
         if self.keep < 1:
             raise ConfigError(f"keep={self.keep}: must be >= 1")
+        if self.recoveries < 0:
+            raise ConfigError(f"recoveries={self.recoveries}: must be >= 0")
 
     def due(self, version: int, iterations: int) -> bool:
         """Whether the state after `version` training iterations is checkpointed."""

@@ -170,7 +170,7 @@ def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPl
         kwargs={"job": job},
         cores=ranks[0].cores,
         threads=ranks[0].threads,
-        restarts=cfg.restarts.get(name, 0),
+        restarts=cfg.restarts_of(name),
         timeline=timeline,
         ranks=len(ranks),
         devices=[r.device for r in ranks],
