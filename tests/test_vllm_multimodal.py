@@ -2,14 +2,16 @@
 as image embeddings, log-prob parity with our forward with 0, 1 and 2 images per prompt, weight
 updates, and a tiny end-to-end job.
 
-vLLM's CPU build needs the import shim in `tests/vllm_shim/` (no torchvision; see its docstring):
-every engine here starts with that folder on PYTHONPATH.
+vLLM's CPU environment has no torchvision, so its Qwen2-VL module imports only with the shim
+`stream_rlhf/backends/vllm_shim/`: the client puts it on the engine's PYTHONPATH by itself, and
+nothing here adds it.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from safetensors.torch import save_file
 
 from stream_rlhf.backends.torch_engine import freeze_vision_tower
 from stream_rlhf.backends.torch_rollout import SamplingParams
-from stream_rlhf.backends.vllm_client import VllmClient
+from stream_rlhf.backends.vllm_client import SHIM, VllmClient, engine_env
 from stream_rlhf.backends.vllm_rollout import VllmOptions
 from stream_rlhf.data.images import ImageSpec, patchify
 from stream_rlhf.data.prompts_jsonl import encode_prompt
@@ -37,17 +39,9 @@ from tests.test_rl_vllm import assert_every_sample_trained, run
 from tests.vllm_env import vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-SHIM = Path(__file__).resolve().parent / "vllm_shim"
 PROMPTS = [("12+7=", 0), ("<image>how many?", 1), ("<image>and<image>same?", 2),
            ("<image>how many red?", 1), ("3+4=", 0), ("<image><image>how many?", 2)]
 """(text, images): every <image> is one image."""
-
-
-@pytest.fixture(scope="module")
-def shim_on_pythonpath():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SHIM), os.environ.get("PYTHONPATH")])))
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +57,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint, shim_on_pythonpath):
+def engine(checkpoint):
     client = VllmClient(str(checkpoint), VllmOptions(max_model_len=128, cpu_cores=[0], max_images_per_prompt=2),
                         python=vllm_python(), start_timeout_s=300)
     yield client
@@ -125,6 +119,17 @@ def language_model_perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Modu
     return model
 
 
+def test_the_engine_environment_imports_vllms_qwen2_vl():
+    """The environment the client gives its engine process is enough for vLLM's Qwen2-VL module
+    (which imports torchvision-backed transformers code) in vLLM's CPU environment."""
+    python = vllm_python()
+    env = engine_env(python)
+    assert str(SHIM) in env["PYTHONPATH"].split(os.pathsep)  # .venv-vllm has no torchvision
+    result = subprocess.run([python, "-c", "import vllm.model_executor.models.qwen2_vl"], env=env,
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_behaviour_logprobs_equal_our_forward_with_0_1_and_2_images(engine, checkpoint, batch):
     prompts, images = batch
     assert sorted({len(i.grid_thw) for i in images}) == [0, 1, 2]
@@ -159,7 +164,7 @@ def test_updates_load_the_language_model_under_the_trainers_names(engine, checkp
     assert logprob_error(v2, prompts, images, gen) < 1e-4
 
 
-def test_tiny_multimodal_ppo_on_vllm(shim_on_pythonpath, tmp_path):
+def test_tiny_multimodal_ppo_on_vllm(tmp_path):
     """The tiny vision-language job with rollout through vLLM, from its warm start (a checkpoint
     folder vLLM loads as it is)."""
     config = write_job(tmp_path / "vllm_mm.yaml", tiny_job(

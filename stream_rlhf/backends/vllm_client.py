@@ -9,9 +9,14 @@
 The engine runs in a process of its own (`vllm_server.py`) started with `python`, which may be
 another environment's interpreter: vLLM pins its own torch and transformers, and the CPU wheel
 needs its CUDA-linked torchvision removed. This package is put on that process's PYTHONPATH, so
-the environment needs vLLM only. They talk over one ZeroMQ PAIR socket on an ipc:// path
-(`vllm_protocol.py`). If the engine process dies, the next call raises `VllmEngineError`; its own
-log (on stderr, vLLM's INFO lines filtered to warnings unless VLLM_LOGGING_LEVEL is set) says why.
+the environment needs vLLM only (`engine_env`). When that Python has no torchvision (vLLM's CPU
+environment; a GPU install has one), the import shim `vllm_shim/sitecustomize.py` goes on its
+PYTHONPATH too, or vLLM cannot import its Qwen2-VL model. What decides is torchvision, not the
+device, since torchvision is what the shim stands in for; a torchvision that is installed but
+broken must be removed (`scripts/setup_vllm_cpu.sh` does). Client and engine talk over one ZeroMQ
+PAIR socket on an ipc:// path (`vllm_protocol.py`). If the engine process dies, the next call
+raises `VllmEngineError`; its own log (on stderr, vLLM's INFO lines filtered to warnings unless
+VLLM_LOGGING_LEVEL is set) says why.
 
 The engine process leads a process group of its own, which vLLM's processes (engine core,
 workers) join: killing the engine kills the group, since those outlive a killed parent.
@@ -46,6 +51,8 @@ from stream_rlhf.models.vision_language import SampleImages
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
+SHIM = Path(__file__).resolve().parent / "vllm_shim"
+"""A PYTHONPATH entry holding `sitecustomize.py`: lets vLLM import Qwen2-VL without torchvision."""
 InFlight = Callable[[], wire.Update | None]
 """Asked as a generate starts and after every POLL_S without a reply from the engine: the update
 to apply between engine steps now, or None."""
@@ -70,21 +77,41 @@ def check_engine_python(python: str | None) -> None:
                           "GPU machine install the `vllm` extra)")
 
 
+def engine_env(python: str) -> dict[str, str]:
+    """This process's environment for an engine process run by `python`: this package on its
+    PYTHONPATH, and the import shim before it when `python` has no torchvision."""
+    paths = [str(Path(stream_rlhf.__file__).resolve().parent.parent)]
+    if not _has_torchvision(python):
+        paths.insert(0, str(SHIM))
+        log.info("%s has no torchvision: the engine imports with %s", python, SHIM / "sitecustomize.py")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, env.get("PYTHONPATH")]))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("PYTHONUNBUFFERED", "1")  # its log lines when they happen, even into a file or pipe
+    return env
+
+
+def _has_torchvision(python: str) -> bool:
+    """Whether `python` finds torchvision; True for a Python that cannot run (starting the engine
+    with it reports that)."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is None)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=120, check=False).returncode == 0
+    except OSError:
+        return True
+
+
 class VllmClient:
     def __init__(self, checkpoint: str, options: VllmOptions, python: str | None = None,
                  start_timeout_s: float = 600.0):
         self.python = python or sys.executable
         self.version = 0
         self._abandoned = False
+        env = engine_env(self.python)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PAIR)
         self._ipc_path = Path(tempfile.gettempdir()) / f"srl-vllm-{uuid.uuid4().hex[:12]}.sock"
         self._socket.bind(f"ipc://{self._ipc_path}")
-        package_root = str(Path(stream_rlhf.__file__).resolve().parent.parent)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        env.setdefault("PYTHONUNBUFFERED", "1")  # its log lines when they happen, even into a file or pipe
         command = [self.python, "-m", "stream_rlhf.backends.vllm_server", f"ipc://{self._ipc_path}", checkpoint,
                    json.dumps(asdict(options))]
         try:

