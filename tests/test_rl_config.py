@@ -226,3 +226,14 @@ def test_ranks_share_out_their_stage_cores_and_get_devices(tmp_path):
     actor = stages["actor_train"]
     assert (actor.ranks, actor.rank_cores, actor.threads, actor.devices) == (2, [[0], [1]], 1, ["cpu", "cpu"])
     assert stages["critic_train"].ranks == 1 and stages["critic_train"].devices == ["cpu"]
+
+
+def test_stateless_stages_restart_by_default_and_rollout_only_where_it_can_rejoin():
+    shm = build(RLJobConfig, {"name": "r"})
+    assert {s: shm.restarts_of(s) for s in ("rollout", "ref_forward", "actor_train", "prompts")} == {
+        "rollout": 2, "ref_forward": 2, "actor_train": 0, "prompts": 0}
+    broadcast = build(RLJobConfig, {"name": "r", "weights": {"transport": "broadcast"}})
+    assert broadcast.restarts_of("rollout") == 0 and broadcast.restarts_of("critic_forward") == 2
+    assert build(RLJobConfig, {"name": "r", "restarts": {"rollout": 0}}).restarts_of("rollout") == 0
+    with pytest.raises(ConfigError, match="checkpoint.recoveries=-1"):
+        build(RLJobConfig, {"name": "r", "checkpoint": {"recoveries": -1}})
