@@ -2,7 +2,7 @@
 
 Each schedule is one `stream-rlhf run configs/text_ppo.yaml` subprocess with the WORKLOAD
 overrides below, placement `separated` (prompts + rollout on core 0, every forward and trainer
-stage on core 1), `timeline=true` and a name of its own (runs/bench_pipeline_<column>/):
+stage on core 1), the run's trace on (the default) and a name of its own (runs/bench_pipeline_<column>/):
 
     sync      schedule=sync   overlap_depth=0   generate all, then forward all, then train
     stream0   schedule=stream overlap_depth=0   mini-batches flow on as they are generated
@@ -11,18 +11,23 @@ stage on core 1), `timeline=true` and a name of its own (runs/bench_pipeline_<co
 Figures, per schedule, over the steady-state window: from the end of iteration SKIP-1's
 training to the end of the last iteration's. The first SKIP = 2 iterations are left out: the
 first is timed from the trainer's start-up, while rollout may already have run (and in stream1
-it is the pipeline fill), and the second still runs into stages warming up.
+it is the pipeline fill), and the second still runs into stages warming up. The window, busy
+fractions and bubble ratio come from the run's trace.json through the product's own
+`stream_rlhf.telemetry.trace_figures` (its docstring defines them), the figures the run's
+summary.json reports too.
 
     tokens/s       as in the HybridFlow paper: prompt + response tokens of the iteration's global
                    batch (actor_train's metrics.jsonl `tokens`) / iteration time; over the window,
                    sum(tokens) / sum(iteration_s).
     iteration s    mean `iteration_s` (end of training to end of training) over the window.
-    busy           per stage: the sum of its step durations (timeline/*.jsonl, clipped to the
-                   window) / window. Durations are wall time, so stages that time-share core 1 can
-                   add up to more than 1.
+    busy           per stage: the sum of its step durations (clipped to the window) / window.
+                   Durations are wall time, so stages that time-share core 1 can add up to more
+                   than 1.
     bubble ratio   over the two core groups, rollout side (prompts, rollout) and train side (every
                    forward and trainer): 1 - (busy time of each group, overlapping steps within a
                    group merged, summed) / (2 * window). 0: both groups always have a step running.
+    hidden s       time hidden by overlap: the sum of the stages' busy time minus the length of the
+                   union of every step, over the window.
     CPU, cores     mean cores used over the window by the run's processes, by everything else on
                    the machine, and stolen by the hypervisor (/proc/stat, /proc/<pid>/stat sampled
                    every 0.5 s): other work on a 2-core machine shows up in every figure.
@@ -59,6 +64,13 @@ Run from the repository root:
     .venv/bin/python bench/pipeline.py            # full run (~3 minutes): the table
     .venv/bin/python bench/pipeline.py --quick    # smoke run (~1.5 minutes): 4 iterations each
     .venv/bin/python bench/pipeline.py --json     # the table, then one JSON object as the last line
+    .venv/bin/python bench/pipeline.py --trace-overhead   # what tracing costs (~5 minutes; see below)
+
+--trace-overhead runs the sync schedule TRACE_PAIRS times with `trace=false` and with the trace
+on, alternating (so that drifting load on the machine touches both alike), and compares the mean
+`iteration_s` of the steady-state iterations (metrics.jsonl: a run without a trace has no window
+from the trace). Sync, because there every step's cost shows in the iteration time; a stream
+schedule could hide it behind overlap.
 
 Each run's output goes to runs/bench_pipeline_<column>.log (--quick: bench_pipeline_quick_<column>).
 """
@@ -82,6 +94,7 @@ from process_tree import process_table, tree  # bench/, beside this script
 
 from stream_rlhf.broker import shm
 from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
+from stream_rlhf.telemetry.trace_figures import trace_figures
 from stream_rlhf.weights.shm_store import SHM_ROOT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +119,8 @@ WORKLOAD = [
 TARGET = 1.5
 """stream1 / sync tokens/s expected on a 2-core CPU machine."""
 RUN_TIMEOUT_S = 600.0
+TRACE_PAIRS = 2
+"""--trace-overhead: runs with the trace off and on, each."""
 
 
 @dataclass(frozen=True)
@@ -130,16 +145,16 @@ QUICK = Settings(name="quick_", iterations=4)
 # ---- running ---------------------------------------------------------------------------------
 
 
-def run_schedule(column: str, settings: Settings, prefix: str) -> Path:
-    """One `stream-rlhf run` subprocess; returns its run folder. Fails when the run does, or when
-    it left anything in /dev/shm."""
+def run_schedule(column: str, settings: Settings, prefix: str, trace: bool = True, suffix: str = "") -> Path:
+    """One `stream-rlhf run` subprocess (`trace`: with its trace; `suffix`: added to the run's
+    name); returns its run folder. Fails when the run does, or when it left anything in /dev/shm."""
     schedule, depth = SCHEDULES[column]
-    name = f"bench_pipeline_{settings.name}{column}"
+    name = f"bench_pipeline_{settings.name}{column}{suffix}"
     log_path = RUNS_DIR / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     overrides = [
         f"name={name}", f"schedule={schedule}", f"overlap_depth={depth}", f"iterations={settings.iterations}",
-        "timeline=true", f"broker.shm_prefix={prefix}", *WORKLOAD,
+        f"trace={str(trace).lower()}", f"broker.shm_prefix={prefix}", *WORKLOAD,
     ]
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     before = shm_entries()
@@ -238,61 +253,58 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def merged_length(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of the (start, end) spans."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def clip(spans: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
-    return [(max(s, lo), min(e, hi)) for s, e in spans if e > lo and s < hi]
-
-
 def analyse(run_dir: Path, skip: int) -> dict:
     """The figures of one run over iterations skip..last (see the module docstring)."""
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    steps = [r for path in sorted((run_dir / "timeline").glob("*.jsonl")) for r in read_jsonl(path)]
     iterations = len(metrics)
     if iterations <= skip:
         raise RuntimeError(f"{run_dir}: {iterations} iteration(s) in metrics.jsonl, the window skips {skip}")
     steady = metrics[skip:]
     iteration_s = sum(r["iteration_s"] for r in steady)
     tokens = sum(r["tokens"] for r in steady)
-    # an iteration ends with the actor_train step that receives its last mini-batch (and trains)
-    done: dict[int, float] = {}
-    for r in steps:
-        if r["stage"] == "actor_train":
-            done[r["iteration"]] = max(done.get(r["iteration"], 0.0), r["end"])
-    lo, hi = done[skip - 1], done[iterations - 1]
-    window = hi - lo
-    per_stage: dict[str, list[tuple[float, float]]] = {}
-    for r in steps:
-        per_stage.setdefault(r["stage"], []).append((r["start"], r["end"]))
-    busy = {stage: sum(e - s for s, e in clip(spans, lo, hi)) / window for stage, spans in per_stage.items()}
-    groups: dict[str, list[tuple[float, float]]] = {"rollout": [], "train": []}
-    for stage, spans in per_stage.items():
-        groups["rollout" if stage in ROLLOUT_SIDE else "train"].extend(clip(spans, lo, hi))
-    group_busy = {group: merged_length(spans) / window for group, spans in groups.items()}
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    trace = trace_figures(events, ROLLOUT_SIDE, skip)
+    if trace is None:
+        raise RuntimeError(f"{run_dir}/trace.json: no actor_train step of iteration {skip - 1} or later")
     summary = json.loads((run_dir / "summary.json").read_text())
     samples_path = run_dir / "cpu_samples.json"
-    load = machine_load(json.loads(samples_path.read_text()), lo, hi) if samples_path.is_file() else {}
+    load = machine_load(json.loads(samples_path.read_text()), trace.lo, trace.hi) if samples_path.is_file() else {}
     return {
         **load,
         "tokens_per_s": tokens / iteration_s,
         "iteration_s": iteration_s / len(steady),
         "tokens_per_iteration": tokens / len(steady),
-        "window_s": window,
-        "bubble_ratio": 1 - (group_busy["rollout"] + group_busy["train"]) / 2,
-        "group_busy": group_busy,
-        "busy": busy,
+        "window_s": trace.window_s,
+        "bubble_ratio": trace.bubble_ratio,
+        "overlap_hidden_s": trace.overlap_hidden_s,
+        "group_busy": trace.group_busy,
+        "busy": trace.busy,
         "max_staleness": summary["max_staleness"],
         "samples_dropped": summary["samples_dropped"],
         "job_s": summary["job_s"],
     }
+
+
+def mean_iteration_s(run_dir: Path, skip: int) -> float:
+    """Mean `iteration_s` of iterations skip..last (metrics.jsonl)."""
+    steady = read_jsonl(run_dir / "metrics.jsonl")[skip:]
+    if not steady:
+        raise RuntimeError(f"{run_dir}/metrics.jsonl: no iteration past the first {skip}")
+    return sum(r["iteration_s"] for r in steady) / len(steady)
+
+
+def trace_overhead(settings: Settings, prefix: str) -> dict[str, float]:
+    """Sync runs with the trace off and on, alternating (module docstring); their mean iteration
+    times and the ratio on / off."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for pair in range(TRACE_PAIRS):
+        for trace in (False, True):
+            suffix = f"_trace_{'on' if trace else 'off'}{pair}"
+            progress(f"sync, trace {'on' if trace else 'off'} ({pair + 1} of {TRACE_PAIRS})")
+            times[trace].append(mean_iteration_s(run_schedule("sync", settings, prefix, trace, suffix), settings.skip))
+    off, on = (sum(times[t]) / len(times[t]) for t in (False, True))
+    return {"iteration_s_trace_off": round(off, 4), "iteration_s_trace_on": round(on, 4),
+            "trace_overhead": round(on / off - 1, 4), "runs_each": TRACE_PAIRS}
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -314,6 +326,7 @@ def format_table(results: dict[str, dict], settings: Settings) -> str:
     row("bubble ratio", ".3f", lambda r: r["bubble_ratio"])
     row("busy, rollout side", ".3f", lambda r: r["group_busy"]["rollout"])
     row("busy, train side", ".3f", lambda r: r["group_busy"]["train"])
+    row("hidden s (overlap)", ".1f", lambda r: r["overlap_hidden_s"])
     stages = sorted({s for r in results.values() for s in r["busy"]}, key=lambda s: (s not in ROLLOUT_SIDE, s))
     for stage in stages:
         row(f"  {stage}", ".3f", lambda r, s=stage: r["busy"].get(s, 0.0))
@@ -365,9 +378,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK.iterations} iterations per schedule")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    parser.add_argument("--trace-overhead", action="store_true",
+                        help="instead of the schedules: sync with the trace off and on (module docstring)")
     args = parser.parse_args()
     settings = QUICK if args.quick else FULL
     prefix = f"bp{uuid.uuid4().hex[:8]}"  # this invocation's shared-memory names
+    if args.trace_overhead:
+        overhead = trace_overhead(settings, prefix)
+        print(f"sync iteration s, trace off {overhead['iteration_s_trace_off']:.4f}, on "
+              f"{overhead['iteration_s_trace_on']:.4f}: tracing costs {100 * overhead['trace_overhead']:+.2f}% "
+              f"(mean of {TRACE_PAIRS} runs each, {settings.iterations} iterations, the first {settings.skip} left out)")
+        if args.json:
+            print(json.dumps(overhead))
+        return
     results = {}
     for column in SCHEDULES:
         started = time.monotonic()

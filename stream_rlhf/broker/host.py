@@ -13,11 +13,15 @@ and the broker keeps one.
 Every publish costs one producer credit, resends too: the broker rejects a publish without
 credit. A host that may not block for credit (the in-process bus runs every stage on one thread)
 and every resend after a (re)handshake wait in `_deferred` until the broker grants some.
+
+Each step is traced (`telemetry/trace.py`, a no-op unless the process started a trace): the wait
+before it ("idle": for a delivery, or for a source, for credit), the payload fetch, the step
+itself (named after the stage and its input topic, with iteration, mini-batch, policy version and
+samples) and the publish of its outputs (payload put and credit wait).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -25,7 +29,6 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 
 from stream_rlhf.broker.messages import (
     Ack,
@@ -40,10 +43,13 @@ from stream_rlhf.broker.messages import (
 )
 from stream_rlhf.broker.payload import PayloadError, PayloadTransport
 from stream_rlhf.broker.stage import Batch, Output, Stage, StepAborted
+from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)
 
 DEDUPE_WINDOW = 65_536
+IDLE_MIN_NS = 100_000
+"""Waits shorter than this (a delivery already queued) are not traced: they would only add events."""
 
 
 class StageHost:
@@ -56,7 +62,6 @@ class StageHost:
         send: Callable[[Message], None],
         prefetch: int = 2,
         wait_for_credit: bool = True,
-        timeline: Path | None = None,
         before_step: Callable[[Handle], None] | None = None,
         step_context: Callable[[], AbstractContextManager[None]] = nullcontext,
     ):
@@ -83,7 +88,7 @@ class StageHost:
         self._deferred: deque[Publish] = deque()  # published once the broker grants credit
         self._epoch = 0  # handshakes so far: credit taken before the last one is void
         self._processed: OrderedDict[str, None] = OrderedDict()
-        self.timeline = Timeline(timeline, stage_name, instance_id) if timeline else None
+        self._idle_since_ns: int | None = None  # the end of the last step (or of setup): traced waits
         self.counters: dict[str, float] = {
             "steps": 0, "step_s": 0.0, "fetch_s": 0.0, "put_s": 0.0, "published": 0,
             "duplicates_skipped": 0, "credit_wait_s": 0.0, "nacked": 0, "send_failed": 0,
@@ -153,7 +158,8 @@ class StageHost:
             self.send(Ack([handle.id]))
             self._replenish(handle.topic)
             return
-        started = time.perf_counter()
+        started = trace.now_ns()
+        self._trace_idle(started, "delivery")
         try:
             tensors = self.transport.get(handle)
         except PayloadError as exc:
@@ -163,24 +169,24 @@ class StageHost:
             return
         if self.before_step is not None:
             self.before_step(handle)
-        fetched = time.perf_counter()
-        self.counters["fetch_s"] += fetched - started
+        fetched = trace.now_ns()
+        self.counters["fetch_s"] += (fetched - started) / 1e9
+        trace.complete("fetch", "payload", started, fetched, topic=handle.topic, producer=handle.producer)
         try:
             with self.step_context():
                 outputs = self.stage.step(Batch(handle, tensors)) or []
         except Exception as exc:
             self.send(Nack(handle.id, f"{type(exc).__name__} in {self.stage_name}.step: {exc}", requeue=True))
             raise
-        self.counters["steps"] += 1
-        self.counters["step_s"] += time.perf_counter() - fetched
-        if self.timeline:
-            self.timeline.record(time.perf_counter() - fetched, handle.topic, handle.iteration, handle.minibatch)
+        self._count_step(fetched, f"{self.stage_name} {handle.topic}", handle.topic, handle.iteration,
+                         handle.minibatch, handle.policy_version, handle.num_samples)
         self._publish_all(outputs, handle, lambda topic, k: f"{handle.id}/{topic}/{k}")
         self._processed[handle.id] = None
         if len(self._processed) > DEDUPE_WINDOW:
             self._processed.popitem(last=False)
         self.send(Ack([handle.id]))
         self._replenish(handle.topic)
+        self._idle_since_ns = trace.now_ns()
 
     def can_produce(self) -> bool:
         """A source may step when it is not exhausted and every output topic has credit."""
@@ -190,26 +196,50 @@ class StageHost:
             return all(self._producer_credit.get(t, 0) > 0 for t in self.outputs)
 
     def produce(self) -> None:
-        started = time.perf_counter()
+        started = trace.now_ns()
+        self._trace_idle(started, "credit")
         with self.step_context():
             outputs = self.stage.step(None)
         if outputs is None:
             self.exhausted = True
             log.info("%s: source exhausted", self.instance_id)
             return
-        self.counters["steps"] += 1
-        self.counters["step_s"] += time.perf_counter() - started
-        if self.timeline:
-            self.timeline.record(time.perf_counter() - started, "", outputs[0].iteration if outputs else -1, -1)
+        first = outputs[0] if outputs else None
+        self._count_step(started, self.stage_name, "", first.iteration if first else -1,
+                         first.minibatch if first else -1, first.policy_version if first else -1,
+                         sum(o.num_samples for o in outputs))
         self._publish_all(
             outputs, None, lambda topic, k: f"{self.stage_name}/{topic}/{outputs_key(outputs, topic, k)}"
         )
+        self._idle_since_ns = trace.now_ns()
+
+    def mark_idle(self) -> None:
+        """From now on the instance waits for work (the runner calls it once the stage is set up)."""
+        self._idle_since_ns = trace.now_ns()
+
+    def _trace_idle(self, now_ns: int, waiting_for: str) -> None:
+        if self._idle_since_ns is not None and now_ns - self._idle_since_ns >= IDLE_MIN_NS:
+            trace.complete("idle", "wait", self._idle_since_ns, now_ns, waiting_for=waiting_for)
+
+    def _count_step(self, started_ns: int, name: str, topic: str, iteration: int | None, minibatch: int | None,
+                    policy_version: int | None, samples: int) -> None:
+        """Count (and trace) a step that began at `started_ns` and ends now."""
+        ended = trace.now_ns()
+        self.counters["steps"] += 1
+        self.counters["step_s"] += (ended - started_ns) / 1e9
+        trace.complete(name, "step", started_ns, ended, stage=self.stage_name, topic=topic, iteration=iteration,
+                       minibatch=minibatch, policy_version=policy_version, samples=samples)
 
     def _replenish(self, topic: str) -> None:
         if self.accepting:
             self.send(Request(topic, 1))
 
     def _publish_all(self, outputs: list[Output], parent: Handle | None, key: Callable[[str, int], str]) -> None:
+        if outputs:
+            with trace.span("publish", "payload", topics=sorted({o.topic for o in outputs})):
+                self._publish_each(outputs, parent, key)
+
+    def _publish_each(self, outputs: list[Output], parent: Handle | None, key: Callable[[str, int], str]) -> None:
         per_topic: dict[str, int] = {}
         for out in outputs:
             if out.topic not in self.outputs:
@@ -268,24 +298,6 @@ class StageHost:
             return False
         self._producer_credit[topic] -= 1
         return True
-
-
-class Timeline:
-    """One JSON line per step: wall-clock start and end, the input topic, iteration and mini-batch
-    (bench/pipeline.py turns these into busy fractions and bubbles)."""
-
-    def __init__(self, path: Path, stage_name: str, instance_id: str):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a", buffering=1)
-        self.stage_name = stage_name
-        self.instance_id = instance_id
-
-    def record(self, duration_s: float, topic: str, iteration: int, minibatch: int) -> None:
-        end = time.time()
-        self.file.write(json.dumps({
-            "stage": self.stage_name, "instance": self.instance_id, "start": end - duration_s, "end": end,
-            "topic": topic, "iteration": iteration, "minibatch": minibatch,
-        }) + "\n")
 
 
 def outputs_key(outputs: list[Output], topic: str, k: int) -> str:

@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 
 import msgspec
 import zmq
@@ -69,6 +68,7 @@ from stream_rlhf.broker.payload import PayloadTransport, ShmTransport
 from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.stage import Stage, StageContext, StepAborted
+from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)
 _pipe_ids = itertools.count()
@@ -95,7 +95,6 @@ class StageRunner:
         drain_timeout_s: float = 30.0,
         capabilities: list[str] = (),
         shm_prefix: str = "srlhf",
-        timeline: Path | None = None,
         group: RankGroup | None = None,
         step_context: Callable[[], AbstractContextManager[None]] = nullcontext,
     ):
@@ -113,7 +112,7 @@ class StageRunner:
         self.paused = False
         self._context = zmq.Context()
         self.transport = transport or ShmTransport(prefix=shm_prefix, context=self._context)
-        self.host = StageHost(stage, stage_name, instance_id, self.transport, self._send, prefetch, timeline=timeline,
+        self.host = StageHost(stage, stage_name, instance_id, self.transport, self._send, prefetch,
                               before_step=self._share_batch if self.group.distributed else None,
                               step_context=step_context)
         # Deliver / Control for the stage thread; None only wakes it (new producer credit)
@@ -147,10 +146,12 @@ class StageRunner:
         try:
             self._await_handshake()
             self.group.share(GroupSetup(self.host.inputs, self.host.outputs))
-            self.stage.setup(
-                StageContext(self.stage_name, self.instance_id, self.host.inputs, self.host.outputs, self._send_control,
-                             self.log, self.host.abort, self.group)
-            )
+            with trace.span("setup", "stage", stage=self.stage_name):
+                self.stage.setup(
+                    StageContext(self.stage_name, self.instance_id, self.host.inputs, self.host.outputs,
+                                 self._send_control, self.log, self.host.abort, self.group)
+                )
+            self.host.mark_idle()
             while self.state is not RunnerState.STOPPED:
                 self._turn()
             # only after a clean stop: after a failure the other ranks may be waiting in one of the

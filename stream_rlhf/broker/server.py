@@ -9,6 +9,10 @@ frame far over `max_message_bytes` by closing its connection; `connwatch.py` cou
 lines about peers are rate-limited (`ratelog.py`). The loop stops on SIGINT/SIGTERM or on
 Control(shutdown) once every stage instance has left (or `shutdown_grace_s` passed), then
 unlinks every payload it still tracks and any segment of a dead process of this job.
+
+With a trace started in this process (`telemetry/trace.py`), the loop samples every
+QUEUE_SAMPLE_S the depth of each consumer queue (`queue <topic>><stage>`: handles waiting for
+delivery), the joins waiting for parts and the policy version, and traces the values that changed.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from stream_rlhf.broker.core import BrokerCore
 from stream_rlhf.broker.messages import Heartbeat, Message, MessageRejected, decode
 from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.topology import CONTROL_STAGE, BrokerConfig, Topology
+from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 256  # socket messages read per loop turn before flushing
 MAX_FRAMES = 64  # message frames in one socket message
+QUEUE_SAMPLE_S = 0.1  # how often the traced queue depths are read
 
 
 class BrokerServer:
@@ -61,6 +67,8 @@ class BrokerServer:
         self._poller.register(self._watch.monitor, zmq.POLLIN)
         self._stop = threading.Event()
         self._encoder = msgspec.msgpack.Encoder()
+        self._next_sample = 0.0
+        self._sampled: dict[str, int] = {}  # traced counter -> the value traced last
         log.info("broker %s listening on %s", self.core.broker_id, self.address)
 
     def request_stop(self) -> None:
@@ -96,6 +104,9 @@ class BrokerServer:
                     self._tick(now)
                     next_tick = now + interval
                 self._send(self._flush())
+                if trace.enabled() and now >= self._next_sample:
+                    self._next_sample = now + QUEUE_SAMPLE_S
+                    self._trace_counters()
                 if self.core.stopping:
                     if stopping_since is None:
                         stopping_since = now
@@ -106,6 +117,15 @@ class BrokerServer:
         finally:
             self.close()
         return dict(self.core.stats)
+
+    def _trace_counters(self) -> None:
+        values = {f"queue {topic}>{stage}": len(queue) for (topic, stage), queue in self.core.queues.items()}
+        values["joins waiting"] = len(self.core.partials)
+        values["policy version"] = self.core.policy_version
+        for name, value in values.items():
+            if self._sampled.get(name) != value:
+                self._sampled[name] = value
+                trace.counter(name, value=value)
 
     def _read_batch(self) -> bool:
         """Read up to MAX_BATCH socket messages; each carries one or more message frames.

@@ -30,13 +30,13 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from stream_rlhf.broker.client import ControlClient
 from stream_rlhf.broker.topology import BrokerConfig, Topology
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.core_board import CoreLending
+from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = 0.5
@@ -60,8 +60,8 @@ class StageSpec:
     """torch intra-op threads; None: torch's default."""
     restarts: int = 0
     """How often the launcher restarts a crashed instance before failing the job."""
-    timeline: str | None = None
-    """Folder where each instance writes one JSON line per step (start, end, iteration)."""
+    trace: str | None = None
+    """Folder where each rank appends its trace events (`telemetry/trace.py`); None: no trace."""
     ranks: int = 1
     """Processes per instance, one torch.distributed group (gloo on CPU, NCCL on CUDA)."""
     devices: list[str] | None = None
@@ -126,12 +126,15 @@ def child_signals() -> None:
 
 
 def _broker_main(
-    topology: Topology, config: BrokerConfig, address_queue: mp.Queue, admission: Any, cores: list[int] | None = None
+    topology: Topology, config: BrokerConfig, address_queue: mp.Queue, admission: Any, cores: list[int] | None = None,
+    trace_folder: str | None = None,
 ) -> None:
     child_signals()
     setup_logging()
     if cores is not None:
         os.sched_setaffinity(0, cores)
+    if trace_folder is not None:
+        trace.start(trace_folder, "broker", "broker")
     from stream_rlhf.broker.server import BrokerServer
 
     server = BrokerServer(topology, config, admission)
@@ -144,6 +147,7 @@ def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str
     child_signals()
     setup_logging()
     run_stage(stage_name, instance_id, spec, address, key_dir, prefix, rank, init_method)
+    trace.stop()
     # the instance has stopped cleanly; skip interpreter teardown, which takes seconds per
     # process once torch and transformers are loaded (a crash above still exits with its traceback)
     logging.shutdown()
@@ -174,6 +178,8 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
         raise ConfigError(f"rank={rank}: {instance_id} has ranks 0..{spec.ranks - 1}")
     if spec.ranks > 1 and not init_method:
         raise ConfigError(f"{instance_id}: a group of {spec.ranks} ranks needs a rendezvous (init_method)")
+    if spec.trace is not None:
+        trace.start(spec.trace, instance_id, f"rank {rank}")
     group = RankGroup.join(RankSpec(rank, spec.ranks, init_method, spec.device(rank), spec.group_timeout_s))
     log.info("%s: rank %d of %d on %s", instance_id, rank, spec.ranks, spec.device(rank))
     try:
@@ -181,14 +187,13 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
         if rank > 0:
             GroupFollower(stage, stage_name, instance_id, group, ShmTransport(prefix=prefix, serve=False)).run()
             return
-        timeline = Path(spec.timeline) / f"{instance_id}.jsonl" if spec.timeline else None
         governor = None
         if spec.lending is not None and spec.ranks == 1:
             governor = ThreadGovernor(spec.lending, int(instance_id.rsplit("-", 1)[1]), spec.cores_of(0) or [])
             governor.install()
         StageRunner(
             stage, stage_name, instance_id, address, key_dir, prefetch=spec.prefetch, shm_prefix=prefix,
-            timeline=timeline, group=group, step_context=governor.busy if governor else nullcontext,
+            group=group, step_context=governor.busy if governor else nullcontext,
         ).run()
         if governor is not None:
             log.info("%s: borrowed the other side's cores %d times%s", instance_id, governor.borrowed,
@@ -206,7 +211,10 @@ class LocalJob:
         stages: dict[str, StageSpec],
         admission: Any = None,
         broker_cores: list[int] | None = None,
+        trace_folder: str | None = None,
     ):
+        """`trace_folder`: where the broker appends its trace events (queue depths); each stage
+        rank traces to its spec's `trace` folder."""
         missing = topology.stages() - set(stages)
         if missing:
             raise ConfigError(f"stages: no spec for {sorted(missing)} (they appear in topics)")
@@ -218,6 +226,7 @@ class LocalJob:
         self.stages = stages
         self.admission = admission
         self.broker_cores = broker_cores
+        self.trace_folder = trace_folder
         self.address = ""
         self._ctx = mp.get_context("spawn")
         self.broker_process: mp.Process | None = None
@@ -245,7 +254,8 @@ class LocalJob:
         the stages reconnect to it by themselves when the address is fixed."""
         address_queue = self._ctx.Queue()
         self.broker_process = self._ctx.Process(
-            target=_broker_main, args=(self.topology, self.broker, address_queue, self.admission, self.broker_cores),
+            target=_broker_main, args=(self.topology, self.broker, address_queue, self.admission, self.broker_cores,
+                  self.trace_folder),
             name="broker",
         )
         self.broker_process.start()

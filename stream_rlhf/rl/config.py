@@ -432,8 +432,10 @@ class RLJobConfig:
     and the forwards; redelivery gives the new instance the unfinished mini-batches). A stateless
     stage left out restarts up to DEFAULT_RESTARTS times (rollout only with weights.transport shm);
     0 turns it off. A crash no restart covers resumes the run (`checkpoint.recoveries`)."""
-    timeline: bool = False
-    """Write every stage step's start and end to runs/<name>/timeline/ (for bench/pipeline.py)."""
+    trace: bool = True
+    """Record every stage step, wait, payload fetch, weight publish and load and checkpoint save, and
+    the broker's queue depths, in runs/<name>/trace.json (Perfetto / chrome://tracing format,
+    `telemetry/trace.py`); summary.json's `trace` holds the figures from it. false: no trace."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When the run saves its state for `stream-rlhf run --resume` (`resume/config.py`)."""
 

@@ -45,6 +45,7 @@ from stream_rlhf.launch.placement import RankPlacement, preflight, stage_ranks
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.telemetry.trace import FOLDER as TRACE_FOLDER
 
 log = logging.getLogger(__name__)
 STAGE_CLASSES = {
@@ -75,6 +76,8 @@ class Dataflow:
     broker_cores: list[int] | None = None
     left_out: dict[str, str] = field(default_factory=dict)
     """Stages this config does not need, with the reason (logged, and in the run's summary)."""
+    trace_folder: str | None = None
+    """Where every process appends its trace events (`telemetry/trace.py`); None: `trace: false`."""
 
 
 def left_out_stages(cfg: RLJobConfig) -> dict[str, str]:
@@ -133,10 +136,10 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
                                            capacity=cfg.vision.prefetch_depth)
     job = JobContext(cfg, checkpoint, weights_root, vision_language, resume)
     minibatches = cfg.rollout_batch.minibatches
-    timeline = f"{cfg.run_dir}/timeline" if cfg.timeline else None
+    trace = f"{cfg.run_dir}/{TRACE_FOLDER}" if cfg.trace else None
     names = ["prompts", *(["vision_prefetch"] if prefetch else []), "rollout", *forwards, *trainers]
     ranks = check_placement(cfg, names)
-    stages = _lend_idle_cores(cfg, {name: _stage_spec(cfg, name, job, ranks[name], timeline) for name in names})
+    stages = _lend_idle_cores(cfg, {name: _stage_spec(cfg, name, job, ranks[name], trace) for name in names})
     # a whole iteration must fit in the queues, or the sync barriers (and the trainers, which
     # wait for every mini-batch of an iteration) would stall on back-pressure
     if cfg.placement.offload:
@@ -150,7 +153,7 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     )
     placement = cfg.placement
     broker_cores = placement.broker_cores or placement.mode_cores(rollout_side=False)
-    return Dataflow(Topology(topics), broker, stages, admission, broker_cores, left_out)
+    return Dataflow(Topology(topics), broker, stages, admission, broker_cores, left_out, trace)
 
 
 def check_placement(cfg: RLJobConfig, stages: list[str] | None = None) -> dict[str, list[RankPlacement]]:
@@ -163,7 +166,7 @@ def check_placement(cfg: RLJobConfig, stages: list[str] | None = None) -> dict[s
 
 
 def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPlacement],
-                timeline: str | None) -> StageSpec:
+                trace: str | None) -> StageSpec:
     return StageSpec(
         STAGE_CLASSES[name],
         instances=_instances(cfg, name),
@@ -171,7 +174,7 @@ def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPl
         cores=ranks[0].cores,
         threads=ranks[0].threads,
         restarts=cfg.restarts_of(name),
-        timeline=timeline,
+        trace=trace,
         ranks=len(ranks),
         devices=[r.device for r in ranks],
         rank_cores=[r.cores for r in ranks],

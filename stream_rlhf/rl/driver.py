@@ -29,20 +29,26 @@ from typing import Any
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import check_placement, compile_job
+from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, check_placement, compile_job
 from stream_rlhf.rl.resume import Resumed, prepare_resume, read_record, record_start
 from stream_rlhf.stages.trainer_checkpoint import checkpoint_parts, checkpoint_store
 from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.telemetry.progress import IterationProgress, print_summary
 from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_details
+from stream_rlhf.telemetry.trace import FOLDER as TRACE_FOLDER
+from stream_rlhf.telemetry.trace_figures import TraceFigures, trace_figures
+from stream_rlhf.telemetry.trace_merge import merge_trace, topic_sources
 from stream_rlhf.weights.shm_store import weights_root
 
 log = logging.getLogger("stream_rlhf")
-RUN_OUTPUTS = ("metrics.jsonl", "critic_metrics.jsonl", "train_summary.json", "summary.json", "timeline",
+RUN_OUTPUTS = ("metrics.jsonl", "critic_metrics.jsonl", "train_summary.json", "summary.json", TRACE_FOLDER,
                "stage_counts", "checkpoint", "checkpoints", "tensorboard")
 """What a run writes in runs/<name>/; a new run of the same name starts without them."""
-RESUME_KEEPS = ("metrics.jsonl", "critic_metrics.jsonl", "timeline", "stage_counts", "checkpoints", "tensorboard")
+RESUME_KEEPS = ("metrics.jsonl", "critic_metrics.jsonl", "stage_counts", "checkpoints", "tensorboard")
 """What a resumed run continues (the metrics cut back to its checkpoint) instead of deleting."""
+TRACE = "trace.json"
+"""The run's trace (`telemetry/trace_merge.py`), merged from TRACE_FOLDER's per-process files
+however the job ended; a resumed run starts a new one."""
 
 
 class RLRun:
@@ -59,6 +65,9 @@ class RLRun:
         self.vision_language = False
         self.left_out: dict[str, str] = {}
         """Stages the dataflow leaves out, with the reason (`rl/dataflow.left_out_stages`)."""
+        self.job: LocalJob | None = None
+        self.trace_figures: TraceFigures | None = None
+        """From trace.json, once `cleanup` merged it (None: no trace, or no steady-state window)."""
 
     def prepare(self) -> LocalJob:
         from stream_rlhf.models.checkpoint import is_vision_language
@@ -99,13 +108,32 @@ class RLRun:
                            self.resumed.point if self.resumed else None)
         self.left_out = flow.left_out
         self.job_started = time.monotonic()
-        return LocalJob(flow.topology, flow.broker, flow.stages, flow.admission, flow.broker_cores)
+        self.job = LocalJob(flow.topology, flow.broker, flow.stages, flow.admission, flow.broker_cores,
+                            flow.trace_folder)
+        return self.job
 
     def progress(self) -> AbstractContextManager:
         return IterationProgress(self.run_dir / "metrics.jsonl", self.cfg.iterations)
 
     def cleanup(self) -> None:
         shutil.rmtree(self.weights, ignore_errors=True)
+        if self.job is not None and self.job.trace_folder is not None:
+            self._merge_trace(self.job)
+
+    def _merge_trace(self, job: LocalJob) -> None:
+        """trace.json from every process's events, and the figures from it (after a failure too)."""
+        try:
+            merged = merge_trace(Path(job.trace_folder), self.run_dir / TRACE, topic_sources(job.topology),
+                                 list(job.stages), read_metrics(self.run_dir / "metrics.jsonl"))
+        except OSError as exc:  # a full disk must not hide how the job ended
+            log.warning("could not write %s: %s", self.run_dir / TRACE, exc)
+            return
+        if merged.lines_skipped:
+            log.warning("%s: %d unreadable trace line(s) skipped (a process stopped mid-write)",
+                        self.run_dir / TRACE, merged.lines_skipped)
+        log.info("trace of %d events in %s (open it in https://ui.perfetto.dev)", len(merged.events),
+                 self.run_dir / TRACE)
+        self.trace_figures = trace_figures(merged.events, ROLLOUT_SIDE)
 
     def resumable(self) -> bool:
         """Whether a resumed run could continue this one: it left a complete checkpoint."""
@@ -159,6 +187,8 @@ class RLRun:
             "checkpoint": str(self.run_dir / "checkpoint"),
             "resumed_from": [r["version"] for r in read_record(self.run_dir)["resumes"]],
         }
+        if self.cfg.trace:
+            summary["trace"] = self.trace_figures.summary() if self.trace_figures else None
         if self.vision_language:
             summary["images_seen"] = counts.get("prompts", {}).get("images_seen", 0)
             summary["images_encoded"] = sum(c.get("images_encoded", 0) for c in counts.values())

@@ -24,6 +24,7 @@ from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.resume.store import CheckpointStore
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.telemetry import trace
 
 ENGINE = "engine.pt"
 STATE = "state.json"
@@ -78,7 +79,8 @@ class TrainerCheckpoints:
             self.engine.save_state(folder / ENGINE)
             (folder / STATE).write_text(json.dumps({**state, "version": version}, indent=1))
 
-        self.store.write_part(version, self.part, write)
+        with trace.span("checkpoint save", "checkpoint", version=version, part=self.part):
+            self.store.write_part(version, self.part, write)
         self.store.prune(checkpoint_parts(self.job.config))
         self.saved = version
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from stream_rlhf.backends.vllm_client import VllmClient
 from stream_rlhf.backends.vllm_protocol import Update
 from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.telemetry import trace
 from stream_rlhf.weights.broadcast import BroadcastReceiver, BroadcastSender
 from stream_rlhf.weights.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from stream_rlhf.weights.shm_store import WeightStore
@@ -99,7 +100,8 @@ class RolloutWeights:
         if newest <= held:
             return held
         version, named = self._receiver.receive(newest)
-        _load_named(model, named, self.instance_id)
+        with trace.span("weights load", "weights", version=version, transport=self.cfg.transport):
+            _load_named(model, named, self.instance_id)
         return version
 
     def join_engine(self, engine: VllmClient) -> None:

@@ -1,6 +1,6 @@
 """What the user watches during `stream-rlhf run`: a progress bar over iterations with reward,
 KL, tokens/s and staleness (a log line per iteration when stderr is not a terminal), and the
-summary table at the end.
+summary table at the end (the trace's figures one per row).
 """
 
 from __future__ import annotations
@@ -63,8 +63,16 @@ class IterationProgress:
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+    """One row per key; a mapping of figures (the trace's) gets a row per figure, `trace.busy.rollout`."""
     table = Table(title=f"run {summary.get('name', '')}", show_header=False)
     for key, value in summary.items():
         if key != "name":
-            table.add_row(key, str(value))
+            for label, shown in _rows(key, value):
+                table.add_row(label, shown)
     (console or Console()).print(table)
+
+
+def _rows(key: str, value: Any) -> list[tuple[str, str]]:
+    if not isinstance(value, dict) or not value or not all(isinstance(v, (int, float, dict)) for v in value.values()):
+        return [(key, str(value))]
+    return [row for sub, v in value.items() for row in _rows(f"{key}.{sub}", v)]

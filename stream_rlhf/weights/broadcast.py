@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from stream_rlhf.telemetry import trace
 from stream_rlhf.weights.buckets import BucketLayout, empty_buckets, unpack
 from stream_rlhf.weights.group import (
     BACKENDS,
@@ -108,7 +109,9 @@ class BroadcastSender(SnapshotSender):
                 store.set("layout", self._slot.layout.to_json())
             store.set(f"reply/{request}", str(snapshot.version))
             header = torch.tensor([request, snapshot.version], dtype=torch.int64, device=snapshot.buckets[0].device)
-            group.broadcast_many([header, *snapshot.buckets], src=0)
+            with trace.span("weights send", "weights", version=snapshot.version, group=group.name,
+                            transport="broadcast"):
+                group.broadcast_many([header, *snapshot.buckets], src=0)
         finally:
             self._slot.release(snapshot)
         store.delete_key(f"request/{request}")
@@ -158,7 +161,8 @@ class BroadcastReceiver:
             raise RuntimeError(f"{where} at {self.group.address}: lost the sender's store while waiting for "
                                f"version >= {min_version}: {exc}") from exc
         header = torch.empty(2, dtype=torch.int64, device=self.device)
-        self.group.broadcast_many([header, *self._buckets], src=0)
+        with trace.span("weights receive", "weights", version=version, group=self.group.name, transport="broadcast"):
+            self.group.broadcast_many([header, *self._buckets], src=0)
         if header.tolist() != [request, version] or version < min_version:
             raise RuntimeError(f"{where}: out of step: asked request {request} for version >= {min_version}, "
                                f"announced version {version}, got header {header.tolist()}")

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from stream_rlhf.telemetry import trace
 from stream_rlhf.weights.buckets import BucketLayout, empty_buckets, unpack
 from stream_rlhf.weights.group import address_file, publish_address, rendezvous, wait_for_address, wait_for_keys
 from stream_rlhf.weights.sender import SnapshotSender
@@ -190,10 +191,11 @@ class CudaIpcReceiver:
         except dist.DistError as exc:
             raise RuntimeError(f"{where}: lost the sender's store while waiting for version >= {min_version}: "
                                f"{exc}") from exc
-        shared = [rebuild_bucket(record, self.device) for record in reply["buckets"]]
-        for mine, theirs in zip(self._buckets, shared, strict=True):
-            mine.copy_(theirs)
-        torch.cuda.current_stream(self.device).synchronize()
+        with trace.span("weights receive", "weights", version=reply["version"], group=self.name, transport="cuda_ipc"):
+            shared = [rebuild_bucket(record, self.device) for record in reply["buckets"]]
+            for mine, theirs in zip(self._buckets, shared, strict=True):
+                mine.copy_(theirs)
+            torch.cuda.current_stream(self.device).synchronize()
         del shared  # before the ack: the sender may free or reuse its buckets after it
         store.set(f"ack/{request}", "1")
         return reply["version"], unpack(self._buckets, self._layout)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from stream_rlhf.telemetry import trace
 from stream_rlhf.weights.buckets import BucketLayout, pack
 from stream_rlhf.weights.group import WeightSyncClosed, WeightSyncTimeout, address_file
 
@@ -171,7 +172,8 @@ class SnapshotSender:
         """Snapshot `named` as `version` (greater than the last) for the groups' next requests;
         raises a group's failure first, if any."""
         self._threads.check()
-        self._slot.publish(named, version)
+        with trace.span("weights publish", "weights", version=version, transport=self.what):
+            self._slot.publish(named, version)
 
     def check(self) -> None:
         """Raise the error of a group whose serving thread failed, if any."""

@@ -33,6 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import _remove_duplicate_names, load_model
 from torch import Tensor, nn
 
+from stream_rlhf.telemetry import trace
+
 SHM_ROOT = Path("/dev/shm")
 SPARE = "spare.safetensors"
 """A version file that left the window, kept so that the next publish reuses its pages."""
@@ -56,6 +58,10 @@ class WeightStore:
         """Publish `model`'s weights (or a state dict, e.g. a train engine's `export_weights`) as
         `version` (versions must increase), with optional string metadata that readers get from
         `metadata(version)`."""
+        with trace.span("weights publish", "weights", version=version, model=self.folder.name, transport="shm"):
+            self._write(model, version, metadata)
+
+    def _write(self, model: nn.Module | dict[str, Tensor], version: int, metadata: dict[str, str] | None) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(version)
         tmp = path.with_suffix(".tmp")
@@ -107,7 +113,8 @@ class WeightStore:
     def load_version(self, model: nn.Module, version: int) -> None:
         """Load `version` into `model` in place (FileNotFoundError once it has left the window)."""
         path = self.path(version)
-        with reading(path):
+        with trace.span("weights load", "weights", version=version, model=self.folder.name, transport="shm"), \
+                reading(path):
             load_model(model, str(path))
 
     def path(self, version: int) -> Path:

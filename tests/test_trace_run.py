@@ -1,0 +1,65 @@
+"""The trace of a tiny RL run (`stream-rlhf run`, real broker and stage processes): trace.json is
+valid Trace Event JSON (the format's rules, `tests/trace_rules.py`: Perfetto's trace processor
+cannot run offline here), every stage rank has a named track, mini-batches are followed by flow
+arrows from the prompt source to training, and summary.json's figures are the ones trace.json
+gives again."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
+from stream_rlhf.telemetry.trace_figures import trace_figures
+from tests.rl_tiny import tiny_job, write_job
+from tests.trace_rules import check_trace, flow_pairs
+
+pytestmark = pytest.mark.slow
+
+
+def test_tiny_run_writes_a_valid_trace_and_its_figures(tmp_path):
+    name = "traced"
+    config = write_job(tmp_path / f"{name}.yaml", tiny_job(tmp_path, name, broker={"shm_prefix": f"t_{name}"}))
+    log = tmp_path / f"{name}.log"
+    with log.open("w") as out:
+        code = subprocess.run([sys.executable, "-m", "stream_rlhf.cli", "run", str(config), "--set",
+                               "placement.mode=separated", "--set", "iterations=3"],
+                              stdout=out, stderr=subprocess.STDOUT, timeout=300).returncode
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    run_dir = tmp_path / name
+    data = json.loads((run_dir / "trace.json").read_text())
+    assert check_trace(data) == []
+    events = data["traceEvents"]
+    assert data["otherData"]["lines_skipped"] == 0
+
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    tracks = {(processes[e["pid"]], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
+    instances = set(re.findall(r"instance (\S+) of stage \S+ joined", text))
+    assert instances and {(instance, "rank 0") for instance in instances} <= tracks
+    assert ("broker", "broker") in tracks
+
+    steps = [e for e in events if e["ph"] == "X" and e["cat"] == "step"]
+    trained = {(e["args"]["iteration"], e["args"]["minibatch"]) for e in steps if e["args"]["stage"] == "actor_train"}
+    assert trained == {(i, m) for i in range(3) for m in range(2)}
+    arrows = {(processes[s["pid"]], processes[f["pid"]]) for s, f in flow_pairs(events)}
+    assert {("prompts-0", "rollout-0"), ("rollout-0", "actor_train-0")} <= arrows
+    into_training = [f for _, f in flow_pairs(events) if processes[f["pid"]] == "actor_train-0"]
+    assert len({f["ts"] for f in into_training}) == len(trained)  # every trained mini-batch has its arrows
+    names = {(e["cat"], e["name"]) for e in events if e["ph"] == "X"}
+    assert {("payload", "fetch"), ("payload", "publish"), ("wait", "idle"), ("stage", "setup"),
+            ("weights", "weights publish"), ("weights", "weights load")} <= names
+    assert ("checkpoint", "checkpoint save") in names  # the run's final checkpoint
+    counters = {e["name"] for e in events if e["ph"] == "C"}
+    assert {"queue prompts>rollout", "queue experience>actor_train", "staleness"} <= counters
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trace"] == trace_figures(events, ROLLOUT_SIDE).summary()
+    assert set(summary["trace"]["busy"]) == {e["args"]["stage"] for e in steps}
+    assert 0 <= summary["trace"]["bubble_ratio"] <= 1 and summary["trace"]["window_s"] > 0
+    assert "trace.bubble_ratio" in text  # the final table, a row per figure
+    assert not (run_dir / "timeline").exists()
