@@ -72,10 +72,10 @@ def test_a_sync_run_stopped_and_resumed_ends_with_the_weights_of_an_uninterrupte
     summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert summary["resumed_from"] == [max(stopped_at)]
     assert [r["iteration"] for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")] == list(range(6))
-    assert summary["samples_trained"] == 6 * 2 * 16
-    assert summary["samples_generated"] == (summary["samples_trained"] + summary["samples_dropped"]
-                                            + summary["samples_discarded_at_resume"]
-                                            + summary["samples_in_flight_at_stop"])
+    # every sample generated once (what the stopped run generated after its checkpoint was kept
+    # and trained as it was) and trained once
+    assert summary["samples_trained"] == summary["samples_generated"] == 6 * 2 * 16
+    assert summary["samples_discarded_at_resume"] == 0
 
 
 def test_a_streaming_ppo_run_resumes_with_its_accounting_and_staleness_bound_intact(tmp_path):
@@ -91,9 +91,9 @@ def test_a_streaming_ppo_run_resumes_with_its_accounting_and_staleness_bound_int
     records = read_metrics(tmp_path / "stream" / "metrics.jsonl")
     assert [r["iteration"] for r in records] == list(range(6))  # none lost, none repeated
     assert all(r["staleness_max"] <= 1 for r in records)
-    assert summary["samples_trained"] == 6 * 2 * 8 and summary["samples_dropped"] == 0
-    assert summary["samples_generated"] == (summary["samples_trained"] + summary["samples_discarded_at_resume"]
-                                            + summary["samples_in_flight_at_stop"])
+    assert summary["samples_trained"] == summary["samples_generated"] == 6 * 2 * 8  # each once
+    assert summary["samples_dropped"] == summary["samples_discarded_at_resume"] == 0
+    assert not list((tmp_path / "stream" / "checkpoints" / "generated").glob("00000[0-4]-*"))  # pruned once trained
     critic = read_metrics(tmp_path / "stream" / "critic_metrics.jsonl")
     assert [r["iteration"] for r in critic] == list(range(6))
     assert len(list((tmp_path / "stream" / "checkpoints").glob("iter-*"))) == 1  # keep: 1
@@ -154,7 +154,8 @@ def test_a_run_whose_stages_are_killed_again_and_again_finishes_with_every_sampl
     assert all(r["staleness_max"] <= 1 for r in records)
     assert summary["samples_trained"] == iterations * per_iteration and summary["samples_dropped"] == 0
     assert len(summary["resumed_from"]) >= 1
-    # what the stopped runs generated after their checkpoints is counted as discarded; a rollout
-    # killed between counting a mini-batch and publishing it generates it again (at most one each)
-    regenerated = summary["samples_generated"] - summary["samples_trained"] - summary["samples_discarded_at_resume"]
-    assert 0 <= regenerated <= 8 * victims.count("rollout-0"), (summary, victims)
+    # what the stopped runs generated after their checkpoints was kept and trained as it was; only
+    # a process killed between keeping a mini-batch and counting it (or the reverse) is off by one
+    assert summary["samples_discarded_at_resume"] <= 8 * len(victims), (summary, victims)
+    off = summary["samples_generated"] - summary["samples_trained"] - summary["samples_discarded_at_resume"]
+    assert abs(off) <= 8 * victims.count("rollout-0"), (summary, victims)

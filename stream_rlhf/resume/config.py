@@ -15,6 +15,9 @@ class CheckpointConfig:
     run is stopped); 0: only after the last one and at a stop."""
     keep: int = 2
     """The newest complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    keep_generated: bool = True
+    """Keep rollout's outputs on disk until a checkpoint covers them, so that a resumed run trains
+    what the stopped one generated instead of generating it again (`stages/generated_store.py`)."""
     recoveries: int = 2
     """How often a run whose stage failed (a crash the launcher could not restart, e.g. a trainer)
     resumes itself from its newest checkpoint before it fails for good."""

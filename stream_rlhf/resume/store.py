@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("stream_rlhf")
+FOLDER = "checkpoints"
+"""A run's checkpoints: `runs/<name>/checkpoints/`."""
 MANIFEST = "MANIFEST.json"
 PREFIX = "iter-"
 

@@ -176,6 +176,7 @@ class RLRun:
             "samples_trained": train["samples_trained"],
             "samples_dropped": train["samples_dropped"],
             "dropped_reasons": train["dropped_reasons"],
+            "samples_replayed_at_resume": counts.get("rollout", {}).get("replayed", 0),
             "samples_discarded_at_resume": discarded,
             "samples_in_flight_at_stop": generated - train["samples_trained"] - train["samples_dropped"] - discarded,
             "max_staleness": train["max_staleness"],

@@ -12,8 +12,11 @@ or the iteration count may change), cuts `metrics.jsonl` and `critic_metrics.jso
 checkpoint's iterations, and puts the checkpoint's actor (and critic) weights in the shared-memory
 weight store as the checkpoint's version, so rollout and the forwards start from them.
 
-Samples generated after the checkpoint by the interrupted run are not in it: they are generated
-again, and counted in the summary as `samples_discarded_at_resume`.
+What the stopped run generated after its checkpoint is in rollout's kept outputs
+(`stages/generated_store.py`): the resumed run trains it without generating it again, at the
+policy version that generated it. Only samples not kept there (`checkpoint.keep_generated:
+false`, or a crash between generating and keeping a mini-batch) are generated again, and counted
+in the summary as `samples_discarded_at_resume`.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from typing import Any
 import torch
 
 from stream_rlhf.config import ConfigError
-from stream_rlhf.resume.store import ResumePoint
+from stream_rlhf.resume.store import FOLDER, ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.stages.trainer_checkpoint import ENGINE, FOLDER, STATE, checkpoint_parts, checkpoint_store
+from stream_rlhf.stages.generated_store import GeneratedStore
+from stream_rlhf.stages.trainer_checkpoint import ENGINE, STATE, checkpoint_parts, checkpoint_store
 from stream_rlhf.telemetry.metrics import cut_metrics
 from stream_rlhf.telemetry.stage_counts import read_stage_counts
 from stream_rlhf.weights.shm_store import WeightStore
@@ -79,7 +83,8 @@ def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resum
     actor = json.loads((point.part("actor") / STATE).read_text())
     generated = read_stage_counts(run_dir).get("rollout", {}).get("generated", 0)
     discarded = sum(r["discarded"] for r in record["resumes"])
-    new = max(0, generated - discarded - actor["samples_trained"] - sum(actor["dropped_reasons"].values()))
+    kept = GeneratedStore(run_dir).samples_from(point.version) if cfg.checkpoint.keep_generated else 0
+    new = max(0, generated - discarded - actor["samples_trained"] - sum(actor["dropped_reasons"].values()) - kept)
     record["resumes"].append({"version": point.version, "discarded": new})
     (run_dir / FOLDER / RUN_RECORD).write_text(json.dumps(record, indent=1))
     for name in ("metrics.jsonl", "critic_metrics.jsonl"):
@@ -87,8 +92,9 @@ def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resum
     for part in checkpoint_parts(cfg):
         weights = torch.load(point.part(part) / ENGINE, map_location="cpu", weights_only=True)["model"]
         WeightStore(weights_root, part).publish(weights, point.version)
-    log.info("resuming from %s: policy version %d of %d (%d samples of the interrupted run generated again)",
-             point.folder, point.version, cfg.iterations, new)
+    log.info("resuming from %s: policy version %d of %d (of the samples the stopped run generated after it, "
+             "%d kept are trained as they are, %d generated again)", point.folder, point.version, cfg.iterations,
+             kept, new)
     return Resumed(point, record["eval_before"], record["start_checkpoint"], discarded + new)
 
 

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stream_rlhf.stages.trainer_checkpoint import FOLDER
+from stream_rlhf.resume.store import FOLDER
 
 FILE = "prompt_cursor.jsonl"
 

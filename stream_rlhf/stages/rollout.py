@@ -7,7 +7,9 @@ Before each mini-batch the engine loads the newest actor weights the trainer pub
 the `policy_version` that generated it along with the behaviour log-probs of the sampled tokens;
 the engines give the same fields. A vision-language model reads the image features of its input
 handle (the vision stage's; `stages/images.py`). With `rollout.medusa` enabled, decoding is
-speculative with Medusa heads where that is faster (`stages/speculation.py`).
+speculative with Medusa heads where that is faster (`stages/speculation.py`). Every output is kept on disk
+until a checkpoint covers its iteration (`stages/generated_store.py`), and a mini-batch found
+there (a resumed run, a redelivery after a crash) is published again rather than generated.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.launch.local import load_class
 from stream_rlhf.models.checkpoint import load_tokenizer, stop_token_ids
+from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.samples import Rollout, ragged, unragged
@@ -42,11 +45,15 @@ class RolloutStage(Stage):
         self.weights = RolloutWeights(self.job, ctx.instance_id)
         images = ImageInputs(self.job, self.counts, ctx.group.device)
         self.engine: RolloutEngine = load_class(ROLLOUT_ENGINES[cfg.backend])(self.job, self.weights, images, ctx)
+        self.generated = GeneratedStore(self.job.run_dir) if self.job.config.checkpoint.keep_generated else None
 
     def on_weights(self, version: int) -> None:
         self.weights.announced = max(self.weights.announced, version)
 
     def step(self, batch: Batch | None) -> list[Output]:
+        if self.generated is not None and (kept := self.generated.load(batch.iteration, batch.minibatch)) is not None:
+            self.counts.add(replayed=kept.num_samples)  # generated before a stop: trained, not generated again
+            return [kept]
         prompts = unragged(batch.tensors, "prompt_ids")
         out = self.engine.generate(batch, prompts, self.params)
         gen = out.generation
@@ -56,15 +63,18 @@ class RolloutStage(Stage):
             behavior_logp=gen.response_logp,
             group_ids=batch.tensors["group_ids"],
         )
-        self.counts.add(generated=len(prompts))
         finished = sum(reason == "stop" for reason in gen.finish_reasons)
         tensors = rollout.to_tensors()
         if out.token_versions is not None:
             tensors.update(ragged("token_versions", out.token_versions))  # (R_i,) version per token
         if self.job.vision_language:
             del tensors["group_ids"]  # the image handle the broker joins with this one carries them
-        return [topic_output("rollout", tensors, len(prompts), policy_version=out.policy_version,
-                       metadata={"references": batch.metadata["references"], "finished": finished, **out.metadata})]
+        output = topic_output("rollout", tensors, len(prompts), batch.iteration, batch.minibatch, out.policy_version,
+                              metadata={"references": batch.metadata["references"], "finished": finished, **out.metadata})
+        if self.generated is not None:
+            self.generated.save(output)
+        self.counts.add(generated=len(prompts))
+        return [output]
 
     def close(self) -> None:
         self.engine.close()

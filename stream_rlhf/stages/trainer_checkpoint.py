@@ -9,7 +9,8 @@
 A trainer's part of a checkpoint (`resume/store.py`) is its engine's state (`engine.pt`: full
 weights, optimizer state, RNG) and `state.json` (the policy version, the KL coefficient, its
 counters). Every rank of a group takes part in a save (the engine gathers its shards); the
-leader writes, then deletes checkpoints older than `checkpoint.keep` complete ones.
+leader writes, then deletes checkpoints older than `checkpoint.keep` complete ones and rollout's
+kept outputs (`generated_store.py`) of the iterations those covered.
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ from typing import Any
 
 from stream_rlhf.backends.train_engine import TrainEngine
 from stream_rlhf.broker.rank_group import RankGroup
-from stream_rlhf.resume.store import CheckpointStore
+from stream_rlhf.resume.store import FOLDER, CheckpointStore
 from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.job_context import JobContext
-from stream_rlhf.telemetry import trace
 
 ENGINE = "engine.pt"
 STATE = "state.json"
-FOLDER = "checkpoints"
 
 
 def checkpoint_parts(cfg: RLJobConfig) -> list[str]:
@@ -79,9 +79,11 @@ class TrainerCheckpoints:
             self.engine.save_state(folder / ENGINE)
             (folder / STATE).write_text(json.dumps({**state, "version": version}, indent=1))
 
-        with trace.span("checkpoint save", "checkpoint", version=version, part=self.part):
-            self.store.write_part(version, self.part, write)
-        self.store.prune(checkpoint_parts(self.job.config))
+        self.store.write_part(version, self.part, write)
+        parts = checkpoint_parts(self.job.config)
+        self.store.prune(parts)
+        if kept := self.store.versions(parts):  # what the oldest checkpoint kept still needs
+            GeneratedStore(self.job.run_dir).prune(kept[0])
         self.saved = version
 
     def save_at_stop(self, version: int, state: dict[str, Any]) -> None:

@@ -1,10 +1,14 @@
-"""A resumed prompt source serves the prompts the interrupted one would have served next."""
+"""What a resumed run continues from besides the trainers' state: the prompt source's cursor and
+rollout's kept outputs."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from PIL import Image
 
+from stream_rlhf.broker.stage import Output
+from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.prompt_cursor import PromptCursors
 from tests.test_data_prompts import _dataset, _good, _write
 
@@ -30,3 +34,18 @@ def test_a_dataset_sought_to_a_cursor_continues_as_the_original(tmp_path):
     assert resumed.skipped == original.skipped == {"corrupt image": 1}
     with pytest.raises(FileNotFoundError, match="no prompt cursor for iteration 4"):
         cursors.at(4)
+
+
+def test_kept_outputs_come_back_whole_until_a_checkpoint_covers_their_iteration(tmp_path):
+    store = GeneratedStore(tmp_path)
+    for iteration in range(3):
+        for minibatch in range(2):
+            store.save(Output("rollout", {"ids": torch.arange(4) + iteration}, 4, iteration, minibatch,
+                              policy_version=iteration - 1, metadata={"references": ["1", "2", "3", "4"]}))
+    kept = store.load(2, 1)
+    assert (kept.iteration, kept.minibatch, kept.num_samples, kept.policy_version) == (2, 1, 4, 1)
+    assert kept.tensors["ids"].tolist() == [2, 3, 4, 5] and kept.metadata == {"references": ["1", "2", "3", "4"]}
+    assert store.samples_from(1) == 16
+    store.prune(2)
+    assert store.load(1, 0) is None and store.load(2, 0) is not None and store.samples_from(0) == 8
+    assert store.load(7, 0) is None
