@@ -26,6 +26,7 @@ from stream_rlhf.resume.store import FOLDER, CheckpointStore
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.telemetry import trace
 
 ENGINE = "engine.pt"
 STATE = "state.json"
@@ -79,7 +80,8 @@ class TrainerCheckpoints:
             self.engine.save_state(folder / ENGINE)
             (folder / STATE).write_text(json.dumps({**state, "version": version}, indent=1))
 
-        self.store.write_part(version, self.part, write)
+        with trace.span("checkpoint save", "checkpoint", version=version, part=self.part):
+            self.store.write_part(version, self.part, write)
         parts = checkpoint_parts(self.job.config)
         self.store.prune(parts)
         if kept := self.store.versions(parts):  # what the oldest checkpoint kept still needs
