@@ -27,7 +27,6 @@ from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.telemetry import trace
-from stream_rlhf.telemetry import trace
 
 ENGINE = "engine.pt"
 STATE = "state.json"
@@ -82,7 +81,6 @@ class TrainerCheckpoints:
             (folder / STATE).write_text(json.dumps({**state, "version": version}, indent=1))
 
         with trace.span("checkpoint save", "checkpoint", version=version, part=self.part):
-            with trace.span("checkpoint save", "checkpoint", version=version, part=self.part):
             self.store.write_part(version, self.part, write)
         parts = checkpoint_parts(self.job.config)
         self.store.prune(parts)
