@@ -106,7 +106,7 @@ def test_a_restartable_stage_is_restarted_and_the_run_completes(tmp_path):
     os.kill(pid, signal.SIGKILL)
     assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
     text = log.read_text()
-    assert "rollout-0 exited with -9: restarting it (" in text
+    assert "rollout-0 exited with -9: restarting it in " in text
     pids = [int(p) for p in re.findall(r"instance rollout-0 of stage rollout joined \(pid (\d+)\)", text)]
     assert pids[0] == pid and len(pids) == 2, pids  # the killed process, then the one that replaced it
     summary = json.loads((tmp_path / "restart" / "summary.json").read_text())
