@@ -63,7 +63,7 @@ class ActorTrain(Stage):
         self.checkpoints = TrainerCheckpoints(self.job, "actor", self.engine, ctx.group)
         if (state := self.checkpoints.resume()) is not None:
             self._restore(state)
-        self.metrics = MetricsWriter(self.job.run_dir, purge_step=self.version) if leader else None
+        self.metrics = MetricsWriter(self.job.run_dir, "actor", purge_step=self.version) if leader else None
         self.started = self.last_done = time.time()
 
     def step(self, batch: Batch | None) -> list[Output]:

@@ -40,7 +40,7 @@ class CriticTrain(Stage):
         self.checkpoints = TrainerCheckpoints(self.job, "critic", self.engine, ctx.group)
         if (state := self.checkpoints.resume()) is not None:
             self.version, self.kl_ctl.coef = state["version"], state["kl_coef"]
-        self.metrics = MetricsWriter(self.job.run_dir, "critic_metrics.jsonl", purge_step=self.version) \
+        self.metrics = MetricsWriter(self.job.run_dir, "critic", "critic_metrics.jsonl", purge_step=self.version) \
             if ctx.group.is_leader else None
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
 

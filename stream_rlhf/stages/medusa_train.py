@@ -45,7 +45,7 @@ class MedusaTrain(Stage):
         self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.actor = WeightStore(self.job.weights_root, "actor")
         self.store = WeightStore(self.job.weights_root, "medusa")
-        self.metrics = MetricsWriter(self.job.run_dir, "medusa_metrics.jsonl")
+        self.metrics = MetricsWriter(self.job.run_dir, "medusa", "medusa_metrics.jsonl")
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.buffer.add(batch)

@@ -1,8 +1,12 @@
 """Run metrics: one JSON object per line in runs/<name>/metrics.jsonl, mirrored to TensorBoard
-when the `tensorboard` extra is installed.
+(runs/<name>/tensorboard/) when the `tensorboard` extra is installed.
 
-    writer = MetricsWriter(run_dir)
-    writer.write({"iteration": 3, "reward": 0.41, ...})
+    writer = MetricsWriter(run_dir, "actor")
+    writer.write({"iteration": 3, "reward": 0.41, ...})   # TensorBoard: actor/reward at step 3
+
+Every trainer writes its own JSONL file with plain keys; in TensorBoard, where they share one
+folder, each tag is prefixed by the writer's role (`actor/loss`, `critic/value_loss`,
+`medusa/loss`) so their curves never collide.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from typing import Any
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, filename: str = "metrics.jsonl", purge_step: int = 0):
-        """`purge_step` > 0 (a resumed run): TensorBoard forgets what an earlier run of this
-        folder logged from that iteration on, as the driver cut the JSONL files there."""
+    def __init__(self, run_dir: str | Path, role: str, filename: str = "metrics.jsonl", purge_step: int = 0):
+        """`role` prefixes the TensorBoard tags. `purge_step` > 0 (a resumed run): TensorBoard
+        forgets what an earlier run of this folder logged from that iteration on, as the driver
+        cut the JSONL files there."""
+        self.role = role
         self.path = Path(run_dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tensorboard = _tensorboard(Path(run_dir) / "tensorboard", purge_step)
@@ -27,7 +33,7 @@ class MetricsWriter:
             step = int(record.get("iteration", 0))
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "iteration":
-                    self.tensorboard.add_scalar(key, value, step)
+                    self.tensorboard.add_scalar(f"{self.role}/{key}", value, step)
             self.tensorboard.flush()
 
 
