@@ -63,6 +63,8 @@ class PromptSample:
     """(L,) long: the encoded prompt, image pads included."""
     images: list[PatchedImage]
     answer: str
+    image_paths: tuple[str, ...] = ()
+    """The files of `images`, in prompt order."""
 
 
 def encode_prompt(
@@ -181,7 +183,7 @@ class PromptDataset:
                                 self.vision_token_ids)
         except ValueError as error:
             raise DataError(source, "image tokens", str(error)) from None
-        return PromptSample(source, line.prompt, ids, images, line.answer)
+        return PromptSample(source, line.prompt, ids, images, line.answer, tuple(map(str, line.image_paths)))
 
     def longest_prompt(self) -> tuple[int, str]:
         """(tokens, source) of the longest prompt among the lines not found bad, images counted from

@@ -29,6 +29,7 @@ from stream_rlhf.broker.topology import BrokerConfig
 from stream_rlhf.config import ConfigError, import_dotted
 from stream_rlhf.launch.placement import PlacementConfig
 from stream_rlhf.resume.config import CheckpointConfig
+from stream_rlhf.telemetry.sample_log import SampleLogConfig
 
 Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 ALL_STAGES = ("prompts", "vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward",
@@ -438,6 +439,8 @@ class RLJobConfig:
     `telemetry/trace.py`); summary.json's `trace` holds the figures from it. false: no trace."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When the run saves its state for `stream-rlhf run --resume` (`resume/config.py`)."""
+    samples_log: SampleLogConfig = field(default_factory=SampleLogConfig)
+    """How many samples of each mini-batch go to runs/<name>/samples.jsonl (`telemetry/sample_log.py`)."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

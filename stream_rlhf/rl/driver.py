@@ -42,9 +42,10 @@ from stream_rlhf.weights.shm_store import weights_root
 
 log = logging.getLogger("stream_rlhf")
 RUN_OUTPUTS = ("metrics.jsonl", "critic_metrics.jsonl", "train_summary.json", "summary.json", TRACE_FOLDER,
-               "stage_counts", "checkpoint", "checkpoints", "tensorboard")
+               "stage_counts", "checkpoint", "checkpoints", "tensorboard", "samples.jsonl")
 """What a run writes in runs/<name>/; a new run of the same name starts without them."""
-RESUME_KEEPS = ("metrics.jsonl", "critic_metrics.jsonl", "stage_counts", "checkpoints", "tensorboard")
+RESUME_KEEPS = ("metrics.jsonl", "critic_metrics.jsonl", "stage_counts", "checkpoints", "tensorboard",
+                "samples.jsonl")
 """What a resumed run continues (the metrics cut back to its checkpoint) instead of deleting."""
 TRACE = "trace.json"
 """The run's trace (`telemetry/trace_merge.py`), merged from TRACE_FOLDER's per-process files

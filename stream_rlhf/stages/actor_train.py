@@ -11,7 +11,8 @@ the iteration starts from), weighted by the truncated importance ratio proximal 
 proximal log-probs come from the actor forward only with k = 0 (it then has exactly these weights);
 with k >= 1 the dataflow has no actor forward and they are computed here, once, or taken from the
 one optimizer step's own forward. After the last iteration it saves the checkpoint, writes
-train_summary.json and stops the job. With several ranks the policy is sharded over them (FSDP2,
+train_summary.json and stops the job. The leader logs a few samples of each mini-batch token by token
+(`telemetry/sample_log.py`). With several ranks the policy is sharded over them (FSDP2,
 `backends/torch_engine.py`), each optimizer step's samples are split, and the leader alone writes
 files and talks to rollout.
 """
@@ -37,6 +38,7 @@ from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
 from stream_rlhf.stages.weight_sync import open_sender
 from stream_rlhf.telemetry.metrics import MetricsWriter
+from stream_rlhf.telemetry.sample_log import SampleLog
 from stream_rlhf.weights.shm_store import WeightStore
 
 
@@ -64,6 +66,8 @@ class ActorTrain(Stage):
         if (state := self.checkpoints.resume()) is not None:
             self._restore(state)
         self.metrics = MetricsWriter(self.job.run_dir, "actor", purge_step=self.version) if leader else None
+        self.samples = SampleLog(self.job.run_dir, cfg.samples_log, load_tokenizer(self.job.checkpoint), self.version) \
+            if leader and cfg.samples_log.per_minibatch > 0 else None
         self.started = self.last_done = time.time()
 
     def step(self, batch: Batch | None) -> list[Output]:
@@ -129,8 +133,11 @@ class ActorTrain(Stage):
     def _update(self, exp: Experience, batches: list[Batch]) -> dict[str, float]:
         cfg = self.job.config
         algo = cfg.algorithm
-        kl_mean = masked_mean(exp.kl(algo.kl.kind), exp.mask).item()
+        kl = exp.kl(algo.kl.kind)  # (N, R)
+        kl_mean = masked_mean(kl, exp.mask).item()
         advantages, _ = advantages_of(exp, self.job, self.kl_ctl.coef)
+        if self.samples is not None:
+            self.samples.write(batches, exp, advantages, kl, self.version)
         proximal, recomputed = self._proximal_logp(exp, batches)
         generator = seeded_generator(cfg.seed, "actor_train", self.version)
         means = MetricMeans()

@@ -25,6 +25,7 @@ from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.prompt_cursor import PromptCursors
 from stream_rlhf.stages.samples import ragged
 from stream_rlhf.stages.topics import topic_output
+from stream_rlhf.telemetry.sample_log import IMAGE_PATHS
 from stream_rlhf.telemetry.stage_counts import StageCounts
 
 
@@ -57,11 +58,12 @@ class PromptSource(Stage):
             self.cursors.record(iteration, self.dataset.cursor())
         rb = self.job.config.rollout_batch
         first = (iteration * rb.minibatches + minibatch) * rb.prompts_per_minibatch
-        prompts, references, images, prompt_images = [], [], [], []
+        prompts, references, images, prompt_images, image_paths = [], [], [], [], []
         for _ in range(rb.prompts_per_minibatch):
-            ids, reference, own_images = self._next_prompt(first + len(prompts))
+            ids, reference, own_images, own_paths = self._next_prompt(first + len(prompts))
             prompts.append(ids)
             references.append(reference)
+            image_paths.append("\n".join(own_paths))
             prompt_images.append(list(range(len(images), len(images) + len(own_images))))
             images += own_images
         repeat = rb.samples_per_prompt
@@ -69,20 +71,22 @@ class PromptSource(Stage):
             **ragged("prompt_ids", [p for p in prompts for _ in range(repeat)]),
             "group_ids": torch.arange(first, first + len(prompts)).repeat_interleave(repeat),
         }
+        metadata = {"references": [r for r in references for _ in range(repeat)]}
         if self.job.vision_language:
             tensors.update(image_batch_fields(images, [ix for ix in prompt_images for _ in range(repeat)]))
+            metadata[IMAGE_PATHS] = [p for p in image_paths for _ in range(repeat)]  # for the sample log
         self._count(len(images) * repeat)
         return [topic_output("prompts", tensors, len(prompts) * repeat, iteration, minibatch, policy_version=0,
-                       metadata={"references": [r for r in references for _ in range(repeat)]})]
+                       metadata=metadata)]
 
-    def _next_prompt(self, index: int) -> tuple[torch.Tensor, str, list]:
-        """(prompt ids, reference, decoded images) of the next prompt."""
+    def _next_prompt(self, index: int) -> tuple[torch.Tensor, str, list, tuple[str, ...]]:
+        """(prompt ids, reference, decoded images, their files) of the next prompt."""
         if self.dataset is None:
             problem = self.problems[index]
             ids = [self.tokenizer.bos_token_id, *self.tokenizer.encode(problem.prompt, add_special_tokens=False)]
-            return torch.tensor(ids), problem.answer, []
+            return torch.tensor(ids), problem.answer, [], ()
         sample = self.dataset.next_sample()
-        return sample.prompt_ids, sample.answer, sample.images
+        return sample.prompt_ids, sample.answer, sample.images, sample.image_paths
 
     def _count(self, images: int) -> None:
         self.counts.add(images_seen=images)

@@ -1,0 +1,134 @@
+"""The bounded sample log: a few samples of every trained mini-batch, token by token, in
+runs/<name>/samples.jsonl, for the per-sample viewer (`stream-rlhf view`, `viewer/`).
+
+    log = SampleLog(run_dir, cfg.samples_log, tokenizer, start_version)   # actor_train's leader
+    log.write(batches, exp, advantages, kl, trainer_version)     # once per trained iteration
+
+One JSON object a line (`SampleRecord` fields): iteration, minibatch, sample (its index in the
+mini-batch), policy_version (that generated it), staleness (trainer version minus that), reward,
+prompt (text; a run of image tokens shows as <image>), response (text), tokens (each response
+token decoded on its own), logprob (behaviour log-prob per token), advantage (per token), kl (per
+token, vs the reference; null when the job has no reference) and images (the prompt's image
+files; empty for text). At most `per_minibatch` lines per mini-batch, spread evenly over it, so
+the file holds at most per_minibatch * rollout_batch.minibatches lines per iteration: opening the
+log cuts what it holds from `start_version` on (a resumed run continues from its checkpoint; a
+fresh one starts empty).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stream_rlhf.config import ConfigError
+from stream_rlhf.telemetry.metrics import cut_metrics
+
+if TYPE_CHECKING:  # the config half of this file is read before any model: no torch at import
+    from torch import Tensor
+    from transformers import PreTrainedTokenizerBase
+
+    from stream_rlhf.broker.stage import Batch
+    from stream_rlhf.stages.experience import Experience
+
+SAMPLES_FILE = "samples.jsonl"
+IMAGE_PATHS = "image_paths"
+"""Handle metadata of a vision-language prompt source: per sample, its image files joined by newlines."""
+IMAGE_SPAN = re.compile(r"<\|vision_start\|>(?:<\|image_pad\|>)*<\|vision_end\|>")
+DIGITS = 4
+"""Decimals kept of every float."""
+
+
+@dataclass(frozen=True)
+class SampleLogConfig:
+    """The `samples_log` section of an RL job."""
+
+    per_minibatch: int = 2
+    """Samples logged of every trained mini-batch (evenly spread over it); 0 turns the log off."""
+
+    def __post_init__(self) -> None:
+        if self.per_minibatch < 0:
+            raise ConfigError(f"per_minibatch={self.per_minibatch}: must be >= 0 (0: no sample log)")
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One line of samples.jsonl."""
+
+    iteration: int
+    minibatch: int
+    sample: int
+    policy_version: int
+    staleness: int
+    reward: float
+    prompt: str
+    response: str
+    tokens: list[str]
+    logprob: list[float]
+    advantage: list[float]
+    kl: list[float] | None
+    images: list[str]
+
+
+def logged_indices(num_samples: int, per_minibatch: int) -> list[int]:
+    """Which samples of a mini-batch of `num_samples` are logged: `per_minibatch` of them (or all),
+    evenly spread from the first to the last."""
+    count = min(per_minibatch, num_samples)
+    if count <= 1:
+        return list(range(count))
+    return sorted({round(j * (num_samples - 1) / (count - 1)) for j in range(count)})
+
+
+class SampleLog:
+    def __init__(self, run_dir: str | Path, cfg: SampleLogConfig, tokenizer: PreTrainedTokenizerBase,
+                 start_version: int = 0):
+        self.path = Path(run_dir) / SAMPLES_FILE
+        cut_metrics(self.path, start_version)
+        self.per_minibatch = cfg.per_minibatch
+        self.tokenizer = tokenizer
+
+    def write(self, batches: list[Batch], exp: Experience, advantages: Tensor, kl: Tensor, version: int) -> None:
+        """Log the chosen samples of `batches` (the mini-batches `exp` was built from, in order);
+        `advantages` and `kl` are (N, R) like `exp.mask`, `version` the trainer's policy version."""
+        lines, offset = [], 0
+        for batch in batches:
+            paths = batch.metadata.get(IMAGE_PATHS) or [""] * batch.num_samples
+            for index in logged_indices(batch.num_samples, self.per_minibatch):
+                n = offset + index
+                record = self._record(batch, index, exp, n, advantages[n], kl[n] if exp.ref_logp is not None else None,
+                                      version, paths[index])
+                lines.append(json.dumps(asdict(record)) + "\n")
+            offset += batch.num_samples
+        with self.path.open("a") as f:
+            f.write("".join(lines))
+
+    def _record(self, batch: Batch, index: int, exp: Experience, n: int, advantage: Tensor, kl: Tensor | None,
+                version: int, paths: str) -> SampleRecord:
+        sequence, prompt_len = exp.sequences[n].tolist(), int(exp.prompt_lens[n])
+        response = sequence[prompt_len:]
+        width = len(response)
+        return SampleRecord(
+            iteration=batch.iteration, minibatch=batch.minibatch, sample=index,
+            policy_version=batch.policy_version, staleness=version - batch.policy_version,
+            reward=round(float(exp.scores[n]), DIGITS),
+            prompt=self._prompt_text(sequence[:prompt_len]),
+            response=self.tokenizer.decode(response, skip_special_tokens=True),
+            tokens=self.tokenizer.batch_decode([[token] for token in response]),
+            logprob=_rounded(exp.behavior_logp[n, :width]),
+            advantage=_rounded(advantage[:width]),
+            kl=None if kl is None else _rounded(kl[:width]),
+            images=paths.split("\n") if paths else [],
+        )
+
+    def _prompt_text(self, ids: list[int]) -> str:
+        """The prompt as text: its bos and padding left out, each image's token run as <image>."""
+        text = IMAGE_SPAN.sub("<image>", self.tokenizer.decode(ids, skip_special_tokens=False))
+        for token in {self.tokenizer.bos_token, self.tokenizer.pad_token} - {None}:
+            text = text.replace(token, "")
+        return text
+
+
+def _rounded(values: Tensor) -> list[float]:
+    return [round(v, DIGITS) + 0.0 for v in values.tolist()]  # + 0.0: no -0.0
