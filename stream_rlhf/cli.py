@@ -7,6 +7,7 @@
                                                    one instance, or one rank of it (SLURM, k8s)
     stream-rlhf stats ADDR                         the broker's counters
     stream-rlhf keys DIR                           CURVE keys for a broker bound beyond loopback
+    stream-rlhf view RUN_DIR [--serve [--port P]]  RUN_DIR/view.html: the logged samples, token by token
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     stats.add_argument("--keys", default=None, help="CURVE key folder")
     keys = sub.add_parser("keys", help="write CURVE keys into DIR")
     keys.add_argument("dir")
+    view = sub.add_parser("view", help="write RUN_DIR/view.html, a page of the run's logged samples")
+    view.add_argument("run_dir")
+    view.add_argument("--serve", action="store_true", help="then serve RUN_DIR on 127.0.0.1 until Ctrl-C")
+    view.add_argument("--port", type=int, default=None, help="with --serve: the port (default 8765; 0: any free one)")
     args = parser.parse_args(argv)
     setup_logging()
     try:
@@ -231,7 +236,34 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "broker": cmd_broker, "stage": cmd_stage, "stats": cmd_stats, "keys": cmd_keys}
+def cmd_view(args: argparse.Namespace) -> int:
+    from stream_rlhf.viewer.page import PAGE_FILE, write_page
+    from stream_rlhf.viewer.serve import folder_server
+
+    if not Path(args.run_dir).is_dir():
+        raise ConfigError(f"view {args.run_dir}: not a folder (a run folder, like runs/<name>)")
+    if args.port is not None and not args.serve:
+        raise ConfigError(f"--port {args.port}: only with --serve")
+    print(f"wrote {write_page(args.run_dir)}")
+    if not args.serve:
+        return 0
+    port = 8765 if args.port is None else args.port
+    try:
+        server = folder_server(args.run_dir, port)
+    except OSError as exc:
+        raise ConfigError(f"--port {port}: cannot serve on 127.0.0.1:{port} ({exc.strerror or exc})") from None
+    with server:
+        address = f"http://127.0.0.1:{server.server_address[1]}/{PAGE_FILE}"
+        print(f"serving {args.run_dir} at {address} (Ctrl-C stops)", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "broker": cmd_broker, "stage": cmd_stage, "stats": cmd_stats, "keys": cmd_keys,
+            "view": cmd_view}
 
 if __name__ == "__main__":
     sys.exit(main())

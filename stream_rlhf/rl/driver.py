@@ -42,7 +42,7 @@ from stream_rlhf.weights.shm_store import weights_root
 
 log = logging.getLogger("stream_rlhf")
 RUN_OUTPUTS = ("metrics.jsonl", "critic_metrics.jsonl", "train_summary.json", "summary.json", TRACE_FOLDER,
-               "stage_counts", "checkpoint", "checkpoints", "tensorboard", "samples.jsonl")
+               "stage_counts", "checkpoint", "checkpoints", "tensorboard", "samples.jsonl", "plots", "view.html")
 """What a run writes in runs/<name>/; a new run of the same name starts without them."""
 RESUME_KEEPS = ("metrics.jsonl", "critic_metrics.jsonl", "stage_counts", "checkpoints", "tensorboard",
                 "samples.jsonl")
@@ -150,6 +150,7 @@ class RLRun:
 
     def finish(self) -> dict[str, Any]:
         from stream_rlhf.rl.evaluate import evaluate
+        from stream_rlhf.telemetry.plots import write_plots
 
         job_s = time.monotonic() - self.job_started
         after = evaluate(self.cfg, str(self.run_dir / "checkpoint"))
@@ -191,6 +192,9 @@ class RLRun:
         }
         if self.cfg.trace:
             summary["trace"] = self.trace_figures.summary() if self.trace_figures else None
+        evals = {"eval": "reward", "eval greedy": "greedy_reward"}
+        summary["plots"] = [str(path) for path in write_plots(self.run_dir, {
+            label: {0: self.before[key], train["iterations"]: after[key]} for label, key in evals.items()})]
         if self.vision_language:
             summary["images_seen"] = counts.get("prompts", {}).get("images_seen", 0)
             summary["images_encoded"] = sum(c.get("images_encoded", 0) for c in counts.values())
