@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from stream_rlhf.models.medusa import has_heads
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job, write_job
 
@@ -97,6 +98,25 @@ def test_a_streaming_ppo_run_resumes_with_its_accounting_and_staleness_bound_int
     critic = read_metrics(tmp_path / "stream" / "critic_metrics.jsonl")
     assert [r["iteration"] for r in critic] == list(range(6))
     assert len(list((tmp_path / "stream" / "checkpoints").glob("iter-*"))) == 1  # keep: 1
+
+
+def test_a_run_with_companion_medusa_heads_resumes_them(tmp_path):
+    config = _config(tmp_path, "medusa", iterations=5, checkpoint={"every": 1, "keep": 5},
+                     **{"rollout.medusa.enabled": True})
+    log = tmp_path / "medusa.log"
+    metrics = tmp_path / "medusa" / "metrics.jsonl"
+    process = _start(config, log)
+    deadline = time.monotonic() + 240
+    while not list((tmp_path / "medusa" / "checkpoints").glob("iter-*/medusa/MANIFEST.json")) or \
+            len(read_metrics(metrics)) < 2:
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    _stop_after(process, metrics, 2, log)
+    assert _start(config, log, "--resume").wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert "medusa_train-0 INFO resumed the Medusa heads of" in log.read_text()
+    summary = json.loads((tmp_path / "medusa" / "summary.json").read_text())
+    assert summary["samples_trained"] == summary["samples_generated"] == 5 * 2 * 8
+    assert has_heads(tmp_path / "medusa" / "checkpoint")  # the final heads, beside the policy
 
 
 def test_resume_refuses_a_changed_model_naming_the_key(tmp_path):

@@ -138,8 +138,7 @@ class RLRun:
 
     def resumable(self) -> bool:
         """Whether a resumed run could continue this one: it left a complete checkpoint."""
-        companion = self.cfg.rollout.medusa.enabled and self.cfg.rollout.medusa.companion
-        return not companion and checkpoint_store(self.run_dir, self.cfg).latest(checkpoint_parts(self.cfg)) is not None
+        return checkpoint_store(self.run_dir, self.cfg).latest(checkpoint_parts(self.cfg)) is not None
 
     def log_resume_hint(self, config: str) -> None:
         """After a run that did not finish: how to continue it, if it left a checkpoint."""

@@ -66,9 +66,6 @@ class Resumed:
 
 
 def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resumed:
-    if cfg.rollout.medusa.enabled and cfg.rollout.medusa.companion:
-        raise ConfigError("rollout.medusa.companion=true: --resume does not restore Medusa heads yet; "
-                          "resume with rollout.medusa.companion=false or start a fresh run")
     if not (run_dir / FOLDER / RUN_RECORD).is_file():
         raise ConfigError(f"--resume: {run_dir / FOLDER / RUN_RECORD} does not exist: {run_dir} holds no run to resume")
     record = read_record(run_dir)
