@@ -297,6 +297,7 @@ def trace_overhead(settings: Settings, prefix: str) -> dict[str, float]:
     """Sync runs with the trace off and on, alternating (module docstring); their mean iteration
     times and the ratio on / off."""
     times: dict[bool, list[float]] = {False: [], True: []}
+    load_before = os.getloadavg()[0]
     for pair in range(TRACE_PAIRS):
         for trace in (False, True):
             suffix = f"_trace_{'on' if trace else 'off'}{pair}"
@@ -304,7 +305,10 @@ def trace_overhead(settings: Settings, prefix: str) -> dict[str, float]:
             times[trace].append(mean_iteration_s(run_schedule("sync", settings, prefix, trace, suffix), settings.skip))
     off, on = (sum(times[t]) / len(times[t]) for t in (False, True))
     return {"iteration_s_trace_off": round(off, 4), "iteration_s_trace_on": round(on, 4),
-            "trace_overhead": round(on / off - 1, 4), "runs_each": TRACE_PAIRS}
+            "trace_overhead": round(on / off - 1, 4), "runs_each": TRACE_PAIRS,
+            "iteration_s_runs_off": [round(t, 4) for t in times[False]],
+            "iteration_s_runs_on": [round(t, 4) for t in times[True]],
+            "load_1min_before": round(load_before, 2), "load_1min_after": round(os.getloadavg()[0], 2)}
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -387,7 +391,8 @@ def main() -> None:
         overhead = trace_overhead(settings, prefix)
         print(f"sync iteration s, trace off {overhead['iteration_s_trace_off']:.4f}, on "
               f"{overhead['iteration_s_trace_on']:.4f}: tracing costs {100 * overhead['trace_overhead']:+.2f}% "
-              f"(mean of {TRACE_PAIRS} runs each, {settings.iterations} iterations, the first {settings.skip} left out)")
+              f"(mean of {TRACE_PAIRS} runs each, {settings.iterations} iterations, the first {settings.skip} left out; "
+              f"load average {overhead['load_1min_before']} before, {overhead['load_1min_after']} after)")
         if args.json:
             print(json.dumps(overhead))
         return
