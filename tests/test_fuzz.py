@@ -138,7 +138,7 @@ def fuzz(max_examples: int) -> dict[str, float]:
                one_message=st.booleans())
         def send(hello: Hello | None, frames: list[bytes], one_message: bool) -> None:
             sock = context.socket(zmq.DEALER)
-            sock.linger = 0
+            sock.linger = 2000  # close() waits until the frames left: with 0 they may never reach the broker
             sock.connect(address)
             try:
                 if hello is not None:
