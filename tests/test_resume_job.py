@@ -119,13 +119,18 @@ def test_a_run_with_companion_medusa_heads_resumes_them(tmp_path):
     assert has_heads(tmp_path / "medusa" / "checkpoint")  # the final heads, beside the policy
 
 
-def test_resume_refuses_a_changed_model_naming_the_key(tmp_path):
+def test_resume_refuses_a_changed_model_naming_the_key_and_takes_a_changed_learning_rate(tmp_path):
     config = _config(tmp_path, "changed", iterations=2, checkpoint={"every": 1})
     log = tmp_path / "changed.log"
     assert _start(config, log).wait(timeout=300) == 0, log.read_text()[-3000:]
     process = _start(config, log, "--resume", "--set", "model.tiny.intermediate_size=96", "--set", "iterations=3")
     assert process.wait(timeout=120) == 2
     assert "model.tiny.intermediate_size=96: the run to resume had 128" in log.read_text()
+    # a learning rate and the iteration count may change: the finished run trains one more iteration
+    process = _start(config, log, "--resume", "--set", "actor.lr=5.0e-5", "--set", "iterations=3")
+    assert process.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert [r["iteration"] for r in read_metrics(tmp_path / "changed" / "metrics.jsonl")] == [0, 1, 2]
+    assert json.loads((tmp_path / "changed" / "summary.json").read_text())["resumed_from"] == [2]
 
 
 def _live_pids(log: Path) -> dict[str, int]:

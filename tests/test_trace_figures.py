@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from stream_rlhf.telemetry.trace_figures import merged_length, steady_window, trace_figures
+from stream_rlhf.telemetry.trace_figures import iteration_figures, merged_length, steady_window, trace_figures
 
 ROLLOUT_SIDE = {"prompts", "rollout"}
 
@@ -61,6 +61,18 @@ def test_skip_two_counts_only_the_last_iteration():
     assert figures.busy == {"actor_train": 1 / 4, "rollout": 2 / 4, "ref_forward": 0.0}
     assert figures.bubble_ratio == 1 - (2 / 4 + 1 / 4) / 2
     assert figures.overlap_hidden_s == 0.0  # nothing overlaps after 5 s
+
+
+def test_each_iteration_has_the_figures_of_its_own_window():
+    per_iteration = iteration_figures(EVENTS, ROLLOUT_SIDE)
+    assert sorted(per_iteration) == [1, 2]  # iteration 0 has no previous end to start from
+    one, two = per_iteration[1], per_iteration[2]
+    assert (one.lo, one.hi, two.lo, two.hi) == (1.0, 5.0, 5.0, 9.0)
+    assert one.busy == {"actor_train": 1 / 4, "rollout": 3 / 4, "ref_forward": 1.5 / 4}
+    assert two.summary() == trace_figures(EVENTS, ROLLOUT_SIDE, skip=2).summary()
+    assert one.record(1) == {"iteration": 1, "bubble_ratio": 1 - (3 / 4 + 2 / 4) / 2, "overlap_hidden_s": 1.5,
+                             "window_s": 4.0, "busy.actor_train": 0.25, "busy.ref_forward": 0.375,
+                             "busy.rollout": 0.75}
 
 
 @pytest.mark.parametrize(("spans", "length"), [

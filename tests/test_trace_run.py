@@ -1,8 +1,8 @@
 """The trace of a tiny RL run (`stream-rlhf run`, real broker and stage processes): trace.json is
 valid Trace Event JSON (the format's rules, `tests/trace_rules.py`: Perfetto's trace processor
 cannot run offline here), every stage rank has a named track, mini-batches are followed by flow
-arrows from the prompt source to training, and summary.json's figures are the ones trace.json
-gives again."""
+arrows from the prompt source to training, and summary.json's figures (and trace_metrics.jsonl's
+per iteration) are the ones trace.json gives again."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
+from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.telemetry.trace_figures import trace_figures
 from tests.rl_tiny import tiny_job, write_job
 from tests.trace_rules import check_trace, flow_pairs
@@ -62,4 +63,7 @@ def test_tiny_run_writes_a_valid_trace_and_its_figures(tmp_path):
     assert set(summary["trace"]["busy"]) == {e["args"]["stage"] for e in steps}
     assert 0 <= summary["trace"]["bubble_ratio"] <= 1 and summary["trace"]["window_s"] > 0
     assert "trace.bubble_ratio" in text  # the final table, a row per figure
+    per_iteration = read_metrics(run_dir / "trace_metrics.jsonl")  # and TensorBoard's trace/ tags
+    assert [r["iteration"] for r in per_iteration] == [1, 2]
+    assert per_iteration[-1] == trace_figures(events, ROLLOUT_SIDE, skip=2).record(2)
     assert not (run_dir / "timeline").exists()

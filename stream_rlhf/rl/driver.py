@@ -32,19 +32,22 @@ from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, check_placement, compile_job
 from stream_rlhf.rl.resume import Resumed, prepare_resume, read_record, record_start
 from stream_rlhf.stages.trainer_checkpoint import checkpoint_parts, checkpoint_store
-from stream_rlhf.telemetry.metrics import read_metrics
+from stream_rlhf.telemetry.metrics import MetricsWriter, read_metrics
 from stream_rlhf.telemetry.progress import IterationProgress, print_summary
 from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_details
 from stream_rlhf.telemetry.trace import FOLDER as TRACE_FOLDER
-from stream_rlhf.telemetry.trace_figures import TraceFigures, trace_figures
+from stream_rlhf.telemetry.trace_figures import TraceFigures, iteration_figures, trace_figures
 from stream_rlhf.telemetry.trace_merge import merge_trace, topic_sources
 from stream_rlhf.weights.shm_store import weights_root
 
 log = logging.getLogger("stream_rlhf")
-RUN_OUTPUTS = ("metrics.jsonl", "critic_metrics.jsonl", "train_summary.json", "summary.json", TRACE_FOLDER,
-               "stage_counts", "checkpoint", "checkpoints", "tensorboard", "samples.jsonl", "plots", "view.html")
+TRACE_METRICS = "trace_metrics.jsonl"
+"""Per trained iteration, the trace's figures over that iteration (also TensorBoard's `trace/` tags)."""
+RUN_OUTPUTS = ("metrics.jsonl", "critic_metrics.jsonl", TRACE_METRICS, "train_summary.json", "summary.json",
+               TRACE_FOLDER, "stage_counts", "checkpoint", "checkpoints", "tensorboard", "samples.jsonl", "plots",
+               "view.html")
 """What a run writes in runs/<name>/; a new run of the same name starts without them."""
-RESUME_KEEPS = ("metrics.jsonl", "critic_metrics.jsonl", "stage_counts", "checkpoints", "tensorboard",
+RESUME_KEEPS = ("metrics.jsonl", "critic_metrics.jsonl", TRACE_METRICS, "stage_counts", "checkpoints", "tensorboard",
                 "samples.jsonl")
 """What a resumed run continues (the metrics cut back to its checkpoint) instead of deleting."""
 TRACE = "trace.json"
@@ -135,6 +138,10 @@ class RLRun:
         log.info("trace of %d events in %s (open it in https://ui.perfetto.dev)", len(merged.events),
                  self.run_dir / TRACE)
         self.trace_figures = trace_figures(merged.events, ROLLOUT_SIDE)
+        writer = MetricsWriter(self.run_dir, "trace", TRACE_METRICS, purge_step=self.resumed.point.version
+                               if self.resumed else 0)
+        for iteration, figures in sorted(iteration_figures(merged.events, ROLLOUT_SIDE).items()):
+            writer.write(figures.record(iteration))
 
     def resumable(self) -> bool:
         """Whether a resumed run could continue this one: it left a complete checkpoint."""

@@ -84,7 +84,7 @@ def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resum
     new = max(0, generated - discarded - actor["samples_trained"] - sum(actor["dropped_reasons"].values()) - kept)
     record["resumes"].append({"version": point.version, "discarded": new})
     (run_dir / FOLDER / RUN_RECORD).write_text(json.dumps(record, indent=1))
-    for name in ("metrics.jsonl", "critic_metrics.jsonl"):
+    for name in ("metrics.jsonl", "critic_metrics.jsonl", "trace_metrics.jsonl"):
         cut_metrics(run_dir / name, point.version)
     for part in checkpoint_parts(cfg):
         weights = torch.load(point.part(part) / ENGINE, map_location="cpu", weights_only=True)["model"]

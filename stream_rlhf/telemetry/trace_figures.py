@@ -2,6 +2,7 @@
 
     figures = trace_figures(events, rollout_side={"prompts", "rollout"})   # events of trace.json
     figures.summary()   # {"busy": {...}, "bubble_ratio": ..., "overlap_hidden_s": ..., "window_s": ...}
+    per_iteration = iteration_figures(events, rollout_side)   # the same over each iteration's own window
 
 Pure functions over the merged events (`trace_merge.py`). The driver puts them in summary.json and
 bench/pipeline.py reports them, both through `trace_figures`, so the two cannot disagree.
@@ -58,6 +59,12 @@ class TraceFigures:
     def window_s(self) -> float:
         return self.hi - self.lo
 
+    def record(self, iteration: int) -> dict[str, Any]:
+        """One line of trace_metrics.jsonl (and TensorBoard's `trace/` tags) for `iteration`."""
+        figures = self.summary()
+        busy = {f"busy.{stage}": value for stage, value in figures.pop("busy").items()}
+        return {"iteration": iteration, **figures, **busy}
+
     def summary(self) -> dict[str, Any]:
         """The figures as summary.json's `trace` holds them."""
         return {
@@ -109,9 +116,22 @@ def trace_figures(events: list[dict[str, Any]], rollout_side: Iterable[str],
     window = steady_window(events, skip)
     if window is None or window[1] <= window[0]:
         return None
-    lo, hi = window
+    return window_figures(step_spans(events), window[0], window[1], rollout_side)
+
+
+def iteration_figures(events: list[dict[str, Any]], rollout_side: Iterable[str]) -> dict[int, TraceFigures]:
+    """Trained iteration i -> the figures of its own window, from the end of the previous trained
+    iteration to its end (the first trained iteration of the trace has none)."""
+    ends = sorted(iteration_ends(events).items())
+    spans = step_spans(events)
+    return {iteration: window_figures(spans, lo, hi, rollout_side)
+            for (_, lo), (iteration, hi) in zip(ends, ends[1:]) if hi > lo}
+
+
+def window_figures(spans: dict[str, list[Span]], lo: float, hi: float, rollout_side: Iterable[str]) -> TraceFigures:
+    """The figures of the steps `spans` (per stage) clipped to the window [lo, hi], hi > lo."""
     length = hi - lo
-    per_stage = {stage: clip(spans, lo, hi) for stage, spans in step_spans(events).items()}
+    per_stage = {stage: clip(stage_spans, lo, hi) for stage, stage_spans in spans.items()}
     busy_s = {stage: sum(end - start for start, end in spans) for stage, spans in per_stage.items()}
     rollout_side = set(rollout_side)
     sides: dict[str, list[Span]] = {"rollout": [], "train": []}
