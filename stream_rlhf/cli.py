@@ -106,13 +106,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         if code == 0:
             run.finish()
             return 0
-        if code == 1 and job.failed and recoveries < cfg.checkpoint.recoveries and run.resumable():
+        point = run.latest_checkpoint()
+        if code == 1 and job.failed and recoveries < cfg.checkpoint.recoveries and point is not None:
             recoveries += 1
             log.warning("recovering from the failure of %s: resuming from the newest checkpoint (recovery %d of %d)",
                         ", ".join(job.failed), recoveries, cfg.checkpoint.recoveries)
             resume = True
             continue
-        run.log_resume_hint(args.config)
+        run.log_resume_hint(args.config, point)
         return code
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.local import LocalJob
+from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, check_placement, compile_job
 from stream_rlhf.rl.resume import Resumed, prepare_resume, read_record, record_start
@@ -143,13 +144,13 @@ class RLRun:
         for iteration, figures in sorted(iteration_figures(merged.events, ROLLOUT_SIDE).items()):
             writer.write(figures.record(iteration))
 
-    def resumable(self) -> bool:
-        """Whether a resumed run could continue this one: it left a complete checkpoint."""
-        return checkpoint_store(self.run_dir, self.cfg).latest(checkpoint_parts(self.cfg)) is not None
+    def latest_checkpoint(self) -> ResumePoint | None:
+        """The complete, intact checkpoint a resumed run would continue from (every file's checksum
+        is read: call it once per decision)."""
+        return checkpoint_store(self.run_dir, self.cfg).latest(checkpoint_parts(self.cfg))
 
-    def log_resume_hint(self, config: str) -> None:
-        """After a run that did not finish: how to continue it, if it left a checkpoint."""
-        point = checkpoint_store(self.run_dir, self.cfg).latest(checkpoint_parts(self.cfg))
+    def log_resume_hint(self, config: str, point: ResumePoint | None) -> None:
+        """After a run that did not finish: how to continue it from `point`, if it left one."""
         if point is not None:
             log.info("checkpoint %s holds policy version %d: continue with `stream-rlhf run %s --resume %s`",
                      point.folder, point.version, config, self.run_dir)
