@@ -8,11 +8,13 @@ padding) to atol 1e-4, as for text models in test_torch_rollout.py.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.models.checkpoint import build_tiny, load_critic
 from stream_rlhf.models.packing import pack, packed_forward, sequence_logprobs
@@ -221,6 +223,19 @@ def test_generate_behaviour_logp_equals_sequence_logprobs(vlm, prompts):
         recomputed, _ = sequence_logprobs(vlm, full, temperature=0.7, images=images)
     for prompt, logp, again in zip(prompts, gen.response_logp, recomputed):
         torch.testing.assert_close(logp, again[prompt.input_ids.numel() - 1 :], atol=ATOL_GENERATE, rtol=0)
+
+
+def test_generate_with_decode_attention_samples_what_sdpa_samples(vlm, prompts):
+    """The rollout stage's attention (backends/decode_attention.py) on M-RoPE models."""
+    images = [encode(vlm, p) for p in prompts]
+    decoding = copy.deepcopy(vlm)
+    use_decode_attention(decoding)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    ours, theirs = (generate(model, [p.input_ids for p in prompts], params, torch.Generator().manual_seed(4),
+                             images=images) for model in (decoding, vlm))
+    assert [r.tolist() for r in ours.response_ids] == [r.tolist() for r in theirs.response_ids]
+    for a, b in zip(ours.response_logp, theirs.response_logp):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])

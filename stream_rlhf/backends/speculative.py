@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from stream_rlhf.backends.kv_cache import preallocated_cache
+from stream_rlhf.backends.kv_cache import PreallocatedCache
 from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, left_pad, sample_tokens, sampling_probs
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.models.medusa import MedusaHeads
@@ -161,7 +161,7 @@ def generate_speculative(
     input_ids, attention = left_pad(prompts, params.pad_token_id, device)  # (B, P), (B, P)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
-    cache = preallocated_cache(input_ids.shape[1] + max_new + heads.num_heads + 1)
+    cache = PreallocatedCache(input_ids.shape[1] + max_new + heads.num_heads + 1)
     run = {"past_key_values": cache, "use_cache": True}
     hidden = decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, **run)
     hidden = hidden.last_hidden_state[:, -1]  # (B, H): the last prompt token of every row

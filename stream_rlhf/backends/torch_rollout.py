@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from stream_rlhf.backends.kv_cache import preallocated_cache
+from stream_rlhf.backends.kv_cache import PreallocatedCache
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.models.vision_language import SampleImages, check_sample_images, embed_with_images, mrope_positions
 
@@ -175,7 +175,7 @@ def generate(
         prefill, next_position = _image_prefill(model, prompts, images, input_ids, attention)
         banned = model.config.image_token_id
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
-    cache = preallocated_cache(input_ids.shape[1] + params.max_new_tokens)
+    cache = PreallocatedCache(input_ids.shape[1] + params.max_new_tokens)
     logits = model(**prefill, attention_mask=attention, past_key_values=cache, use_cache=True,
                    logits_to_keep=1).logits[:, -1]  # (U, V)
     if copies is not None:  # one row per prompt from here on

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer, stop_token_ids
@@ -31,6 +32,7 @@ from stream_rlhf.stages.samples import Rollout
 def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[str, Any]:
     tokenizer = load_tokenizer(checkpoint)
     model = load_policy(checkpoint).eval()
+    use_decode_attention(model)
     scorer = Scorer(JobContext(cfg, checkpoint, ""))
     dataset = open_prompts(cfg, model.config, tokenizer, "eval")
     if dataset is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.broker.stage import Batch, StageContext
@@ -31,6 +32,7 @@ class TorchRolloutEngine:
         self.images = images
         self.device = ctx.group.device
         self.model = load_policy(job.checkpoint).eval().to(self.device)
+        use_decode_attention(self.model)
         govern(self.model)  # core lending, when the launcher turned it on for this stage
         self.policy_version = 0
         weights.join_model(self.model)
