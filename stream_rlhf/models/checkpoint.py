@@ -4,6 +4,7 @@
     save_checkpoint(policy, tokenizer, folder)   # a folder transformers and vLLM both load
     critic = load_critic(path)          # the policy's backbone with a per-token value head
                                         # (a VLM's: its language model, see vision_language.py)
+    critic = load_critic_from_reward_model(reward_path, policy_path)   # critic.init: reward_model
     scorer = load_reward_model(path)    # a sequence-classification model with one label
 
 Real checkpoints and the embedded tiny model go through the same calls; the tiny one is built
@@ -35,7 +36,7 @@ from transformers.utils import logging as hf_logging
 
 from stream_rlhf.models.tokenizer import VISION_TOKENS
 from stream_rlhf.models.vision_language import VisionLanguageCritic, load_vision_language_critic
-from stream_rlhf.rl.config import TinyModelConfig
+from stream_rlhf.rl.config import RLJobConfig, TinyModelConfig
 
 
 def build_tiny(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
@@ -165,6 +166,50 @@ def load_critic(path: str | Path) -> PreTrainedModel | VisionLanguageCritic:
     if head.bias is not None:
         torch.nn.init.zeros_(head.bias)
     return critic
+
+
+ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim")
+"""What a critic started from the reward model must share with the policy (it reads the policy's
+token ids, and `critic.init: reward_model` promises the policy's architecture)."""
+
+
+def architecture_differences(reward_path: str | Path, policy_path: str | Path) -> list[str]:
+    """"key: reward value != policy value" for each architecture setting the two differ in."""
+    reward, policy = (AutoConfig.from_pretrained(str(p)) for p in (reward_path, policy_path))
+    if hasattr(policy, "vision_config"):
+        return ["the policy is a vision-language model (its critic is built from the policy)"]
+    return [f"{key}: {getattr(reward, key, None)!r} != {getattr(policy, key, None)!r}" for key in ARCHITECTURE_KEYS
+            if getattr(reward, key, None) != getattr(policy, key, None)]
+
+
+def load_critic_from_reward_model(reward_path: str | Path, policy_path: str | Path) -> PreTrainedModel:
+    """A critic whose backbone and value head are the reward model's (a sequence-classification
+    checkpoint of the policy's architecture): its scalar head, read at every token, becomes the
+    value head (a zero bias added). A ValueError naming each difference when the architectures
+    differ."""
+    if differences := architecture_differences(reward_path, policy_path):
+        raise ValueError(f"critic.init=reward_model: reward.model_path={str(reward_path)!r} does not match the policy "
+                         f"{str(policy_path)!r} ({'; '.join(differences)})")
+    hf_logging.set_verbosity_error()  # the head's bias is reported as "missing" from the checkpoint
+    critic, info = AutoModelForTokenClassification.from_pretrained(
+        str(reward_path), num_labels=1, dtype=torch.float32, output_loading_info=True)
+    if missing := [key for key in info["missing_keys"] if key != "score.bias"]:
+        raise ValueError(f"critic.init=reward_model: {reward_path} lacks {missing} (expected the backbone and "
+                         "a one-label `score` head of a sequence-classification model)")
+    for module in critic.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if critic.score.bias is not None:
+        torch.nn.init.zeros_(critic.score.bias)
+    return critic
+
+
+def load_job_critic(cfg: RLJobConfig, checkpoint: str | Path) -> PreTrainedModel | VisionLanguageCritic:
+    """The critic an RL job starts from: `critic.init` says whose weights."""
+    if cfg.critic.init == "reward_model":
+        return load_critic_from_reward_model(cfg.reward.model_path, checkpoint)
+    return load_critic(checkpoint)
 
 
 def load_reward_model(path: str | Path) -> PreTrainedModel:

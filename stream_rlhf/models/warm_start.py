@@ -45,6 +45,8 @@ def warm_start(cfg: RLJobConfig) -> Path:
     settings["task"].pop("eval_prompts")  # evaluation does not change what SFT learns
     if cfg.task.name == "arithmetic":
         settings["task"] = {k: settings["task"][k] for k in ("name", "max_operand", "seed")}
+        if cfg.task.terms != 2:  # (left out at 2, so the warm starts cached before terms existed stay valid)
+            settings["task"]["terms"] = cfg.task.terms
     if cfg.data.train is not None:
         stat = os.stat(cfg.data.train)
         settings["data"] = {"train": os.path.abspath(cfg.data.train), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
@@ -71,7 +73,8 @@ def _train(cfg: RLJobConfig):
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
     dataset = open_prompts(cfg, model.config, tokenizer, "train", cfg.task.seed + 1)
     if dataset is None:
-        data = problems("train", sft.steps * sft.batch_size, cfg.task.seed + 1, cfg.task.max_operand)
+        data = problems("train", sft.steps * sft.batch_size, cfg.task.seed + 1, cfg.task.max_operand,
+                        cfg.task.terms)
     started = time.monotonic()
     log.info("warm start: %d SFT steps of %d examples on a new tiny model", sft.steps, sft.batch_size)
     for step in range(sft.steps):
@@ -117,7 +120,8 @@ def _train_heads(cfg: RLJobConfig, model, tokenizer) -> MedusaHeads:
     batch_size = cfg.model.warm_start.batch_size
     heads = MedusaHeads.from_policy(model, medusa.heads)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=medusa.lr, weight_decay=0.0)
-    data = problems("train", medusa.warm_start_steps * batch_size, cfg.task.seed + 2, cfg.task.max_operand)
+    data = problems("train", medusa.warm_start_steps * batch_size, cfg.task.seed + 2, cfg.task.max_operand,
+                    cfg.task.terms)
     for step in range(medusa.warm_start_steps):
         batch = data[step * batch_size:(step + 1) * batch_size]
         prompts = [[tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)] for p in batch]

@@ -18,6 +18,7 @@ Every section is a frozen dataclass; unknown keys, wrong types and impossible co
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,6 +30,7 @@ from stream_rlhf.broker.topology import BrokerConfig
 from stream_rlhf.config import ConfigError, import_dotted
 from stream_rlhf.launch.placement import PlacementConfig
 from stream_rlhf.resume.config import CheckpointConfig
+from stream_rlhf.rl.reward_parts_config import CriticConfig, ProcessRewardConfig
 from stream_rlhf.telemetry.sample_log import SampleLogConfig
 
 Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
@@ -39,8 +41,9 @@ GROUP_STAGES = ("ref_forward", "actor_forward", "critic_forward", "actor_train",
 RESTARTABLE = ("vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward")
 DEFAULT_RESTARTS = 2
 CRITIC_STAGES = ("critic_forward", "critic_train")
-CRITIC_OPTIMIZER = OptimizerConfig(lr=1e-3)
-"""The critic's optimizer when `critic` is left out."""
+CRITIC_OPTIMIZER = CriticConfig()
+"""The critic's settings when `critic` is left out."""
+log = logging.getLogger("stream_rlhf")
 IGNORED_ALGORITHM_KEYS = {
     "gae": (),
     "grpo": ("gamma", "lam", "value_clip"),
@@ -140,7 +143,8 @@ class ModelConfig:
 class TaskConfig:
     """The synthetic task: prompts, references and the split evaluation uses.
 
-    arithmetic  "a+b=" prompts made in memory (text models).
+    arithmetic  "a+b=" prompts made in memory (text models); with `terms` > 2 the multi-step
+                form "12+7+30=" answered with its partial sums "19,49", each a checkable step.
     shapes      coloured squares in 32x32 images with questions about them (vision-language
                 models); written once as JSONL + PNG files under `data_dir` and read like `data`.
     """
@@ -148,6 +152,8 @@ class TaskConfig:
     name: Literal["arithmetic", "shapes"] = "arithmetic"
     max_operand: int = 99
     """arithmetic: the largest operand."""
+    terms: int = 2
+    """arithmetic: operands per prompt; > 2 asks for every partial sum (the multi-step task)."""
     train_prompts: int = 4096
     """shapes: prompts written for the train split (RL and the warm start cycle over them)."""
     eval_prompts: int = 256
@@ -158,6 +164,10 @@ class TaskConfig:
     def __post_init__(self) -> None:
         if self.max_operand < 1:
             raise ConfigError(f"max_operand={self.max_operand}: must be >= 1")
+        if self.terms < 2:
+            raise ConfigError(f"terms={self.terms}: must be >= 2")
+        if self.terms != 2 and self.name != "arithmetic":
+            raise ConfigError(f"terms={self.terms}: only the arithmetic task has terms")
         if self.eval_prompts < 1 or self.train_prompts < 1:
             raise ConfigError(f"train_prompts={self.train_prompts}, eval_prompts={self.eval_prompts}: must be >= 1")
 
@@ -330,7 +340,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Score = function_weight * function(prompt, response, reference) + model_weight * reward model."""
+    """Score = function_weight * function(prompt, response, reference) + model_weight * reward model,
+    on each response's last token; `process` adds step rewards (`reward_parts_config.py`)."""
 
     function: str | None = "stream_rlhf.data.arithmetic:reward"
     """Dotted path "package.module:name" of a rule-based reward; None for none."""
@@ -338,6 +349,8 @@ class RewardConfig:
     model_path: str | None = None
     """A Hugging Face sequence-classification checkpoint with one label (the scalar head)."""
     model_weight: float = 1.0
+    process: ProcessRewardConfig | None = None
+    """Process rewards at the steps of a response (a rule function or a PRM); None: outcome only."""
 
     def __post_init__(self) -> None:
         if self.function is None and self.model_path is None:
@@ -421,7 +434,7 @@ class RLJobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: OptimizerConfig = field(default_factory=OptimizerConfig)
-    critic: OptimizerConfig = field(default_factory=lambda: CRITIC_OPTIMIZER)
+    critic: CriticConfig = field(default_factory=lambda: CRITIC_OPTIMIZER)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
@@ -488,6 +501,21 @@ class RLJobConfig:
                 raise ConfigError(f"placement.offload: {stage!r} is not a stage ({', '.join(ALL_STAGES)})")
         self._check_stage_placements()
         self._check_keys_the_algorithm_ignores()
+        self._check_critic()
+
+    def _check_critic(self) -> None:
+        """critic.init and critic.warmup_iterations need what they read; an actor learning faster
+        than its critic is allowed but warned about (seed 004 saw PPO diverge with it)."""
+        if not self.algorithm.uses_critic:
+            return
+        if self.critic.init == "reward_model" and self.reward.model_path is None:
+            raise ConfigError("critic.init=reward_model: needs reward.model_path (the checkpoint to start from)")
+        if self.critic.warmup_iterations >= self.iterations:
+            raise ConfigError(f"critic.warmup_iterations={self.critic.warmup_iterations}: leaves none of the "
+                              f"iterations={self.iterations} to the actor")
+        if self.actor.lr > self.critic.lr:
+            log.warning("actor.lr=%g is above critic.lr=%g: PPO tends to diverge when the policy moves faster "
+                        "than its value estimates follow", self.actor.lr, self.critic.lr)
 
     def _check_stage_placements(self) -> None:
         samples = self.rollout_batch.samples_per_minibatch * self.rollout_batch.minibatches
@@ -518,7 +546,7 @@ class RLJobConfig:
         if algo.uses_critic:
             return
         why = f"algorithm.advantage={algo.advantage} has no critic"
-        for key in (f.name for f in dataclasses.fields(OptimizerConfig)):
+        for key in (f.name for f in dataclasses.fields(CriticConfig)):
             if getattr(self.critic, key) != getattr(CRITIC_OPTIMIZER, key):
                 raise ConfigError(f"critic.{key}={getattr(self.critic, key)}: {why}")
         for stage in CRITIC_STAGES:

@@ -147,7 +147,8 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
                  "in host memory", cfg.placement.offload)
     capacity = max(cfg.broker.queue_capacity, 2 * minibatches * (cfg.overlap_depth + 1))
     broker = replace(cfg.broker, queue_capacity=capacity)
-    overlap = OverlapAdmission(frozenset({"prompts"}), cfg.overlap_depth, job.start_version)
+    warmup = cfg.critic.warmup_iterations if cfg.algorithm.uses_critic else 0
+    overlap = OverlapAdmission(frozenset({"prompts"}), cfg.overlap_depth, job.start_version, warmup)
     admission = overlap if cfg.schedule == "stream" else PhaseAdmission(
         overlap, frozenset({"generated" if vision_language else "rollout", "experience"}), minibatches
     )

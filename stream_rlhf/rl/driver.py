@@ -100,6 +100,12 @@ class RLRun:
         if self.vision_language and self.cfg.reward.model_path is not None:
             raise ConfigError(f"reward.model_path={self.cfg.reward.model_path!r}: reward models are text-only, "
                               "and this is a vision-language run")
+        if self.cfg.algorithm.uses_critic and self.cfg.critic.init == "reward_model":
+            from stream_rlhf.models.checkpoint import architecture_differences
+
+            if differences := architecture_differences(self.cfg.reward.model_path, self.checkpoint):
+                raise ConfigError(f"critic.init=reward_model: reward.model_path={self.cfg.reward.model_path!r} is not "
+                                  f"the policy's architecture ({'; '.join(differences)})")
         if self.vision_language and self.cfg.rollout.backend == "vllm" and self.cfg.weights.update == "in_flight":
             raise ConfigError("weights.update=in_flight: not with images on the vLLM backend (its encoder cache is "
                               "reset at each update, which requests in flight still use); use drain")
@@ -183,6 +189,7 @@ class RLRun:
             "iteration_s": round(sum(r["iteration_s"] for r in steady) / max(len(steady), 1), 3),
             "samples_generated": generated,
             "samples_trained": train["samples_trained"],
+            "samples_critic_warmup": train["samples_critic_warmup"],
             "samples_dropped": train["samples_dropped"],
             "dropped_reasons": train["dropped_reasons"],
             "samples_replayed_at_resume": counts.get("rollout", {}).get("replayed", 0),

@@ -68,6 +68,9 @@ class Resumed:
 def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resumed:
     if not (run_dir / FOLDER / RUN_RECORD).is_file():
         raise ConfigError(f"--resume: {run_dir / FOLDER / RUN_RECORD} does not exist: {run_dir} holds no run to resume")
+    if cfg.algorithm.uses_critic and cfg.critic.warmup_iterations:
+        raise ConfigError(f"critic.warmup_iterations={cfg.critic.warmup_iterations}: --resume of a run with a critic "
+                          "warm-up is not built yet (its iterations and policy versions differ)")
     record = read_record(run_dir)
     _check_unchanged(record["config"], _plain(cfg))
     point = checkpoint_store(run_dir, cfg).latest(checkpoint_parts(cfg))

@@ -11,8 +11,9 @@ serves both. `arithmetic` prompts are made in memory and need no dataset.
 `check_prompts` runs in the driver before the warm start, with the model's tokenizer (the tiny
 model's is built, a `model.path` one is read) and no image decoded: every line of the prompt files
 parses and names image files that exist (a DataError naming file:line, or with
-`data.on_bad_sample: skip` counted as in training), and the longest prompt plus
-`rollout.max_new_tokens` fits the model's positions (a ConfigError naming both keys).
+`data.on_bad_sample: skip` counted as in training), the longest prompt plus
+`rollout.max_new_tokens` fits the model's positions (a ConfigError naming both keys), and a
+process reward's step separator is one token of the tokenizer (a PRM's vocabulary the policy's).
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ def check_prompts(cfg: RLJobConfig) -> None:
     counted under `data.on_bad_sample: skip`), and the longest prompt + `rollout.max_new_tokens`
     fits the model's positions (ConfigError naming both keys and the numbers)."""
     model = _model_view(cfg)
+    if cfg.reward.process is not None:
+        from stream_rlhf.stages.process_reward import check_process_reward
+
+        check_process_reward(cfg.reward.process, model.tokenizer)
     longest = _longest_arithmetic(cfg, model.tokenizer) if cfg.data.train is None else (0, "")
     for split in ("train", "eval"):
         dataset = _prompt_file(cfg, split, model.tokenizer, model.vision, model.vision_token_ids, cfg.seed)
@@ -131,8 +136,8 @@ def _longest_arithmetic(cfg: RLJobConfig, tokenizer: PreTrainedTokenizerBase) ->
     prompt source and the evaluation encode them)."""
     count = cfg.iterations * cfg.rollout_batch.minibatches * cfg.rollout_batch.prompts_per_minibatch
     task = cfg.task
-    prompts = {p.prompt for p in problems("train", count, task.seed, task.max_operand)}
-    prompts |= {p.prompt for p in problems("eval", task.eval_prompts, task.seed, task.max_operand)}
+    prompts = {p.prompt for p in problems("train", count, task.seed, task.max_operand, task.terms)}
+    prompts |= {p.prompt for p in problems("eval", task.eval_prompts, task.seed, task.max_operand, task.terms)}
     encoded = tokenizer(sorted(prompts), add_special_tokens=False)["input_ids"]
     tokens, prompt = max(zip(map(len, encoded), sorted(prompts)))
     return 1 + tokens, f'"{prompt}" of task.max_operand={task.max_operand}'

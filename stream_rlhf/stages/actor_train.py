@@ -15,6 +15,11 @@ train_summary.json and stops the job. The leader logs a few samples of each mini
 (`telemetry/sample_log.py`). With several ranks the policy is sharded over them (FSDP2,
 `backends/torch_engine.py`), each optimizer step's samples are split, and the leader alone writes
 files and talks to rollout.
+
+Critic warm-up (`critic.warmup_iterations: W`): the first W iterations only count their samples
+(the critic trains on them) and write a metrics line with `critic_warmup: 1`; the policy stays at
+version 0 and nothing is published, so iteration i trains policy version max(0, i - W)
+(`policy_version_at`) and publishes the next.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
+from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.stages.experience import Experience, IterationBuffer
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator, stage_counts
@@ -47,7 +53,12 @@ class ActorTrain(Stage):
         self.job = job
         cfg = job.config
         self.buffer = IterationBuffer(cfg.rollout_batch.minibatches)
+        self.iteration = 0
+        """Iterations done (critic warm-up ones included): the next one to take from the buffer."""
         self.version = 0
+        """The policy version the weights are at (`policy_version_at(iteration)`)."""
+        self.warmup = cfg.critic.warmup_iterations if cfg.algorithm.uses_critic else 0
+        self.warmup_samples = 0
         self.kl_ctl = kl_controller(cfg.algorithm.kl)
         self.trained = 0
         self.dropped: dict[str, int] = {}
@@ -65,33 +76,35 @@ class ActorTrain(Stage):
         self.checkpoints = TrainerCheckpoints(self.job, "actor", self.engine, ctx.group)
         if (state := self.checkpoints.resume()) is not None:
             self._restore(state)
-        self.metrics = MetricsWriter(self.job.run_dir, "actor", purge_step=self.version) if leader else None
-        self.samples = SampleLog(self.job.run_dir, cfg.samples_log, load_tokenizer(self.job.checkpoint), self.version) \
+        self.metrics = MetricsWriter(self.job.run_dir, "actor", purge_step=self.iteration) if leader else None
+        self.samples = SampleLog(self.job.run_dir, cfg.samples_log, load_tokenizer(self.job.checkpoint), self.iteration) \
             if leader and cfg.samples_log.per_minibatch > 0 else None
         self.started = self.last_done = time.time()
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.buffer.add(batch)
-        while (batches := self.buffer.take(self.version)) is not None:
+        while (batches := self.buffer.take(self.iteration)) is not None:
             self._train_iteration(batches)
         return []
 
     def close(self) -> None:
-        self.checkpoints.save_at_stop(self.version, self._state())
+        self.checkpoints.save_at_stop(self.iteration, self._state())
         if self.sender is not None:
             self.sender.close()
 
     def _state(self) -> dict:
         """What a checkpoint keeps besides the engine's state (`trainer_checkpoint.py`)."""
         return {"kl_coef": self.kl_ctl.coef, "samples_trained": self.trained, "dropped_reasons": self.dropped,
-                "max_staleness": self.max_staleness}
+                "max_staleness": self.max_staleness, "samples_critic_warmup": self.warmup_samples}
 
     def _restore(self, state: dict) -> None:
         """Continue from a checkpoint: its version, KL coefficient and counters; rollout's groups get
         its weights (the shared-memory store already has them: the driver put them there)."""
-        self.version, self.kl_ctl.coef = state["version"], state["kl_coef"]
+        self.iteration, self.kl_ctl.coef = state["version"], state["kl_coef"]
+        self.version = policy_version_at(self.iteration, self.warmup)
         self.trained, self.dropped = state["samples_trained"], state["dropped_reasons"]
         self.max_staleness = state["max_staleness"]
+        self.warmup_samples = state.get("samples_critic_warmup", 0)  # (checkpoints from before warm-up existed)
         if self.sender is not None:
             weights = self.engine.export_weights()
             self.sender.publish([(name, weights[name]) for name in self.trained_names], self.version)
@@ -108,27 +121,48 @@ class ActorTrain(Stage):
         return fresh
 
     def _train_iteration(self, batches: list[Batch]) -> None:
-        iteration = self.version
+        iteration = self.iteration
         self.checkpoints.iteration_started()
         fresh = self._fresh(batches)
         record = {"iteration": iteration}
+        warmup = iteration < self.warmup
         if fresh:
             exp = Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh])
-            record.update(self._update(exp, fresh))
+            record.update(self._warmup_record(exp) if warmup else self._update(exp, fresh))
         if self.job.config.rollout.medusa.enabled:
             record.update(_decoding_metrics(batches))
-        self.version += 1
-        self._publish()
-        self.ctx.send_control("weights_ready", self.version)
+        self.iteration += 1
+        if not warmup:
+            self.version += 1
+            self._publish()
+            self.ctx.send_control("weights_ready", self.version)
         now = time.time()
         record.update(iteration_s=round(now - self.last_done, 3), policy_version=self.version, wall_s=round(now - self.started, 3))
         record["tokens_per_s"] = round(record.get("tokens", 0) / max(record["iteration_s"], 1e-9), 1)
         self.last_done = now
         if self.metrics is not None:
             self.metrics.write(record)
-        self.checkpoints.iteration_done(self.version, self._state())
-        if self.version == self.job.config.iterations:
+        self.checkpoints.iteration_done(self.iteration, self._state())
+        if self.iteration == self.job.config.iterations:
             self._finish()
+
+    def _warmup_record(self, exp: Experience) -> dict[str, float]:
+        """A critic warm-up iteration: the actor trains nothing; its samples are counted (trained by
+        the critic alone), their rewards reported, and the KL controller moves as the critic's does."""
+        kl_mean = masked_mean(exp.kl(self.job.config.algorithm.kl.kind), exp.mask).item()
+        self.kl_ctl.update(kl_mean, exp.num_samples)
+        self.trained += exp.num_samples
+        self.warmup_samples += exp.num_samples
+        return {"critic_warmup": 1, **self._reward_metrics(exp), "kl": round(kl_mean, 5), "samples": exp.num_samples,
+                "tokens": exp.num_tokens, "staleness_max": 0}
+
+    @staticmethod
+    def _reward_metrics(exp: Experience) -> dict[str, float]:
+        """The mean outcome reward and, with process rewards, the mean of each sample's weighted sum."""
+        record = {"reward": round(exp.scores.mean().item(), 4)}
+        if exp.process_rewards is not None:
+            record["process_reward"] = round(exp.process_rewards.sum(1).mean().item(), 4)
+        return record
 
     def _update(self, exp: Experience, batches: list[Batch]) -> dict[str, float]:
         cfg = self.job.config
@@ -152,7 +186,7 @@ class ActorTrain(Stage):
         staleness = (self.version - exp.policy_versions).float()
         return {
             **means.means(),
-            "reward": round(exp.scores.mean().item(), 4),
+            **self._reward_metrics(exp),
             "kl": round(kl_mean, 5),
             "kl_coef": round(self.kl_ctl.coef, 5),
             "staleness_mean": round(staleness.mean().item(), 3),
@@ -220,7 +254,10 @@ class ActorTrain(Stage):
         if not self.ctx.group.is_leader:
             return
         summary = {
-            "iterations": self.version,
+            "iterations": self.iteration,
+            "policy_version": self.version,
+            "critic_warmup_iterations": self.warmup,
+            "samples_critic_warmup": self.warmup_samples,
             "samples_trained": self.trained,
             "samples_dropped": sum(self.dropped.values()),
             "dropped_reasons": self.dropped,
@@ -228,7 +265,7 @@ class ActorTrain(Stage):
             "train_wall_s": round(time.time() - self.started, 3),
         }
         (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
-        self.ctx.log.info("trained %d iterations: checkpoint %s", self.version, checkpoint)
+        self.ctx.log.info("trained %d iterations: checkpoint %s", self.iteration, checkpoint)
         self.ctx.send_control("shutdown", -1)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
-from stream_rlhf.models.checkpoint import load_critic
+from stream_rlhf.models.checkpoint import load_job_critic
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.samples import Rollout, ragged, response_slices
@@ -20,7 +20,7 @@ class CriticForward(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.engine = TorchTrainEngine(load_critic(self.job.checkpoint), ctx.group)
+        self.engine = TorchTrainEngine(load_job_critic(self.job.config, self.job.checkpoint), ctx.group)
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "critic")
 

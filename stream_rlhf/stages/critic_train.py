@@ -4,6 +4,9 @@ version for the critic forward.
 Returns come from the same token rewards and GAE as the actor's advantages (`training.py`
 says why the two trainers agree without talking to each other). With several ranks the critic is
 sharded over them (FSDP2, `backends/torch_engine.py`) and each optimizer step's samples are split.
+It starts from the policy or, with `critic.init: reward_model`, from the reward model. During the
+critic warm-up (`critic.warmup_iterations`) it trains as always while the actor stays at version 0:
+its staleness filter compares samples with the actor's version at each iteration, not its own.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from stream_rlhf.algos.losses import value_loss
 from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
-from stream_rlhf.models.checkpoint import load_critic
+from stream_rlhf.models.checkpoint import load_job_critic
+from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.stages.experience import Experience, IterationBuffer
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator, stage_counts
@@ -35,7 +39,7 @@ class CriticTrain(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         cfg = self.job.config
-        self.engine = TorchTrainEngine(load_critic(self.job.checkpoint), ctx.group, cfg.critic)
+        self.engine = TorchTrainEngine(load_job_critic(self.job.config, self.job.checkpoint), ctx.group, cfg.critic)
         self.weights = WeightStore(self.job.weights_root, "critic")
         self.checkpoints = TrainerCheckpoints(self.job, "critic", self.engine, ctx.group)
         if (state := self.checkpoints.resume()) is not None:
@@ -48,7 +52,9 @@ class CriticTrain(Stage):
         self.buffer.add(batch)
         while (batches := self.buffer.take(self.version)) is not None:
             self.checkpoints.iteration_started()
-            fresh, _ = split_by_staleness(batches, self.version, self.job.config.overlap_depth)  # actor_train counts drops
+            cfg = self.job.config
+            actor_version = policy_version_at(self.version, cfg.critic.warmup_iterations)
+            fresh, _ = split_by_staleness(batches, actor_version, cfg.overlap_depth)  # actor_train counts drops
             if fresh:
                 self._update(Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh]))
             self.version += 1
@@ -75,7 +81,8 @@ class CriticTrain(Stage):
                 means.add(metrics)
         self.kl_ctl.update(kl_mean, exp.num_samples)
         if self.metrics is not None:
-            self.metrics.write({"iteration": self.version, **means.means()})
+            warmup = {"critic_warmup": 1} if self.version < cfg.critic.warmup_iterations else {}
+            self.metrics.write({"iteration": self.version, **warmup, **means.means()})
 
     def _loss(self, part: Experience, per_sample: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
         values = part.padded(response_slices(self.engine.values(part.sequences, part.images, part.prompt_lens), part.prompt_lens))  # (n, R)

@@ -1,7 +1,7 @@
 """One iteration's experience, assembled from the joined handles for the trainers.
 
     exp = Experience.from_batches(batches)       # every mini-batch of the iteration
-    rewards = exp.token_rewards(kl_coef, cfg.kl) # (N, R): score on the last token, KL penalty
+    rewards = exp.token_rewards(kl_coef, cfg.kl) # (N, R): score on the last token, step rewards, KL penalty
     part = exp.select(indices)                   # the samples of one optimizer step
 
 Per-token tensors are right-padded to (N, R) with `mask` marking the response tokens; the
@@ -48,11 +48,13 @@ class Experience:
     """(N,) the version that generated each sample."""
     images: list[SampleImages] | None = None
     """Each sample's image features (vision-language models)."""
+    process_rewards: Tensor | None = None
+    """(N, R) weighted step rewards at each step's end token (`reward.process`); None without."""
 
     @classmethod
     def from_batches(cls, batches: list[Batch], images: list[list[SampleImages] | None] | None = None) -> Experience:
         """The experience of `batches`; `images` holds each batch's per-sample image features."""
-        sequences, prompt_lens, behavior, old, ref, values, scores, groups, versions = ([] for _ in range(9))
+        sequences, prompt_lens, behavior, old, ref, values, scores, groups, versions, process = ([] for _ in range(10))
         for batch in batches:
             t = batch.tensors
             rollout = Rollout.from_tensors(t)
@@ -66,6 +68,8 @@ class Experience:
             if "values" in t:
                 values += unragged(t, "values")
             scores.append(t["scores"])
+            if "process_rewards" in t:
+                process += unragged(t, "process_rewards")
             groups.append(rollout.group_ids)
             versions.append(torch.full((batch.num_samples,), batch.policy_version))
         return cls(
@@ -80,6 +84,7 @@ class Experience:
             group_ids=torch.cat(groups).long(),
             policy_versions=torch.cat(versions),
             images=[im for per_batch in images for im in per_batch] if images and images[0] is not None else None,
+            process_rewards=pad_right(process, 0.0) if process else None,
         )
 
     @property
@@ -100,11 +105,14 @@ class Experience:
         return kl_estimate(actor, self.ref_logp, kind) * self.mask
 
     def token_rewards(self, kl_coef: float, kl: KLConfig) -> Tensor:
-        """(N, R): the score on each response's last token, minus kl_coef * KL per token when the
-        KL penalty goes in the reward."""
+        """(N, R): the score on each response's last token, plus the step rewards at their steps'
+        end tokens (`reward.process`), minus kl_coef * KL per token when the KL penalty goes in the
+        reward."""
         last = self.mask.sum(dim=1).long() - 1  # (N,)
         rewards = torch.zeros_like(self.mask)
         rewards[torch.arange(self.num_samples), last] = self.scores
+        if self.process_rewards is not None:
+            rewards = rewards + self.process_rewards * self.mask
         if kl.placement == "reward":
             rewards = rewards - kl_coef * self.kl(kl.kind)
         return rewards

@@ -44,7 +44,7 @@ class PromptSource(Stage):
         self.dataset = open_prompts(cfg, model_config, self.tokenizer, "train", cfg.seed)
         if self.dataset is None:
             count = cfg.iterations * cfg.rollout_batch.minibatches * cfg.rollout_batch.prompts_per_minibatch
-            self.problems = problems("train", count, cfg.task.seed, cfg.task.max_operand)
+            self.problems = problems("train", count, cfg.task.seed, cfg.task.max_operand, cfg.task.terms)
         self.cursors = PromptCursors(self.job.run_dir)
         if self.dataset is not None and self.job.start_version:
             self.dataset.seek(self.cursors.at(self.job.start_version))

@@ -1,5 +1,6 @@
 """Reward: a rule-based function (dotted path in the config), a reward model with a scalar head,
-or both, combined as `function_weight * function + model_weight * model`, one score per sample.
+or both, combined as `function_weight * function + model_weight * model`, one score per sample;
+with `reward.process`, also each response's step rewards per token (`process_reward.py`).
 
 A rule-based function has the signature `fn(prompt: str, response: str, reference: str) -> float`;
 the response is decoded without special tokens.
@@ -16,7 +17,8 @@ from stream_rlhf.launch.local import load_class
 from stream_rlhf.models.checkpoint import load_reward_model, load_tokenizer
 from stream_rlhf.models.packing import pad_right
 from stream_rlhf.stages.job_context import JobContext
-from stream_rlhf.stages.samples import Rollout
+from stream_rlhf.stages.process_reward import ProcessScorer
+from stream_rlhf.stages.samples import Rollout, ragged
 from stream_rlhf.stages.topics import topic_output
 
 RewardFunction = Callable[[str, str, str], float]
@@ -66,7 +68,13 @@ class RewardForward(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         self.scorer = Scorer(self.job)
+        process = self.job.config.reward.process
+        self.process = ProcessScorer(process, self.scorer.tokenizer) if process is not None else None
 
     def step(self, batch: Batch | None) -> list[Output]:
-        scores = self.scorer.score(Rollout.from_tensors(batch.tensors), batch.metadata["references"])
-        return [topic_output("reward", {"scores": scores}, batch.num_samples)]
+        rollout = Rollout.from_tensors(batch.tensors)
+        references = batch.metadata["references"]
+        tensors = {"scores": self.scorer.score(rollout, references)}
+        if self.process is not None:
+            tensors.update(ragged("process_rewards", self.process.rewards(rollout, references)))
+        return [topic_output("reward", tensors, batch.num_samples)]

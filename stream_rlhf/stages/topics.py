@@ -97,7 +97,8 @@ TOPICS = {schema.topic: schema for schema in (
     TopicSchema("ref_logp", (Field("ref_logp", "ragged", FLOAT),)),
     TopicSchema("old_logp", (Field("old_logp", "ragged", FLOAT),)),
     TopicSchema("values", (Field("values", "ragged", FLOAT),)),
-    TopicSchema("reward", (Field("scores", "per_sample", FLOAT),)),
+    TopicSchema("reward", (Field("scores", "per_sample", FLOAT),
+                           Field("process_rewards", "ragged", FLOAT, optional=True))),  # reward.process
 )}
 
 

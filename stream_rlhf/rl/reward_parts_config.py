@@ -1,0 +1,86 @@
+"""Config of process rewards (`reward.process`) and of the critic (`critic`), beside `rl/config.py`.
+
+    reward:
+      function: stream_rlhf.data.arithmetic:final_reward      # the outcome, on the last token
+      process: {function: stream_rlhf.data.arithmetic:step_reward, separator: ",", weight: 0.5}
+    critic: {lr: 1.0e-3, init: reward_model, warmup_iterations: 2}
+
+The scorers are `stages/process_reward.py`; where the step rewards go is `algos/process_rewards.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from stream_rlhf.backends.optimizer_config import OptimizerConfig
+from stream_rlhf.config import ConfigError, import_dotted
+
+
+@dataclass(frozen=True)
+class ProcessRewardConfig:
+    """Process rewards: one score per reasoning step of a response, from a rule function or a
+    process reward model (PRM), placed on the token that ends each step.
+
+    The response is cut into steps at each `separator` token; the text after the last separator
+    (if any) is the final step, ending at the response's last token, where the outcome reward
+    (`reward.function` / `reward.model_path`) sits too. The token-level reward is
+    outcome (last token) + weight * step score (each step's end token) - the KL penalty, which
+    GAE (with the critic) and REINFORCE++ turn into per-token advantages: a wrong step lowers
+    the advantage of the tokens up to it.
+
+    GRPO and RLOO sum: a sample's score is its outcome plus weight times the sum of its step
+    scores, normalised over the prompt's group like an outcome-only score (one advantage for the
+    whole response; no per-step credit, which needs gae or reinforce_pp).
+    """
+
+    function: str | None = None
+    """Dotted path "package.module:name" of `fn(prompt, steps, reference) -> list[float]`, one score
+    per step (`steps`: each step's text, separator left out, decoded without special tokens)."""
+    model_path: str | None = None
+    """A Hugging Face token-classification checkpoint with one label (a PRM, e.g. from
+    `python -m stream_rlhf.models.prm`); a step's score is sigmoid(logit) at its end token. It
+    must share the policy's tokenizer."""
+    separator: str = ","
+    """The text that ends a step; it must be one token of the policy's tokenizer."""
+    weight: float = 1.0
+    """How much a step score counts against the outcome reward (which has weight 1 here)."""
+
+    def __post_init__(self) -> None:
+        if (self.function is None) == (self.model_path is None):
+            raise ConfigError(f"function={self.function!r}, model_path={self.model_path!r}: give one of them")
+        if self.function is not None and not callable(import_dotted(self.function, "function")):
+            raise ConfigError(f"function={self.function!r}: not callable (expected fn(prompt, steps, reference))")
+        if self.model_path is not None and not os.path.isfile(os.path.join(self.model_path, "config.json")):
+            raise ConfigError(f"model_path={self.model_path!r}: no config.json there")
+        if not self.separator:
+            raise ConfigError("separator='': must be a non-empty string")
+        if not math.isfinite(self.weight):
+            raise ConfigError(f"weight={self.weight}: must be finite")
+
+
+@dataclass(frozen=True)
+class CriticConfig(OptimizerConfig):
+    """The critic's optimizer (as `actor`'s), where its weights come from, and its warm-up."""
+
+    lr: float = 1e-3
+    init: Literal["policy", "reward_model"] = "policy"
+    """policy: the starting policy's backbone with a zero value head. reward_model: the backbone
+    and scalar head of `reward.model_path` (a sequence-classification model of the policy's
+    architecture and vocabulary), so the critic starts out scoring what the reward scores."""
+    warmup_iterations: int = 0
+    """The first N iterations train only the critic: the actor stays frozen, publishes no weights,
+    and rollout keeps generating with version 0 (counted as `critic_warmup` in metrics.jsonl)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.warmup_iterations < 0:
+            raise ConfigError(f"warmup_iterations={self.warmup_iterations}: must be >= 0")
+
+
+def policy_version_at(iteration: int, warmup_iterations: int) -> int:
+    """The actor's policy version while it trains `iteration`: iterations before the critic's
+    warm-up ends leave it at 0, and each later one adds a version."""
+    return max(0, iteration - warmup_iterations)

@@ -1,0 +1,100 @@
+"""Process rewards of a generated mini-batch: one score per step, placed on the step's end token.
+
+    scorer = ProcessScorer(cfg.reward.process, tokenizer)
+    per_token = scorer.rewards(rollout, references)   # [(R_i,) float]: weight * step score at each
+                                                      # step's end token, 0 elsewhere
+
+The steps are cut at the separator token (`algos/process_rewards.py`). A rule function gets each
+step's text and returns one score per step; a PRM (token classification, one label) scores each
+step by sigmoid(logit) at its end token, having read the prompt and the response up to there.
+`separator_id` is also the config check the driver runs before the warm start: a separator the
+tokenizer cannot write as one token, or a PRM with another vocabulary, fails naming the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from stream_rlhf.algos.process_rewards import place_step_rewards, step_ends, step_spans
+from stream_rlhf.config import ConfigError, import_dotted
+from stream_rlhf.models.packing import pad_right
+from stream_rlhf.rl.reward_parts_config import ProcessRewardConfig
+from stream_rlhf.stages.samples import Rollout
+
+StepFunction = Callable[[str, list[str], str], list[float]]
+KEY = "reward.process"
+
+
+def separator_id(tokenizer: PreTrainedTokenizerBase, separator: str) -> int:
+    """The one token id that writes `separator`; a ConfigError naming reward.process.separator when
+    the tokenizer has no such token (unknown, or several tokens)."""
+    ids = tokenizer.encode(separator, add_special_tokens=False)
+    if len(ids) != 1 or ids[0] == tokenizer.unk_token_id or tokenizer.decode(ids) != separator:
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        raise ConfigError(f"{KEY}.separator={separator!r}: the policy's tokenizer writes it as {pieces} "
+                          "(a step separator must be exactly one token of it)")
+    return ids[0]
+
+
+def check_process_reward(cfg: ProcessRewardConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The separator is one token, and a PRM reads the policy's token ids (the same vocabulary)."""
+    separator_id(tokenizer, cfg.separator)
+    if cfg.model_path is None:
+        return
+    from stream_rlhf.models.checkpoint import load_tokenizer
+
+    if load_tokenizer(cfg.model_path).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"{KEY}.model_path={cfg.model_path!r}: its tokenizer differs from the policy's (a PRM "
+                          "scores the policy's token ids)")
+
+
+class ProcessScorer:
+    def __init__(self, cfg: ProcessRewardConfig, tokenizer: PreTrainedTokenizerBase):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.separator_id = separator_id(tokenizer, cfg.separator)
+        self.function: StepFunction | None = import_dotted(cfg.function, f"{KEY}.function") if cfg.function else None
+        if cfg.model_path is not None:
+            from stream_rlhf.models.prm import load_prm
+
+            self.model = load_prm(cfg.model_path)
+
+    def rewards(self, rollout: Rollout, references: list[str]) -> list[Tensor]:
+        """Per sample (R_i,): weight * step score at each step's end token."""
+        responses = rollout.responses
+        ends = [step_ends(r, self.separator_id) for r in responses]
+        if self.function is not None:
+            scores = self._rule_scores(rollout, responses, ends, references)
+        else:
+            scores = self._model_scores(rollout, ends)
+        return [place_step_rewards(self.cfg.weight * s, e, len(r)) for s, e, r in zip(scores, ends, responses)]
+
+    def _rule_scores(self, rollout: Rollout, responses: list[Tensor], ends: list[Tensor],
+                     references: list[str]) -> list[Tensor]:
+        decode = self.tokenizer.decode
+        out = []
+        for sequence, prompt_len, response, own_ends, reference in zip(
+                rollout.sequences, rollout.prompt_lens.tolist(), responses, ends, references):
+            prompt = decode(sequence[:prompt_len], skip_special_tokens=True)
+            steps = [decode(response[a:b], skip_special_tokens=True)
+                     for a, b in step_spans(response, own_ends, self.separator_id)]
+            scores = [float(s) for s in self.function(prompt, steps, reference)]
+            if len(scores) != len(steps):
+                raise ValueError(f"{KEY}.function={self.cfg.function}: returned {len(scores)} scores for the "
+                                 f"{len(steps)} steps {steps}")
+            out.append(torch.tensor(scores))
+        return out
+
+    def _model_scores(self, rollout: Rollout, ends: list[Tensor]) -> list[Tensor]:
+        pad = self.tokenizer.pad_token_id
+        input_ids = pad_right(rollout.sequences, pad).long()  # (N, L)
+        lengths = torch.tensor([len(s) for s in rollout.sequences])
+        mask = (torch.arange(input_ids.shape[1])[None] < lengths[:, None]).long()  # (N, L)
+        with torch.inference_mode():
+            logits = self.model(input_ids=input_ids, attention_mask=mask).logits[..., 0].float()  # (N, L)
+        probs = torch.sigmoid(logits)
+        return [probs[i, p + e] for i, (p, e) in enumerate(zip(rollout.prompt_lens.tolist(), ends))]
