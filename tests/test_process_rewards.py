@@ -4,6 +4,7 @@ combined with the outcome into the token rewards that GAE, REINFORCE++, GRPO and
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -152,6 +153,7 @@ def test_a_prm_scores_each_step_by_sigmoid_of_its_logit_at_the_steps_end(tmp_pat
     save_checkpoint(build_tiny(tiny, tokenizer, 0), tokenizer, tmp_path / "policy")
     result = train_tiny_prm(tmp_path / "prm", tmp_path / "policy", steps=2, batch_size=8)
     assert 0.0 <= result["step_accuracy"] <= 1.0
+    assert json.loads((tmp_path / "prm" / "prm.json").read_text()) == result
     cfg = ProcessRewardConfig(model_path=str(tmp_path / "prm"), weight=2.0)
     check_process_reward(cfg, tokenizer)
     prompt = torch.tensor([tokenizer.bos_token_id, *tokenizer.encode("3+16+30=", add_special_tokens=False)])

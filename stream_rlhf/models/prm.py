@@ -18,6 +18,7 @@ head, and shares its tokenizer, so it reads the policy's token ids as they are.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import random
 import time
@@ -98,7 +99,8 @@ def labelled(split: str, count: int, seed: int, max_operand: int, terms: int) ->
 def train_tiny_prm(folder: str | Path, base: str | Path, steps: int = 300, batch_size: int = 64,
                    lr: float = 1e-3, max_operand: int = 30, terms: int = 3, seed: int = 0) -> dict[str, float]:
     """Train a PRM from the policy checkpoint `base` on corrupted multi-step answers and save it
-    (weights and tokenizer) in `folder`; returns its step accuracy on held-out problems."""
+    (weights and tokenizer) in `folder`; returns its step accuracy on held-out problems and the
+    settings, also written to `folder`/prm.json."""
     tokenizer = load_tokenizer(base)
     torch.manual_seed(seed)
     hf_logging.set_verbosity_error()  # the new head is reported as "missing" from the checkpoint
@@ -121,7 +123,10 @@ def train_tiny_prm(folder: str | Path, base: str | Path, steps: int = 300, batch
     accuracy = step_accuracy(model, tokenizer, labelled("eval", 256, seed, max_operand, terms))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return {"step_accuracy": round(accuracy, 4)}
+    result = {"step_accuracy": round(accuracy, 4), "base": str(base), "steps": steps, "max_operand": max_operand,
+              "terms": terms}
+    (Path(folder) / "prm.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 def main() -> None:
