@@ -57,6 +57,16 @@ def test_two_rank_actor_stages_train_as_one_rank_does(tmp_path):
     assert summaries["two"]["eval_reward_after"] == summaries["one"]["eval_reward_after"]
     assert (tmp_path / "two" / "checkpoint" / "model.safetensors").is_file()
     assert not leftover_shm("t_two")
+    # rank 1 traces its fetch and its share of every step on its own track
+    events = json.loads((tmp_path / "two" / "trace.json").read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    traced: dict[tuple[str, str], set] = {}
+    for e in events:
+        if e["ph"] == "X" and processes[e["pid"]] == "actor_train-0" and e["cat"] in ("step", "payload"):
+            traced.setdefault((tracks[(e["pid"], e["tid"])], e["name"]), set()).add(e["args"].get("iteration"))
+    assert traced[("rank 1", "actor_train experience")] == traced[("rank 0", "actor_train experience")] == {0, 1, 2}
+    assert ("rank 1", "fetch") in traced
 
 
 def test_ppo_with_two_rank_trainers_accounts_for_every_sample(tmp_path):

@@ -84,3 +84,13 @@ def test_each_iteration_has_the_figures_of_its_own_window():
 ])
 def test_merged_length(spans, length):
     assert merged_length(spans) == length
+
+
+def test_other_ranks_steps_are_left_out_of_the_figures():
+    """A 2-rank actor_train's rank 1 traces its share of each step (longer, later): the figures
+    count the group's step once, by its leader's event."""
+    followers = [{**step("actor_train", start, end, iteration), "tid": 1,
+                  "args": {**step("actor_train", start, end, iteration)["args"], "rank": 1}}
+                 for start, end, iteration in ((0, 1.5, 0), (4, 6, 1), (8, 9.5, 2))]
+    assert trace_figures(EVENTS + followers, ROLLOUT_SIDE, skip=1) == trace_figures(EVENTS, ROLLOUT_SIDE, skip=1)
+    assert steady_window(EVENTS + followers, skip=1) == (1.0, 9.0)

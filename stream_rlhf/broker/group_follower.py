@@ -7,7 +7,9 @@ The leader (`runner.py`) shares GroupSetup after its handshake, then GroupBatch 
 fetched (this rank fetches the payload itself from the producer, and a barrier tells the leader it
 has), GroupWeights for each weights_ready, and GroupStop when the instance stops. Outputs are the
 leader's to publish: a follower drops what its steps return, and its `send_control` does
-nothing. If the leader dies, the next collective fails and so does this rank.
+nothing. If the leader dies, the next collective fails and so does this rank. Each fetch and
+step goes to this rank's own track of the trace (`telemetry/trace.py`; the barrier between them
+is the wait for the slowest rank's fetch, not part of the step).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import logging
 import os
 import threading
 
-from stream_rlhf.broker.messages import GroupBatch, GroupMessage, GroupSetup, GroupStop, GroupWeights
+from stream_rlhf.broker.messages import GroupBatch, GroupMessage, GroupSetup, GroupStop, GroupWeights, Handle
 from stream_rlhf.broker.payload import PayloadTransport
 from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.broker.stage import Batch, Stage, StageContext
+from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +66,28 @@ class GroupFollower:
         try:
             while not isinstance(message := self._receive(), GroupStop):
                 if isinstance(message, GroupBatch):
-                    tensors = self.transport.get(message.handle)
-                    self.group.barrier()
-                    self.stage.step(Batch(message.handle, tensors))
-                    self.steps += 1
+                    self._step(message.handle)
                 elif isinstance(message, GroupWeights):
                     self.stage.on_weights(message.version)
                 else:
                     raise LeaderProtocolError(f"{self.instance_id}: unexpected {type(message).__name__}")
         finally:
             self.stage.close()
+
+    def _step(self, handle: Handle) -> None:
+        """Fetch this rank's copy of the handle's payload and run the step; traced like the leader's
+        steps (`host.py`), on this rank's own track."""
+        started = trace.now_ns()
+        tensors = self.transport.get(handle)
+        fetched = trace.now_ns()
+        trace.complete("fetch", "payload", started, fetched, topic=handle.topic, producer=handle.producer)
+        self.group.barrier()
+        stepping = trace.now_ns()
+        self.stage.step(Batch(handle, tensors))
+        self.steps += 1
+        trace.complete(f"{self.stage_name} {handle.topic}", "step", stepping, trace.now_ns(), stage=self.stage_name,
+                       topic=handle.topic, iteration=handle.iteration, minibatch=handle.minibatch,
+                       policy_version=handle.policy_version, samples=handle.num_samples, rank=self.group.rank)
 
     def _receive(self) -> GroupMessage:
         message = self.group.share(None)

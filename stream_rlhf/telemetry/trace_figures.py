@@ -8,8 +8,10 @@ Pure functions over the merged events (`trace_merge.py`). The driver puts them i
 bench/pipeline.py reports them, both through `trace_figures`, so the two cannot disagree.
 
 A *step* is an "X" event of category "step" (`broker/host.py`: one call of a stage's `step`,
-payload fetch and publish excluded), with `args.stage` and `args.iteration`. Every figure is
-taken over the steady-state window W = [lo, hi], with steps clipped to it:
+payload fetch and publish excluded), with `args.stage` and `args.iteration`. The other ranks of
+a stage group trace their share of each step too (`broker/group_follower.py`, with `args.rank`
+> 0, on their own tracks); the figures count a group's step once, by its leader's event. Every
+figure is taken over the steady-state window W = [lo, hi], with steps clipped to it:
 
     lo, hi            hi: the end of the last trained iteration (the latest end of an actor_train
                       step of that iteration); lo: the same for the `skip`-th trained iteration of
@@ -17,7 +19,7 @@ taken over the steady-state window W = [lo, hi], with steps clipped to it:
                       Leaving out the first iterations leaves out start-up (processes, models), the
                       warm-up of the stages and the filling of the pipeline.
     window_s          hi - lo.
-    busy[stage]       the sum of the stage's step durations (every instance and rank) / window_s.
+    busy[stage]       the sum of the stage's step durations (every instance) / window_s.
                       Wall time: stages that time-share a core can add up to more than 1.
     group_busy[side]  the rollout side (`rollout_side`) and the train side (every other stage):
                       the length of the union of the side's steps / window_s (steps of one side
@@ -75,11 +77,16 @@ class TraceFigures:
         }
 
 
+def is_leader_step(event: dict[str, Any]) -> bool:
+    """A step event of a stage instance's leader (the figures' steps, see the module docstring)."""
+    return event.get("ph") == "X" and event.get("cat") == "step" and event["args"].get("rank", 0) == 0
+
+
 def step_spans(events: Iterable[dict[str, Any]]) -> dict[str, list[Span]]:
     """Per stage, its steps as (start, end) in seconds."""
     spans: dict[str, list[Span]] = {}
     for event in events:
-        if event.get("ph") == "X" and event.get("cat") == "step":
+        if is_leader_step(event):
             start = event["ts"] / 1e6
             spans.setdefault(event["args"]["stage"], []).append((start, start + event["dur"] / 1e6))
     return spans
@@ -89,7 +96,7 @@ def iteration_ends(events: Iterable[dict[str, Any]]) -> dict[int, float]:
     """Trained iteration -> the end of its last actor_train step (seconds)."""
     ends: dict[int, float] = {}
     for event in events:
-        if event.get("ph") == "X" and event.get("cat") == "step" and event["args"]["stage"] == TRAINER:
+        if is_leader_step(event) and event["args"]["stage"] == TRAINER:
             iteration = event["args"]["iteration"]
             ends[iteration] = max(ends.get(iteration, 0.0), (event["ts"] + event["dur"]) / 1e6)
     return ends

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from stream_rlhf.broker.topology import Topology
-from stream_rlhf.telemetry.trace_figures import TRAINER
+from stream_rlhf.telemetry.trace_figures import TRAINER, is_leader_step
 
 BROKER = "broker"
 OTHER_THREADS = 1000
@@ -92,7 +92,7 @@ def merge_trace(folder: Path, out: Path, sources: dict[str, list[str]], order: I
     for event in recorded:
         if event.get("ph") != "M":
             events.append({**event, "pid": pids[event["pid"]], "tid": tids[(event["pid"], event["tid"])]})
-    steps = [e for e in events if e["ph"] == "X" and e.get("cat") == "step"]
+    steps = [e for e in events if is_leader_step(e)]  # arrows between stage instances, not their ranks
     events += _flows(steps, sources)
     events += _staleness(steps, metrics)
     events.sort(key=lambda e: (e["ph"] != "M", e.get("ts", 0)))
