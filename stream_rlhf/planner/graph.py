@@ -1,0 +1,112 @@
+"""What the simulator runs: the dataflow of one job as stages with step costs, devices and memory.
+
+    graph = SimGraph(stages=(
+        SimStage("prompts", side="rollout", step_s=0.001, device="core0"),
+        SimStage("rollout", inputs=("prompts",), side="rollout", step_s=1.5, device="core0"),
+        SimStage("actor_train", inputs=("rollout",), step_s=3.0, device="core1"),
+    ), iterations=6, minibatches=2, overlap_depth=1)
+    result = simulate(graph)          # simulator.py
+
+Words as in the rest of the project: an *iteration* trains one policy version; it has
+`minibatches` mini-batches; a *step* is one stage's work on one mini-batch. Every stage steps
+once per mini-batch of every iteration, in order (one instance per stage: a group of ranks is one
+stage whose `step_s` is the group's). A stage with several `inputs` joins them: its step on a
+mini-batch waits for each input stage's step on that mini-batch (the broker's `experience`
+join). Steps of the stages that share a `device` run one at a time (a device group; on the CPU,
+the cores those stages share).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Side = Literal["rollout", "train"]
+
+
+@dataclass(frozen=True)
+class SimStage:
+    name: str
+    step_s: float
+    """Seconds per step (one mini-batch), the group's when it has several ranks."""
+    inputs: tuple[str, ...] = ()
+    """Stages whose step on the same mini-batch this one waits for (several: a join)."""
+    side: Side = "train"
+    """For the figures: the rollout side (prompts, vision prefetch, rollout) or the train side."""
+    device: str = ""
+    """The device set it runs on; "" (the default): a device of its own."""
+    barrier: bool = False
+    """The `sync` schedule's phase barrier: its steps of iteration i start only once its input
+    stages finished every mini-batch of iteration i."""
+    memory_gb: float = 0.0
+    """What it holds on its device: parameters, plus gradients and optimizer state for a trainer,
+    plus the KV cache for rollout."""
+    offload: bool = False
+    """It leaves its device between steps (resident only while it steps); see `load_s`."""
+    load_s: float = 0.0
+    """With `offload`: seconds to bring it back, paid when the step before on its device was
+    another stage's."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("SimStage.name: must not be empty")
+        for field_name in ("step_s", "memory_gb", "load_s"):
+            if getattr(self, field_name) < 0:
+                raise ValueError(f"{self.name}.{field_name}={getattr(self, field_name)}: must be >= 0")
+        if self.name in self.inputs:
+            raise ValueError(f"{self.name}.inputs: a stage cannot wait for itself")
+
+
+@dataclass(frozen=True)
+class SimGraph:
+    stages: tuple[SimStage, ...]
+    iterations: int
+    minibatches: int
+    overlap_depth: int = 1
+    """Rollout's step of iteration i waits until policy version >= i - overlap_depth is published."""
+    rollout: str = "rollout"
+    """The stage the staleness bound gates, and which loads each new policy version."""
+    trainer: str = "actor_train"
+    """Its last step of iteration i publishes policy version i + 1."""
+    publish_s: float = 0.0
+    """From the end of the trainer's last step of an iteration to the version being loadable."""
+    weights_load_s: float = 0.0
+    """Added to rollout's first step on a newer version than its previous step's."""
+    queue_capacity: int = 64
+    """A stage steps only while fewer than this many of its outputs wait for a consumer to start."""
+
+    def __post_init__(self) -> None:
+        names = [stage.name for stage in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stages: duplicate names in {names}")
+        for stage in self.stages:
+            unknown = [name for name in stage.inputs if name not in names]
+            if unknown:
+                raise ValueError(f"{stage.name}.inputs: {unknown} are not stages ({', '.join(names)})")
+        for role in ("rollout", "trainer"):
+            if getattr(self, role) not in names:
+                raise ValueError(f"{role}={getattr(self, role)!r}: not a stage ({', '.join(names)})")
+        if self.iterations < 1 or self.minibatches < 1:
+            raise ValueError(f"iterations={self.iterations}, minibatches={self.minibatches}: must be >= 1")
+        if self.overlap_depth < 0 or self.queue_capacity < 1:
+            raise ValueError(f"overlap_depth={self.overlap_depth}, queue_capacity={self.queue_capacity}: "
+                             "must be >= 0 and >= 1")
+        self.order()  # raises on a cycle
+
+    def stage(self, name: str) -> SimStage:
+        return next(stage for stage in self.stages if stage.name == name)
+
+    def consumers(self, name: str) -> list[str]:
+        return [stage.name for stage in self.stages if name in stage.inputs]
+
+    def order(self) -> list[str]:
+        """The stages, each after its inputs (ties: as listed); ValueError on a cycle."""
+        done: list[str] = []
+        waiting = list(self.stages)
+        while waiting:
+            ready = [stage for stage in waiting if all(name in done for name in stage.inputs)]
+            if not ready:
+                raise ValueError(f"stages: the inputs of {[s.name for s in waiting]} form a cycle")
+            done.append(ready[0].name)
+            waiting.remove(ready[0])
+        return done

@@ -1,0 +1,183 @@
+"""A discrete-event simulator of the dataflow: predicts a run's iteration time, busy fractions,
+bubble ratio, staleness and peak memory per device from its stages' step costs.
+
+    prediction = simulate(graph)      # graph.py: stages, inputs, devices, costs
+    prediction.iteration_s, prediction.bubble_ratio, prediction.busy["rollout"]
+
+The rules are the engine's, at mini-batch granularity:
+
+    a step of stage S on mini-batch (i, m) starts at the latest of
+      - S's step on the mini-batch before (one instance: its handles in order);
+      - each input's step on (i, m) (a join waits for all); with `barrier` (the sync schedule),
+        each input's steps on every mini-batch of iteration i;
+      - rollout only: the publication of policy version i - overlap_depth (admission); version
+        v + 1 is published `publish_s` after the trainer's last step of iteration v;
+      - back-pressure: the start of each consumer's step on S's output queue_capacity earlier;
+      - its device being free (one step at a time per device).
+    it lasts step_s, plus load_s for a stage that `offload`s when the device's previous step was
+    another stage's, plus weights_load_s for rollout's first step on a newer version.
+
+Scheduling is list scheduling in time order: of the steps whose predecessors are all placed, the
+one that can start first goes next (ties: the graph's stage order, which puts inputs first), so
+a device never idles while a placed step could run on it, and the result is deterministic.
+
+The figures come from the simulated steps through `telemetry/trace_figures.py`, the functions
+that turn a real run's trace into its summary figures: a prediction and a measurement are the
+same quantities by construction. `iteration_s` is the steady-state window over the number of
+iterations it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stream_rlhf.planner.graph import SimGraph
+from stream_rlhf.telemetry.trace_figures import STEADY_SKIP, TraceFigures, trace_figures
+
+
+@dataclass(frozen=True)
+class SimStep:
+    stage: str
+    iteration: int
+    minibatch: int
+    start_s: float
+    end_s: float
+    policy_version: int = -1
+    """Rollout only: the version its weights were (staleness = iteration - policy_version)."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    steps: tuple[SimStep, ...]
+    figures: TraceFigures | None
+    """Over the steady-state window (None: too few iterations for one)."""
+    iteration_s: float
+    makespan_s: float
+    staleness_max: int
+    peak_memory_gb: dict[str, float]
+    """Per device: every resident stage's memory, plus the largest of the ones that offload."""
+
+    def summary(self) -> dict[str, object]:
+        figures = self.figures.summary() if self.figures is not None else {}
+        return {"iteration_s": round(self.iteration_s, 6), "makespan_s": round(self.makespan_s, 6),
+                "staleness_max": self.staleness_max, "peak_memory_gb": self.peak_memory_gb, **figures}
+
+
+def simulate(graph: SimGraph, skip: int | None = None) -> Prediction:
+    """The schedule of `graph` and its figures; `skip`: trained iterations left out of the steady
+    state (None: as the run's summary does, `trace_figures`' default)."""
+    steps = _schedule(graph)
+    events = [trace_event(step) for step in steps]
+    rollout_side = {stage.name for stage in graph.stages if stage.side == "rollout"}
+    figures = trace_figures(events, rollout_side, skip)
+    left_out = min(STEADY_SKIP, graph.iterations - 1) if skip is None else skip
+    if figures is not None and graph.iterations > left_out:
+        iteration_s = figures.window_s / (graph.iterations - left_out)
+    else:
+        iteration_s = max(step.end_s for step in steps) / graph.iterations
+    versions = [step.iteration - step.policy_version for step in steps if step.policy_version >= 0]
+    return Prediction(steps=tuple(steps), figures=figures, iteration_s=iteration_s,
+                      makespan_s=max(step.end_s for step in steps), staleness_max=max(versions, default=0),
+                      peak_memory_gb=peak_memory(graph))
+
+
+def peak_memory(graph: SimGraph) -> dict[str, float]:
+    devices: dict[str, list[tuple[float, bool]]] = {}
+    for stage in graph.stages:
+        devices.setdefault(stage.device or stage.name, []).append((stage.memory_gb, stage.offload))
+    return {device: sum(gb for gb, offload in held if not offload) + max((gb for gb, offload in held if offload),
+                                                                          default=0.0)
+            for device, held in devices.items()}
+
+
+def trace_event(step: SimStep) -> dict[str, object]:
+    """A step as the trace records one (`broker/host.py`), times in whole microseconds."""
+    start, end = round(step.start_s * 1e6), round(step.end_s * 1e6)
+    return {"ph": "X", "cat": "step", "name": step.stage, "ts": start, "dur": end - start, "pid": step.stage,
+            "tid": "rank 0", "args": {"stage": step.stage, "iteration": step.iteration, "minibatch": step.minibatch}}
+
+
+class _State:
+    """What the list scheduler has placed so far."""
+
+    def __init__(self, graph: SimGraph):
+        self.graph = graph
+        self.start: dict[tuple[str, int], float] = {}
+        self.end: dict[tuple[str, int], float] = {}
+        self.placed = {stage.name: 0 for stage in graph.stages}  # steps placed per stage, in order
+        self.device_free: dict[str, float] = {}
+        self.device_last: dict[str, str] = {}
+        self.rollout_version = 0
+
+    def published(self, version: int) -> float | None:
+        """When policy version `version` becomes loadable (None: its training is not placed yet)."""
+        if version <= 0:
+            return 0.0
+        last = self.end.get((self.graph.trainer, version * self.graph.minibatches - 1))
+        return None if last is None else last + self.graph.publish_s
+
+    def newest_version(self, at_s: float) -> int:
+        version = self.rollout_version
+        while (when := self.published(version + 1)) is not None and when <= at_s:
+            version += 1
+        return version
+
+
+def _schedule(graph: SimGraph) -> list[SimStep]:
+    state = _State(graph)
+    order = graph.order()
+    total = graph.iterations * graph.minibatches
+    steps: list[SimStep] = []
+    while len(steps) < total * len(order):
+        candidates = [(start, position, name) for position, name in enumerate(order)
+                      if (start := _earliest_start(state, name, total)) is not None]
+        if not candidates:
+            waiting = {name: divmod(state.placed[name], graph.minibatches) for name in order
+                       if state.placed[name] < total}
+            raise ValueError(f"the dataflow cannot go on (iteration, mini-batch next per stage: {waiting}); "
+                             "a sync barrier behind a queue_capacity below the mini-batches per iteration?")
+        start, _, name = min(candidates)
+        steps.append(_place(state, name, start))
+    return sorted(steps, key=lambda step: (step.start_s, order.index(step.stage)))
+
+
+def _earliest_start(state: _State, name: str, total: int) -> float | None:
+    """When stage `name`'s next step can start, or None while something it waits for is unplaced."""
+    graph, stage = state.graph, state.graph.stage(name)
+    index = state.placed[name]
+    if index == total:
+        return None
+    iteration = index // graph.minibatches
+    waits = [state.end.get((name, index - 1), 0.0) if index else 0.0]
+    for source in stage.inputs:
+        needed = range(iteration * graph.minibatches, (iteration + 1) * graph.minibatches) if stage.barrier \
+            else [index]
+        waits += [state.end.get((source, j)) for j in needed]
+    if name == graph.rollout:
+        waits.append(state.published(iteration - graph.overlap_depth))
+    if index >= graph.queue_capacity:
+        waits += [state.start.get((consumer, index - graph.queue_capacity)) for consumer in graph.consumers(name)]
+    if any(wait is None for wait in waits):
+        return None
+    return max([*waits, state.device_free.get(stage.device or name, 0.0)])
+
+
+def _place(state: _State, name: str, start: float) -> SimStep:
+    graph, stage = state.graph, state.graph.stage(name)
+    index = state.placed[name]
+    device = stage.device or name
+    duration = stage.step_s
+    if stage.offload and state.device_last.get(device) != name:
+        duration += stage.load_s
+    version = -1
+    if name == graph.rollout:
+        version = state.newest_version(start)
+        if version > state.rollout_version:
+            duration += graph.weights_load_s
+            state.rollout_version = version
+    end = start + duration
+    state.start[(name, index)], state.end[(name, index)] = start, end
+    state.placed[name] += 1
+    state.device_free[device], state.device_last[device] = end, name
+    iteration, minibatch = divmod(index, graph.minibatches)
+    return SimStep(name, iteration, minibatch, start, end, version)

@@ -1,0 +1,139 @@
+"""The dataflow simulator (`planner/simulator.py`) on small graphs whose schedules are worked out
+by hand in each test's docstring (times in seconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stream_rlhf.planner.graph import SimGraph, SimStage
+from stream_rlhf.planner.simulator import simulate
+
+
+def chain(rollout_s: float = 1.0, train_s: float = 2.0, device: str = "", **graph: object) -> SimGraph:
+    """prompts (free) -> rollout -> actor_train."""
+    stages = (SimStage("prompts", 0.0, side="rollout"),
+              SimStage("rollout", rollout_s, inputs=("prompts",), side="rollout", device=device),
+              SimStage("actor_train", train_s, inputs=("rollout",), device=device))
+    return SimGraph(stages=stages, **{"iterations": 3, "minibatches": 1, **graph})
+
+
+def spans(prediction, stage: str) -> list[tuple[float, float]]:
+    return [(s.start_s, s.end_s) for s in prediction.steps if s.stage == stage]
+
+
+def test_on_policy_chain_takes_turns():
+    """k=0: rollout 0-1, train 1-3 (version 1 at 3), rollout 3-4, train 4-6, rollout 6-7, train 7-9.
+    Window (skip 1): 3..9, two iterations: 3 s each; rollout busy 2 of 6 s, train 4 of 6."""
+    p = simulate(chain(overlap_depth=0), skip=1)
+    assert spans(p, "rollout") == [(0, 1), (3, 4), (6, 7)]
+    assert spans(p, "actor_train") == [(1, 3), (4, 6), (7, 9)]
+    assert p.iteration_s == 3.0 and p.makespan_s == 9.0 and p.staleness_max == 0
+    assert p.figures.busy == {"rollout": pytest.approx(1 / 3), "actor_train": pytest.approx(2 / 3),
+                              "prompts": 0.0}
+    assert p.figures.bubble_ratio == pytest.approx(0.5)
+
+
+def test_overlap_depth_one_lets_rollout_run_a_version_ahead():
+    """k=1: rollout 0-1, 1-2 (version 0, one ahead), then waits for version 1 (3): 3-4; train 1-3,
+    3-5, 5-7. Iterations end at 3, 5, 7: 2 s each in the window, bound by training."""
+    p = simulate(chain(overlap_depth=1), skip=1)
+    assert spans(p, "rollout") == [(0, 1), (1, 2), (3, 4)]
+    assert spans(p, "actor_train") == [(1, 3), (3, 5), (5, 7)]
+    assert [s.policy_version for s in p.steps if s.stage == "rollout"] == [0, 0, 1]
+    assert p.iteration_s == 2.0 and p.staleness_max == 1
+    assert p.figures.busy["actor_train"] == 1.0
+
+
+def test_stages_on_one_device_run_one_at_a_time():
+    """Colocated, k=1: rollout 0-1; at 1 both may start, rollout first (it comes first in the
+    graph): 1-2, train 2-4 (version 1 at 4); at 4 rollout's third step 4-5, then train 5-7, 7-9."""
+    p = simulate(chain(overlap_depth=1, device="cpu"), skip=1)
+    assert spans(p, "rollout") == [(0, 1), (1, 2), (4, 5)]
+    assert spans(p, "actor_train") == [(2, 4), (5, 7), (7, 9)]
+    assert p.iteration_s == 2.5
+    assert p.figures.overlap_hidden_s == 0.0  # nothing ever overlaps on one device
+
+
+def sync_or_stream(barrier: bool) -> SimGraph:
+    stages = (SimStage("prompts", 0.0, side="rollout"),
+              SimStage("rollout", 1.0, inputs=("prompts",), side="rollout"),
+              SimStage("ref_forward", 0.5, inputs=("rollout",), barrier=barrier),
+              SimStage("actor_train", 1.0, inputs=("rollout", "ref_forward"), barrier=barrier))
+    return SimGraph(stages=stages, iterations=2, minibatches=2, overlap_depth=0)
+
+
+def test_sync_barriers_wait_for_the_whole_iteration():
+    """Two mini-batches, k=0. Sync: rollout 0-1, 1-2; ref 2-2.5, 2.5-3; train 3-4, 4-5 (version 1
+    at 5); iteration 1 the same from 5: ends 5 and 10. Stream: ref 1-1.5, 2-2.5; train 1.5-2.5,
+    2.5-3.5 (version 1 at 3.5): ends 3.5 and 7."""
+    sync, stream = simulate(sync_or_stream(True), skip=1), simulate(sync_or_stream(False), skip=1)
+    assert spans(sync, "ref_forward")[:2] == [(2, 2.5), (2.5, 3)]
+    assert spans(sync, "actor_train") == [(3, 4), (4, 5), (8, 9), (9, 10)]
+    assert spans(stream, "ref_forward")[:2] == [(1, 1.5), (2, 2.5)]
+    assert spans(stream, "actor_train") == [(1.5, 2.5), (2.5, 3.5), (5, 6), (6, 7)]
+    assert (sync.iteration_s, stream.iteration_s) == (5.0, 3.5)
+
+
+def test_offloaded_stages_pay_their_load_when_they_take_turns():
+    """ref and critic forward share a device and offload: each step follows the other's, so each
+    pays 0.25 s: ref 1-1.75, critic 1.75-2.5; rollout's second mini-batch (done at 2) waits for the
+    device: ref 2.5-3.25, critic 3.25-4. Memory: rollout's 2 GB on its own device, and on the
+    shared one the larger of the two that offload."""
+    stages = (SimStage("rollout", 1.0, side="rollout", memory_gb=2.0),
+              SimStage("ref_forward", 0.5, inputs=("rollout",), device="gpu", offload=True, load_s=0.25,
+                       memory_gb=3.0),
+              SimStage("critic_forward", 0.5, inputs=("rollout",), device="gpu", offload=True, load_s=0.25,
+                       memory_gb=4.0),
+              SimStage("actor_train", 0.1, inputs=("ref_forward", "critic_forward")))
+    p = simulate(SimGraph(stages=stages, iterations=1, minibatches=2))
+    assert spans(p, "ref_forward") == [(1, 1.75), (2.5, 3.25)]
+    assert spans(p, "critic_forward") == [(1.75, 2.5), (3.25, 4)]
+    assert p.peak_memory_gb == {"rollout": 2.0, "gpu": 4.0, "actor_train": 0.0}
+
+
+def test_weights_publish_and_load_delay_the_next_version():
+    """k=0, publish 0.5, load 0.25: train 1-3, version 1 loadable at 3.5, rollout 3.5-4.75 (load
+    included), train 4.75-6.75."""
+    p = simulate(chain(overlap_depth=0, iterations=2, publish_s=0.5, weights_load_s=0.25))
+    assert spans(p, "rollout") == [(0, 1), (3.5, 4.75)]
+    assert spans(p, "actor_train") == [(1, 3), (4.75, 6.75)]
+
+
+def test_queue_capacity_holds_the_producer_back():
+    """Capacity 1: prompts may not step while its previous output waits for rollout to start:
+    prompts 0-0.1, then 0.1-0.2 (rollout started at 0.1), then 1.1-1.2 (rollout's second step
+    started at 1.1)."""
+    stages = (SimStage("prompts", 0.1, side="rollout"),
+              SimStage("rollout", 1.0, inputs=("prompts",), side="rollout"),
+              SimStage("actor_train", 0.0, inputs=("rollout",)))
+    p = simulate(SimGraph(stages=stages, iterations=1, minibatches=3, queue_capacity=1))
+    assert spans(p, "prompts") == [(0, 0.1), (0.1, pytest.approx(0.2)), (pytest.approx(1.1), pytest.approx(1.2))]
+
+
+def test_a_barrier_behind_a_small_queue_is_reported_not_hung():
+    stages = (SimStage("prompts", 0.0, side="rollout"),
+              SimStage("rollout", 1.0, inputs=("prompts",), side="rollout"),
+              SimStage("actor_train", 1.0, inputs=("rollout",), barrier=True))
+    with pytest.raises(ValueError, match="cannot go on"):
+        simulate(SimGraph(stages=stages, iterations=1, minibatches=3, queue_capacity=1))
+
+
+def test_the_same_graph_gives_the_same_prediction():
+    graph = sync_or_stream(False)
+    assert simulate(graph) == simulate(graph)
+
+
+@pytest.mark.parametrize(("stages", "message"), [
+    ((SimStage("rollout", 1.0), SimStage("rollout", 1.0)), "duplicate"),
+    ((SimStage("rollout", 1.0, inputs=("prompts",)), SimStage("actor_train", 1.0)), r"\['prompts'\] are not stages"),
+    ((SimStage("rollout", 1.0, inputs=("actor_train",)), SimStage("actor_train", 1.0, inputs=("rollout",))), "cycle"),
+    ((SimStage("rollout", 1.0),), "trainer='actor_train'"),
+])
+def test_bad_graphs_name_the_problem(stages, message):
+    with pytest.raises(ValueError, match=message):
+        SimGraph(stages=stages, iterations=1, minibatches=1)
+
+
+def test_negative_costs_name_the_stage_and_field():
+    with pytest.raises(ValueError, match=r"rollout.step_s=-1"):
+        SimStage("rollout", -1)
