@@ -1,0 +1,52 @@
+"""The megatron engine's parallel sizes (`placement.stages.<stage>.megatron`) and the checks that
+they fit the stage's ranks and the model, made before any process starts.
+
+    megatron: {tp: 2, pp: 1, cp: 1}    # dp = ranks / (tp * pp * cp)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stream_rlhf.config import ConfigError
+
+
+@dataclass(frozen=True)
+class MegatronConfig:
+    tp: int = 1
+    """Tensor-parallel size: attention heads, key/value groups, the MLP and the vocabulary are split
+    over this many ranks."""
+    pp: int = 1
+    """Pipeline-parallel size: the decoder layers are split into this many consecutive stages."""
+    cp: int = 1
+    """Context-parallel size (only 1 for now: the CP log-prob gather is not wired into the engine)."""
+    recompute: bool = False
+    """Recompute each decoder layer's activations in the backward pass (megatron's full, uniform
+    activation recompute): less memory, one more forward of the layers."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.cp != 1:
+            raise ConfigError(f"cp={self.cp}: context parallelism is not built into the megatron engine yet "
+                              "(issue 18); use cp: 1")
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def data_parallel(self, ranks: int) -> int:
+        return ranks // self.model_parallel
+
+
+def check_parallel(parallel: MegatronConfig, ranks: int, heads: int, kv_heads: int, layers: int, key: str) -> None:
+    """Refuse sizes that cannot split this model over these ranks, naming `key` and the numbers."""
+    if ranks % parallel.model_parallel:
+        raise ConfigError(f"{key}: tp x pp x cp = {parallel.tp} x {parallel.pp} x {parallel.cp} = "
+                          f"{parallel.model_parallel} does not divide the stage's ranks={ranks}")
+    if heads % parallel.tp or kv_heads % parallel.tp:
+        raise ConfigError(f"{key}.tp={parallel.tp}: does not divide the model's {heads} attention heads and "
+                          f"{kv_heads} key/value heads")
+    if layers % parallel.pp:
+        raise ConfigError(f"{key}.pp={parallel.pp}: does not divide the model's {layers} layers")

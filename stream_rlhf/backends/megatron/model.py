@@ -1,0 +1,170 @@
+"""megatron-core's GPTModel built from a Hugging Face config, on this rank's share of the stage group.
+
+    parallel = join_megatron(group, MegatronConfig(tp=2), seed=0)    # once per process
+    model = build_model(hf_model.config, parallel, critic=False)      # this rank's tp/pp shard
+    out = model(ids, positions, causal_mask(S))                       # (B, S, H) hidden or (B, S) values
+
+The model is megatron's local layer spec (no transformer-engine): RMSNorm, rotary positions,
+grouped-query attention, SwiGLU, a fused QKV (with Qwen2's bias) and fused gate/up. Its last
+pipeline stage returns the final-norm hidden states (the fused log-prob kernel reads the output
+layer's weight itself: logits are never formed) or, for a critic, per-position values from a
+value head in place of the output layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stream_rlhf.backends.megatron.arch_llama import LLAMA
+from stream_rlhf.backends.megatron.arch_qwen2 import QWEN2
+from stream_rlhf.backends.megatron.config import MegatronConfig
+from stream_rlhf.backends.megatron.shim import apply_shims, seed_model_parallel
+from stream_rlhf.backends.megatron.weights import Architecture, Dims
+from stream_rlhf.broker.rank_group import RankGroup
+
+apply_shims()  # before megatron's modules allocate anything
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+ARCHITECTURES: dict[str, Architecture] = {"qwen2": QWEN2, "llama": LLAMA}
+"""HF `config.model_type` -> its weight mapping."""
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Where this rank stands: its tensor-, pipeline- and data-parallel rank and sizes."""
+
+    config: MegatronConfig
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    dp: int
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.config.pp - 1
+
+
+def join_megatron(group: RankGroup, parallel: MegatronConfig, seed: int) -> Parallel:
+    """Megatron's process groups over this stage group's ranks (a one-rank group gets a one-rank
+    gloo world of its own). Once per process; a second call must ask for the same sizes."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != group.world_size:
+        raise ValueError(f"megatron: the process group has {dist.get_world_size()} ranks, the stage group "
+                         f"{group.world_size}")
+    if ps.model_parallel_is_initialized():
+        held = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if held != (parallel.tp, parallel.pp):
+            raise ValueError(f"megatron: this process already has tp, pp = {held}, not {parallel.tp, parallel.pp}")
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+                                     context_parallel_size=parallel.cp)
+        seed_model_parallel(seed)
+    return Parallel(parallel, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                    ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
+
+def text_config(hf_config):
+    """The language model's config (a vision-language config holds it as `text_config`)."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+def architecture(hf_config) -> Architecture:
+    kind = text_config(hf_config).model_type
+    if kind not in ARCHITECTURES:
+        raise ValueError(f"megatron backend: model_type {kind!r} has no weight mapping "
+                         f"(mapped: {', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[kind]
+
+
+def dims(hf_config, tp: int) -> Dims:
+    cfg = text_config(hf_config)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    padded = -(-cfg.vocab_size // tp) * tp
+    return Dims(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, cfg.vocab_size, padded)
+
+
+def rope_theta(cfg) -> float:
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"megatron backend: rope_type {rope['rope_type']!r} is not mapped (default RoPE only)")
+    return float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+def transformer_config(hf_config, parallel: MegatronConfig) -> TransformerConfig:
+    cfg = text_config(hf_config)
+    arch = architecture(hf_config)
+    if getattr(cfg, "mlp_bias", False) or (not arch.qkv_bias and getattr(cfg, "attention_bias", False)):
+        raise ValueError(f"megatron backend: {arch.name} with attention_bias/mlp_bias is not mapped")
+    if cfg.hidden_act != "silu":
+        raise ValueError(f"megatron backend: hidden_act {cfg.hidden_act!r} is not mapped (silu only)")
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
+        if parallel.recompute else {}
+    return TransformerConfig(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads, kv_channels=dims(hf_config, 1).head_dim,
+        ffn_hidden_size=cfg.intermediate_size, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp, use_cpu_initialization=True, bias_dropout_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, **recompute,
+        # pipeline p2p as plain isend/irecv: batched p2p ends in torch.cuda.synchronize()
+        batch_p2p_comm=torch.cuda.is_available(),
+    )
+
+
+class MegatronGPT(GPTModel):
+    """GPTModel whose last stage returns (B, S, H) final-norm hidden states, or (B, S) values from
+    `value_head` for a critic; other stages return the (S, B, H) activations they pass on."""
+
+    def __init__(self, config: TransformerConfig, hf_config, critic: bool, pre_process: bool, post_process: bool):
+        cfg = text_config(hf_config)
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not critic
+        super().__init__(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+                         vocab_size=dims(hf_config, config.tensor_model_parallel_size).padded_vocab,
+                         max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process,
+                         post_process=post_process, share_embeddings_and_output_weights=tied,
+                         position_embedding_type="rope", rotary_base=rope_theta(cfg))
+        self.critic = critic
+        if critic and post_process:
+            self.output_layer = None
+            self.value_head = nn.Linear(cfg.hidden_size, 1)
+
+    def _is_in_embd_group(self) -> bool:
+        """False: megatron would copy a tied embedding to the last pipeline stage by an all-reduce
+        at construction (moving it with `.cuda()`, which fails on a CPU); `state.load_hf_state`
+        loads both copies from the HF embedding instead. Gradients of the two copies are still
+        summed over the embedding group by `finalize_model_grads`."""
+        return False
+
+    def _postprocess(self, hidden_states: Tensor, **_) -> Tensor:
+        if not self.post_process:
+            return hidden_states  # (S, B, H)
+        if self.critic:
+            return self.value_head(hidden_states).squeeze(-1).transpose(0, 1)  # (B, S)
+        return hidden_states.transpose(0, 1)  # (B, S, H)
+
+
+def build_model(hf_config, parallel: Parallel, critic: bool) -> MegatronGPT:
+    config = transformer_config(hf_config, parallel.config)
+    return MegatronGPT(config, hf_config, critic, pre_process=parallel.first_stage, post_process=parallel.last_stage)
+
+
+def causal_mask(length: int, device: torch.device) -> Tensor:
+    """(1, 1, S, S) bool, True where attention is masked out (megatron's convention)."""
+    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), 1)[None, None]
