@@ -1,10 +1,15 @@
-"""The pipeline benchmark's smoke run works end to end and prints the keys it promises."""
+"""The pipeline benchmark's smoke run works end to end and prints the keys it promises, and the
+planner's validation (bench/planner.py) reads the runs it leaves."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
-from tests.bench_run import run_bench_json
+from tests.bench_run import REPO, run_bench_json
 
 pytestmark = pytest.mark.slow
 
@@ -22,3 +27,12 @@ def test_bench_pipeline_quick_json(tmp_path):
     for key in KEYS:  # the 1.5x target is not checked: it depends on the machine
         assert isinstance(figures[key], (int, float)) and figures[key] > 0, (key, figures[key])
     assert "tokens/s" in stdout  # the human table comes first
+    # bench/planner.py on the three runs it left: every (calibration, target) pair predicted
+    runs = [str(REPO / "runs" / f"bench_pipeline_quick_{mode}") for mode in ("sync", "stream0", "stream1")]
+    result = subprocess.run([sys.executable, "bench/planner.py", *runs, "--json"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = json.loads(result.stdout.strip().splitlines()[-1])["table"]
+    schedules = {"sync", "stream k=0", "stream k=1"}
+    assert set(table) == schedules and all(set(row) == schedules for row in table.values())
+    assert all(cell["predicted_s"] > 0 and cell["measured_s"] > 0 for row in table.values() for cell in row.values())

@@ -137,3 +137,51 @@ def test_bad_graphs_name_the_problem(stages, message):
 def test_negative_costs_name_the_stage_and_field():
     with pytest.raises(ValueError, match=r"rollout.step_s=-1"):
         SimStage("rollout", -1)
+
+
+def _step_event(stage: str, start_s: float, end_s: float, iteration: int, pid: int) -> dict:
+    return {"ph": "X", "cat": "step", "name": stage, "ts": round(start_s * 1e6), "dur": round((end_s - start_s) * 1e6),
+            "pid": pid, "tid": 0, "args": {"stage": stage, "iteration": iteration, "minibatch": 0}}
+
+
+def test_a_profile_keeps_each_steps_cost_alone_on_its_device():
+    """ref_forward 1-3 and critic_forward 2-4 share a core: each ran 1 s alone and 1 s at half
+    speed, so each costs 1.5 s; rollout (its own core) 0-1 costs 1 s. Arrows give the inputs;
+    the publish and load spans the weight costs."""
+    from stream_rlhf.planner.calibrate import exclusive_costs, profile_from_trace
+
+    names = {1: "rollout-0", 2: "ref_forward-0", 3: "critic_forward-0", 4: "actor_train-0"}
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}
+              for pid, name in names.items()]
+    steps = [_step_event("rollout", 0, 1, 0, 1), _step_event("ref_forward", 1, 3, 0, 2),
+             _step_event("critic_forward", 2, 4, 0, 3), _step_event("actor_train", 4, 5, 0, 4)]
+    devices = {"ref_forward": "core1", "critic_forward": "core1", "actor_train": "core1"}
+    assert exclusive_costs(steps, devices) == [1.0, 1.5, 1.5, 1.0]
+    arrows = [("rollout-0", "ref_forward-0"), ("rollout-0", "critic_forward-0"), ("ref_forward-0", "actor_train-0"),
+              ("critic_forward-0", "actor_train-0")]
+    pid_of = {name: pid for pid, name in names.items()}
+    for flow_id, (source, target) in enumerate(arrows):
+        events += [{"ph": "s", "id": flow_id, "pid": pid_of[source], "ts": 0, "name": "minibatch"},
+                   {"ph": "f", "id": flow_id, "pid": pid_of[target], "ts": 0, "name": "minibatch"}]
+    events += steps + [
+        {"ph": "X", "cat": "weights", "name": "weights publish", "ts": 5_000_000, "dur": 200_000, "pid": 4, "tid": 0},
+        {"ph": "X", "cat": "weights", "name": "weights load", "ts": 5_300_000, "dur": 100_000, "pid": 1, "tid": 0},
+    ]
+    profile = profile_from_trace(events, devices, rollout_side={"prompts", "rollout"}, skip=0)
+    assert profile.step_s == {"rollout": (1.0,), "ref_forward": (1.5,), "critic_forward": (1.5,), "actor_train": (1.0,)}
+    assert profile.inputs == {"rollout": (), "ref_forward": ("rollout",), "critic_forward": ("rollout",),
+                              "actor_train": ("critic_forward", "ref_forward")}
+    assert (profile.publish_s, profile.weights_load_s) == (0.2, 0.1)
+    # simulated on the same placement, on-policy: rollout 0-1, ref 1-2.5, critic 2.5-4, train 4-5
+    graph = profile.graph(iterations=1, overlap_depth=0, schedule="stream", devices=devices)
+    assert spans(simulate(graph), "actor_train") == [(4.0, 5.0)]
+
+
+def test_costs_per_minibatch_position():
+    """A trainer that trains on the iteration's last mini-batch: 0.1 s, then 2 s. k=0: rollout
+    0-1, 1-2; train 1-1.1, 2-4 (version 1 at 4); rollout 4-5, 5-6; train 5-5.1, 6-8."""
+    stages = (SimStage("rollout", 1.0, side="rollout"), SimStage("actor_train", (0.1, 2.0), inputs=("rollout",)))
+    p = simulate(SimGraph(stages=stages, iterations=2, minibatches=2, overlap_depth=0))
+    assert spans(p, "actor_train") == [(1, 1.1), (2, 4), (5, 5.1), (6, 8)]
+    with pytest.raises(ValueError, match=r"actor_train.step_s: 2 figures for 3 mini-batches"):
+        SimGraph(stages=stages, iterations=2, minibatches=3)

@@ -27,8 +27,9 @@ Side = Literal["rollout", "train"]
 @dataclass(frozen=True)
 class SimStage:
     name: str
-    step_s: float
-    """Seconds per step (one mini-batch), the group's when it has several ranks."""
+    step_s: float | tuple[float, ...]
+    """Seconds per step (one mini-batch), the group's when it has several ranks; or one figure per
+    mini-batch position of an iteration (a trainer that keeps its optimizer steps for the last)."""
     inputs: tuple[str, ...] = ()
     """Stages whose step on the same mini-batch this one waits for (several: a join)."""
     side: Side = "train"
@@ -50,8 +51,9 @@ class SimStage:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("SimStage.name: must not be empty")
-        for field_name in ("step_s", "memory_gb", "load_s"):
-            if getattr(self, field_name) < 0:
+        costs = self.step_s if isinstance(self.step_s, tuple) else (self.step_s,)
+        for field_name, values in (("step_s", costs), ("memory_gb", (self.memory_gb,)), ("load_s", (self.load_s,))):
+            if not values or min(values) < 0:
                 raise ValueError(f"{self.name}.{field_name}={getattr(self, field_name)}: must be >= 0")
         if self.name in self.inputs:
             raise ValueError(f"{self.name}.inputs: a stage cannot wait for itself")
@@ -77,6 +79,10 @@ class SimGraph:
 
     def __post_init__(self) -> None:
         names = [stage.name for stage in self.stages]
+        for stage in self.stages:
+            if isinstance(stage.step_s, tuple) and len(stage.step_s) != self.minibatches:
+                raise ValueError(f"{stage.name}.step_s: {len(stage.step_s)} figures for {self.minibatches} "
+                                 "mini-batches per iteration")
         if len(set(names)) != len(names):
             raise ValueError(f"stages: duplicate names in {names}")
         for stage in self.stages:
@@ -92,6 +98,10 @@ class SimGraph:
             raise ValueError(f"overlap_depth={self.overlap_depth}, queue_capacity={self.queue_capacity}: "
                              "must be >= 0 and >= 1")
         self.order()  # raises on a cycle
+
+    def step_s(self, name: str, minibatch: int) -> float:
+        cost = self.stage(name).step_s
+        return cost[minibatch] if isinstance(cost, tuple) else cost
 
     def stage(self, name: str) -> SimStage:
         return next(stage for stage in self.stages if stage.name == name)

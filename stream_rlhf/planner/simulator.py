@@ -14,7 +14,7 @@ The rules are the engine's, at mini-batch granularity:
         v + 1 is published `publish_s` after the trainer's last step of iteration v;
       - back-pressure: the start of each consumer's step on S's output queue_capacity earlier;
       - its device being free (one step at a time per device).
-    it lasts step_s, plus load_s for a stage that `offload`s when the device's previous step was
+    it lasts step_s (its mini-batch position's), plus load_s for a stage that `offload`s when the device's previous step was
     another stage's, plus weights_load_s for rollout's first step on a newer version.
 
 Scheduling is list scheduling in time order: of the steps whose predecessors are all placed, the
@@ -166,7 +166,7 @@ def _place(state: _State, name: str, start: float) -> SimStep:
     graph, stage = state.graph, state.graph.stage(name)
     index = state.placed[name]
     device = stage.device or name
-    duration = stage.step_s
+    duration = graph.step_s(name, index % graph.minibatches)
     if stage.offload and state.device_last.get(device) != name:
         duration += stage.load_s
     version = -1

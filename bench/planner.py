@@ -1,0 +1,87 @@
+"""How well the dataflow simulator predicts measured runs: calibrate on one run, predict the others.
+
+Reads finished run folders (each with trace.json and summary.json; `bench/pipeline.py` writes
+runs/bench_pipeline_<mode>_{sync,stream0,stream1}), builds each run's profile
+(`planner/calibrate.py`: per-stage exclusive step costs, edges, weight costs), and for every
+(calibration run, target run) pair simulates the target's schedule and overlap depth with the
+calibration run's costs. The measured figure is the target's own steady-state iteration time
+(its trace window over the iterations in it, the same quantity the simulator predicts); the
+baseline is the measurement itself, so the table's percentages are the prediction errors
+(target: within 15%).
+
+    .venv/bin/python bench/planner.py runs/bench_pipeline_quick_sync runs/bench_pipeline_quick_stream0 \\
+        runs/bench_pipeline_quick_stream1            # the table
+    .venv/bin/python bench/planner.py RUN... --json  # then one JSON object as the last line
+    .venv/bin/python bench/planner.py RUN... --placement colocated   # every stage on one device set
+
+Placement: `separated` (the default, bench/pipeline.py's) puts the rollout side (prompts, vision
+prefetch, rollout) on one device set and every other stage on the other; the runs given must have
+been placed that way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from stream_rlhf.planner.calibrate import Profile, profile_from_trace
+from stream_rlhf.planner.simulator import simulate
+from stream_rlhf.telemetry.trace_figures import STEADY_SKIP
+
+ROLLOUT_SIDE = {"prompts", "vision_prefetch", "rollout"}
+
+
+def load(run: Path, placement: str) -> tuple[list[dict], dict, dict[str, str]]:
+    events = json.loads((run / "trace.json").read_text())["traceEvents"]
+    summary = json.loads((run / "summary.json").read_text())
+    stages = {e["args"]["stage"] for e in events if e.get("cat") == "step"}
+    devices = {stage: "rollout side" if placement == "separated" and stage in ROLLOUT_SIDE else "train side"
+               for stage in stages}
+    return events, summary, devices
+
+
+def measured_iteration_s(summary: dict) -> float:
+    """The run's steady-state window over the trained iterations in it."""
+    iterations = summary["iterations"]
+    return summary["trace"]["window_s"] / (iterations - min(STEADY_SKIP, iterations - 1))
+
+
+def predict(profile: Profile, summary: dict, devices: dict[str, str]) -> float:
+    graph = profile.graph(iterations=summary["iterations"], overlap_depth=summary["overlap_depth"],
+                          schedule=summary["schedule"], devices=devices)
+    return simulate(graph).iteration_s
+
+
+def label(summary: dict) -> str:
+    return "sync" if summary["schedule"] == "sync" else f"stream k={summary['overlap_depth']}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders with trace.json and summary.json")
+    parser.add_argument("--placement", choices=["separated", "colocated"], default="separated")
+    parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
+    args = parser.parse_args()
+    runs = {run: load(run, args.placement) for run in args.runs}
+    profiles = {run: profile_from_trace(events, devices, ROLLOUT_SIDE) for run, (events, _, devices) in runs.items()}
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for source, profile in profiles.items():
+        row = table.setdefault(label(runs[source][1]), {})
+        for target, (_, summary, devices) in runs.items():
+            predicted, measured = predict(profile, summary, devices), measured_iteration_s(summary)
+            row[label(summary)] = {"predicted_s": round(predicted, 4), "measured_s": round(measured, 4),
+                                   "error": round(predicted / measured - 1, 4)}
+    targets = list(next(iter(table.values())))
+    print("iteration s predicted (error vs measured); rows: the run the costs came from")
+    print(f"{'calibrated on':<14}" + "".join(f"{t:>26}" for t in targets))
+    for source, row in table.items():
+        cells = [f"{row[t]['predicted_s']:.3f} / {row[t]['measured_s']:.3f} ({100 * row[t]['error']:+.0f}%)"
+                 for t in targets]
+        print(f"{source:<14}" + "".join(f"{c:>26}" for c in cells))
+    if args.json:
+        print(json.dumps({"placement": args.placement, "table": table}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Stage costs from a run's trace, and the simulator graph of a schedule built from them.
+
+    profile = profile_from_trace(events, devices={"rollout": "core0", "actor_train": "core1", ...})
+    graph = profile.graph(iterations=8, minibatches=2, overlap_depth=1, schedule="stream")
+    simulate(graph).iteration_s        # simulator.py: the prediction for that schedule
+
+A step measured in a trace lasted longer than its work whenever another stage's step ran on the
+same device at the same time (stages on one device time-share it). The profile therefore keeps
+each step's *exclusive* cost: the integral over the step of 1 / (steps running on its device at
+that moment), which is the time it would have taken alone when n overlapping steps share the
+device equally. A stage's cost is kept per mini-batch position of an iteration (a trainer
+collects an iteration's experiences and trains on the last one), as the median over the
+steady-state iterations (after `skip`, as the run's summary figures), which leaves out warm-up.
+
+Edges come from the trace's flow arrows (producer stage -> consumer stage); weight costs from
+its "weights publish" (the trainer's side) and "weights load" (rollout's) spans.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from stream_rlhf.planner.graph import SimGraph, SimStage
+from stream_rlhf.telemetry.trace_figures import TRAINER, is_leader_step, steady_window
+
+ROLLOUT = "rollout"
+
+
+@dataclass(frozen=True)
+class Profile:
+    step_s: dict[str, tuple[float, ...]]
+    """Per stage and mini-batch position of an iteration: the median exclusive cost of its
+    steady-state steps."""
+    minibatches: int
+    inputs: dict[str, tuple[str, ...]]
+    """Per stage: the stages whose outputs its steps consumed."""
+    rollout_side: frozenset[str]
+    publish_s: float
+    weights_load_s: float
+
+    def graph(self, iterations: int, overlap_depth: int, schedule: Literal["stream", "sync"],
+              devices: dict[str, str], queue_capacity: int = 64) -> SimGraph:
+        """The simulator's graph of these stages under a schedule and a placement (`devices`:
+        stage -> device set; stages missing from it get a device of their own)."""
+        stages = tuple(SimStage(name, cost, inputs=self.inputs[name],
+                                side="rollout" if name in self.rollout_side else "train",
+                                device=devices.get(name, ""),
+                                barrier=schedule == "sync" and name not in self.rollout_side)
+                       for name, cost in self.step_s.items())
+        return SimGraph(stages=stages, iterations=iterations, minibatches=self.minibatches, overlap_depth=overlap_depth,
+                        publish_s=self.publish_s, weights_load_s=self.weights_load_s, queue_capacity=queue_capacity)
+
+
+def profile_from_trace(events: list[dict[str, Any]], devices: dict[str, str], rollout_side: set[str],
+                       skip: int | None = None) -> Profile:
+    """The profile of a merged trace (trace.json's events) whose stages ran on `devices`."""
+    window = steady_window(events, skip)
+    if window is None:
+        raise ValueError("the trace holds no steady-state iteration (too few trained iterations for `skip`)")
+    steps = sorted((e for e in events if is_leader_step(e)), key=lambda e: e["ts"])
+    exclusive = exclusive_costs(steps, devices)
+    minibatches = 1 + max(e["args"]["minibatch"] for e in steps)
+    # (stage, mini-batch position) -> costs; stages in the order they first stepped
+    every: dict[str, list[list[float]]] = {}
+    steady: dict[str, list[list[float]]] = {}
+    for event, cost in zip(steps, exclusive):
+        stage, position = event["args"]["stage"], event["args"]["minibatch"]
+        every.setdefault(stage, [[] for _ in range(minibatches)])[position].append(cost)
+        if event["ts"] / 1e6 >= window[0]:
+            steady.setdefault(stage, [[] for _ in range(minibatches)])[position].append(cost)
+    step_s = {}
+    for stage, positions in every.items():  # a position stepped only before the window (a source
+        # that ran ahead) keeps all its steps
+        chosen = [kept or first for kept, first in zip(steady.get(stage, positions), positions)]
+        step_s[stage] = tuple(statistics.median(costs) if costs else 0.0 for costs in chosen)
+    return Profile(step_s=step_s, minibatches=minibatches,
+                   inputs=flow_inputs(events, set(step_s)), rollout_side=frozenset(rollout_side & set(step_s)),
+                   publish_s=_median_span(events, "weights publish", _stage_pids(events, TRAINER)),
+                   weights_load_s=_median_span(events, "weights load", _stage_pids(events, ROLLOUT)))
+
+
+def exclusive_costs(steps: list[dict[str, Any]], devices: dict[str, str]) -> list[float]:
+    """Per step (trace events), seconds it would have taken alone on its device (module docstring)."""
+    by_device: dict[str, list[int]] = {}
+    for index, event in enumerate(steps):
+        stage = event["args"]["stage"]
+        by_device.setdefault(devices.get(stage, stage), []).append(index)
+    costs = [0.0] * len(steps)
+    for indices in by_device.values():
+        bounds = sorted({t for i in indices for t in (steps[i]["ts"], steps[i]["ts"] + steps[i]["dur"])})
+        for lo, hi in zip(bounds, bounds[1:]):
+            running = [i for i in indices if steps[i]["ts"] <= lo and hi <= steps[i]["ts"] + steps[i]["dur"]]
+            for i in running:
+                costs[i] += (hi - lo) / 1e6 / len(running)
+    return costs
+
+
+def flow_inputs(events: list[dict[str, Any]], stages: set[str]) -> dict[str, tuple[str, ...]]:
+    """Per stage, the stages at the start of the flow arrows that end at it."""
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    starts = {e["id"]: processes[e["pid"]] for e in events if e.get("ph") == "s"}
+    inputs: dict[str, set[str]] = {stage: set() for stage in stages}
+    for event in events:
+        if event.get("ph") == "f" and event["id"] in starts:
+            consumer, producer = _stage_of(processes[event["pid"]]), _stage_of(starts[event["id"]])
+            if consumer in inputs and producer in stages:
+                inputs[consumer].add(producer)
+    return {stage: tuple(sorted(names)) for stage, names in inputs.items()}
+
+
+def _stage_of(process: str) -> str:
+    """"actor_train-0" -> "actor_train"."""
+    return process.rpartition("-")[0] or process
+
+
+def _stage_pids(events: list[dict[str, Any]], stage: str) -> set[object]:
+    return {e["pid"] for e in events if e.get("name") == "process_name" and _stage_of(e["args"]["name"]) == stage}
+
+
+def _median_span(events: list[dict[str, Any]], name: str, pids: set[object]) -> float:
+    spans = [e["dur"] / 1e6 for e in events if e.get("ph") == "X" and e["name"] == name and e["pid"] in pids]
+    return statistics.median(spans) if spans else 0.0
