@@ -14,9 +14,9 @@ baseline is the measurement itself, so the table's percentages are the predictio
     .venv/bin/python bench/planner.py RUN... --json  # then one JSON object as the last line
     .venv/bin/python bench/planner.py RUN... --placement colocated   # every stage on one device set
 
-Placement: `separated` (the default, bench/pipeline.py's) puts the rollout side (prompts, vision
-prefetch, rollout) on one device set and every other stage on the other; the runs given must have
-been placed that way.
+Placement: `separated` (the default, bench/pipeline.py's) puts the rollout side (`ROLLOUT_SIDE` of
+rl/dataflow.py: prompts and rollout) on one device set and every other stage on the other, as the
+engine places them; the runs given must have been placed that way.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from pathlib import Path
 
 from stream_rlhf.planner.calibrate import Profile, profile_from_trace
 from stream_rlhf.planner.simulator import simulate
+from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
 from stream_rlhf.telemetry.trace_figures import STEADY_SKIP
-
-ROLLOUT_SIDE = {"prompts", "vision_prefetch", "rollout"}
 
 
 def load(run: Path, placement: str) -> tuple[list[dict], dict, dict[str, str]]:
