@@ -185,3 +185,26 @@ def test_costs_per_minibatch_position():
     assert spans(p, "actor_train") == [(1, 1.1), (2, 4), (5, 5.1), (6, 8)]
     with pytest.raises(ValueError, match=r"actor_train.step_s: 2 figures for 3 mini-batches"):
         SimGraph(stages=stages, iterations=2, minibatches=3)
+
+
+def test_contention_slows_steps_that_overlap_other_devices():
+    """Contention 0.5, rollout (1 s) and training (2 s) start together on two devices. Rollout is
+    overlapped all along: 1.5 s. Training is overlapped for 1.5 of its T seconds:
+    T = 2 (1 + 0.5 * 1.5 / T), so T^2 - 2T - 1.5 = 0 and T = 1 + sqrt(2.5) = 2.5811."""
+    stages = (SimStage("rollout", 1.0, side="rollout", device="a"), SimStage("actor_train", 2.0, device="b"))
+    p = simulate(SimGraph(stages=stages, iterations=1, minibatches=1, contention=0.5))
+    assert spans(p, "rollout") == [(0, pytest.approx(1.5, abs=1e-5))]
+    assert spans(p, "actor_train") == [(0, pytest.approx(1 + 2.5**0.5, abs=1e-5))]
+    alone = simulate(SimGraph(stages=stages, iterations=1, minibatches=1))
+    assert spans(alone, "actor_train") == [(0, 2.0)]
+
+
+def test_contention_fit_recovers_the_slowdown_of_overlapped_steps():
+    """Steps of 2 s and 0.5 s bases, each seen at several overlapped fractions with contention
+    0.4: the fit finds 0.4 and the bases; steps that never overlap fit 0."""
+    from stream_rlhf.planner.calibrate import base_cost, fit_contention
+
+    groups = [[(base * (1 + 0.4 * f), f) for f in (0.0, 0.25, 0.5, 1.0)] for base in (2.0, 0.5)]
+    assert fit_contention(groups) == 0.4
+    assert base_cost(groups[0], 0.4) == pytest.approx(2.0)
+    assert fit_contention([[(1.0, 0.0), (1.2, 0.0)]]) == 0.0

@@ -12,6 +12,12 @@ device equally. A stage's cost is kept per mini-batch position of an iteration (
 collects an iteration's experiences and trains on the last one), as the median over the
 steady-state iterations (after `skip`, as the run's summary figures), which leaves out warm-up.
 
+Steps on different devices of one host also slow each other (`SimGraph.contention`): with each
+step's fraction of time overlapped by other devices' steps, one contention figure is fitted for
+the whole trace (least squares over every stage's steps) and the costs are kept without it,
+so a schedule that overlaps more (or less) than the calibration run is predicted with its own
+slowdowns. A trace whose sides never overlapped (sync) cannot show contention: it fits 0.
+
 Edges come from the trace's flow arrows (producer stage -> consumer stage); weight costs from
 its "weights publish" (the trainer's side) and "weights load" (rollout's) spans.
 """
@@ -23,9 +29,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from stream_rlhf.planner.graph import SimGraph, SimStage
+from stream_rlhf.planner.simulator import contended_fractions
 from stream_rlhf.telemetry.trace_figures import TRAINER, is_leader_step, steady_window
 
 ROLLOUT = "rollout"
+CONTENTION_GRID = 150
+"""Contentions tried: 0.00 to 1.50 in steps of 0.01."""
+Sample = tuple[float, float]
+"""A step's (exclusive cost, fraction of its time that other devices' steps ran)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,8 @@ class Profile:
     rollout_side: frozenset[str]
     publish_s: float
     weights_load_s: float
+    contention: float = 0.0
+    """How much the other devices' steps slowed a step (`SimGraph.contention`), fitted with the costs."""
 
     def graph(self, iterations: int, overlap_depth: int, schedule: Literal["stream", "sync"],
               devices: dict[str, str], queue_capacity: int = 64) -> SimGraph:
@@ -50,7 +63,8 @@ class Profile:
                                 barrier=schedule == "sync" and name not in self.rollout_side)
                        for name, cost in self.step_s.items())
         return SimGraph(stages=stages, iterations=iterations, minibatches=self.minibatches, overlap_depth=overlap_depth,
-                        publish_s=self.publish_s, weights_load_s=self.weights_load_s, queue_capacity=queue_capacity)
+                        publish_s=self.publish_s, weights_load_s=self.weights_load_s, queue_capacity=queue_capacity,
+                        contention=self.contention)
 
 
 def profile_from_trace(events: list[dict[str, Any]], devices: dict[str, str], rollout_side: set[str],
@@ -61,24 +75,56 @@ def profile_from_trace(events: list[dict[str, Any]], devices: dict[str, str], ro
         raise ValueError("the trace holds no steady-state iteration (too few trained iterations for `skip`)")
     steps = sorted((e for e in events if is_leader_step(e)), key=lambda e: e["ts"])
     exclusive = exclusive_costs(steps, devices)
+    contended = contended_fractions([(devices.get(e["args"]["stage"], e["args"]["stage"]), e["ts"] / 1e6,
+                                      (e["ts"] + e["dur"]) / 1e6) for e in steps])
     minibatches = 1 + max(e["args"]["minibatch"] for e in steps)
-    # (stage, mini-batch position) -> costs; stages in the order they first stepped
-    every: dict[str, list[list[float]]] = {}
-    steady: dict[str, list[list[float]]] = {}
-    for event, cost in zip(steps, exclusive):
-        stage, position = event["args"]["stage"], event["args"]["minibatch"]
-        every.setdefault(stage, [[] for _ in range(minibatches)])[position].append(cost)
+    # (stage, mini-batch position) -> [(exclusive cost, contended fraction)]; stages in the order
+    # they first stepped; a position stepped only before the window (a source that ran ahead)
+    # keeps all its steps
+    every: dict[tuple[str, int], list[Sample]] = {}
+    steady: dict[tuple[str, int], list[Sample]] = {}
+    for event, cost, fraction in zip(steps, exclusive, contended):
+        key = (event["args"]["stage"], event["args"]["minibatch"])
+        every.setdefault(key, []).append((cost, fraction))
         if event["ts"] / 1e6 >= window[0]:
-            steady.setdefault(stage, [[] for _ in range(minibatches)])[position].append(cost)
-    step_s = {}
-    for stage, positions in every.items():  # a position stepped only before the window (a source
-        # that ran ahead) keeps all its steps
-        chosen = [kept or first for kept, first in zip(steady.get(stage, positions), positions)]
-        step_s[stage] = tuple(statistics.median(costs) if costs else 0.0 for costs in chosen)
-    return Profile(step_s=step_s, minibatches=minibatches,
+            steady.setdefault(key, []).append((cost, fraction))
+    groups = {key: steady.get(key) or samples for key, samples in every.items()}
+    by_stage: dict[str, list[Sample]] = {}  # within one position the fraction hardly varies from one
+    for (stage, _), samples in groups.items():  # iteration to the next: the fit pools the positions
+        by_stage.setdefault(stage, []).extend(samples)
+    contention = fit_contention(list(by_stage.values()))
+    step_s: dict[str, list[float]] = {}
+    for (stage, position), samples in groups.items():
+        step_s.setdefault(stage, [0.0] * minibatches)[position] = base_cost(samples, contention)
+    return Profile(step_s={stage: tuple(costs) for stage, costs in step_s.items()}, minibatches=minibatches,
                    inputs=flow_inputs(events, set(step_s)), rollout_side=frozenset(rollout_side & set(step_s)),
                    publish_s=_median_span(events, "weights publish", _stage_pids(events, TRAINER)),
-                   weights_load_s=_median_span(events, "weights load", _stage_pids(events, ROLLOUT)))
+                   weights_load_s=_median_span(events, "weights load", _stage_pids(events, ROLLOUT)),
+                   contention=contention)
+
+
+def base_cost(samples: list[Sample], contention: float) -> float:
+    """A step's cost without contention: the median of cost / (1 + contention * fraction)."""
+    return statistics.median(cost / (1 + contention * fraction) for cost, fraction in samples)
+
+
+def fit_contention(groups: list[list[Sample]]) -> float:
+    """The contention (0 to 1.5, in steps of 0.01) under which each group's steps (a stage's) best
+    fit one base cost: least squares in seconds, so the long steps that make the iteration time
+    weigh most. Ties (a trace whose sides never overlapped) go to the smallest."""
+    def error(contention: float) -> float:
+        total = 0.0
+        for samples in groups:
+            base = base_cost(samples, contention)
+            total += sum((cost - base * (1 + contention * fraction)) ** 2 for cost, fraction in samples)
+        return total
+
+    best, best_error = 0.0, error(0.0)
+    for step in range(1, CONTENTION_GRID + 1):
+        candidate = step / 100
+        if (candidate_error := error(candidate)) < best_error * (1 - 1e-9):
+            best, best_error = candidate, candidate_error
+    return best
 
 
 def exclusive_costs(steps: list[dict[str, Any]], devices: dict[str, str]) -> list[float]:

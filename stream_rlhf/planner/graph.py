@@ -76,6 +76,9 @@ class SimGraph:
     """Added to rollout's first step on a newer version than its previous step's."""
     queue_capacity: int = 64
     """A stage steps only while fewer than this many of its outputs wait for a consumer to start."""
+    contention: float = 0.0
+    """Slowdown of a step while steps of other devices run (all devices on one host): it lasts
+    step_s * (1 + contention * the fraction of its time they ran); 0: devices do not interfere."""
 
     def __post_init__(self) -> None:
         names = [stage.name for stage in self.stages]
@@ -94,9 +97,9 @@ class SimGraph:
                 raise ValueError(f"{role}={getattr(self, role)!r}: not a stage ({', '.join(names)})")
         if self.iterations < 1 or self.minibatches < 1:
             raise ValueError(f"iterations={self.iterations}, minibatches={self.minibatches}: must be >= 1")
-        if self.overlap_depth < 0 or self.queue_capacity < 1:
-            raise ValueError(f"overlap_depth={self.overlap_depth}, queue_capacity={self.queue_capacity}: "
-                             "must be >= 0 and >= 1")
+        if self.overlap_depth < 0 or self.queue_capacity < 1 or self.contention < 0:
+            raise ValueError(f"overlap_depth={self.overlap_depth}, queue_capacity={self.queue_capacity}, "
+                             f"contention={self.contention}: must be >= 0, >= 1 and >= 0")
         self.order()  # raises on a cycle
 
     def step_s(self, name: str, minibatch: int) -> float:

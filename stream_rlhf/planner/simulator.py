@@ -17,6 +17,13 @@ The rules are the engine's, at mini-batch granularity:
     it lasts step_s (its mini-batch position's), plus load_s for a stage that `offload`s when the device's previous step was
     another stage's, plus weights_load_s for rollout's first step on a newer version.
 
+Contention (`graph.contention` = c > 0): steps on different devices of one host slow each other
+(memory bandwidth, shared caches, SMT siblings: generation on one core of this 2-core VM runs up
+to 45% slower while training runs on the other). A step whose span overlaps other devices' steps
+for a fraction f of its time lasts cost * (1 + c * f). The slowdowns depend on the schedule
+and the schedule on them, so the schedule is recomputed with the fractions of the previous one
+(damped by averaging) until they settle.
+
 Scheduling is list scheduling in time order: of the steps whose predecessors are all placed, the
 one that can start first goes next (ties: the graph's stage order, which puts inputs first), so
 a device never idles while a placed step could run on it, and the result is deterministic.
@@ -32,7 +39,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stream_rlhf.planner.graph import SimGraph
-from stream_rlhf.telemetry.trace_figures import STEADY_SKIP, TraceFigures, trace_figures
+from stream_rlhf.telemetry.trace_figures import STEADY_SKIP, Span, TraceFigures, clip, merged_length, trace_figures
+
+CONTENTION_ROUNDS = 50
+"""At most this many re-schedulings to settle the slowdowns of contention (graph.contention)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,18 @@ class Prediction:
 def simulate(graph: SimGraph, skip: int | None = None) -> Prediction:
     """The schedule of `graph` and its figures; `skip`: trained iterations left out of the steady
     state (None: as the run's summary does, `trace_figures`' default)."""
-    steps = _schedule(graph)
+    slowdown: dict[tuple[str, int], float] = {}
+    steps = _schedule(graph, slowdown)
+    for _ in range(CONTENTION_ROUNDS if graph.contention > 0 else 0):
+        fractions = contended_fractions([(graph.stage(s.stage).device or s.stage, s.start_s, s.end_s) for s in steps])
+        target = {(s.stage, s.iteration * graph.minibatches + s.minibatch): 1 + graph.contention * f
+                  for s, f in zip(steps, fractions)}
+        damped = {key: (slowdown.get(key, 1.0) + value) / 2 for key, value in target.items()}  # no oscillation
+        settled = max(abs(value - slowdown.get(key, 1.0)) for key, value in damped.items()) < 1e-6
+        slowdown = damped
+        steps = _schedule(graph, slowdown)
+        if settled:
+            break
     events = [trace_event(step) for step in steps]
     rollout_side = {stage.name for stage in graph.stages if stage.side == "rollout"}
     figures = trace_figures(events, rollout_side, skip)
@@ -79,6 +100,18 @@ def simulate(graph: SimGraph, skip: int | None = None) -> Prediction:
     return Prediction(steps=tuple(steps), figures=figures, iteration_s=iteration_s,
                       makespan_s=max(step.end_s for step in steps), staleness_max=max(versions, default=0),
                       peak_memory_gb=peak_memory(graph))
+
+
+def contended_fractions(spans: list[tuple[str, float, float]]) -> list[float]:
+    """Per (device, start, end) span, the fraction of it during which a span of another device ran."""
+    by_device: dict[str, list[Span]] = {}
+    for device, start, end in spans:
+        by_device.setdefault(device, []).append((start, end))
+    fractions = []
+    for device, start, end in spans:
+        others = [span for other, held in by_device.items() if other != device for span in held]
+        fractions.append(merged_length(clip(others, start, end)) / (end - start) if end > start else 0.0)
+    return fractions
 
 
 def peak_memory(graph: SimGraph) -> dict[str, float]:
@@ -123,7 +156,9 @@ class _State:
         return version
 
 
-def _schedule(graph: SimGraph) -> list[SimStep]:
+def _schedule(graph: SimGraph, slowdown: dict[tuple[str, int], float]) -> list[SimStep]:
+    """The steps of `graph`, each stage's step `index` taking its cost times `slowdown[(stage,
+    index)]` (1 when absent)."""
     state = _State(graph)
     order = graph.order()
     total = graph.iterations * graph.minibatches
@@ -137,7 +172,7 @@ def _schedule(graph: SimGraph) -> list[SimStep]:
             raise ValueError(f"the dataflow cannot go on (iteration, mini-batch next per stage: {waiting}); "
                              "a sync barrier behind a queue_capacity below the mini-batches per iteration?")
         start, _, name = min(candidates)
-        steps.append(_place(state, name, start))
+        steps.append(_place(state, name, start, slowdown.get((name, state.placed[name]), 1.0)))
     return sorted(steps, key=lambda step: (step.start_s, order.index(step.stage)))
 
 
@@ -162,11 +197,11 @@ def _earliest_start(state: _State, name: str, total: int) -> float | None:
     return max([*waits, state.device_free.get(stage.device or name, 0.0)])
 
 
-def _place(state: _State, name: str, start: float) -> SimStep:
+def _place(state: _State, name: str, start: float, slowdown: float) -> SimStep:
     graph, stage = state.graph, state.graph.stage(name)
     index = state.placed[name]
     device = stage.device or name
-    duration = graph.step_s(name, index % graph.minibatches)
+    duration = graph.step_s(name, index % graph.minibatches) * slowdown
     if stage.offload and state.device_last.get(device) != name:
         duration += stage.load_s
     version = -1
