@@ -60,7 +60,8 @@ from stream_rlhf.broker.messages import Deliver, Handle, decode, encode
 from stream_rlhf.broker.payload import ShmTransport
 from stream_rlhf.broker.stage import Batch, Output, Stage
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
-from stream_rlhf.launch.local import LocalJob, StageSpec
+from stream_rlhf.launch.local import LocalJob
+from stream_rlhf.launch.spec import StageSpec
 
 TOPIC = "bench"
 PAYLOAD_BYTES = 64_000_000

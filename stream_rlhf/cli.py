@@ -2,9 +2,12 @@
 
     stream-rlhf run CONFIG [--set key=value ...]   broker + every stage as local processes
                            [--resume [RUN_DIR]]    ... continuing a stopped run from its last checkpoint
-    stream-rlhf broker CONFIG                      only the broker (stages started elsewhere)
+    stream-rlhf plan CONFIG [--json]               the job plan: which stage on which node, cores, device
+    stream-rlhf broker CONFIG                      only the broker (stages started elsewhere; an RL job's
+                                                   dataset and warm start are made here, once)
     stream-rlhf stage CONFIG STAGE --broker ADDR [--index N] [--rank R --group tcp://HOST:PORT] [--set key=value]
-                                                   one instance, or one rank of it (SLURM, k8s)
+                                                   one instance, or one rank of it (SLURM, k8s; see
+                                                   launch/by_hand.py); it never warm-starts
     stream-rlhf stats ADDR                         the broker's counters
     stream-rlhf keys DIR                           CURVE keys for a broker bound beyond loopback
     stream-rlhf view RUN_DIR [--serve [--port P]]  RUN_DIR/view.html: the logged samples, token by token
@@ -28,10 +31,13 @@ from typing import TYPE_CHECKING
 from stream_rlhf.config import ConfigError, load_config, read_yaml
 from stream_rlhf.data.errors import DataError
 from stream_rlhf.job import JobConfig
-from stream_rlhf.launch.local import LocalJob, StageFailed, run_stage, setup_logging
+from stream_rlhf.launch.launcher import Launcher
+from stream_rlhf.launch.local import LocalJob
+from stream_rlhf.launch.plan import Dataflow, JobPlan
+from stream_rlhf.launch.spec import StageFailed, setup_logging
 
 if TYPE_CHECKING:
-    from stream_rlhf.rl.dataflow import Dataflow
+    from stream_rlhf.rl.config import RLJobConfig
 
 log = logging.getLogger("stream_rlhf")
 
@@ -44,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     run.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN_DIR",
                      help="continue the run in RUN_DIR (default runs/<name>) from its last complete checkpoint")
+    plan = sub.add_parser("plan", help="print the job plan (nothing starts)")
+    plan.add_argument("config")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--json", action="store_true", help="also print the plan as one JSON object, the last line")
     broker = sub.add_parser("broker", help="run only the broker of a job")
     broker.add_argument("config")
     broker.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -123,7 +133,7 @@ def is_dataflow_config(path: str) -> bool:
     return isinstance(data, dict) and "topics" in data
 
 
-def _supervise(job: LocalJob, name: str, timeout_s: float, progress: AbstractContextManager,
+def _supervise(job: Launcher, name: str, timeout_s: float, progress: AbstractContextManager,
                watch: Callable[[], None] | None = None) -> int:
     """Start the job, show progress, wait for it (`watch`: see LocalJob.wait); 0 when it finished,
     1 when a stage failed or it timed out, 130 when interrupted (every stage is drained and
@@ -182,43 +192,53 @@ class _BrokerProgress:
             )
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    plan = _plan(args, prepare=False)
+    print(plan.describe())
+    if args.json:
+        print(json.dumps(plan.as_dict()))
+    return 0
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
     from stream_rlhf.broker.server import BrokerServer
 
-    flow = _dataflow(args)
+    flow = _plan(args, prepare=True).flow
     counters = BrokerServer(flow.topology, flow.broker, flow.admission).serve()
     print(json.dumps(counters, indent=2, sort_keys=True))
     return 0
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    flow = _dataflow(args)
-    if args.stage not in flow.stages:
-        raise ConfigError(f"stage {args.stage!r} is not in stages ({', '.join(flow.stages)})")
-    key_dir = flow.broker.curve.key_dir if flow.broker.curve else None
-    run_stage(args.stage, f"{args.stage}-{args.index}", flow.stages[args.stage], args.broker, key_dir,
-              flow.broker.shm_prefix, args.rank, args.group)
+    from stream_rlhf.launch.by_hand import HandRank
+
+    rank = HandRank(_plan(args, prepare=False), args.stage, args.index, args.rank, args.broker, args.group)
+    rank.start()
+    rank.wait(timeout_s=float("inf"))
     return 0
 
 
-def _dataflow(args: argparse.Namespace) -> Dataflow:
-    """The broker's and stages' view of either config kind (an RL job is compiled; its starting
-    checkpoint is `model.path` or the cached warm start)."""
-    from stream_rlhf.rl.dataflow import Dataflow, compile_job
-
+def _plan(args: argparse.Namespace, prepare: bool) -> JobPlan:
+    """The plan of either config kind. An RL job's dataset and warm start are made first with
+    `prepare` (the broker by hand: the job's driver), else only located (`plan`, `stage`)."""
     if is_dataflow_config(args.config):
         cfg = load_config(JobConfig, args.config, args.set)
-        return Dataflow(cfg.topology, cfg.broker, cfg.stages, cfg.admission())
-    from stream_rlhf.models.checkpoint import is_vision_language
-    from stream_rlhf.models.warm_start import warm_start
+        return JobPlan(cfg.name, Dataflow(cfg.topology, cfg.broker, cfg.stages, cfg.admission()))
     from stream_rlhf.rl.config import RLJobConfig
-    from stream_rlhf.rl.task_data import resolve_data
-    from stream_rlhf.weights.shm_store import weights_root
+    from stream_rlhf.rl.plan import preview_plan
 
-    cfg = resolve_data(load_config(RLJobConfig, args.config, args.set))
-    checkpoint = str(warm_start(cfg))
-    weights = str(weights_root(cfg.broker.shm_prefix, cfg.name))
-    return compile_job(cfg, checkpoint, weights, is_vision_language(checkpoint))
+    cfg = load_config(RLJobConfig, args.config, args.set)
+    if prepare:
+        _prepare(cfg)
+    return preview_plan(cfg)
+
+
+def _prepare(cfg: RLJobConfig) -> None:
+    """Write the dataset and warm-start once (both cached), as `stream-rlhf run` does first."""
+    from stream_rlhf.models.warm_start import warm_start
+    from stream_rlhf.rl.task_data import resolve_data
+
+    warm_start(resolve_data(cfg))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -263,7 +283,7 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "broker": cmd_broker, "stage": cmd_stage, "stats": cmd_stats, "keys": cmd_keys,
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "broker": cmd_broker, "stage": cmd_stage, "stats": cmd_stats, "keys": cmd_keys,
             "view": cmd_view}
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from stream_rlhf.broker.admission import OverlapAdmission
 from stream_rlhf.broker.stage import Stage
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.config import ConfigError, import_dotted
-from stream_rlhf.launch.local import StageSpec
+from stream_rlhf.launch.spec import StageSpec
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.broker.inprocess import InProcessBus
 from stream_rlhf.config import build
 from stream_rlhf.data.arithmetic import problems
-from stream_rlhf.launch.local import load_class
+from stream_rlhf.launch.spec import load_class
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
 from stream_rlhf.models.medusa import MedusaHeads, has_heads, heads_loss, load_heads, save_heads
 from stream_rlhf.models.packing import packed_hidden_states

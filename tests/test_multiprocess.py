@@ -12,7 +12,8 @@ import pytest
 
 from stream_rlhf.broker import shm
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
-from stream_rlhf.launch.local import LocalJob, StageFailed, StageSpec
+from stream_rlhf.launch.local import LocalJob
+from stream_rlhf.launch.spec import StageFailed, StageSpec
 from tests.stages import read_records
 
 pytestmark = pytest.mark.slow

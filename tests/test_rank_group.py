@@ -11,7 +11,7 @@ import torch
 from stream_rlhf.broker.messages import GroupBatch, GroupSetup, GroupStop, Handle
 from stream_rlhf.broker.rank_group import RankGroup, RankSpec
 from stream_rlhf.config import ConfigError
-from stream_rlhf.launch.local import StageSpec
+from stream_rlhf.launch.spec import StageSpec
 
 
 def _rank(rank: int, init: str, out: mp.Queue) -> None:

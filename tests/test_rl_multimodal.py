@@ -15,7 +15,7 @@ import pytest
 
 from stream_rlhf.broker.inprocess import InProcessBus
 from stream_rlhf.config import build
-from stream_rlhf.launch.local import load_class
+from stream_rlhf.launch.spec import load_class
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.models.warm_start import warm_start
 from stream_rlhf.rl.config import RLJobConfig

@@ -16,113 +16,25 @@ the broker, which unlinks what shared memory is left.
 
 from __future__ import annotations
 
-import ctypes
-import importlib
 import logging
 import multiprocessing as mp
 import os
 import queue
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
-from stream_rlhf.broker.client import ControlClient
 from stream_rlhf.broker.topology import BrokerConfig, Topology
 from stream_rlhf.config import ConfigError
-from stream_rlhf.launch.core_board import CoreLending
+from stream_rlhf.launch.launcher import BrokerClient, Watch
+from stream_rlhf.launch.rank import run_stage
+from stream_rlhf.launch.spec import StageFailed, StageSpec, child_signals, setup_logging, take_restart
 from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)
-RESTART_BACKOFF_S = 0.5
-"""The wait before a crashed instance's first restart; it doubles with each further restart."""
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    cls: str
-    """Stage class as "package.module:ClassName"."""
-    instances: int = 1
-    """Data-parallel instances; the broker hands each handle to the least-loaded one."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the class."""
-    prefetch: int = 2
-    """Handles delivered to an instance ahead of the one it is processing."""
-    cores: list[int] | None = None
-    """CPU cores the process is pinned to (os.sched_setaffinity); None: all."""
-    threads: int | None = None
-    """torch intra-op threads; None: torch's default."""
-    restarts: int = 0
-    """How often the launcher restarts a crashed instance before failing the job."""
-    trace: str | None = None
-    """Folder where each rank appends its trace events (`telemetry/trace.py`); None: no trace."""
-    ranks: int = 1
-    """Processes per instance, one torch.distributed group (gloo on CPU, NCCL on CUDA)."""
-    devices: list[str] | None = None
-    """The torch device of each rank (`cpu`, `cuda:N`); None: `cpu` for every rank."""
-    rank_cores: list[list[int]] | None = None
-    """The cores of each rank (with `threads` torch threads each); None: `cores` for every rank."""
-    group_timeout_s: float = 3600.0
-    """How long a rank waits in a collective (a follower waits this long for its leader's next handle)."""
-    lending: CoreLending | None = None
-    """Borrow the other side's cores while it is idle (`core_lending.py`; one-rank instances)."""
-
-    def __post_init__(self) -> None:
-        if ":" not in self.cls:
-            raise ConfigError(f"cls={self.cls!r}: expected 'package.module:ClassName'")
-        if self.instances < 1:
-            raise ConfigError(f"instances={self.instances}: must be >= 1")
-        if self.prefetch < 1:
-            raise ConfigError(f"prefetch={self.prefetch}: must be >= 1")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads={self.threads}: must be >= 1")
-        if self.restarts < 0:
-            raise ConfigError(f"restarts={self.restarts}: must be >= 0")
-        if self.ranks < 1:
-            raise ConfigError(f"ranks={self.ranks}: must be >= 1")
-        for name in ("devices", "rank_cores"):
-            value = getattr(self, name)
-            if value is not None and len(value) != self.ranks:
-                raise ConfigError(f"{name}={value}: one entry per rank, {self.ranks} rank(s)")
-
-    def device(self, rank: int) -> str:
-        return self.devices[rank] if self.devices else "cpu"
-
-    def cores_of(self, rank: int) -> list[int] | None:
-        return self.rank_cores[rank] if self.rank_cores else self.cores
-
-
-class StageFailed(RuntimeError):
-    """A stage process exited with an error; its traceback is on stderr above."""
-
-
-def load_class(path: str) -> type:
-    module_name, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"cls={path!r}: cannot load: {exc}") from None
-
-
-def setup_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
-
-
-def child_signals() -> None:
-    """For a child process (the broker, a stage, a rollout's vLLM engine): Ctrl-C reaches the
-    whole process group; the parent alone handles it and stops its children (the launcher
-    through the broker and SIGTERM), so a child never dies half-started. If the parent itself
-    dies (even by SIGKILL), Linux sends the child SIGTERM: no orphans."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _broker_main(
@@ -156,54 +68,7 @@ def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str
     os._exit(0)
 
 
-def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str,
-              rank: int = 0, init_method: str | None = None) -> None:
-    """Build the stage from its spec and run rank `rank` of the instance until it stops: rank 0
-    attached to the broker at `address`, the others following it (`init_method`: the group's
-    rendezvous URL, with `spec.ranks` > 1)."""
-    from stream_rlhf.broker.group_follower import GroupFollower
-    from stream_rlhf.broker.payload import ShmTransport
-    from stream_rlhf.broker.rank_group import RankGroup, RankSpec
-    from stream_rlhf.broker.runner import StageRunner
-    from stream_rlhf.launch.core_lending import ThreadGovernor
-
-    cores = spec.cores_of(rank)
-    if cores is not None:
-        os.sched_setaffinity(0, cores)
-    if spec.threads is not None:
-        import torch
-
-        torch.set_num_threads(spec.threads)
-    if not 0 <= rank < spec.ranks:
-        raise ConfigError(f"rank={rank}: {instance_id} has ranks 0..{spec.ranks - 1}")
-    if spec.ranks > 1 and not init_method:
-        raise ConfigError(f"{instance_id}: a group of {spec.ranks} ranks needs a rendezvous (init_method)")
-    if spec.trace is not None:
-        trace.start(spec.trace, instance_id, f"rank {rank}")
-    group = RankGroup.join(RankSpec(rank, spec.ranks, init_method, spec.device(rank), spec.group_timeout_s))
-    log.info("%s: rank %d of %d on %s", instance_id, rank, spec.ranks, spec.device(rank))
-    try:
-        stage = load_class(spec.cls)(**spec.kwargs)
-        if rank > 0:
-            GroupFollower(stage, stage_name, instance_id, group, ShmTransport(prefix=prefix, serve=False)).run()
-            return
-        governor = None
-        if spec.lending is not None and spec.ranks == 1:
-            governor = ThreadGovernor(spec.lending, int(instance_id.rsplit("-", 1)[1]), spec.cores_of(0) or [])
-            governor.install()
-        StageRunner(
-            stage, stage_name, instance_id, address, key_dir, prefetch=spec.prefetch, shm_prefix=prefix,
-            group=group, step_context=governor.busy if governor else nullcontext,
-        ).run()
-        if governor is not None:
-            log.info("%s: borrowed the other side's cores %d times%s", instance_id, governor.borrowed,
-                     "" if governor.may_borrow else " (no model big enough to gain from more threads)")
-            governor.close()
-    finally:
-        group.close()
-
-
-class LocalJob:
+class LocalJob(BrokerClient):
     def __init__(
         self,
         topology: Topology,
@@ -297,7 +162,7 @@ class LocalJob:
         raising StageFailed (e.g. `fail_on_dropped_handles`). A broker that exits with code 0 has
         stopped cleanly once every instance left (their processes may still be closing)."""
         deadline = time.monotonic() + timeout_s
-        next_watch = time.monotonic() + watch_every_s
+        watching = Watch(watch, watch_every_s, self.stop)
         while any(p.is_alive() for p in self.processes.values()):
             code = self.broker_process.exitcode if self.broker_process is not None else None
             if code not in (None, 0):
@@ -305,13 +170,7 @@ class LocalJob:
                 self.stop()
                 raise StageFailed(f"the broker exited (code {code}) while {len(self.processes)} stage process(es) "
                                   "ran; its log is above")
-            if watch is not None and time.monotonic() >= next_watch:
-                next_watch = time.monotonic() + watch_every_s
-                try:
-                    watch()
-                except StageFailed:
-                    self.stop()
-                    raise
+            watching.poll()
             failed = [name for name, p in self.processes.items() if p.exitcode not in (None, 0)]
             failed = [name for name in failed if not self._restart(name)]
             if failed:
@@ -336,49 +195,25 @@ class LocalJob:
             return True  # started again already, with another rank of its group
         instance_id = process_name.partition(".rank")[0]
         stage_name, _, index = instance_id.rpartition("-")
-        if self.restarts_left.get(stage_name, 0) <= 0:
-            return False
-        self.restarts_left[stage_name] -= 1
         spec = self.stages[stage_name]
-        backoff_s = RESTART_BACKOFF_S * 2 ** (spec.restarts - self.restarts_left[stage_name] - 1)
+        backoff_s = take_restart(self.restarts_left, stage_name, spec)
+        if backoff_s is None:
+            return False
         log.warning("%s exited with %s: restarting it%s in %.1fs (%d restart(s) left for %s)", process_name,
                     self.processes[process_name].exitcode, f" with every rank of {instance_id}" if spec.ranks > 1 else "",
                     backoff_s, self.restarts_left[stage_name], stage_name)
         for rank in range(spec.ranks):  # the survivors of a group wait on the dead rank
             _end(self.processes.pop(rank_process_name(instance_id, rank)), grace_s=5.0)
-        time.sleep(backoff_s)  # a stage that fails at start-up does not spin through its restarts
+        time.sleep(backoff_s)
         self.start_instance(stage_name, int(index))
         return True
-
-    def client(self) -> ControlClient:
-        return ControlClient(self.address, self.key_dir)
-
-    def fail_on_dropped_handles(self) -> None:
-        """A `wait` watch for jobs that need every handle (an RL iteration waits for all of its
-        mini-batches): StageFailed as soon as the broker has dropped one, instead of a job that
-        waits for it until its timeout. A broker that does not answer is left to `wait`."""
-        try:
-            with ControlClient(self.address, self.key_dir, timeout_s=2.0) as client:
-                stats = client.stats()
-        except Exception:  # noqa: BLE001 - a dead broker is reported by the process checks
-            return
-        dropped = int(stats.get("dropped", 0))
-        if dropped:
-            reasons = ", ".join(f"{k.removeprefix('dropped.')} {int(v)}" for k, v in sorted(stats.items())
-                                if k.startswith("dropped."))
-            raise StageFailed(f"the broker dropped {dropped} handle(s) ({reasons}; the reasons are in its log above): "
-                              "the job cannot complete without them")
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Drain every stage, then stop the broker; kill only what ignores that."""
         if self.broker_process is None:
             return
         if self.broker_process.is_alive() and any(p.is_alive() for p in self.processes.values()):
-            try:
-                with ControlClient(self.address, self.key_dir, timeout_s=2.0) as client:
-                    client.control("shutdown")
-            except Exception as exc:  # the broker may be the thing that died
-                log.warning("could not send shutdown through the broker: %s", exc)
+            self.ask_shutdown()
         deadline = time.monotonic() + grace_s
         for process in self.processes.values():
             process.join(max(0.1, deadline - time.monotonic()))

@@ -39,6 +39,30 @@ def warm_start(cfg: RLJobConfig) -> Path:
     """The checkpoint folder RL starts from: `model.path`, or the cached (or new) tiny SFT model."""
     if cfg.model.path is not None:
         return Path(cfg.model.path)
+    folder, settings = _cache_folder(cfg)
+    if (folder / "config.json").is_file():
+        log.info("warm start: cached SFT model %s", folder)
+
+    def build(partial: Path) -> None:
+        model, tokenizer = _train(cfg)
+        save_checkpoint(model, tokenizer, partial)
+        (partial / "warm_start.json").write_text(json.dumps(settings, indent=2))
+
+    build_once(folder, "config.json", build)
+    _ensure_heads(cfg, folder)
+    return folder
+
+
+def warm_start_folder(cfg: RLJobConfig) -> tuple[Path, bool]:
+    """(the checkpoint folder `warm_start` returns, whether it is there already): nothing is trained."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path), Path(cfg.model.path).is_dir()
+    folder, _ = _cache_folder(cfg)
+    return folder, (folder / "config.json").is_file()
+
+
+def _cache_folder(cfg: RLJobConfig) -> tuple[Path, dict]:
+    """The warm start's cache folder and the settings its name hashes."""
     settings = {"tiny": asdict(cfg.model.tiny), "sft": asdict(cfg.model.warm_start), "task": asdict(cfg.task),
                 "seed": cfg.model.seed}
     settings["sft"].pop("cache_dir")
@@ -52,18 +76,7 @@ def warm_start(cfg: RLJobConfig) -> Path:
         settings["data"] = {"train": os.path.abspath(cfg.data.train), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
                             "min_pixels": cfg.data.min_pixels, "max_pixels": cfg.data.max_pixels}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    folder = Path(cfg.model.warm_start.cache_dir) / f"tiny-{key}"
-    if (folder / "config.json").is_file():
-        log.info("warm start: cached SFT model %s", folder)
-
-    def build(partial: Path) -> None:
-        model, tokenizer = _train(cfg)
-        save_checkpoint(model, tokenizer, partial)
-        (partial / "warm_start.json").write_text(json.dumps(settings, indent=2))
-
-    build_once(folder, "config.json", build)
-    _ensure_heads(cfg, folder)
-    return folder
+    return Path(cfg.model.warm_start.cache_dir) / f"tiny-{key}", settings
 
 
 def _train(cfg: RLJobConfig):

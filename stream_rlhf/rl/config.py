@@ -29,6 +29,7 @@ from stream_rlhf.backends.vllm_config import VllmConfig
 from stream_rlhf.broker.topology import BrokerConfig
 from stream_rlhf.config import ConfigError, import_dotted
 from stream_rlhf.launch.placement import PlacementConfig
+from stream_rlhf.launch.ray_config import RayConfig
 from stream_rlhf.resume.config import CheckpointConfig
 from stream_rlhf.rl.reward_parts_config import CriticConfig, ProcessRewardConfig
 from stream_rlhf.telemetry.sample_log import SampleLogConfig
@@ -454,6 +455,11 @@ class RLJobConfig:
     """When the run saves its state for `stream-rlhf run --resume` (`resume/config.py`)."""
     samples_log: SampleLogConfig = field(default_factory=SampleLogConfig)
     """How many samples of each mini-batch go to runs/<name>/samples.jsonl (`telemetry/sample_log.py`)."""
+    launcher: Literal["local", "ray"] = "local"
+    """What carries out the job plan: `local` processes on this machine, or `ray` actors in
+    placement groups (`launch/ray_job.py`, the `ray` extra; its settings in `ray`)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Where `launcher: ray` finds its cluster and how it places the ranks (`launch/ray_config.py`)."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -501,7 +507,15 @@ class RLJobConfig:
                 raise ConfigError(f"placement.offload: {stage!r} is not a stage ({', '.join(ALL_STAGES)})")
         self._check_stage_placements()
         self._check_keys_the_algorithm_ignores()
+        self._check_launcher()
         self._check_critic()
+
+    def _check_launcher(self) -> None:
+        if self.launcher != "ray" and self.ray != RayConfig():
+            raise ConfigError(f"ray: set, but launcher={self.launcher} never reads it (launcher: ray)")
+        for stage in self.ray.stage_resources:
+            if stage not in ALL_STAGES and stage != "broker":
+                raise ConfigError(f"ray.stage_resources.{stage}: not a stage ({', '.join(ALL_STAGES)}) or broker")
 
     def _check_critic(self) -> None:
         """critic.init and critic.warmup_iterations need what they read; an actor learning faster

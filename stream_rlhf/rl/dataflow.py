@@ -31,16 +31,17 @@ has been published there, so generation, forwards and training run phase by phas
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from stream_rlhf.broker.admission import OverlapAdmission, PhaseAdmission
-from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
+from stream_rlhf.broker.topology import TopicConfig, Topology
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.core_board import CoreLending
-from stream_rlhf.launch.local import StageSpec
+from stream_rlhf.launch.plan import Dataflow
+from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.launch.placement import RankPlacement, preflight, stage_ranks
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
@@ -65,19 +66,6 @@ ROLLOUT_SIDE = {"prompts", "rollout"}
 NO_MODEL = {"prompts", "reward_forward"}
 """Stages whose work stays on the CPU whatever `placement.device` says (the reward is a rule, or a
 reward model scored on the CPU)."""
-
-
-@dataclass(frozen=True)
-class Dataflow:
-    topology: Topology
-    broker: BrokerConfig
-    stages: dict[str, StageSpec]
-    admission: OverlapAdmission | PhaseAdmission
-    broker_cores: list[int] | None = None
-    left_out: dict[str, str] = field(default_factory=dict)
-    """Stages this config does not need, with the reason (logged, and in the run's summary)."""
-    trace_folder: str | None = None
-    """Where every process appends its trace events (`telemetry/trace.py`); None: `trace: false`."""
 
 
 def left_out_stages(cfg: RLJobConfig) -> dict[str, str]:
@@ -186,11 +174,11 @@ def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPl
 def _lend_idle_cores(cfg: RLJobConfig, stages: dict[str, StageSpec]) -> dict[str, StageSpec]:
     """With a separated placement on the CPU (and `placement.lend_idle_cores`), every one-rank
     stage on its side's cores (the prompt source aside) borrows the other side's while it is the
-    only one in a step; each instance gets a slot of the run's core board."""
+    only one in a step; each instance gets a slot of the run's core board (local launcher only)."""
     placement = cfg.placement
     sides = (set(placement.rollout_cores), set(placement.train_cores))
     if (not placement.lend_idle_cores or placement.mode != "separated" or placement.resolved_device() != "cpu"
-            or sides[0] & sides[1]):
+            or sides[0] & sides[1] or cfg.launcher != "local"):  # the core board is a folder of this machine
         return stages
     rollout_side = {name: name in ROLLOUT_SIDE for name, spec in stages.items()  # on its side's cores, one rank
                     if name != "prompts" and spec.ranks == 1

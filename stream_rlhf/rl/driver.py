@@ -1,7 +1,7 @@
 """The driver of `stream-rlhf run` for RL configs: everything around the stage processes.
 
     run = RLRun(cfg)           # RLRun(cfg, resume=True): continue from the last checkpoint (`rl/resume.py`)
-    job = run.prepare()        # dataset (cached), warm start (cached), eval before, compile -> LocalJob
+    job = run.prepare()        # dataset (cached), warm start (cached), eval before, the plan -> its launcher
     ... supervise the job with run.progress() ...
     run.cleanup()              # always, however the job ended: removes the weight versions
     summary = run.finish()     # after a finished job: eval after, summary.json + table
@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from stream_rlhf.config import ConfigError
-from stream_rlhf.launch.local import LocalJob
+from stream_rlhf.launch.launcher import Launcher, make_launcher
+from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, check_placement, compile_job
+from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, check_placement
+from stream_rlhf.rl.plan import compile_plan
 from stream_rlhf.rl.resume import Resumed, prepare_resume, read_record, record_start
 from stream_rlhf.stages.trainer_checkpoint import checkpoint_parts, checkpoint_store
 from stream_rlhf.telemetry.metrics import MetricsWriter, read_metrics
@@ -70,11 +72,13 @@ class RLRun:
         self.vision_language = False
         self.left_out: dict[str, str] = {}
         """Stages the dataflow leaves out, with the reason (`rl/dataflow.left_out_stages`)."""
-        self.job: LocalJob | None = None
+        self.plan: JobPlan | None = None
+        """The job plan, compiled once by `prepare` (after the dataset and the warm start)."""
+        self.job: Launcher | None = None
         self.trace_figures: TraceFigures | None = None
         """From trace.json, once `cleanup` merged it (None: no trace, or no steady-state window)."""
 
-    def prepare(self) -> LocalJob:
+    def prepare(self) -> Launcher:
         from stream_rlhf.models.checkpoint import is_vision_language
         from stream_rlhf.models.warm_start import warm_start
         from stream_rlhf.rl.evaluate import evaluate
@@ -115,12 +119,12 @@ class RLRun:
         else:
             self.before = self.resumed.eval_before
         log.info("eval before RL: reward %.3f (greedy %.3f)", self.before["reward"], self.before["greedy_reward"])
-        flow = compile_job(self.cfg, self.checkpoint, str(self.weights), self.vision_language,
-                           self.resumed.point if self.resumed else None)
-        self.left_out = flow.left_out
+        self.plan = compile_plan(self.cfg, self.checkpoint, str(self.weights), self.vision_language,
+                                 self.resumed.point if self.resumed else None)
+        self.left_out = self.plan.flow.left_out
+        log.info("job plan:\n%s", self.plan.describe())
         self.job_started = time.monotonic()
-        self.job = LocalJob(flow.topology, flow.broker, flow.stages, flow.admission, flow.broker_cores,
-                            flow.trace_folder)
+        self.job = make_launcher(self.plan)
         return self.job
 
     def progress(self) -> AbstractContextManager:
@@ -128,14 +132,15 @@ class RLRun:
 
     def cleanup(self) -> None:
         shutil.rmtree(self.weights, ignore_errors=True)
-        if self.job is not None and self.job.trace_folder is not None:
-            self._merge_trace(self.job)
+        if self.plan is not None and self.plan.flow.trace_folder is not None:
+            self._merge_trace(self.plan)
 
-    def _merge_trace(self, job: LocalJob) -> None:
+    def _merge_trace(self, plan: JobPlan) -> None:
         """trace.json from every process's events, and the figures from it (after a failure too)."""
+        flow = plan.flow
         try:
-            merged = merge_trace(Path(job.trace_folder), self.run_dir / TRACE, topic_sources(job.topology),
-                                 list(job.stages), read_metrics(self.run_dir / "metrics.jsonl"))
+            merged = merge_trace(Path(flow.trace_folder), self.run_dir / TRACE, topic_sources(flow.topology),
+                                 list(flow.stages), read_metrics(self.run_dir / "metrics.jsonl"))
         except OSError as exc:  # a full disk must not hide how the job ended
             log.warning("could not write %s: %s", self.run_dir / TRACE, exc)
             return

@@ -45,16 +45,33 @@ def resolve_data(cfg: RLJobConfig) -> RLJobConfig:
     return cfg
 
 
+def data_files(cfg: RLJobConfig) -> tuple[RLJobConfig, bool]:
+    """(`cfg` with `data.*` pointing at the synthetic task's files, whether they are written):
+    what `resolve_data` returns, with nothing written or checked (`stream-rlhf plan` and `stage`)."""
+    if cfg.data.train is not None or cfg.task.name != "shapes":
+        return cfg, True
+    folder = _shapes_folder(cfg)
+    return replace(cfg, data=_in_folder(cfg, folder)), (folder / "eval.jsonl").is_file()
+
+
 def _shapes_files(cfg: RLJobConfig) -> DataConfig:
     task = cfg.task
-    settings = {"task": "shapes", "train": task.train_prompts, "eval": task.eval_prompts, "seed": task.seed}
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
     def write(partial: Path) -> None:
         shapes.write_split(partial, "train", task.train_prompts, task.seed)
         shapes.write_split(partial, "eval", task.eval_prompts, task.seed)
 
-    folder = build_once(Path(task.data_dir) / f"shapes-{key}", "eval.jsonl", write)
+    return _in_folder(cfg, build_once(_shapes_folder(cfg), "eval.jsonl", write))
+
+
+def _shapes_folder(cfg: RLJobConfig) -> Path:
+    task = cfg.task
+    settings = {"task": "shapes", "train": task.train_prompts, "eval": task.eval_prompts, "seed": task.seed}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(task.data_dir) / f"shapes-{key}"
+
+
+def _in_folder(cfg: RLJobConfig, folder: Path) -> DataConfig:
     return replace(cfg.data, train=str(folder / "train.jsonl"), eval=str(folder / "eval.jsonl"))
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
-from stream_rlhf.launch.local import load_class
+from stream_rlhf.launch.spec import load_class
 from stream_rlhf.models.checkpoint import load_reward_model, load_tokenizer
 from stream_rlhf.models.packing import pad_right
 from stream_rlhf.stages.job_context import JobContext

@@ -19,7 +19,7 @@ import torch
 from stream_rlhf.backends.rollout_engine import ROLLOUT_ENGINES, RolloutEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
-from stream_rlhf.launch.local import load_class
+from stream_rlhf.launch.spec import load_class
 from stream_rlhf.models.checkpoint import load_tokenizer, stop_token_ids
 from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.images import ImageInputs

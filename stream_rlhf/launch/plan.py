@@ -1,0 +1,160 @@
+"""The job plan: a config compiled once, in the driver, into everything a launcher carries out.
+
+    plan = compile_plan(cfg, ...)     # rl/plan.py for RL jobs; dataflow configs wrap their Dataflow
+    print(plan.describe())            # which stage on which node, cores and device; what was left out
+    json.dumps(plan.as_dict())        # the same, for tools (`stream-rlhf plan CONFIG --json`)
+    launcher = make_launcher(plan)    # launch/launcher.py: local processes or Ray actors
+
+A plan is plain typed data: the dataflow (topics, stage specs, admission, the broker's settings),
+one `RankPlan` per process (its stage, instance, rank, device, cores and the share of CPUs it
+reserves), the warm-start checkpoint and the dataset the driver prepared (or will), and the checks
+run before anything starts. Nothing in it starts a process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from stream_rlhf.broker.admission import OverlapAdmission, PhaseAdmission
+from stream_rlhf.broker.topology import BrokerConfig, Topology
+from stream_rlhf.launch.placement import machine_cores
+from stream_rlhf.launch.ray_config import RayConfig
+from stream_rlhf.launch.spec import StageSpec
+
+BROKER = "broker"
+"""The broker's name among the plan's processes (and in `ray.stage_resources`)."""
+
+
+@dataclass(frozen=True)
+class Dataflow:
+    """What the broker and the stage processes are built from."""
+
+    topology: Topology
+    broker: BrokerConfig
+    stages: dict[str, StageSpec]
+    admission: OverlapAdmission | PhaseAdmission | None
+    broker_cores: list[int] | None = None
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Stages this config does not need, with the reason (logged, and in the run's summary)."""
+    trace_folder: str | None = None
+    """Where every process appends its trace events (`telemetry/trace.py`); None: `trace: false`."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One process of the job: a rank of a stage instance (or the broker)."""
+
+    stage: str
+    instance: str
+    """`<stage>-<index>`, or "broker"."""
+    rank: int
+    device: str
+    """The torch device (`cpu`, `cuda:N`); under Ray, `cuda:N` becomes the GPU Ray assigns."""
+    cores: list[int] | None
+    """The cores it is pinned to by the local launcher (None: every core)."""
+    threads: int | None
+    """torch intra-op threads (None: torch's default)."""
+    cpus: float
+    """Its share of the CPUs: its cores divided among every process pinned to the same cores
+    (the CPUs of its Ray bundle)."""
+    gpus: int
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources its bundle asks for (`ray.stage_resources`): the nodes it may land on."""
+
+    @property
+    def name(self) -> str:
+        """The process's name in logs and failures: the instance id for rank 0."""
+        return self.instance if self.rank == 0 else f"{self.instance}.rank{self.rank}"
+
+    def node(self, launcher: str) -> str:
+        if launcher == "local":
+            return "this machine"
+        return "a node with " + ", ".join(f"{k}={v:g}" for k, v in sorted(self.resources.items())) \
+            if self.resources else "any node"
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    name: str
+    flow: Dataflow
+    launcher: Literal["local", "ray"] = "local"
+    ray: RayConfig = field(default_factory=RayConfig)
+    checkpoint: str | None = None
+    """The Hugging Face folder RL starts from (warm start, `model.path` or a resumed checkpoint)."""
+    checkpoint_ready: bool = True
+    """False: the driver has still to make it (the warm start is not cached yet)."""
+    dataset: dict[str, str] = field(default_factory=dict)
+    """Where the prompts come from: `train` / `eval` files, or `task` for in-memory prompts."""
+    dataset_ready: bool = True
+    checks: list[str] = field(default_factory=list)
+    """The checks run on the driver's machine before anything starts, one line each."""
+
+    def ranks(self) -> list[RankPlan]:
+        """Every process of the job, the broker first, with its share of the CPUs."""
+        every = machine_cores()
+        placed: list[tuple[str, str, int, str, list[int] | None, int | None]] = [
+            (BROKER, BROKER, 0, "cpu", self.flow.broker_cores, None)]
+        for stage, spec in self.flow.stages.items():
+            for index in range(spec.instances):
+                for rank in range(spec.ranks):
+                    placed.append((stage, f"{stage}-{index}", rank, spec.device(rank), spec.cores_of(rank),
+                                   spec.threads))
+        sharing: dict[frozenset[int], int] = {}
+        for *_, cores, _ in placed:
+            key = frozenset(cores if cores is not None else every)
+            sharing[key] = sharing.get(key, 0) + 1
+        out = []
+        for stage, instance, rank, device, cores, threads in placed:
+            key = frozenset(cores if cores is not None else every)
+            cpus = math.floor(len(key) / sharing[key] * 1e4) / 1e4  # Ray takes 4 decimals; never over the cores
+            out.append(RankPlan(stage, instance, rank, device, cores, threads, cpus, int(device.startswith("cuda")),
+                                dict(self.ray.stage_resources.get(stage, {}))))
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (`stream-rlhf plan --json`)."""
+        topics = {name: {k: v for k, v in (("producers", t.producers), ("consumers", t.consumers), ("join", t.join),
+                                            ("capacity", t.capacity)) if v}
+                  for name, t in self.flow.topology.topics.items()}
+        ranks = [{"process": r.name, "stage": r.stage, "instance": r.instance, "rank": r.rank,
+                  "node": r.node(self.launcher), "device": r.device, "cores": r.cores, "threads": r.threads,
+                  "cpus": r.cpus, "gpus": r.gpus, "resources": r.resources} for r in self.ranks()]
+        out: dict[str, Any] = {
+            "name": self.name, "launcher": self.launcher,
+            "checkpoint": {"path": self.checkpoint, "ready": self.checkpoint_ready},
+            "dataset": {**self.dataset, "ready": self.dataset_ready},
+            "broker": {"address": self.flow.broker.address, "curve": self.flow.broker.curve is not None},
+            "topics": topics, "ranks": ranks, "stages_left_out": dict(self.flow.left_out), "checks": list(self.checks),
+        }
+        if self.launcher == "ray":
+            out["ray"] = {"address": self.ray.address or "local instance", "strategy": self.ray.strategy,
+                          "bundles": len(ranks)}
+        return out
+
+    def describe(self) -> str:
+        """The plan as a human reads it: one line per process, then topics, left-out stages, checks."""
+        data = self.as_dict()
+        lines = [f"job {self.name}: launcher {self.launcher}"
+                 + (f" ({data['ray']['address']}, {data['ray']['bundles']} bundles, {self.ray.strategy})"
+                    if self.launcher == "ray" else "")]
+        if self.checkpoint is not None:
+            lines.append(f"  starts from {self.checkpoint}"
+                         + ("" if self.checkpoint_ready else " (not there yet: the driver warm-starts it once)"))
+        if self.dataset:
+            lines.append("  prompts: " + ", ".join(f"{k} {v}" for k, v in self.dataset.items())
+                         + ("" if self.dataset_ready else " (not written yet: the driver writes them once)"))
+        lines.append(f"  {'process':<22} {'node':<24} {'device':<8} {'cores':<10} {'threads':>7} {'cpus':>6}")
+        for r in data["ranks"]:
+            cores = "all" if r["cores"] is None else ",".join(map(str, r["cores"]))
+            lines.append(f"  {r['process']:<22} {r['node']:<24} {r['device']:<8} {cores:<10} "
+                         f"{r['threads'] if r['threads'] is not None else '-':>7} {r['cpus']:>6.2f}")
+        lines.append("  topics:")
+        for name, topic in data["topics"].items():
+            source = f"join({', '.join(topic['join'])})" if "join" in topic else ", ".join(topic["producers"])
+            lines.append(f"    {name:<12} {source} -> {', '.join(topic.get('consumers', [])) or '(joined only)'}")
+        for stage, why in data["stages_left_out"].items():
+            lines.append(f"  left out: {stage}: {why}")
+        lines += [f"  checked: {check}" for check in self.checks]
+        return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""The `ray` section of a job config: where the Ray launcher finds its cluster and places the ranks.
+
+    launcher: ray
+    ray:
+      address: auto                    # a running cluster (`ray start --head`); null: a local one
+      strategy: SPREAD                 # how the placement group spreads the ranks' bundles
+      stage_resources:                 # custom resources a stage's bundles ask for: pins stages
+        rollout: {rollout_node: 1}     # to the nodes that offer them (`ray start --resources`)
+        actor_train: {train_node: 1}
+
+Importing this module never imports Ray (a config with `launcher: local` does not need it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from stream_rlhf.config import ConfigError
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """How `launcher: ray` runs the job's broker and ranks (`launch/ray_job.py`)."""
+
+    address: str | None = None
+    """The cluster `ray.init(address=...)` joins ("auto", "HOST:PORT", "ray://HOST:PORT"); None:
+    the driver starts a Ray instance of its own on this machine and shuts it down at the end."""
+    num_cpus: int | None = None
+    """With `address` None: the CPUs of that local instance; None: Ray's count of this machine's."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """The placement group's strategy over the bundles, one bundle per rank (and the broker's)."""
+    stage_resources: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Stage (or "broker") -> custom resources each of its bundles asks for, on top of the CPUs and
+    GPUs of the plan: a stage lands only on nodes that offer them."""
+    start_timeout_s: float = 120.0
+    """How long the placement group may wait for its bundles before the job fails, naming them."""
+
+    def __post_init__(self) -> None:
+        if self.address is not None and not self.address:
+            raise ConfigError("ray.address='': leave it out (null) for a local Ray instance")
+        if self.num_cpus is not None and self.address is not None:
+            raise ConfigError(f"ray.num_cpus={self.num_cpus}: only for a local instance (ray.address is "
+                              f"{self.address!r}; the cluster's nodes say how many CPUs they have)")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"ray.num_cpus={self.num_cpus}: must be >= 1")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"ray.strategy={self.strategy!r}: one of {', '.join(STRATEGIES)}")
+        if self.start_timeout_s <= 0:
+            raise ConfigError(f"ray.start_timeout_s={self.start_timeout_s}: must be > 0")
+        for stage, resources in self.stage_resources.items():
+            for name, amount in resources.items():
+                if name in ("CPU", "GPU", "memory"):
+                    raise ConfigError(f"ray.stage_resources.{stage}.{name}: CPUs and GPUs come from the plan "
+                                      "(placement); name custom resources here")
+                if amount <= 0:
+                    raise ConfigError(f"ray.stage_resources.{stage}.{name}={amount}: must be > 0")

@@ -1,0 +1,297 @@
+"""Ray launcher (`launcher: ray`): the job plan's broker and ranks as Ray actors in one placement group.
+
+    job = RayJob(plan)        # plan.ray: the cluster's address (None: a local instance), the strategy
+    job.start()               # ray.init, a placement group of one bundle per process, the broker, the ranks
+    job.wait(timeout_s)       # StageFailed naming a failed rank, with its traceback
+    job.stop()                # drain through the broker, kill what is left, remove the group
+
+Each bundle holds one process's share of the CPUs (`RankPlan.cpus`), its GPU, and the custom
+resources `ray.stage_resources` names for its stage, so stages land on the nodes that offer them.
+The actor of a rank runs it in its own worker process (`launch/rank.py`), exactly as a local
+process would, except that Ray's resources replace core pinning and core lending, and a rank on a
+GPU uses the one Ray assigned it (`CUDA_VISIBLE_DEVICES`: cuda:0). A group of several ranks meets
+at a TCP rendezvous on its leader's node. Ray itself is imported only here (the `ray` extra).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from stream_rlhf.config import ConfigError
+from stream_rlhf.launch.launcher import BrokerClient, Watch
+from stream_rlhf.launch.plan import BROKER, JobPlan, RankPlan
+from stream_rlhf.launch.spec import StageFailed, StageSpec, setup_logging, take_restart
+
+log = logging.getLogger(__name__)
+
+
+class _Worker:
+    def where(self) -> dict[str, Any]:
+        """The Ray node, its IP, the worker's pid and the GPUs Ray gave it."""
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
+
+
+class _BrokerActor(_Worker):
+    """The broker in a Ray worker: `open` binds it, `serve` runs its loop on an actor thread."""
+
+    def open(self, plan: JobPlan, cwd: str) -> str:
+        from stream_rlhf.broker.server import BrokerServer
+        from stream_rlhf.telemetry import trace
+
+        _enter(cwd)
+        flow = plan.flow
+        if flow.trace_folder is not None:
+            trace.start(flow.trace_folder, "broker", "broker")
+        self.server = BrokerServer(flow.topology, flow.broker, flow.admission)
+        return self.server.address
+
+    def serve(self) -> dict[str, float]:
+        return self.server.serve()
+
+    def request_stop(self) -> None:
+        self.server.request_stop()
+
+
+class _RankActor(_Worker):
+    """One rank of a stage instance in a Ray worker."""
+
+    def rendezvous(self) -> str:
+        """A TCP rendezvous for the rank group this actor leads, on its node."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as probe:
+            probe.bind((ip, 0))
+            return f"tcp://{ip}:{probe.getsockname()[1]}"
+
+    def run(self, stage: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str,
+            rank: int, init_method: str | None, cwd: str) -> None:
+        from stream_rlhf.launch.rank import run_stage
+        from stream_rlhf.telemetry import trace
+
+        _enter(cwd)
+        try:
+            run_stage(stage, instance_id, spec, address, key_dir, prefix, rank, init_method)
+        except BaseException:
+            log.exception("%s: rank %d failed", instance_id, rank)
+            raise
+        finally:
+            trace.stop()
+
+
+def _enter(cwd: str) -> None:
+    """A worker starts in Ray's folder: run in the driver's (the run folder's paths are relative to it)."""
+    setup_logging()
+    if os.path.isdir(cwd):
+        os.chdir(cwd)
+
+
+class RayJob(BrokerClient):
+    def __init__(self, plan: JobPlan):
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ConfigError("launcher=ray: Ray is not installed (pip install -e '.[ray]')") from None
+        self.plan = plan
+        self.address = ""
+        self.failed: list[str] = []
+        self.processes: dict[str, Any] = {}
+        """Rank actors by process name (the instance id for rank 0, `<id>.rank<r>` after)."""
+        self.placed: dict[str, dict[str, Any]] = {}
+        """Where each process ran: Ray node id, node IP, pid, GPU ids (the broker too)."""
+        self.restarts_left = {name: spec.restarts for name, spec in plan.flow.stages.items()}
+        self._bundles = {r.name: (i, r) for i, r in enumerate(plan.ranks())}
+        self._runs: dict[Any, str] = {}  # the `run` call of each rank -> its process name
+        self._broker: Any = None
+        self._broker_run: Any = None
+        self._group: Any = None
+        self._started_ray = False
+        self._cwd = os.getcwd()
+
+    @property
+    def key_dir(self) -> str | None:
+        curve = self.plan.flow.broker.curve
+        return curve.key_dir if curve else None
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        settings = self.plan.ray
+        if not ray.is_initialized():
+            if settings.address is None:  # "local": a new instance, never a cluster found on this machine
+                ray.init(address="local", num_cpus=settings.num_cpus, include_dashboard=False)
+                self._started_ray = True
+            else:
+                try:
+                    ray.init(address=settings.address)
+                except (ConnectionError, ValueError, RuntimeError) as exc:
+                    raise ConfigError(f"ray.address={settings.address!r}: cannot join that Ray cluster: {exc}") from None
+        ranks = [rank for _, rank in sorted(self._bundles.values(), key=lambda item: item[0])]
+        bundles = [_bundle(r) for r in ranks]
+        self._group = placement_group(bundles, strategy=settings.strategy, name=f"stream-rlhf-{self.plan.name}")
+        ready, _ = ray.wait([self._group.ready()], timeout=settings.start_timeout_s)
+        if not ready:
+            raise StageFailed(f"Ray could not place the job's {len(bundles)} bundles within ray.start_timeout_s="
+                              f"{settings.start_timeout_s:g} (strategy {settings.strategy}); asked for "
+                              f"{_summed(bundles)}, the cluster has {ray.cluster_resources()}")
+        index, broker = self._bundles[BROKER]
+        self._broker = self._actor(_BrokerActor, index, broker, max_concurrency=2)
+        self.placed[BROKER] = ray.get(self._broker.where.remote(), timeout=timeout_s)
+        self.address = ray.get(self._broker.open.remote(self.plan, self._cwd), timeout=timeout_s)
+        self._broker_run = self._broker.serve.remote()
+        self.start_instances([(stage, index) for stage, spec in self.plan.flow.stages.items()
+                              for index in range(spec.instances)])
+        for name, where in self.placed.items():
+            log.info("ray: %s on node %s (%s, pid %d%s)", name, where["node"], where["ip"], where["pid"],
+                     f", GPU {','.join(where['gpus'])}" if where["gpus"] else "")
+        return self.address
+
+    def _actor(self, cls: type, index: int, rank: RankPlan, max_concurrency: int = 1) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=index)
+        remote = ray.remote(cls).options(num_cpus=rank.cpus, num_gpus=rank.gpus, resources=rank.resources or None,
+                                         scheduling_strategy=strategy, max_restarts=0, max_concurrency=max_concurrency)
+        return remote.remote()
+
+    def start_instances(self, instances: list[tuple[str, int]]) -> None:
+        """Start an actor for every rank of each (stage, index) instance, wait until every one is
+        up (Ray starts a few workers at a time), then run them all at once, as the local launcher's
+        processes start: a rank that joined the broker long after the others would find the job over."""
+        import ray
+
+        actors: dict[str, Any] = {}
+        for stage, index in instances:
+            for rank in range(self.plan.flow.stages[stage].ranks):
+                name = f"{stage}-{index}" if rank == 0 else f"{stage}-{index}.rank{rank}"
+                actors[name] = self._actor(_RankActor, *self._bundles[name])
+        self.placed.update(zip(actors, ray.get([a.where.remote() for a in actors.values()])))
+        for stage, index in instances:
+            instance_id = f"{stage}-{index}"
+            spec = self.plan.flow.stages[stage]
+            names = [instance_id if r == 0 else f"{instance_id}.rank{r}" for r in range(spec.ranks)]
+            init_method = ray.get(actors[instance_id].rendezvous.remote()) if spec.ranks > 1 else None
+            # Ray's resources replace pinning and lending; a GPU rank sees only the GPU Ray gave it
+            devices = ["cuda:0" if spec.device(r).startswith("cuda") else spec.device(r) for r in range(spec.ranks)]
+            ray_spec = replace(spec, cores=None, rank_cores=None, lending=None, devices=devices)
+            for rank, name in enumerate(names):
+                self.processes[name] = actors[name]
+                run = actors[name].run.remote(stage, instance_id, ray_spec, self.address, self.key_dir,
+                                              self.plan.flow.broker.shm_prefix, rank, init_method, self._cwd)
+                self._runs[run] = name
+
+    def wait(self, timeout_s: float, watch: Callable[[], None] | None = None, watch_every_s: float = 2.0) -> None:
+        """Until every rank's `run` returned; a failed one (an exception, or its worker died) stops
+        the job and raises StageFailed naming it, unless its stage has restarts left."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        watching = Watch(watch, watch_every_s, self.stop)
+        while self._runs:
+            done, _ = ray.wait([self._broker_run], timeout=0)
+            broker_error = _error(self._broker_run) if done else ""
+            if broker_error:  # a broker that returned has stopped cleanly: its ranks are leaving
+                self._fail(["broker"], f"the broker failed while {len(self._runs)} rank(s) ran: {broker_error}")
+            watching.poll()
+            done, _ = ray.wait(list(self._runs), num_returns=1, timeout=0.2)
+            for ref in done:
+                name = self._runs.pop(ref)
+                error = _error(ref)
+                if error and not self._restart(name, error):
+                    self._fail([name], f"stage instance(s) failed: {name}: {error}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"job did not finish in {timeout_s}s")
+
+    def _fail(self, names: list[str], message: str) -> None:
+        self.failed = names
+        self.stop()
+        raise StageFailed(message)
+
+    def _restart(self, name: str, error: str) -> bool:
+        """Start the crashed rank's instance again (every rank) if its stage has restarts left."""
+        import ray
+
+        instance_id = name.partition(".rank")[0]
+        stage, _, index = instance_id.rpartition("-")
+        backoff_s = take_restart(self.restarts_left, stage, self.plan.flow.stages[stage])
+        if backoff_s is None:
+            return False
+        log.warning("%s failed (%s): restarting it in %.1fs (%d restart(s) left for %s)", name,
+                    error.splitlines()[0] if error else "", backoff_s, self.restarts_left[stage], stage)
+        for other in [n for n in self.processes if n.partition(".rank")[0] == instance_id]:
+            ray.kill(self.processes.pop(other))
+            self._runs = {ref: n for ref, n in self._runs.items() if n != other}
+        time.sleep(backoff_s)
+        self.start_instances([(stage, int(index))])
+        return True
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Drain every rank through the broker, stop the broker, kill what is left of either, remove
+        the placement group and (when the job started it) the local Ray instance."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if not ray.is_initialized():
+            return
+        running: set[str] = set()
+        if self._runs and self.address:
+            self.ask_shutdown()
+            _, pending = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=grace_s)
+            running = {self._runs[ref] for ref in pending}
+        for name, actor in self.processes.items():
+            if name in running:
+                log.warning("%s ignored shutdown: killing its actor", name)
+            ray.kill(actor)
+        self._runs.clear()
+        self.processes.clear()
+        if self._broker is not None:
+            try:
+                ray.get(self._broker.request_stop.remote(), timeout=5)
+                ray.wait([self._broker_run], timeout=grace_s)
+            except Exception as exc:  # noqa: BLE001 - a dead broker actor is killed below
+                log.warning("the broker did not stop cleanly: %s", exc)
+            ray.kill(self._broker)
+            self._broker = None
+        if self._group is not None:
+            remove_placement_group(self._group)
+            self._group = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+def _bundle(rank: RankPlan) -> dict[str, float]:
+    return {"CPU": rank.cpus, **({"GPU": float(rank.gpus)} if rank.gpus else {}), **rank.resources}
+
+
+def _summed(bundles: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            total[key] = round(total.get(key, 0.0) + amount, 4)
+    return total
+
+
+def _error(ref: Any) -> str:
+    """'' when the call returned; else what went wrong, with the remote traceback."""
+    import ray
+
+    try:
+        ray.get(ref)
+        return ""
+    except ray.exceptions.RayTaskError as exc:
+        return str(exc)
+    except ray.exceptions.RayActorError as exc:
+        return f"its Ray worker died ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"

@@ -1,0 +1,116 @@
+"""What every launcher shares: a stage's spec, how its class loads, a child process's signals.
+
+    spec = StageSpec("stream_rlhf.stages.rollout:RolloutStage", instances=2, kwargs={"job": job})
+    stage = load_class(spec.cls)(**spec.kwargs)
+
+The job, the dataflow, the stages and the vLLM server import this module, never a launcher
+(`local.py`, `ray_job.py`), so none of them pulls in the machinery that starts processes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from stream_rlhf.config import ConfigError
+from stream_rlhf.launch.core_board import CoreLending
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+RESTART_BACKOFF_S = 0.5
+"""The wait before a crashed instance's first restart; it doubles with each further restart."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    cls: str
+    """Stage class as "package.module:ClassName"."""
+    instances: int = 1
+    """Data-parallel instances; the broker hands each handle to the least-loaded one."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the class."""
+    prefetch: int = 2
+    """Handles delivered to an instance ahead of the one it is processing."""
+    cores: list[int] | None = None
+    """CPU cores the process is pinned to (os.sched_setaffinity); None: all."""
+    threads: int | None = None
+    """torch intra-op threads; None: torch's default."""
+    restarts: int = 0
+    """How often the launcher restarts a crashed instance before failing the job."""
+    trace: str | None = None
+    """Folder where each rank appends its trace events (`telemetry/trace.py`); None: no trace."""
+    ranks: int = 1
+    """Processes per instance, one torch.distributed group (gloo on CPU, NCCL on CUDA)."""
+    devices: list[str] | None = None
+    """The torch device of each rank (`cpu`, `cuda:N`); None: `cpu` for every rank."""
+    rank_cores: list[list[int]] | None = None
+    """The cores of each rank (with `threads` torch threads each); None: `cores` for every rank."""
+    group_timeout_s: float = 3600.0
+    """How long a rank waits in a collective (a follower waits this long for its leader's next handle)."""
+    lending: CoreLending | None = None
+    """Borrow the other side's cores while it is idle (`core_lending.py`; one-rank instances)."""
+
+    def __post_init__(self) -> None:
+        if ":" not in self.cls:
+            raise ConfigError(f"cls={self.cls!r}: expected 'package.module:ClassName'")
+        if self.instances < 1:
+            raise ConfigError(f"instances={self.instances}: must be >= 1")
+        if self.prefetch < 1:
+            raise ConfigError(f"prefetch={self.prefetch}: must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads={self.threads}: must be >= 1")
+        if self.restarts < 0:
+            raise ConfigError(f"restarts={self.restarts}: must be >= 0")
+        if self.ranks < 1:
+            raise ConfigError(f"ranks={self.ranks}: must be >= 1")
+        for name in ("devices", "rank_cores"):
+            value = getattr(self, name)
+            if value is not None and len(value) != self.ranks:
+                raise ConfigError(f"{name}={value}: one entry per rank, {self.ranks} rank(s)")
+
+    def device(self, rank: int) -> str:
+        return self.devices[rank] if self.devices else "cpu"
+
+    def cores_of(self, rank: int) -> list[int] | None:
+        return self.rank_cores[rank] if self.rank_cores else self.cores
+
+
+class StageFailed(RuntimeError):
+    """A stage process exited with an error; its traceback is on stderr above."""
+
+
+def load_class(path: str) -> type:
+    module_name, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cls={path!r}: cannot load: {exc}") from None
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
+
+
+def child_signals() -> None:
+    """For a child process (the broker, a stage, a rollout's vLLM engine): Ctrl-C reaches the
+    whole process group; the parent alone handles it and stops its children (the launcher
+    through the broker and SIGTERM), so a child never dies half-started. If the parent itself
+    dies (even by SIGKILL), Linux sends the child SIGTERM: no orphans."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def take_restart(restarts_left: dict[str, int], stage: str, spec: StageSpec) -> float | None:
+    """Use up one of `stage`'s restarts: the back-off to wait before it (RESTART_BACKOFF_S, doubling
+    with each restart), or None when it has none left. A stage that fails at start-up thus does not
+    spin through its restarts."""
+    if restarts_left.get(stage, 0) <= 0:
+        return None
+    restarts_left[stage] -= 1
+    return RESTART_BACKOFF_S * 2 ** (spec.restarts - restarts_left[stage] - 1)

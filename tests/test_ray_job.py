@@ -1,0 +1,141 @@
+"""`launcher: ray`: the tiny RL job as Ray actors, on a local Ray instance and on a two-node
+`ray.cluster_utils.Cluster` on this machine (stages pinned to nodes by custom resources).
+
+Ray is heavy on a 2-core machine, so these are few and slow; each stops the Ray processes it
+started, also when it fails, and checks that none is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.rl_tiny import tiny_job, write_job
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+pytestmark = pytest.mark.slow
+PLACED = re.compile(r"ray: (\S+) on node (\w+) \(([\d.]+), pid (\d+)")
+
+
+def raylets() -> set[int]:
+    ps = subprocess.run(["ps", "-e", "-o", "pid=,args="], capture_output=True, text=True).stdout
+    return {int(line.split()[0]) for line in ps.splitlines() if "ray/raylet/raylet" in line}
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_job(tmp_path: Path, name: str, *sets: str, **overrides) -> tuple[subprocess.Popen, Path]:
+    data = tiny_job(tmp_path, name, broker={"shm_prefix": f"t_{name}"}, launcher="ray", **overrides)
+    config = write_job(tmp_path / f"{name}.yaml", data)
+    log = tmp_path / f"{name}.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "stream_rlhf.cli", "run", str(config),
+                                    *(x for s in sets for x in ("--set", s))],
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return process, log
+
+
+def finish(process: subprocess.Popen, timeout: float) -> int:
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(process.pid, signal.SIGINT)  # the driver drains and stops what it started
+        process.wait(timeout=60)
+        raise
+
+
+def run_job(tmp_path: Path, name: str, timeout: float, *sets: str, **overrides) -> tuple[int, str]:
+    process, log = start_job(tmp_path, name, *sets, **overrides)
+    return finish(process, timeout), log.read_text()
+
+
+def assert_accounting(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["iterations"] == 2
+    assert summary["samples_generated"] == 2 * 2 * 8
+    assert summary["samples_generated"] == (summary["samples_trained"] + summary["samples_dropped"]
+                                            + summary["samples_in_flight_at_stop"])
+    assert summary["samples_trained"] == summary["samples_generated"] and summary["samples_dropped"] == 0
+    return summary
+
+
+def placed(log: str) -> dict[str, tuple[str, int]]:
+    """process name -> (Ray node id, pid), from the launcher's log lines."""
+    return {m[0]: (m[1], int(m[3])) for m in PLACED.findall(log)}
+
+
+def test_ray_job_on_a_local_instance_trains_every_sample_it_generated(tmp_path):
+    before = raylets()
+    code, log = run_job(tmp_path, "rayjob", 300, "placement.mode=separated", ray={"num_cpus": 2})
+    assert code == 0, log[-4000:]
+    assert_accounting(tmp_path / "rayjob")
+    where = placed(log)
+    assert set(where) == {"broker", "prompts-0", "rollout-0", "ref_forward-0", "reward_forward-0",
+                          "critic_forward-0", "actor_train-0", "critic_train-0"}
+    assert len({node for node, _ in where.values()}) == 1
+    assert not [name for name, (_, pid) in where.items() if alive(pid)]  # no actor outlived the job
+    assert raylets() <= before  # the Ray instance the job started is gone
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_rayjob")]
+
+
+@pytest.fixture
+def two_nodes():
+    """A head node offering `rollout_node` and a second offering `train_node` (100 of each: a bundle asks
+    for one), one CPU each."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"rollout_node": 100},
+                                                            "include_dashboard": False})
+    try:
+        train = cluster.add_node(num_cpus=1, resources={"train_node": 100})
+        cluster.wait_for_nodes(timeout=60)
+        yield cluster, cluster.head_node.node_id, train.node_id
+    finally:
+        cluster.shutdown()
+
+
+def test_ray_job_across_two_nodes_runs_each_stage_where_its_resources_are(tmp_path, two_nodes):
+    cluster, rollout_node, train_node = two_nodes
+    on_rollout, on_train = {"rollout_node": 1}, {"train_node": 1}
+    resources = {"prompts": on_rollout, "rollout": on_rollout, "broker": on_train, "ref_forward": on_train,
+                 "reward_forward": on_train, "critic_forward": on_train, "actor_train": on_train,
+                 "critic_train": on_train}
+    sets = ("placement.mode=separated", "placement.rollout_cores=[0]", "placement.train_cores=[1]")
+    ray_settings = {"address": cluster.address, "strategy": "SPREAD", "stage_resources": resources,
+                    "start_timeout_s": 60}
+    code, log = run_job(tmp_path, "nodes", 300, *sets, ray=ray_settings)
+    assert code == 0, log[-4000:]
+    assert_accounting(tmp_path / "nodes")
+    where = placed(log)
+    assert {where["prompts-0"][0], where["rollout-0"][0]} == {rollout_node}
+    assert {where[n][0] for n in where if n not in ("prompts-0", "rollout-0")} == {train_node}
+    assert not [name for name, (_, pid) in where.items() if alive(pid)]
+
+    # a Ray worker of a stage killed with SIGKILL: the job fails naming it, and stops every actor
+    process, log_file = start_job(tmp_path, "killed", *sets, "iterations=200", "restarts={rollout: 0}",
+                                  "checkpoint.recoveries=0", ray=ray_settings)
+    deadline = time.monotonic() + 180
+    while (time.monotonic() < deadline and process.poll() is None
+           and not (tmp_path / "killed" / "metrics.jsonl").is_file()):
+        time.sleep(0.5)
+    where = placed(log_file.read_text())
+    assert "rollout-0" in where and process.poll() is None, log_file.read_text()[-4000:]
+    os.kill(where["rollout-0"][1], signal.SIGKILL)
+    assert finish(process, 120) == 1
+    log = log_file.read_text()
+    assert "job killed failed: stage instance(s) failed: rollout-0: its Ray worker died" in log, log[-4000:]
+    assert not [name for name, (_, pid) in where.items() if alive(pid)]  # no actor outlived the job
