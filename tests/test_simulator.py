@@ -208,3 +208,39 @@ def test_contention_fit_recovers_the_slowdown_of_overlapped_steps():
     assert fit_contention(groups) == 0.4
     assert base_cost(groups[0], 0.4) == pytest.approx(2.0)
     assert fit_contention([[(1.0, 0.0), (1.2, 0.0)]]) == 0.0
+
+
+def _profile(contention: float):
+    from stream_rlhf.planner.calibrate import Profile
+
+    return Profile(step_s={"prompts": (0.0,), "rollout": (1.0,), "actor_train": (2.0,)}, minibatches=1,
+                   inputs={"prompts": (), "rollout": ("prompts",), "actor_train": ("rollout",)},
+                   rollout_side=frozenset({"prompts", "rollout"}), publish_s=0.0, weights_load_s=0.0,
+                   contention=contention)
+
+
+def test_search_picks_overlap_when_the_sides_do_not_interfere():
+    """Separated, stream k=1: training (2 s) bounds the iteration, rollout (1 s) hides beside it;
+    k=2 is as fast, so the smaller depth wins. Colocated, every schedule keeps the one device set
+    busy from 0 to 6 x (1 + 2) = 18 s (the window's figure differs where rollout ran ahead of it)."""
+    from stream_rlhf.planner.search import search
+
+    plans = search(_profile(contention=0.0), iterations=6)
+    assert plans[0].sets == ["schedule=stream", "overlap_depth=1", "placement.mode=separated"]
+    assert plans[0].prediction.iteration_s == pytest.approx(2.0)
+    assert [p.prediction.makespan_s for p in plans if p.mode == "colocated"] == pytest.approx([18.0] * 4)
+    assert len(plans) == 8  # (sync + stream k=0..2) x 2 modes
+
+
+def test_search_colocates_when_contention_costs_more_than_overlap_saves():
+    """Contention 2, separated, k=1: in the steady state rollout lasts 3 s and training T =
+    2 (1 + 2 * 3 / T), T = 1 + sqrt(13) = 4.6 s; the last training step runs alone (2 s). Taking
+    turns on one device set (3 s per iteration) is faster."""
+    from stream_rlhf.planner.search import search
+
+    plans = search(_profile(contention=2.0), iterations=6)
+    assert plans[0].mode == "colocated"
+    overlapped = next(p for p in plans if p.sets == ["schedule=stream", "overlap_depth=1", "placement.mode=separated"])
+    durations = [end - start for start, end in spans(overlapped.prediction, "actor_train")]
+    assert durations[3:] == pytest.approx([1 + 13**0.5, 1 + 13**0.5, 2.0], abs=1e-4)
+    assert overlapped.prediction.iteration_s > 3.0
