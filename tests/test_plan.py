@@ -97,3 +97,15 @@ def test_stage_resources_pin_the_bundles_of_a_stage(tmp_path):
     assert ranks["rollout-0"].resources == {"rollout_node": 1}
     assert ranks["rollout-0"].node("ray") == "a node with rollout_node=1"
     assert ranks["actor_train-0"].node("ray") == "any node" and ranks["actor_train-0"].resources == {}
+
+
+def test_processes_on_one_gpu_share_it_out():
+    from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
+    from stream_rlhf.launch.plan import Dataflow, JobPlan
+    from stream_rlhf.launch.spec import StageSpec
+
+    topics = {"a": TopicConfig(producers=["p"], consumers=["t"])}
+    stages = {"p": StageSpec("tests.stages:CountingSource", devices=["cuda:0"]),
+              "t": StageSpec("tests.stages:Sink", ranks=2, devices=["cuda:0", "cuda:1"])}
+    ranks = {r.name: r for r in JobPlan("g", Dataflow(Topology(topics), BrokerConfig(), stages, None)).ranks()}
+    assert (ranks["p-0"].gpus, ranks["t-0"].gpus, ranks["t-0.rank1"].gpus, ranks["broker"].gpus) == (0.5, 0.5, 1, 0)

@@ -59,7 +59,8 @@ class RankPlan:
     cpus: float
     """Its share of the CPUs: its cores divided among every process pinned to the same cores
     (the CPUs of its Ray bundle)."""
-    gpus: int
+    gpus: float
+    """Its share of its GPU: 1 divided among every process on the same device (0 on the CPU)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources its bundle asks for (`ray.stage_resources`): the nodes it may land on."""
 
@@ -73,6 +74,11 @@ class RankPlan:
             return "this machine"
         return "a node with " + ", ".join(f"{k}={v:g}" for k, v in sorted(self.resources.items())) \
             if self.resources else "any node"
+
+
+def _share(amount: int, among: int) -> float:
+    """`amount` split `among` processes, rounded down to Ray's 4 decimals (never more than there is)."""
+    return math.floor(amount / among * 1e4) / 1e4
 
 
 @dataclass(frozen=True)
@@ -101,15 +107,15 @@ class JobPlan:
                 for rank in range(spec.ranks):
                     placed.append((stage, f"{stage}-{index}", rank, spec.device(rank), spec.cores_of(rank),
                                    spec.threads))
-        sharing: dict[frozenset[int], int] = {}
-        for *_, cores, _ in placed:
-            key = frozenset(cores if cores is not None else every)
-            sharing[key] = sharing.get(key, 0) + 1
+        sharing: dict[frozenset[int] | str, int] = {}
+        for _, _, _, device, cores, _ in placed:
+            for key in (frozenset(cores if cores is not None else every), device):
+                sharing[key] = sharing.get(key, 0) + 1
         out = []
         for stage, instance, rank, device, cores, threads in placed:
             key = frozenset(cores if cores is not None else every)
-            cpus = math.floor(len(key) / sharing[key] * 1e4) / 1e4  # Ray takes 4 decimals; never over the cores
-            out.append(RankPlan(stage, instance, rank, device, cores, threads, cpus, int(device.startswith("cuda")),
+            gpus = _share(1, sharing[device]) if device.startswith("cuda") else 0.0
+            out.append(RankPlan(stage, instance, rank, device, cores, threads, _share(len(key), sharing[key]), gpus,
                                 dict(self.ray.stage_resources.get(stage, {}))))
         return out
 

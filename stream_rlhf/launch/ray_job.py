@@ -10,7 +10,9 @@ resources `ray.stage_resources` names for its stage, so stages land on the nodes
 The actor of a rank runs it in its own worker process (`launch/rank.py`), exactly as a local
 process would, except that Ray's resources replace core pinning and core lending, and a rank on a
 GPU uses the one Ray assigned it (`CUDA_VISIBLE_DEVICES`: cuda:0). A group of several ranks meets
-at a TCP rendezvous on its leader's node. Ray itself is imported only here (the `ray` extra).
+at a TCP rendezvous on its leader's node. Every node must be the driver's host for now (payloads,
+weights and stage counters go through its /dev/shm and run folder): a rank placed on another host
+fails the job at start, naming it. Ray itself is imported only here (the `ray` extra).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class _Worker:
         import ray
 
         return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
+                "host": socket.gethostname(), "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
 
 class _BrokerActor(_Worker):
@@ -176,7 +178,14 @@ class RayJob(BrokerClient):
             for rank in range(self.plan.flow.stages[stage].ranks):
                 name = f"{stage}-{index}" if rank == 0 else f"{stage}-{index}.rank{rank}"
                 actors[name] = self._actor(_RankActor, *self._bundles[name])
+        self.processes.update(actors)  # from here on, stop() kills them
         self.placed.update(zip(actors, ray.get([a.where.remote() for a in actors.values()])))
+        elsewhere = sorted(name for name, where in self.placed.items() if where["host"] != socket.gethostname())
+        if elsewhere:
+            self._fail(elsewhere, f"{', '.join(elsewhere)}: placed on another host than the driver's "
+                       f"({socket.gethostname()}); jobs across hosts are not supported yet (payloads, weights and "
+                       "stage counters go through this machine's /dev/shm and run folder): give every node of "
+                       "ray.address this machine, or pin the stages with ray.stage_resources")
         for stage, index in instances:
             instance_id = f"{stage}-{index}"
             spec = self.plan.flow.stages[stage]
@@ -186,7 +195,6 @@ class RayJob(BrokerClient):
             devices = ["cuda:0" if spec.device(r).startswith("cuda") else spec.device(r) for r in range(spec.ranks)]
             ray_spec = replace(spec, cores=None, rank_cores=None, lending=None, devices=devices)
             for rank, name in enumerate(names):
-                self.processes[name] = actors[name]
                 run = actors[name].run.remote(stage, instance_id, ray_spec, self.address, self.key_dir,
                                               self.plan.flow.broker.shm_prefix, rank, init_method, self._cwd)
                 self._runs[run] = name
@@ -273,7 +281,7 @@ class RayJob(BrokerClient):
 
 
 def _bundle(rank: RankPlan) -> dict[str, float]:
-    return {"CPU": rank.cpus, **({"GPU": float(rank.gpus)} if rank.gpus else {}), **rank.resources}
+    return {"CPU": rank.cpus, **({"GPU": rank.gpus} if rank.gpus else {}), **rank.resources}
 
 
 def _summed(bundles: list[dict[str, float]]) -> dict[str, float]:
