@@ -3,6 +3,8 @@
     stream-rlhf run CONFIG [--set key=value ...]   broker + every stage as local processes
                            [--resume [RUN_DIR]]    ... continuing a stopped run from its last checkpoint
     stream-rlhf plan CONFIG [--json]               the job plan: which stage on which node, cores, device
+                    [--profile RUN_DIR [--search]] ... its predicted iteration time from a run's trace,
+                                                   and the fastest schedules and placements (planner/)
     stream-rlhf broker CONFIG                      only the broker (stages started elsewhere; an RL job's
                                                    dataset and warm start are made here, once)
     stream-rlhf stage CONFIG STAGE --broker ADDR [--index N] [--rank R --group tcp://HOST:PORT] [--set key=value]
@@ -54,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("config")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--json", action="store_true", help="also print the plan as one JSON object, the last line")
+    plan.add_argument("--profile", type=Path, metavar="RUN_DIR",
+                      help="predict the run from the trace of a finished run of this job (planner/)")
+    plan.add_argument("--search", action="store_true", help="with --profile: the fastest schedules and placements")
+    plan.add_argument("--top", type=int, default=3, help="plans --search prints (default 3)")
     broker = sub.add_parser("broker", help="run only the broker of a job")
     broker.add_argument("config")
     broker.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -195,9 +201,30 @@ class _BrokerProgress:
 def cmd_plan(args: argparse.Namespace) -> int:
     plan = _plan(args, prepare=False)
     print(plan.describe())
+    out = plan.as_dict()
+    if args.search and args.profile is None:
+        raise ConfigError("--search: needs --profile RUN_DIR (a finished run of this job, for the stage costs)")
+    if args.profile is not None:
+        out.update(_predict(args, set(plan.flow.stages)))
     if args.json:
-        print(json.dumps(plan.as_dict()))
+        print(json.dumps(out))
     return 0
+
+
+def _predict(args: argparse.Namespace, stages: set[str]) -> dict[str, object]:
+    """Print the simulator's prediction (and with --search the best plans); their JSON keys."""
+    from stream_rlhf.planner.job_prediction import describe, job_profile, plan_dict
+    from stream_rlhf.planner.search import predict, search
+    from stream_rlhf.rl.config import RLJobConfig
+
+    if is_dataflow_config(args.config):
+        raise ConfigError("--profile: predictions are for RL job configs")
+    cfg = load_config(RLJobConfig, args.config, args.set)
+    profile = job_profile(cfg, stages, args.profile)
+    prediction = predict(profile, cfg.iterations, cfg.schedule, cfg.overlap_depth, cfg.placement.mode)
+    plans = search(profile, cfg.iterations)[:args.top] if args.search else []
+    print(describe(prediction, plans, profile))
+    return {"prediction": prediction.summary(), **({"plans": [plan_dict(p) for p in plans]} if args.search else {})}
 
 
 def cmd_broker(args: argparse.Namespace) -> int:

@@ -1,0 +1,92 @@
+"""`stream-rlhf plan CONFIG --profile RUN_DIR [--search]`: the simulator's prediction from a run's
+trace. The trace here is itself simulated (a known graph over the job's own stages and edges,
+written as the merged trace.json of a run), so calibrating on it and simulating the same
+schedule must give back the same figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stream_rlhf.cli import main
+from stream_rlhf.config import load_config
+from stream_rlhf.planner.graph import SimGraph, SimStage
+from stream_rlhf.planner.simulator import simulate, trace_event
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
+from stream_rlhf.rl.plan import preview_plan
+from stream_rlhf.telemetry.trace_merge import topic_sources
+from tests.rl_tiny import tiny_job, write_job
+
+COSTS = {"prompts": 0.01, "rollout": 1.0, "ref_forward": 0.2, "reward_forward": 0.01, "critic_forward": 0.2,
+         "actor_train": 0.6, "critic_train": 0.5}
+
+
+def job_graph(config: Path) -> SimGraph:
+    """The tiny PPO job's stages with made-up costs, edges as its broker routes the topics."""
+    cfg = load_config(RLJobConfig, str(config), [])
+    flow = preview_plan(cfg).flow
+    sources = topic_sources(flow.topology)
+    inputs = {stage: sorted({p for topic, t in flow.topology.topics.items() if stage in t.consumers
+                             for p in sources[topic]}) for stage in flow.stages}
+    assert set(inputs) == set(COSTS), sorted(inputs)
+    stages = tuple(SimStage(name, COSTS[name], inputs=tuple(inputs[name]),
+                            side="rollout" if name in ROLLOUT_SIDE else "train",
+                            device="rollout cores" if name in ROLLOUT_SIDE else "train cores") for name in COSTS)
+    return SimGraph(stages=stages, iterations=cfg.iterations, minibatches=cfg.rollout_batch.minibatches,
+                    overlap_depth=cfg.overlap_depth)
+
+
+def write_trace(graph: SimGraph, run_dir: Path) -> float:
+    """trace.json of the simulated run: a track per stage, flow arrows along the edges."""
+    prediction = simulate(graph)
+    steps = {(s.stage, s.iteration, s.minibatch): s for s in prediction.steps}
+    events = [{"ph": "M", "name": "process_name", "pid": stage.name, "tid": 0, "args": {"name": f"{stage.name}-0"}}
+              for stage in graph.stages]
+    events += [trace_event(step) for step in prediction.steps]
+    for (name, iteration, minibatch), step in steps.items():
+        for source in graph.stage(name).inputs:
+            flow = len(events)
+            events += [{"ph": "s", "id": flow, "pid": source, "ts": 0, "name": "minibatch"},
+                       {"ph": "f", "id": flow, "pid": name, "ts": 0, "name": "minibatch"}]
+    run_dir.mkdir()
+    (run_dir / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    return prediction.iteration_s
+
+
+@pytest.fixture
+def config(tmp_path) -> Path:
+    return write_job(tmp_path / "job.yaml", tiny_job(tmp_path, "planned", schedule="stream", overlap_depth=1,
+                                                     iterations=6, **{"placement.mode": "separated"}))
+
+
+def test_a_profile_of_the_same_schedule_predicts_its_own_figures(config, tmp_path, capsys):
+    iteration_s = write_trace(job_graph(config), tmp_path / "calibration")
+    assert main(["plan", str(config), "--profile", str(tmp_path / "calibration"), "--search", "--json"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["prediction"]["iteration_s"] == pytest.approx(iteration_s, abs=1e-4)
+    assert 0 <= result["prediction"]["bubble_ratio"] <= 1
+    assert len(result["plans"]) == 3
+    times = [plan["iteration_s"] for plan in result["plans"]]
+    assert times == sorted(times) and times[0] <= result["prediction"]["iteration_s"] + 1e-9
+    assert all(plan["sets"][0].startswith("schedule=") for plan in result["plans"])
+    assert "best plans" in out and "--set schedule=" in out
+
+
+def test_a_profile_of_other_stages_is_refused_naming_them(config, tmp_path, capsys):
+    graph = job_graph(config)
+    write_trace(SimGraph(stages=graph.stages[:2] + (SimStage("actor_train", 0.5, inputs=("rollout",)),),
+                         iterations=6, minibatches=graph.minibatches), tmp_path / "other")
+    assert main(["plan", str(config), "--profile", str(tmp_path / "other")]) == 2
+    assert "missing: ['critic_forward', 'critic_train', 'ref_forward', 'reward_forward']" in capsys.readouterr().err
+
+
+def test_search_needs_a_profile_and_a_profile_needs_a_trace(config, tmp_path, capsys):
+    assert main(["plan", str(config), "--search"]) == 2
+    assert "--search: needs --profile RUN_DIR" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["plan", str(config), "--profile", str(tmp_path / "empty")]) == 2
+    assert "no trace.json there" in capsys.readouterr().err
