@@ -4,6 +4,8 @@ checks name the key and the numbers."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -75,3 +77,28 @@ def test_parallel_sizes_that_do_not_fit_are_refused_naming_the_key_and_numbers()
         MegatronConfig(cp=2)
     check_parallel(MegatronConfig(tp=2), 4, 4, 2, 2, key)  # dp 2
     assert MegatronConfig(tp=2).data_parallel(4) == 2
+
+
+def test_job_configs_place_megatron_only_where_it_fits():
+    from stream_rlhf.config import build
+    from stream_rlhf.rl.config import RLJobConfig
+
+    def job(stages: dict, **extra) -> RLJobConfig:
+        return build(RLJobConfig, {"name": "m", "placement": {"stages": stages}, **extra})
+
+    ok = job({"actor_train": {"ranks": 2, "backend": "megatron", "megatron": {"tp": 2}}})
+    assert ok.placement.stages["actor_train"].megatron.data_parallel(2) == 1
+    refused = [
+        ({"actor_train": {"ranks": 2, "backend": "megatron", "megatron": {"tp": 4}}},
+         "placement.stages.actor_train.megatron: tp x pp x cp = 4 x 1 x 1 = 4 does not divide the stage's ranks=2"),
+        ({"actor_train": {"ranks": 4, "backend": "megatron", "megatron": {"tp": 4}}},
+         "placement.stages.actor_train.megatron.tp=4: does not divide the model's 4 attention heads and 2 key/value"),
+        ({"actor_train": {"ranks": 4, "backend": "megatron", "megatron": {"pp": 4}}},
+         "placement.stages.actor_train.megatron.pp=4: does not divide the model's 2 layers"),
+        ({"actor_train": {"ranks": 2, "megatron": {"tp": 2}}}, "backend=torch ignores it"),
+        ({"rollout": {"backend": "megatron"}}, "placement.stages.rollout.backend=megatron: only ref_forward"),
+        ({"critic_train": {"backend": "mega"}}, "placement.stages.critic_train.backend='mega': must be one of"),
+    ]
+    for stages, message in refused:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            job(stages, rollout_batch={"prompts_per_minibatch": 16})

@@ -176,6 +176,9 @@ class TorchTrainEngine:
             out[name] = full[id(tensor)]
         return out
 
+    def trained_names(self) -> list[str]:
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
     def refresh(self, store: WeightStore, held: int) -> int:
         """Every rank loads the same version: the newest any rank has seen, when newer than `held`."""
         if self.sharded:

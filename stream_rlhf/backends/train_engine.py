@@ -61,6 +61,10 @@ class TrainEngine(Protocol):
     def export_weights(self, trainable_only: bool = False) -> dict[str, Tensor]:
         """Full tensors in Hugging Face names, on the CPU (tied weights share one tensor)."""
 
+    def trained_names(self) -> list[str]:
+        """Hugging Face names of the trained parameters (a tied LM head once, as the embedding;
+        no frozen vision tower): what weight sync sends to rollout."""
+
     def refresh(self, store: object, held: int) -> int:
         """Load the newest version of a `WeightStore` if newer than `held` (every rank the same
         version); returns the version held."""

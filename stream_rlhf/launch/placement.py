@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from stream_rlhf.backends.megatron.config import MegatronConfig, check_ranks
 from stream_rlhf.config import ConfigError
 
 
@@ -39,10 +40,20 @@ class StagePlacement:
     """device cuda: the CUDA device of each rank; None: 0, 1, ... ranks - 1."""
     cores: list[int] | None = None
     """device cpu: the cores the ranks share out (len // ranks each); None: the mode's cores."""
+    backend: Literal["torch", "megatron"] = "torch"
+    """The train engine of a forward or training stage (`backends/engines.py`): `torch` (HF model,
+    FSDP2 over the ranks) or `megatron` (megatron-core, tp x pp over `megatron`, dp the rest of
+    the ranks; the `megatron` extra)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """backend megatron: the tensor-, pipeline- and context-parallel sizes (`backends/megatron/config.py`)."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
             raise ConfigError(f"ranks={self.ranks}: must be >= 1")
+        if self.backend == "megatron":
+            check_ranks(self.megatron, self.ranks, "megatron")
+        elif self.megatron != MegatronConfig():
+            raise ConfigError(f"megatron={self.megatron}: backend={self.backend} ignores it (set backend: megatron)")
         if self.devices is not None and len(self.devices) != self.ranks:
             raise ConfigError(f"devices={self.devices}: one device per rank, ranks={self.ranks}")
         if self.devices is not None and len(set(self.devices)) != len(self.devices):

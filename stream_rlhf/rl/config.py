@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
+from stream_rlhf.backends.megatron.config import check_model
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.vllm_config import VllmConfig
 from stream_rlhf.broker.topology import BrokerConfig
 from stream_rlhf.config import ConfigError, import_dotted
-from stream_rlhf.launch.placement import PlacementConfig
+from stream_rlhf.launch.placement import PlacementConfig, StagePlacement
 from stream_rlhf.launch.ray_config import RayConfig
 from stream_rlhf.resume.config import CheckpointConfig
 from stream_rlhf.rl.reward_parts_config import CriticConfig, ProcessRewardConfig
@@ -544,10 +545,24 @@ class RLJobConfig:
                 hint = " (use rollout.instances)" if stage == "rollout" else ""
                 raise ConfigError(f"{key}.ranks={own.ranks}: only {', '.join(GROUP_STAGES)} run as groups of "
                                   f"ranks{hint}")
+            if own.backend == "megatron":
+                self._check_megatron(stage, own, key)
             if stage.endswith("_train") and own.ranks > smallest_step:
                 raise ConfigError(f"{key}.ranks={own.ranks}: an optimizer step has as few as {smallest_step} "
                                   f"samples ({samples} per iteration in algorithm.train_minibatches={steps} "
                                   "steps): every rank needs one")
+
+    def _check_megatron(self, stage: str, own: StagePlacement, key: str) -> None:
+        """A megatron stage holds a train engine and a text model whose heads and layers its sizes
+        split (a `model.path` checkpoint is checked when the engine is built)."""
+        if stage not in GROUP_STAGES:
+            raise ConfigError(f"{key}.backend=megatron: only {', '.join(GROUP_STAGES)} hold a train engine")
+        if self.model.tiny.vision is not None or self.task.name == "shapes":
+            raise ConfigError(f"{key}.backend=megatron: vision-language models are not mapped to megatron yet")
+        if self.model.path is None:
+            tiny = self.model.tiny
+            check_model(own.megatron, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_hidden_layers,
+                        f"{key}.megatron")
 
     def _check_keys_the_algorithm_ignores(self) -> None:
         """A key set away from its default that the chosen estimator never reads is an error, not

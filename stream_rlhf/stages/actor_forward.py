@@ -9,7 +9,7 @@ With several ranks each computes a share of the mini-batch.
 
 from __future__ import annotations
 
-from stream_rlhf.backends.torch_engine import TorchTrainEngine
+from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.stages.images import ImageInputs
@@ -26,7 +26,7 @@ class ActorForward(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.engine = TorchTrainEngine(load_policy(self.job.checkpoint), ctx.group)
+        self.engine = build_train_engine(self.job.config, "actor_forward", load_policy(self.job.checkpoint), ctx.group)
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "actor")
 

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from stream_rlhf.algos.losses import entropy_loss, kl_loss, policy_loss
 from stream_rlhf.algos.masked import masked_mean
-from stream_rlhf.backends.torch_engine import TorchTrainEngine
+from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
 from stream_rlhf.rl.reward_parts_config import policy_version_at
@@ -67,8 +67,9 @@ class ActorTrain(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         cfg = self.job.config
-        self.engine = TorchTrainEngine(load_policy(self.job.checkpoint), ctx.group, cfg.actor)
-        self.trained_names = [name for name, p in self.engine.model.named_parameters() if p.requires_grad]
+        self.engine = build_train_engine(self.job.config, "actor_train", load_policy(self.job.checkpoint), ctx.group,
+                                         cfg.actor)
+        self.trained_names = self.engine.trained_names()
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "actor")
         leader = ctx.group.is_leader

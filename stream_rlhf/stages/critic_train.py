@@ -15,7 +15,7 @@ from torch import Tensor
 
 from stream_rlhf.algos.losses import value_loss
 from stream_rlhf.algos.masked import masked_mean
-from stream_rlhf.backends.torch_engine import TorchTrainEngine
+from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_job_critic
 from stream_rlhf.rl.reward_parts_config import policy_version_at
@@ -39,7 +39,8 @@ class CriticTrain(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         cfg = self.job.config
-        self.engine = TorchTrainEngine(load_job_critic(self.job.config, self.job.checkpoint), ctx.group, cfg.critic)
+        self.engine = build_train_engine(self.job.config, "critic_train",
+                                         load_job_critic(self.job.config, self.job.checkpoint), ctx.group, cfg.critic)
         self.weights = WeightStore(self.job.weights_root, "critic")
         self.checkpoints = TrainerCheckpoints(self.job, "critic", self.engine, ctx.group)
         if (state := self.checkpoints.resume()) is not None:

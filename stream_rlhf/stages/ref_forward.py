@@ -3,7 +3,7 @@ With several ranks each computes a share of the mini-batch."""
 
 from __future__ import annotations
 
-from stream_rlhf.backends.torch_engine import TorchTrainEngine
+from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.stages.images import ImageInputs
@@ -18,7 +18,7 @@ class RefForward(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.engine = TorchTrainEngine(load_policy(self.job.checkpoint), ctx.group)
+        self.engine = build_train_engine(self.job.config, "ref_forward", load_policy(self.job.checkpoint), ctx.group)
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
 
     def step(self, batch: Batch | None) -> list[Output]:

@@ -22,7 +22,8 @@ class MegatronConfig:
     """Context-parallel size (only 1 for now: the CP log-prob gather is not wired into the engine)."""
     recompute: bool = False
     """Recompute each decoder layer's activations in the backward pass (megatron's full, uniform
-    activation recompute): less memory, one more forward of the layers."""
+    activation recompute): less memory, one more forward of the layers. CUDA only (it saves CUDA RNG
+    states): a CPU engine refuses it."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):
@@ -42,9 +43,17 @@ class MegatronConfig:
 
 def check_parallel(parallel: MegatronConfig, ranks: int, heads: int, kv_heads: int, layers: int, key: str) -> None:
     """Refuse sizes that cannot split this model over these ranks, naming `key` and the numbers."""
+    check_ranks(parallel, ranks, key)
+    check_model(parallel, heads, kv_heads, layers, key)
+
+
+def check_ranks(parallel: MegatronConfig, ranks: int, key: str) -> None:
     if ranks % parallel.model_parallel:
         raise ConfigError(f"{key}: tp x pp x cp = {parallel.tp} x {parallel.pp} x {parallel.cp} = "
                           f"{parallel.model_parallel} does not divide the stage's ranks={ranks}")
+
+
+def check_model(parallel: MegatronConfig, heads: int, kv_heads: int, layers: int, key: str) -> None:
     if heads % parallel.tp or kv_heads % parallel.tp:
         raise ConfigError(f"{key}.tp={parallel.tp}: does not divide the model's {heads} attention heads and "
                           f"{kv_heads} key/value heads")

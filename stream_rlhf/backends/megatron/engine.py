@@ -52,9 +52,13 @@ class MegatronTrainEngine:
         config and weights the megatron model takes; it is kept on the meta device for `save`."""
         if hasattr(model.config, "vision_config"):
             raise ValueError("megatron backend: vision-language models are not mapped yet (issue 18)")
+        parallel = parallel or MegatronConfig()
+        if parallel.recompute and group.device.type != "cuda":
+            raise ValueError("megatron.recompute=true: needs CUDA (megatron's recompute saves and restores CUDA RNG "
+                             "states); on the CPU leave it false")
         self.group = group
         self.device = group.device
-        self.parallel = join_megatron(group, parallel or MegatronConfig(), seed)
+        self.parallel = join_megatron(group, parallel, seed)
         critic = hasattr(model, "score")
         hf_state = model.state_dict()
         self.layout = Layout(architecture(model.config), dims(model.config, self.parallel.config.tp),
@@ -220,6 +224,9 @@ class MegatronTrainEngine:
     def export_weights(self, trainable_only: bool = False) -> dict[str, Tensor]:
         """Full tensors in Hugging Face names, on the CPU, on every rank (every rank must call it)."""
         return export_hf_state(self.model, self.layout)
+
+    def trained_names(self) -> list[str]:
+        return [name for name in self.layout.hf_shapes if not (self.layout.tied and name == self.layout.arch.lm_head)]
 
     def refresh(self, store: WeightStore, held: int) -> int:
         """Every rank loads the same version: the newest any rank has seen, when newer than `held`."""

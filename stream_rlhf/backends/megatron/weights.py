@@ -119,7 +119,8 @@ def to_hf(entry: Entry, shards: list[Tensor], dims: Dims) -> dict[str, Tensor]:
     if entry.kind == "replicated":
         return {entry.hf[0]: shards[0]}
     if entry.kind == "vocab":
-        return {entry.hf[0]: torch.cat(shards)[: dims.vocab]}
+        full = torch.cat(shards)
+        return {entry.hf[0]: full[: dims.vocab].clone() if len(full) > dims.vocab else full}  # no padding rows kept
     if entry.kind == "row":
         return {entry.hf[0]: torch.cat(shards, dim=1)}
     if entry.kind == "gate_up":
