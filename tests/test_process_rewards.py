@@ -20,6 +20,7 @@ from stream_rlhf.models.prm import corrupted_steps, load_prm, train_tiny_prm
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import KLConfig, RLJobConfig, TinyModelConfig
 from stream_rlhf.rl.reward_parts_config import ProcessRewardConfig
+from stream_rlhf.rl.task_data import check_prompts
 from stream_rlhf.stages.experience import Experience
 from stream_rlhf.stages.process_reward import ProcessScorer, check_process_reward, separator_id
 from stream_rlhf.stages.samples import Rollout
@@ -179,3 +180,12 @@ def test_the_prm_training_data_labels_each_step_by_whether_it_is_the_partial_sum
         assert labels == step_reward(problem.prompt, steps, problem.answer)
         wrong += labels.count(0.0)
     assert 120 < wrong < 280  # about half of the 400 steps are made wrong
+
+
+def test_the_driver_checks_the_separator_against_the_policys_tokenizer_before_the_warm_start(tmp_path):
+    data = {"name": "p", "runs_dir": str(tmp_path), "iterations": 1,
+            "reward": {"process": {"function": STEP_RULE, "separator": "=>"}}}
+    with pytest.raises(ConfigError, match=r"reward.process.separator='=>': the policy's tokenizer writes it as "):
+        check_prompts(build(RLJobConfig, data))
+    data["reward"]["process"]["separator"] = "="
+    check_prompts(build(RLJobConfig, data))
