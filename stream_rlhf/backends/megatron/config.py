@@ -19,7 +19,8 @@ class MegatronConfig:
     pp: int = 1
     """Pipeline-parallel size: the decoder layers are split into this many consecutive stages."""
     cp: int = 1
-    """Context-parallel size (only 1 for now: the CP log-prob gather is not wired into the engine)."""
+    """Context-parallel size; only 1 for now: megatron-core's local attention (the engine's layer spec,
+    no transformer-engine) refuses context parallelism."""
     recompute: bool = False
     """Recompute each decoder layer's activations in the backward pass (megatron's full, uniform
     activation recompute): less memory, one more forward of the layers. CUDA only (it saves CUDA RNG
@@ -31,7 +32,8 @@ class MegatronConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.cp != 1:
             raise ConfigError(f"cp={self.cp}: context parallelism is not built into the megatron engine yet "
-                              "(issue 18); use cp: 1")
+                              "(megatron-core's own attention refuses it; only transformer-engine's, on CUDA, "
+                              "has it); use cp: 1")
 
     @property
     def model_parallel(self) -> int:
