@@ -92,6 +92,25 @@ def test_ray_job_on_a_local_instance_trains_every_sample_it_generated(tmp_path):
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_rayjob")]
 
 
+def test_sigterm_drains_a_ray_job_and_leaves_no_actor_or_raylet(tmp_path):
+    before = raylets()
+    process, log_file = start_job(tmp_path, "drained", "placement.mode=separated", "iterations=200",
+                                  ray={"num_cpus": 2})
+    deadline = time.monotonic() + 180
+    while (time.monotonic() < deadline and process.poll() is None
+           and not (tmp_path / "drained" / "metrics.jsonl").is_file()):
+        time.sleep(0.5)
+    assert process.poll() is None, log_file.read_text()[-4000:]
+    process.terminate()  # SIGTERM, as a scheduler stops a job: handled as Ctrl-C
+    assert finish(process, 120) == 130
+    log = log_file.read_text()
+    assert "interrupted: draining every stage" in log and "ignored shutdown" not in log, log[-4000:]
+    assert "continue with `stream-rlhf run" in log  # the trainers checkpointed as they drained
+    where = placed(log)
+    assert len(where) == 8 and not [name for name, (_, pid) in where.items() if alive(pid)]
+    assert raylets() <= before
+
+
 @pytest.fixture
 def two_nodes():
     """A head node offering `rollout_node` and a second offering `train_node` (100 of each: a bundle asks

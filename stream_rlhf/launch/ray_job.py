@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -129,6 +131,9 @@ class RayJob(BrokerClient):
         from ray.util.placement_group import placement_group
 
         settings = self.plan.ray
+        # ray.init installs SIGTERM (and SIGINT) handlers that exit the driver at once; the
+        # launcher's own (drain, then stop) come back after it
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         if not ray.is_initialized():
             if settings.address is None:  # "local": a new instance, never a cluster found on this machine
                 ray.init(address="local", num_cpus=settings.num_cpus, include_dashboard=False)
@@ -138,6 +143,9 @@ class RayJob(BrokerClient):
                     ray.init(address=settings.address)
                 except (ConnectionError, ValueError, RuntimeError) as exc:
                     raise ConfigError(f"ray.address={settings.address!r}: cannot join that Ray cluster: {exc}") from None
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         ranks = [rank for _, rank in sorted(self._bundles.values(), key=lambda item: item[0])]
         bundles = [_bundle(r) for r in ranks]
         self._group = placement_group(bundles, strategy=settings.strategy, name=f"stream-rlhf-{self.plan.name}")
@@ -179,7 +187,8 @@ class RayJob(BrokerClient):
                 name = f"{stage}-{index}" if rank == 0 else f"{stage}-{index}.rank{rank}"
                 actors[name] = self._actor(_RankActor, *self._bundles[name])
         self.processes.update(actors)  # from here on, stop() kills them
-        self.placed.update(zip(actors, ray.get([a.where.remote() for a in actors.values()])))
+        self.placed.update(zip(actors, ray.get([a.where.remote() for a in actors.values()],
+                                               timeout=self.plan.ray.start_timeout_s)))
         elsewhere = sorted(name for name, where in self.placed.items() if where["host"] != socket.gethostname())
         if elsewhere:
             self._fail(elsewhere, f"{', '.join(elsewhere)}: placed on another host than the driver's "
