@@ -4,8 +4,9 @@ Each layout (ranks, tp, pp) runs in fresh spawned processes (megatron's parallel
 process), checks itself against a one-rank `TorchTrainEngine` built from the same Hugging Face
 models, and writes what it measured for the test to assert:
 - HF -> megatron -> HF is bit-identical (Qwen2 with tied embeddings and qkv bias, Llama untied,
-  a Qwen2 critic with its value head);
-- forward log-probs and values equal the torch engine's to 1e-5 (fp32);
+  a Qwen2 critic with its value head, a Qwen2.5-VL whose frozen vision tower stays out of megatron);
+- forward log-probs and values equal the torch engine's to 1e-5 (fp32), the VLM's with image
+  features at its image tokens and M-RoPE positions;
 - two optimizer steps of the actor and of the critic give the torch engine's losses, gradient
   norms and weights (1e-5 and 1e-4); saved state resumes training exactly; a saved HF folder
   loads back.
@@ -31,7 +32,7 @@ LAYOUTS = [(1, 1, 1), (2, 2, 1), (2, 1, 2), (2, 1, 1)]  # (ranks, tp, pp); the l
 def _models():
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-    from tests.tiny_models import tiny_qwen2_config
+    from tests.tiny_models import tiny_qwen2_5_vl, tiny_qwen2_config
 
     heads = {"num_attention_heads": 4, "num_key_value_heads": 2}  # tp 2 splits both
     torch.manual_seed(0)
@@ -42,7 +43,21 @@ def _models():
     torch.manual_seed(2)
     critic = Qwen2ForTokenClassification(tiny_qwen2_config(VOCAB, num_labels=1, **heads))
     critic.dropout.p = 0.0
-    return {"qwen2": qwen2, "llama": llama, "critic": critic}
+    base = tiny_qwen2_5_vl()
+    base.config.text_config.num_key_value_heads = 2  # tp 2 splits them
+    torch.manual_seed(3)
+    vlm = type(base)(base.config)
+    return {"qwen2": qwen2, "llama": llama, "critic": critic, "vlm": vlm}
+
+
+def _vlm_experience():
+    """Three samples of the VLM: one image, none, two images; features from its vision tower."""
+    from tests.test_vision_language import encode, make_sample
+
+    g = torch.Generator().manual_seed(4)
+    model = _models()["vlm"].eval()
+    samples = [make_sample(g, [3, 4], [(2, 4, 4)]), make_sample(g, [5], []), make_sample(g, [2, 2, 3], [(2, 4, 8), (2, 4, 4)])]
+    return [s.input_ids for s in samples], [encode(model, s) for s in samples]
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -51,13 +66,14 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)
-    from stream_rlhf.algos.losses import value_loss
+    from stream_rlhf.algos.losses import policy_loss, value_loss
     from stream_rlhf.backends.megatron.config import MegatronConfig
     from stream_rlhf.backends.megatron.engine import MegatronTrainEngine
     from stream_rlhf.backends.optimizer_config import OptimizerConfig
     from stream_rlhf.backends.torch_engine import TorchTrainEngine
     from stream_rlhf.broker.rank_group import RankGroup, RankSpec
     from stream_rlhf.models.tokenizer import build_tokenizer
+    from stream_rlhf.stages.experience import Experience
     from stream_rlhf.stages.samples import response_slices
     from tests.test_torch_engine import _experience, _loss
 
@@ -65,14 +81,18 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
     parallel = MegatronConfig(tp=tp, pp=pp)
     found: dict[str, float | bool] = {}
     exp = _experience()
-    for name in ("qwen2", "llama", "critic"):
+    vlm_sequences, vlm_images = _vlm_experience()
+    for name in ("qwen2", "llama", "critic", "vlm"):
         original = _models()[name].state_dict()
         engine = MegatronTrainEngine(_models()[name], group, parallel=parallel)
         exported = engine.export_weights()
         found[f"{name}.round_trip"] = exported.keys() == original.keys() and all(
             torch.equal(exported[k], original[k]) for k in original)
         reference = TorchTrainEngine(_models()[name], RankGroup.single())
-        if name == "critic":
+        if name == "vlm":
+            found[f"{name}.logprobs"] = _max_diff(engine.forward_logprobs(vlm_sequences, 0.7, images=vlm_images),
+                                                  reference.forward_logprobs(vlm_sequences, 0.7, images=vlm_images))
+        elif name == "critic":
             found[f"{name}.values"] = _max_diff(engine.forward_values(exp.sequences),
                                                 reference.forward_values(exp.sequences))
         else:
@@ -108,6 +128,27 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
             e.train_step(exp, loss_of(e), {key: targets})
         a, b = engine.export_weights(), resumed.export_weights()
         found[f"{name}.resumes_exactly"] = all(torch.equal(a[k], b[k]) for k in a)
+    vlm_exp = Experience(sequences=vlm_sequences, prompt_lens=torch.tensor([len(q) - 3 for q in vlm_sequences]),
+                         mask=torch.ones(3, 3), behavior_logp=-torch.ones(3, 3), old_logp=-torch.ones(3, 3), ref_logp=None,
+                         values=None, scores=torch.zeros(3), group_ids=torch.arange(3), policy_versions=torch.zeros(3),
+                         images=vlm_images)
+
+    def vlm_loss(engine):
+        def loss_fn(part, per_sample):
+            logp, _ = engine.logprobs(part.sequences, 1.0, images=part.images)
+            logp = part.padded(response_slices(logp, part.prompt_lens))
+            return policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2)
+        return loss_fn
+
+    engine = MegatronTrainEngine(_models()["vlm"], group, optimizer, parallel)
+    reference = TorchTrainEngine(_models()["vlm"], RankGroup.single(), optimizer)
+    advantages = torch.tensor([[1.0], [-0.5], [0.25]]).expand(3, 3).contiguous()
+    mine = engine.train_step(vlm_exp, vlm_loss(engine), {"advantages": advantages})
+    theirs = reference.train_step(vlm_exp, vlm_loss(reference), {"advantages": advantages})
+    found["vlm.train.loss"] = abs(mine["loss"] - theirs["loss"])
+    a, b = engine.export_weights(), reference.export_weights()
+    found["vlm.train.weights"] = max((a[k] - b[k]).abs().max().item() for k in b)
+    found["vlm.train.moved"] = max((b[k] - _models()["vlm"].state_dict()[k]).abs().max().item() for k in b)
     folder = Path(out + ".checkpoint")
     engine = MegatronTrainEngine(_models()["qwen2"], group, optimizer, parallel)
     engine.train_step(exp, _loss(engine), {"advantages": targets})
@@ -135,9 +176,9 @@ def test_megatron_engine_matches_the_torch_engine(tmp_path, world, tp, pp):
         p.join(240)
     assert [p.exitcode for p in procs] == [0] * world
     found = json.loads(Path(out).read_text())
-    for name in ("qwen2", "llama", "critic"):
+    for name in ("qwen2", "llama", "critic", "vlm"):
         assert found[f"{name}.round_trip"] is True, name
-    assert found["qwen2.logprobs"] < 1e-5 and found["llama.logprobs"] < 1e-5
+    assert found["qwen2.logprobs"] < 1e-5 and found["llama.logprobs"] < 1e-5 and found["vlm.logprobs"] < 1e-5
     assert found["critic.values"] < 1e-5
     for name in ("qwen2", "critic"):
         assert found[f"{name}.train.moved"] > 1e-3  # training moved the weights: the comparison means something
@@ -145,4 +186,5 @@ def test_megatron_engine_matches_the_torch_engine(tmp_path, world, tp, pp):
         for step in range(2):
             assert found[f"{name}.train.loss.{step}"] < 1e-5 and found[f"{name}.train.grad_norm.{step}"] < 1e-5
         assert found[f"{name}.resumes_exactly"] is True, name
+    assert found["vlm.train.moved"] > 1e-3 and found["vlm.train.weights"] < 1e-4 and found["vlm.train.loss"] < 1e-5
     assert found["save_load"] is True

@@ -557,8 +557,8 @@ class RLJobConfig:
         split (a `model.path` checkpoint is checked when the engine is built)."""
         if stage not in GROUP_STAGES:
             raise ConfigError(f"{key}.backend=megatron: only {', '.join(GROUP_STAGES)} hold a train engine")
-        if self.model.tiny.vision is not None or self.task.name == "shapes":
-            raise ConfigError(f"{key}.backend=megatron: vision-language models are not mapped to megatron yet")
+        if stage.startswith("critic") and (self.model.tiny.vision is not None or self.task.name == "shapes"):
+            raise ConfigError(f"{key}.backend=megatron: vision-language critics are not mapped to megatron yet")
         if self.model.path is None:
             tiny = self.model.tiny
             check_model(own.megatron, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_hidden_layers,

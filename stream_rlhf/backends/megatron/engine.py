@@ -9,7 +9,10 @@ The same `TrainEngine` protocol as the torch backend (`backends/train_engine.py`
 losses (`algos/`) are the same. Each data-parallel replica (tp x pp ranks) takes its share of the
 samples; every forward and training pass runs through megatron's pipeline schedule with one
 micro-batch, the share right-padded to (B, S) under an explicit causal mask (no packing and no
-shared-prompt forwards yet: the same log-probs, more compute). Log-probs and entropies come from
+shared-prompt forwards yet: the same log-probs, more compute). A vision-language model's first
+stage embeds the tokens and puts the vision stage's features in at the image tokens, with
+Qwen2-VL's M-RoPE (3, B, S) positions; its frozen vision tower never enters megatron (its weights
+are exported as they came). Log-probs and entropies come from
 the fused kernel (`kernels/`) on the last stage's hidden states and the output layer's weight,
 all-gathered over tp (logits are never formed). Inside `train_step`, `logprobs` / `values` read the
 hidden states of the step's own forward, so a loss function written for the torch engine works
@@ -20,15 +23,16 @@ distributed optimizer (AdamW; megatron leaves biases and norms out of weight dec
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from stream_rlhf.backends.megatron.config import MegatronConfig
+from stream_rlhf.backends.megatron.arch_qwen2_vl import VISION_PREFIX
+from stream_rlhf.backends.megatron.config import MegatronConfig, check_parallel
 from stream_rlhf.backends.megatron.model import architecture, build_model, causal_mask, dims, join_megatron, text_config
 from stream_rlhf.backends.megatron.optimizer import MegatronOptimizer
 from stream_rlhf.backends.megatron.state import Layout, export_hf_state, load_hf_state
@@ -37,7 +41,7 @@ from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.kernels import logprobs_from_hidden
 from stream_rlhf.models.checkpoint import save_checkpoint
-from stream_rlhf.models.vision_language import SampleImages
+from stream_rlhf.models.vision_language import SampleImages, check_sample_images, mrope_positions, scatter_image_features
 from stream_rlhf.stages.experience import Experience
 from stream_rlhf.weights.shm_store import WeightStore, reading
 
@@ -45,22 +49,34 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
 
+class Batch(NamedTuple):
+    ids: Tensor  # (B, S) long, right-padded
+    positions: Tensor  # (B, S), or (3, B, S) M-RoPE positions
+    mask: Tensor  # (1, 1, S, S) bool, True = masked out
+    features: Tensor | None  # (N, H) image features of the image tokens, row-major; None for text
+
+
 class MegatronTrainEngine:
     def __init__(self, model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None = None,
                  parallel: MegatronConfig | None = None, seed: int = 0):
         """`model`: the Hugging Face policy or critic (a token classifier with a `score` head) whose
         config and weights the megatron model takes; it is kept on the meta device for `save`."""
-        if hasattr(model.config, "vision_config"):
-            raise ValueError("megatron backend: vision-language models are not mapped yet (issue 18)")
+        critic = hasattr(model, "score")
+        self.vision_config = model.config if hasattr(model.config, "vision_config") else None
+        if critic and self.vision_config is not None:
+            raise ValueError("megatron backend: vision-language critics are not mapped yet")
         parallel = parallel or MegatronConfig()
         if parallel.recompute and group.device.type != "cuda":
             raise ValueError("megatron.recompute=true: needs CUDA (megatron's recompute saves and restores CUDA RNG "
                              "states); on the CPU leave it false")
+        text = text_config(model.config)
+        check_parallel(parallel, group.world_size, text.num_attention_heads, text.num_key_value_heads,
+                       text.num_hidden_layers, "megatron")
         self.group = group
         self.device = group.device
         self.parallel = join_megatron(group, parallel, seed)
-        critic = hasattr(model, "score")
         hf_state = model.state_dict()
+        self.frozen = {k: v.detach().clone() for k, v in hf_state.items() if k.startswith(VISION_PREFIX)}
         self.layout = Layout(architecture(model.config), dims(model.config, self.parallel.config.tp),
                              text_config(model.config).num_hidden_layers,
                              bool(getattr(model.config, "tie_word_embeddings", False)) and not critic, critic,
@@ -98,24 +114,42 @@ class MegatronTrainEngine:
     def _output_for(self, sequences: list[Tensor], images: list[SampleImages] | None) -> Tensor:
         """The last stage's output for `sequences`: the step's own forward inside `train_step`;
         outside it (one pipeline stage only) a forward of its own."""
-        if images is not None:
-            raise ValueError("megatron backend: image inputs are not supported yet")
         if self._step_outputs is not None:
             if self._step_outputs[0] is not sequences:
                 raise ValueError("megatron train_step: the loss must ask for the log-probs of its own part's sequences")
             return self._step_outputs[1]
         if self.parallel.config.pp > 1:
             raise RuntimeError("megatron: with pp > 1 a forward runs through forward_* or train_step only")
-        return self.model(*self._inputs(sequences))
+        return self._call(self.model, self._inputs(sequences, images))
 
-    def _inputs(self, sequences: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """(B, S) right-padded ids, (B, S) positions, (1, 1, S, S) causal mask."""
+    def _inputs(self, sequences: list[Tensor], images: list[SampleImages] | None) -> Batch:
+        """(B, S) right-padded ids, (B, S) positions ((3, B, S) M-RoPE ones with images), (1, 1, S, S)
+        causal mask, and the (N, H) image features of the batch's image tokens in row-major order."""
         width = max(len(s) for s in sequences)
         ids = torch.zeros(len(sequences), width, dtype=torch.long)
         for i, seq in enumerate(sequences):
             ids[i, : len(seq)] = seq
-        positions = torch.arange(width)[None].expand(len(sequences), width)
-        return ids.to(self.device), positions.to(self.device), causal_mask(width, self.device)
+        if images is None:
+            positions = torch.arange(width)[None].expand(len(sequences), width)
+            return Batch(ids.to(self.device), positions.to(self.device), causal_mask(width, self.device), None)
+        if self.vision_config is None:
+            raise ValueError("megatron backend: images given to a text model")
+        positions = torch.zeros(3, len(sequences), width, dtype=torch.long)  # (3, B, S)
+        for i, (seq, sample) in enumerate(zip(sequences, images, strict=True)):
+            check_sample_images(i, seq, sample, self.vision_config)
+            positions[:, i, : len(seq)] = mrope_positions(seq.cpu(), sample.grid_thw, self.vision_config)
+        features = torch.cat([sample.features for sample in images]).to(self.device)  # (N, H)
+        return Batch(ids.to(self.device), positions.to(self.device), causal_mask(width, self.device), features)
+
+    def _call(self, model: nn.Module, batch: Batch) -> Tensor:
+        """`model` (the megatron model or its DDP wrapper) on `batch`; with image features the first
+        stage embeds the tokens itself and puts the features in at the image tokens."""
+        decoder_input = None
+        if batch.features is not None and self.parallel.first_stage:
+            embedded = self.model.embedding(input_ids=batch.ids, position_ids=None).transpose(0, 1)  # (B, S, H)
+            decoder_input = scatter_image_features(embedded, batch.ids, batch.features,
+                                                   self.vision_config.image_token_id).transpose(0, 1).contiguous()
+        return model(batch.ids, batch.positions, batch.mask, decoder_input=decoder_input)
 
     def _logprobs_of(self, hidden: Tensor, sequences: list[Tensor], temperature: float,
                      with_entropy: bool) -> tuple[list[Tensor], list[Tensor] | None]:
@@ -136,8 +170,6 @@ class MegatronTrainEngine:
     def _shared(self, sequences: list[Tensor], images: list[SampleImages] | None, result) -> list[Tensor]:
         """`result(output, share)` over this replica's share of `sequences`, no gradient; every rank
         gets every sample's (L_i - 1,) floats, on the CPU."""
-        if images is not None:
-            raise ValueError("megatron backend: image inputs are not supported yet")
         mine = self._share(len(sequences))
         local = sequences[mine]
         lengths = [len(s) - 1 for s in sequences]
@@ -145,7 +177,8 @@ class MegatronTrainEngine:
         flat = torch.zeros(offsets[-1], dtype=torch.float32)
         if local:
             with torch.no_grad():
-                outputs = self._schedule(local, lambda out: (out.sum() * 0, {"out": result(out, local)}), True)
+                outputs = self._schedule(local, images[mine] if images is not None else None,
+                                         lambda out: (out.sum() * 0, {"out": result(out, local)}), True)
             if outputs and self.parallel.tp_rank == 0:
                 flat[offsets[mine.start]: offsets[mine.stop]] = torch.cat(outputs[0]["out"]).float().cpu()
         if self.group.distributed:
@@ -159,18 +192,19 @@ class MegatronTrainEngine:
         start = rank * base + min(rank, extra)
         return slice(start, start + base + (rank < extra))
 
-    def _schedule(self, sequences: list[Tensor], loss, forward_only: bool) -> list[dict]:
+    def _schedule(self, sequences: list[Tensor], images: list[SampleImages] | None, loss,
+                  forward_only: bool) -> list[dict]:
         """One micro-batch through megatron's pipeline schedule; `loss(output)` runs on the last
         stage and returns (loss, extras); the last stage gets the list of extras."""
-        ids, positions, mask = self._inputs(sequences)
+        batch = self._inputs(sequences, images)
 
         def forward_step(_iterator, model):
-            return model(ids, positions, mask), loss
+            return self._call(model, batch), loss
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter([None]),
             model=[self.optimizer.ddp if self.optimizer is not None else self.model], num_microbatches=1,
-            seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=forward_only)
+            seq_length=batch.ids.shape[1], micro_batch_size=batch.ids.shape[0], forward_only=forward_only)
 
     # ---- training ----------------------------------------------------------------------------
 
@@ -196,7 +230,7 @@ class MegatronTrainEngine:
             return value * scale, {"metrics": {**metrics, "loss": value.item()}}
 
         self.optimizer.zero_grad()
-        outputs = self._schedule(local.sequences, loss, False)
+        outputs = self._schedule(local.sequences, local.images, loss, False)
         grad_norm = self.optimizer.step()
         metrics = outputs[0]["metrics"] if outputs else {}
         return {**self._reduced(metrics, tokens, total), "grad_norm": grad_norm}
@@ -223,10 +257,12 @@ class MegatronTrainEngine:
 
     def export_weights(self, trainable_only: bool = False) -> dict[str, Tensor]:
         """Full tensors in Hugging Face names, on the CPU, on every rank (every rank must call it)."""
-        return export_hf_state(self.model, self.layout)
+        trained = export_hf_state(self.model, self.layout)
+        return trained if trainable_only else {**trained, **self.frozen}
 
     def trained_names(self) -> list[str]:
-        return [name for name in self.layout.hf_shapes if not (self.layout.tied and name == self.layout.arch.lm_head)]
+        return [name for name in self.layout.hf_shapes
+                if name not in self.frozen and not (self.layout.tied and name == self.layout.arch.lm_head)]
 
     def refresh(self, store: WeightStore, held: int) -> int:
         """Every rank loads the same version: the newest any rank has seen, when newer than `held`."""

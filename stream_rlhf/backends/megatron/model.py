@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from stream_rlhf.backends.megatron.arch_llama import LLAMA
 from stream_rlhf.backends.megatron.arch_qwen2 import QWEN2
+from stream_rlhf.backends.megatron.arch_qwen2_vl import QWEN2_VL
 from stream_rlhf.backends.megatron.config import MegatronConfig
 from stream_rlhf.backends.megatron.shim import apply_shims, seed_model_parallel
 from stream_rlhf.backends.megatron.weights import Architecture, Dims
@@ -34,8 +35,9 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-ARCHITECTURES: dict[str, Architecture] = {"qwen2": QWEN2, "llama": LLAMA}
-"""HF `config.model_type` -> its weight mapping."""
+ARCHITECTURES: dict[str, Architecture] = {"qwen2": QWEN2, "llama": LLAMA, "qwen2_vl_text": QWEN2_VL,
+                                          "qwen2_5_vl_text": QWEN2_VL}
+"""HF language-model `model_type` -> its weight mapping."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,12 @@ def dims(hf_config, tp: int) -> Dims:
     return Dims(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, cfg.vocab_size, padded)
 
 
+def mrope_section(cfg) -> list[int] | None:
+    """Qwen2-VL's M-RoPE split of the rotary frequencies over (time, height, width), or None."""
+    section = (getattr(cfg, "rope_parameters", None) or {}).get("mrope_section")
+    return list(section) if section is not None else None
+
+
 def rope_theta(cfg) -> float:
     rope = getattr(cfg, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
@@ -122,7 +130,7 @@ def transformer_config(hf_config, parallel: MegatronConfig) -> TransformerConfig
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
         context_parallel_size=parallel.cp, use_cpu_initialization=True, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, **recompute,
+        gradient_accumulation_fusion=False, mrope_section=mrope_section(cfg), **recompute,
         # pipeline p2p as plain isend/irecv: batched p2p ends in torch.cuda.synchronize()
         batch_p2p_comm=torch.cuda.is_available(),
     )
@@ -139,7 +147,8 @@ class MegatronGPT(GPTModel):
                          vocab_size=dims(hf_config, config.tensor_model_parallel_size).padded_vocab,
                          max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process,
                          post_process=post_process, share_embeddings_and_output_weights=tied,
-                         position_embedding_type="rope", rotary_base=rope_theta(cfg))
+                         position_embedding_type="mrope" if mrope_section(cfg) else "rope",
+                         rotary_base=rope_theta(cfg))
         self.critic = critic
         if critic and post_process:
             self.output_layer = None
