@@ -18,7 +18,8 @@ reward after RL over the baseline `outcome` column's.
 
     .venv/bin/python bench/process_rewards.py                  # 3 columns x seeds 0 1 (~10 minutes)
     .venv/bin/python bench/process_rewards.py --seeds 0 --iterations 10 --json
-    .venv/bin/python bench/process_rewards.py --quick --json   # smoke: seed 0, 2 iterations, 64 eval prompts, no model_prm
+    .venv/bin/python bench/process_rewards.py --quick --json   # smoke: seed 0, 2 iterations, a 40-step
+                                                               # warm start, 64 eval prompts, no model_prm
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def prm_folder(iterations: int) -> tuple[Path, float]:
 def run(column: str, seed: int, iterations: int, prm: Path | None, quick: bool) -> dict:
     name = f"bench_prm_{column}_s{seed}" + ("_quick" if quick else "")
     sets = [f"name={name}", f"seed={seed}", f"iterations={iterations}", f"broker.shm_prefix=b_prm_{column}_{seed}"]
-    if quick:
-        sets.append("task.eval_prompts=64")
+    if quick:  # a 40-step warm start of its own (seconds), 64 eval prompts
+        sets += ["task.eval_prompts=64", "model.warm_start.steps=40"]
     if column == "outcome":
         sets.append("reward.process=null")
     elif column == "model_prm":
@@ -88,7 +89,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS))
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: seed 0, 2 iterations, 64 eval prompts, outcome and rule_prm")
+                        help="a smoke run: seed 0, 2 iterations, a 40-step warm start, 64 eval prompts, outcome "
+                             "and rule_prm")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
     if args.quick:
