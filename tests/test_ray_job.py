@@ -30,7 +30,15 @@ def raylets() -> set[int]:
     return {int(line.split()[0]) for line in ps.splitlines() if "ray/raylet/raylet" in line}
 
 
-def alive(pid: int) -> bool:
+def alive(pid: int, wait_s: float = 10.0) -> bool:
+    """The process is still running `wait_s` from now (a killed actor's worker takes a moment to exit)."""
+    deadline = time.monotonic() + wait_s
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _running(pid)
+
+
+def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().split(")")[-1].split()[0] != "Z"
@@ -87,6 +95,8 @@ def test_ray_job_on_a_local_instance_trains_every_sample_it_generated(tmp_path):
     assert set(where) == {"broker", "prompts-0", "rollout-0", "ref_forward-0", "reward_forward-0",
                           "critic_forward-0", "actor_train-0", "critic_train-0"}
     assert len({node for node, _ in where.values()}) == 1
+    plan = json.loads((tmp_path / "rayjob" / "plan.json").read_text())  # the plan the launcher carried out
+    assert plan["launcher"] == "ray" and {r["process"] for r in plan["ranks"]} == set(where)
     assert not [name for name, (_, pid) in where.items() if alive(pid)]  # no actor outlived the job
     assert raylets() <= before  # the Ray instance the job started is gone
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_rayjob")]
@@ -144,17 +154,25 @@ def test_ray_job_across_two_nodes_runs_each_stage_where_its_resources_are(tmp_pa
     assert {where[n][0] for n in where if n not in ("prompts-0", "rollout-0")} == {train_node}
     assert not [name for name, (_, pid) in where.items() if alive(pid)]
 
-    # a Ray worker of a stage killed with SIGKILL: the job fails naming it, and stops every actor
-    process, log_file = start_job(tmp_path, "killed", *sets, "iterations=200", "restarts={rollout: 0}",
+    # a Ray worker of a stage killed with SIGKILL: restarted while its stage has restarts left, then
+    # the job fails naming it, and stops every actor
+    process, log_file = start_job(tmp_path, "killed", *sets, "iterations=200", "restarts={rollout: 1}",
                                   "checkpoint.recoveries=0", ray=ray_settings)
     deadline = time.monotonic() + 180
     while (time.monotonic() < deadline and process.poll() is None
            and not (tmp_path / "killed" / "metrics.jsonl").is_file()):
         time.sleep(0.5)
-    where = placed(log_file.read_text())
-    assert "rollout-0" in where and process.poll() is None, log_file.read_text()[-4000:]
-    os.kill(where["rollout-0"][1], signal.SIGKILL)
+    first = placed(log_file.read_text())
+    assert "rollout-0" in first and process.poll() is None, log_file.read_text()[-4000:]
+    os.kill(first["rollout-0"][1], signal.SIGKILL)
+    while time.monotonic() < deadline and placed(log_file.read_text())["rollout-0"] == first["rollout-0"]:
+        time.sleep(0.5)
+    again = placed(log_file.read_text())["rollout-0"]
+    assert again != first["rollout-0"] and again[0] == rollout_node, log_file.read_text()[-4000:]
+    assert "rollout-0 failed (its Ray worker died" in log_file.read_text()  # ... restarting it in 0.5s
+    os.kill(again[1], signal.SIGKILL)
     assert finish(process, 120) == 1
     log = log_file.read_text()
     assert "job killed failed: stage instance(s) failed: rollout-0: its Ray worker died" in log, log[-4000:]
-    assert not [name for name, (_, pid) in where.items() if alive(pid)]  # no actor outlived the job
+    pids = [pid for _, pid in first.values()] + [again[1]]
+    assert not [pid for pid in pids if alive(pid)]  # no actor outlived the job

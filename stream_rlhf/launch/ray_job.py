@@ -159,11 +159,9 @@ class RayJob(BrokerClient):
         self.placed[BROKER] = ray.get(self._broker.where.remote(), timeout=timeout_s)
         self.address = ray.get(self._broker.open.remote(self.plan, self._cwd), timeout=timeout_s)
         self._broker_run = self._broker.serve.remote()
+        _log_placed(BROKER, self.placed[BROKER])
         self.start_instances([(stage, index) for stage, spec in self.plan.flow.stages.items()
                               for index in range(spec.instances)])
-        for name, where in self.placed.items():
-            log.info("ray: %s on node %s (%s, pid %d%s)", name, where["node"], where["ip"], where["pid"],
-                     f", GPU {','.join(where['gpus'])}" if where["gpus"] else "")
         return self.address
 
     def _actor(self, cls: type, index: int, rank: RankPlan, max_concurrency: int = 1) -> Any:
@@ -189,6 +187,8 @@ class RayJob(BrokerClient):
         self.processes.update(actors)  # from here on, stop() kills them
         self.placed.update(zip(actors, ray.get([a.where.remote() for a in actors.values()],
                                                timeout=self.plan.ray.start_timeout_s)))
+        for name in actors:
+            _log_placed(name, self.placed[name])
         elsewhere = sorted(name for name, where in self.placed.items() if where["host"] != socket.gethostname())
         if elsewhere:
             self._fail(elsewhere, f"{', '.join(elsewhere)}: placed on another host than the driver's "
@@ -267,10 +267,9 @@ class RayJob(BrokerClient):
             self.ask_shutdown()
             _, pending = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=grace_s)
             running = {self._runs[ref] for ref in pending}
-        for name, actor in self.processes.items():
-            if name in running:
-                log.warning("%s ignored shutdown: killing its actor", name)
-            ray.kill(actor)
+        for name in running:
+            log.warning("%s ignored shutdown: killing its actor", name)
+        killed = list(self.processes.values())
         self._runs.clear()
         self.processes.clear()
         if self._broker is not None:
@@ -279,14 +278,24 @@ class RayJob(BrokerClient):
                 ray.wait([self._broker_run], timeout=grace_s)
             except Exception as exc:  # noqa: BLE001 - a dead broker actor is killed below
                 log.warning("the broker did not stop cleanly: %s", exc)
-            ray.kill(self._broker)
+            killed.append(self._broker)
             self._broker = None
+        for actor in killed:
+            ray.kill(actor)
+        # a call on a killed actor fails once Ray has it dead: then no actor outlives the job
+        probes = [actor.where.remote() for actor in killed]
+        ray.wait(probes, num_returns=len(probes), timeout=10)
         if self._group is not None:
             remove_placement_group(self._group)
             self._group = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+def _log_placed(name: str, where: dict[str, Any]) -> None:
+    log.info("ray: %s on node %s (%s, pid %d%s)", name, where["node"], where["ip"], where["pid"],
+             f", GPU {','.join(where['gpus'])}" if where["gpus"] else "")
 
 
 def _bundle(rank: RankPlan) -> dict[str, float]:

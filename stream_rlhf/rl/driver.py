@@ -46,9 +46,11 @@ from stream_rlhf.weights.shm_store import weights_root
 log = logging.getLogger("stream_rlhf")
 TRACE_METRICS = "trace_metrics.jsonl"
 """Per trained iteration, the trace's figures over that iteration (also TensorBoard's `trace/` tags)."""
+PLAN = "plan.json"
+"""The job plan as `stream-rlhf plan --json` prints it (`launch/plan.py`), written before the stages start."""
 RUN_OUTPUTS = ("metrics.jsonl", "critic_metrics.jsonl", TRACE_METRICS, "train_summary.json", "summary.json",
                TRACE_FOLDER, "stage_counts", "checkpoint", "checkpoints", "tensorboard", "samples.jsonl", "plots",
-               "view.html")
+               "view.html", PLAN)
 """What a run writes in runs/<name>/; a new run of the same name starts without them."""
 RESUME_KEEPS = ("metrics.jsonl", "critic_metrics.jsonl", TRACE_METRICS, "stage_counts", "checkpoints", "tensorboard",
                 "samples.jsonl")
@@ -123,6 +125,7 @@ class RLRun:
                                  self.resumed.point if self.resumed else None)
         self.left_out = self.plan.flow.left_out
         log.info("job plan:\n%s", self.plan.describe())
+        (self.run_dir / PLAN).write_text(json.dumps(self.plan.as_dict(), indent=2))
         self.job_started = time.monotonic()
         self.job = make_launcher(self.plan)
         return self.job
