@@ -105,20 +105,10 @@ def rank_main(rank: int, ranks: int, backend: str, core: int, init_file: str, si
 def measure(backend: str, ranks: int, size: dict[str, int], repeats: int) -> tuple[float, float]:
     """(tokens/s, peak MiB) of one column, its ranks in fresh processes, one core each."""
     cores = sorted(os.sched_getaffinity(0))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="srlhf-megatron-") as folder:
-        procs = [ctx.Process(target=rank_main, args=(rank, ranks, backend, cores[rank % len(cores)],
-                                                     os.path.join(folder, "init"), size, repeats, out))
-                 for rank in range(ranks)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        failed = [p.exitcode for p in procs if p.exitcode != 0]
-        if failed:
-            raise RuntimeError(f"{backend} x {ranks} rank(s): a rank exited with {failed}")
-        return out.get(timeout=10)
+        rank_args = [(rank, ranks, backend, cores[rank % len(cores)], os.path.join(folder, "init"), size, repeats)
+                     for rank in range(ranks)]
+        return scaling.spawn_ranks(rank_main, rank_args, f"{backend} x {ranks} rank(s)")
 
 
 def cp_bytes(size: dict[str, int], cp: int = 2) -> tuple[int, int]:

@@ -115,26 +115,30 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def spawn_ranks(target, rank_args: list[tuple], label: str):
+    """`target(*rank_args[r], out)` for every rank r in fresh spawned processes; what rank 0 put in
+    `out` (bench/megatron.py runs its columns through this too)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, out)) for args in rank_args]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    failed = [p.exitcode for p in procs if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"{label}: a rank exited with {failed}")
+    return out.get(timeout=10)
+
+
 def measure(ranks: int, threads: int, device: str, size: dict[str, int], repeats: int) -> float:
     """Tokens/s of one column, its ranks in fresh processes."""
     cores = sorted(os.sched_getaffinity(0))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="srlhf-scaling-") as folder:
-        procs = []
-        for rank in range(ranks):
-            rank_cores = cores[rank * threads:(rank + 1) * threads] if device == "cpu" else cores
-            rank_device = f"cuda:{rank}" if device == "cuda" else "cpu"
-            procs.append(ctx.Process(target=rank_main, args=(rank, ranks, threads, rank_cores, rank_device,
-                                                             os.path.join(folder, "init"), size, repeats, out)))
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        failed = [p.exitcode for p in procs if p.exitcode != 0]
-        if failed:
-            raise RuntimeError(f"{ranks} rank(s) x {threads} thread(s): a rank exited with {failed}")
-        return out.get(timeout=10)
+        rank_args = [(rank, ranks, threads, cores[rank * threads:(rank + 1) * threads] if device == "cpu" else cores,
+                      f"cuda:{rank}" if device == "cuda" else "cpu", os.path.join(folder, "init"), size, repeats)
+                     for rank in range(ranks)]
+        return spawn_ranks(rank_main, rank_args, f"{ranks} rank(s) x {threads} thread(s)")
 
 
 def main() -> None:
