@@ -76,7 +76,8 @@ def scored_experience(tokenizer, weight: float, values: list[list[float]]) -> Ex
     scores = torch.tensor([final_reward("", tokenizer.decode(r, skip_special_tokens=True), "19,49") for r in responses])
     return Experience(
         sequences=rollout.sequences, prompt_lens=rollout.prompt_lens,
-        mask=pad_right([torch.ones(len(r)) for r in responses], 0.0), behavior_logp=pad_right(rollout.behavior_logp, 0.0),
+        mask=pad_right([torch.ones(len(r)) for r in responses], 0.0),
+        behavior_logp=pad_right(rollout.behavior_logp, 0.0),
         old_logp=None, ref_logp=None, values=pad_right([torch.tensor(v) for v in values], 0.0), scores=scores,
         group_ids=rollout.group_ids, policy_versions=torch.zeros(2), process_rewards=pad_right(process, 0.0),
     )

@@ -91,7 +91,9 @@ def step_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     return ((logits[scored] > 0).float() == labels[scored]).float().mean().item()
 
 
-def labelled(split: str, count: int, seed: int, max_operand: int, terms: int) -> list[tuple[str, list[str], list[float]]]:
+def labelled(split: str, count: int, seed: int, max_operand: int,
+             terms: int) -> list[tuple[str, list[str], list[float]]]:
+    """(prompt, steps, labels) of `count` problems of `split`, each step made wrong with probability 1/2."""
     rng = random.Random(f"prm/{split}/{seed}")
     return [(p.prompt, *corrupted_steps(p.answer, rng)) for p in problems(split, count, seed, max_operand, terms)]
 

@@ -78,8 +78,8 @@ class ActorTrain(Stage):
         if (state := self.checkpoints.resume()) is not None:
             self._restore(state)
         self.metrics = MetricsWriter(self.job.run_dir, "actor", purge_step=self.iteration) if leader else None
-        self.samples = SampleLog(self.job.run_dir, cfg.samples_log, load_tokenizer(self.job.checkpoint), self.iteration) \
-            if leader and cfg.samples_log.per_minibatch > 0 else None
+        self.samples = SampleLog(self.job.run_dir, cfg.samples_log, load_tokenizer(self.job.checkpoint),
+                                 self.iteration) if leader and cfg.samples_log.per_minibatch > 0 else None
         self.started = self.last_done = time.time()
 
     def step(self, batch: Batch | None) -> list[Output]:
