@@ -95,6 +95,20 @@ class StuckWorker(Stage):
         raise StepAborted(f"{self.ctx.instance_id}: gave up mini-batch {batch.minibatch}")
 
 
+class SetupFails(Stage):
+    """A stage whose setup() raises before it has what its close() reads (a trainer whose
+    checkpoint folder cannot be read): close() then raises AttributeError too."""
+
+    def setup(self, ctx) -> None:
+        raise RuntimeError("no model at /nowhere")
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def step(self, batch: Batch | None) -> list[Output]:
+        return []
+
+
 class Sink(Stage):
     """Appends one JSON line per batch to `path`; sends shutdown after `expected` batches."""
 

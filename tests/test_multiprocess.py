@@ -283,3 +283,21 @@ def test_a_dropped_handle_fails_a_job_that_needs_every_handle(tmp_path, shm_pref
     finally:
         job.stop()
     assert not read_records(out)
+
+
+def test_the_setup_error_is_the_one_a_failed_stage_exits_with(tmp_path, shm_prefix, capfd):
+    """A stage whose setup raises and whose close() then fails for want of what setup did not
+    build: the process exits with the setup's error (close's is logged), not with close's."""
+    job = make_job(topics={"items": {"producers": ["src"], "consumers": ["work"]}},
+                   stages={"src": ("CountingSource", {"kwargs": {"n": 2}}), "work": ("SetupFails", {})},
+                   prefix=shm_prefix)
+    job.start()
+    try:
+        with pytest.raises(StageFailed, match=r"work-0"):
+            job.wait(60)
+    finally:
+        job.stop()
+    err = capfd.readouterr().err
+    assert "close() raised after a setup that did not finish" in err
+    last_error = [line for line in err.splitlines() if line.startswith(("RuntimeError", "AttributeError"))][-1]
+    assert last_error == "RuntimeError: no model at /nowhere"

@@ -119,6 +119,7 @@ class StageRunner:
         self._inbox: queue.SimpleQueue[Deliver | Control | None] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._fatal: str | None = None
+        self._set_up = False  # the stage's setup() returned (see _close_stage)
         self._io_stop = threading.Event()
         self._pipe_address = f"inproc://runner-{next(_pipe_ids)}"
         self._pipe_in = self._context.socket(zmq.PAIR)
@@ -151,6 +152,7 @@ class StageRunner:
                     StageContext(self.stage_name, self.instance_id, self.host.inputs, self.host.outputs,
                                  self._send_control, self.log, self.host.abort, self.group)
                 )
+            self._set_up = True
             self.host.mark_idle()
             while self.state is not RunnerState.STOPPED:
                 self._turn()
@@ -162,6 +164,17 @@ class StageRunner:
         finally:
             self._shutdown()
         return dict(self.host.counters)
+
+    def _close_stage(self) -> None:
+        """The stage's close(); after a setup that did not finish (or never ran) its error is
+        logged, not raised, so the error that stopped the setup is the one the process exits with."""
+        try:
+            self.stage.close()
+        except Exception:
+            if self._set_up:
+                raise
+            self.log.exception("%s: close() raised after a setup that did not finish (the setup's error follows)",
+                               self.instance_id)
 
     def _turn(self) -> None:
         if self._fatal:
@@ -273,7 +286,7 @@ class StageRunner:
     def _shutdown(self) -> None:
         self.state = RunnerState.STOPPED
         try:
-            self.stage.close()
+            self._close_stage()
         finally:
             if self._io_thread.is_alive():
                 self._io_stop.set()
