@@ -2,7 +2,7 @@
 bubble ratio, staleness and peak memory per device from its stages' step costs.
 
     prediction = simulate(graph)      # graph.py: stages, inputs, devices, costs
-    prediction.iteration_s, prediction.bubble_ratio, prediction.busy["rollout"]
+    prediction.iteration_s, prediction.figures.bubble_ratio, prediction.figures.busy["rollout"]
 
 The rules are the engine's, at mini-batch granularity:
 
@@ -14,8 +14,9 @@ The rules are the engine's, at mini-batch granularity:
         v + 1 is published `publish_s` after the trainer's last step of iteration v;
       - back-pressure: the start of each consumer's step on S's output queue_capacity earlier;
       - its device being free (one step at a time per device).
-    it lasts step_s (its mini-batch position's), plus load_s for a stage that `offload`s when the device's previous step was
-    another stage's, plus weights_load_s for rollout's first step on a newer version.
+    it lasts step_s (its mini-batch position's), plus load_s for a stage that `offload`s when
+    the device's previous step was another stage's, plus weights_load_s for rollout's first
+    step on a newer version.
 
 Contention (`graph.contention` = c > 0): steps on different devices of one host slow each other
 (memory bandwidth, shared caches, SMT siblings: generation on one core of this 2-core VM runs up
@@ -36,10 +37,11 @@ iterations it holds.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from stream_rlhf.planner.graph import SimGraph
-from stream_rlhf.telemetry.trace_figures import STEADY_SKIP, Span, TraceFigures, clip, merged_length, trace_figures
+from stream_rlhf.telemetry.trace_figures import STEADY_SKIP, Span, TraceFigures, trace_figures
 
 CONTENTION_ROUNDS = 50
 """At most this many re-schedulings to settle the slowdowns of contention (graph.contention)."""
@@ -104,14 +106,29 @@ def simulate(graph: SimGraph, skip: int | None = None) -> Prediction:
 
 def contended_fractions(spans: list[tuple[str, float, float]]) -> list[float]:
     """Per (device, start, end) span, the fraction of it during which a span of another device ran."""
-    by_device: dict[str, list[Span]] = {}
-    for device, start, end in spans:
-        by_device.setdefault(device, []).append((start, end))
+    others = {device: _union([(start, end) for other, start, end in spans if other != device])
+              for device in {device for device, _, _ in spans}}
+    starts = {device: [start for start, _ in union] for device, union in others.items()}
     fractions = []
     for device, start, end in spans:
-        others = [span for other, held in by_device.items() if other != device for span in held]
-        fractions.append(merged_length(clip(others, start, end)) / (end - start) if end > start else 0.0)
+        union, covered = others[device], 0.0
+        index = max(bisect.bisect_right(starts[device], start) - 1, 0)
+        while index < len(union) and union[index][0] < end:
+            covered += max(0.0, min(end, union[index][1]) - max(start, union[index][0]))
+            index += 1
+        fractions.append(covered / (end - start) if end > start else 0.0)
     return fractions
+
+
+def _union(spans: list[Span]) -> list[Span]:
+    """The spans merged into disjoint ones, in order."""
+    merged: list[Span] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def peak_memory(graph: SimGraph) -> dict[str, float]:
