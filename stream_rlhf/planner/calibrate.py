@@ -9,14 +9,14 @@ same device at the same time (stages on one device time-share it). The profile t
 each step's *exclusive* cost: the integral over the step of 1 / (steps running on its device at
 that moment), which is the time it would have taken alone when n overlapping steps share the
 device equally. A stage's cost is kept per mini-batch position of an iteration (a trainer
-collects an iteration's experiences and trains on the last one), as the median over the
+collects an iteration's experiences and trains on the last one), as the mean over the
 steady-state iterations (after `skip`, as the run's summary figures), which leaves out warm-up.
 
 Steps on different devices of one host also slow each other (`SimGraph.contention`): with each
 step's fraction of time overlapped by other devices' steps, one contention figure is fitted for
 the whole trace (least squares over every stage's steps) and the costs are kept without it,
 so a schedule that overlaps more (or less) than the calibration run is predicted with its own
-slowdowns. A trace whose sides never overlapped (sync) cannot show contention: it fits 0.
+slowdowns. A trace whose sides hardly overlapped (sync) cannot show contention: it fits 0.
 
 Edges come from the trace's flow arrows (producer stage -> consumer stage); weight costs from
 its "weights publish" (the trainer's side) and "weights load" (rollout's) spans.
@@ -35,6 +35,8 @@ from stream_rlhf.telemetry.trace_figures import TRAINER, is_leader_step, steady_
 ROLLOUT = "rollout"
 CONTENTION_GRID = 150
 """Contentions tried: 0.00 to 1.50 in steps of 0.01."""
+MIN_OVERLAP = 0.1
+"""Contention is fitted only when at least this share of the steps' time overlapped other devices."""
 Sample = tuple[float, float]
 """A step's (exclusive cost, fraction of its time that other devices' steps ran)."""
 
@@ -42,7 +44,7 @@ Sample = tuple[float, float]
 @dataclass(frozen=True)
 class Profile:
     step_s: dict[str, tuple[float, ...]]
-    """Per stage and mini-batch position of an iteration: the median exclusive cost of its
+    """Per stage and mini-batch position of an iteration: the mean exclusive cost of its
     steady-state steps."""
     minibatches: int
     inputs: dict[str, tuple[str, ...]]
@@ -104,14 +106,16 @@ def profile_from_trace(events: list[dict[str, Any]], devices: dict[str, str], ro
 
 
 def base_cost(samples: list[Sample], contention: float) -> float:
-    """A step's cost without contention: the median of cost / (1 + contention * fraction)."""
-    return statistics.median(cost / (1 + contention * fraction) for cost, fraction in samples)
+    """A step's cost without contention: the mean of cost / (1 + contention * fraction) (the mean,
+    not the median: a pipeline's throughput is set by the sum of its steps' times)."""
+    return statistics.fmean(cost / (1 + contention * fraction) for cost, fraction in samples)
 
 
 def fit_contention(groups: list[list[Sample]]) -> float:
     """The contention (0 to 1.5, in steps of 0.01) under which each group's steps (a stage's) best
     fit one base cost: least squares in seconds, so the long steps that make the iteration time
-    weigh most. Ties (a trace whose sides never overlapped) go to the smallest."""
+    weigh most. Ties go to the smallest; a trace whose steps overlapped other devices for less
+    than MIN_OVERLAP of their time (a sync run) fits 0."""
     def error(contention: float) -> float:
         total = 0.0
         for samples in groups:
@@ -119,6 +123,10 @@ def fit_contention(groups: list[list[Sample]]) -> float:
             total += sum((cost - base * (1 + contention * fraction)) ** 2 for cost, fraction in samples)
         return total
 
+    seconds = sum(cost for samples in groups for cost, _ in samples)
+    overlapped = sum(cost * fraction for samples in groups for cost, fraction in samples)
+    if overlapped < MIN_OVERLAP * seconds:  # a few brushes of a sync run fit noise, not contention
+        return 0.0
     best, best_error = 0.0, error(0.0)
     for step in range(1, CONTENTION_GRID + 1):
         candidate = step / 100
