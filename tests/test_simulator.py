@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from stream_rlhf.planner.calibrate import Profile, base_cost, exclusive_costs, fit_contention, profile_from_trace
 from stream_rlhf.planner.graph import SimGraph, SimStage
+from stream_rlhf.planner.search import search
 from stream_rlhf.planner.simulator import simulate
 
 
@@ -148,8 +150,6 @@ def test_a_profile_keeps_each_steps_cost_alone_on_its_device():
     """ref_forward 1-3 and critic_forward 2-4 share a core: each ran 1 s alone and 1 s at half
     speed, so each costs 1.5 s; rollout (its own core) 0-1 costs 1 s. Arrows give the inputs;
     the publish and load spans the weight costs."""
-    from stream_rlhf.planner.calibrate import exclusive_costs, profile_from_trace
-
     names = {1: "rollout-0", 2: "ref_forward-0", 3: "critic_forward-0", 4: "actor_train-0"}
     events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}
               for pid, name in names.items()]
@@ -202,8 +202,6 @@ def test_contention_slows_steps_that_overlap_other_devices():
 def test_contention_fit_recovers_the_slowdown_of_overlapped_steps():
     """Steps of 2 s and 0.5 s bases, each seen at several overlapped fractions with contention
     0.4: the fit finds 0.4 and the bases; steps that never overlap fit 0."""
-    from stream_rlhf.planner.calibrate import base_cost, fit_contention
-
     groups = [[(base * (1 + 0.4 * f), f) for f in (0.0, 0.25, 0.5, 1.0)] for base in (2.0, 0.5)]
     assert fit_contention(groups) == 0.4
     assert base_cost(groups[0], 0.4) == pytest.approx(2.0)
@@ -211,8 +209,6 @@ def test_contention_fit_recovers_the_slowdown_of_overlapped_steps():
 
 
 def _profile(contention: float):
-    from stream_rlhf.planner.calibrate import Profile
-
     return Profile(step_s={"prompts": (0.0,), "rollout": (1.0,), "actor_train": (2.0,)}, minibatches=1,
                    inputs={"prompts": (), "rollout": ("prompts",), "actor_train": ("rollout",)},
                    rollout_side=frozenset({"prompts", "rollout"}), publish_s=0.0, weights_load_s=0.0,
@@ -223,8 +219,6 @@ def test_search_picks_overlap_when_the_sides_do_not_interfere():
     """Separated, stream k=1: training (2 s) bounds the iteration, rollout (1 s) hides beside it;
     k=2 is as fast, so the smaller depth wins. Colocated, every schedule keeps the one device set
     busy from 0 to 6 x (1 + 2) = 18 s (the window's figure differs where rollout ran ahead of it)."""
-    from stream_rlhf.planner.search import search
-
     plans = search(_profile(contention=0.0), iterations=6)
     assert plans[0].sets == ["schedule=stream", "overlap_depth=1", "placement.mode=separated"]
     assert plans[0].prediction.iteration_s == pytest.approx(2.0)
@@ -236,8 +230,6 @@ def test_search_colocates_when_contention_costs_more_than_overlap_saves():
     """Contention 2, separated, k=1: in the steady state rollout lasts 3 s and training T =
     2 (1 + 2 * 3 / T), T = 1 + sqrt(13) = 4.6 s; the last training step runs alone (2 s). Taking
     turns on one device set (3 s per iteration) is faster."""
-    from stream_rlhf.planner.search import search
-
     plans = search(_profile(contention=2.0), iterations=6)
     assert plans[0].mode == "colocated"
     overlapped = next(p for p in plans if p.sets == ["schedule=stream", "overlap_depth=1", "placement.mode=separated"])

@@ -62,9 +62,6 @@ class PreallocatedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.capacity, 0
-
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last `-tokens_to_remove` positions (negative, as DynamicCache.crop requires)."""
         if self.is_initialized:

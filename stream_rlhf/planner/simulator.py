@@ -41,7 +41,7 @@ import bisect
 from dataclasses import dataclass
 
 from stream_rlhf.planner.graph import SimGraph
-from stream_rlhf.telemetry.trace_figures import STEADY_SKIP, Span, TraceFigures, trace_figures
+from stream_rlhf.telemetry.trace_figures import STEADY_SKIP, TraceFigures, merged_spans, trace_figures
 
 CONTENTION_ROUNDS = 50
 """At most this many re-schedulings to settle the slowdowns of contention (graph.contention)."""
@@ -106,7 +106,7 @@ def simulate(graph: SimGraph, skip: int | None = None) -> Prediction:
 
 def contended_fractions(spans: list[tuple[str, float, float]]) -> list[float]:
     """Per (device, start, end) span, the fraction of it during which a span of another device ran."""
-    others = {device: _union([(start, end) for other, start, end in spans if other != device])
+    others = {device: merged_spans([(start, end) for other, start, end in spans if other != device])
               for device in {device for device, _, _ in spans}}
     starts = {device: [start for start, _ in union] for device, union in others.items()}
     fractions = []
@@ -118,17 +118,6 @@ def contended_fractions(spans: list[tuple[str, float, float]]) -> list[float]:
             index += 1
         fractions.append(covered / (end - start) if end > start else 0.0)
     return fractions
-
-
-def _union(spans: list[Span]) -> list[Span]:
-    """The spans merged into disjoint ones, in order."""
-    merged: list[Span] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
 
 
 def peak_memory(graph: SimGraph) -> dict[str, float]:

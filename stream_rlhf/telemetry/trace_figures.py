@@ -158,12 +158,18 @@ def window_figures(spans: dict[str, list[Span]], lo: float, hi: float, rollout_s
 
 def merged_length(spans: list[Span]) -> float:
     """Length of the union of the (start, end) spans."""
-    total, reach = 0.0, float("-inf")
+    return sum(end - start for start, end in merged_spans(spans))
+
+
+def merged_spans(spans: list[Span]) -> list[Span]:
+    """The union of the (start, end) spans as disjoint spans, in order."""
+    merged: list[Span] = []
     for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def clip(spans: list[Span], lo: float, hi: float) -> list[Span]:
