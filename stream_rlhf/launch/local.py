@@ -103,6 +103,13 @@ class LocalJob(BrokerClient):
         self._rendezvous: str | None = None  # folder of the rank groups' init files
         self._group_starts = 0
 
+    def pids(self) -> dict[str, int]:
+        """The process ids of the broker ("broker") and of every rank process by name, as started
+        (one that has exited may still be listed; a restarted one has its new id). Safe to call
+        from another thread: `telemetry/memory.py` samples the job's memory with it."""
+        named = {"broker": self.broker_process, **self.processes}
+        return {name: p.pid for name, p in named.items() if p is not None and p.pid is not None}
+
     @property
     def key_dir(self) -> str | None:
         return self.broker.curve.key_dir if self.broker.curve else None
