@@ -60,6 +60,13 @@ def test_tiny_ppo_run_writes_a_consistent_summary(tmp_path):
     assert ("actor_train-0: borrowed the other side's cores 0 times (no model big enough to gain from more "
             "threads)") in log.read_text()
     assert not leftover_shm("t_e2e")
+    memory = summary["memory"]  # sampled from the broker and every stage process while they ran
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert memory["per_process"].keys() == {r["process"] for r in plan["ranks"]}  # "broker" among them
+    assert memory["processes"] == len(memory["per_process"]) and memory["samples"] >= 2
+    pss = [p["peak_pss_mb"] for p in memory["per_process"].values()]
+    assert max(pss) <= memory["peak_pss_mb"] <= sum(pss) and min(pss) > 0
+    assert "peak PSS" in log.read_text()  # its line in the log and the table
 
 
 def test_killed_stage_stops_the_run_with_a_clear_message_and_no_orphans(tmp_path):

@@ -14,6 +14,9 @@ stopped, and generated again by the run that resumed from it). Dataset lines lef
 first messages in lines_skipped_examples.
 A vision-language run adds images_seen (images in the generated samples) and images_encoded
 (vision tower runs over images, summed over every stage that ran it).
+`memory`: the peak memory of the job's processes (the broker and every rank process), sampled
+while they ran (`telemetry/memory.py`); local launcher only (a Ray job's actors are Ray's to
+measure: `memory` is null there).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import json
 import logging
 import shutil
 import time
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,7 @@ from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, check_placement
 from stream_rlhf.rl.plan import compile_plan
 from stream_rlhf.rl.resume import Resumed, prepare_resume, read_record, record_start
 from stream_rlhf.stages.trainer_checkpoint import checkpoint_parts, checkpoint_store
+from stream_rlhf.telemetry.memory import MemorySampler, describe, device_peaks
 from stream_rlhf.telemetry.metrics import MetricsWriter, read_metrics
 from stream_rlhf.telemetry.progress import IterationProgress, print_summary
 from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_details
@@ -79,6 +84,8 @@ class RLRun:
         self.job: Launcher | None = None
         self.trace_figures: TraceFigures | None = None
         """From trace.json, once `cleanup` merged it (None: no trace, or no steady-state window)."""
+        self.memory: MemorySampler | None = None
+        """The job's processes' memory, sampled during `progress` (local launcher only)."""
 
     def prepare(self) -> Launcher:
         from stream_rlhf.models.checkpoint import is_vision_language
@@ -130,8 +137,20 @@ class RLRun:
         self.job = make_launcher(self.plan)
         return self.job
 
-    def progress(self) -> AbstractContextManager:
-        return IterationProgress(self.run_dir / "metrics.jsonl", self.cfg.iterations)
+    @contextmanager
+    def progress(self) -> Iterator[None]:
+        """While the job runs (its processes started): the progress bar, and memory sampling."""
+        from stream_rlhf.launch.local import LocalJob
+
+        if isinstance(self.job, LocalJob):
+            self.memory = MemorySampler(self.job.pids)
+            self.memory.start()
+        try:
+            with IterationProgress(self.run_dir / "metrics.jsonl", self.cfg.iterations):
+                yield
+        finally:
+            if self.memory is not None:
+                self.memory.stop()
 
     def cleanup(self) -> None:
         shutil.rmtree(self.weights, ignore_errors=True)
@@ -217,12 +236,16 @@ class RLRun:
         evals = {"eval": "reward", "eval greedy": "greedy_reward"}
         summary["plots"] = [str(path) for path in write_plots(self.run_dir, {
             label: {0: self.before[key], train["iterations"]: after[key]} for label, key in evals.items()})]
+        memory = self.memory.summary(device_peaks(self.run_dir, self.plan.flow.stages)) if self.memory else None
+        summary["memory"] = memory
+        if memory is not None:
+            log.info("memory: %s", describe(memory))
         if self.vision_language:
             summary["images_seen"] = counts.get("prompts", {}).get("images_seen", 0)
             summary["images_encoded"] = sum(c.get("images_encoded", 0) for c in counts.values())
             summary["images_encoded_by_stage"] = {s: c["images_encoded"] for s, c in counts.items() if "images_encoded" in c}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print_summary(summary)
+        print_summary({**summary, "memory": describe(memory) if memory else None})  # one row, not one a process
         return summary
 
 
