@@ -56,7 +56,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
         ({"reward.function": "no_colon"}, "reward.function='no_colon': expected 'package.module:name'"),
         ({"algorithm.kl.kind": "k4"}, "algorithm.kl.kind='k4': must be one of"),
         ({"restarts": {"actor_train": 1}}, "restarts.actor_train=1: only vision_prefetch, rollout, ref_forward"),
-        ({"placement.offload": ["trainer"]}, "placement.offload: 'trainer' is not a stage"),
+        ({"placement.offload": ["ref_forward"]}, "placement.offload: unknown key"),
         ({"task.name": "shapes"}, "task.name=shapes: asks about images, needs a vision-language model"),
         ({"data.train": "/nonexistent.jsonl", "data.eval": "/nonexistent.jsonl"},
          "data.train='/nonexistent.jsonl': no such file"),

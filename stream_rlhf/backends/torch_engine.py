@@ -88,6 +88,7 @@ class TorchTrainEngine:
         self.optimizer = None if optimizer is None else torch.optim.AdamW(
             self.trainable, lr=optimizer.lr, weight_decay=optimizer.weight_decay)
         self.model.train(optimizer is not None)
+        self._host_buffers: dict[tuple, Tensor] = {}  # pinned host copies of what offload moved (CUDA)
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -238,36 +239,48 @@ class TorchTrainEngine:
         else:
             self.model.load_state_dict(full)
 
-    # ---- offload -----------------------------------------------------------------------------
+    # ---- offload ----------------------------------------------------------------------------
 
-    def offload(self, what: set[Offloadable]) -> None:
-        """Move `what` to host memory (pinned when the device is CUDA); a no-op on a CPU device."""
-        self._move(what, torch.device("cpu"))
+    def offload(self, what: set[Offloadable]) -> int:
+        """Move `what` to pinned host memory (CUDA); returns the bytes moved. A no-op on a CPU
+        device, where that state already lives in host memory. The host buffers are kept, so a
+        round trip pins memory once, and a round trip is bit-exact."""
+        return self._move(what, to_host=True)
 
-    def onload(self, what: set[Offloadable]) -> None:
-        self._move(what, self.device)
+    def onload(self, what: set[Offloadable]) -> int:
+        return self._move(what, to_host=False)
 
-    def _move(self, what: set[Offloadable], target: torch.device) -> None:
+    def _move(self, what: set[Offloadable], to_host: bool) -> int:
         if self.device.type == "cpu":
-            return
+            return 0
         if self.sharded:
             raise NotImplementedError("offload of an FSDP2-sharded engine is not built yet (offload policies)")
-        pin = target.type == "cpu"
-        for p in self.model.parameters():
-            if "params" in what:
-                p.data = _moved(p.data, target, pin)
-            if "grads" in what and p.grad is not None:
-                p.grad = _moved(p.grad, target, pin)
+        moved = 0
+
+        def move(key: tuple, tensor: Tensor) -> Tensor:
+            nonlocal moved
+            moved += tensor.numel() * tensor.element_size()
+            if not to_host:
+                return tensor.to(self.device, non_blocking=True)
+            host = self._host_buffers.get(key)
+            if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+                host = self._host_buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return host.copy_(tensor, non_blocking=True)
+
+        for index, p in enumerate(self.model.parameters()):
+            if "params" in what and (p.data.device.type == "cpu") != to_host:
+                p.data = move(("param", index), p.data)
+            if "grads" in what and p.grad is not None and (p.grad.device.type == "cpu") != to_host:
+                p.grad = move(("grad", index), p.grad)
         if "optimizer" in what and self.optimizer is not None:
-            for state in self.optimizer.state.values():
+            for index, state in enumerate(self.optimizer.state.values()):
                 for key, value in state.items():
-                    if isinstance(value, Tensor) and value.dim() > 0:
-                        state[key] = _moved(value, target, pin)
-
-
-def _moved(tensor: Tensor, target: torch.device, pin: bool) -> Tensor:
-    moved = tensor.to(target, non_blocking=True)
-    return moved.pin_memory() if pin else moved
+                    if isinstance(value, Tensor) and value.dim() > 0 and (value.device.type == "cpu") != to_host:
+                        state[key] = move(("optimizer", index, key), value)
+        torch.cuda.synchronize(self.device)  # the host copies are complete (and timed) when this returns
+        if to_host:
+            torch.cuda.empty_cache()  # what left can serve another process on this device (vLLM, a stage)
+        return moved
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

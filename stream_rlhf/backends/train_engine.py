@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -23,8 +23,9 @@ from torch import Tensor
 from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.models.vision_language import SampleImages
 from stream_rlhf.stages.experience import Experience
+from stream_rlhf.weights.offload_config import OffloadTarget
 
-Offloadable = Literal["params", "grads", "optimizer"]
+Offloadable = OffloadTarget
 LossFn = Callable[[Experience, dict[str, Tensor]], tuple[Tensor, dict[str, float]]]
 """(this rank's samples, their per-sample tensors) -> (token-mean loss, metrics)."""
 
@@ -81,8 +82,9 @@ class TrainEngine(Protocol):
     def load_state(self, path: Path) -> None:
         """What `save_state` wrote, each rank its share."""
 
-    def offload(self, what: set[Offloadable]) -> None:
-        """Move `what` off the device to host memory (pinned on CUDA)."""
+    def offload(self, what: set[Offloadable]) -> int:
+        """Move `what` off the device to host memory (pinned on CUDA); the bytes moved (0 on a
+        CPU device, where it already is). Offload policies call it (`weights/device_turns.py`)."""
 
-    def onload(self, what: set[Offloadable]) -> None:
-        """Bring back what `offload` moved."""
+    def onload(self, what: set[Offloadable]) -> int:
+        """Bring back what `offload` moved; the bytes moved."""

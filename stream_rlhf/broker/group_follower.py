@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 from stream_rlhf.broker.messages import GroupBatch, GroupMessage, GroupSetup, GroupStop, GroupWeights, Handle
 from stream_rlhf.broker.payload import PayloadTransport
@@ -32,7 +34,10 @@ class LeaderProtocolError(RuntimeError):
 
 
 class GroupFollower:
-    def __init__(self, stage: Stage, stage_name: str, instance_id: str, group: RankGroup, transport: PayloadTransport):
+    def __init__(self, stage: Stage, stage_name: str, instance_id: str, group: RankGroup, transport: PayloadTransport,
+                 step_context: Callable[[Batch | None], AbstractContextManager[None]] = nullcontext,
+                 setup_context: Callable[[], AbstractContextManager[None]] = nullcontext):
+        """`step_context` and `setup_context` wrap steps and setup as on the leader (`runner.py`)."""
         if group.is_leader:
             raise ValueError(f"{instance_id}: rank 0 is the leader, which runs StageRunner")
         self.stage = stage
@@ -40,6 +45,8 @@ class GroupFollower:
         self.instance_id = instance_id
         self.group = group
         self.transport = transport
+        self.step_context = step_context
+        self.setup_context = setup_context
         self.steps = 0
         self.log = logging.LoggerAdapter(log, {"stage": f"{instance_id} rank {group.rank}"})
 
@@ -55,8 +62,10 @@ class GroupFollower:
                 return 0
             if not isinstance(setup, GroupSetup):
                 raise LeaderProtocolError(f"{self.instance_id}: expected GroupSetup first, got {type(setup).__name__}")
-            self.stage.setup(StageContext(self.stage_name, self.instance_id, list(setup.inputs), list(setup.outputs),
-                                          lambda op, version=-1: None, self.log, threading.Event(), self.group))
+            with self.setup_context():
+                self.stage.setup(StageContext(self.stage_name, self.instance_id, list(setup.inputs),
+                                              list(setup.outputs), lambda op, version=-1: None, self.log,
+                                              threading.Event(), self.group))
             self._follow()
         finally:
             self.transport.close()
@@ -83,7 +92,9 @@ class GroupFollower:
         trace.complete("fetch", "payload", started, fetched, topic=handle.topic, producer=handle.producer)
         self.group.barrier()
         stepping = trace.now_ns()
-        self.stage.step(Batch(handle, tensors))
+        batch = Batch(handle, tensors)
+        with self.step_context(batch):
+            self.stage.step(batch)
         self.steps += 1
         trace.complete(f"{self.stage_name} {handle.topic}", "step", stepping, trace.now_ns(), stage=self.stage_name,
                        topic=handle.topic, iteration=handle.iteration, minibatch=handle.minibatch,

@@ -63,14 +63,15 @@ class StageHost:
         prefetch: int = 2,
         wait_for_credit: bool = True,
         before_step: Callable[[Handle], None] | None = None,
-        step_context: Callable[[], AbstractContextManager[None]] = nullcontext,
+        step_context: Callable[[Batch | None], AbstractContextManager[None]] = nullcontext,
     ):
         self.stage = stage
         self.before_step = before_step
         """Called with each fetched handle before the stage steps on it (a rank group's leader
         shares it with the other ranks)."""
         self.step_context = step_context
-        """Every step runs inside one (the launcher's core lending marks the instance busy)."""
+        """Every step runs inside one, given its batch (None for a source): the launcher's core
+        lending marks the instance busy, offload policies move the model (`weights/device_turns.py`)."""
         self.stage_name = stage_name
         self.instance_id = instance_id
         self.transport = transport
@@ -173,8 +174,9 @@ class StageHost:
         self.counters["fetch_s"] += (fetched - started) / 1e9
         trace.complete("fetch", "payload", started, fetched, topic=handle.topic, producer=handle.producer)
         try:
-            with self.step_context():
-                outputs = self.stage.step(Batch(handle, tensors)) or []
+            batch = Batch(handle, tensors)
+            with self.step_context(batch):
+                outputs = self.stage.step(batch) or []
         except Exception as exc:
             self.send(Nack(handle.id, f"{type(exc).__name__} in {self.stage_name}.step: {exc}", requeue=True))
             raise
@@ -198,7 +200,7 @@ class StageHost:
     def produce(self) -> None:
         started = trace.now_ns()
         self._trace_idle(started, "credit")
-        with self.step_context():
+        with self.step_context(None):
             outputs = self.stage.step(None)
         if outputs is None:
             self.exhausted = True

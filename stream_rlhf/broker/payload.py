@@ -57,6 +57,8 @@ REQUEST_BYTES = 64 << 10
 GOODBYE = FetchRequest("", [])
 """What a consumer sends its payload servers before it closes its connection to them."""
 Tensors = dict[str, torch.Tensor]
+_SEGMENT_IDS = itertools.count()
+"""Numbers the segments of every transport of this process (a device group runs several)."""
 
 
 class PayloadError(RuntimeError):
@@ -152,7 +154,6 @@ class ShmTransport:
         self.host = host_id()
         self.prefer = prefer
         self._context = context or zmq.Context.instance()
-        self._counter = itertools.count()
         self._lock = threading.Lock()
         self._owned: dict[str, Held] = {}
         self._pool = shm.SegmentPool(pool_bytes)
@@ -203,7 +204,7 @@ class ShmTransport:
         return fields
 
     def _new_segment(self, size: int) -> shm.Segment:
-        return shm.create(shm.segment_name(self.prefix, os.getpid(), next(self._counter)), size)
+        return shm.create(shm.segment_name(self.prefix, os.getpid(), next(_SEGMENT_IDS)), size)
 
     def get(self, handle: Handle) -> Tensors:
         if not handle.fields:

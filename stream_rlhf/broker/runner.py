@@ -67,7 +67,7 @@ from stream_rlhf.broker.messages import (
 from stream_rlhf.broker.payload import PayloadTransport, ShmTransport
 from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.broker.shm import host_id
-from stream_rlhf.broker.stage import Stage, StageContext, StepAborted
+from stream_rlhf.broker.stage import Batch, Stage, StageContext, StepAborted
 from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)
@@ -96,9 +96,13 @@ class StageRunner:
         capabilities: list[str] = (),
         shm_prefix: str = "srlhf",
         group: RankGroup | None = None,
-        step_context: Callable[[], AbstractContextManager[None]] = nullcontext,
+        step_context: Callable[[Batch | None], AbstractContextManager[None]] = nullcontext,
+        setup_context: Callable[[], AbstractContextManager[None]] = nullcontext,
     ):
+        """`step_context(batch)` wraps every step and `setup_context()` the stage's setup (core
+        lending, offload policies: `launch/rank.py`)."""
         self.stage = stage
+        self.setup_context = setup_context
         self.group = group or RankGroup.single()
         self._group_stopped = not self.group.distributed
         self.stage_name = stage_name
@@ -147,7 +151,7 @@ class StageRunner:
         try:
             self._await_handshake()
             self.group.share(GroupSetup(self.host.inputs, self.host.outputs))
-            with trace.span("setup", "stage", stage=self.stage_name):
+            with trace.span("setup", "stage", stage=self.stage_name), self.setup_context():
                 self.stage.setup(
                     StageContext(self.stage_name, self.instance_id, self.host.inputs, self.host.outputs,
                                  self._send_control, self.log, self.host.abort, self.group)

@@ -17,6 +17,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -92,6 +93,15 @@ class StageContext:
     `group.is_leader`."""
 
 
+class DeviceState(Protocol):
+    """What holds a stage's model state on its device (a train engine): moved off and back by
+    offload policies and device groups (`weights/device_turns.py`). Both return the bytes moved."""
+
+    def offload(self, what: set[str]) -> int: ...
+
+    def onload(self, what: set[str]) -> int: ...
+
+
 class StepAborted(RuntimeError):
     """A step gave up its input because the instance is stopping (`StageContext.stopping`). The
     input goes back to the broker, and the runner stops cleanly instead of failing."""
@@ -108,6 +118,15 @@ class Stage:
 
     def on_weights(self, version: int) -> None:
         """Weights of `version` are ready (rollout loads them between mini-batches)."""
+
+    def device_state(self) -> list[DeviceState]:
+        """The engines that hold this stage's model state on its device (after setup); none by default."""
+        return []
+
+    def uses_device(self, batch: Batch | None) -> bool:
+        """Whether stepping on `batch` computes on the model (a trainer that only buffers a
+        mini-batch does not, so its state stays off the device)."""
+        return True
 
     def close(self) -> None:
         """Called once when the instance stops."""

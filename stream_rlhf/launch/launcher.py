@@ -109,4 +109,5 @@ def make_launcher(plan: JobPlan) -> Launcher:
     from stream_rlhf.launch.local import LocalJob
 
     flow = plan.flow
-    return LocalJob(flow.topology, flow.broker, flow.stages, flow.admission, flow.broker_cores, flow.trace_folder)
+    return LocalJob(flow.topology, flow.broker, flow.stages, flow.admission, flow.broker_cores, flow.trace_folder,
+                    flow.device_groups)

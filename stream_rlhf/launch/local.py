@@ -7,7 +7,9 @@
 
 A stage of `ranks` > 1 runs each instance as that many processes, one torch.distributed group
 (`broker/rank_group.py`): rank 0 is the broker client, the others follow it. A rank that dies fails
-the job, or restarts its whole group when the stage has restarts left.
+the job, or restarts its whole group when the stage has restarts left. The stages of a device group
+(`device_groups`, one instance of one rank each) share one process, named after the group
+(`launch/rank.py` run_device_group); it restarts as a whole when every member may restart.
 
 Processes are started with `spawn` (no forked sockets or threads). A crashed stage prints its own
 traceback; the launcher names it and stops the rest cleanly. Ctrl-C drains every stage, then stops
@@ -30,7 +32,7 @@ from typing import Any
 from stream_rlhf.broker.topology import BrokerConfig, Topology
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.launcher import BrokerClient, Watch
-from stream_rlhf.launch.rank import run_stage
+from stream_rlhf.launch.rank import run_device_group, run_stage
 from stream_rlhf.launch.spec import StageFailed, StageSpec, child_signals, setup_logging, take_restart
 from stream_rlhf.telemetry import trace
 
@@ -68,6 +70,18 @@ def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str
     os._exit(0)
 
 
+def _device_group_main(group: str, index: int, members: dict[str, StageSpec], address: str, key_dir: str | None,
+                       prefix: str) -> None:
+    child_signals()
+    setup_logging()
+    run_device_group(group, index, members, address, key_dir, prefix)
+    trace.stop()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 class LocalJob(BrokerClient):
     def __init__(
         self,
@@ -77,9 +91,11 @@ class LocalJob(BrokerClient):
         admission: Any = None,
         broker_cores: list[int] | None = None,
         trace_folder: str | None = None,
+        device_groups: dict[str, list[str]] | None = None,
     ):
         """`trace_folder`: where the broker appends its trace events (queue depths); each stage
-        rank traces to its spec's `trace` folder."""
+        rank traces to its spec's `trace` folder. `device_groups`: group name -> stages run in one
+        process (one instance of one rank each)."""
         missing = topology.stages() - set(stages)
         if missing:
             raise ConfigError(f"stages: no spec for {sorted(missing)} (they appear in topics)")
@@ -97,7 +113,14 @@ class LocalJob(BrokerClient):
         self.broker_process: mp.Process | None = None
         self.processes: dict[str, mp.Process] = {}
         """By process name: the instance id for rank 0, `<instance id>.rank<r>` for the others."""
+        self.device_groups = dict(device_groups or {})
+        for group, members in self.device_groups.items():
+            several = [m for m in members if stages[m].instances != 1 or stages[m].ranks != 1]
+            if several:
+                raise ConfigError(f"device_groups.{group}: {several} run several instances or ranks; members run one")
         self.restarts_left = {name: spec.restarts for name, spec in stages.items()}
+        self.restarts_left.update({group: min(stages[m].restarts for m in members)
+                                   for group, members in self.device_groups.items()})
         self.failed: list[str] = []
         """The processes whose failure stopped the job ("broker" for the broker), once `wait` raised."""
         self._rendezvous: str | None = None  # folder of the rank groups' init files
@@ -116,9 +139,12 @@ class LocalJob(BrokerClient):
 
     def start(self, timeout_s: float = 30.0) -> str:
         self.start_broker(timeout_s)
+        grouped = {m for members in self.device_groups.values() for m in members}
         for stage_name, spec in self.stages.items():
-            for index in range(spec.instances):
+            for index in range(spec.instances if stage_name not in grouped else 0):
                 self.start_instance(stage_name, index)
+        for group in self.device_groups:
+            self.start_device_group(group)
         return self.address
 
     def start_broker(self, timeout_s: float = 30.0) -> str:
@@ -163,6 +189,19 @@ class LocalJob(BrokerClient):
             self.processes[name] = process
         return self.processes[instance_id]
 
+    def start_device_group(self, group: str) -> mp.Process:
+        """Start the one process of device group `group` (instance 0 of each of its stages)."""
+        name = f"{group}-0"
+        members = {m: self.stages[m] for m in self.device_groups[group]}
+        process = self._ctx.Process(
+            target=_device_group_main,
+            args=(group, 0, members, self.address, self.key_dir, self.broker.shm_prefix),
+            name=name,
+        )
+        process.start()
+        self.processes[name] = process
+        return process
+
     def wait(self, timeout_s: float, watch: Callable[[], None] | None = None, watch_every_s: float = 2.0) -> None:
         """Until every stage process has exited; a failed one, or the broker failing under them,
         stops the job and raises. `watch` is called every `watch_every_s` and fails the job by
@@ -202,6 +241,8 @@ class LocalJob(BrokerClient):
             return True  # started again already, with another rank of its group
         instance_id = process_name.partition(".rank")[0]
         stage_name, _, index = instance_id.rpartition("-")
+        if stage_name in self.device_groups:
+            return self._restart_device_group(stage_name)
         spec = self.stages[stage_name]
         backoff_s = take_restart(self.restarts_left, stage_name, spec)
         if backoff_s is None:
@@ -213,6 +254,17 @@ class LocalJob(BrokerClient):
             _end(self.processes.pop(rank_process_name(instance_id, rank)), grace_s=5.0)
         time.sleep(backoff_s)
         self.start_instance(stage_name, int(index))
+        return True
+
+    def _restart_device_group(self, group: str) -> bool:
+        if self.restarts_left[group] <= 0:
+            return False
+        self.restarts_left[group] -= 1
+        name = f"{group}-0"
+        log.warning("%s (%s) exited with %s: restarting it (%d restart(s) left)", name,
+                    ", ".join(self.device_groups[group]), self.processes[name].exitcode, self.restarts_left[group])
+        self.processes.pop(name)
+        self.start_device_group(group)
         return True
 
     def stop(self, grace_s: float = 15.0) -> None:

@@ -6,6 +6,9 @@
       stages:
         actor_train: {ranks: 2, cores: [0, 1]}      # CPU: the ranks share the cores out
         critic_train: {ranks: 2, devices: [0, 1]}   # CUDA: one device per rank
+        ref_forward: {offload: {what: [params], when: step}}   # weights/offload_config.py
+      device_groups:                                # stages that share one process per rank
+        forwards: [ref_forward, critic_forward]
 
     ranks = {"actor_train": stage_ranks(placement, "actor_train", rollout_side=False, uses_device=True)}
     preflight(placement, ranks)      # before any process starts: cores, GPUs, device indices
@@ -27,6 +30,7 @@ import torch
 
 from stream_rlhf.backends.megatron.config import MegatronConfig, check_ranks
 from stream_rlhf.config import ConfigError
+from stream_rlhf.weights.offload_config import OffloadPolicy
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,9 @@ class StagePlacement:
     the ranks; the `megatron` extra)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """backend megatron: the tensor-, pipeline- and context-parallel sizes (`backends/megatron/config.py`)."""
+    offload: OffloadPolicy | None = None
+    """What of its model state leaves the device between steps, and when (`weights/offload_config.py`);
+    None: nothing (in a device group: everything it holds, when another member takes the device)."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -85,9 +92,9 @@ class PlacementConfig:
     """Where the torch stages keep their models: `auto` is cuda when this machine has a GPU."""
     stages: dict[str, StagePlacement] = field(default_factory=dict)
     """Per-stage ranks, cores and devices (stages not named: one rank on the mode's cores)."""
-    offload: list[str] = field(default_factory=list)
-    """Stages whose params and optimizer state go to host memory between phases (GPU only;
-    on CPU a no-op the stage reports)."""
+    device_groups: dict[str, list[str]] = field(default_factory=dict)
+    """Group name -> stages that share one process (per rank) and its device, taking turns: a
+    member offloads what its policy says when another takes the device (`weights/device_turns.py`)."""
     lend_idle_cores: bool = True
     """separated, on the CPU: a side with no step running lends its cores to the other side's
     running stage (`core_lending.py`); false: each side keeps to its own cores."""
@@ -97,6 +104,7 @@ class PlacementConfig:
             _check_core_list(name, getattr(self, name))
         for stage, own in self.stages.items():
             _check_core_list(f"stages.{stage}.cores", own.cores)
+        _check_device_groups(self.device_groups, self.stages)
         # fill in the cores left out from this machine's; frozen, so set once here
         rollout, train = split_cores(machine_cores(), self.rollout_cores, self.train_cores)
         object.__setattr__(self, "rollout_cores", rollout)
@@ -184,6 +192,37 @@ def preflight(placement: PlacementConfig, ranks: dict[str, list[RankPlacement]],
                 key = f"placement.stages.{stage}.devices" if stage in placement.stages else f"placement.stages.{stage}"
                 raise ConfigError(f"{key}: {rank.device} does not exist (this machine has {count} CUDA device(s)); "
                                   f"ranks={len(placed)} needs that many devices")
+
+
+def device_group_of(placement: PlacementConfig, stage: str) -> str | None:
+    """The device group `stage` belongs to, or None."""
+    return next((name for name, members in placement.device_groups.items() if stage in members), None)
+
+
+def _check_device_groups(groups: dict[str, list[str]], stages: dict[str, StagePlacement]) -> None:
+    """Members share one process: one rank each, the same cores and devices, torch engines (the
+    megatron backend keeps process-wide parallel state), each stage in one group."""
+    seen: dict[str, str] = {}
+    for name, members in groups.items():
+        key = f"device_groups.{name}"
+        if len(members) < 2:
+            raise ConfigError(f"{key}={members}: a device group hosts two stages or more")
+        placed = {m: stages.get(m, StagePlacement()) for m in members}
+        for member, own in placed.items():
+            if member in seen:
+                raise ConfigError(f"{key}: {member} is in device group {seen[member]} already")
+            seen[member] = name
+            if own.ranks != 1:
+                raise ConfigError(f"{key}: stages.{member}.ranks={own.ranks}: device groups of several ranks per "
+                                  "stage are not built yet (members run one rank each)")
+            if own.backend != "torch":
+                raise ConfigError(f"{key}: stages.{member}.backend={own.backend}: a device group hosts torch-backend "
+                                  "stages (megatron keeps process-wide parallel state)")
+        for field_name in ("cores", "devices"):
+            values = {m: getattr(own, field_name) for m, own in placed.items()}
+            if len({repr(v) for v in values.values()}) > 1:
+                raise ConfigError(f"{key}: its stages share one process, so one {field_name} setting: "
+                                  + ", ".join(f"stages.{m}.{field_name}={v}" for m, v in values.items()))
 
 
 def _check_core_list(key: str, cores: list[int] | None) -> None:

@@ -40,6 +40,8 @@ class Dataflow:
     """Stages this config does not need, with the reason (logged, and in the run's summary)."""
     trace_folder: str | None = None
     """Where every process appends its trace events (`telemetry/trace.py`); None: `trace: false`."""
+    device_groups: dict[str, list[str]] = field(default_factory=dict)
+    """Group name -> the stages that run in one process and take turns on its device."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,13 @@ class JobPlan:
         every = machine_cores()
         placed: list[tuple[str, str, int, str, list[int] | None, int | None]] = [
             (BROKER, BROKER, 0, "cpu", self.flow.broker_cores, None)]
+        grouped = {member: group for group, members in self.flow.device_groups.items() for member in members}
         for stage, spec in self.flow.stages.items():
+            if stage in grouped:
+                if self.flow.device_groups[grouped[stage]][0] == stage:  # the group's one process
+                    group = grouped[stage]
+                    placed.append((group, f"{group}-0", 0, spec.device(0), spec.cores_of(0), spec.threads))
+                continue
             for index in range(spec.instances):
                 for rank in range(spec.ranks):
                     placed.append((stage, f"{stage}-{index}", rank, spec.device(rank), spec.cores_of(rank),
@@ -126,7 +134,9 @@ class JobPlan:
                   for name, t in self.flow.topology.topics.items()}
         ranks = [{"process": r.name, "stage": r.stage, "instance": r.instance, "rank": r.rank,
                   "node": r.node(self.launcher), "device": r.device, "cores": r.cores, "threads": r.threads,
-                  "cpus": r.cpus, "gpus": r.gpus, "resources": r.resources} for r in self.ranks()]
+                  "cpus": r.cpus, "gpus": r.gpus, "resources": r.resources}
+                 | ({"hosts": self.flow.device_groups[r.stage]} if r.stage in self.flow.device_groups else {})
+                 for r in self.ranks()]
         out: dict[str, Any] = {
             "name": self.name, "launcher": self.launcher,
             "checkpoint": {"path": self.checkpoint, "ready": self.checkpoint_ready},
@@ -155,7 +165,11 @@ class JobPlan:
         for r in data["ranks"]:
             cores = "all" if r["cores"] is None else ",".join(map(str, r["cores"]))
             lines.append(f"  {r['process']:<22} {r['node']:<24} {r['device']:<8} {cores:<10} "
-                         f"{r['threads'] if r['threads'] is not None else '-':>7} {r['cpus']:>6.2f}")
+                         f"{r['threads'] if r['threads'] is not None else '-':>7} {r['cpus']:>6.2f}"
+                         + (f"  hosts {', '.join(r['hosts'])}" if "hosts" in r else ""))
+        for stage, spec in self.flow.stages.items():
+            if spec.offload is not None:
+                lines.append(f"  offload: {stage}: {', '.join(spec.offload.what)} when {spec.offload.when}")
         lines.append("  topics:")
         for name, topic in data["topics"].items():
             source = f"join({', '.join(topic['join'])})" if "join" in topic else ", ".join(topic["producers"])

@@ -19,6 +19,7 @@ from typing import Any
 
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.core_board import CoreLending
+from stream_rlhf.weights.offload_config import OffloadPolicy
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_BACKOFF_S = 0.5
@@ -53,6 +54,10 @@ class StageSpec:
     """How long a rank waits in a collective (a follower waits this long for its leader's next handle)."""
     lending: CoreLending | None = None
     """Borrow the other side's cores while it is idle (`core_lending.py`; one-rank instances)."""
+    offload: OffloadPolicy | None = None
+    """What of its model state leaves the device between steps, and when (`weights/device_turns.py`)."""
+    last_minibatch: int | None = None
+    """The index of an iteration's last mini-batch (an offload policy's `iteration`)."""
 
     def __post_init__(self) -> None:
         if ":" not in self.cls:

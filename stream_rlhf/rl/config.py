@@ -29,17 +29,20 @@ from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.vllm_config import VllmConfig
 from stream_rlhf.broker.topology import BrokerConfig
 from stream_rlhf.config import ConfigError, import_dotted
-from stream_rlhf.launch.placement import PlacementConfig, StagePlacement
+from stream_rlhf.launch.placement import PlacementConfig, StagePlacement, device_group_of
 from stream_rlhf.launch.ray_config import RayConfig
 from stream_rlhf.resume.config import CheckpointConfig
 from stream_rlhf.rl.reward_parts_config import CriticConfig, ProcessRewardConfig
 from stream_rlhf.telemetry.sample_log import SampleLogConfig
+from stream_rlhf.weights.offload_config import TRAINING_STATE
 
 Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 ALL_STAGES = ("prompts", "vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward",
               "actor_train", "critic_train", "medusa_train")
 GROUP_STAGES = ("ref_forward", "actor_forward", "critic_forward", "actor_train", "critic_train")
 """Stages whose instances can be groups of several ranks (`placement.stages.<stage>.ranks`)."""
+DEVICE_GROUP_STAGES = (*GROUP_STAGES, "reward_forward")
+"""Stages that can share a process and device with others (`placement.device_groups`)."""
 RESTARTABLE = ("vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward")
 DEFAULT_RESTARTS = 2
 CRITIC_STAGES = ("critic_forward", "critic_train")
@@ -503,10 +506,8 @@ class RLJobConfig:
                                   "(the others hold state a restart would lose)")
             if count < 0:
                 raise ConfigError(f"restarts.{stage}={count}: must be >= 0")
-        for stage in self.placement.offload:
-            if stage not in ALL_STAGES:
-                raise ConfigError(f"placement.offload: {stage!r} is not a stage ({', '.join(ALL_STAGES)})")
         self._check_stage_placements()
+        self._check_device_groups()
         self._check_keys_the_algorithm_ignores()
         self._check_launcher()
         self._check_critic()
@@ -552,6 +553,34 @@ class RLJobConfig:
                                   f"samples ({samples} per iteration in algorithm.train_minibatches={steps} "
                                   "steps): every rank needs one")
 
+    def _check_device_groups(self) -> None:
+        """Offload policies name what the stage holds; device groups host model stages the local
+        launcher starts (a member this config leaves out is dropped when the dataflow compiles)."""
+        for stage, own in self.placement.stages.items():
+            key = f"placement.stages.{stage}.offload"
+            if own.offload is None:
+                continue
+            if stage not in GROUP_STAGES:
+                raise ConfigError(f"{key}: {stage} holds no model on a device to offload (only "
+                                  f"{', '.join(GROUP_STAGES)} do)")
+            kept = [w for w in own.offload.what if w in TRAINING_STATE and not stage.endswith("_train")]
+            if kept:
+                raise ConfigError(f"{key}.what={own.offload.what}: {stage} is forward-only, it keeps no "
+                                  f"{' or '.join(kept)}")
+            if own.offload.when == "switch" and device_group_of(self.placement, stage) is None:
+                raise ConfigError(f"{key}.when=switch: {stage} is in no placement.device_groups entry (use step "
+                                  "or iteration)")
+        for name, members in self.placement.device_groups.items():
+            key = f"placement.device_groups.{name}"
+            if name in ALL_STAGES:
+                raise ConfigError(f"{key}: the group's name is a stage's; name it after what it hosts")
+            for member in members:
+                if member not in DEVICE_GROUP_STAGES:
+                    raise ConfigError(f"{key}: {member!r} cannot join a device group (only "
+                                      f"{', '.join(DEVICE_GROUP_STAGES)} can)")
+            if self.launcher != "local":
+                raise ConfigError(f"{key}: launcher={self.launcher} does not host device groups yet (launcher: local)")
+
     def _check_megatron(self, stage: str, own: StagePlacement, key: str) -> None:
         """A megatron stage holds a train engine and a text model whose heads and layers its sizes
         split (a `model.path` checkpoint is checked when the engine is built)."""
@@ -581,8 +610,6 @@ class RLJobConfig:
         for stage in CRITIC_STAGES:
             if stage in self.placement.stages:
                 raise ConfigError(f"placement.stages.{stage}: {why}, so no {stage} stage")
-            if stage in self.placement.offload:
-                raise ConfigError(f"placement.offload: {stage!r}: {why}, so no {stage} stage")
             if stage in self.restarts:
                 raise ConfigError(f"restarts.{stage}={self.restarts[stage]}: {why}, so no {stage} stage")
 

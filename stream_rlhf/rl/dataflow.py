@@ -44,9 +44,10 @@ from stream_rlhf.launch.plan import Dataflow
 from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.launch.placement import RankPlacement, preflight, stage_ranks
 from stream_rlhf.resume.store import ResumePoint
-from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.config import GROUP_STAGES, RLJobConfig
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.telemetry.trace import FOLDER as TRACE_FOLDER
+from stream_rlhf.weights.offload_config import OffloadPolicy, default_group_policy
 
 log = logging.getLogger(__name__)
 STAGE_CLASSES = {
@@ -127,12 +128,12 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     trace = f"{cfg.run_dir}/{TRACE_FOLDER}" if cfg.trace else None
     names = ["prompts", *(["vision_prefetch"] if prefetch else []), "rollout", *forwards, *trainers]
     ranks = check_placement(cfg, names)
-    stages = _lend_idle_cores(cfg, {name: _stage_spec(cfg, name, job, ranks[name], trace) for name in names})
+    groups = device_groups(cfg, names)
+    grouped = {member for members in groups.values() for member in members}
+    stages = _lend_idle_cores(cfg, {name: _stage_spec(cfg, name, job, ranks[name], trace, name in grouped)
+                                    for name in names})
     # a whole iteration must fit in the queues, or the sync barriers (and the trainers, which
     # wait for every mini-batch of an iteration) would stall on back-pressure
-    if cfg.placement.offload:
-        log.info("placement.offload %s: a no-op on CPU, where parameters and optimizer state already live "
-                 "in host memory", cfg.placement.offload)
     capacity = max(cfg.broker.queue_capacity, 2 * minibatches * (cfg.overlap_depth + 1))
     broker = replace(cfg.broker, queue_capacity=capacity)
     warmup = cfg.critic.warmup_iterations if cfg.algorithm.uses_critic else 0
@@ -142,7 +143,7 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     )
     placement = cfg.placement
     broker_cores = placement.broker_cores or placement.mode_cores(rollout_side=False)
-    return Dataflow(Topology(topics), broker, stages, admission, broker_cores, left_out, trace)
+    return Dataflow(Topology(topics), broker, stages, admission, broker_cores, left_out, trace, groups)
 
 
 def check_placement(cfg: RLJobConfig, stages: list[str] | None = None) -> dict[str, list[RankPlacement]]:
@@ -154,8 +155,36 @@ def check_placement(cfg: RLJobConfig, stages: list[str] | None = None) -> dict[s
     return ranks
 
 
+def device_groups(cfg: RLJobConfig, stages: list[str]) -> dict[str, list[str]]:
+    """`placement.device_groups` among the stages this job has: a member the config leaves out is
+    dropped (logged), and a group left with one stage is that stage alone."""
+    groups = {}
+    for name, members in cfg.placement.device_groups.items():
+        kept = [m for m in members if m in stages]
+        if len(kept) < len(members):
+            log.warning("placement.device_groups.%s: %s not in this job (left out or not configured)%s", name,
+                        ", ".join(m for m in members if m not in stages),
+                        "" if len(kept) > 1 else f"; {kept[0] if kept else 'nothing'} runs on its own")
+        if len(kept) > 1:
+            groups[name] = kept
+    return groups
+
+
+def offload_policy(cfg: RLJobConfig, stage: str, grouped: bool) -> OffloadPolicy | None:
+    """The stage's `offload` (a device-group member without one moves everything it holds when
+    another takes the device); a trainer computes only in the step that completes its iteration,
+    so for it `iteration` is `step`."""
+    own = cfg.placement.stages.get(stage)
+    policy = own.offload if own is not None else None
+    if policy is None and grouped and stage in GROUP_STAGES:
+        policy = default_group_policy(trains=stage.endswith("_train"))
+    if policy is not None and policy.when == "iteration" and stage.endswith("_train"):
+        policy = replace(policy, when="step")
+    return policy
+
+
 def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPlacement],
-                trace: str | None) -> StageSpec:
+                trace: str | None, grouped: bool = False) -> StageSpec:
     return StageSpec(
         STAGE_CLASSES[name],
         instances=_instances(cfg, name),
@@ -168,6 +197,8 @@ def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPl
         devices=[r.device for r in ranks],
         rank_cores=[r.cores for r in ranks],
         group_timeout_s=cfg.timeout_s,
+        offload=offload_policy(cfg, name, grouped),
+        last_minibatch=cfg.rollout_batch.minibatches - 1,
     )
 
 
@@ -180,8 +211,9 @@ def _lend_idle_cores(cfg: RLJobConfig, stages: dict[str, StageSpec]) -> dict[str
     if (not placement.lend_idle_cores or placement.mode != "separated" or placement.resolved_device() != "cpu"
             or sides[0] & sides[1] or cfg.launcher != "local"):  # the core board is a folder of this machine
         return stages
+    grouped = {member for members in cfg.placement.device_groups.values() for member in members}
     rollout_side = {name: name in ROLLOUT_SIDE for name, spec in stages.items()  # on its side's cores, one rank
-                    if name != "prompts" and spec.ranks == 1
+                    if name != "prompts" and spec.ranks == 1 and name not in grouped
                     and set(spec.cores or ()) == sides[name not in ROLLOUT_SIDE]}
     if len(set(rollout_side.values())) < 2:  # nothing to lend to the other side
         return stages

@@ -23,12 +23,13 @@ from stream_rlhf.weights.shm_store import weights_root
 
 def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_language: bool,
                  resume: ResumePoint | None = None, checkpoint_ready: bool = True,
-                 dataset_ready: bool = True) -> JobPlan:
-    """The plan of `cfg` (its data already resolved) starting from `checkpoint`."""
+                 dataset_ready: bool = True, dataset: dict[str, str] | None = None) -> JobPlan:
+    """The plan of `cfg` (its data already resolved, or `dataset`: the files still to write)
+    starting from `checkpoint`."""
     flow = compile_job(cfg, checkpoint, weights, vision_language, resume)
-    if cfg.data.train is not None:
+    if dataset is None and cfg.data.train is not None:
         dataset = {"train": cfg.data.train, **({"eval": cfg.data.eval} if cfg.data.eval else {})}
-    else:
+    elif dataset is None:
         dataset = {"task": f"{cfg.task.name} (made in memory by each stage)"}
     devices = sorted({s.device(r) for s in flow.stages.values() for r in range(s.ranks) if s.device(r) != "cpu"})
     present = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -49,10 +50,10 @@ def preview_plan(cfg: RLJobConfig) -> JobPlan:
     from stream_rlhf.models.warm_start import warm_start_folder
     from stream_rlhf.rl.task_data import data_files
 
-    cfg, dataset_ready = data_files(cfg)
+    cfg, unwritten = data_files(cfg)
     folder, ready = warm_start_folder(cfg)
     if cfg.model.path is not None and not ready:
         raise ConfigError(f"model.path={cfg.model.path!r}: not a folder")
     vision = is_vision_language(folder) if ready else cfg.model.tiny.vision is not None
     return compile_plan(cfg, str(folder), str(weights_root(cfg.broker.shm_prefix, cfg.name)), vision,
-                        checkpoint_ready=ready, dataset_ready=dataset_ready)
+                        checkpoint_ready=ready, dataset_ready=unwritten is None, dataset=unwritten)

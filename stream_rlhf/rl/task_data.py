@@ -45,13 +45,17 @@ def resolve_data(cfg: RLJobConfig) -> RLJobConfig:
     return cfg
 
 
-def data_files(cfg: RLJobConfig) -> tuple[RLJobConfig, bool]:
-    """(`cfg` with `data.*` pointing at the synthetic task's files, whether they are written):
-    what `resolve_data` returns, with nothing written or checked (`stream-rlhf plan` and `stage`)."""
+def data_files(cfg: RLJobConfig) -> tuple[RLJobConfig, dict[str, str] | None]:
+    """(`cfg` with `data.*` pointing at the synthetic task's files once they are written, the
+    files still to write): what `resolve_data` returns, with nothing written or checked
+    (`stream-rlhf plan` and `stage`). Files not written yet leave `data.*` unset (a DataConfig
+    names existing files only)."""
     if cfg.data.train is not None or cfg.task.name != "shapes":
-        return cfg, True
+        return cfg, None
     folder = _shapes_folder(cfg)
-    return replace(cfg, data=_in_folder(cfg, folder)), (folder / "eval.jsonl").is_file()
+    if not (folder / "eval.jsonl").is_file():
+        return cfg, {"train": str(folder / "train.jsonl"), "eval": str(folder / "eval.jsonl")}
+    return replace(cfg, data=_in_folder(cfg, folder)), None
 
 
 def _shapes_files(cfg: RLJobConfig) -> DataConfig:

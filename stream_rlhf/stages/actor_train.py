@@ -33,7 +33,7 @@ from torch import Tensor
 from stream_rlhf.algos.losses import entropy_loss, kl_loss, policy_loss
 from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.engines import build_train_engine
-from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.broker.stage import Batch, DeviceState, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
 from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.stages.experience import Experience, IterationBuffer
@@ -81,6 +81,12 @@ class ActorTrain(Stage):
         self.samples = SampleLog(self.job.run_dir, cfg.samples_log, load_tokenizer(self.job.checkpoint),
                                  self.iteration) if leader and cfg.samples_log.per_minibatch > 0 else None
         self.started = self.last_done = time.time()
+
+    def device_state(self) -> list[DeviceState]:
+        return [self.engine]
+
+    def uses_device(self, batch: Batch | None) -> bool:
+        return batch is not None and self.buffer.completes(batch, self.iteration)
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.buffer.add(batch)

@@ -4,7 +4,7 @@ With several ranks each computes a share of the mini-batch."""
 from __future__ import annotations
 
 from stream_rlhf.backends.engines import build_train_engine
-from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.broker.stage import Batch, DeviceState, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_job_critic
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
@@ -24,6 +24,9 @@ class CriticForward(Stage):
                                          load_job_critic(self.job.config, self.job.checkpoint), ctx.group)
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "critic")
+
+    def device_state(self) -> list[DeviceState]:
+        return [self.engine]
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.version = self.engine.refresh(self.weights, self.version)

@@ -16,7 +16,7 @@ from torch import Tensor
 from stream_rlhf.algos.losses import value_loss
 from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.engines import build_train_engine
-from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.broker.stage import Batch, DeviceState, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_job_critic
 from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.stages.experience import Experience, IterationBuffer
@@ -48,6 +48,12 @@ class CriticTrain(Stage):
         self.metrics = MetricsWriter(self.job.run_dir, "critic", "critic_metrics.jsonl", purge_step=self.version) \
             if ctx.group.is_leader else None
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
+
+    def device_state(self) -> list[DeviceState]:
+        return [self.engine]
+
+    def uses_device(self, batch: Batch | None) -> bool:
+        return batch is not None and self.buffer.completes(batch, self.version)
 
     def step(self, batch: Batch | None) -> list[Output]:
         self.buffer.add(batch)

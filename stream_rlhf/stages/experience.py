@@ -160,6 +160,11 @@ class IterationBuffer:
     def add(self, batch: Batch) -> None:
         self.pending.setdefault(batch.iteration, []).append(batch)
 
+    def completes(self, batch: Batch, iteration: int) -> bool:
+        """Whether adding `batch` makes `iteration` complete (the step that trains on it)."""
+        have = len(self.pending.get(iteration, ())) + (batch.iteration == iteration)
+        return have >= self.minibatches
+
     def take(self, iteration: int) -> list[Batch] | None:
         if len(self.pending.get(iteration, ())) < self.minibatches:
             return None
