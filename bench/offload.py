@@ -1,0 +1,275 @@
+"""Offload benchmark (issue 19): the main job with every stage in its own process, with the model
+stages in two device groups taking turns and offloading everything (sync), and the same groups
+pipelined (stream), side by side: seed 004's comparison on this machine.
+
+Each column is one `stream-rlhf run configs/mllm_ppo.yaml` subprocess with a name of its own
+(runs/bench_offload_<column>/), the config as shipped but for the iterations and:
+
+    separate      nothing else: every stage its own process, schedule stream, overlap_depth as shipped
+    full_offload  schedule=sync overlap_depth=0 (phases take turns), device groups, and every model
+                  stage offloading all it holds after each step
+    pipelined     schedule and overlap_depth as shipped, the same device groups and offloads
+
+The device groups (`placement.device_groups`): `forwards` hosts the forward stages with a model
+(ref_forward and critic_forward; actor_forward too where the job has one, in sync), `trainers`
+hosts actor_train and critic_train. Offload (`placement.stages.<stage>.offload`, when: step): a
+forward's params, a trainer's params, grads and optimizer state. On a CPU device nothing moves (the
+device is host memory): there the saving is the processes a group merges, each of which carries
+the torch runtime.
+
+Figures, from each run's summary.json (`memory`: `telemetry/memory.py`) and metrics.jsonl:
+
+    iteration s      mean `iteration_s` (end of training to end of training), the first SKIP
+                     iterations left out (process start-up, warm-up, pipeline fill)
+    peak PSS, job    the largest sum of the job's processes' PSS at one sampling instant (the
+                     broker and every stage process; the driver is not counted)
+    grouped stages   the sum of the per-process peak PSS of the processes that run the grouped
+                     stages: their own processes in `separate`, the two group processes otherwise
+    processes        the job's processes (the broker included)
+    peak_mem_groups  (JSON) the larger job peak of the two device-group columns, against the
+                     target <= 0.6 x peak_mem_separate
+
+MB: 2**20 bytes. Run from the repository root:
+
+    .venv/bin/python bench/offload.py            # full run (~10 minutes): the table
+    .venv/bin/python bench/offload.py --quick    # smoke run: 3 iterations each
+    .venv/bin/python bench/offload.py --json     # the table, then one JSON object as the last line
+
+Every column's config is checked (its keys and values) before the first run starts. Each run's
+output goes to runs/bench_offload_<column>.log (--quick: bench_offload_quick_<column>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline import assert_nothing_left, mean_iteration_s, progress, shm_entries  # bench/, beside this script
+
+from stream_rlhf.config import ConfigError, load_config
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.dataflow import left_out_stages
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = "configs/mllm_ppo.yaml"
+RUNS_DIR = REPO / "runs"
+COLUMNS = ("separate", "full_offload", "pipelined")
+FORWARDS = ("actor_forward", "ref_forward", "critic_forward")
+"""The forward stages with a model, grouped as `forwards` (those the column's job has)."""
+TRAINERS = ("actor_train", "critic_train")
+"""Grouped as `trainers`; each offloads its params, grads and optimizer state."""
+MEMORY_TARGET = 0.6
+"""The device-group layout's job peak over separate stages', at most (issue 19)."""
+RUN_TIMEOUT_S = 1200.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    name: str
+    """Run names are bench_offload_<name><column>."""
+    iterations: int
+    """Iterations of each run."""
+    skip: int
+    """Leading iterations left out of the mean iteration time."""
+
+
+FULL = Settings(name="", iterations=10, skip=2)
+QUICK = Settings(name="quick_", iterations=3, skip=1)
+
+
+# ---- the columns' configs ----------------------------------------------------------------------
+
+
+def schedule_overrides(column: str) -> list[str]:
+    """What sets the column's schedule (separate and pipelined keep the config's)."""
+    if column not in COLUMNS:
+        raise ValueError(f"column {column!r}: one of {', '.join(COLUMNS)}")
+    return ["schedule=sync", "overlap_depth=0"] if column == "full_offload" else []
+
+
+def group_overrides(stages: list[str]) -> list[str]:
+    """The device groups and offload policies over `stages` (the model stages the job has)."""
+    forwards = [s for s in FORWARDS if s in stages]
+    trainers = [s for s in TRAINERS if s in stages]
+    groups = {"forwards": forwards, "trainers": trainers}
+    flow = ", ".join(f"{name}: [{', '.join(members)}]" for name, members in groups.items() if members)
+    out = [f"placement.device_groups={{{flow}}}"]
+    for stage in forwards:
+        out.append(f"placement.stages.{stage}.offload={{what: [params], when: step}}")
+    for stage in trainers:
+        out.append(f"placement.stages.{stage}.offload={{what: [params, grads, optimizer], when: step}}")
+    return out
+
+
+def model_stages(cfg: RLJobConfig) -> list[str]:
+    """The forward and trainer stages of FORWARDS and TRAINERS that `cfg`'s job runs."""
+    left_out = left_out_stages(cfg)
+    trainers = [s for s in TRAINERS if s == "actor_train" or cfg.algorithm.uses_critic]
+    return [s for s in FORWARDS if s not in left_out] + trainers
+
+
+def column_overrides(column: str, settings: Settings, prefix: str) -> list[str]:
+    """Every `--set` of the column's run; its config is built from them (a bad key or value is a
+    ConfigError naming it, before anything runs)."""
+    own = [f"name=bench_offload_{settings.name}{column}", f"iterations={settings.iterations}",
+           f"broker.shm_prefix={prefix}", *schedule_overrides(column)]
+    if column != "separate":
+        own += group_overrides(model_stages(load_config(RLJobConfig, REPO / CONFIG, own)))
+    load_config(RLJobConfig, REPO / CONFIG, own)
+    return own
+
+
+# ---- running -----------------------------------------------------------------------------------
+
+
+def run_column(overrides: list[str], prefix: str) -> Path:
+    """One `stream-rlhf run` subprocess; returns its run folder. Fails when the run does, or when
+    it left anything of its own in /dev/shm."""
+    name = next(o for o in overrides if o.startswith("name=")).removeprefix("name=")
+    log_path = RUNS_DIR / f"{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
+    before = shm_entries()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = process.wait(RUN_TIMEOUT_S)
+        finally:
+            if process.poll() is None:
+                process.terminate()  # the launcher drains and stops its stages on SIGTERM
+                process.wait(60)
+    if code != 0:
+        tail = "\n".join(log_path.read_text().splitlines()[-30:])
+        raise RuntimeError(f"{' '.join(command)}: exit code {code}; the end of {log_path}:\n{tail}")
+    assert_nothing_left(before, prefix, name)
+    return RUNS_DIR / name
+
+
+# ---- figures -----------------------------------------------------------------------------------
+
+
+def process_stage(process: str) -> str:
+    """The stage (or device group) a process runs: `critic_train-0.rank1` -> `critic_train`."""
+    return process.partition(".rank")[0].rpartition("-")[0]
+
+
+def grouped_pss_mb(memory: dict) -> float:
+    """The per-process peak PSS summed over the processes that run a grouped stage, or a group."""
+    grouped = {*FORWARDS, *TRAINERS, "forwards", "trainers"}
+    return sum(p["peak_pss_mb"] for name, p in memory["per_process"].items() if process_stage(name) in grouped)
+
+
+def analyse(run_dir: Path, skip: int) -> dict:
+    """The figures of one run (module docstring)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    memory = summary.get("memory")
+    if not memory or not memory["processes"]:
+        raise RuntimeError(f"{run_dir}/summary.json: no memory block (not the local launcher, or no sample)")
+    return {
+        "iteration_s": mean_iteration_s(run_dir, skip),
+        "peak_pss_mb": memory["peak_pss_mb"],
+        "peak_rss_mb": memory["peak_rss_mb"],
+        "grouped_pss_mb": grouped_pss_mb(memory),
+        "processes": memory["processes"],
+        "process_names": sorted(memory["per_process"]),
+        "tokens_per_s": summary["tokens_per_s"],
+        "samples_dropped": summary["samples_dropped"],
+        "eval_reward_after": summary["eval_reward_after"],
+        "job_s": summary["job_s"],
+    }
+
+
+def figures(results: dict[str, dict]) -> dict[str, float]:
+    """The JSON line."""
+    separate = results["separate"]
+    out: dict[str, float] = {"peak_mem_separate": separate["peak_pss_mb"]}
+    grouped = [results[c]["peak_pss_mb"] for c in ("full_offload", "pipelined") if c in results]
+    if grouped:
+        out["peak_mem_groups"] = max(grouped)
+        out["peak_mem_groups_over_separate"] = round(max(grouped) / separate["peak_pss_mb"], 3)
+    for column, r in results.items():
+        out[f"iter_s_{column}"] = round(r["iteration_s"], 3)
+    for column, r in results.items():
+        out[f"peak_mem_{column}"] = r["peak_pss_mb"]
+    for column, r in results.items():
+        out[f"grouped_stages_mem_{column}"] = round(r["grouped_pss_mb"], 1)
+    for column, r in results.items():
+        out[f"processes_{column}"] = r["processes"]
+    return out
+
+
+ROWS: list[tuple[str, str, str, bool]] = [
+    ("iteration s (mean)", "iteration_s", ".3f", True),
+    ("peak PSS, job MB", "peak_pss_mb", ",.0f", True),
+    ("peak RSS, job MB", "peak_rss_mb", ",.0f", False),
+    ("grouped stages MB", "grouped_pss_mb", ",.0f", True),
+    ("processes", "processes", "d", False),
+    ("tokens/s", "tokens_per_s", ",.0f", False),
+    ("samples dropped", "samples_dropped", "d", False),
+    ("eval reward after", "eval_reward_after", ".3f", False),
+    ("job s (whole run)", "job_s", ".1f", False),
+]
+"""The table's rows: label, figure, format, and whether a row of the ratio to separate follows."""
+
+
+def format_table(results: dict[str, dict], settings: Settings) -> str:
+    """The columns side by side, with their ratios against separate."""
+    cells: list[tuple[str, list[str]]] = [("", list(results))]
+    for label, key, fmt, ratio in ROWS:
+        cells.append((label, [format(r[key], fmt) for r in results.values()]))
+        if ratio:
+            cells.append(("  / separate", [f"{r[key] / results['separate'][key]:.2f}" for r in results.values()]))
+    lines = [f"{label:<20}" + "".join(f"{v:>14}" for v in values) for label, values in cells]
+    notes = [f"{column}: {', '.join(r['process_names'])}" for column, r in results.items()]
+    out = figures(results)
+    if "peak_mem_groups" in out:
+        ratio = out["peak_mem_groups_over_separate"]
+        notes.append(f"device groups' peak / separate: {ratio:.2f} (target <= {MEMORY_TARGET}: "
+                     f"{'PASS' if ratio <= MEMORY_TARGET else 'MISS'})")
+    if {"full_offload", "pipelined"} <= results.keys():
+        faster = results["pipelined"]["iteration_s"] < results["full_offload"]["iteration_s"]
+        notes.append(f"pipelined faster than full offload: {'PASS' if faster else 'MISS'}")
+    notes += [
+        (f"iterations {settings.skip}..{settings.iterations - 1} of {settings.iterations} timed; peak PSS: the "
+         "largest sum over the job's processes at one 0.5 s sample; grouped stages: per-process peaks summed"),
+        f"workload: {CONFIG} as shipped, {settings.iterations} iterations",
+    ]
+    return "\n".join([*lines, "", *notes])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK.iterations} iterations per column")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    parser.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS),
+                        help="run only these (separate always runs: the ratios are against it)")
+    args = parser.parse_args()
+    settings = QUICK if args.quick else FULL
+    prefix = f"bo{uuid.uuid4().hex[:8]}"  # this invocation's shared-memory names
+    columns = [c for c in COLUMNS if c == "separate" or c in args.columns]
+    try:
+        overrides = {column: column_overrides(column, settings, prefix) for column in columns}
+    except ConfigError as exc:
+        sys.exit(f"bench/offload.py: a column's config is not valid: {exc}")
+    results = {}
+    for column in columns:
+        started = time.monotonic()
+        progress(f"{column}: {settings.iterations} iterations (runs/bench_offload_{settings.name}{column}.log; "
+                 f"load average {os.getloadavg()[0]:.2f})")
+        results[column] = analyse(run_column(overrides[column], prefix), settings.skip)
+        progress(f"{column}: {results[column]['iteration_s']:.3f} s/iteration, peak PSS "
+                 f"{results[column]['peak_pss_mb']:,.0f} MB ({time.monotonic() - started:.0f} s)")
+    print(format_table(results, settings))
+    if args.json:
+        print(json.dumps(figures(results)))
+
+
+if __name__ == "__main__":
+    main()
