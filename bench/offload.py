@@ -26,6 +26,8 @@ Figures, from each run's summary.json (`memory`: `telemetry/memory.py`) and metr
     grouped stages   the sum of the per-process peak PSS of the processes that run the grouped
                      stages: their own processes in `separate`, the two group processes otherwise
     processes        the job's processes (the broker included)
+    offload+onload   what the stages' offload policies moved off and back onto their devices, MB
+                     and seconds, summed over the stages (summary.json's `offload`; 0 on a CPU)
     peak_mem_groups  (JSON) the larger job peak of the two device-group columns, against the
                      target <= 0.6 x peak_mem_separate
 
@@ -172,12 +174,15 @@ def analyse(run_dir: Path, skip: int) -> dict:
     memory = summary.get("memory")
     if not memory or not memory["processes"]:
         raise RuntimeError(f"{run_dir}/summary.json: no memory block (not the local launcher, or no sample)")
+    moved = (summary.get("offload") or {}).values()  # None: no stage has an offload policy
     return {
         "iteration_s": mean_iteration_s(run_dir, skip),
         "peak_pss_mb": memory["peak_pss_mb"],
         "peak_rss_mb": memory["peak_rss_mb"],
         "grouped_pss_mb": grouped_pss_mb(memory),
         "processes": memory["processes"],
+        "moved_mb": sum(m["offload_mb"] + m["onload_mb"] for m in moved),
+        "moving_s": sum(m["offload_s"] + m["onload_s"] for m in moved),
         "process_names": sorted(memory["per_process"]),
         "tokens_per_s": summary["tokens_per_s"],
         "samples_dropped": summary["samples_dropped"],
@@ -211,6 +216,8 @@ ROWS: list[tuple[str, str, str, bool]] = [
     ("peak RSS, job MB", "peak_rss_mb", ",.0f", False),
     ("grouped stages MB", "grouped_pss_mb", ",.0f", True),
     ("processes", "processes", "d", False),
+    ("offload+onload MB", "moved_mb", ",.0f", False),
+    ("offload+onload s", "moving_s", ".2f", False),
     ("tokens/s", "tokens_per_s", ",.0f", False),
     ("samples dropped", "samples_dropped", "d", False),
     ("eval reward after", "eval_reward_after", ".3f", False),

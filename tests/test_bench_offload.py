@@ -64,12 +64,12 @@ def memory(per_process: dict[str, float], peak: float) -> dict:
                             for name, mb in per_process.items()}}
 
 
-def write_run(run_dir, iteration_s: list[float], mem: dict) -> None:
+def write_run(run_dir, iteration_s: list[float], mem: dict | None, moved: dict | None = None) -> None:
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "iteration_s": s}) + "\n"
                                                    for i, s in enumerate(iteration_s)))
     (run_dir / "summary.json").write_text(json.dumps({
-        "memory": mem, "tokens_per_s": 100.0, "samples_dropped": 0, "eval_reward_after": 0.5, "job_s": 9.0}))
+        "memory": mem, "offload": moved, "tokens_per_s": 100.0, "samples_dropped": 0, "eval_reward_after": 0.5, "job_s": 9.0}))
 
 
 def test_figures_from_three_runs(tmp_path):
@@ -78,11 +78,15 @@ def test_figures_from_three_runs(tmp_path):
     grouped = {"broker": 100, "rollout-0": 300, "forwards-0": 320, "trainers-0": 400}
     write_run(tmp_path / "separate", [9.0, 2.0, 2.0, 4.0], memory(separate, 1600.0))
     write_run(tmp_path / "full_offload", [9.0, 5.0, 3.0, 4.0], memory(grouped, 1000.0))
-    write_run(tmp_path / "pipelined", [9.0, 3.0, 3.0, 3.0], memory(grouped, 1100.0))
+    moved = {stage: {"offload_mb": 10.0, "onload_mb": 8.0, "offload_s": 0.5, "onload_s": 0.25}
+             for stage in ("ref_forward", "actor_train")}
+    write_run(tmp_path / "pipelined", [9.0, 3.0, 3.0, 3.0], memory(grouped, 1100.0), moved)
     results = {column: offload.analyse(tmp_path / column, skip=1) for column in offload.COLUMNS}
     assert results["separate"]["grouped_pss_mb"] == 300 + 300 + 350 + 350 + 50  # every rank of a grouped stage
     assert results["pipelined"]["grouped_pss_mb"] == 320 + 400
     assert results["full_offload"]["iteration_s"] == 4.0  # the first iteration left out
+    assert (results["pipelined"]["moved_mb"], results["pipelined"]["moving_s"]) == (36.0, 1.5)
+    assert (results["separate"]["moved_mb"], results["separate"]["moving_s"]) == (0, 0)  # no policies
     figures = offload.figures(results)
     assert figures["peak_mem_separate"] == 1600.0
     assert figures["peak_mem_groups"] == 1100.0  # the larger of the two group columns
