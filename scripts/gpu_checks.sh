@@ -2,10 +2,15 @@
 # The checks that need a CUDA device, in few long runs: run on a GPU machine from the repository
 # root, with a Python that has this project's dependencies (`pip install -e ".[test]"`, no -c).
 #
-#     scripts/gpu_checks.sh OUT_DIR [PART ...]     PART: tests kernels weights medusa jobs pipeline (default: all)
+#     scripts/gpu_checks.sh OUT_DIR [PART ...]     PART: tests megatron sampler kernels weights medusa jobs
+#                                                  pipeline (default: all)
 #
 #   tests     pytest -m gpu, Triton compiled for the device (TRITON_INTERPRET=0): kernels vs
 #             references, CUDA IPC weight sync, engine offload round trip, whole jobs on cuda:0
+#             (not the files of the two parts below)
+#   megatron  tests/test_megatron_cuda.py: the megatron engine on cuda:0 vs the torch engine
+#             (forward, training with the distributed optimizer, offload), every number in the log
+#   sampler   tests/test_sampler_cuda.py: decode attention and KV cache on cuda:0 vs the CPU and eager
 #   kernels   bench/kernels.py: fused log-probs vs eager, bf16, time and peak memory
 #   weights   bench/weight_sync.py: shm, gloo and CUDA IPC vs reloading a file
 #   medusa    bench/medusa.py --device cuda: speculative decoding columns timed on the GPU
@@ -14,32 +19,49 @@
 #
 # Each part writes OUT_DIR/<part>.log (and its --json figures as the log's last line); one failing
 # part does not stop the others; the exit status is the number of parts that failed.
+# Wheels in .whl/ (packages the machine lacks, e.g. megatron-core, pyzmq, msgspec: pip download
+# them for its Python) are installed first into /tmp/site, which goes on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_checks.sh OUT_DIR [PART ...]}
 shift
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests kernels weights medusa jobs pipeline)
+[ ${#parts[@]} -eq 0 ] && parts=(tests megatron sampler kernels weights medusa jobs pipeline)
 mkdir -p "$out"
 python=${PYTHON:-python3}
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+own_parts=(--ignore=tests/test_megatron_cuda.py --ignore=tests/test_sampler_cuda.py)  # run by their parts
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl; then
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+        echo "carried wheels: $(cd .whl && echo *.whl)" | tee "$out/wheels.txt"
+    else
+        echo "carried wheels did not install (another Python?): going on without them" | tee "$out/wheels.txt" >&2
+    fi
+fi
 
 run_part() {
     case "$1" in
-        tests) "$python" -m pytest -q -m gpu -p no:cacheprovider -rs tests ;;
+        tests) "$python" -m pytest -q -m gpu -p no:cacheprovider -rs tests "${own_parts[@]}" ;;
+        megatron) "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_megatron_cuda.py ;;
+        sampler) "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_sampler_cuda.py ;;
         kernels) "$python" bench/kernels.py --json ;;
         weights) "$python" bench/weight_sync.py --json ;;
         medusa) "$python" bench/medusa.py --device cuda --json ;;
         jobs) "$python" -m stream_rlhf.cli run configs/text_grpo.yaml --set placement.device=cuda &&
               "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda ;;
         pipeline) "$python" bench/pipeline.py --json ;;
-        *) echo "unknown part $1: tests kernels weights medusa jobs pipeline" >&2; return 2 ;;
+        *) echo "unknown part $1: tests megatron sampler kernels weights medusa jobs pipeline" >&2; return 2 ;;
     esac
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 "$python" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
     | tee -a "$out/device.txt"
+"$python" -c "from importlib.metadata import version as v; print(*(f'{n} {v(n)}' for n in ('transformers', 'megatron-core')))" \
+    2>&1 | tail -n 1 | tee -a "$out/device.txt"
 failed=0
 for part in "${parts[@]}"; do
     start=$SECONDS

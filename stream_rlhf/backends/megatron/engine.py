@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from stream_rlhf.backends.megatron.arch_qwen2_vl import VISION_PREFIX
 from stream_rlhf.backends.megatron.config import MegatronConfig, check_parallel
 from stream_rlhf.backends.megatron.model import architecture, build_model, causal_mask, dims, join_megatron, text_config
+from stream_rlhf.backends.megatron.offload import HostCopies
 from stream_rlhf.backends.megatron.optimizer import MegatronOptimizer
 from stream_rlhf.backends.megatron.state import Layout, export_hf_state, load_hf_state
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
@@ -90,6 +91,7 @@ class MegatronTrainEngine:
         self.optimizer = MegatronOptimizer(self.model, optimizer) if optimizer is not None else None
         self.model.train(optimizer is not None)
         self._step_outputs: tuple[list[Tensor], Tensor] | None = None  # inside train_step: (sequences, output)
+        self._host = HostCopies()  # what offload moved to host memory (CUDA)
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -321,13 +323,34 @@ class MegatronTrainEngine:
 
     # ---- offload -----------------------------------------------------------------------------
 
-    def offload(self, what: set[Offloadable]) -> None:
-        """A no-op on a CPU device (where the model already is); not built for CUDA yet."""
-        if self.device.type != "cpu":
-            raise NotImplementedError("megatron backend: offload on CUDA is not built yet (offload policies)")
+    def offload(self, what: set[Offloadable]) -> int:
+        """`what` to pinned host memory, storage by storage (`offload.py`: megatron's buffers keep
+        their views); the bytes moved. "grads" are DDP's main_grad buffers (and whatever the
+        optimizer steps on). A no-op on a CPU device, where that state already lives in host memory."""
+        if self.device.type == "cpu":
+            return 0
+        moved = sum(self._host.offload(kind, self._state_of(kind)) for kind in sorted(what))
+        torch.cuda.empty_cache()  # what left can serve another process on this device (vLLM, a stage)
+        return moved
 
-    def onload(self, what: set[Offloadable]) -> None:
-        self.offload(what)
+    def onload(self, what: set[Offloadable]) -> int:
+        if self.device.type == "cpu":
+            return 0
+        moved = sum(self._host.onload(kind) for kind in sorted(what))
+        torch.cuda.synchronize(self.device)  # the copies are complete (and timed) when this returns
+        return moved
+
+    def _state_of(self, kind: Offloadable) -> list[Tensor]:
+        """This rank's device tensors of `kind` (views share storages: `HostCopies` moves each once)."""
+        params = list(self.model.parameters())
+        if kind == "params":
+            found = params
+        elif kind == "grads":
+            found = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+            found += self.optimizer.main_grads() if self.optimizer is not None else []
+        else:
+            found = self.optimizer.state_tensors() if self.optimizer is not None else []
+        return [t for t in found if t.device.type != "cpu"]
 
 
 def _broadcast_names(names: list[str], source: int) -> list[str]:

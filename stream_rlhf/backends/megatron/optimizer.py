@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as CoreOptimizerConfig
@@ -25,9 +25,13 @@ from stream_rlhf.broker.rank_group import RankGroup
 
 
 class MegatronOptimizer:
-    def __init__(self, model: nn.Module, config: OptimizerConfig):
+    def __init__(self, model: nn.Module, config: OptimizerConfig, distributed: bool | None = None):
+        """`distributed`: megatron's distributed optimizer, else its FP32Optimizer (the whole state on
+        every dp rank); None picks the distributed one exactly when `model` is on CUDA (it refuses
+        CPU tensors: `shim.py`, 4)."""
         model.config.finalize_model_grads_func = finalize_model_grads
-        distributed = torch.cuda.is_available()  # on the CPU megatron's FP32Optimizer (`shim.py`, 4)
+        if distributed is None:
+            distributed = next(model.parameters()).is_cuda
         self.ddp = DistributedDataParallel(
             config=model.config, module=model,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed))
@@ -47,6 +51,15 @@ class MegatronOptimizer:
         if not ok:
             raise RuntimeError("megatron optimizer: the step was skipped (non-finite gradients)")
         return float(grad_norm)
+
+    def main_grads(self) -> list[Tensor]:
+        """The gradients the torch optimizer steps on (for an fp32 model, views of DDP's buffers)."""
+        return [p.grad for group in self._inner().param_groups for p in group["params"] if p.grad is not None]
+
+    def state_tensors(self) -> list[Tensor]:
+        """The torch optimizer's state tensors (AdamW's moments, not its scalar step counts)."""
+        return [v for state in self._inner().state.values() for v in state.values()
+                if isinstance(v, Tensor) and v.dim() > 0]
 
     def gather_state(self, group: RankGroup) -> list[dict] | None:
         """Every rank's optimizer state (its shard), in rank order, on the leader (None elsewhere)."""
