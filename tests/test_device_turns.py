@@ -15,6 +15,7 @@ from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.broker.messages import Handle
 from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.broker.stage import Batch, DeviceState, Stage
+from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.device_turns import DeviceTurns
 from stream_rlhf.weights.offload_config import OffloadPolicy
 
@@ -49,10 +50,12 @@ def batch(minibatch: int, iteration: int = 0) -> Batch:
 
 
 def hosted(turns: DeviceTurns, stages: dict[str, tuple[Stage, OffloadPolicy | None]]) -> dict[str, dict[str, float]]:
+    """Add and set up each stage; returns the live counts of each."""
     counters = {}
     for name, (stage, policy) in stages.items():
-        counters[name] = {}
-        turns.add(name, stage, policy, counters[name])
+        counts = StageCounts(".", name, name, write=False)
+        counters[name] = counts.values
+        turns.add(name, stage, policy, counts)
         with turns.setup(name):
             pass
     return counters

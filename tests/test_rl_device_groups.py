@@ -33,6 +33,10 @@ def test_four_forwards_in_two_device_groups_give_the_same_samples_as_four_stages
     assert grouped["samples_trained"] == separate["samples_trained"] == 32
     assert grouped["memory"]["processes"] == separate["memory"]["processes"] - 3  # 7 stage processes -> 4
     assert set(grouped["memory"]["per_process"]) >= {"policies-0", "scores-0", "trainers-0"}
+    assert separate["offload"] is None
+    moved = grouped["offload"]["ref_forward"]  # after its setup and each of its 4 steps; back for each step
+    assert (moved["policy"], moved["offloads"], moved["onloads"]) == ("params when step", 5, 4)
+    assert set(grouped["offload"]) == {"ref_forward", "actor_forward", "critic_forward", "actor_train", "critic_train"}
     samples = {name: [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
                for name, folder in (("separate", separate_dir), ("grouped", grouped_dir))}
     assert len(samples["grouped"]) == len(samples["separate"]) == 32  # every sample of both iterations

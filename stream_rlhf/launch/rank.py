@@ -26,6 +26,7 @@ from stream_rlhf.broker.stage import Batch
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.spec import StageSpec, load_class
 from stream_rlhf.telemetry import trace
+from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.device_turns import DeviceTurns
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
             follower = GroupFollower(stage, stage_name, instance_id, group, ShmTransport(prefix=prefix, serve=False),
                                      *_contexts(turns, stage_name))
             if turns is not None:
-                turns.add(stage_name, stage, spec.offload, {})
+                turns.add(stage_name, stage, spec.offload, _offload_counts(spec, stage_name, instance_id, rank))
             follower.run()
             return
         governor = None
@@ -73,7 +74,7 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
         runner = StageRunner(stage, stage_name, instance_id, address, key_dir, prefetch=spec.prefetch,
                              shm_prefix=prefix, group=group, step_context=step_context, setup_context=setup_context)
         if turns is not None:
-            turns.add(stage_name, stage, spec.offload, runner.host.counters)
+            turns.add(stage_name, stage, spec.offload, _offload_counts(spec, stage_name, instance_id, rank))
         runner.run()
         if governor is not None:
             log.info("%s: borrowed the other side's cores %d times%s", instance_id, governor.borrowed,
@@ -104,7 +105,7 @@ def run_device_group(group_name: str, index: int, members: dict[str, StageSpec],
         step_context, setup_context = _contexts(turns, name)
         runner = StageRunner(stage, name, f"{name}-{index}", address, key_dir, prefetch=spec.prefetch,
                              shm_prefix=prefix, step_context=step_context, setup_context=setup_context)
-        turns.add(name, stage, spec.offload, runner.host.counters)
+        turns.add(name, stage, spec.offload, _offload_counts(spec, name, f"{name}-{index}", 0))
         runners[name] = runner
     _run_together(process, runners)
 
@@ -157,6 +158,13 @@ def _contexts(turns: DeviceTurns | None, stage_name: str, governor: ThreadGovern
         return turns.setup(stage_name) if turns is not None else nullcontext()
 
     return step, setup
+
+
+def _offload_counts(spec: StageSpec, stage_name: str, instance_id: str, rank: int) -> StageCounts:
+    """Where a rank counts what its offload policy moves: a stage counts file of its own, beside the
+    stage's (`telemetry/stage_counts.py`), written when the spec names a run folder."""
+    return StageCounts(spec.counts_dir or ".", stage_name, f"{instance_id}.rank{rank}.offload",
+                       write=spec.counts_dir is not None)
 
 
 def _pin(spec: StageSpec, rank: int) -> None:

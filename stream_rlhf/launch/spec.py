@@ -58,6 +58,8 @@ class StageSpec:
     """What of its model state leaves the device between steps, and when (`weights/device_turns.py`)."""
     last_minibatch: int | None = None
     """The index of an iteration's last mini-batch (an offload policy's `iteration`)."""
+    counts_dir: str | None = None
+    """The run folder whose `stage_counts/` gets what its offload policy moved (None: counted, not written)."""
 
     def __post_init__(self) -> None:
         if ":" not in self.cls:

@@ -199,6 +199,7 @@ def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPl
         group_timeout_s=cfg.timeout_s,
         offload=offload_policy(cfg, name, grouped),
         last_minibatch=cfg.rollout_batch.minibatches - 1,
+        counts_dir=cfg.run_dir,
     )
 
 

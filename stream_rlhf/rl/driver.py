@@ -46,6 +46,7 @@ from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_det
 from stream_rlhf.telemetry.trace import FOLDER as TRACE_FOLDER
 from stream_rlhf.telemetry.trace_figures import TraceFigures, iteration_figures, trace_figures
 from stream_rlhf.telemetry.trace_merge import merge_trace, topic_sources
+from stream_rlhf.weights.device_turns import offload_summary
 from stream_rlhf.weights.shm_store import weights_root
 
 log = logging.getLogger("stream_rlhf")
@@ -236,6 +237,7 @@ class RLRun:
         evals = {"eval": "reward", "eval greedy": "greedy_reward"}
         summary["plots"] = [str(path) for path in write_plots(self.run_dir, {
             label: {0: self.before[key], train["iterations"]: after[key]} for label, key in evals.items()})]
+        summary["offload"] = offload_summary(counts, {n: s.offload for n, s in self.plan.flow.stages.items()})
         memory = self.memory.summary(device_peaks(self.run_dir, self.plan.flow.stages)) if self.memory else None
         summary["memory"] = memory
         if memory is not None:

@@ -25,7 +25,8 @@ class StageCounts:
         self.values: dict[str, int] = {}
         self.details: dict[str, object] = {}
         self.file = Path(run_dir) / FOLDER / f"{instance_id}-{os.getpid()}.json"
-        self.file.parent.mkdir(parents=True, exist_ok=True)
+        if write:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
 
     def add(self, **counts: int) -> None:
         for key, value in counts.items():

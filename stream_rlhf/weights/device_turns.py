@@ -1,7 +1,7 @@
 """The stages of one process taking turns on its device, with their offload policies applied.
 
     turns = DeviceTurns(last_minibatch=3)
-    turns.add("ref_forward", ref_stage, OffloadPolicy(["params"], "switch"), runner.host.counters)
+    turns.add("ref_forward", ref_stage, OffloadPolicy(["params"], "switch"), StageCounts(run_dir, ...))
     with turns.setup("ref_forward"):          # the runner's setup context
         ref_stage.setup(ctx)
     with turns.step("ref_forward", batch):    # the runner's step context
@@ -15,10 +15,10 @@ on an iteration's last mini-batch (`iteration`). A step that does not use the mo
 stage with a policy offloads at once, so the members of a device group are never on the device
 together (their peak is the largest one's, not the sum).
 
-Each stage's runner counters get `offloads`, `onloads`, `offload_bytes`, `onload_bytes`,
-`offload_s`, `onload_s` (they reach the run's summary with the other stage counters) and, on CUDA,
-`cuda_peak_mb` (this process's peak allocation). Nothing is prefetched yet: every onload is paid
-inside the turn that needs it.
+Each stage's counts (`telemetry/stage_counts.py`, summed into the run summary's `offload` block)
+get `offloads`, `onloads`, `offload_bytes`, `onload_bytes`, `offload_s`, `onload_s` and, on CUDA,
+the process's peak allocation (`telemetry/memory.py` CUDA_PEAK). Nothing is prefetched yet:
+every onload is paid inside the turn that needs it.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import torch
-
 from stream_rlhf.broker.stage import Batch, Stage
+from stream_rlhf.telemetry.memory import CUDA_PEAK, cuda_peak_mb
+from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.offload_config import OffloadPolicy
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ COUNTERS = ("offloads", "onloads", "offload_bytes", "onload_bytes", "offload_s",
 class _Member:
     stage: Stage
     policy: OffloadPolicy | None
-    counters: dict[str, float]
+    counts: StageCounts
     off: set[str] = field(default_factory=set)
     """What of its state is off the device now."""
     set_up: bool = False
@@ -56,13 +56,12 @@ class DeviceTurns:
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
 
-    def add(self, name: str, stage: Stage, policy: OffloadPolicy | None, counters: dict[str, float]) -> None:
-        """Host `stage` under `name`; its offload counters go into `counters` (its runner's)."""
+    def add(self, name: str, stage: Stage, policy: OffloadPolicy | None, counts: StageCounts) -> None:
+        """Host `stage` under `name`; what it moves is counted in `counts`."""
         if policy is not None and policy.when == "iteration" and self.last_minibatch is None:
             raise ValueError(f"{name}: offload when=iteration needs last_minibatch")
-        for key in COUNTERS:
-            counters.setdefault(key, 0)
-        self._members[name] = _Member(stage, policy, counters)
+        counts.add(**{key: 0 for key in COUNTERS})
+        self._members[name] = _Member(stage, policy, counts)
 
     @contextmanager
     def setup(self, name: str) -> Iterator[None]:
@@ -105,9 +104,7 @@ class DeviceTurns:
         started = time.perf_counter()
         moved = sum(engine.offload(moving) for engine in member.stage.device_state())
         member.off |= moving
-        member.counters["offloads"] += 1
-        member.counters["offload_bytes"] += moved
-        member.counters["offload_s"] += time.perf_counter() - started
+        member.counts.add(offloads=1, offload_bytes=moved, offload_s=time.perf_counter() - started)
 
     def _onload(self, name: str) -> None:
         member = self._members[name]
@@ -116,9 +113,7 @@ class DeviceTurns:
         started = time.perf_counter()
         moved = sum(engine.onload(set(member.off)) for engine in member.stage.device_state())
         member.off.clear()
-        member.counters["onloads"] += 1
-        member.counters["onload_bytes"] += moved
-        member.counters["onload_s"] += time.perf_counter() - started
+        member.counts.add(onloads=1, onload_bytes=moved, onload_s=time.perf_counter() - started)
 
     def _say_what_moves(self, name: str) -> None:
         member = self._members[name]
@@ -134,5 +129,22 @@ class DeviceTurns:
 
     @staticmethod
     def _note_peak(member: _Member) -> None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            member.counters["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        if (peak := cuda_peak_mb()) is not None:
+            member.counts.set_details(**{CUDA_PEAK: peak})
+
+
+def offload_summary(counts: dict[str, dict[str, float]], policies: dict[str, OffloadPolicy | None]) \
+        -> dict[str, dict[str, object]] | None:
+    """The run summary's `offload` block from the stage counts (`read_stage_counts`): per stage with
+    a policy, the policy and what moved each way (MB, seconds); None when no stage has one."""
+    block = {}
+    for stage, policy in policies.items():
+        if policy is None:
+            continue
+        moved = counts.get(stage, {})
+        block[stage] = {"policy": f"{'/'.join(policy.what)} when {policy.when}",
+                        "offloads": int(moved.get("offloads", 0)), "onloads": int(moved.get("onloads", 0)),
+                        "offload_mb": round(moved.get("offload_bytes", 0) / 2**20, 1),
+                        "onload_mb": round(moved.get("onload_bytes", 0) / 2**20, 1),
+                        "offload_s": round(moved.get("offload_s", 0), 3), "onload_s": round(moved.get("onload_s", 0), 3)}
+    return block or None
