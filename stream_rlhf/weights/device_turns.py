@@ -17,7 +17,8 @@ together (their peak is the largest one's, not the sum).
 
 Each stage's counts (`telemetry/stage_counts.py`, summed into the run summary's `offload` block)
 get `offloads`, `onloads`, `offload_bytes`, `onload_bytes`, `offload_s`, `onload_s` and, on CUDA,
-the process's peak allocation (`telemetry/memory.py` CUDA_PEAK). Nothing is prefetched yet:
+the process's peak allocation (`telemetry/memory.py` CUDA_PEAK); each move is an `offload` or
+`onload` event on the stage's track of the trace. Nothing is prefetched yet:
 every onload is paid inside the turn that needs it.
 """
 
@@ -25,12 +26,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from stream_rlhf.broker.stage import Batch, Stage
+from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.memory import CUDA_PEAK, cuda_peak_mb
 from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.offload_config import OffloadPolicy
@@ -101,19 +102,23 @@ class DeviceTurns:
         moving = what - member.off
         if not moving:
             return
-        started = time.perf_counter()
+        started = trace.now_ns()
         moved = sum(engine.offload(moving) for engine in member.stage.device_state())
         member.off |= moving
-        member.counts.add(offloads=1, offload_bytes=moved, offload_s=time.perf_counter() - started)
+        ended = trace.now_ns()
+        member.counts.add(offloads=1, offload_bytes=moved, offload_s=(ended - started) / 1e9)
+        trace.complete("offload", "device", started, ended, stage=name, what=sorted(moving), bytes=moved)
 
     def _onload(self, name: str) -> None:
         member = self._members[name]
         if not member.off:
             return
-        started = time.perf_counter()
+        started = trace.now_ns()
         moved = sum(engine.onload(set(member.off)) for engine in member.stage.device_state())
+        ended = trace.now_ns()
+        trace.complete("onload", "device", started, ended, stage=name, what=sorted(member.off), bytes=moved)
         member.off.clear()
-        member.counts.add(onloads=1, onload_bytes=moved, onload_s=time.perf_counter() - started)
+        member.counts.add(onloads=1, onload_bytes=moved, onload_s=(ended - started) / 1e9)
 
     def _say_what_moves(self, name: str) -> None:
         member = self._members[name]
