@@ -165,7 +165,8 @@ def _offload(group, found: dict, optimizer, trained: dict) -> None:
         found[f"offload.{name}.weights_diff"] = _weights_diff(engine, trained[name])
 
 
-def _checks(kind: str, init_file: str, found: dict) -> None:
+def _checks(kind: str, init_file: str, found: dict, save) -> None:
+    """`save()` after each phase: a process that hangs later still leaves what it measured."""
     torch.cuda.set_device(0)
     _fp32_only()
     if kind == "nccl":
@@ -178,20 +179,27 @@ def _checks(kind: str, init_file: str, found: dict) -> None:
     group = RankGroup.single("cuda:0")  # one rank: join_megatron takes the process group above, or makes one
     optimizer = OptimizerConfig(lr=1e-2, max_grad_norm=0.5)
     _forward(group, found)
+    save()
+    trained = _train(group, found, optimizer)
+    save()
     if kind == "nccl":
-        _offload(group, found, optimizer, _train(group, found, optimizer))
-    else:
-        _train(group, found, optimizer)
+        _offload(group, found, optimizer, trained)
 
 
 def _rank_main(kind: str, init_file: str, out: str) -> None:
     """One process's checks; what it measured (and the traceback, if one broke off) to `out`."""
     found: dict = {}
+
+    def save() -> None:
+        part = Path(out + ".part")
+        part.write_text(json.dumps(found))
+        part.replace(out)  # whole, even if the process is killed while writing
+
     try:
-        _checks(kind, init_file, found)
+        _checks(kind, init_file, found, save)
     except Exception:  # noqa: BLE001 - the test reports it next to what was measured before
         found["error"] = traceback.format_exc()
-    Path(out).write_text(json.dumps(found))
+    save()
     os._exit(0)  # no interpreter teardown of megatron's groups
 
 
@@ -203,14 +211,17 @@ def found(tmp_path_factory) -> dict[str, dict]:
                                                          str(folder / f"{kind}.json"))) for kind in ("nccl", "single")}
     for p in procs.values():
         p.start()
-    deadline = time.monotonic() + 240  # both run at once; inside pytest's 300 s per test
+    deadline = time.monotonic() + 180  # both run at once; a hang costs at most this (pytest allows 300 s)
     results = {}
     for kind, p in procs.items():
         p.join(max(1.0, deadline - time.monotonic()))
-        if p.is_alive():
+        hung = p.is_alive()
+        if hung:
             p.kill()
         out = folder / f"{kind}.json"
-        results[kind] = json.loads(out.read_text()) if out.exists() else {"error": f"exit code {p.exitcode}"}
+        results[kind] = json.loads(out.read_text()) if out.exists() else {}
+        if hung or p.exitcode != 0:
+            results[kind].setdefault("error", "killed at the deadline" if hung else f"exit code {p.exitcode}")
     print(json.dumps(results, indent=1))  # every measured number, in the log of a -rA run
     return results
 
