@@ -18,7 +18,9 @@ all-gathered over tp (logits are never formed). Inside `train_step`, `logprobs` 
 hidden states of the step's own forward, so a loss function written for the torch engine works
 unchanged. Gradients are averaged over dp by megatron's DDP (each rank's loss scaled by its share of
 the step's tokens, as in the torch engine), clipped to `max_grad_norm` and stepped by megatron's
-distributed optimizer (AdamW; megatron leaves biases and norms out of weight decay).
+distributed optimizer (AdamW; megatron leaves biases and norms out of weight decay). On CUDA,
+`offload`/`onload` move the parameters, DDP's gradient buffers and the optimizer state to pinned
+host memory and back storage by storage (`offload.py`), so megatron's views into them stay valid.
 """
 
 from __future__ import annotations
