@@ -61,9 +61,11 @@ class Parallel:
 
 def join_megatron(group: RankGroup, parallel: MegatronConfig, seed: int) -> Parallel:
     """Megatron's process groups over this stage group's ranks (a one-rank group gets a one-rank
-    gloo world of its own). Once per process; a second call must ask for the same sizes."""
+    world of its own: gloo, plus NCCL for CUDA tensors, whose gradient sync gloo refuses). Once per
+    process; a second call must ask for the same sizes."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        backend = "cpu:gloo,cuda:nccl" if group.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != group.world_size:
         raise ValueError(f"megatron: the process group has {dist.get_world_size()} ranks, the stage group "
                          f"{group.world_size}")
