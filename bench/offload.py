@@ -33,7 +33,7 @@ Figures, from each run's summary.json (`memory`: `telemetry/memory.py`) and metr
 
 MB: 2**20 bytes. Run from the repository root:
 
-    .venv/bin/python bench/offload.py            # full run (~10 minutes): the table
+    .venv/bin/python bench/offload.py            # full run (~4 minutes on 2 cores): the table
     .venv/bin/python bench/offload.py --quick    # smoke run: 3 iterations each
     .venv/bin/python bench/offload.py --json     # the table, then one JSON object as the last line
 
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -168,21 +169,30 @@ def grouped_pss_mb(memory: dict) -> float:
     return sum(p["peak_pss_mb"] for name, p in memory["per_process"].items() if process_stage(name) in grouped)
 
 
+def offload_moved(summary: dict) -> tuple[float, float]:
+    """MB and seconds the offload policies moved, off and back on, over every stage (NaN: a summary
+    written before the run summary had its `offload` block; None there: no stage had a policy)."""
+    if "offload" not in summary:
+        return math.nan, math.nan
+    stages = (summary["offload"] or {}).values()
+    return sum(m["offload_mb"] + m["onload_mb"] for m in stages), sum(m["offload_s"] + m["onload_s"] for m in stages)
+
+
 def analyse(run_dir: Path, skip: int) -> dict:
     """The figures of one run (module docstring)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     memory = summary.get("memory")
     if not memory or not memory["processes"]:
         raise RuntimeError(f"{run_dir}/summary.json: no memory block (not the local launcher, or no sample)")
-    moved = (summary.get("offload") or {}).values()  # None: no stage has an offload policy
+    moved_mb, moving_s = offload_moved(summary)
     return {
         "iteration_s": mean_iteration_s(run_dir, skip),
         "peak_pss_mb": memory["peak_pss_mb"],
         "peak_rss_mb": memory["peak_rss_mb"],
         "grouped_pss_mb": grouped_pss_mb(memory),
         "processes": memory["processes"],
-        "moved_mb": sum(m["offload_mb"] + m["onload_mb"] for m in moved),
-        "moving_s": sum(m["offload_s"] + m["onload_s"] for m in moved),
+        "moved_mb": moved_mb,
+        "moving_s": moving_s,
         "process_names": sorted(memory["per_process"]),
         "tokens_per_s": summary["tokens_per_s"],
         "samples_dropped": summary["samples_dropped"],

@@ -4,6 +4,7 @@ runs' summaries (the runs themselves: `.venv/bin/python bench/offload.py --quick
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -69,7 +70,8 @@ def write_run(run_dir, iteration_s: list[float], mem: dict | None, moved: dict |
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "iteration_s": s}) + "\n"
                                                    for i, s in enumerate(iteration_s)))
     (run_dir / "summary.json").write_text(json.dumps({
-        "memory": mem, "offload": moved, "tokens_per_s": 100.0, "samples_dropped": 0, "eval_reward_after": 0.5, "job_s": 9.0}))
+        "memory": mem, "offload": moved, "tokens_per_s": 100.0, "samples_dropped": 0, "eval_reward_after": 0.5,
+        "job_s": 9.0}))
 
 
 def test_figures_from_three_runs(tmp_path):
@@ -87,6 +89,7 @@ def test_figures_from_three_runs(tmp_path):
     assert results["full_offload"]["iteration_s"] == 4.0  # the first iteration left out
     assert (results["pipelined"]["moved_mb"], results["pipelined"]["moving_s"]) == (36.0, 1.5)
     assert (results["separate"]["moved_mb"], results["separate"]["moving_s"]) == (0, 0)  # no policies
+    assert all(math.isnan(x) for x in offload.offload_moved({"memory": {}}))  # a summary from before offloads
     figures = offload.figures(results)
     assert figures["peak_mem_separate"] == 1600.0
     assert figures["peak_mem_groups"] == 1100.0  # the larger of the two group columns
