@@ -3,8 +3,9 @@
     stream-rlhf run CONFIG [--set key=value ...]   broker + every stage as local processes
                            [--resume [RUN_DIR]]    ... continuing a stopped run from its last checkpoint
     stream-rlhf plan CONFIG [--json]               the job plan: which stage on which node, cores, device
-                    [--profile RUN_DIR [--search]] ... its predicted iteration time from a run's trace,
-                                                   and the fastest schedules and placements (planner/)
+                    [--profile RUN_DIR [--search]] ... its predicted iteration time and memory from a run,
+                    [--memory-limit-mb N]          and the fastest schedules, placements and device groups
+                                                   predicted within N MB (planner/)
     stream-rlhf broker CONFIG                      only the broker (stages started elsewhere; an RL job's
                                                    dataset and warm start are made here, once)
     stream-rlhf stage CONFIG STAGE --broker ADDR [--index N] [--rank R --group tcp://HOST:PORT] [--set key=value]
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="predict the run from the trace of a finished run of this job (planner/)")
     plan.add_argument("--search", action="store_true", help="with --profile: the fastest schedules and placements")
     plan.add_argument("--top", type=int, default=3, help="plans --search prints (default 3)")
+    plan.add_argument("--memory-limit-mb", type=float, metavar="N",
+                      help="with --search: leave out plans whose predicted host memory is over N MB")
     broker = sub.add_parser("broker", help="run only the broker of a job")
     broker.add_argument("config")
     broker.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -213,18 +216,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _predict(args: argparse.Namespace, stages: set[str]) -> dict[str, object]:
     """Print the simulator's prediction (and with --search the best plans); their JSON keys."""
-    from stream_rlhf.planner.job_prediction import describe, job_profile, plan_dict
-    from stream_rlhf.planner.search import predict, search
+    from stream_rlhf.planner.job_prediction import buildable_groups, describe, job_profile, plan_dict
+    from stream_rlhf.planner.search import predict, search, within_memory
     from stream_rlhf.rl.config import RLJobConfig
+    from stream_rlhf.rl.dataflow import device_groups
 
     if is_dataflow_config(args.config):
         raise ConfigError("--profile: predictions are for RL job configs")
+    if args.memory_limit_mb is not None and not args.search:
+        raise ConfigError("--memory-limit-mb: limits the plans of --search")
     cfg = load_config(RLJobConfig, args.config, args.set)
     profile = job_profile(cfg, stages, args.profile)
-    prediction = predict(profile, cfg.iterations, cfg.schedule, cfg.overlap_depth, cfg.placement.mode)
-    plans = search(profile, cfg.iterations)[:args.top] if args.search else []
-    print(describe(prediction, plans, profile))
-    return {"prediction": prediction.summary(), **({"plans": [plan_dict(p) for p in plans]} if args.search else {})}
+    if args.memory_limit_mb is not None and profile.memory is None:
+        raise ConfigError(f"--memory-limit-mb: {args.profile}/summary.json has no memory block to predict from")
+    prediction = predict(profile, cfg.iterations, cfg.schedule, cfg.overlap_depth, cfg.placement.mode,
+                         device_groups(cfg, sorted(stages)))
+    plans, dropped = [], 0
+    if args.search:
+        every = search(profile, cfg.iterations, groups=buildable_groups(args.config, args.set, stages))
+        plans, dropped = within_memory(every, args.memory_limit_mb)
+    print(describe(prediction, plans[:args.top], profile, dropped, args.memory_limit_mb))
+    found = {"plans": [plan_dict(p) for p in plans[:args.top]], "plans_over_memory_limit": dropped}
+    return {"prediction": prediction.summary(), **(found if args.search else {})}
 
 
 def cmd_broker(args: argparse.Namespace) -> int:

@@ -90,3 +90,39 @@ def test_search_needs_a_profile_and_a_profile_needs_a_trace(config, tmp_path, ca
     (tmp_path / "empty").mkdir()
     assert main(["plan", str(config), "--profile", str(tmp_path / "empty")]) == 2
     assert "no trace.json there" in capsys.readouterr().err
+
+
+def test_search_tries_device_groups_within_a_memory_limit(config, tmp_path, capsys):
+    """Each stage process 300 MB (reward_forward's, the runtime, 280), the broker 170: separate
+    170 + 7 x 300 - 20 = 2250 MB; the forwards in one process 2250 - 2 x 280 = 1690; the trainers
+    too 1690 - 280 = 1410. Under 1500 MB only the last is left: 16 plans left out."""
+    write_trace(job_graph(config), tmp_path / "calibration")
+    pss = {f"{stage}-0": 280.0 if stage == "reward_forward" else 300.0 for stage in COSTS} | {"broker": 170.0}
+    memory = {"per_process": {name: {"peak_pss_mb": mb} for name, mb in pss.items()}}
+    (tmp_path / "calibration" / "summary.json").write_text(json.dumps({"memory": memory}))
+    assert main(["plan", str(config), "--profile", str(tmp_path / "calibration"), "--search", "--top", "30",
+                 "--memory-limit-mb", "1500", "--json"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["prediction"]["peak_mem_mb"] == pytest.approx(2250.0)
+    assert result["plans_over_memory_limit"] == 16 and len(result["plans"]) == 8
+    assert [plan["peak_mem_mb"] for plan in result["plans"]] == pytest.approx([1410.0] * 8)
+    assert all(plan["sets"][3] == "placement.device_groups={forwards: [ref_forward, reward_forward, critic_forward], "
+               "trainers: [actor_train, critic_train]}" for plan in result["plans"])
+    assert "16 plan(s) left out: predicted over --memory-limit-mb 1500" in out
+    assert "--set 'placement.device_groups={forwards:" in out
+
+
+def test_a_limit_needs_memory_figures_and_a_grouped_run_is_no_profile(config, tmp_path, capsys):
+    write_trace(job_graph(config), tmp_path / "calibration")
+    assert main(["plan", str(config), "--profile", str(tmp_path / "calibration"), "--search",
+                 "--memory-limit-mb", "1500"]) == 2
+    assert "summary.json has no memory block" in capsys.readouterr().err
+    trace = tmp_path / "calibration" / "trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    for event in events:
+        if event.get("name") == "process_name" and event["pid"] in ("ref_forward", "critic_forward"):
+            event["args"]["name"] = "forwards-0"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    assert main(["plan", str(config), "--profile", str(tmp_path / "calibration")]) == 2
+    assert "processes ['forwards'] each ran several stages" in capsys.readouterr().err

@@ -220,7 +220,8 @@ def test_search_picks_overlap_when_the_sides_do_not_interfere():
     k=2 is as fast, so the smaller depth wins. Colocated, every schedule keeps the one device set
     busy from 0 to 6 x (1 + 2) = 18 s (the window's figure differs where rollout ran ahead of it)."""
     plans = search(_profile(contention=0.0), iterations=6)
-    assert plans[0].sets == ["schedule=stream", "overlap_depth=1", "placement.mode=separated"]
+    assert plans[0].sets == ["schedule=stream", "overlap_depth=1", "placement.mode=separated",
+                             "placement.device_groups={}"]
     assert plans[0].prediction.iteration_s == pytest.approx(2.0)
     assert [p.prediction.makespan_s for p in plans if p.mode == "colocated"] == pytest.approx([18.0] * 4)
     assert len(plans) == 8  # (sync + stream k=0..2) x 2 modes
@@ -232,7 +233,8 @@ def test_search_colocates_when_contention_costs_more_than_overlap_saves():
     turns on one device set (3 s per iteration) is faster."""
     plans = search(_profile(contention=2.0), iterations=6)
     assert plans[0].mode == "colocated"
-    overlapped = next(p for p in plans if p.sets == ["schedule=stream", "overlap_depth=1", "placement.mode=separated"])
+    overlapped = next(p for p in plans
+                      if p.sets[:3] == ["schedule=stream", "overlap_depth=1", "placement.mode=separated"])
     durations = [end - start for start, end in spans(overlapped.prediction, "actor_train")]
     assert durations[3:] == pytest.approx([1 + 13**0.5, 1 + 13**0.5, 2.0], abs=1e-4)
     assert overlapped.prediction.iteration_s > 3.0

@@ -19,16 +19,19 @@ so a schedule that overlaps more (or less) than the calibration run is predicted
 slowdowns. A trace whose sides hardly overlapped (sync) cannot show contention: it fits 0.
 
 Edges come from the trace's flow arrows (producer stage -> consumer stage); weight costs from
-its "weights publish" (the trainer's side) and "weights load" (rollout's) spans.
+its "weights publish" (the trainer's side) and "weights load" (rollout's) spans. What the run's
+processes held comes from its summary, not the trace (`memory.py`, `Profile.memory`).
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from stream_rlhf.planner.graph import SimGraph, SimStage
+from stream_rlhf.planner.memory import NOT_SAMPLED, MemoryProfile
 from stream_rlhf.planner.simulator import contended_fractions
 from stream_rlhf.telemetry.trace_figures import TRAINER, is_leader_step, steady_window
 
@@ -54,19 +57,32 @@ class Profile:
     weights_load_s: float
     contention: float = 0.0
     """How much the other devices' steps slowed a step (`SimGraph.contention`), fitted with the costs."""
+    memory: MemoryProfile | None = None
+    """What the run's processes held (`memory.py`, from its summary); None: not sampled."""
 
     def graph(self, iterations: int, overlap_depth: int, schedule: Literal["stream", "sync"],
-              devices: dict[str, str], queue_capacity: int = 64) -> SimGraph:
+              devices: dict[str, str], queue_capacity: int = 64,
+              groups: Mapping[str, Sequence[str]] | None = None) -> SimGraph:
         """The simulator's graph of these stages under a schedule and a placement (`devices`:
-        stage -> device set; stages missing from it get a device of their own)."""
-        stages = tuple(SimStage(name, cost, inputs=self.inputs[name],
-                                side="rollout" if name in self.rollout_side else "train",
-                                device=devices.get(name, ""),
-                                barrier=schedule == "sync" and name not in self.rollout_side)
-                       for name, cost in self.step_s.items())
-        return SimGraph(stages=stages, iterations=iterations, minibatches=self.minibatches, overlap_depth=overlap_depth,
-                        publish_s=self.publish_s, weights_load_s=self.weights_load_s, queue_capacity=queue_capacity,
-                        contention=self.contention)
+        stage -> device set; stages missing from it get a device of their own; `groups`: device
+        groups, name -> stages, each group's stages in one process on its first stage's device,
+        offloading when another takes the device)."""
+        process = {stage: name for name, members in (groups or {}).items() for stage in members}
+        first = {name: members[0] for name, members in (groups or {}).items()}
+        memory = self.memory or NOT_SAMPLED
+        stages = []
+        for name, cost in self.step_s.items():
+            group = process.get(name, "")
+            stages.append(SimStage(
+                name, cost, inputs=self.inputs[name], side="rollout" if name in self.rollout_side else "train",
+                device=devices.get(first[group], group) if group else devices.get(name, ""),
+                barrier=schedule == "sync" and name not in self.rollout_side, process=group, offload=bool(group),
+                memory_gb=memory.device_mb.get(name, 0.0) / 1024, load_s=memory.load_s.get(name, 0.0) if group else 0.0,
+                processes=1 if group else memory.processes.get(name, 1), host_mb=memory.own_mb.get(name, 0.0)))
+        return SimGraph(stages=tuple(stages), iterations=iterations, minibatches=self.minibatches,
+                        overlap_depth=overlap_depth, publish_s=self.publish_s, weights_load_s=self.weights_load_s,
+                        queue_capacity=queue_capacity, contention=self.contention,
+                        runtime_mb=self.memory.runtime_mb if self.memory else None, other_mb=memory.other_mb)
 
 
 def profile_from_trace(events: list[dict[str, Any]], devices: dict[str, str], rollout_side: set[str],

@@ -14,6 +14,10 @@ stage whose `step_s` is the group's). A stage with several `inputs` joins them: 
 mini-batch waits for each input stage's step on that mini-batch (the broker's `experience`
 join). Steps of the stages that share a `device` run one at a time (a device group; on the CPU,
 the cores those stages share).
+
+Memory, for the figures (`memory.py`): every process carries the runtime (`SimGraph.runtime_mb`)
+plus what its stages hold in host memory (`host_mb`); the stages of one `process` (a device group,
+`placement.device_groups`) share one runtime. `memory_gb` is device memory (CUDA).
 """
 
 from __future__ import annotations
@@ -45,18 +49,29 @@ class SimStage:
     offload: bool = False
     """It leaves its device between steps (resident only while it steps); see `load_s`."""
     load_s: float = 0.0
-    """With `offload`: seconds to bring it back, paid when the step before on its device was
-    another stage's."""
+    """With `offload`: seconds to bring it back, paid when the step before on its device (in a
+    device group: in its process) was another stage's."""
+    process: str = ""
+    """The device group whose one process it runs in (its members share that process, a device
+    and turns on it, and offload when another member takes the device); "": processes of its own."""
+    processes: int = 1
+    """Without `process`: how many processes it runs (instances x ranks)."""
+    host_mb: float = 0.0
+    """Host memory its processes hold beyond the runtime each carries (`SimGraph.runtime_mb`),
+    summed over them."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("SimStage.name: must not be empty")
         costs = self.step_s if isinstance(self.step_s, tuple) else (self.step_s,)
-        for field_name, values in (("step_s", costs), ("memory_gb", (self.memory_gb,)), ("load_s", (self.load_s,))):
+        for field_name, values in (("step_s", costs), ("memory_gb", (self.memory_gb,)), ("load_s", (self.load_s,)),
+                                   ("host_mb", (self.host_mb,))):
             if not values or min(values) < 0:
                 raise ValueError(f"{self.name}.{field_name}={getattr(self, field_name)}: must be >= 0")
         if self.name in self.inputs:
             raise ValueError(f"{self.name}.inputs: a stage cannot wait for itself")
+        if self.processes < 1:
+            raise ValueError(f"{self.name}.processes={self.processes}: must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,11 @@ class SimGraph:
     contention: float = 0.0
     """Slowdown of a step while steps of other devices run (all devices on one host): it lasts
     step_s * (1 + contention * the fraction of its time they ran); 0: devices do not interfere."""
+    runtime_mb: float | None = None
+    """Host memory every stage process carries (interpreter, torch, the stage runner); None: the
+    job's memory is not known (no figures)."""
+    other_mb: float = 0.0
+    """Host memory of the job's processes that run no stage (the broker)."""
 
     def __post_init__(self) -> None:
         names = [stage.name for stage in self.stages]
@@ -100,6 +120,11 @@ class SimGraph:
         if self.overlap_depth < 0 or self.queue_capacity < 1 or self.contention < 0:
             raise ValueError(f"overlap_depth={self.overlap_depth}, queue_capacity={self.queue_capacity}, "
                              f"contention={self.contention}: must be >= 0, >= 1 and >= 0")
+        devices = {}
+        for stage in self.stages:
+            if stage.process and devices.setdefault(stage.process, stage.device) != stage.device:
+                raise ValueError(f"{stage.name}.device={stage.device!r}: process {stage.process!r} runs on "
+                                 f"{devices[stage.process]!r} (a device group's stages share its device)")
         self.order()  # raises on a cycle
 
     def step_s(self, name: str, minibatch: int) -> float:

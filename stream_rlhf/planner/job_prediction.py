@@ -1,31 +1,43 @@
-"""The prediction `stream-rlhf plan CONFIG --profile RUN_DIR [--search]` prints.
+"""The prediction `stream-rlhf plan CONFIG --profile RUN_DIR [--search] [--memory-limit-mb N]` prints.
 
     profile = job_profile(cfg, stages, Path("runs/calibration"))    # costs from that run's trace
-    prediction = predict(profile, cfg.iterations, cfg.schedule, cfg.overlap_depth, cfg.placement.mode)  # search.py
-    print(describe(prediction, search(profile, cfg.iterations)[:3], profile))
+    prediction = predict(profile, cfg.iterations, cfg.schedule, cfg.overlap_depth, cfg.placement.mode,
+                         groups)                                    # search.py
+    plans = search(profile, cfg.iterations, groups=buildable_groups(config, sets, stages))
+    kept, dropped = within_memory(plans, limit_mb)
+    print(describe(prediction, kept[:3], profile, dropped, limit_mb))
 
 The profile comes from a finished run of the same job (any schedule, overlap depth and iteration
 count; a few iterations are enough: `stream-rlhf run CONFIG --set iterations=4`), placed as the
-config places it now: its trace gives each stage's cost (`calibrate.py`). A profile whose stages
-differ from the config's (another algorithm, a stage left out or added) is refused, naming them.
+config places it now, with a process per stage: its trace gives each stage's cost (`calibrate.py`),
+its summary what each process held (`memory.py`). A profile whose stages differ from the config's
+(another algorithm, a stage left out or added) is refused, naming them; so is a run with device
+groups, whose step spans include the turns a stage waited for on its process.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import shlex
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from stream_rlhf.config import ConfigError
+from stream_rlhf.config import ConfigError, load_config
 from stream_rlhf.planner.calibrate import Profile, profile_from_trace
-from stream_rlhf.planner.search import Plan
+from stream_rlhf.planner.memory import BROKER, memory_profile, stage_of_process
+from stream_rlhf.planner.search import Plan, device_group_candidates, groups_set
 from stream_rlhf.planner.simulator import Prediction
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
 
+log = logging.getLogger(__name__)
+
 
 def job_profile(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> Profile:
-    """The costs of `run_dir`'s trace for the stages `stages` of `cfg`'s plan."""
+    """The costs of `run_dir`'s trace for the stages `stages` of `cfg`'s plan, and the memory of
+    its summary (when it has a memory block)."""
     trace = run_dir / "trace.json"
     if not trace.is_file():
         raise ConfigError(f"--profile {run_dir}: no trace.json there (a finished run of this config with "
@@ -35,31 +47,66 @@ def job_profile(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> Profile:
     if traced != stages:
         raise ConfigError(f"--profile {run_dir}: its stages {sorted(traced)} are not this config's {sorted(stages)} "
                           f"(missing: {sorted(stages - traced)}, extra: {sorted(traced - stages)})")
+    hosts = {stage_of_process(e["args"]["name"]) for e in events if e.get("name") == "process_name"}
+    if groups := sorted(hosts - traced - {BROKER}):
+        raise ConfigError(f"--profile {run_dir}: processes {groups} each ran several stages (device groups), whose "
+                          "steps include waiting for their turn; calibrate on a run with a process per stage")
     side = ROLLOUT_SIDE & stages
     if cfg.placement.mode == "colocated":
         devices = {stage: "all cores" for stage in stages}
     else:
         devices = {stage: "rollout cores" if stage in side else "train cores" for stage in stages}
     try:
-        return profile_from_trace(events, devices, side)
+        profile = profile_from_trace(events, devices, side)
     except ValueError as exc:
         raise ConfigError(f"--profile {run_dir}: {exc}") from exc
+    summary = run_dir / "summary.json"
+    return replace(profile, memory=memory_profile(json.loads(summary.read_text()))) if summary.is_file() else profile
+
+
+def buildable_groups(config: str, sets: list[str], stages: set[str]) -> list[dict[str, list[str]]]:
+    """The device groups the search tries (`device_group_candidates`) that this config accepts
+    with `sets` (a member with several ranks, another backend or cores of its own rules one out)."""
+    kept = []
+    for groups in device_group_candidates(stages):
+        try:
+            load_config(RLJobConfig, config, [*sets, groups_set(groups)])
+        except ConfigError as exc:
+            log.info("plan --search: device groups %s do not fit this config: %s", groups, exc)
+            continue
+        kept.append(groups)
+    return kept
 
 
 def plan_dict(plan: Plan) -> dict[str, Any]:
     return {"sets": plan.sets, **plan.prediction.summary()}
 
 
-def describe(prediction: Prediction, plans: list[Plan], profile: Profile) -> str:
+def describe(prediction: Prediction, plans: list[Plan], profile: Profile, dropped: int = 0,
+             limit_mb: float | None = None) -> str:
     lines = [f"predicted (profile: contention {profile.contention:.2f}, weights publish {profile.publish_s:.3f} s, "
-             f"load {profile.weights_load_s:.3f} s):",
+             f"load {profile.weights_load_s:.3f} s{_runtime(profile)}):",
              f"  iteration {prediction.iteration_s:.3f} s, bubble ratio {_bubble(prediction)}, "
-             f"max staleness {prediction.staleness_max}"]
+             f"max staleness {prediction.staleness_max}, peak memory {_memory(prediction)}"]
+    if limit_mb is not None:
+        lines.append(f"{dropped} plan(s) left out: predicted over --memory-limit-mb {limit_mb:g}")
     if plans:
-        lines.append("best plans (predicted iteration s, bubble ratio; --set lines):")
-        lines += [f"  {p.prediction.iteration_s:8.3f}  {_bubble(p.prediction):>6}  "
-                  + " ".join(f"--set {s}" for s in p.sets) for p in plans]
+        lines.append("best plans (predicted iteration s, peak memory MB, bubble ratio; --set lines):")
+        lines += [f"  {p.prediction.iteration_s:8.3f}  {_memory(p.prediction, unit=False):>8}  "
+                  f"{_bubble(p.prediction):>6}  " + " ".join(f"--set {shlex.quote(s)}" for s in p.sets) for p in plans]
     return "\n".join(lines)
+
+
+def _runtime(profile: Profile) -> str:
+    if profile.memory is None:
+        return "; no memory figures"
+    return f"; runtime {profile.memory.runtime_mb:.0f} MB per process"
+
+
+def _memory(prediction: Prediction, unit: bool = True) -> str:
+    if prediction.peak_host_mb is None:
+        return "n/a"
+    return f"{prediction.peak_host_mb:.0f}" + (" MB (host, the processes' peaks summed)" if unit else "")
 
 
 def _bubble(prediction: Prediction) -> str:

@@ -1,34 +1,51 @@
 """Searching schedules and placements with the simulator: which `--set`s make a job fastest.
 
     plans = search(profile, iterations=8)        # profile: calibrate.py, from a run's trace
-    plans[0].sets        # ["schedule=stream", "overlap_depth=1", "placement.mode=separated"]
-    plans[0].prediction  # simulator.py: iteration_s, bubble ratio, busy fractions, staleness
+    plans[0].sets        # ["schedule=stream", "overlap_depth=1", "placement.mode=separated",
+                         #  "placement.device_groups={}"]
+    plans[0].prediction  # simulator.py: iteration_s, bubble ratio, busy fractions, staleness, memory
+    kept, dropped = within_memory(plans, limit_mb=2500)   # plans predicted over the limit left out
 
-Candidates are every schedule x overlap depth x placement mode the engine runs:
+Candidates are every schedule x overlap depth x placement mode x device groups the engine runs:
 
     sync             overlap_depth 0 (its barriers already serialise the phases)
     stream           overlap_depth 0 .. max_overlap_depth
     separated        the rollout side (rl/dataflow.py ROLLOUT_SIDE) on one device set, every other
                      stage on the other; steps of the two slow each other by the profile's contention
     colocated        every stage on one device set, one step at a time, no contention
+    no groups        a process per stage
+    forwards         the job's forward stages in one process (`placement.device_groups`)
+    forwards, trainers   and actor and critic training in another
+
+A device group's stages share a device set already (the config requires it), so on the CPU a
+group changes no step's cost: it saves a runtime per process left out (`memory.py`) and, on CUDA,
+device memory (one member's model on the device at a time), and pays the profile's onload
+seconds whenever a member takes the device from another. Not modelled: a grouped stage borrows no
+cores from the other side (`placement.lend_idle_cores` lends to stages of their own process only),
+so on the CPU a group can run slower than predicted where its stages used to borrow.
 
 A profile measured with cores lent between the sides (`placement.lend_idle_cores`, the default)
 holds each step's cost with every core it could borrow, which is also its cost colocated; a
 profile measured without lending holds one side's cores only: search it in its own mode
 (`modes=`). Plans are ranked by predicted iteration time; ties go to the smaller overlap depth
-(less staleness), then to the order above.
+(less staleness), then to fewer groups (what the time does not pay for is left as it is), then
+to the order above.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from stream_rlhf.planner.calibrate import Profile
 from stream_rlhf.planner.simulator import Prediction, simulate
+from stream_rlhf.rl.config import ALL_STAGES, DEVICE_GROUP_STAGES
 
 Mode = Literal["separated", "colocated"]
 MODES: tuple[Mode, ...] = ("separated", "colocated")
+Groups = Mapping[str, Sequence[str]]
+"""`placement.device_groups`: group name -> its stages."""
 
 
 @dataclass(frozen=True)
@@ -37,11 +54,34 @@ class Plan:
     overlap_depth: int
     mode: Mode
     prediction: Prediction
+    groups: Groups = field(default_factory=dict)
 
     @property
     def sets(self) -> list[str]:
-        """The `--set` lines that make a config run this plan."""
-        return [f"schedule={self.schedule}", f"overlap_depth={self.overlap_depth}", f"placement.mode={self.mode}"]
+        """The `--set` lines that make a config run this plan (the groups in YAML's flow style)."""
+        return [f"schedule={self.schedule}", f"overlap_depth={self.overlap_depth}", f"placement.mode={self.mode}",
+                groups_set(self.groups)]
+
+
+def groups_set(groups: Groups) -> str:
+    """The `--set` line of `placement.device_groups`, in YAML's flow style."""
+    listed = ", ".join(f"{name}: [{', '.join(members)}]" for name, members in groups.items())
+    return f"placement.device_groups={{{listed}}}"
+
+
+def device_group_candidates(stages: Iterable[str]) -> list[dict[str, list[str]]]:
+    """No groups; the forwards in one group; and the trainers in another (each where the job has
+    two stages or more for it)."""
+    present = set(stages)
+    joinable = [stage for stage in ALL_STAGES if stage in present and stage in DEVICE_GROUP_STAGES]
+    forwards = [stage for stage in joinable if stage.endswith("_forward")]
+    trainers = [stage for stage in joinable if stage.endswith("_train")]
+    candidates: list[dict[str, list[str]]] = [{}]
+    if len(forwards) > 1:
+        candidates.append({"forwards": forwards})
+    if len(trainers) > 1:
+        candidates.append({**candidates[-1], "trainers": trainers})
+    return candidates
 
 
 def devices_of(profile: Profile, mode: Mode) -> dict[str, str]:
@@ -52,21 +92,35 @@ def devices_of(profile: Profile, mode: Mode) -> dict[str, str]:
 
 
 def predict(profile: Profile, iterations: int, schedule: Literal["stream", "sync"], overlap_depth: int,
-            mode: Mode) -> Prediction:
+            mode: Mode, groups: Groups | None = None) -> Prediction:
     graph = profile.graph(iterations=iterations, overlap_depth=overlap_depth, schedule=schedule,
-                          devices=devices_of(profile, mode))
+                          devices=devices_of(profile, mode), groups=groups)
     if mode == "colocated":  # one device set: nothing runs beside a step to slow it
         graph = replace(graph, contention=0.0)
     return simulate(graph)
 
 
-def search(profile: Profile, iterations: int, max_overlap_depth: int = 2,
-           modes: tuple[Mode, ...] = MODES) -> list[Plan]:
-    """Every candidate (module docstring), best first."""
+def search(profile: Profile, iterations: int, max_overlap_depth: int = 2, modes: tuple[Mode, ...] = MODES,
+           groups: Sequence[Groups] | None = None) -> list[Plan]:
+    """Every candidate (module docstring), best first; `groups`: the device groups to try
+    (None: `device_group_candidates` of the profile's stages)."""
     candidates: list[tuple[Literal["stream", "sync"], int]] = [("sync", 0)]
     candidates += [("stream", depth) for depth in range(max_overlap_depth + 1)]
-    plans = [Plan(schedule, depth, mode, predict(profile, iterations, schedule, depth, mode))
-             for mode in modes for schedule, depth in candidates]
+    tried = device_group_candidates(profile.step_s) if groups is None else groups
+    plans = [Plan(schedule, depth, mode, predict(profile, iterations, schedule, depth, mode, grouping), grouping)
+             for grouping in tried for mode in modes for schedule, depth in candidates]
     order = {id(plan): position for position, plan in enumerate(plans)}
     return sorted(plans, key=lambda plan: (round(plan.prediction.iteration_s, 9), plan.overlap_depth,
                                            order[id(plan)]))
+
+
+def within_memory(plans: list[Plan], limit_mb: float | None) -> tuple[list[Plan], int]:
+    """The plans whose predicted host memory is at most `limit_mb` (None: every plan), in order,
+    and how many were left out."""
+    if limit_mb is None:
+        return plans, 0
+    unknown = [plan for plan in plans if plan.prediction.peak_host_mb is None]
+    if unknown:
+        raise ValueError("the profile has no memory figures (its run's summary has no memory block)")
+    kept = [plan for plan in plans if (mb := plan.prediction.peak_host_mb) is not None and mb <= limit_mb]
+    return kept, len(plans) - len(kept)

@@ -1,5 +1,6 @@
 """A discrete-event simulator of the dataflow: predicts a run's iteration time, busy fractions,
-bubble ratio, staleness and peak memory per device from its stages' step costs.
+bubble ratio, staleness, peak memory per device and the job's host memory from its stages' step
+costs and memory.
 
     prediction = simulate(graph)      # graph.py: stages, inputs, devices, costs
     prediction.iteration_s, prediction.figures.bubble_ratio, prediction.figures.busy["rollout"]
@@ -15,8 +16,8 @@ The rules are the engine's, at mini-batch granularity:
       - back-pressure: the start of each consumer's step on S's output queue_capacity earlier;
       - its device being free (one step at a time per device).
     it lasts step_s (its mini-batch position's), plus load_s for a stage that `offload`s when
-    the device's previous step was another stage's, plus weights_load_s for rollout's first
-    step on a newer version.
+    the device's previous step (a device group's: its process's) was another stage's, plus
+    weights_load_s for rollout's first step on a newer version.
 
 Contention (`graph.contention` = c > 0): steps on different devices of one host slow each other
 (memory bandwidth, shared caches, SMT siblings: generation on one core of this 2-core VM runs up
@@ -40,7 +41,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from stream_rlhf.planner.graph import SimGraph
+from stream_rlhf.planner.graph import SimGraph, SimStage
+from stream_rlhf.planner.memory import process_memory
 from stream_rlhf.telemetry.trace_figures import STEADY_SKIP, TraceFigures, merged_spans, trace_figures
 
 CONTENTION_ROUNDS = 50
@@ -67,12 +69,23 @@ class Prediction:
     makespan_s: float
     staleness_max: int
     peak_memory_gb: dict[str, float]
-    """Per device: every resident stage's memory, plus the largest of the ones that offload."""
+    """Per device: every resident stage's memory, plus the largest of the ones that offload, plus
+    for each device group's process the largest of its stages (one of them is on the device)."""
+    host_mb: dict[str, float] | None = None
+    """Per process (stage or device group, `memory.py`): host MB at its peak; None: not known."""
+
+    @property
+    def peak_host_mb(self) -> float | None:
+        """The job's host memory: its processes' peaks summed."""
+        return None if self.host_mb is None else sum(self.host_mb.values())
 
     def summary(self) -> dict[str, object]:
         figures = self.figures.summary() if self.figures is not None else {}
         return {"iteration_s": round(self.iteration_s, 6), "makespan_s": round(self.makespan_s, 6),
-                "staleness_max": self.staleness_max, "peak_memory_gb": self.peak_memory_gb, **figures}
+                "staleness_max": self.staleness_max, "peak_memory_gb": self.peak_memory_gb,
+                "peak_mem_mb": None if self.peak_host_mb is None else round(self.peak_host_mb, 1),
+                "peak_mem_mb_per_process": None if self.host_mb is None else
+                {name: round(mb, 1) for name, mb in self.host_mb.items()}, **figures}
 
 
 def simulate(graph: SimGraph, skip: int | None = None) -> Prediction:
@@ -101,7 +114,7 @@ def simulate(graph: SimGraph, skip: int | None = None) -> Prediction:
     versions = [step.iteration - step.policy_version for step in steps if step.policy_version >= 0]
     return Prediction(steps=tuple(steps), figures=figures, iteration_s=iteration_s,
                       makespan_s=max(step.end_s for step in steps), staleness_max=max(versions, default=0),
-                      peak_memory_gb=peak_memory(graph))
+                      peak_memory_gb=peak_memory(graph), host_mb=process_memory(graph))
 
 
 def contended_fractions(spans: list[tuple[str, float, float]]) -> list[float]:
@@ -121,12 +134,20 @@ def contended_fractions(spans: list[tuple[str, float, float]]) -> list[float]:
 
 
 def peak_memory(graph: SimGraph) -> dict[str, float]:
-    devices: dict[str, list[tuple[float, bool]]] = {}
+    """Per device (`Prediction.peak_memory_gb`)."""
+    devices: dict[str, list[SimStage]] = {}
     for stage in graph.stages:
-        devices.setdefault(stage.device or stage.name, []).append((stage.memory_gb, stage.offload))
-    return {device: sum(gb for gb, offload in held if not offload) + max((gb for gb, offload in held if offload),
-                                                                          default=0.0)
-            for device, held in devices.items()}
+        devices.setdefault(stage.device or stage.name, []).append(stage)
+    peaks = {}
+    for device, held in devices.items():
+        groups: dict[str, float] = {}
+        for stage in held:
+            if stage.process:
+                groups[stage.process] = max(groups.get(stage.process, 0.0), stage.memory_gb)
+        alone = [stage for stage in held if not stage.process]
+        peaks[device] = (sum(s.memory_gb for s in alone if not s.offload) + sum(groups.values())
+                         + max((s.memory_gb for s in alone if s.offload), default=0.0))
+    return peaks
 
 
 def trace_event(step: SimStep) -> dict[str, object]:
@@ -145,7 +166,8 @@ class _State:
         self.end: dict[tuple[str, int], float] = {}
         self.placed = {stage.name: 0 for stage in graph.stages}  # steps placed per stage, in order
         self.device_free: dict[str, float] = {}
-        self.device_last: dict[str, str] = {}
+        self.last_step: dict[tuple[str, str], str] = {}
+        """("device" or "process", its name) -> the stage that stepped there last."""
         self.rollout_version = 0
 
     def published(self, version: int) -> float | None:
@@ -208,7 +230,8 @@ def _place(state: _State, name: str, start: float, slowdown: float) -> SimStep:
     index = state.placed[name]
     device = stage.device or name
     duration = graph.step_s(name, index % graph.minibatches) * slowdown
-    if stage.offload and state.device_last.get(device) != name:
+    holder = ("process", stage.process) if stage.process else ("device", device)
+    if stage.offload and state.last_step.get(holder) != name:
         duration += stage.load_s
     version = -1
     if name == graph.rollout:
@@ -219,6 +242,7 @@ def _place(state: _State, name: str, start: float, slowdown: float) -> SimStep:
     end = start + duration
     state.start[(name, index)], state.end[(name, index)] = start, end
     state.placed[name] += 1
-    state.device_free[device], state.device_last[device] = end, name
+    state.device_free[device] = end
+    state.last_step[("device", device)] = state.last_step[holder] = name
     iteration, minibatch = divmod(index, graph.minibatches)
     return SimStep(name, iteration, minibatch, start, end, version)
