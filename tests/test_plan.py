@@ -15,7 +15,7 @@ from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.launch.ray_config import RayConfig
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.plan import preview_plan
-from tests.rl_tiny import tiny_job, write_job
+from tests.rl_tiny import VISION, tiny_job, write_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,6 +43,18 @@ def test_plan_prints_every_process_and_what_was_left_out_and_starts_nothing(tmp_
     assert "left out: critic_forward: algorithm.advantage=grpo has no critic" in text
     assert "not there yet: the driver warm-starts it once" in text
     assert not (tmp_path / "cache").exists() and not (tmp_path / "fresh").exists()  # nothing trained or written
+
+
+def test_the_plan_of_a_shapes_job_whose_prompt_files_are_not_written_yet_writes_none(tmp_path, capsys):
+    """The shapes task's files are the driver's to write; the plan says where, and that the warm
+    start's folder is named once they exist (its cache key hashes them)."""
+    data = fresh_cache_job(tmp_path, **VISION)
+    data["task"]["data_dir"] = str(tmp_path / "data")
+    assert main(["plan", write_job(tmp_path / "job.yaml", data).as_posix(), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert plan["dataset"]["ready"] is False and plan["dataset"]["train"].startswith(str(tmp_path / "data"))
+    assert plan["checkpoint"]["path"].endswith("tiny-<its key, once the prompt files are written>")
+    assert not (tmp_path / "data").exists() and not (tmp_path / "cache").exists()
 
 
 def test_each_core_set_is_shared_out_among_its_processes_never_over(tmp_path):

@@ -55,5 +55,7 @@ def preview_plan(cfg: RLJobConfig) -> JobPlan:
     if cfg.model.path is not None and not ready:
         raise ConfigError(f"model.path={cfg.model.path!r}: not a folder")
     vision = is_vision_language(folder) if ready else cfg.model.tiny.vision is not None
+    if unwritten is not None and cfg.model.path is None:  # its cache key hashes the written files too
+        folder = folder.parent / "tiny-<its key, once the prompt files are written>"
     return compile_plan(cfg, str(folder), str(weights_root(cfg.broker.shm_prefix, cfg.name)), vision,
                         checkpoint_ready=ready, dataset_ready=unwritten is None, dataset=unwritten)
