@@ -2,8 +2,8 @@
 # The checks that need a CUDA device, in few long runs: run on a GPU machine from the repository
 # root, with a Python that has this project's dependencies (`pip install -e ".[test]"`, no -c).
 #
-#     scripts/gpu_checks.sh OUT_DIR [PART ...]     PART: tests megatron sampler kernels weights medusa jobs
-#                                                  pipeline (default: all)
+#     scripts/gpu_checks.sh OUT_DIR [PART ...]     PART: tests megatron sampler offload kernels weights medusa
+#                                                  jobs pipeline (default: all)
 #
 #   tests     pytest -m gpu, Triton compiled for the device (TRITON_INTERPRET=0): kernels vs
 #             references, CUDA IPC weight sync, engine offload round trip, whole jobs on cuda:0
@@ -11,6 +11,10 @@
 #   megatron  tests/test_megatron_cuda.py: the megatron engine on cuda:0 vs the torch engine
 #             (forward, training with the distributed optimizer, offload), every number in the log
 #   sampler   tests/test_sampler_cuda.py: decode attention and KV cache on cuda:0 vs the CPU and eager
+#   offload   offload policies and device groups on cuda:0: DeviceTurns and the torch engine's round
+#             trip (tests), then the main job on cuda with every stage its own process and with the
+#             forwards and the trainers in two device groups offloading after each step; both
+#             summaries (offload MB and seconds per stage, CUDA peaks) at the end of the log
 #   kernels   bench/kernels.py: fused log-probs vs eager, bf16, time and peak memory
 #   weights   bench/weight_sync.py: shm, gloo and CUDA IPC vs reloading a file
 #   medusa    bench/medusa.py --device cuda: speculative decoding columns timed on the GPU
@@ -26,11 +30,24 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_checks.sh OUT_DIR [PART ...]}
 shift
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests megatron sampler kernels weights medusa jobs pipeline)
+[ ${#parts[@]} -eq 0 ] && parts=(tests megatron sampler offload kernels weights medusa jobs pipeline)
 mkdir -p "$out"
 python=${PYTHON:-python3}
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-own_parts=(--ignore=tests/test_megatron_cuda.py --ignore=tests/test_sampler_cuda.py)  # run by their parts
+own_parts=(--ignore=tests/test_megatron_cuda.py --ignore=tests/test_sampler_cuda.py  # run by their parts
+           --ignore=tests/test_device_turns.py)
+groups='placement.device_groups={forwards: [ref_forward, critic_forward], trainers: [actor_train, critic_train]}'
+step_offload='placement.stages={ref_forward: {offload: {what: [params]}}, critic_forward: {offload: {what: [params]}},
+  actor_train: {offload: {what: [params, grads, optimizer]}}, critic_train: {offload: {what: [params, grads, optimizer]}}}'
+
+offload_jobs() {
+    "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_device_turns.py tests/test_torch_engine.py &&
+    "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda --set iterations=6 \
+        --set name=gpu_separate &&
+    "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda --set iterations=6 \
+        --set name=gpu_groups --set "$groups" --set "$step_offload" &&
+    for run in gpu_separate gpu_groups; do echo "$run summary:"; cat "runs/$run/summary.json"; echo; done
+}
 
 if compgen -G ".whl/*.whl" > /dev/null; then
     if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -47,13 +64,14 @@ run_part() {
         tests) "$python" -m pytest -q -m gpu -p no:cacheprovider -rs tests "${own_parts[@]}" ;;
         megatron) "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_megatron_cuda.py ;;
         sampler) "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_sampler_cuda.py ;;
+        offload) offload_jobs ;;
         kernels) "$python" bench/kernels.py --json ;;
         weights) "$python" bench/weight_sync.py --json ;;
         medusa) "$python" bench/medusa.py --device cuda --json ;;
         jobs) "$python" -m stream_rlhf.cli run configs/text_grpo.yaml --set placement.device=cuda &&
               "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda ;;
         pipeline) "$python" bench/pipeline.py --json ;;
-        *) echo "unknown part $1: tests megatron sampler kernels weights medusa jobs pipeline" >&2; return 2 ;;
+        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline" >&2; return 2 ;;
     esac
 }
 
