@@ -11,16 +11,17 @@ run's smallest stage process: that stage holds next to nothing of its own (on th
 vision-language PPO job the reward function's process, 276 MB, against 290-450 MB for the
 others). The broker runs no stage and loads less of torch (~170 MB), so it is kept as measured,
 not used as the runtime. A stage's own part is its processes' PSS less one runtime each. A device
-group's process carries one runtime plus its members' own parts: calibrated on that job with a
-process per stage (9 processes), its three forwards and two trainers in two groups (6 processes)
-are predicted at 2,027 MB; a run so grouped measured 2,071 MB (its processes' peaks summed;
-1,998 MB at the job's peak instant).
+group's process carries one runtime plus its members' own parts. Calibrated with a process per
+stage, the forwards and the trainers in two groups predicted against runs so grouped (their
+processes' peaks summed; the job's peak instant):
+    text_ppo, 8 iterations, 8 -> 5 processes   1,546 MB   1,575 and 1,530; 1,532 and 1,496
+    the vision-language PPO job, 9 -> 6        2,027 MB   2,071; 1,998
 
 Figures are per-process peaks summed, as if every process peaked at once; a run's job peak (the
-largest sum at one instant) is a little lower (2-4% on that job), so the prediction errs on the
+largest sum at one instant) is a little lower (2-4% on those jobs), so the prediction errs on the
 safe side of a memory limit. PSS divides shared pages among the processes that map them, so a
 process left out hands its share of the shared libraries to the others: a group saves somewhat
-less than the runtime it removes.
+less than the runtime it removes (text_ppo's groups measured 12 and 20 MB over their prediction).
 
 Device memory (CUDA): each stage's `cuda_peak_allocated_mb` from the memory block; the offload
 block (`weights/device_turns.py` counts) gives a stage's cost to bring its state back, onload
