@@ -90,6 +90,7 @@ def run_device_group(group_name: str, index: int, members: dict[str, StageSpec],
     broker client (its own instance id and topics) on a thread of its own, all taking turns on one
     device (`weights/device_turns.py`). Returns once every member stopped; the first member that
     failed stops the others at once and its error is raised."""
+    from stream_rlhf.broker.rank_group import RankGroup, RankSpec
     from stream_rlhf.broker.runner import StageRunner
 
     first = next(iter(members.values()))
@@ -97,14 +98,16 @@ def run_device_group(group_name: str, index: int, members: dict[str, StageSpec],
     process = f"{group_name}-{index}"
     if first.trace is not None:
         trace.start(first.trace, process, "rank 0")
-    log.info("%s: %s in one process on %s", process, ", ".join(members), first.device(0))
+    device = RankGroup.join(RankSpec(device=first.device(0))).device  # every member's models live there
+    log.info("%s: %s in one process on %s", process, ", ".join(members), device)
     turns = DeviceTurns(first.last_minibatch)
     runners = {}
     for name, spec in members.items():
         stage = load_class(spec.cls)(**spec.kwargs)
         step_context, setup_context = _contexts(turns, name)
         runner = StageRunner(stage, name, f"{name}-{index}", address, key_dir, prefetch=spec.prefetch,
-                             shm_prefix=prefix, step_context=step_context, setup_context=setup_context)
+                             shm_prefix=prefix, group=RankGroup.single(device), step_context=step_context,
+                             setup_context=setup_context)
         turns.add(name, stage, spec.offload, _offload_counts(spec, name, f"{name}-{index}", 0))
         runners[name] = runner
     _run_together(process, runners)
