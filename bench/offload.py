@@ -5,14 +5,17 @@ pipelined (stream), side by side: seed 004's comparison on this machine.
 Each column is one `stream-rlhf run configs/mllm_ppo.yaml` subprocess with a name of its own
 (runs/bench_offload_<column>/), the config as shipped but for the iterations and:
 
+    spawned       as separate, every process spawned (`STREAM_RLHF_START=spawn`): each imports torch
+                  and transformers itself, as the launcher did before its fork server
     separate      nothing else: every stage its own process, schedule stream, overlap_depth as shipped
     full_offload  schedule=sync overlap_depth=0 (phases take turns), device groups, and every model
                   stage offloading all it holds after each step
     pipelined     schedule and overlap_depth as shipped, the same device groups and offloads
 
 The device groups (`placement.device_groups`): `forwards` hosts the forward stages with a model
-(ref_forward and critic_forward; actor_forward too where the job has one, in sync), `trainers`
-hosts actor_train and critic_train. Offload (`placement.stages.<stage>.offload`, when: step): a
+(ref_forward and critic_forward; actor_forward too where the job has one, in sync) and the reward
+stage (a rule here: no model to offload, one process less), `trainers` hosts actor_train and
+critic_train. Offload (`placement.stages.<stage>.offload`, when: step): a
 forward's params, a trainer's params, grads and optimizer state. On a CPU device nothing moves (the
 device is host memory): there the saving is the processes a group merges, each of which carries
 the torch runtime.
@@ -63,9 +66,13 @@ from stream_rlhf.rl.dataflow import left_out_stages
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/mllm_ppo.yaml"
 RUNS_DIR = REPO / "runs"
-COLUMNS = ("separate", "full_offload", "pipelined")
+COLUMNS = ("spawned", "separate", "full_offload", "pipelined")
+SPAWN = {"STREAM_RLHF_START": "spawn"}
+"""The environment of the `spawned` column's run (`launch/process_start.py`)."""
 FORWARDS = ("actor_forward", "ref_forward", "critic_forward")
 """The forward stages with a model, grouped as `forwards` (those the column's job has)."""
+SCORERS = ("reward_forward",)
+"""Also in `forwards`, with no offload policy (the reward stage's model, if any, stays on the CPU)."""
 TRAINERS = ("actor_train", "critic_train")
 """Grouped as `trainers`; each offloads its params, grads and optimizer state."""
 MEMORY_TARGET = 0.6
@@ -101,7 +108,7 @@ def group_overrides(stages: list[str]) -> list[str]:
     """The device groups and offload policies over `stages` (the model stages the job has)."""
     forwards = [s for s in FORWARDS if s in stages]
     trainers = [s for s in TRAINERS if s in stages]
-    groups = {"forwards": forwards, "trainers": trainers}
+    groups = {"forwards": forwards + [s for s in SCORERS if s in stages], "trainers": trainers}
     flow = ", ".join(f"{name}: [{', '.join(members)}]" for name, members in groups.items() if members)
     out = [f"placement.device_groups={{{flow}}}"]
     for stage in forwards:
@@ -112,10 +119,10 @@ def group_overrides(stages: list[str]) -> list[str]:
 
 
 def model_stages(cfg: RLJobConfig) -> list[str]:
-    """The forward and trainer stages of FORWARDS and TRAINERS that `cfg`'s job runs."""
+    """The stages of FORWARDS, SCORERS and TRAINERS that `cfg`'s job runs."""
     left_out = left_out_stages(cfg)
     trainers = [s for s in TRAINERS if s == "actor_train" or cfg.algorithm.uses_critic]
-    return [s for s in FORWARDS if s not in left_out] + trainers
+    return [s for s in (*FORWARDS, *SCORERS) if s not in left_out] + trainers
 
 
 def column_overrides(column: str, settings: Settings, prefix: str) -> list[str]:
@@ -123,7 +130,7 @@ def column_overrides(column: str, settings: Settings, prefix: str) -> list[str]:
     ConfigError naming it, before anything runs)."""
     own = [f"name=bench_offload_{settings.name}{column}", f"iterations={settings.iterations}",
            f"broker.shm_prefix={prefix}", *schedule_overrides(column)]
-    if column != "separate":
+    if column not in ("spawned", "separate"):
         own += group_overrides(model_stages(load_config(RLJobConfig, REPO / CONFIG, own)))
     load_config(RLJobConfig, REPO / CONFIG, own)
     return own
@@ -132,16 +139,16 @@ def column_overrides(column: str, settings: Settings, prefix: str) -> list[str]:
 # ---- running -----------------------------------------------------------------------------------
 
 
-def run_column(overrides: list[str], prefix: str) -> Path:
-    """One `stream-rlhf run` subprocess; returns its run folder. Fails when the run does, or when
-    it left anything of its own in /dev/shm."""
+def run_column(overrides: list[str], prefix: str, env: dict[str, str]) -> Path:
+    """One `stream-rlhf run` subprocess with `env` added to this environment; returns its run
+    folder. Fails when the run does, or when it left anything of its own in /dev/shm."""
     name = next(o for o in overrides if o.startswith("name=")).removeprefix("name=")
     log_path = RUNS_DIR / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     before = shm_entries()
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
         try:
             code = process.wait(RUN_TIMEOUT_S)
         finally:
@@ -165,7 +172,7 @@ def process_stage(process: str) -> str:
 
 def grouped_pss_mb(memory: dict) -> float:
     """The per-process peak PSS summed over the processes that run a grouped stage, or a group."""
-    grouped = {*FORWARDS, *TRAINERS, "forwards", "trainers"}
+    grouped = {*FORWARDS, *SCORERS, *TRAINERS, "forwards", "trainers"}
     return sum(p["peak_pss_mb"] for name, p in memory["per_process"].items() if process_stage(name) in grouped)
 
 
@@ -209,6 +216,8 @@ def figures(results: dict[str, dict]) -> dict[str, float]:
     if grouped:
         out["peak_mem_groups"] = max(grouped)
         out["peak_mem_groups_over_separate"] = round(max(grouped) / separate["peak_pss_mb"], 3)
+        if "spawned" in results:
+            out["peak_mem_groups_over_spawned"] = round(max(grouped) / results["spawned"]["peak_pss_mb"], 3)
     for column, r in results.items():
         out[f"iter_s_{column}"] = round(r["iteration_s"], 3)
     for column, r in results.items():
@@ -250,6 +259,10 @@ def format_table(results: dict[str, dict], settings: Settings) -> str:
         ratio = out["peak_mem_groups_over_separate"]
         notes.append(f"device groups' peak / separate: {ratio:.2f} (target <= {MEMORY_TARGET}: "
                      f"{'PASS' if ratio <= MEMORY_TARGET else 'MISS'})")
+        if "peak_mem_groups_over_spawned" in out:
+            ratio = out["peak_mem_groups_over_spawned"]
+            notes.append(f"device groups' peak / separate spawned (the launcher before its fork server): {ratio:.2f} "
+                         f"(target <= {MEMORY_TARGET}: {'PASS' if ratio <= MEMORY_TARGET else 'MISS'})")
     if {"full_offload", "pipelined"} <= results.keys():
         faster = results["pipelined"]["iteration_s"] < results["full_offload"]["iteration_s"]
         notes.append(f"pipelined faster than full offload: {'PASS' if faster else 'MISS'}")
@@ -280,7 +293,8 @@ def main() -> None:
         started = time.monotonic()
         progress(f"{column}: {settings.iterations} iterations (runs/bench_offload_{settings.name}{column}.log; "
                  f"load average {os.getloadavg()[0]:.2f})")
-        results[column] = analyse(run_column(overrides[column], prefix), settings.skip)
+        results[column] = analyse(run_column(overrides[column], prefix, SPAWN if column == "spawned" else {}),
+                                  settings.skip)
         progress(f"{column}: {results[column]['iteration_s']:.3f} s/iteration, peak PSS "
                  f"{results[column]['peak_pss_mb']:,.0f} MB ({time.monotonic() - started:.0f} s)")
     print(format_table(results, settings))

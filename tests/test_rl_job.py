@@ -62,7 +62,8 @@ def test_tiny_ppo_run_writes_a_consistent_summary(tmp_path):
     assert not leftover_shm("t_e2e")
     memory = summary["memory"]  # sampled from the broker and every stage process while they ran
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert memory["per_process"].keys() == {r["process"] for r in plan["ranks"]}  # "broker" among them
+    # the broker, every stage process, and the fork server they were forked from (launch/process_start.py)
+    assert memory["per_process"].keys() == {r["process"] for r in plan["ranks"]} | {"fork_server"}
     assert memory["processes"] == len(memory["per_process"]) and memory["samples"] >= 2
     pss = [p["peak_pss_mb"] for p in memory["per_process"].values()]
     assert max(pss) <= memory["peak_pss_mb"] <= sum(pss) and min(pss) > 0

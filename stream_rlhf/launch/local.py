@@ -11,8 +11,9 @@ the job, or restarts its whole group when the stage has restarts left. The stage
 (`device_groups`, one instance of one rank each) share one process, named after the group
 (`launch/rank.py` run_device_group); it restarts as a whole when every member may restart.
 
-Processes are started with `spawn` (no forked sockets or threads). A crashed stage prints its own
-traceback; the launcher names it and stops the rest cleanly. Ctrl-C drains every stage, then stops
+Processes are forked from a server that imported torch once (`process_start.py`: they share its
+pages, ~90 MB of PSS each instead of ~310), never from the launcher (no forked sockets or
+threads). A crashed stage prints its own traceback; the launcher names it and stops the rest cleanly. Ctrl-C drains every stage, then stops
 the broker, which unlinks what shared memory is left.
 """
 
@@ -33,7 +34,8 @@ from stream_rlhf.broker.topology import BrokerConfig, Topology
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.launcher import BrokerClient, Watch
 from stream_rlhf.launch.rank import run_device_group, run_stage
-from stream_rlhf.launch.spec import StageFailed, StageSpec, child_signals, setup_logging, take_restart
+from stream_rlhf.launch.process_start import fork_server_pid, in_child, launcher_state, start_context
+from stream_rlhf.launch.spec import StageFailed, StageSpec, take_restart
 from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)
@@ -43,8 +45,6 @@ def _broker_main(
     topology: Topology, config: BrokerConfig, address_queue: mp.Queue, admission: Any, cores: list[int] | None = None,
     trace_folder: str | None = None,
 ) -> None:
-    child_signals()
-    setup_logging()
     if cores is not None:
         os.sched_setaffinity(0, cores)
     if trace_folder is not None:
@@ -58,8 +58,6 @@ def _broker_main(
 
 def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str,
                 rank: int = 0, init_method: str | None = None) -> None:
-    child_signals()
-    setup_logging()
     run_stage(stage_name, instance_id, spec, address, key_dir, prefix, rank, init_method)
     trace.stop()
     # the instance has stopped cleanly; skip interpreter teardown, which takes seconds per
@@ -72,8 +70,6 @@ def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str
 
 def _device_group_main(group: str, index: int, members: dict[str, StageSpec], address: str, key_dir: str | None,
                        prefix: str) -> None:
-    child_signals()
-    setup_logging()
     run_device_group(group, index, members, address, key_dir, prefix)
     trace.stop()
     logging.shutdown()
@@ -109,7 +105,7 @@ class LocalJob(BrokerClient):
         self.broker_cores = broker_cores
         self.trace_folder = trace_folder
         self.address = ""
-        self._ctx = mp.get_context("spawn")
+        self._ctx = start_context()
         self.broker_process: mp.Process | None = None
         self.processes: dict[str, mp.Process] = {}
         """By process name: the instance id for rank 0, `<instance id>.rank<r>` for the others."""
@@ -127,11 +123,14 @@ class LocalJob(BrokerClient):
         self._group_starts = 0
 
     def pids(self) -> dict[str, int]:
-        """The process ids of the broker ("broker") and of every rank process by name, as started
-        (one that has exited may still be listed; a restarted one has its new id). Safe to call
-        from another thread: `telemetry/memory.py` samples the job's memory with it."""
+        """The process ids of the broker ("broker"), of every rank process by name, as started (one
+        that has exited may still be listed; a restarted one has its new id), and of the fork server
+        they share pages with ("fork_server", `process_start.py`). Safe to call from another
+        thread: `telemetry/memory.py` samples the job's memory with it."""
         named = {"broker": self.broker_process, **self.processes}
-        return {name: p.pid for name, p in named.items() if p is not None and p.pid is not None}
+        pids = {name: p.pid for name, p in named.items() if p is not None and p.pid is not None}
+        server = fork_server_pid()
+        return pids | ({"fork_server": server} if server is not None else {})
 
     @property
     def key_dir(self) -> str | None:
@@ -152,8 +151,8 @@ class LocalJob(BrokerClient):
         the stages reconnect to it by themselves when the address is fixed."""
         address_queue = self._ctx.Queue()
         self.broker_process = self._ctx.Process(
-            target=_broker_main, args=(self.topology, self.broker, address_queue, self.admission, self.broker_cores,
-                  self.trace_folder),
+            target=in_child, args=(launcher_state(), _broker_main, self.topology, self.broker, address_queue,
+                                   self.admission, self.broker_cores, self.trace_folder),
             name="broker",
         )
         self.broker_process.start()
@@ -181,8 +180,9 @@ class LocalJob(BrokerClient):
         for rank in range(spec.ranks):
             name = rank_process_name(instance_id, rank)
             process = self._ctx.Process(
-                target=_stage_main,
-                args=(stage_name, instance_id, spec, self.address, self.key_dir, self.broker.shm_prefix, rank, init_method),
+                target=in_child,
+                args=(launcher_state(), _stage_main, stage_name, instance_id, spec, self.address, self.key_dir,
+                      self.broker.shm_prefix, rank, init_method),
                 name=name,
             )
             process.start()
@@ -194,8 +194,9 @@ class LocalJob(BrokerClient):
         name = f"{group}-0"
         members = {m: self.stages[m] for m in self.device_groups[group]}
         process = self._ctx.Process(
-            target=_device_group_main,
-            args=(group, 0, members, self.address, self.key_dir, self.broker.shm_prefix),
+            target=in_child,
+            args=(launcher_state(), _device_group_main, group, 0, members, self.address, self.key_dir,
+                  self.broker.shm_prefix),
             name=name,
         )
         process.start()
@@ -218,6 +219,8 @@ class LocalJob(BrokerClient):
                                   "ran; its log is above")
             watching.poll()
             failed = [name for name, p in self.processes.items() if p.exitcode not in (None, 0)]
+            # a rank killed by a signal first: the others of its group failed because it died
+            failed.sort(key=lambda name: self.processes[name].exitcode >= 0)
             failed = [name for name in failed if not self._restart(name)]
             if failed:
                 codes = ", ".join(f"{n} (exit {self.processes[n].exitcode})" for n in failed)
