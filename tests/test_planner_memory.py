@@ -53,6 +53,15 @@ def test_a_process_is_a_runtime_plus_its_stage():
     assert memory_profile({"memory": {"per_process": {}}}) is None and memory_profile({}) is None
 
 
+def test_the_fork_server_runs_no_stage_and_is_kept_as_measured():
+    """Stage processes forked from the fork server share its pages (launch/process_start.py): their
+    runtime is small and the server holds the rest, counted beside the broker's."""
+    forked = {"broker": 50.0, "fork_server": 330.0, "prompts-0": 90.0, "ref_forward-0": 95.0, "actor_train-0": 240.0}
+    memory = memory_profile(summary(forked))
+    assert memory.runtime_mb == 90.0 and memory.other_mb == 380.0
+    assert "fork_server" not in memory.own_mb and memory.own_mb["actor_train"] == 150.0
+
+
 def test_device_groups_share_one_runtime():
     """Separate: 170 + 320 + 300 + 290 + 310 + 450 + 440 = 2280. The forwards in one process:
     290 + 0 + 20 = 310 for 600, so 1990; the trainers too: 290 + 160 + 150 = 600 for 890, so 1700."""

@@ -34,7 +34,7 @@ from stream_rlhf.broker.topology import BrokerConfig, Topology
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.launcher import BrokerClient, Watch
 from stream_rlhf.launch.rank import run_device_group, run_stage
-from stream_rlhf.launch.process_start import fork_server_pid, in_child, launcher_state, start_context
+from stream_rlhf.launch.process_start import FORK_SERVER, fork_server_pid, in_child, launcher_state, start_context
 from stream_rlhf.launch.spec import StageFailed, StageSpec, take_restart
 from stream_rlhf.telemetry import trace
 
@@ -130,7 +130,7 @@ class LocalJob(BrokerClient):
         named = {"broker": self.broker_process, **self.processes}
         pids = {name: p.pid for name, p in named.items() if p is not None and p.pid is not None}
         server = fork_server_pid()
-        return pids | ({"fork_server": server} if server is not None else {})
+        return pids | ({FORK_SERVER: server} if server is not None else {})
 
     @property
     def key_dir(self) -> str | None:

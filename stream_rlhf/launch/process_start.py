@@ -37,6 +37,8 @@ PRELOAD = ["torch", "numpy", "zmq", "msgspec", "safetensors.torch", "transformer
            "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen2_vl.modeling_qwen2_vl"]
 """What the fork server imports once: the heavy libraries every stage loads, never project code
 (whose modules may read the environment when imported)."""
+FORK_SERVER = "fork_server"
+"""The fork server's name among the job's processes (`LocalJob.pids`, the summary's memory block)."""
 START_METHOD_VARIABLE = "STREAM_RLHF_START"
 """`spawn` here makes the local launcher spawn its processes (each imports everything itself)."""
 

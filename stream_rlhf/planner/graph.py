@@ -98,7 +98,7 @@ class SimGraph:
     """Host memory every stage process carries (interpreter, torch, the stage runner); None: the
     job's memory is not known (no figures)."""
     other_mb: float = 0.0
-    """Host memory of the job's processes that run no stage (the broker)."""
+    """Host memory of the job's processes that run no stage (the broker, the launcher's fork server)."""
 
     def __post_init__(self) -> None:
         names = [stage.name for stage in self.stages]

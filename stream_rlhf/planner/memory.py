@@ -10,7 +10,9 @@ each stage's own part (its model, optimizer, buffers). The runtime is estimated 
 run's smallest stage process: that stage holds next to nothing of its own (on the tiny
 vision-language PPO job the reward function's process, 276 MB, against 290-450 MB for the
 others). The broker runs no stage and loads less of torch (~170 MB), so it is kept as measured,
-not used as the runtime. A stage's own part is its processes' PSS less one runtime each. A device
+not used as the runtime; so is the local launcher's fork server (`launch/process_start.py`), whose
+pages the stage processes it forked share (with it the runtime of a stage process is ~90 MB, the
+server ~330 MB: calibrate on a run made the same way as the runs it predicts). A stage's own part is its processes' PSS less one runtime each. A device
 group's process carries one runtime plus its members' own parts. Calibrated with a process per
 stage, the forwards and the trainers in two groups predicted against runs so grouped (their
 processes' peaks summed; the job's peak instant):
@@ -34,10 +36,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from stream_rlhf.launch.process_start import FORK_SERVER
 from stream_rlhf.planner.graph import SimGraph
 from stream_rlhf.telemetry.memory import CUDA_PEAK
 
 BROKER = "broker"
+NO_STAGE = (BROKER, FORK_SERVER)
+"""Processes of a job that run no stage: kept as measured (`other_mb`)."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class MemoryProfile:
     processes: dict[str, int]
     """Per stage: how many processes it ran (instances x ranks)."""
     other_mb: float
-    """The processes that run no stage (the broker), as measured."""
+    """The processes that run no stage (NO_STAGE: the broker, the fork server), as measured."""
     device_mb: dict[str, float]
     """Per stage that reported one: its peak CUDA allocation."""
     load_s: dict[str, float]
@@ -67,7 +72,7 @@ def memory_profile(summary: Mapping[str, Any]) -> MemoryProfile | None:
     pss = {name: float(figures["peak_pss_mb"]) for name, figures in per_process.items()}
     stage_pss: dict[str, list[float]] = {}
     for name, mb in pss.items():
-        if name != BROKER:
+        if name not in NO_STAGE:
             stage_pss.setdefault(stage_of_process(name), []).append(mb)
     if not stage_pss:
         return None
@@ -77,7 +82,7 @@ def memory_profile(summary: Mapping[str, Any]) -> MemoryProfile | None:
         runtime_mb=runtime,
         own_mb={stage: sum(mb - runtime for mb in figures) for stage, figures in stage_pss.items()},
         processes={stage: len(figures) for stage, figures in stage_pss.items()},
-        other_mb=pss.get(BROKER, 0.0),
+        other_mb=sum(pss.get(name, 0.0) for name in NO_STAGE),
         device_mb={stage: float(mb) for stage, mb in (summary["memory"].get(CUDA_PEAK) or {}).items()},
         load_s={stage: moved["onload_s"] / moved["onloads"] for stage, moved in offload.items()
                 if moved.get("onloads") and moved.get("onload_mb", 0) > 0},
@@ -92,7 +97,8 @@ def stage_of_process(name: str) -> str:
 
 def process_memory(graph: SimGraph) -> dict[str, float] | None:
     """Host MB per process of the job (a stage's processes together under its name, a device
-    group's under the group's, the broker's as `other_mb` under "broker"); None when unknown."""
+    group's under the group's, the ones that run no stage as `other_mb` under "broker"); None
+    when unknown."""
     if graph.runtime_mb is None:
         return None
     held: dict[str, float] = {BROKER: graph.other_mb} if graph.other_mb else {}
