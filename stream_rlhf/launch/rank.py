@@ -58,7 +58,9 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
     log.info("%s: rank %d of %d on %s", instance_id, rank, spec.ranks, spec.device(rank))
     try:
         stage = load_class(spec.cls)(**spec.kwargs)
-        turns = DeviceTurns(spec.last_minibatch) if spec.offload is not None else None
+        # on CUDA every stage takes its (uncontended) turns, which report its peak device memory
+        on_cuda = spec.device(rank).startswith("cuda")
+        turns = DeviceTurns(spec.last_minibatch) if spec.offload is not None or on_cuda else None
         if rank > 0:
             follower = GroupFollower(stage, stage_name, instance_id, group, ShmTransport(prefix=prefix, serve=False),
                                      *_contexts(turns, stage_name))

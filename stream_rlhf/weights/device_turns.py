@@ -17,7 +17,8 @@ together (their peak is the largest one's, not the sum).
 
 Each stage's counts (`telemetry/stage_counts.py`, summed into the run summary's `offload` block)
 get `offloads`, `onloads`, `offload_bytes`, `onload_bytes`, `offload_s`, `onload_s` and, on CUDA,
-the process's peak allocation (`telemetry/memory.py` CUDA_PEAK); each move is an `offload` or
+the process's peak allocation (`telemetry/memory.py` CUDA_PEAK: the launcher gives every stage on
+CUDA its turns, policy or not, for this); each move is an `offload` or
 `onload` event on the stage's track of the trace. Nothing is prefetched yet:
 every onload is paid inside the turn that needs it.
 """
