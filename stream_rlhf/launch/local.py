@@ -13,8 +13,8 @@ the job, or restarts its whole group when the stage has restarts left. The stage
 
 Processes are forked from a server that imported torch once (`process_start.py`: they share its
 pages, ~90 MB of PSS each instead of ~310), never from the launcher (no forked sockets or
-threads). A crashed stage prints its own traceback; the launcher names it and stops the rest cleanly. Ctrl-C drains every stage, then stops
-the broker, which unlinks what shared memory is left.
+threads). A crashed stage prints its own traceback; the launcher names it and stops the rest
+cleanly. Ctrl-C drains every stage, then stops the broker, which unlinks what shared memory is left.
 """
 
 from __future__ import annotations
@@ -59,18 +59,18 @@ def _broker_main(
 def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str,
                 rank: int = 0, init_method: str | None = None) -> None:
     run_stage(stage_name, instance_id, spec, address, key_dir, prefix, rank, init_method)
-    trace.stop()
-    # the instance has stopped cleanly; skip interpreter teardown, which takes seconds per
-    # process once torch and transformers are loaded (a crash above still exits with its traceback)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_cleanly()
 
 
 def _device_group_main(group: str, index: int, members: dict[str, StageSpec], address: str, key_dir: str | None,
                        prefix: str) -> None:
     run_device_group(group, index, members, address, key_dir, prefix)
+    _exit_cleanly()
+
+
+def _exit_cleanly() -> None:
+    """The process's stages stopped cleanly: skip interpreter teardown, which takes seconds per
+    process once torch and transformers are loaded (a crash before this exits with its traceback)."""
     trace.stop()
     logging.shutdown()
     sys.stdout.flush()
