@@ -93,6 +93,7 @@ class GroupFollower:
         self.group.barrier()
         stepping = trace.now_ns()
         batch = Batch(handle, tensors)
+        self.stage.await_inputs(batch)
         with self.step_context(batch):
             self.stage.step(batch)
         self.steps += 1

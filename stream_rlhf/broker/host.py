@@ -92,7 +92,7 @@ class StageHost:
         self._idle_since_ns: int | None = None  # the end of the last step (or of setup): traced waits
         self.counters: dict[str, float] = {
             "steps": 0, "step_s": 0.0, "fetch_s": 0.0, "put_s": 0.0, "published": 0,
-            "duplicates_skipped": 0, "credit_wait_s": 0.0, "nacked": 0, "send_failed": 0,
+            "duplicates_skipped": 0, "credit_wait_s": 0.0, "nacked": 0, "send_failed": 0, "await_s": 0.0,
         }
 
     # ---- called on the IO side --------------------------------------------------------------
@@ -173,8 +173,14 @@ class StageHost:
         fetched = trace.now_ns()
         self.counters["fetch_s"] += (fetched - started) / 1e9
         trace.complete("fetch", "payload", started, fetched, topic=handle.topic, producer=handle.producer)
+        batch = Batch(handle, tensors)
         try:
-            batch = Batch(handle, tensors)
+            self.stage.await_inputs(batch)
+            awaited = trace.now_ns()
+            if awaited - fetched >= IDLE_MIN_NS:  # not part of the step: a wait for another stage
+                self.counters["await_s"] += (awaited - fetched) / 1e9
+                trace.complete("idle", "wait", fetched, awaited, waiting_for="inputs")
+            fetched = awaited
             with self.step_context(batch):
                 outputs = self.stage.step(batch) or []
         except Exception as exc:

@@ -119,6 +119,11 @@ class Stage:
     def on_weights(self, version: int) -> None:
         """Weights of `version` are ready (rollout loads them between mini-batches)."""
 
+    def await_inputs(self, batch: Batch) -> None:
+        """Before the step on `batch`, outside its device turn: wait for what the step needs from
+        other stages beyond the batch (newer weights, say), so that a stage sharing the device is
+        not kept from producing them. Nothing by default."""
+
     def device_state(self) -> list[DeviceState]:
         """The engines that hold this stage's model state on its device (after setup); none by default."""
         return []

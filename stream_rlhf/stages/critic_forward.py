@@ -1,16 +1,22 @@
-"""Critic forward: the value of the state before each response token, from the newest critic.
-With several ranks each computes a share of the mini-batch."""
+"""Critic forward: the value of the state before each response token, from the newest critic, and
+never from a critic that has trained on fewer iterations than the actor that generated the
+mini-batch (its version >= the batch's policy version): under the sync schedule that is exactly
+the critic of the iteration before, not whichever of it and its predecessor the timing of
+critic_train's publish gives. With several ranks each computes a share of the mini-batch."""
 
 from __future__ import annotations
 
 from stream_rlhf.backends.engines import build_train_engine
-from stream_rlhf.broker.stage import Batch, DeviceState, Output, Stage, StageContext
+from stream_rlhf.broker.stage import Batch, DeviceState, Output, Stage, StepAborted, StageContext
 from stream_rlhf.models.checkpoint import load_job_critic
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.samples import Rollout, ragged, response_slices
 from stream_rlhf.stages.topics import topic_output
 from stream_rlhf.weights.shm_store import WeightStore
+
+
+CRITIC_POLL_S = 0.005
 
 
 class CriticForward(Stage):
@@ -28,8 +34,16 @@ class CriticForward(Stage):
     def device_state(self) -> list[DeviceState]:
         return [self.engine]
 
+    def await_inputs(self, batch: Batch) -> None:
+        """Until the critic store holds the batch's policy version or newer (critic_train publishes
+        version i after its i-th iteration, so this never waits on a later iteration's experience)."""
+        while self.version < batch.policy_version and self.weights.latest_version() < batch.policy_version:
+            if self.ctx.stopping.wait(CRITIC_POLL_S):
+                raise StepAborted(f"stopping while waiting for critic version {batch.policy_version}")
+
     def step(self, batch: Batch | None) -> list[Output]:
         self.version = self.engine.refresh(self.weights, self.version)
         rollout = Rollout.from_tensors(batch.tensors)
         values = self.engine.forward_values(rollout.sequences, self.images.of(batch.tensors), rollout.prompt_lens)
         return [topic_output("values", ragged("values", response_slices(values, rollout.prompt_lens)), batch.num_samples)]
+
