@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stream_rlhf.broker.inprocess import InProcessBus
-from stream_rlhf.broker.stage import Output
+from stream_rlhf.broker.stage import Output, Stage
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.trace import TraceRecorder
@@ -87,7 +87,7 @@ def test_merge_names_tracks_links_a_minibatch_and_survives_a_torn_line(tmp_path)
                         "staleness": ("actor_train-0", {"mean": 0.5, "max": 1})}
 
 
-class Source:
+class Source(Stage):
     def __init__(self):
         self.left = 2
 
