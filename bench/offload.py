@@ -50,14 +50,13 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import assert_nothing_left, mean_iteration_s, progress, shm_entries  # bench/, beside this script
+from pipeline import assert_nothing_left, mean_iteration_s, progress, run_logged, shm_entries  # bench/, beside this script
 
 from stream_rlhf.config import ConfigError, load_config
 from stream_rlhf.rl.config import RLJobConfig
@@ -147,17 +146,7 @@ def run_column(overrides: list[str], prefix: str, env: dict[str, str]) -> Path:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     before = shm_entries()
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
-        try:
-            code = process.wait(RUN_TIMEOUT_S)
-        finally:
-            if process.poll() is None:
-                process.terminate()  # the launcher drains and stops its stages on SIGTERM
-                process.wait(60)
-    if code != 0:
-        tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        raise RuntimeError(f"{' '.join(command)}: exit code {code}; the end of {log_path}:\n{tail}")
+    run_logged(command, log_path, env, timeout_s=RUN_TIMEOUT_S)
     assert_nothing_left(before, prefix, name)
     return RUNS_DIR / name
 

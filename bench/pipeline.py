@@ -87,6 +87,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,22 +159,39 @@ def run_schedule(column: str, settings: Settings, prefix: str, trace: bool = Tru
     ]
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     before = shm_entries()
+    samplers: list[CpuSampler] = []
+
+    def sample(pid: int) -> Callable[[], None]:
+        samplers.append(CpuSampler(pid))
+        return samplers[0].stop
+
+    run_logged(command, log_path, watch=sample)
+    sampler = samplers[0]
+    assert_nothing_left(before, prefix, name)
+    (RUNS_DIR / name / "cpu_samples.json").write_text(json.dumps(sampler.samples))
+    return RUNS_DIR / name
+
+
+def run_logged(command: list[str], log_path: Path, env: dict[str, str] | None = None,
+               watch: Callable[[int], Callable[[], None]] | None = None, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    """Run `command` from the repository with its output in `log_path` (and `env` added to this
+    environment); raise with the log's end when it fails or outlives `timeout_s`. `watch(pid)`
+    starts something for the run's lifetime and returns what stops it."""
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        sampler = CpuSampler(process.pid)
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})})
+        stop = watch(process.pid) if watch is not None else None
         try:
-            code = process.wait(RUN_TIMEOUT_S)
+            code = process.wait(timeout_s)
         finally:
-            sampler.stop()
+            if stop is not None:
+                stop()
             if process.poll() is None:
                 process.terminate()  # the launcher drains and stops its stages on SIGTERM
                 process.wait(60)
     if code != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
         raise RuntimeError(f"{' '.join(command)}: exit code {code}; the end of {log_path}:\n{tail}")
-    assert_nothing_left(before, prefix, name)
-    (RUNS_DIR / name / "cpu_samples.json").write_text(json.dumps(sampler.samples))
-    return RUNS_DIR / name
 
 
 class CpuSampler:
