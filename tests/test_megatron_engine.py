@@ -60,21 +60,72 @@ def _vlm_experience():
     return [s.input_ids for s in samples], [encode(model, s) for s in samples]
 
 
+def _vlm_train_experience(sequences: list[torch.Tensor], images: list) -> tuple:
+    """The VLM's samples as an Experience with three response tokens each, and their advantages."""
+    from stream_rlhf.stages.experience import Experience
+
+    exp = Experience(sequences=sequences, prompt_lens=torch.tensor([len(q) - 3 for q in sequences]),
+                     mask=torch.ones(3, 3), behavior_logp=-torch.ones(3, 3), old_logp=-torch.ones(3, 3),
+                     ref_logp=None, values=None, scores=torch.zeros(3), group_ids=torch.arange(3),
+                     policy_versions=torch.zeros(3), images=images)
+    return exp, torch.tensor([[1.0], [-0.5], [0.25]]).expand(3, 3).contiguous()
+
+
+def _value_loss(engine):
+    from stream_rlhf.algos.losses import value_loss
+    from stream_rlhf.stages.samples import response_slices
+
+    def loss_fn(part, per_sample):
+        values = part.padded(response_slices(engine.values(part.sequences), part.prompt_lens))
+        return value_loss(values, part.values, per_sample["returns"], part.mask, 10.0)
+    return loss_fn
+
+
+def _vlm_loss(engine):
+    from stream_rlhf.algos.losses import policy_loss
+    from stream_rlhf.stages.samples import response_slices
+
+    def loss_fn(part, per_sample):
+        logp, _ = engine.logprobs(part.sequences, 1.0, images=part.images)
+        logp = part.padded(response_slices(logp, part.prompt_lens))
+        return policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2)
+    return loss_fn
+
+
+def _run_ranks(tmp_path: Path, target, world: int, *args) -> dict:
+    """`target(rank, world, *args, init_file, out)` in `world` spawned processes; what the leader
+    wrote to `out` (`_finish`)."""
+    out = str(tmp_path / "found.json")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, world, *args, str(tmp_path / "init"), out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0] * world
+    return json.loads(Path(out).read_text())
+
+
+def _finish(group, found: dict, out: str) -> None:
+    """The leader writes `found` for the test; every rank leaves without tearing megatron down."""
+    if group.is_leader:
+        Path(out).write_text(json.dumps(found))
+    group.close()
+    os._exit(0)  # no interpreter teardown of megatron's groups
+
+
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
 def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)
-    from stream_rlhf.algos.losses import policy_loss, value_loss
     from stream_rlhf.backends.megatron.config import MegatronConfig
     from stream_rlhf.backends.megatron.engine import MegatronTrainEngine
     from stream_rlhf.backends.optimizer_config import OptimizerConfig
     from stream_rlhf.backends.torch_engine import TorchTrainEngine
     from stream_rlhf.broker.rank_group import RankGroup, RankSpec
     from stream_rlhf.models.tokenizer import build_tokenizer
-    from stream_rlhf.stages.experience import Experience
-    from stream_rlhf.stages.samples import response_slices
     from tests.test_torch_engine import _experience, _loss
 
     group = RankGroup.join(RankSpec(rank, world, f"file://{init_file}" if world > 1 else None))
@@ -99,16 +150,10 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
             found[f"{name}.logprobs"] = _max_diff(engine.forward_logprobs(exp.sequences, 0.7),
                                                   reference.forward_logprobs(exp.sequences, 0.7))
 
-    def value_loss_of(engine):
-        def loss_fn(part, per_sample):
-            values = part.padded(response_slices(engine.values(part.sequences), part.prompt_lens))
-            return value_loss(values, part.values, per_sample["returns"], part.mask, 10.0)
-        return loss_fn
-
     exp.values = torch.zeros_like(exp.mask)
     targets = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
     optimizer = OptimizerConfig(lr=1e-2, max_grad_norm=0.5)
-    for name, loss_of, key in (("qwen2", _loss, "advantages"), ("critic", value_loss_of, "returns")):
+    for name, loss_of, key in (("qwen2", _loss, "advantages"), ("critic", _value_loss, "returns")):
         engine = MegatronTrainEngine(_models()[name], group, optimizer, parallel)
         reference = TorchTrainEngine(_models()[name], RankGroup.single(), optimizer)
         for step in range(2):
@@ -128,23 +173,11 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
             e.train_step(exp, loss_of(e), {key: targets})
         a, b = engine.export_weights(), resumed.export_weights()
         found[f"{name}.resumes_exactly"] = all(torch.equal(a[k], b[k]) for k in a)
-    vlm_exp = Experience(sequences=vlm_sequences, prompt_lens=torch.tensor([len(q) - 3 for q in vlm_sequences]),
-                         mask=torch.ones(3, 3), behavior_logp=-torch.ones(3, 3), old_logp=-torch.ones(3, 3), ref_logp=None,
-                         values=None, scores=torch.zeros(3), group_ids=torch.arange(3), policy_versions=torch.zeros(3),
-                         images=vlm_images)
-
-    def vlm_loss(engine):
-        def loss_fn(part, per_sample):
-            logp, _ = engine.logprobs(part.sequences, 1.0, images=part.images)
-            logp = part.padded(response_slices(logp, part.prompt_lens))
-            return policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2)
-        return loss_fn
-
+    vlm_exp, advantages = _vlm_train_experience(vlm_sequences, vlm_images)
     engine = MegatronTrainEngine(_models()["vlm"], group, optimizer, parallel)
     reference = TorchTrainEngine(_models()["vlm"], RankGroup.single(), optimizer)
-    advantages = torch.tensor([[1.0], [-0.5], [0.25]]).expand(3, 3).contiguous()
-    mine = engine.train_step(vlm_exp, vlm_loss(engine), {"advantages": advantages})
-    theirs = reference.train_step(vlm_exp, vlm_loss(reference), {"advantages": advantages})
+    mine = engine.train_step(vlm_exp, _vlm_loss(engine), {"advantages": advantages})
+    theirs = reference.train_step(vlm_exp, _vlm_loss(reference), {"advantages": advantages})
     found["vlm.train.loss"] = abs(mine["loss"] - theirs["loss"])
     a, b = engine.export_weights(), reference.export_weights()
     found["vlm.train.weights"] = max((a[k] - b[k]).abs().max().item() for k in b)
@@ -158,24 +191,13 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
     loaded.load(folder)
     a, b = engine.export_weights(), loaded.export_weights()
     found["save_load"] = all(torch.equal(a[k], b[k]) for k in a)
-    if group.is_leader:
-        Path(out).write_text(json.dumps(found))
-    group.close()
-    os._exit(0)  # no interpreter teardown of megatron's groups
+    _finish(group, found, out)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,tp,pp", LAYOUTS, ids=[f"ranks{w}-tp{t}-pp{p}" for w, t, p in LAYOUTS])
 def test_megatron_engine_matches_the_torch_engine(tmp_path, world, tp, pp):
-    out = str(tmp_path / "found.json")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, tp, pp, str(tmp_path / "init"), out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    assert [p.exitcode for p in procs] == [0] * world
-    found = json.loads(Path(out).read_text())
+    found = _run_ranks(tmp_path, _rank_main, world, tp, pp)
     for name in ("qwen2", "llama", "critic", "vlm"):
         assert found[f"{name}.round_trip"] is True, name
     assert found["qwen2.logprobs"] < 1e-5 and found["llama.logprobs"] < 1e-5 and found["vlm.logprobs"] < 1e-5

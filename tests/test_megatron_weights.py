@@ -73,8 +73,11 @@ def test_parallel_sizes_that_do_not_fit_are_refused_naming_the_key_and_numbers()
         check_parallel(MegatronConfig(pp=2), 2, 4, 2, 3, key)
     with pytest.raises(ConfigError, match="tp=0: must be >= 1"):
         MegatronConfig(tp=0)
-    with pytest.raises(ConfigError, match="cp=2: context parallelism is not built"):
-        MegatronConfig(cp=2)
+    with pytest.raises(ConfigError, match=r"tp x pp x cp = 1 x 1 x 2 = 2 does not divide the stage's ranks=3"):
+        check_parallel(MegatronConfig(cp=2), 3, 4, 2, 2, key)
+    with pytest.raises(ConfigError, match="cp=0: must be >= 1"):
+        MegatronConfig(cp=0)
+    check_parallel(MegatronConfig(tp=2, cp=2), 8, 4, 2, 2, key)  # dp 2
     check_parallel(MegatronConfig(tp=2), 4, 4, 2, 2, key)  # dp 2
     assert MegatronConfig(tp=2).data_parallel(4) == 2
 
@@ -88,9 +91,13 @@ def test_job_configs_place_megatron_only_where_it_fits():
 
     ok = job({"actor_train": {"ranks": 2, "backend": "megatron", "megatron": {"tp": 2}}})
     assert ok.placement.stages["actor_train"].megatron.data_parallel(2) == 1
+    ok = job({"actor_train": {"ranks": 4, "backend": "megatron", "megatron": {"cp": 2}}})
+    assert ok.placement.stages["actor_train"].megatron.data_parallel(4) == 2
     refused = [
         ({"actor_train": {"ranks": 2, "backend": "megatron", "megatron": {"tp": 4}}},
          "placement.stages.actor_train.megatron: tp x pp x cp = 4 x 1 x 1 = 4 does not divide the stage's ranks=2"),
+        ({"actor_train": {"ranks": 3, "backend": "megatron", "megatron": {"cp": 2}}},
+         "placement.stages.actor_train.megatron: tp x pp x cp = 1 x 1 x 2 = 2 does not divide the stage's ranks=3"),
         ({"actor_train": {"ranks": 4, "backend": "megatron", "megatron": {"tp": 4}}},
          "placement.stages.actor_train.megatron.tp=4: does not divide the model's 4 attention heads and 2 key/value"),
         ({"actor_train": {"ranks": 4, "backend": "megatron", "megatron": {"pp": 4}}},

@@ -112,7 +112,7 @@ def cp_gather(
     return stored.index_select(1, torch.argsort(order).to(stored.device))
 
 
-def _next_token_labels(
+def next_token_labels(
     input_ids: torch.Tensor, seq_local: int, cp_size: int, rank: int, layout: Layout
 ) -> torch.Tensor:
     """Labels (B, S_local) of this rank's positions: input_ids[:, p + 1], a placeholder at p = S - 1."""
@@ -140,7 +140,7 @@ def cp_token_logprobs(
     logits_local: (B, S_local, V) this rank's logits; input_ids: (B, S) the full sequence.
     """
     batch, seq_local, vocab = logits_local.shape
-    labels = _next_token_labels(input_ids, seq_local, cp_size, rank, layout)  # (B, S_local)
+    labels = next_token_labels(input_ids, seq_local, cp_size, rank, layout)  # (B, S_local)
     logp, _ = logprobs_from_logits(logits_local.reshape(-1, vocab), labels.reshape(-1), temperature=temperature)
     full = cp_gather(logp.float().view(batch, seq_local), cp_size, rank, layout, group)  # (B, S)
     return full[:, :-1]
@@ -161,7 +161,7 @@ def cp_token_logprobs_from_hidden(
     The local logits are never formed: `logprobs_from_hidden` works a chunk of tokens at a time.
     """
     batch, seq_local, hidden_size = hidden_local.shape
-    labels = _next_token_labels(input_ids, seq_local, cp_size, rank, layout)  # (B, S_local)
+    labels = next_token_labels(input_ids, seq_local, cp_size, rank, layout)  # (B, S_local)
     flat_hidden = hidden_local.reshape(-1, hidden_size)  # (B * S_local, H)
     logp, _ = logprobs_from_hidden(flat_hidden, weight, labels.reshape(-1), temperature=temperature)
     full = cp_gather(logp.float().view(batch, seq_local), cp_size, rank, layout, group)  # (B, S)

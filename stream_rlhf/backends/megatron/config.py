@@ -19,8 +19,10 @@ class MegatronConfig:
     pp: int = 1
     """Pipeline-parallel size: the decoder layers are split into this many consecutive stages."""
     cp: int = 1
-    """Context-parallel size; only 1 for now: megatron-core's local attention (the engine's layer spec,
-    no transformer-engine) refuses context parallelism."""
+    """Context-parallel size: each sample's sequence is split over this many ranks in megatron's
+    load-balanced layout (2 x cp chunks; the engine right-pads every batch to a multiple of 2 x cp),
+    keys and values all-gathered in each attention layer (`cp_attention.py`), only the per-token
+    log-probs or values gathered back (`kernels/cp_gather.py`)."""
     recompute: bool = False
     """Recompute each decoder layer's activations in the backward pass (megatron's full, uniform
     activation recompute): less memory, one more forward of the layers. CUDA only (it saves CUDA RNG
@@ -30,10 +32,6 @@ class MegatronConfig:
         for name in ("tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.cp != 1:
-            raise ConfigError(f"cp={self.cp}: context parallelism is not built into the megatron engine yet "
-                              "(megatron-core's own attention refuses it; only transformer-engine's, on CUDA, "
-                              "has it); use cp: 1")
 
     @property
     def model_parallel(self) -> int:

@@ -1,4 +1,4 @@
-"""The `megatron` train engine: megatron-core's GPTModel over the stage group, tp x pp x dp.
+"""The `megatron` train engine: megatron-core's GPTModel over the stage group, tp x pp x cp x dp.
 
     engine = MegatronTrainEngine(load_policy(path), ctx.group, cfg.actor, MegatronConfig(tp=2))
     logp = engine.forward_logprobs(sequences, temperature)   # every rank gets every sample's
@@ -6,18 +6,21 @@
     weights = engine.export_weights()                        # Hugging Face names, full tensors
 
 The same `TrainEngine` protocol as the torch backend (`backends/train_engine.py`), so the stages and
-losses (`algos/`) are the same. Each data-parallel replica (tp x pp ranks) takes its share of the
-samples; every forward and training pass runs through megatron's pipeline schedule with one
+losses (`algos/`) are the same. Each data-parallel replica (tp x pp x cp ranks) takes its share of
+the samples; every forward and training pass runs through megatron's pipeline schedule with one
 micro-batch, the share right-padded to (B, S) under an explicit causal mask (no packing and no
-shared-prompt forwards yet: the same log-probs, more compute). A vision-language model's first
-stage embeds the tokens and puts the vision stage's features in at the image tokens, with
-Qwen2-VL's M-RoPE (3, B, S) positions; its frozen vision tower never enters megatron (its weights
-are exported as they came). Log-probs and entropies come from
-the fused kernel (`kernels/`) on the last stage's hidden states and the output layer's weight,
-all-gathered over tp (logits are never formed). Inside `train_step`, `logprobs` / `values` read the
-hidden states of the step's own forward, so a loss function written for the torch engine works
-unchanged. Gradients are averaged over dp by megatron's DDP (each rank's loss scaled by its share of
-the step's tokens, as in the torch engine), clipped to `max_grad_norm` and stepped by megatron's
+shared-prompt forwards yet: the same log-probs, more compute). A vision-language model's first stage
+embeds the tokens and puts the vision stage's features in at the image tokens, with Qwen2-VL's
+M-RoPE (3, B, S) positions; its frozen vision tower never enters megatron (its weights are exported
+as they came). Log-probs and entropies come from the fused kernel (`kernels/`) on the last stage's
+hidden states and the output layer's weight, all-gathered over tp (logits are never formed). Under
+context parallelism (cp > 1) each rank of a replica runs its part of every sequence (`context.py`:
+megatron's load-balanced chunks, the batch right-padded to a multiple of 2 x cp) and the per-token
+log-probs and values are all-gathered over cp (`kernels/cp_gather.py`), so callers see the same
+(L_i - 1,) results as with cp = 1. Inside `train_step`, `logprobs` / `values` read the hidden states
+of the step's own forward, so a loss function written for the torch engine works unchanged.
+Gradients are averaged over dp x cp by megatron's DDP (each rank's loss scaled by its share of the
+step's tokens, as in the torch engine), clipped to `max_grad_norm` and stepped by megatron's
 distributed optimizer (AdamW; megatron leaves biases and norms out of weight decay). On CUDA,
 `offload`/`onload` move the parameters, DDP's gradient buffers and the optimizer state to pinned
 host memory and back storage by storage (`offload.py`), so megatron's views into them stay valid.
@@ -35,6 +38,7 @@ from torch import Tensor, nn
 
 from stream_rlhf.backends.megatron.arch_qwen2_vl import VISION_PREFIX
 from stream_rlhf.backends.megatron.config import MegatronConfig, check_parallel
+from stream_rlhf.backends.megatron.context import ContextSplit, padded_ids
 from stream_rlhf.backends.megatron.model import architecture, build_model, causal_mask, dims, join_megatron, text_config
 from stream_rlhf.backends.megatron.offload import HostCopies
 from stream_rlhf.backends.megatron.optimizer import MegatronOptimizer
@@ -53,7 +57,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 
 class Batch(NamedTuple):
-    ids: Tensor  # (B, S) long, right-padded
+    ids: Tensor  # (B, S) long, right-padded (S a multiple of 2 x cp under cp > 1)
     positions: Tensor  # (B, S), or (3, B, S) M-RoPE positions
     mask: Tensor  # (1, 1, S, S) bool, True = masked out
     features: Tensor | None  # (N, H) image features of the image tokens, row-major; None for text
@@ -78,6 +82,7 @@ class MegatronTrainEngine:
         self.group = group
         self.device = group.device
         self.parallel = join_megatron(group, parallel, seed)
+        self.split = ContextSplit(parallel.cp, self.parallel.cp_rank)
         hf_state = model.state_dict()
         self.frozen = {k: v.detach().clone() for k, v in hf_state.items() if k.startswith(VISION_PREFIX)}
         self.layout = Layout(architecture(model.config), dims(model.config, self.parallel.config.tp),
@@ -104,7 +109,7 @@ class MegatronTrainEngine:
 
     def values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
                prompt_lens: Tensor | None = None) -> list[Tensor]:
-        out = self._output_for(sequences, images)  # (B, S)
+        out = self.split.gather(self._output_for(sequences, images))  # (B, S)
         return [out[i, : len(seq) - 1] for i, seq in enumerate(sequences)]
 
     def forward_logprobs(self, sequences: list[Tensor], temperature: float,
@@ -113,7 +118,11 @@ class MegatronTrainEngine:
 
     def forward_values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
                        prompt_lens: Tensor | None = None) -> list[Tensor]:
-        return self._shared(sequences, images, lambda out, seqs: [out[i, : len(s) - 1] for i, s in enumerate(seqs)])
+        def values_of(out: Tensor, seqs: list[Tensor]) -> list[Tensor]:
+            out = self.split.gather(out)  # (B, S)
+            return [out[i, : len(s) - 1] for i, s in enumerate(seqs)]
+
+        return self._shared(sequences, images, values_of)
 
     def _output_for(self, sequences: list[Tensor], images: list[SampleImages] | None) -> Tensor:
         """The last stage's output for `sequences`: the step's own forward inside `train_step`;
@@ -129,10 +138,8 @@ class MegatronTrainEngine:
     def _inputs(self, sequences: list[Tensor], images: list[SampleImages] | None) -> Batch:
         """(B, S) right-padded ids, (B, S) positions ((3, B, S) M-RoPE ones with images), (1, 1, S, S)
         causal mask, and the (N, H) image features of the batch's image tokens in row-major order."""
-        width = max(len(s) for s in sequences)
-        ids = torch.zeros(len(sequences), width, dtype=torch.long)
-        for i, seq in enumerate(sequences):
-            ids[i, : len(seq)] = seq
+        width = self.split.width(max(len(s) for s in sequences))
+        ids = padded_ids(sequences, width)
         if images is None:
             positions = torch.arange(width)[None].expand(len(sequences), width)
             return Batch(ids.to(self.device), positions.to(self.device), causal_mask(width, self.device), None)
@@ -146,24 +153,43 @@ class MegatronTrainEngine:
         return Batch(ids.to(self.device), positions.to(self.device), causal_mask(width, self.device), features)
 
     def _call(self, model: nn.Module, batch: Batch) -> Tensor:
-        """`model` (the megatron model or its DDP wrapper) on `batch`; with image features the first
-        stage embeds the tokens itself and puts the features in at the image tokens."""
+        """`model` (the megatron model or its DDP wrapper) on this cp rank's part of `batch`; with
+        image features the first stage embeds the whole sequence itself, puts the features in at the
+        image tokens and passes on its part. The positions stay whole (megatron cuts the rotary
+        embedding for this cp rank); the mask keeps the rows of this rank's positions."""
         decoder_input = None
         if batch.features is not None and self.parallel.first_stage:
             embedded = self.model.embedding(input_ids=batch.ids, position_ids=None).transpose(0, 1)  # (B, S, H)
-            decoder_input = scatter_image_features(embedded, batch.ids, batch.features,
-                                                   self.vision_config.image_token_id).transpose(0, 1).contiguous()
-        return model(batch.ids, batch.positions, batch.mask, decoder_input=decoder_input)
+            embedded = scatter_image_features(embedded, batch.ids, batch.features, self.vision_config.image_token_id)
+            decoder_input = self.split.take(embedded.transpose(0, 1), 0).contiguous()  # (S_local, B, H)
+        return model(self.split.take(batch.ids, 1), batch.positions, self.split.take(batch.mask, 2),
+                     decoder_input=decoder_input)
 
     def _logprobs_of(self, hidden: Tensor, sequences: list[Tensor], temperature: float,
                      with_entropy: bool) -> tuple[list[Tensor], list[Tensor] | None]:
-        """Fused log-probs of `sequences` from the last stage's (B, S, H) hidden states."""
+        """Fused log-probs of `sequences` from the last stage's (B, S, H) hidden states (this cp
+        rank's (B, S_local, H) under cp > 1)."""
+        if self.split.cp > 1:
+            return self._cp_logprobs_of(hidden, sequences, temperature, with_entropy)
         rows = torch.cat([torch.full((len(s) - 1,), i) for i, s in enumerate(sequences)]).to(self.device)
         cols = torch.cat([torch.arange(len(s) - 1) for s in sequences]).to(self.device)
         labels = torch.cat([s[1:] for s in sequences]).to(device=self.device, dtype=torch.long)
         logp, entropy = logprobs_from_hidden(hidden[rows, cols], self._head_weight(), labels, temperature, with_entropy)
         lengths = [len(s) - 1 for s in sequences]
         return list(logp.split(lengths)), list(entropy.split(lengths)) if with_entropy else None
+
+    def _cp_logprobs_of(self, hidden: Tensor, sequences: list[Tensor], temperature: float,
+                        with_entropy: bool) -> tuple[list[Tensor], list[Tensor] | None]:
+        """`_logprobs_of` under cp: every local position's log-prob (and entropy), all-gathered over
+        cp as (B, S_local, 1 or 2) floats per rank."""
+        batch, local, size = hidden.shape
+        labels = self.split.labels(padded_ids(sequences, local * self.split.cp).to(self.device))  # (B, S_local)
+        logp, entropy = logprobs_from_hidden(hidden.reshape(-1, size), self._head_weight(), labels.reshape(-1),
+                                             temperature, with_entropy)
+        per_token = torch.stack([logp, entropy] if with_entropy else [logp], -1).view(batch, local, -1)
+        full = self.split.gather(per_token)  # (B, S, 1 or 2)
+        logps = [full[i, : len(s) - 1, 0] for i, s in enumerate(sequences)]
+        return logps, [full[i, : len(s) - 1, 1] for i, s in enumerate(sequences)] if with_entropy else None
 
     def _head_weight(self) -> Tensor:
         """(V, H): the output layer's weight, all-gathered over tp (backward: this rank's rows)."""
@@ -183,10 +209,10 @@ class MegatronTrainEngine:
             with torch.no_grad():
                 outputs = self._schedule(local, images[mine] if images is not None else None,
                                          lambda out: (out.sum() * 0, {"out": result(out, local)}), True)
-            if outputs and self.parallel.tp_rank == 0:
+            if outputs and self.parallel.tp_rank == 0 and self.parallel.cp_rank == 0:
                 flat[offsets[mine.start]: offsets[mine.stop]] = torch.cat(outputs[0]["out"]).float().cpu()
         if self.group.distributed:
-            dist.all_reduce(flat)  # one writer per sample: the last stage's tp rank 0 of its replica
+            dist.all_reduce(flat)  # one writer per sample: the last stage's tp and cp rank 0 of its replica
         return list(flat.split(lengths))
 
     def _share(self, n: int) -> slice:
@@ -222,7 +248,9 @@ class MegatronTrainEngine:
         local_per_sample = {name: t[index if not empty else torch.arange(1)].to(self.device)
                             for name, t in per_sample.items()}
         tokens = 0.0 if empty else float(local.mask.sum().item())
-        total = self.group.sum([tokens])[0] / (self.parallel.config.tp * self.parallel.config.pp)
+        total = self.group.sum([tokens])[0] / self.parallel.config.model_parallel
+        # DDP averages the gradients over dp x cp; megatron's schedule multiplies the loss by cp (each
+        # cp rank's backward carries its own positions' part of the replica's loss: `cp_gather`)
         scale = tokens * self.parallel.dp / max(total, 1.0)
 
         def loss(output: Tensor):
@@ -241,11 +269,11 @@ class MegatronTrainEngine:
 
     def _reduced(self, metrics: dict[str, float], tokens: float, total: float) -> dict[str, float]:
         """Token-weighted means (maxima for `*_max`) over the replicas, on every rank. The last
-        stage's tp rank 0 of each replica contributes; the names come from the lowest-ranked of
+        stage's tp and cp rank 0 of each replica contributes; the names come from the lowest-ranked of
         those, broadcast as text."""
         if not self.group.distributed:
             return metrics
-        writer = self.parallel.tp_rank == 0 and self.parallel.last_stage
+        writer = self.parallel.tp_rank == 0 and self.parallel.cp_rank == 0 and self.parallel.last_stage
         first_writer = torch.tensor([dist.get_rank() if writer else dist.get_world_size()])
         dist.all_reduce(first_writer, op=dist.ReduceOp.MIN)
         names = _broadcast_names(sorted(metrics), int(first_writer.item()))
@@ -315,13 +343,13 @@ class MegatronTrainEngine:
             if state["optimizer"] is None:
                 raise ValueError(f"{path}: holds no optimizer state, and this engine trains")
             if state["layout"] != self._layout_key():
-                raise ValueError(f"{path}: optimizer state of a megatron layout (ranks, tp, pp) = {state['layout']}, "
-                                 f"this engine is {self._layout_key()}")
+                raise ValueError(f"{path}: optimizer state of a megatron layout (ranks, tp, pp, cp) = "
+                                 f"{state['layout']}, this engine is {self._layout_key()}")
             self.optimizer.load_shard(state["optimizer"][self.group.rank])
         torch.set_rng_state(state["rng"])
 
     def _layout_key(self) -> list[int]:
-        return [self.group.world_size, self.parallel.config.tp, self.parallel.config.pp]
+        return [self.group.world_size, self.parallel.config.tp, self.parallel.config.pp, self.parallel.config.cp]
 
     # ---- offload -----------------------------------------------------------------------------
 

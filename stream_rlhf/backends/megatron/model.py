@@ -5,10 +5,10 @@
     out = model(ids, positions, causal_mask(S))                       # (B, S, H) hidden or (B, S) values
 
 The model is megatron's local layer spec (no transformer-engine): RMSNorm, rotary positions,
-grouped-query attention, SwiGLU, a fused QKV (with Qwen2's bias) and fused gate/up. Its last
-pipeline stage returns the final-norm hidden states (the fused log-prob kernel reads the output
-layer's weight itself: logits are never formed) or, for a critic, per-position values from a
-value head in place of the output layer.
+grouped-query attention (under cp > 1 our own core attention, `cp_attention.py`), SwiGLU, a fused
+QKV (with Qwen2's bias) and fused gate/up. Its last pipeline stage returns the final-norm hidden
+states (the fused log-prob kernel reads the output layer's weight itself: logits are never formed)
+or, for a critic, per-position values from a value head in place of the output layer.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from stream_rlhf.backends.megatron.cp_attention import with_cp_attention  # noqa: E402
 
 ARCHITECTURES: dict[str, Architecture] = {"qwen2": QWEN2, "llama": LLAMA, "qwen2_vl_text": QWEN2_VL,
                                           "qwen2_5_vl_text": QWEN2_VL}
@@ -42,11 +43,12 @@ ARCHITECTURES: dict[str, Architecture] = {"qwen2": QWEN2, "llama": LLAMA, "qwen2
 
 @dataclass(frozen=True)
 class Parallel:
-    """Where this rank stands: its tensor-, pipeline- and data-parallel rank and sizes."""
+    """Where this rank stands: its tensor-, pipeline-, context- and data-parallel rank and sizes."""
 
     config: MegatronConfig
     tp_rank: int
     pp_rank: int
+    cp_rank: int
     dp_rank: int
     dp: int
 
@@ -70,15 +72,17 @@ def join_megatron(group: RankGroup, parallel: MegatronConfig, seed: int) -> Para
         raise ValueError(f"megatron: the process group has {dist.get_world_size()} ranks, the stage group "
                          f"{group.world_size}")
     if ps.model_parallel_is_initialized():
-        held = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if held != (parallel.tp, parallel.pp):
-            raise ValueError(f"megatron: this process already has tp, pp = {held}, not {parallel.tp, parallel.pp}")
+        held = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_context_parallel_world_size())
+        if held != (parallel.tp, parallel.pp, parallel.cp):
+            raise ValueError(f"megatron: this process already has tp, pp, cp = {held}, not "
+                             f"{parallel.tp, parallel.pp, parallel.cp}")
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
                                      context_parallel_size=parallel.cp)
         seed_model_parallel(seed)
     return Parallel(parallel, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                    ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+                    ps.get_context_parallel_rank(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
 
 def text_config(hf_config):
@@ -145,7 +149,8 @@ class MegatronGPT(GPTModel):
     def __init__(self, config: TransformerConfig, hf_config, critic: bool, pre_process: bool, post_process: bool):
         cfg = text_config(hf_config)
         tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not critic
-        super().__init__(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        super().__init__(config, with_cp_attention(spec) if config.context_parallel_size > 1 else spec,
                          vocab_size=dims(hf_config, config.tensor_model_parallel_size).padded_vocab,
                          max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process,
                          post_process=post_process, share_embeddings_and_output_weights=tied,

@@ -24,6 +24,10 @@ The shims (nothing else in the project patches megatron; with CUDA only 5 applie
    distributed optimizer (state sharded over the data-parallel ranks).
 5. The RNG trackers are seeded with `model_parallel_cuda_manual_seed(seed,
    inference_rng_tracker=True)` on a CPU: the default tracker forks CUDA RNG states.
+6. Without CUDA, the rotary embeddings (rope and Qwen2-VL's M-RoPE) take this rank's context-parallel
+   slice of the full sequence's embedding with `get_pos_emb_on_this_cp_rank` of this module (the
+   same chunks: r and 2 * cp - 1 - r of 2 * cp), not megatron's, which moves its chunk index through
+   pinned memory to `.cuda()`.
 Models are built with `use_cpu_initialization` and every forward gets an explicit attention mask
 (megatron's unfused softmax has no implicit causal mask on CPU): `model.py`, `engine.py`.
 """
@@ -44,12 +48,23 @@ def apply_shims() -> None:
         return
     torch.cuda.current_device = _cpu_device
     from megatron.core import utils
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.pipeline_parallel import schedules
 
     for module in (optimizer, clip_grads, schedules, utils):
         module.torch = _CpuTorch()
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
+def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """megatron's `get_pos_emb_on_this_cp_rank` with its chunk index on the CPU (shim 6): the
+    chunks r and 2 * cp - 1 - r of `pos_emb` cut into 2 * cp along `seq_dim`."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    mine = chunks.index_select(seq_dim, torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank], device=pos_emb.device))
+    return mine.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 1:])
 
 
 def clip_grad_by_total_norm_fp32(parameters, max_norm: float, total_norm: float,
