@@ -1,28 +1,38 @@
 """The trace of a tiny RL run (`stream-rlhf run`, real broker and stage processes): trace.json is
-valid Trace Event JSON (the format's rules, `tests/trace_rules.py`: Perfetto's trace processor
-cannot run offline here), every stage rank has a named track, mini-batches are followed by flow
-arrows from the prompt source to training, and summary.json's figures (and trace_metrics.jsonl's
-per iteration) are the ones trace.json gives again."""
+valid Trace Event JSON (the format's rules, `tests/trace_rules.py`), every stage rank has a named
+track, mini-batches are followed by flow arrows from the prompt source to training, and
+summary.json's figures (and trace_metrics.jsonl's per iteration) are the ones trace.json gives
+again. Where Perfetto's trace processor can run (`PERFETTO_TRACE_PROCESSOR`: the path of a
+`trace_processor_shell`, with the `perfetto` package installed; neither can be had offline here),
+it loads trace.json and its step slices give summary.json's busy fractions again."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
 from stream_rlhf.telemetry.metrics import read_metrics
-from stream_rlhf.telemetry.trace_figures import trace_figures
+from stream_rlhf.telemetry.trace_figures import clip, steady_window, trace_figures
 from tests.rl_tiny import tiny_job, write_job
 from tests.trace_rules import check_trace, flow_pairs
 
 pytestmark = pytest.mark.slow
 
 
-def test_tiny_run_writes_a_valid_trace_and_its_figures(tmp_path):
+TRACE_PROCESSOR = os.environ.get("PERFETTO_TRACE_PROCESSOR", "")
+
+
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory) -> tuple[Path, str]:
+    """(the run folder, its log) of a tiny 3-iteration run."""
+    tmp_path = tmp_path_factory.mktemp("trace")
     name = "traced"
     config = write_job(tmp_path / f"{name}.yaml", tiny_job(tmp_path, name, broker={"shm_prefix": f"t_{name}"}))
     log = tmp_path / f"{name}.log"
@@ -32,7 +42,11 @@ def test_tiny_run_writes_a_valid_trace_and_its_figures(tmp_path):
                               stdout=out, stderr=subprocess.STDOUT, timeout=300).returncode
     text = log.read_text()
     assert code == 0, text[-3000:]
-    run_dir = tmp_path / name
+    return tmp_path / name, text
+
+
+def test_tiny_run_writes_a_valid_trace_and_its_figures(traced_run):
+    run_dir, text = traced_run
     data = json.loads((run_dir / "trace.json").read_text())
     assert check_trace(data) == []
     events = data["traceEvents"]
@@ -67,3 +81,29 @@ def test_tiny_run_writes_a_valid_trace_and_its_figures(tmp_path):
     assert [r["iteration"] for r in per_iteration] == [1, 2]
     assert per_iteration[-1] == trace_figures(events, ROLLOUT_SIDE, skip=2).record(2)
     assert not (run_dir / "timeline").exists()
+
+
+@pytest.mark.skipif(not TRACE_PROCESSOR, reason="Perfetto's trace processor cannot run offline: the perfetto package "
+                    "downloads trace_processor_shell on first use; set PERFETTO_TRACE_PROCESSOR to a "
+                    "trace_processor_shell (and pip install perfetto) to run this")
+def test_perfettos_trace_processor_loads_the_trace_and_gives_its_busy_fractions(traced_run):
+    from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
+
+    run_dir, _ = traced_run
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    lo, hi = steady_window(events)
+    query = ("select ts, dur, extract_arg(arg_set_id, 'args.stage') as stage, "
+             "extract_arg(arg_set_id, 'args.rank') as rank from slice where category = 'step'")
+    processor = TraceProcessor(trace=str(run_dir / "trace.json"), config=TraceProcessorConfig(bin_path=TRACE_PROCESSOR))
+    try:
+        rows = list(processor.query(query))
+    finally:
+        processor.close()
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for row in rows:
+        if not row.rank:  # the leader's steps (rank 0, or a stage of one rank that records none)
+            spans.setdefault(row.stage, []).append((row.ts / 1e9, (row.ts + row.dur) / 1e9))
+    busy = {stage: sum(end - start for start, end in clip(steps, lo, hi)) / (hi - lo) for stage, steps in spans.items()}
+    expected = json.loads((run_dir / "summary.json").read_text())["trace"]["busy"]
+    assert set(busy) == set(expected)
+    assert all(abs(busy[stage] - expected[stage]) <= 0.05 for stage in expected), (busy, expected)
