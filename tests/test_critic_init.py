@@ -15,8 +15,9 @@ from stream_rlhf.broker.admission import OverlapAdmission
 from stream_rlhf.broker.messages import Handle
 from stream_rlhf.config import ConfigError, build
 from stream_rlhf.models.checkpoint import build_tiny, load_critic_from_reward_model, save_checkpoint
+from stream_rlhf.models.model_config import TinyModelConfig
 from stream_rlhf.models.tokenizer import build_tokenizer
-from stream_rlhf.rl.config import RLJobConfig, TinyModelConfig
+from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.reward_parts_config import policy_version_at
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,

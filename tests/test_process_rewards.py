@@ -11,14 +11,16 @@ import pytest
 import torch
 
 from stream_rlhf.algos.advantages import gae, grpo, reinforce_pp, rloo
+from stream_rlhf.algos.config import KLConfig
 from stream_rlhf.algos.process_rewards import place_step_rewards, step_ends, step_spans
 from stream_rlhf.config import ConfigError, build
 from stream_rlhf.data.arithmetic import final_reward, problems, reward, step_reward
 from stream_rlhf.models.checkpoint import build_tiny, save_checkpoint
+from stream_rlhf.models.model_config import TinyModelConfig
 from stream_rlhf.models.packing import pad_right
 from stream_rlhf.models.prm import corrupted_steps, load_prm, train_tiny_prm
 from stream_rlhf.models.tokenizer import build_tokenizer
-from stream_rlhf.rl.config import KLConfig, RLJobConfig, TinyModelConfig
+from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.reward_parts_config import ProcessRewardConfig
 from stream_rlhf.rl.task_data import check_prompts
 from stream_rlhf.stages.experience import Experience

@@ -17,6 +17,7 @@ import torch
 from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.models.checkpoint import build_tiny, load_critic
+from stream_rlhf.models.model_config import TinyModelConfig, TinyVisionConfig
 from stream_rlhf.models.packing import pack, packed_forward, sequence_logprobs
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
 from stream_rlhf.models.vision_language import (
@@ -29,7 +30,6 @@ from stream_rlhf.models.vision_language import (
     mrope_positions,
     vision_tower,
 )
-from stream_rlhf.rl.config import TinyModelConfig, TinyVisionConfig
 from stream_rlhf.weights.shm_store import WeightStore
 from tests.tiny_models import tiny_qwen2_5_vl
 

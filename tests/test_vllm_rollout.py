@@ -20,9 +20,9 @@ from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_client import GenerateAbandoned, VllmClient, VllmEngineError
 from stream_rlhf.backends.vllm_rollout import VllmOptions
 from stream_rlhf.models.checkpoint import build_tiny, load_policy
+from stream_rlhf.models.model_config import TinyModelConfig
 from stream_rlhf.models.packing import sequence_logprobs
 from stream_rlhf.models.tokenizer import build_tokenizer
-from stream_rlhf.rl.config import TinyModelConfig
 from stream_rlhf.stages.weight_sync import trained_parameters
 from stream_rlhf.weights.broadcast import BroadcastSender
 from stream_rlhf.weights.shm_store import WeightStore

@@ -34,9 +34,10 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from stream_rlhf.models.model_config import TinyModelConfig
 from stream_rlhf.models.tokenizer import VISION_TOKENS
 from stream_rlhf.models.vision_language import VisionLanguageCritic, load_vision_language_critic
-from stream_rlhf.rl.config import RLJobConfig, TinyModelConfig
+from stream_rlhf.rl.config import RLJobConfig
 
 
 def build_tiny(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:

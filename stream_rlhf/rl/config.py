@@ -11,7 +11,10 @@ Glossary (the words the code and the metrics use):
     optimizer step  one gradient update; `algorithm.ppo_epochs * algorithm.train_minibatches` of
                     them make one training iteration.
 
-Every section is a frozen dataclass; unknown keys, wrong types and impossible combinations fail in
+Every section is a frozen dataclass beside the component it configures (`models/model_config.py`,
+`data/task_config.py`, `backends/rollout_config.py`, `algos/config.py`, `rl/reward_parts_config.py`,
+`weights/sync_config.py`, `launch/placement.py`, ...); this file holds the job's own keys and the
+checks that span sections. Unknown keys, wrong types and impossible combinations fail in
 `stream_rlhf.config.build` before any process starts, naming the dotted key and value.
 """
 
@@ -23,20 +26,22 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
+from stream_rlhf.algos.config import AlgorithmConfig
 from stream_rlhf.backends.megatron.config import check_model
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
-from stream_rlhf.backends.vllm_config import VllmConfig
+from stream_rlhf.backends.rollout_config import RolloutConfig
 from stream_rlhf.broker.topology import BrokerConfig
-from stream_rlhf.config import ConfigError, import_dotted
+from stream_rlhf.config import ConfigError
+from stream_rlhf.data.task_config import DataConfig, TaskConfig
 from stream_rlhf.launch.placement import PlacementConfig, StagePlacement, device_group_of
 from stream_rlhf.launch.ray_config import RayConfig
+from stream_rlhf.models.model_config import ModelConfig, VisionConfig
 from stream_rlhf.resume.config import CheckpointConfig
-from stream_rlhf.rl.reward_parts_config import CriticConfig, ProcessRewardConfig
+from stream_rlhf.rl.reward_parts_config import CriticConfig, RewardConfig
 from stream_rlhf.telemetry.sample_log import SampleLogConfig
 from stream_rlhf.weights.offload_config import TRAINING_STATE
+from stream_rlhf.weights.sync_config import WeightSyncConfig
 
-Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 ALL_STAGES = ("prompts", "vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward",
               "actor_train", "critic_train", "medusa_train")
 GROUP_STAGES = ("ref_forward", "actor_forward", "critic_forward", "actor_train", "critic_train")
@@ -60,182 +65,6 @@ critic ignore `critic.*` and the critic stages' placement too. Setting one is a 
 
 
 @dataclass(frozen=True)
-class TinyVisionConfig:
-    """The vision tower of a tiny Qwen2-VL-architecture model (a ViT over patch_size pixel patches;
-    every spatial_merge_size x spatial_merge_size patches become one image token of the LM)."""
-
-    depth: int = 2
-    embed_dim: int = 64
-    num_heads: int = 2
-    mlp_ratio: int = 2
-    patch_size: int = 8
-    temporal_patch_size: int = 2
-    """Qwen2-VL encodes an image as two identical frames (a video of length temporal_patch_size)."""
-    spatial_merge_size: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("depth", "embed_dim", "num_heads", "mlp_ratio", "patch_size", "temporal_patch_size",
-                     "spatial_merge_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.embed_dim % self.num_heads:
-            raise ConfigError(f"num_heads={self.num_heads}: must divide embed_dim={self.embed_dim}")
-
-
-@dataclass(frozen=True)
-class TinyModelConfig:
-    """A random-initialised Qwen2-architecture model (vocabulary from the project's tokenizer); with
-    `vision` set, a Qwen2-VL-architecture vision-language model."""
-
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    """vLLM serves only head_dim >= 32."""
-    max_position_embeddings: int = 64
-    vision: TinyVisionConfig | None = None
-    """The vision tower; None: a text-only model."""
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.head_dim < 32:
-            raise ConfigError(f"head_dim={self.head_dim}: must be >= 32 (vLLM cannot serve less)")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_key_value_heads={self.num_key_value_heads}: must divide "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
-
-
-@dataclass(frozen=True)
-class WarmStartConfig:
-    """Short SFT on the task's train split so RL starts from a policy that sometimes succeeds."""
-
-    steps: int = 400
-    batch_size: int = 64
-    lr: float = 1e-3
-    cache_dir: str = "runs/.cache"
-    """Finished warm starts are kept here, keyed by a hash of model, task and these settings."""
-
-    def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ConfigError(f"steps={self.steps}: must be >= 0")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size={self.batch_size}: must be >= 1")
-        if not self.lr > 0:
-            raise ConfigError(f"lr={self.lr}: must be > 0")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    path: str | None = None
-    """A Hugging Face checkpoint folder (config, weights, tokenizer). None: the embedded tiny model."""
-    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.path is not None and not os.path.isfile(os.path.join(self.path, "config.json")):
-            raise ConfigError(f"path={self.path!r}: no config.json there (expected a Hugging Face checkpoint folder)")
-
-
-@dataclass(frozen=True)
-class TaskConfig:
-    """The synthetic task: prompts, references and the split evaluation uses.
-
-    arithmetic  "a+b=" prompts made in memory (text models); with `terms` > 2 the multi-step
-                form "12+7+30=" answered with its partial sums "19,49", each a checkable step.
-    shapes      coloured squares in 32x32 images with questions about them (vision-language
-                models); written once as JSONL + PNG files under `data_dir` and read like `data`.
-    """
-
-    name: Literal["arithmetic", "shapes"] = "arithmetic"
-    max_operand: int = 99
-    """arithmetic: the largest operand."""
-    terms: int = 2
-    """arithmetic: operands per prompt; > 2 asks for every partial sum (the multi-step task)."""
-    train_prompts: int = 4096
-    """shapes: prompts written for the train split (RL and the warm start cycle over them)."""
-    eval_prompts: int = 256
-    seed: int = 0
-    data_dir: str = "runs/.cache"
-    """shapes: where the generated dataset is kept (a folder per task setting, reused by later runs)."""
-
-    def __post_init__(self) -> None:
-        if self.max_operand < 1:
-            raise ConfigError(f"max_operand={self.max_operand}: must be >= 1")
-        if self.terms < 2:
-            raise ConfigError(f"terms={self.terms}: must be >= 2")
-        if self.terms != 2 and self.name != "arithmetic":
-            raise ConfigError(f"terms={self.terms}: only the arithmetic task has terms")
-        if self.eval_prompts < 1 or self.train_prompts < 1:
-            raise ConfigError(f"train_prompts={self.train_prompts}, eval_prompts={self.eval_prompts}: must be >= 1")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """A JSONL prompt dataset in place of the synthetic task's prompts, one object per line:
-
-        {"prompt": "<image>how many red?", "images": ["images/1.png"], "answer": "2"}
-
-    Relative image paths are relative to the JSONL file; each `<image>` marker in the prompt takes
-    the next image (`images` may be absent for text-only lines). `answer` is the reference the
-    reward function receives.
-    """
-
-    train: str | None = None
-    """The RL (and warm-start) prompts; None: the synthetic task's."""
-    eval: str | None = None
-    """The held-out prompts of the before/after evaluation; required with `train`."""
-    on_bad_sample: Literal["error", "skip"] = "error"
-    """error: a bad line (unreadable JSON, missing or corrupt image, unsupported image size, image
-    markers that do not match the images) stops the run naming file and line. skip: it is left
-    out, counted by reason and reported in the summary."""
-    min_pixels: int = 16 * 16
-    """Images are resized (keeping their aspect ratio) to at least this many pixels..."""
-    max_pixels: int = 448 * 448
-    """...and at most this many, with sides rounded to the vision tower's patch grid."""
-    max_images_per_prompt: int = 4
-
-    def __post_init__(self) -> None:
-        if (self.train is None) != (self.eval is None):
-            raise ConfigError(f"train={self.train!r}, eval={self.eval!r}: give both or neither")
-        for name in ("train", "eval"):
-            path = getattr(self, name)
-            if path is not None and not os.path.isfile(path):
-                raise ConfigError(f"{name}={path!r}: no such file")
-        if not 1 <= self.min_pixels <= self.max_pixels:
-            raise ConfigError(f"min_pixels={self.min_pixels}, max_pixels={self.max_pixels}: need 1 <= min <= max")
-        if self.max_images_per_prompt < 1:
-            raise ConfigError(f"max_images_per_prompt={self.max_images_per_prompt}: must be >= 1")
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """The vision_prefetch stage of a vision-language model (ignored for text models)."""
-
-    prefetch: bool = True
-    """true: the vision_prefetch stage runs the frozen vision tower once per image, ahead of
-    rollout, and every other stage reads its features. false: every stage that needs the
-    features (rollout, forwards, trainers) runs the vision tower itself (the baseline that
-    bench/vision.py compares against)."""
-    prefetch_depth: int = 2
-    """Mini-batches of features the vision stage may hold ready at the broker beyond what rollout
-    has taken (rollout's runner itself takes up to 2 into its input queue)."""
-    instances: int = 1
-    """Data-parallel instances of the vision stage (independent of the language model's)."""
-
-    def __post_init__(self) -> None:
-        if self.prefetch_depth < 1 or self.instances < 1:
-            raise ConfigError(f"prefetch_depth={self.prefetch_depth}, instances={self.instances}: must be >= 1")
-
-
-@dataclass(frozen=True)
 class RolloutBatchConfig:
     prompts_per_minibatch: int = 32
     minibatches: int = 2
@@ -251,176 +80,6 @@ class RolloutBatchConfig:
     @property
     def samples_per_minibatch(self) -> int:
         return self.prompts_per_minibatch * self.samples_per_prompt
-
-
-@dataclass(frozen=True)
-class MedusaConfig:
-    """Medusa heads for lossless speculative rollout, trained beside the actor (companion training).
-
-    Rollout proposes `heads` tokens from the heads and verifies them with one backbone forward;
-    the sampled distribution stays exactly the backbone's. The `medusa_train` stage fine-tunes
-    the heads on each iteration's experiences with the backbone frozen and publishes them; rollout
-    uses heads trained against a backbone at most `max_lag` versions older than its own, and
-    decodes plainly otherwise (counted).
-    """
-
-    enabled: bool = False
-    heads: int = 3
-    lr: float = 1e-3
-    max_lag: int = 2
-    """Policy versions the heads' backbone may trail rollout's before rollout stops using them."""
-    companion: bool = True
-    """false: the heads stay as the warm start left them (stale heads, for comparison)."""
-    epochs: int = 1
-    """Passes of the heads' training over each iteration's experiences."""
-    warm_start_steps: int = 200
-    """Steps training the heads on the warm-started policy's hidden states (embedded tiny model)."""
-    probe_every: int = 8
-    """Every this many mini-batches rollout decodes one plainly, to compare speeds: speculation
-    turns itself off while it is slower than plain decoding, and says so."""
-
-    def __post_init__(self) -> None:
-        for name in ("heads", "epochs", "probe_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.max_lag < 0 or self.warm_start_steps < 0:
-            raise ConfigError(f"max_lag={self.max_lag}, warm_start_steps={self.warm_start_steps}: must be >= 0")
-        if self.lr <= 0:
-            raise ConfigError(f"lr={self.lr}: must be > 0")
-
-
-@dataclass(frozen=True)
-class WeightSyncConfig:
-    """How rollout gets each new policy version from actor_train (`stream_rlhf/weights/`)."""
-
-    transport: Literal["shm", "broadcast", "cuda_ipc"] = "shm"
-    """`shm`: the version's safetensors file in /dev/shm (one host); `broadcast`: a
-    torch.distributed group per rollout instance (gloo on CPU, NCCL on GPUs) sending the weights in
-    buckets; `cuda_ipc`: CUDA IPC handles (trainer and rollout on one GPU)."""
-    update: Literal["drain", "in_flight"] = "drain"
-    """`drain`: between mini-batches; `in_flight` (vLLM): between engine steps, requests keep their
-    KV cache and each token records the version that sampled it."""
-    bucket_mb: int = 64
-    """`broadcast` / `cuda_ipc`: parameters travel in flat buckets of at most this many MiB."""
-    timeout_s: float = 180.0
-    """How long a weight-sync group waits for its ranks to join."""
-
-    def __post_init__(self) -> None:
-        if self.bucket_mb < 1:
-            raise ConfigError(f"bucket_mb={self.bucket_mb}: must be >= 1")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s={self.timeout_s}: must be > 0")
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    backend: Literal["torch", "vllm"] = "torch"
-    """`torch`: our KV-cache sampler; `vllm`: a vLLM engine per instance (the `vllm` extra)."""
-    instances: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 6
-    stop: list[str] | None = None
-    """Tokens that end a response (kept in it); None: the tokenizer's end-of-sequence token."""
-    medusa: MedusaConfig = field(default_factory=MedusaConfig)
-    vllm: VllmConfig = field(default_factory=VllmConfig)
-
-    def __post_init__(self) -> None:
-        if self.instances < 1:
-            raise ConfigError(f"instances={self.instances}: must be >= 1")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.backend == "vllm" and self.top_p < 1:
-            # vLLM reports log-probs of the top-p-truncated distribution; the pipeline's behaviour
-            # log-probs are under the full tempered one (what the forwards recompute)
-            raise ConfigError(f"top_p={self.top_p}: backend=vllm needs top_p 1 (its log-probs would be "
-                              "of the truncated distribution)")
-        if self.backend == "vllm" and self.medusa.enabled:
-            raise ConfigError("medusa.enabled=true: Medusa speculative rollout is built on backend=torch")
-
-
-@dataclass(frozen=True)
-class RewardConfig:
-    """Score = function_weight * function(prompt, response, reference) + model_weight * reward model,
-    on each response's last token; `process` adds step rewards (`reward_parts_config.py`)."""
-
-    function: str | None = "stream_rlhf.data.arithmetic:reward"
-    """Dotted path "package.module:name" of a rule-based reward; None for none."""
-    function_weight: float = 1.0
-    model_path: str | None = None
-    """A Hugging Face sequence-classification checkpoint with one label (the scalar head)."""
-    model_weight: float = 1.0
-    process: ProcessRewardConfig | None = None
-    """Process rewards at the steps of a response (a rule function or a PRM); None: outcome only."""
-
-    def __post_init__(self) -> None:
-        if self.function is None and self.model_path is None:
-            raise ConfigError("function=None: a reward function or a model_path is needed")
-        if self.function is not None and not callable(import_dotted(self.function, "function")):
-            raise ConfigError(f"function={self.function!r}: not callable (expected fn(prompt, response, reference))")
-        if self.model_path is not None and not os.path.isfile(os.path.join(self.model_path, "config.json")):
-            raise ConfigError(f"model_path={self.model_path!r}: no config.json there")
-
-
-@dataclass(frozen=True)
-class KLConfig:
-    kind: Literal["k1", "k2", "k3"] = "k1"
-    placement: Literal["reward", "loss"] = "reward"
-    """`reward`: -coef * KL per token is added to the reward; `loss`: coef * KL is added to the loss."""
-    coef: float = 0.01
-    target: float | None = None
-    """Set to make the coefficient adaptive (Ziegler et al.): it moves to keep KL near target."""
-    horizon: int = 10_000
-
-    def __post_init__(self) -> None:
-        if self.coef < 0:
-            raise ConfigError(f"coef={self.coef}: must be >= 0")
-        if self.target is not None and self.target <= 0:
-            raise ConfigError(f"target={self.target}: must be > 0")
-        if self.horizon < 1:
-            raise ConfigError(f"horizon={self.horizon}: must be >= 1")
-
-
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    advantage: Estimator = "gae"
-    gamma: float = 1.0
-    lam: float = 0.95
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    value_clip: float = 0.2
-    is_cap: float = 2.0
-    """Truncation of the behaviour importance weight (decoupled PPO, overlap_depth >= 1)."""
-    entropy_coef: float = 0.0
-    whiten_advantages: bool = True
-    """Whiten over the whole rollout batch (every mini-batch of the iteration)."""
-    ppo_epochs: int = 2
-    train_minibatches: int = 2
-    """Optimizer steps per epoch: the iteration's samples are split into this many."""
-    kl: KLConfig = field(default_factory=KLConfig)
-
-    def __post_init__(self) -> None:
-        if self.advantage not in ADVANTAGE_ESTIMATORS:
-            raise ConfigError(f"advantage={self.advantage!r}: unknown")
-        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            raise ConfigError(f"gamma={self.gamma}, lam={self.lam}: must be in [0, 1]")
-        if self.ppo_epochs < 1 or self.train_minibatches < 1:
-            raise ConfigError(f"ppo_epochs={self.ppo_epochs}, train_minibatches={self.train_minibatches}: must be >= 1")
-        if self.is_cap < 1:
-            raise ConfigError(f"is_cap={self.is_cap}: must be >= 1")
-        for name in ("clip_low", "clip_high", "value_clip", "entropy_coef"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
-        if self.clip_low >= 1:
-            raise ConfigError(f"clip_low={self.clip_low}: must be < 1 (the ratio's lower bound is 1 - clip_low)")
-
-    @property
-    def uses_critic(self) -> bool:
-        return self.advantage in NEEDS_CRITIC
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Config of process rewards (`reward.process`) and of the critic (`critic`), beside `rl/config.py`.
+"""Config of the reward (`reward`, with its process rewards `reward.process`) and of the critic
+(`critic`), beside `rl/config.py`.
 
     reward:
       function: stream_rlhf.data.arithmetic:final_reward      # the outcome, on the last token
@@ -84,3 +85,26 @@ def policy_version_at(iteration: int, warmup_iterations: int) -> int:
     """The actor's policy version while it trains `iteration`: iterations before the critic's
     warm-up ends leave it at 0, and each later one adds a version."""
     return max(0, iteration - warmup_iterations)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Score = function_weight * function(prompt, response, reference) + model_weight * reward model,
+    on each response's last token; `process` adds step rewards (`reward_parts_config.py`)."""
+
+    function: str | None = "stream_rlhf.data.arithmetic:reward"
+    """Dotted path "package.module:name" of a rule-based reward; None for none."""
+    function_weight: float = 1.0
+    model_path: str | None = None
+    """A Hugging Face sequence-classification checkpoint with one label (the scalar head)."""
+    model_weight: float = 1.0
+    process: ProcessRewardConfig | None = None
+    """Process rewards at the steps of a response (a rule function or a PRM); None: outcome only."""
+
+    def __post_init__(self) -> None:
+        if self.function is None and self.model_path is None:
+            raise ConfigError("function=None: a reward function or a model_path is needed")
+        if self.function is not None and not callable(import_dotted(self.function, "function")):
+            raise ConfigError(f"function={self.function!r}: not callable (expected fn(prompt, response, reference))")
+        if self.model_path is not None and not os.path.isfile(os.path.join(self.model_path, "config.json")):
+            raise ConfigError(f"model_path={self.model_path!r}: no config.json there")

@@ -32,8 +32,9 @@ from stream_rlhf.data import shapes
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.prompts_jsonl import PromptDataset
+from stream_rlhf.data.task_config import DataConfig
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
-from stream_rlhf.rl.config import DataConfig, RLJobConfig
+from stream_rlhf.rl.config import RLJobConfig
 
 
 def resolve_data(cfg: RLJobConfig) -> RLJobConfig:

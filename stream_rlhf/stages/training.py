@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS
+from stream_rlhf.algos.config import KLConfig
 from stream_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from stream_rlhf.algos.masked import masked_whiten
 from stream_rlhf.broker.stage import Batch
-from stream_rlhf.rl.config import KLConfig
 from stream_rlhf.stages.experience import Experience
 from stream_rlhf.stages.job_context import JobContext
 

@@ -1,0 +1,32 @@
+"""Config of weight sync (`weights`): how rollout gets each new policy version from actor_train,
+beside the transports (`shm_store.py`, `broadcast.py`, `cuda_ipc.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from stream_rlhf.config import ConfigError
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    """How rollout gets each new policy version from actor_train (`stream_rlhf/weights/`)."""
+
+    transport: Literal["shm", "broadcast", "cuda_ipc"] = "shm"
+    """`shm`: the version's safetensors file in /dev/shm (one host); `broadcast`: a
+    torch.distributed group per rollout instance (gloo on CPU, NCCL on GPUs) sending the weights in
+    buckets; `cuda_ipc`: CUDA IPC handles (trainer and rollout on one GPU)."""
+    update: Literal["drain", "in_flight"] = "drain"
+    """`drain`: between mini-batches; `in_flight` (vLLM): between engine steps, requests keep their
+    KV cache and each token records the version that sampled it."""
+    bucket_mb: int = 64
+    """`broadcast` / `cuda_ipc`: parameters travel in flat buckets of at most this many MiB."""
+    timeout_s: float = 180.0
+    """How long a weight-sync group waits for its ranks to join."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb < 1:
+            raise ConfigError(f"bucket_mb={self.bucket_mb}: must be >= 1")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s={self.timeout_s}: must be > 0")
