@@ -22,6 +22,7 @@ from tests.rl_tiny import tiny_job, write_job
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 pytestmark = pytest.mark.slow
+LOOPBACK = "127.0.0.1"
 PLACED = re.compile(r"ray: (\S+) on node (\w+) \(([\d.]+), pid (\d+)")
 
 
@@ -71,10 +72,10 @@ def run_job(tmp_path: Path, name: str, timeout: float, *sets: str, **overrides) 
     return finish(process, timeout), log.read_text()
 
 
-def assert_accounting(run_dir: Path) -> dict:
+def assert_accounting(run_dir: Path, iterations: int = 2) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["iterations"] == 2
-    assert summary["samples_generated"] == 2 * 2 * 8
+    assert summary["iterations"] == iterations
+    assert summary["samples_generated"] == iterations * 2 * 8
     assert summary["samples_generated"] == (summary["samples_trained"] + summary["samples_dropped"]
                                             + summary["samples_in_flight_at_stop"])
     assert summary["samples_trained"] == summary["samples_generated"] and summary["samples_dropped"] == 0
@@ -176,3 +177,74 @@ def test_ray_job_across_two_nodes_runs_each_stage_where_its_resources_are(tmp_pa
     assert "job killed failed: stage instance(s) failed: rollout-0: its Ray worker died" in log, log[-4000:]
     pids = [pid for _, pid in first.values()] + [again[1]]
     assert not [pid for pid in pids if alive(pid)]  # no actor outlived the job
+
+
+@pytest.fixture
+def three_hosts(monkeypatch):
+    """Three nodes on 127.0.0.1, one CPU each, offering `rollout_node`, `forwards_node` and
+    `train_node`: with `ray.node_hosts` each is a host of its own."""
+    from ray.cluster_utils import Cluster
+
+    # the driver's ray.init would turn the cluster's 127.0.0.1 into this machine's address
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"rollout_node": 100},
+                                                            "include_dashboard": False, "node_ip_address": LOOPBACK})
+    try:
+        nodes = [cluster.add_node(num_cpus=1, resources={name: 100}, node_ip_address=LOOPBACK)
+                 for name in ("forwards_node", "train_node")]
+        cluster.wait_for_nodes(timeout=60)
+        yield cluster, [cluster.head_node.node_id, *(node.node_id for node in nodes)]
+    finally:
+        cluster.shutdown()
+
+
+def trace_events(run_dir: Path, name: str) -> dict[str, list[dict]]:
+    """process -> its trace events called `name`, from every process's events file."""
+    out: dict[str, list[dict]] = {}
+    for path in (run_dir / "trace_events").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            if event.get("name") == name:
+                out.setdefault(event["pid"], []).append(event)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_ppo_across_three_hosts_fetches_payloads_over_tcp_and_sends_weights_by_broadcast(tmp_path, three_hosts):
+    """Rollout, the forwards and the trainers each on a host of their own (`ray.node_hosts`): the
+    broker and payload servers use the keys the driver made, every consumer on another host than
+    its producer fetches over TCP, rollout gets each policy by the broadcast group, and the sample
+    accounting is the local launcher's."""
+    cluster, (rollout_node, forwards_node, train_node) = three_hosts
+    on = {name: {f"{name}_node": 1} for name in ("rollout", "forwards", "train")}
+    resources = {"broker": on["train"], "prompts": on["rollout"], "rollout": on["rollout"],
+                 "ref_forward": on["forwards"], "reward_forward": on["forwards"], "critic_forward": on["forwards"],
+                 "actor_train": on["train"], "critic_train": on["train"]}
+    ray_settings = {"address": cluster.address, "strategy": "SPREAD", "stage_resources": resources,
+                    "start_timeout_s": 60, "node_hosts": True}
+    # 3 iterations: rollout runs one policy ahead (overlap_depth 1), so only the third needs a new one
+    code, log = run_job(tmp_path, "hosts", 480, "placement.mode=separated", "placement.rollout_cores=[0]",
+                        "placement.train_cores=[1]", "iterations=3", ray=ray_settings)
+    assert code == 0, log[-4000:]
+    run_dir = tmp_path / "hosts"
+    assert_accounting(run_dir, iterations=3)
+    where = placed(log)
+    nodes = {"rollout": rollout_node, "forwards": forwards_node, "train": train_node}
+    for process in where:
+        stage = process.rsplit("-", 1)[0]
+        assert where[process][0] == nodes[next(k for k, v in on.items() if resources[stage] == v)], process
+    assert {ip for _, _, ip, _ in PLACED.findall(log)} == {LOOPBACK}  # every node, so every socket, on loopback
+    hosts = dict(re.findall(r"ray: (\S+) on node \w+ \(.*, host (\S+)\)", log))
+    assert len(set(hosts.values())) == 3 and hosts["rollout-0"] != hosts["ref_forward-0"] != hosts["actor_train-0"]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["broker"]["curve"] is True and plan["ray"]["spans_hosts"] is True
+    assert any("weights.transport shm -> broadcast" in check for check in plan["checks"])
+    # the remote paths were taken: each mini-batch's rollout handle crossed to the forwards host,
+    # the experience to the trainers' host, and rollout loaded each new policy from the group
+    fetched = {process: len(events) for process, events in trace_events(run_dir, "fetch tcp").items()}
+    assert fetched.get("ref_forward-0", 0) == 6 and fetched.get("actor_train-0", 0) == 6, fetched
+    assert "rollout-0" not in fetched  # its inputs (prompts) come from its own host: /dev/shm
+    received = trace_events(run_dir, "weights receive")
+    assert {e["args"]["transport"] for e in received.get("rollout-0", [])} == {"broadcast"}, received
+    assert not [name for name, (_, pid) in where.items() if alive(pid)]

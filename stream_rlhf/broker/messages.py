@@ -206,9 +206,21 @@ Message = Union[
 ]
 
 
+class FieldAt(msgspec.Struct, frozen=True):
+    """Where a field's bytes lie in its producer's segment (its Location's segment and offset, and
+    its FieldSpec's nbytes: an empty field shares its offset with the next)."""
+
+    segment: Name
+    offset: Count
+    nbytes: Count
+
+
 class FetchRequest(msgspec.Struct, tag="fetch", frozen=True):
     handle_id: Name
     fields: Annotated[list[Name], Meta(max_length=256)]
+    at: Annotated[list[FieldAt], Meta(max_length=256)] = []
+    """Where each of `fields` sits, in order: the producer serves the field it holds there. A joined
+    handle's fields are held under the ids of its parts, which its consumers do not know."""
 
 
 class FetchReply(msgspec.Struct, tag="fetch_reply", frozen=True):

@@ -7,16 +7,25 @@ every consumer acked. Two transports implement the PayloadTransport protocol:
     ShmTransport     same host: a POSIX shared-memory segment per handle (reused from a pool once
                      no consumer maps it), mapped zero-copy (copy-on-write) by consumers;
                      payloads up to 64 KiB go into slots of a shared arena and are copied out.
-                     Other hosts: the producer's PayloadServer sends the same bytes as ZMQ frames.
+                     Other hosts: the producer's PayloadServer sends the same bytes as ZMQ frames
+                     (zero-copy from the segment, one frame a field, at most FRAME_BYTES each).
     MemoryTransport  in-process: tensors kept in a dict, for stages run without sockets in tests.
 
 A GPU transport (CUDA IPC handles, NCCL p2p) implements the same protocol and adds its kind to
 `messages.LocationKind`; every stage process of a job uses the transport the job is built with.
 
+Same host or other host is decided by the host id each FieldSpec's location carries
+(`shm.host_id()`: the machine's, or STREAM_RLHF_HOST_ID, which the Ray launcher sets per node with
+`ray.node_hosts`). With a key folder the payload server is a CURVE server admitting the job's
+clients and the fetch sockets its clients (`sockets.curve_server` / `curve_client`); without one
+it binds loopback only.
+
 The payload server reads requests of at most REQUEST_BYTES: libzmq closes the connection of a
 peer that sends a larger frame, and the server counts those (`connwatch.py`; a consumer says
-goodbye with a FetchRequest without fields before it closes). Its counters are the transport's
-`counters`, which the stage runner reports with its own.
+goodbye with a FetchRequest without fields before it closes). A fetch socket takes frames of at
+most FRAME_BYTES, and each must be as long as its field. The counters are the transport's
+`counters` (rejections, `payload.fetched_tcp` and its bytes), which the stage runner reports with
+its own; every fetch over TCP is also traced ("fetch tcp").
 """
 
 from __future__ import annotations
@@ -32,11 +41,12 @@ from typing import Literal, Protocol
 import torch
 import zmq
 
-from stream_rlhf.broker import shm
+from stream_rlhf.broker import shm, sockets
 from stream_rlhf.broker.connwatch import ConnectionWatch
 from stream_rlhf.broker.messages import (
     FetchReply,
     FetchRequest,
+    FieldAt,
     FieldSpec,
     Handle,
     Location,
@@ -47,6 +57,7 @@ from stream_rlhf.broker.messages import (
 )
 from stream_rlhf.broker.ratelog import RateLimitedLog, truncate
 from stream_rlhf.broker.shm import host_id
+from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +65,8 @@ ALIGN = 64
 MAX_ARENA_MAPS = 64  # small-payload arenas a consumer keeps mapped
 REQUEST_BYTES = 64 << 10
 """Largest fetch request the payload server reads (a handle id and its field names)."""
+FRAME_BYTES = 1 << 30
+"""Largest field a consumer fetches from another host (one frame); a bigger one fails by name."""
 GOODBYE = FetchRequest("", [])
 """What a consumer sends its payload servers before it closes its connection to them."""
 Tensors = dict[str, torch.Tensor]
@@ -137,8 +150,11 @@ class ShmTransport:
     """Shared memory on one host, served over TCP to others. One instance per process.
 
     prefer="tcp" makes a consumer fetch over TCP even from its own host (benchmarks, tests).
-    serve_host: interface the payload server binds for consumers on other hosts.
+    serve_host: interface the payload server binds for consumers on other hosts (beyond loopback
+    only with `key_dir`).
     pool_bytes: released segments kept for reuse (0: a fresh segment for every handle).
+    key_dir: the job's CURVE key folder: the server and the fetch sockets use it (None: plaintext).
+    fetch_timeout_s: how long a fetch from another host waits for its payload server's answer.
     """
 
     def __init__(
@@ -149,11 +165,17 @@ class ShmTransport:
         prefer: Literal["auto", "tcp"] = "auto",
         context: zmq.Context | None = None,
         pool_bytes: int = 512 << 20,
+        key_dir: str | None = None,
+        fetch_timeout_s: float = 30.0,
     ):
         self.prefix = prefix
+        self.key_dir = key_dir
+        self.fetch_timeout_s = fetch_timeout_s
         self.host = host_id()
         self.prefer = prefer
-        self._context = context or zmq.Context.instance()
+        # a CURVE server's authenticator is one per context: a transport with keys gets its own
+        self._own_context = context is None and key_dir is not None
+        self._context = context or (zmq.Context() if self._own_context else zmq.Context.instance())
         self._lock = threading.Lock()
         self._owned: dict[str, Held] = {}
         self._pool = shm.SegmentPool(pool_bytes)
@@ -161,7 +183,7 @@ class ShmTransport:
         self._arena_maps: OrderedDict[str, object] = OrderedDict()  # consumer side, small payloads
         self._fetch_sockets: dict[str, zmq.Socket] = {}
         self.counters: dict[str, float] = {}
-        self._server = PayloadServer(self, self._context, serve_host, self.counters) if serve else None
+        self._server = PayloadServer(self, self._context, serve_host, self.counters, key_dir) if serve else None
         self.endpoint = self._server.endpoint if self._server else ""
 
     def put(self, handle_id: str, tensors: Tensors) -> dict[str, FieldSpec]:
@@ -246,17 +268,25 @@ class ShmTransport:
     def _fetch_remote(self, handle: Handle) -> Tensors:
         by_endpoint: dict[str, list[str]] = {}
         for name, spec in handle.fields.items():
+            if spec.nbytes > FRAME_BYTES:
+                raise PayloadError(f"handle {handle.id} field {name!r}: {spec.nbytes:,} bytes, over the "
+                                   f"{FRAME_BYTES:,} a fetch from another host takes (payload.FRAME_BYTES)")
             by_endpoint.setdefault(spec.location.endpoint, []).append(name)
         out = {}
+        started = trace.now_ns()
         for endpoint, names in by_endpoint.items():
             if not endpoint:
                 raise PayloadError(f"handle {handle.id}: producer {handle.producer} serves no payload endpoint")
             sock = self._fetch_socket(endpoint)
-            sock.send(encode(FetchRequest(handle.id, names)))
-            if not sock.poll(30_000):
+            at = [FieldAt(spec.location.segment, spec.location.offset, spec.nbytes)
+                  for spec in (handle.fields[name] for name in names)]
+            sock.send(encode(FetchRequest(handle.id, names, at)))
+            if not sock.poll(self.fetch_timeout_s * 1000):
                 sock.close(linger=0)
                 del self._fetch_sockets[endpoint]
-                raise PayloadError(f"handle {handle.id}: payload server {endpoint} did not answer in 30 s")
+                keys = " (are the CURVE keys right?)" if self.key_dir else ""
+                raise PayloadError(f"handle {handle.id}: payload server {endpoint} did not answer in "
+                                   f"{self.fetch_timeout_s:g} s{keys}")
             header, *frames = sock.recv_multipart(copy=False)
             reply = decode_fetch_reply(header.buffer)
             if reply.error:
@@ -264,31 +294,51 @@ class ShmTransport:
             if len(frames) != len(names):
                 raise PayloadError(f"handle {handle.id}: {endpoint} sent {len(frames)} frames for {len(names)} fields")
             for name, frame in zip(names, frames, strict=True):
+                if len(frame.buffer) != handle.fields[name].nbytes:
+                    raise PayloadError(f"handle {handle.id} field {name!r}: {endpoint} sent {len(frame.buffer)} "
+                                       f"bytes, the handle says {handle.fields[name].nbytes}")
                 out[name] = view_tensor(frame.buffer, handle.fields[name], 0)
+        nbytes = sum(spec.nbytes for spec in handle.fields.values())
+        self.counters["payload.fetched_tcp"] = self.counters.get("payload.fetched_tcp", 0) + 1
+        self.counters["payload.fetched_tcp_bytes"] = self.counters.get("payload.fetched_tcp_bytes", 0) + nbytes
+        trace.complete("fetch tcp", "payload", started, trace.now_ns(), producer=handle.producer, bytes=nbytes)
         return out
 
     def _fetch_socket(self, endpoint: str) -> zmq.Socket:
         sock = self._fetch_sockets.get(endpoint)
         if sock is None:
             sock = self._context.socket(zmq.REQ)
+            sock.maxmsgsize = FRAME_BYTES + sockets.ENVELOPE_BYTES
+            sockets.curve_client(sock, endpoint, self.key_dir, "payload server")
             sock.connect(endpoint)
             self._fetch_sockets[endpoint] = sock
         return sock
 
-    def frames_for(self, handle_id: str, names: list[str]) -> tuple[Held, list[memoryview]]:
-        """Called by the payload server: what holds the payload and views of the fields."""
+    def frames_for(self, request: FetchRequest) -> list[tuple[Held, memoryview]]:
+        """Called by the payload server: each requested field's view and what holds it, found by
+        where it sits (`request.at`: a joined handle's parts are held under their own ids) or by
+        the handle's id and the field's name."""
+        if request.at and len(request.at) != len(request.fields):
+            raise PayloadError(f"handle {request.handle_id}: {len(request.at)} places for {len(request.fields)} fields")
         with self._lock:
-            held = self._owned.get(handle_id)
-        if held is None:
-            raise PayloadError(f"handle {handle_id} is not held here (released or never put)")
-        view = memoryview(held.segment.mapping)
-        frames = []
-        for name in names:
-            if name not in held.spans:
-                raise PayloadError(f"handle {handle_id} has no field {name!r}")
-            offset, nbytes = held.spans[name]
-            frames.append(view[offset : offset + nbytes])
-        return held, frames
+            if request.at:
+                found = [self._held_at(request.handle_id, name, at) for name, at in zip(request.fields, request.at)]
+            else:
+                held = self._owned.get(request.handle_id)
+                if held is None:
+                    raise PayloadError(f"handle {request.handle_id} is not held here (released or never put)")
+                if missing := [name for name in request.fields if name not in held.spans]:
+                    raise PayloadError(f"handle {request.handle_id} has no field {missing[0]!r}")
+                found = [(held, *held.spans[name]) for name in request.fields]
+        return [(held, memoryview(held.segment.mapping)[offset : offset + nbytes]) for held, offset, nbytes in found]
+
+    def _held_at(self, handle_id: str, name: str, at: FieldAt) -> tuple[Held, int, int]:
+        """The payload held here with a field at `at`, and that field's (offset, nbytes)."""
+        for held in self._owned.values():
+            if held.segment.name == at.segment and (at.offset, at.nbytes) in held.spans.values():
+                return held, at.offset, at.nbytes
+        raise PayloadError(f"handle {handle_id} field {name!r}: nothing held here at {at.segment}+{at.offset} "
+                           "(released or never put)")
 
     def release(self, handle_id: str) -> None:
         """Every consumer acked: the segment goes back to the pool (reused once no consumer
@@ -325,17 +375,21 @@ class ShmTransport:
                 pass  # never connected, or its last fetch failed midway: a dropped connection then
             sock.close(linger=100)
         self._fetch_sockets.clear()
+        if self._own_context:
+            self._context.term()
 
 
 class PayloadServer:
     """A ROUTER socket on its own thread answering FetchRequests from the transport's segments.
     A bad request is answered with its reason, counted in `counters` and logged (rate-limited)."""
 
-    def __init__(self, transport: ShmTransport, context: zmq.Context, host: str, counters: dict[str, float]):
+    def __init__(self, transport: ShmTransport, context: zmq.Context, host: str, counters: dict[str, float],
+                 key_dir: str | None = None):
         self._transport = transport
         self._socket = context.socket(zmq.ROUTER)
         self._socket.linger = 0
         self._socket.maxmsgsize = REQUEST_BYTES
+        self._auth = sockets.curve_server(context, self._socket, f"tcp://{host}:0", key_dir, "payload server")
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.counters = counters
@@ -363,6 +417,8 @@ class PayloadServer:
             self._ratelog.flush()
         self._watch.close()
         self._socket.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
 
     def _answer(self, message: list[zmq.Frame]) -> None:
         if len(message) != 3:
@@ -374,18 +430,20 @@ class PayloadServer:
             if request == GOODBYE:
                 self._watch.goodbye(request_frame)
                 return
-            held, frames = self._transport.frames_for(request.handle_id, request.fields)
+            found = self._transport.frames_for(request)
         except (MessageRejected, PayloadError) as exc:
             self._reject("malformed" if isinstance(exc, MessageRejected) else "not_held", str(exc),
                          [identity, empty])
             return
-        if held.slot_offset >= 0:  # a small payload: copied into the message, the slot is free to reuse
+        frames = [frame for _, frame in found]
+        if any(held.slot_offset >= 0 for held, _ in found):  # small payloads: copied, their slots free to reuse
             self._socket.send_multipart([identity, empty, encode(FetchReply()), *frames])
             return
         tracker = self._socket.send_multipart(
             [identity, empty, encode(FetchReply()), *frames], copy=False, track=True
         )
-        held.segment.trackers.append(tracker)  # not reused before zmq has sent these bytes
+        for segment in {id(held.segment): held.segment for held, _ in found}.values():
+            segment.trackers.append(tracker)  # not reused before zmq has sent these bytes
 
     def _reject(self, kind: str, reason: str, envelope: list[zmq.Frame] | None) -> None:
         self.counters[f"payload.rejected.{kind}"] = self.counters.get(f"payload.rejected.{kind}", 0) + 1

@@ -115,7 +115,8 @@ class StageRunner:
         self.state = RunnerState.RUNNING
         self.paused = False
         self._context = zmq.Context()
-        self.transport = transport or ShmTransport(prefix=shm_prefix, context=self._context)
+        self.transport = transport or ShmTransport(prefix=shm_prefix, context=self._context, key_dir=key_dir,
+                                                   serve_host=sockets.interface_towards(broker_address))
         self.host = StageHost(stage, stage_name, instance_id, self.transport, self._send, prefetch,
                               before_step=self._share_batch if self.group.distributed else None,
                               step_context=step_context)

@@ -8,7 +8,8 @@
 A plan is plain typed data: the dataflow (topics, stage specs, admission, the broker's settings),
 one `RankPlan` per process (its stage, instance, rank, device, cores and the share of CPUs it
 reserves), the warm-start checkpoint and the dataset the driver prepared (or will), and the checks
-run before anything starts. Nothing in it starts a process.
+run before anything starts. Nothing in it starts a process. A plan that spans hosts carries the
+job's CURVE keys, which the launcher hands to the broker and each rank (never printed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from stream_rlhf.broker.admission import OverlapAdmission, PhaseAdmission
+from stream_rlhf.broker.sockets import CurveKeys
 from stream_rlhf.broker.topology import BrokerConfig, Topology
 from stream_rlhf.launch.placement import machine_cores
 from stream_rlhf.launch.ray_config import RayConfig
@@ -98,6 +100,14 @@ class JobPlan:
     dataset_ready: bool = True
     checks: list[str] = field(default_factory=list)
     """The checks run on the driver's machine before anything starts, one line each."""
+    keys: CurveKeys | None = field(default=None, repr=False)
+    """The job's CURVE keys, made by the driver when the plan spans hosts (`spans_hosts`); the
+    launcher hands them to the broker and every rank, which then use CURVE even on loopback."""
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Ranks may run on other hosts than the driver's: a Ray cluster, or `ray.node_hosts`."""
+        return self.launcher == "ray" and (self.ray.address is not None or self.ray.node_hosts)
 
     def ranks(self) -> list[RankPlan]:
         """Every process of the job, the broker first, with its share of the CPUs."""
@@ -141,12 +151,13 @@ class JobPlan:
             "name": self.name, "launcher": self.launcher,
             "checkpoint": {"path": self.checkpoint, "ready": self.checkpoint_ready},
             "dataset": {**self.dataset, "ready": self.dataset_ready},
-            "broker": {"address": self.flow.broker.address, "curve": self.flow.broker.curve is not None},
+            "broker": {"address": self.flow.broker.address,
+                       "curve": self.flow.broker.curve is not None or self.keys is not None},
             "topics": topics, "ranks": ranks, "stages_left_out": dict(self.flow.left_out), "checks": list(self.checks),
         }
         if self.launcher == "ray":
             out["ray"] = {"address": self.ray.address or "local instance", "strategy": self.ray.strategy,
-                          "bundles": len(ranks)}
+                          "bundles": len(ranks), "spans_hosts": self.spans_hosts, "node_hosts": self.ray.node_hosts}
         return out
 
     def describe(self) -> str:

@@ -62,8 +62,8 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
         on_cuda = spec.device(rank).startswith("cuda")
         turns = DeviceTurns(spec.last_minibatch) if spec.offload is not None or on_cuda else None
         if rank > 0:
-            follower = GroupFollower(stage, stage_name, instance_id, group, ShmTransport(prefix=prefix, serve=False),
-                                     *_contexts(turns, stage_name))
+            transport = ShmTransport(prefix=prefix, serve=False, key_dir=key_dir)
+            follower = GroupFollower(stage, stage_name, instance_id, group, transport, *_contexts(turns, stage_name))
             if turns is not None:
                 turns.add(stage_name, stage, spec.offload, _offload_counts(spec, stage_name, instance_id, rank))
             follower.run()

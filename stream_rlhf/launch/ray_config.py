@@ -7,6 +7,14 @@
       stage_resources:                 # custom resources a stage's bundles ask for: pins stages
         rollout: {rollout_node: 1}     # to the nodes that offer them (`ray start --resources`)
         actor_train: {train_node: 1}
+      node_hosts: false                # test/debug: every Ray node counts as a host of its own
+
+A job on a cluster (`address` set) or with `node_hosts` spans hosts (`JobPlan.spans_hosts`): the
+driver generates CURVE keys and hands them to the broker and the ranks, which bind their node's
+address with them. `node_hosts` exercises the across-hosts paths on one machine (a
+`ray.cluster_utils.Cluster` whose nodes all have the IP 127.0.0.1): each node gets a host id of its
+own, so a rank on another node than its producer fetches payloads over TCP and rollout gets its
+weights by the broadcast group, as on separate machines.
 
 Importing this module never imports Ray (a config with `launcher: local` does not need it).
 """
@@ -37,6 +45,11 @@ class RayConfig:
     GPUs of the plan: a stage lands only on nodes that offer them."""
     start_timeout_s: float = 120.0
     """How long the placement group may wait for its bundles before the job fails, naming them."""
+    node_hosts: bool = False
+    """Test/debug setting: treat every Ray node as a host of its own (its own host id, so no
+    /dev/shm shared with another node's ranks), so that ranks on another node than their peers take
+    the across-hosts paths (payloads over TCP with CURVE, weights by broadcast) even when the nodes
+    share one machine. Off: the host id is the machine's."""
 
     def __post_init__(self) -> None:
         if self.address is not None and not self.address:

@@ -10,23 +10,35 @@ resources `ray.stage_resources` names for its stage, so stages land on the nodes
 The actor of a rank runs it in its own worker process (`launch/rank.py`), exactly as a local
 process would, except that Ray's resources replace core pinning and core lending, and a rank on a
 GPU uses the one Ray assigned it (`CUDA_VISIBLE_DEVICES`: cuda:0). A group of several ranks meets
-at a TCP rendezvous on its leader's node. Every node must be the driver's host for now (payloads,
-weights and stage counters go through its /dev/shm and run folder): a rank placed on another host
-fails the job at start, naming it. Ray itself is imported only here (the `ray` extra).
+at a TCP rendezvous on its leader's node.
+
+Across hosts (`JobPlan.spans_hosts`: a cluster, or `ray.node_hosts`) the broker binds its node's
+address, and it and every rank get the plan's CURVE keys in their arguments (each writes them to a
+private folder of its own; a plan across hosts without keys is refused before anything starts).
+Each rank's host id (`STREAM_RLHF_HOST_ID`) is its machine's, or with `ray.node_hosts` its node's:
+a consumer on another host than its producer fetches the payload from the producer's payload
+server over TCP, and rollout gets its weights by the broadcast group (`rl/plan.py`). What still
+goes through the driver's machine (metrics, stage counters and the trace in the run folder, the
+broadcast group's address and the critic's weights in /dev/shm) keeps every rank on the driver's
+machine for now: a rank placed on another machine fails the job at start, naming it. Ray itself
+is imported only here (the `ray` extra).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from stream_rlhf.broker.sockets import CurveKeys, private_key_dir
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.launcher import BrokerClient, Watch
 from stream_rlhf.launch.plan import BROKER, JobPlan, RankPlan
@@ -37,29 +49,46 @@ log = logging.getLogger(__name__)
 
 class _Worker:
     def where(self) -> dict[str, Any]:
-        """The Ray node, its IP, the worker's pid and the GPUs Ray gave it."""
+        """The Ray node, its IP, the machine's name and host id, the worker's pid and the GPUs Ray gave it."""
         import ray
 
+        from stream_rlhf.broker.shm import host_id
+
         return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "host": socket.gethostname(), "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
+                "host": socket.gethostname(), "host_id": host_id(), "pid": os.getpid(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
 
 class _BrokerActor(_Worker):
     """The broker in a Ray worker: `open` binds it, `serve` runs its loop on an actor thread."""
 
-    def open(self, plan: JobPlan, cwd: str) -> str:
+    def open(self, plan: JobPlan, cwd: str, host: str) -> str:
+        """Bind the broker: on its node's address with the plan's keys when the plan spans hosts."""
+        import ray
+
         from stream_rlhf.broker.server import BrokerServer
+        from stream_rlhf.broker.topology import CurveConfig
         from stream_rlhf.telemetry import trace
 
-        _enter(cwd)
+        _enter(cwd, host)
         flow = plan.flow
         if flow.trace_folder is not None:
             trace.start(flow.trace_folder, "broker", "broker")
-        self.server = BrokerServer(flow.topology, flow.broker, flow.admission)
+        config = flow.broker
+        self.key_dir = tempfile.mkdtemp(prefix="srlhf-keys-") if plan.keys is not None else None
+        if plan.keys is not None:
+            config = replace(config, curve=CurveConfig(str(plan.keys.write(self.key_dir))))
+        if plan.spans_hosts:
+            config = replace(config, address=f"tcp://{ray.util.get_node_ip_address()}:*")
+        self.server = BrokerServer(flow.topology, config, flow.admission)
         return self.server.address
 
     def serve(self) -> dict[str, float]:
-        return self.server.serve()
+        try:
+            return self.server.serve()
+        finally:
+            if self.key_dir is not None:
+                shutil.rmtree(self.key_dir, ignore_errors=True)
 
     def request_stop(self) -> None:
         self.server.request_stop()
@@ -77,14 +106,15 @@ class _RankActor(_Worker):
             probe.bind((ip, 0))
             return f"tcp://{ip}:{probe.getsockname()[1]}"
 
-    def run(self, stage: str, instance_id: str, spec: StageSpec, address: str, key_dir: str | None, prefix: str,
-            rank: int, init_method: str | None, cwd: str) -> None:
+    def run(self, stage: str, instance_id: str, spec: StageSpec, address: str, keys: CurveKeys | None, prefix: str,
+            rank: int, init_method: str | None, cwd: str, host: str) -> None:
         from stream_rlhf.launch.rank import run_stage
         from stream_rlhf.telemetry import trace
 
-        _enter(cwd)
+        _enter(cwd, host)
         try:
-            run_stage(stage, instance_id, spec, address, key_dir, prefix, rank, init_method)
+            with private_key_dir(keys) as key_dir:
+                run_stage(stage, instance_id, spec, address, key_dir, prefix, rank, init_method)
         except BaseException:
             log.exception("%s: rank %d failed", instance_id, rank)
             raise
@@ -92,9 +122,11 @@ class _RankActor(_Worker):
             trace.stop()
 
 
-def _enter(cwd: str) -> None:
-    """A worker starts in Ray's folder: run in the driver's (the run folder's paths are relative to it)."""
+def _enter(cwd: str, host: str) -> None:
+    """A worker starts in Ray's folder: run in the driver's (the run folder's paths are relative to
+    it), as host `host` (the host id its payloads and the broker's segment checks go by)."""
     setup_logging()
+    os.environ["STREAM_RLHF_HOST_ID"] = host
     if os.path.isdir(cwd):
         os.chdir(cwd)
 
@@ -105,7 +137,17 @@ class RayJob(BrokerClient):
             import ray  # noqa: F401
         except ImportError:
             raise ConfigError("launcher=ray: Ray is not installed (pip install -e '.[ray]')") from None
+        if plan.spans_hosts and plan.keys is None:
+            raise ConfigError(f"job {plan.name}: its plan spans hosts (ray.address={plan.ray.address!r}, "
+                              f"ray.node_hosts={plan.ray.node_hosts}) but carries no CURVE keys: the broker and "
+                              "the payload servers would take any client (compile it with rl/plan.py's "
+                              "compile_plan, which makes them)")
         self.plan = plan
+        curve = plan.flow.broker.curve
+        self.keys = plan.keys or (CurveKeys.read(curve.key_dir) if curve else None)
+        """What the broker and every rank get in their arguments (None: plaintext on loopback)."""
+        self.key_dir: str | None = None
+        """The driver's own copy of the keys, for its control clients (while the job runs)."""
         self.address = ""
         self.failed: list[str] = []
         self.processes: dict[str, Any] = {}
@@ -120,11 +162,6 @@ class RayJob(BrokerClient):
         self._group: Any = None
         self._started_ray = False
         self._cwd = os.getcwd()
-
-    @property
-    def key_dir(self) -> str | None:
-        curve = self.plan.flow.broker.curve
-        return curve.key_dir if curve else None
 
     def start(self, timeout_s: float = 30.0) -> str:
         import ray
@@ -146,6 +183,8 @@ class RayJob(BrokerClient):
         if threading.current_thread() is threading.main_thread():
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+        if self.keys is not None:
+            self.key_dir = str(self.keys.write(tempfile.mkdtemp(prefix="srlhf-keys-")))
         ranks = [rank for _, rank in sorted(self._bundles.values(), key=lambda item: item[0])]
         bundles = [_bundle(r) for r in ranks]
         self._group = placement_group(bundles, strategy=settings.strategy, name=f"stream-rlhf-{self.plan.name}")
@@ -156,8 +195,9 @@ class RayJob(BrokerClient):
                               f"{_summed(bundles)}, the cluster has {ray.cluster_resources()}")
         index, broker = self._bundles[BROKER]
         self._broker = self._actor(_BrokerActor, index, broker, max_concurrency=2)
-        self.placed[BROKER] = ray.get(self._broker.where.remote(), timeout=timeout_s)
-        self.address = ray.get(self._broker.open.remote(self.plan, self._cwd), timeout=timeout_s)
+        self.placed[BROKER] = self._host_of(ray.get(self._broker.where.remote(), timeout=timeout_s))
+        self.address = ray.get(self._broker.open.remote(self.plan, self._cwd, self.placed[BROKER]["host_id"]),
+                               timeout=timeout_s)
         self._broker_run = self._broker.serve.remote()
         _log_placed(BROKER, self.placed[BROKER])
         self.start_instances([(stage, index) for stage, spec in self.plan.flow.stages.items()
@@ -185,16 +225,18 @@ class RayJob(BrokerClient):
                 name = f"{stage}-{index}" if rank == 0 else f"{stage}-{index}.rank{rank}"
                 actors[name] = self._actor(_RankActor, *self._bundles[name])
         self.processes.update(actors)  # from here on, stop() kills them
-        self.placed.update(zip(actors, ray.get([a.where.remote() for a in actors.values()],
-                                               timeout=self.plan.ray.start_timeout_s)))
+        self.placed.update(zip(actors, map(self._host_of, ray.get([a.where.remote() for a in actors.values()],
+                                                                  timeout=self.plan.ray.start_timeout_s))))
         for name in actors:
             _log_placed(name, self.placed[name])
         elsewhere = sorted(name for name, where in self.placed.items() if where["host"] != socket.gethostname())
         if elsewhere:
-            self._fail(elsewhere, f"{', '.join(elsewhere)}: placed on another host than the driver's "
-                       f"({socket.gethostname()}); jobs across hosts are not supported yet (payloads, weights and "
-                       "stage counters go through this machine's /dev/shm and run folder): give every node of "
-                       "ray.address this machine, or pin the stages with ray.stage_resources")
+            self._fail(elsewhere, f"{', '.join(elsewhere)}: placed on another machine than the driver's "
+                       f"({socket.gethostname()}); jobs across machines are not supported yet (metrics, stage "
+                       "counters and the trace go through the run folder, the broadcast group's address and the "
+                       "critic's weights through this machine's /dev/shm): give every node of ray.address this "
+                       "machine, or pin the stages with ray.stage_resources (ray.node_hosts runs the across-hosts "
+                       "paths on one machine)")
         for stage, index in instances:
             instance_id = f"{stage}-{index}"
             spec = self.plan.flow.stages[stage]
@@ -204,8 +246,9 @@ class RayJob(BrokerClient):
             devices = ["cuda:0" if spec.device(r).startswith("cuda") else spec.device(r) for r in range(spec.ranks)]
             ray_spec = replace(spec, cores=None, rank_cores=None, lending=None, devices=devices)
             for rank, name in enumerate(names):
-                run = actors[name].run.remote(stage, instance_id, ray_spec, self.address, self.key_dir,
-                                              self.plan.flow.broker.shm_prefix, rank, init_method, self._cwd)
+                run = actors[name].run.remote(stage, instance_id, ray_spec, self.address, self.keys,
+                                              self.plan.flow.broker.shm_prefix, rank, init_method, self._cwd,
+                                              self.placed[name]["host_id"])
                 self._runs[run] = name
 
     def wait(self, timeout_s: float, watch: Callable[[], None] | None = None, watch_every_s: float = 2.0) -> None:
@@ -291,11 +334,20 @@ class RayJob(BrokerClient):
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        if self.key_dir is not None:
+            shutil.rmtree(self.key_dir, ignore_errors=True)
+            self.key_dir = None
+
+    def _host_of(self, where: dict[str, Any]) -> dict[str, Any]:
+        """`where` with the host id its process runs as: its machine's, or with ray.node_hosts its node's."""
+        if not self.plan.ray.node_hosts:
+            return where
+        return {**where, "host_id": f"{where['host_id']}/node-{where['node'][:12]}"}
 
 
 def _log_placed(name: str, where: dict[str, Any]) -> None:
-    log.info("ray: %s on node %s (%s, pid %d%s)", name, where["node"], where["ip"], where["pid"],
-             f", GPU {','.join(where['gpus'])}" if where["gpus"] else "")
+    log.info("ray: %s on node %s (%s, pid %d%s, host %s)", name, where["node"], where["ip"], where["pid"],
+             f", GPU {','.join(where['gpus'])}" if where["gpus"] else "", where["host_id"])
 
 
 def _bundle(rank: RankPlan) -> dict[str, float]:

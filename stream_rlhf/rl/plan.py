@@ -6,12 +6,20 @@
 `preview_plan` finds the dataset and the warm-start checkpoint where the driver puts them without
 making either: `stream-rlhf plan` says whether they are there yet, `stream-rlhf stage` refuses to
 start a rank before the driver made them (each stage process used to warm-start on its own).
+
+A plan that spans hosts (`JobPlan.spans_hosts`) carries CURVE keys: those of `broker.curve.key_dir`
+when the config names a folder, else a pair the driver makes. Under `ray.node_hosts`, when rollout
+and actor_train are not pinned to the same nodes (`ray.stage_resources`), the weights travel by the
+broadcast group instead of the shared-memory store, which is one host's.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from stream_rlhf.broker.sockets import CurveKeys
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.placement import machine_cores
 from stream_rlhf.launch.plan import JobPlan
@@ -26,6 +34,7 @@ def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_languag
                  dataset_ready: bool = True, dataset: dict[str, str] | None = None) -> JobPlan:
     """The plan of `cfg` (its data already resolved, or `dataset`: the files still to write)
     starting from `checkpoint`."""
+    cfg, weights_check = _weights_across_hosts(cfg)
     flow = compile_job(cfg, checkpoint, weights, vision_language, resume)
     if dataset is None and cfg.data.train is not None:
         dataset = {"train": cfg.data.train, **({"eval": cfg.data.eval} if cfg.data.eval else {})}
@@ -39,8 +48,33 @@ def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_languag
         checks.append(f"ray: every bundle must fit a node of the cluster within ray.start_timeout_s="
                       f"{cfg.ray.start_timeout_s:g} (checked when the placement group is made); ranks are not "
                       "pinned to cores under Ray, their cpus are the bundle's")
-    return JobPlan(cfg.name, flow, cfg.launcher, cfg.ray, checkpoint, checkpoint_ready, dataset, dataset_ready,
+    plan = JobPlan(cfg.name, flow, cfg.launcher, cfg.ray, checkpoint, checkpoint_ready, dataset, dataset_ready,
                    checks)
+    if not plan.spans_hosts:
+        return plan
+    curve = cfg.broker.curve
+    keys = ("across hosts: the broker and payload servers use CURVE keys "
+            + (f"from broker.curve.key_dir={curve.key_dir}" if curve else "the driver made for this run")
+            + ", handed to every rank")
+    return replace(plan, keys=CurveKeys.read(curve.key_dir) if curve else CurveKeys.generate(),
+                   checks=[*checks, keys, *([weights_check] if weights_check else [])])
+
+
+def _weights_across_hosts(cfg: RLJobConfig) -> tuple[RLJobConfig, str]:
+    """`cfg` with weights.transport broadcast when rollout and actor_train may run on different
+    hosts of `ray.node_hosts`, and the plan's line saying so ('' when nothing changed)."""
+    pins = cfg.ray.stage_resources
+    same_nodes = pins.get("rollout") and pins.get("rollout") == pins.get("actor_train")
+    if cfg.launcher != "ray" or not cfg.ray.node_hosts or same_nodes or cfg.weights.transport == "broadcast":
+        return cfg, ""
+    why = "rollout and actor_train may run on different hosts (ray.node_hosts, not pinned to the same nodes)"
+    if cfg.weights.transport == "cuda_ipc":
+        raise ConfigError(f"weights.transport=cuda_ipc: {why}; use broadcast")
+    if cfg.restarts.get("rollout", 0):
+        raise ConfigError(f"restarts.rollout={cfg.restarts['rollout']}: {why}, so the weights go by the broadcast "
+                          "group, which a restarted rollout cannot rejoin")
+    return replace(cfg, weights=replace(cfg.weights, transport="broadcast")), \
+        f"across hosts: weights.transport shm -> broadcast ({why}; /dev/shm is one host's)"
 
 
 def preview_plan(cfg: RLJobConfig) -> JobPlan:

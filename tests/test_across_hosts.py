@@ -1,0 +1,176 @@
+"""Across hosts without Ray: payloads fetched from another host's payload server over TCP with the
+job's CURVE keys (a stranger's keys or none are rejected), the frame limits, the keys in memory,
+and the plan of a job that spans hosts (keys made by the driver, weights by broadcast under
+`ray.node_hosts`, refused without keys)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stream_rlhf.broker import sockets
+from stream_rlhf.broker.messages import FieldSpec, Handle, Location
+from stream_rlhf.broker.payload import FRAME_BYTES, PayloadError, ShmTransport
+from stream_rlhf.config import ConfigError, build
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.plan import preview_plan
+from tests.rl_tiny import tiny_job
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> str:
+    return str(sockets.CurveKeys.generate().write(tmp_path / "keys"))
+
+
+def transport_on(host: str, monkeypatch, **kwargs) -> ShmTransport:
+    monkeypatch.setenv("STREAM_RLHF_HOST_ID", host)
+    return ShmTransport(prefix="across", **kwargs)
+
+
+def handle_of(producer: ShmTransport, handle_id: str, tensors: dict[str, torch.Tensor]) -> Handle:
+    return Handle(handle_id, "rollout", 0, 0, 0, 1, fields=producer.put(handle_id, tensors), producer="rollout-0")
+
+
+def test_a_consumer_on_another_host_fetches_over_tcp_with_the_jobs_keys(keys, monkeypatch):
+    producer = transport_on("host-a", monkeypatch, key_dir=keys)
+    same_host = transport_on("host-a", monkeypatch, serve=False, key_dir=keys)
+    other_host = transport_on("host-b", monkeypatch, serve=False, key_dir=keys)
+    try:
+        big = torch.arange(100_000, dtype=torch.float32)  # a segment of its own: sent zero-copy
+        small = torch.tensor([[1, 2], [3, 4]])  # an arena slot: copied into the message
+        handle = handle_of(producer, "h1", {"logp": big, "tokens": small})
+        fetched = other_host.get(handle)
+        assert torch.equal(fetched["logp"], big) and torch.equal(fetched["tokens"], small)
+        assert other_host.counters == {"payload.fetched_tcp": 1, "payload.fetched_tcp_bytes": 400_000 + 32}
+        assert torch.equal(same_host.get(handle)["logp"], big)  # mapped from /dev/shm, not fetched
+        assert same_host.counters == {}
+        assert producer.endpoint.startswith("tcp://127.0.0.1:")
+    finally:
+        for transport in (other_host, same_host, producer):
+            transport.close()
+
+
+def test_a_joined_handle_is_fetched_from_its_parts_producers_under_their_own_ids(keys, monkeypatch):
+    """A join's handle has an id of its own and may rename its parts' fields: each producer serves
+    the field it holds where the location says, not by the joined handle's id and names."""
+    rollout = transport_on("host-a", monkeypatch, key_dir=keys)
+    reward = transport_on("host-c", monkeypatch, key_dir=keys)
+    consumer = transport_on("host-b", monkeypatch, serve=False, key_dir=keys)
+    try:
+        tokens, scores = torch.arange(50_000), torch.tensor([0.5, 1.0])
+        parts = {**rollout.put("part-1", {"tokens": tokens}),
+                 "reward.scores": reward.put("part-2", {"scores": scores})["scores"]}
+        joined = Handle("joined", "experience", 0, 0, 0, 2, fields=parts, parents=["part-1", "part-2"])
+        fetched = consumer.get(joined)
+        assert torch.equal(fetched["tokens"], tokens) and torch.equal(fetched["reward.scores"], scores)
+        assert consumer.counters["payload.fetched_tcp"] == 1
+        rollout.release("part-1")
+        with pytest.raises(PayloadError, match=r"field 'tokens': nothing held here at .*\+0 \(released"):
+            consumer.get(joined)
+    finally:
+        for transport in (consumer, reward, rollout):
+            transport.close()
+
+
+def test_a_stranger_or_a_plaintext_consumer_gets_nothing_from_a_curve_payload_server(keys, tmp_path, monkeypatch):
+    stranger = str(sockets.CurveKeys.generate().write(tmp_path / "stranger"))
+    producer = transport_on("host-a", monkeypatch, key_dir=keys)
+    try:
+        handle = handle_of(producer, "h1", {"x": torch.ones(10)})
+        for key_dir in (stranger, None):
+            consumer = transport_on("host-b", monkeypatch, serve=False, key_dir=key_dir, fetch_timeout_s=1)
+            try:
+                with pytest.raises(PayloadError, match="did not answer in 1 s"):
+                    consumer.get(handle)
+                assert consumer.counters == {}
+            finally:
+                consumer.close()
+        assert producer.held() == 1  # served to no one, still there for the job's own consumers
+    finally:
+        producer.close()
+
+
+def test_a_field_over_the_frame_limit_fails_by_name_before_any_fetch(monkeypatch):
+    consumer = transport_on("host-b", monkeypatch, serve=False)
+    where = Location("shm", "/x", 0, "host-a", "tcp://127.0.0.1:1")
+    spec = FieldSpec("uint8", [FRAME_BYTES + 1], FRAME_BYTES + 1, where)
+    try:
+        with pytest.raises(PayloadError, match=r"field 'x': 1,073,741,825 bytes, over the 1,073,741,824"):
+            consumer.get(Handle("h1", "rollout", 0, 0, 0, 1, fields={"x": spec}))
+    finally:
+        consumer.close()
+
+
+def test_a_payload_server_beyond_loopback_needs_keys():
+    with pytest.raises(sockets.CurveKeyError, match="payload server address tcp://0.0.0.0:0 is not loopback"):
+        ShmTransport(prefix="across", serve_host="0.0.0.0")
+
+
+def test_keys_in_memory_write_the_folder_layout_and_never_print_their_secrets(tmp_path):
+    keys = sockets.CurveKeys.generate()
+    assert "secret" not in repr(keys) and "private" not in repr(keys)
+    with sockets.private_key_dir(keys) as folder:
+        assert sockets.CurveKeys.read(folder) == keys
+        assert (Path(folder) / "authorized_clients" / "client.key").read_bytes() == keys.files["client.key"]
+        assert Path(folder).stat().st_mode & 0o077 == 0
+    assert not Path(folder).exists()
+    with pytest.raises(sockets.CurveKeyError, match="broker.key not found"):
+        sockets.CurveKeys.read(tmp_path)
+
+
+def test_interface_towards_the_broker():
+    assert sockets.interface_towards("tcp://127.0.0.1:5555") == "127.0.0.1"
+    assert sockets.interface_towards("ipc:///tmp/broker") == "127.0.0.1"
+
+
+def across(tmp_path: Path, **ray) -> RLJobConfig:
+    return build(RLJobConfig, tiny_job(tmp_path, "across", launcher="ray", ray=ray))
+
+
+PINNED = {"rollout": {"rollout_node": 1}, "actor_train": {"train_node": 1}}
+
+
+def test_a_plan_across_hosts_carries_keys_made_by_the_driver_and_never_prints_them(tmp_path):
+    assert preview_plan(across(tmp_path)).keys is None  # a local Ray instance: one host
+    plan = preview_plan(across(tmp_path, address="127.0.0.1:6379"))
+    assert plan.spans_hosts and plan.keys is not None and set(plan.keys.files) == set(sockets.KEY_FILES)
+    assert plan.as_dict()["broker"]["curve"] is True
+    text = json.dumps(plan.as_dict()) + plan.describe() + repr(plan)
+    secrets = [content.split(b'secret-key = "')[1][:40].decode() for name, content in plan.keys.files.items()
+               if name.endswith("_secret")]
+    assert len(secrets) == 2 and not [secret for secret in secrets if secret in text]
+    assert "CURVE keys the driver made for this run" in plan.describe()
+    # a real cluster keeps the store: its ranks run on the driver's machine
+    assert plan.flow.stages["rollout"].kwargs["job"].config.weights.transport == "shm"
+    given = str(sockets.generate_keys(tmp_path / "given"))
+    plan = preview_plan(build(RLJobConfig, tiny_job(tmp_path, "given", launcher="ray", ray={"address": "auto"},
+                                                    broker={"curve": {"key_dir": given}})))
+    assert plan.keys == sockets.CurveKeys.read(given)
+
+
+def test_node_hosts_send_the_weights_by_broadcast_unless_rollout_and_training_share_nodes(tmp_path):
+    plan = preview_plan(across(tmp_path, node_hosts=True, stage_resources=PINNED))
+    rollout = plan.flow.stages["rollout"]
+    assert rollout.kwargs["job"].config.weights.transport == "broadcast" and rollout.restarts == 0
+    assert any("weights.transport shm -> broadcast" in check for check in plan.checks)
+    together = {"rollout": {"n": 1}, "actor_train": {"n": 1}}
+    plan = preview_plan(across(tmp_path, node_hosts=True, stage_resources=together))
+    assert plan.flow.stages["rollout"].kwargs["job"].config.weights.transport == "shm"
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "across", launcher="ray", restarts={"rollout": 1},
+                                      ray={"node_hosts": True, "stage_resources": PINNED}))
+    with pytest.raises(ConfigError, match="restarts.rollout=1: rollout and actor_train may run on different hosts"):
+        preview_plan(cfg)
+
+
+def test_a_plan_across_hosts_without_keys_is_refused_before_anything_starts(tmp_path):
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from dataclasses import replace
+
+    from stream_rlhf.launch.ray_job import RayJob
+
+    plan = preview_plan(across(tmp_path, node_hosts=True, stage_resources=PINNED))
+    with pytest.raises(ConfigError, match="spans hosts .* but carries no CURVE keys"):
+        RayJob(replace(plan, keys=None))
