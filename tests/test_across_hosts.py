@@ -124,6 +124,8 @@ def test_keys_in_memory_write_the_folder_layout_and_never_print_their_secrets(tm
 def test_interface_towards_the_broker():
     assert sockets.interface_towards("tcp://127.0.0.1:5555") == "127.0.0.1"
     assert sockets.interface_towards("ipc:///tmp/broker") == "127.0.0.1"
+    with pytest.raises(ConfigError, match="broker address tcp://no-such-host.invalid:5555: no route to its host"):
+        sockets.interface_towards("tcp://no-such-host.invalid:5555")
 
 
 def across(tmp_path: Path, **ray) -> RLJobConfig:

@@ -112,9 +112,12 @@ def interface_towards(address: str) -> str:
     parsed = urlparse(address)
     if parsed.scheme != "tcp" or not needs_curve(address):
         return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((parsed.hostname or "", parsed.port or 9))  # UDP: nothing is sent
-        return probe.getsockname()[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((parsed.hostname or "", parsed.port or 9))  # UDP: nothing is sent
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise ConfigError(f"broker address {address}: no route to its host from here ({exc})") from None
 
 
 def curve_server(context: zmq.Context, sock: zmq.Socket, address: str, key_dir: str | None,
