@@ -14,6 +14,14 @@ baseline is the measurement itself, so the table's percentages are the predictio
     .venv/bin/python bench/planner.py RUN... --json  # then one JSON object as the last line
     .venv/bin/python bench/planner.py RUN... --placement colocated   # every stage on one device set
 
+With `--analytic CONFIG [--set KEY=VALUE ...]` (the runs' config and overrides, their schedule
+sets left out) it also sets each run's calibrated costs beside the analytic ones of the config
+alone (`planner/analytic.py` on this machine's timed figures, `planner/micro_calibration.py`):
+seconds per iteration per stage (its steps summed) and the iteration time each predicts.
+
+    .venv/bin/python bench/planner.py runs/bench_pipeline_{sync,stream0,stream1} --analytic configs/text_ppo.yaml \
+        --set rollout.stop=[] --set rollout.max_new_tokens=48 ...     # bench/pipeline.py's WORKLOAD
+
 Placement: `separated` (the default, bench/pipeline.py's) puts the rollout side (`ROLLOUT_SIDE` of
 rl/dataflow.py: prompts and rollout) on one device set and every other stage on the other, as the
 engine places them; the runs given must have been placed that way.
@@ -25,9 +33,13 @@ import argparse
 import json
 from pathlib import Path
 
+from stream_rlhf.config import load_config
 from stream_rlhf.planner.calibrate import Profile, profile_from_trace
+from stream_rlhf.planner.job_analytic import job_analytic_profile
 from stream_rlhf.planner.simulator import simulate
+from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
+from stream_rlhf.rl.plan import preview_plan
 from stream_rlhf.telemetry.trace_figures import STEADY_SKIP
 
 
@@ -61,6 +73,9 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run folders with trace.json and summary.json")
     parser.add_argument("--placement", choices=["separated", "colocated"], default="separated")
     parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
+    parser.add_argument("--analytic", metavar="CONFIG", help="compare with the analytic costs of this config")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --analytic")
+    parser.add_argument("--response-tokens", type=float, help="with --analytic: decode steps per mini-batch")
     args = parser.parse_args()
     runs = {run: load(run, args.placement) for run in args.runs}
     profiles = {run: profile_from_trace(events, devices, ROLLOUT_SIDE) for run, (events, _, devices) in runs.items()}
@@ -78,8 +93,33 @@ def main() -> None:
         cells = [f"{row[t]['predicted_s']:.3f} / {row[t]['measured_s']:.3f} ({100 * row[t]['error']:+.0f}%)"
                  for t in targets]
         print(f"{source:<14}" + "".join(f"{c:>26}" for c in cells))
+    analytic = {}
+    if args.analytic:
+        analytic = {label(runs[run][1]): compare_analytic(args.analytic, args.set, args.response_tokens, run,
+                                                          profiles[run], runs[run][1], runs[run][2])
+                    for run in args.runs}
     if args.json:
-        print(json.dumps({"placement": args.placement, "table": table}))
+        print(json.dumps({"placement": args.placement, "table": table, "analytic": analytic}))
+
+
+def compare_analytic(config: str, sets: list[str], response_tokens: float | None, run: Path, calibrated: Profile,
+                     summary: dict, devices: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per stage: seconds per iteration, analytic vs calibrated on `run` (printed); and the iteration
+    time each profile predicts for the run's schedule."""
+    schedule = [f"schedule={summary['schedule']}", f"overlap_depth={summary['overlap_depth']}"]
+    cfg = load_config(RLJobConfig, config, [*sets, *schedule])
+    analytic, device = job_analytic_profile(cfg, preview_plan(cfg).flow, None, response_tokens=response_tokens)
+    rows = {stage: {"analytic_s": round(sum(analytic.step_s[stage]), 5), "calibrated_s": round(sum(cost), 5)}
+            for stage, cost in calibrated.step_s.items() if stage in analytic.step_s}
+    rows["iteration"] = {"analytic_s": round(predict(analytic, summary, devices), 4),
+                         "calibrated_s": round(predict(calibrated, summary, devices), 4),
+                         "measured_s": round(measured_iteration_s(summary), 4)}
+    print(f"\n{label(summary)} ({run}): seconds per iteration, analytic ({device.name}) / calibrated")
+    for stage, row in rows.items():
+        error = row["analytic_s"] / row["calibrated_s"] - 1 if row["calibrated_s"] else float("nan")
+        measured = f", measured {row['measured_s']:.3f}" if "measured_s" in row else ""
+        print(f"  {stage:<16}{row['analytic_s']:>9.4f} / {row['calibrated_s']:<9.4f} ({100 * error:+.0f}%){measured}")
+    return rows
 
 
 if __name__ == "__main__":

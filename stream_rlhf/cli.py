@@ -6,6 +6,8 @@
                     [--profile RUN_DIR [--search]] ... its predicted iteration time and memory from a run,
                     [--memory-limit-mb N]          and the fastest schedules, placements and device groups
                                                    predicted within N MB (planner/)
+                    [--search | --device NAME,...] ... without --profile: from analytic costs, on this
+                                                   machine (timed once) or on a preset device
     stream-rlhf broker CONFIG                      only the broker (stages started elsewhere; an RL job's
                                                    dataset and warm start are made here, once)
     stream-rlhf stage CONFIG STAGE --broker ADDR [--index N] [--rank R --group tcp://HOST:PORT] [--set key=value]
@@ -59,7 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--json", action="store_true", help="also print the plan as one JSON object, the last line")
     plan.add_argument("--profile", type=Path, metavar="RUN_DIR",
                       help="predict the run from the trace of a finished run of this job (planner/)")
-    plan.add_argument("--search", action="store_true", help="with --profile: the fastest schedules and placements")
+    plan.add_argument("--search", action="store_true", help="the fastest schedules and placements (costs: --profile's "
+                      "run, else analytic)")
+    plan.add_argument("--device", metavar="NAME[,KEY=VALUE...]", help="analytic costs on a preset device, e.g. "
+                      "h100,count=8 (planner/devices.py; default: this machine, timed)")
+    plan.add_argument("--prompt-tokens", type=float, help="analytic costs: mean prompt tokens (default: the "
+                      "arithmetic task's)")
+    plan.add_argument("--response-tokens", type=float, help="analytic costs: decode steps per mini-batch "
+                      "(default: rollout.max_new_tokens)")
     plan.add_argument("--top", type=int, default=3, help="plans --search prints (default 3)")
     plan.add_argument("--memory-limit-mb", type=float, metavar="N",
                       help="with --search: leave out plans whose predicted host memory is over N MB")
@@ -205,39 +214,50 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = _plan(args, prepare=False)
     print(plan.describe())
     out = plan.as_dict()
-    if args.search and args.profile is None:
-        raise ConfigError("--search: needs --profile RUN_DIR (a finished run of this job, for the stage costs)")
-    if args.profile is not None:
-        out.update(_predict(args, set(plan.flow.stages)))
+    if args.profile is not None or args.search or args.device is not None:
+        out.update(_predict(args, plan.flow))
     if args.json:
         print(json.dumps(out))
     return 0
 
 
-def _predict(args: argparse.Namespace, stages: set[str]) -> dict[str, object]:
+def _predict(args: argparse.Namespace, flow: Dataflow) -> dict[str, object]:
     """Print the simulator's prediction (and with --search the best plans); their JSON keys."""
-    from stream_rlhf.planner.job_prediction import buildable_groups, describe, job_profile, plan_dict
+    from stream_rlhf.planner.job_prediction import (analytic_costs, buildable_groups, describe, describe_device,
+                                                    job_profile, plan_dict)
     from stream_rlhf.planner.search import predict, search, within_memory
     from stream_rlhf.rl.config import RLJobConfig
     from stream_rlhf.rl.dataflow import device_groups
 
     if is_dataflow_config(args.config):
-        raise ConfigError("--profile: predictions are for RL job configs")
+        raise ConfigError("plan --profile / --search / --device: predictions are for RL job configs")
     if args.memory_limit_mb is not None and not args.search:
         raise ConfigError("--memory-limit-mb: limits the plans of --search")
+    if args.profile is not None and (args.device or args.prompt_tokens or args.response_tokens):
+        raise ConfigError("--device, --prompt-tokens, --response-tokens: for analytic costs, not with --profile")
     cfg = load_config(RLJobConfig, args.config, args.set)
-    profile = job_profile(cfg, stages, args.profile)
+    stages = set(flow.stages)
+    groups = buildable_groups(args.config, args.set, stages) if args.search else []
+    if args.profile is not None:
+        profile = job_profile(cfg, stages, args.profile)
+        every = search(profile, cfg.iterations, groups=groups) if args.search else []
+        source = f"profile {args.profile}"
+    else:
+        profile, device, every = analytic_costs(cfg, flow, args.device, args.prompt_tokens, args.response_tokens,
+                                                groups if args.search else None)
+        print(describe_device(device))
+        source = device.name
     if args.memory_limit_mb is not None and profile.memory is None:
-        raise ConfigError(f"--memory-limit-mb: {args.profile}/summary.json has no memory block to predict from")
+        raise ConfigError(f"--memory-limit-mb: {args.profile}/summary.json has no memory block to predict from"
+                          if args.profile else "--memory-limit-mb: analytic costs have no host memory figures "
+                          "(give --profile RUN_DIR)")
     prediction = predict(profile, cfg.iterations, cfg.schedule, cfg.overlap_depth, cfg.placement.mode,
                          device_groups(cfg, sorted(stages)))
-    plans, dropped = [], 0
-    if args.search:
-        every = search(profile, cfg.iterations, groups=buildable_groups(args.config, args.set, stages))
-        plans, dropped = within_memory(every, args.memory_limit_mb)
+    plans, dropped = within_memory(every, args.memory_limit_mb)
     print(describe(prediction, plans[:args.top], profile, dropped, args.memory_limit_mb))
     found = {"plans": [plan_dict(p) for p in plans[:args.top]], "plans_over_memory_limit": dropped}
-    return {"prediction": prediction.summary(), **(found if args.search else {})}
+    return {"prediction": prediction.summary(), "costs": source,
+            **(found if args.search else {})}
 
 
 def cmd_broker(args: argparse.Namespace) -> int:

@@ -84,10 +84,11 @@ def test_a_profile_of_other_stages_is_refused_naming_them(config, tmp_path, caps
     assert "missing: ['critic_forward', 'critic_train', 'ref_forward', 'reward_forward']" in capsys.readouterr().err
 
 
-def test_search_needs_a_profile_and_a_profile_needs_a_trace(config, tmp_path, capsys):
-    assert main(["plan", str(config), "--search"]) == 2
-    assert "--search: needs --profile RUN_DIR" in capsys.readouterr().err
+def test_a_profile_needs_a_trace_and_no_device_figures(config, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
+    assert main(["plan", str(config), "--profile", str(tmp_path / "empty"), "--device", "h100"]) == 2
+    assert "--device, --prompt-tokens, --response-tokens: for analytic costs, not with --profile" \
+        in capsys.readouterr().err
     assert main(["plan", str(config), "--profile", str(tmp_path / "empty")]) == 2
     assert "no trace.json there" in capsys.readouterr().err
 

@@ -1,4 +1,5 @@
-"""The prediction `stream-rlhf plan CONFIG --profile RUN_DIR [--search] [--memory-limit-mb N]` prints.
+"""The prediction `stream-rlhf plan CONFIG --profile RUN_DIR [--search] [--memory-limit-mb N]` prints
+(and, without --profile, `plan CONFIG --search [--device SPEC]`'s from analytic costs: `analytic_costs`).
 
     profile = job_profile(cfg, stages, Path("runs/calibration"))    # costs from that run's trace
     prediction = predict(profile, cfg.iterations, cfg.schedule, cfg.overlap_depth, cfg.placement.mode,
@@ -21,12 +22,17 @@ import json
 import logging
 import shlex
 from dataclasses import replace
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from stream_rlhf.config import ConfigError, load_config
+from stream_rlhf.launch.plan import Dataflow
 from stream_rlhf.planner.calibrate import Profile, profile_from_trace
+from stream_rlhf.planner.devices import DeviceFigures, device_figures
+from stream_rlhf.planner.job_analytic import job_analytic_profile
 from stream_rlhf.planner.memory import BROKER, memory_profile, stage_of_process
+from stream_rlhf.planner.rank_search import search_ranks
 from stream_rlhf.planner.search import Plan, device_group_candidates, groups_set
 from stream_rlhf.planner.simulator import Prediction
 from stream_rlhf.rl.config import RLJobConfig
@@ -78,8 +84,29 @@ def buildable_groups(config: str, sets: list[str], stages: set[str]) -> list[dic
     return kept
 
 
+def analytic_costs(cfg: RLJobConfig, flow: Dataflow, device_spec: str | None, prompt_tokens: float | None,
+                   response_tokens: float | None, groups: list[dict[str, list[str]]] | None
+                   ) -> tuple[Profile, DeviceFigures, list[Plan]]:
+    """The analytic profile of `cfg` (`job_analytic.py`) on `device_spec` (None: this machine),
+    the figures used, and with `groups` (the device groups to try) the plans of a search over
+    schedules, placements and ranks (`rank_search.py`), best first; without: no plans."""
+    device = device_figures(device_spec) if device_spec is not None else None
+    profile, device = job_analytic_profile(cfg, flow, device, prompt_tokens, response_tokens)
+    if groups is None:
+        return profile, device, []
+
+    def profile_of(ranks: Mapping[str, int]) -> Profile:
+        return job_analytic_profile(cfg, flow, device, prompt_tokens, response_tokens, dict(ranks))[0]
+
+    return profile, device, search_ranks(profile_of, device.count, cfg.iterations, groups=groups)
+
+
+def describe_device(device: DeviceFigures) -> str:
+    return f"costs: analytic (planner/analytic.py), from {device.describe()}"
+
+
 def plan_dict(plan: Plan) -> dict[str, Any]:
-    return {"sets": plan.sets, **plan.prediction.summary()}
+    return {"sets": plan.sets, **({"ranks": dict(plan.ranks)} if plan.ranks else {}), **plan.prediction.summary()}
 
 
 def describe(prediction: Prediction, plans: list[Plan], profile: Profile, dropped: int = 0,

@@ -42,7 +42,7 @@ from typing import Literal
 
 from stream_rlhf.planner.calibrate import Profile
 from stream_rlhf.planner.simulator import Prediction, simulate
-from stream_rlhf.rl.config import ALL_STAGES, DEVICE_GROUP_STAGES
+from stream_rlhf.rl.config import ALL_STAGES, DEVICE_GROUP_STAGES, GROUP_STAGES
 
 Mode = Literal["separated", "colocated"]
 MODES: tuple[Mode, ...] = ("separated", "colocated")
@@ -57,12 +57,23 @@ class Plan:
     mode: Mode
     prediction: Prediction
     groups: Groups = field(default_factory=dict)
+    ranks: Mapping[str, int] = field(default_factory=dict)
+    """Per stage, its devices (`rank_search.py`: rollout instances, ranks of the others, separated:
+    on the devices after rollout's); {}: one each, where the config puts them."""
 
     @property
     def sets(self) -> list[str]:
         """The `--set` lines that make a config run this plan (the groups in YAML's flow style)."""
+        spread = []
+        first = self.ranks.get("rollout", 0) if self.mode == "separated" else 0  # the train side's devices follow
+        for stage, n in self.ranks.items():
+            if stage == "rollout" and n > 1:
+                spread.append(f"rollout.instances={n}")
+            elif stage in GROUP_STAGES and (n > 1 or first):
+                spread += [f"placement.stages.{stage}.ranks={n}",
+                           f"placement.stages.{stage}.devices=[{', '.join(map(str, range(first, first + n)))}]"]
         return [f"schedule={self.schedule}", f"overlap_depth={self.overlap_depth}", f"placement.mode={self.mode}",
-                groups_set(self.groups)]
+                groups_set(self.groups), *spread]
 
 
 def groups_set(groups: Groups) -> str:

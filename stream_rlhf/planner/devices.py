@@ -1,0 +1,104 @@
+"""What the analytic costs (`analytic.py`) know of a device: its rates, bandwidths and overheads.
+
+    h100 = device_figures("h100,count=8")          # a preset with overrides (`plan --device`)
+    h100.rate                                      # FLOP/s a matmul-bound pass reaches
+    this = measure_this_machine(shape, rows, ...)  # micro_calibration.py: timed on this machine
+
+A *device* is what one rank runs on: a GPU, or on the CPU the cores of one side of a separated
+placement. Preset figures are the vendors' dense bf16 peaks and memory / link bandwidths; the
+efficiencies and per-layer overheads are assumptions (stated in `PRESETS`), not measurements:
+say so when quoting a prediction made from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from stream_rlhf.config import ConfigError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    name: str
+    """What the figures describe (a preset's name, or "this machine (...)")."""
+    peak_flops: float
+    """FLOP/s of a dense matmul at the device's peak (the precision of `bytes_per_param`)."""
+    efficiency: float = 1.0
+    """The fraction of `peak_flops` a forward or training pass reaches (MFU)."""
+    bandwidth: float = 1e12
+    """Device memory bandwidth, bytes/s: a memory-bound decode step reads every weight once."""
+    layer_overhead_s: float = 0.0
+    """Fixed seconds per layer of a forward pass (kernel launches, Python); a training pass costs
+    three times a forward's."""
+    decode_overhead_s: float = 0.0
+    """Fixed seconds per layer of one decode step (with CUDA graphs: close to nothing)."""
+    bytes_per_param: int = 2
+    """Bytes of one weight as the stages hold and send it (2: bf16, 4: fp32)."""
+    link_bandwidth: float = 1e11
+    """Bytes/s between two devices (gradient all-reduce, weight publish to rollout)."""
+    host_bandwidth: float = 5e10
+    """Bytes/s between a device and host memory (offload and onload)."""
+    memory_gb: float = 80.0
+    """Memory of one device."""
+    count: int = 1
+    """Devices of the job."""
+    dp_efficiency: float = 0.9
+    """The fraction of linear speed-up a stage's compute keeps when split over several ranks."""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "bandwidth", "link_bandwidth", "host_bandwidth", "memory_gb"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"device.{name}={getattr(self, name)}: must be > 0")
+        for name in ("efficiency", "dp_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"device.{name}={getattr(self, name)}: must be in (0, 1]")
+        if self.layer_overhead_s < 0 or self.decode_overhead_s < 0:
+            raise ConfigError(f"device.layer_overhead_s={self.layer_overhead_s}, decode_overhead_s="
+                              f"{self.decode_overhead_s}: must be >= 0")
+        if self.count < 1 or self.bytes_per_param < 1:
+            raise ConfigError(f"device.count={self.count}, bytes_per_param={self.bytes_per_param}: must be >= 1")
+
+    @property
+    def rate(self) -> float:
+        """FLOP/s a pass reaches: peak x efficiency."""
+        return self.peak_flops * self.efficiency
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.rate / 1e12:.4g} TFLOP/s ({self.efficiency:.0%} of {self.peak_flops / 1e12:.4g}), "
+                f"memory {self.bandwidth / GB:.4g} GB/s, link {self.link_bandwidth / GB:.4g} GB/s, "
+                f"{self.count} device(s) of {self.memory_gb:g} GB")
+
+
+PRESETS = {
+    # dense bf16 peaks and HBM / NVLink / PCIe bandwidths from the data sheets; efficiency 0.4 (a
+    # typical training MFU), 10 us per layer of a forward (fused kernels), 2 us per layer of a
+    # decode step (CUDA graphs): assumptions
+    "h100": DeviceFigures("h100", peak_flops=989e12, efficiency=0.4, bandwidth=3.35e12, layer_overhead_s=1e-5,
+                          decode_overhead_s=2e-6, bytes_per_param=2, link_bandwidth=450e9, host_bandwidth=55e9,
+                          memory_gb=80.0),
+    "a100": DeviceFigures("a100", peak_flops=312e12, efficiency=0.4, bandwidth=2.0e12, layer_overhead_s=1e-5,
+                          decode_overhead_s=2e-6, bytes_per_param=2, link_bandwidth=300e9, host_bandwidth=25e9,
+                          memory_gb=80.0),
+}
+
+
+def device_figures(spec: str) -> DeviceFigures:
+    """`NAME[,key=value...]`: a preset (`PRESETS`) with fields overridden, e.g. "h100,count=8" or
+    "a100,efficiency=0.5,memory_gb=40"; ConfigError naming what is wrong."""
+    name, *overrides = [part.strip() for part in spec.split(",")]
+    if name not in PRESETS:
+        raise ConfigError(f"--device {spec}: {name!r} is not a preset ({', '.join(PRESETS)})")
+    types = {f.name: f.type for f in fields(DeviceFigures) if f.name != "name"}
+    values: dict[str, float | int] = {}
+    for override in overrides:
+        key, _, text = override.partition("=")
+        if key not in types or not text:
+            raise ConfigError(f"--device {spec}: {override!r} is not key=value of {', '.join(types)}")
+        try:
+            values[key] = int(text) if types[key] == "int" else float(text)
+        except ValueError as exc:
+            raise ConfigError(f"--device {spec}: {key}={text!r} is not a number") from exc
+    suffix = "".join(f",{o}" for o in overrides)
+    return replace(PRESETS[name], name=name + suffix, **values)
