@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from stream_rlhf.backends.kv_cache import cache_argument
 from stream_rlhf.backends.speculative import generate_speculative
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.config import load_config
@@ -162,12 +163,13 @@ def forward_costs(cfg: RLJobConfig, model: nn.Module, size: int, repeats: int = 
     best = {1: float("inf"), positions: float("inf")}
     with torch.inference_mode():
         cache = DynamicCache()
-        model(prompt, past_key_values=cache, use_cache=True)
+        run = {**cache_argument(model, cache), "use_cache": True}
+        model(prompt, **run)
         for _ in range(repeats):
             for length, fastest in best.items():
                 synchronize(device)
                 started = time.perf_counter()
-                model(prompt[:, :length], past_key_values=cache, use_cache=True)
+                model(prompt[:, :length], **run)
                 synchronize(device)
                 best[length] = min(fastest, time.perf_counter() - started)
                 cache.crop(-length)

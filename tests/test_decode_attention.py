@@ -11,7 +11,7 @@ from transformers import DynamicCache, Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from stream_rlhf.backends.decode_attention import NAME, decode_attention_forward, use_decode_attention
-from stream_rlhf.backends.kv_cache import PreallocatedCache
+from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from tests.tiny_models import tiny_qwen2_config
 
@@ -71,14 +71,14 @@ def test_cache_that_outgrows_its_capacity_gives_the_logits_of_a_dynamic_cache(lm
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     small, dynamic = PreallocatedCache(capacity=3), DynamicCache()
     with torch.no_grad():
-        outputs = [lm(ids, attention_mask=attention, position_ids=position_ids, past_key_values=cache, use_cache=True)
-                   .logits[:, -1] for cache in (small, dynamic)]
+        outputs = [lm(ids, attention_mask=attention, position_ids=position_ids, **cache_argument(lm, cache),
+                      use_cache=True).logits[:, -1] for cache in (small, dynamic)]
         torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=0)
         for step in range(4):
             token = outputs[0].argmax(-1, keepdim=True)  # (B, 1)
             attention = torch.cat([attention, torch.ones_like(token)], dim=1)
             position = position_ids[:, -1:] + 1 + step
-            outputs = [lm(token, attention_mask=attention, position_ids=position, past_key_values=cache,
+            outputs = [lm(token, attention_mask=attention, position_ids=position, **cache_argument(lm, cache),
                           use_cache=True).logits[:, -1] for cache in (small, dynamic)]
             torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=0)
     assert small.get_seq_length() == dynamic.get_seq_length() == 9
@@ -92,12 +92,12 @@ def test_cropped_and_selected_rows_match_a_dynamic_cache(lm):
     caches = (PreallocatedCache(capacity=16), DynamicCache())
     with torch.no_grad():
         for cache in caches:
-            lm(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
+            lm(ids, attention_mask=torch.ones_like(ids), **cache_argument(lm, cache), use_cache=True)
             cache.crop(-2)  # 6 -> 4 positions
             cache.batch_select_indices(torch.tensor([2, 0]))
         token = torch.randint(1, VOCAB, (2, 1), generator=g)
         mask = torch.ones(2, 5, dtype=torch.long)
-        logits = [lm(token, attention_mask=mask, position_ids=torch.full((2, 1), 4), past_key_values=cache,
+        logits = [lm(token, attention_mask=mask, position_ids=torch.full((2, 1), 4), **cache_argument(lm, cache),
                      use_cache=True).logits for cache in caches]
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
 

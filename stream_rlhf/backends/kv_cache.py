@@ -1,7 +1,7 @@
 """A KV cache that writes each step in place and hands attention whole, contiguous buffers.
 
     cache = PreallocatedCache(capacity=prompt_width + max_new_tokens)
-    model(..., attention_mask=mask_2d, past_key_values=cache, use_cache=True)   # as with DynamicCache()
+    model(..., attention_mask=mask_2d, **cache_argument(model, cache), use_cache=True)   # as with DynamicCache()
 
 Two costs of Hugging Face's DynamicCache on the CPU, both measured on a 12M model decoding 64 rows
 for 48 steps (one thread):
@@ -24,8 +24,10 @@ Batch selection (rows that leave the batch) and cropping (speculative rollback) 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -110,3 +112,10 @@ class PreallocatedCache(DynamicCache):
             for layer in self.layers:
                 layer.grow(self.capacity)
         return self.capacity, 0
+
+
+def cache_argument(model: nn.Module, cache: DynamicCache) -> dict[str, DynamicCache]:
+    """The keyword argument that hands `model`'s forward its KV cache: `cache` where the forward
+    takes it (newer transformers 5.x, where `past_key_values` is deprecated and removed in 5.40),
+    `past_key_values` on the 5.x releases before it."""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}

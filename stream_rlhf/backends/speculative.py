@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from stream_rlhf.backends.kv_cache import PreallocatedCache
+from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
 from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, left_pad, sample_tokens, sampling_probs
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.models.medusa import MedusaHeads
@@ -162,7 +162,7 @@ def generate_speculative(
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
     cache = PreallocatedCache(input_ids.shape[1] + max_new + heads.num_heads + 1)
-    run = {"past_key_values": cache, "use_cache": True}
+    run = {**cache_argument(decoder, cache), "use_cache": True}
     hidden = decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, **run)
     hidden = hidden.last_hidden_state[:, -1]  # (B, H): the last prompt token of every row
     logits = lm_head(hidden)  # (B, V)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from stream_rlhf.backends.kv_cache import PreallocatedCache
+from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.models.vision_language import SampleImages, check_sample_images, embed_with_images, mrope_positions
 
@@ -176,8 +176,8 @@ def generate(
         banned = model.config.image_token_id
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
     cache = PreallocatedCache(input_ids.shape[1] + params.max_new_tokens)
-    logits = model(**prefill, attention_mask=attention, past_key_values=cache, use_cache=True,
-                   logits_to_keep=1).logits[:, -1]  # (U, V)
+    run = {**cache_argument(model, cache), "use_cache": True}
+    logits = model(**prefill, attention_mask=attention, **run, logits_to_keep=1).logits[:, -1]  # (U, V)
     if copies is not None:  # one row per prompt from here on
         cache.batch_select_indices(copies)
         logits, attention, next_position = logits[copies], attention[copies], next_position[copies]
@@ -208,7 +208,7 @@ def generate(
         # (R, 1) for a text model, (3, R, 1) M-RoPE positions with images
         step_positions = next_position if images is None else next_position[None].expand(3, -1, -1)
         logits = model(
-            token[:, None], attention_mask=attention, position_ids=step_positions, past_key_values=cache, use_cache=True
+            token[:, None], attention_mask=attention, position_ids=step_positions, **run
         ).logits[:, -1]
         next_position = next_position + 1
 
