@@ -8,8 +8,10 @@ for 48 steps (one thread):
 - it appends every decode step with `torch.cat`, copying the whole cache of every layer each step
   (a third of the sampler's time, aten::cat);
 - a view of the filled part of a larger buffer, (B, H, :length, D), is not contiguous, and
-  attention over it runs 3-6x slower than over a contiguous tensor (the matmuls copy it first):
-  2.0-2.4 ms against 0.4-0.7 ms per layer and step at 40 cached positions.
+  SDPA over it ran 3-6x slower than over a contiguous tensor (it copies it first): 2.0-2.4 ms
+  against 0.4-0.7 ms per layer and step at 40 cached positions (AMD EPYC). The decode steps' own
+  matmul attention (`decode_attention.py`) takes such a view without a copy and leaves out the
+  unwritten tail.
 So each layer allocates room for `capacity` positions at its first update, writes the new keys
 and values into it, and returns the WHOLE buffer (B, H, capacity, D); the cache reports
 `capacity` as the attention width (`get_mask_sizes`), as Hugging Face's StaticCache does, so the
