@@ -93,6 +93,24 @@ def test_offloaded_stages_pay_their_load_when_they_take_turns():
     assert p.peak_memory_gb == {"rollout": 2.0, "gpu": 4.0, "actor_train": 0.0}
 
 
+def test_a_prefetched_onload_overlaps_the_other_members_step():
+    """As above with onloads of 0.75 s. ref's first step pays it (1-2.25); by then rollout's
+    second mini-batch is there and ref goes on (2.25-2.75, nothing to load), then critic, whose
+    onload without prefetch is paid in full (2.75-4, 4-4.5); with prefetch it started with ref's
+    step at 2.25, so 0.5 s of it is hidden (2.75-3.5, 3.5-4)."""
+    def graph(prefetch: bool) -> SimGraph:
+        forwards = [SimStage(name, 0.5, inputs=("rollout",), device="gpu", offload=True, load_s=0.75,
+                             prefetch=prefetch) for name in ("ref_forward", "critic_forward")]
+        return SimGraph(stages=(SimStage("rollout", 1.0, side="rollout"), *forwards,
+                                SimStage("actor_train", 0.1, inputs=("ref_forward", "critic_forward"))),
+                        iterations=1, minibatches=2)
+
+    full, pipelined = simulate(graph(False)), simulate(graph(True))
+    assert spans(full, "ref_forward") == spans(pipelined, "ref_forward") == [(1, 2.25), (2.25, 2.75)]
+    assert spans(full, "critic_forward") == [(2.75, 4), (4, 4.5)]
+    assert spans(pipelined, "critic_forward") == [(2.75, 3.5), (3.5, 4)]
+
+
 def test_weights_publish_and_load_delay_the_next_version():
     """k=0, publish 0.5, load 0.25: train 1-3, version 1 loadable at 3.5, rollout 3.5-4.75 (load
     included), train 4.75-6.75."""

@@ -151,4 +151,5 @@ def analytic_profile(stages: Mapping[str, tuple[str, ...]], shape: ModelShape, w
 
 
 def _rate(device: DeviceFigures, ranks: int) -> float:
+    """FLOP/s of `ranks` devices together."""
     return device.rate * ranks * (device.dp_efficiency if ranks > 1 else 1.0)

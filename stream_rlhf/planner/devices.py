@@ -2,7 +2,7 @@
 
     h100 = device_figures("h100,count=8")          # a preset with overrides (`plan --device`)
     h100.rate                                      # FLOP/s a matmul-bound pass reaches
-    this = measure_this_machine(shape, rows, ...)  # micro_calibration.py: timed on this machine
+    this = this_machine(shape, work, threads, cache_dir)   # micro_calibration.py: timed here
 
 A *device* is what one rank runs on: a GPU, or on the CPU the cores of one side of a separated
 placement. Preset figures are the vendors' dense bf16 peaks and memory / link bandwidths; the
@@ -45,7 +45,8 @@ class DeviceFigures:
     count: int = 1
     """Devices of the job."""
     dp_efficiency: float = 0.9
-    """The fraction of linear speed-up a stage's compute keeps when split over several ranks."""
+    """The fraction of linear speed-up a stage's compute keeps when split over several ranks (the
+    gradients' all-reduce is costed apart, over `link_bandwidth`)."""
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "bandwidth", "link_bandwidth", "host_bandwidth", "memory_gb"):

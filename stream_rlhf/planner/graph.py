@@ -51,6 +51,9 @@ class SimStage:
     load_s: float = 0.0
     """With `offload`: seconds to bring it back, paid when the step before on its device (in a
     device group: in its process) was another stage's."""
+    prefetch: bool = False
+    """With `offload`: the onload starts when the step before on its device starts (pipelined
+    offload: it overlaps the other member's compute), so only what outlasts that step is paid."""
     process: str = ""
     """The device group whose one process it runs in (its members share that process, a device
     and turns on it, and offload when another member takes the device); "": processes of its own."""

@@ -6,11 +6,12 @@ What is timed, in fp32 with `threads` torch threads (a stage's rank runs with it
 
     peak           a matmul of a mini-batch's tokens x hidden by hidden x intermediate (FLOP/s)
     bandwidth      copying a 64 MB tensor (bytes read + written / s)
-    rate, overhead a forward of a random model of the job's shape over the mini-batch's rows and
-                   over one row: a forward lasts fixed + tokens x per-token, so the two give the
-                   rate (2 P / per-token; efficiency: rate / peak) and the fixed part (per layer + 1)
+    rate, overhead a forward of a random model of the job's shape over the rows of a training pass
+                   (or a mini-batch, the more) and over one row: a forward lasts fixed + tokens x
+                   per-token, so the two give the rate (2 P / per-token; efficiency: rate / peak)
+                   and the fixed part (per layer + 1)
     decode         a step of the rollout engine's sampler (`backends/torch_rollout.py`, the rows
-                   of a mini-batch, sampling included: 9 new tokens less 1): what it took beyond
+                   of a mini-batch, sampling included: 17 new tokens less 1): what it took beyond
                    its FLOPs at the rate or its weights at `bandwidth` (the larger), per layer + 1
 
 Every figure is the fastest of a few repeats (the machine is shared: the fastest is the least
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import logging
 import os
 import platform
@@ -38,10 +40,10 @@ from stream_rlhf.planner.analytic import ModelShape, Workload
 from stream_rlhf.planner.devices import DeviceFigures
 
 log = logging.getLogger(__name__)
-REPEATS = 5
+REPEATS = 9
 COPY_FLOATS = 16 * 2**20
 """64 MB of fp32: larger than the caches, small enough to time in milliseconds."""
-DECODE_STEPS = 8
+DECODE_STEPS = 16
 """Decode steps timed (as the difference of two generations)."""
 MAX_TIMED_LAYERS = 2
 """The model timed keeps at most this many layers (overheads are per layer)."""
@@ -85,7 +87,7 @@ def _measure(shape: ModelShape, work: Workload, threads: int) -> DeviceFigures:
     timed = ModelShape(**{**asdict(shape), "layers": min(shape.layers, MAX_TIMED_LAYERS)})
     model = _random_model(timed)
     seq = max(1, round(work.prompt_tokens + work.response_tokens))
-    rows = max(work.rows, 2)
+    rows = max(work.rows, math.ceil(work.rows * work.minibatches / work.train_minibatches), 2)  # a training pass's
     ids = torch.randint(0, timed.vocab, (rows, seq))
     prompts = list(ids[:work.rows, :max(1, round(work.prompt_tokens))])
     with torch.inference_mode():

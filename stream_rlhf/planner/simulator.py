@@ -16,7 +16,8 @@ The rules are the engine's, at mini-batch granularity:
       - back-pressure: the start of each consumer's step on S's output queue_capacity earlier;
       - its device being free (one step at a time per device).
     it lasts step_s (its mini-batch position's), plus load_s for a stage that `offload`s when
-    the device's previous step (a device group's: its process's) was another stage's, plus
+    the device's previous step (a device group's: its process's) was another stage's (with
+    `prefetch`: only the part of load_s beyond the time since that step started), plus
     weights_load_s for rollout's first step on a newer version.
 
 Contention (`graph.contention` = c > 0): steps on different devices of one host slow each other
@@ -168,6 +169,8 @@ class _State:
         self.device_free: dict[str, float] = {}
         self.last_step: dict[tuple[str, str], str] = {}
         """("device" or "process", its name) -> the stage that stepped there last."""
+        self.last_start: dict[tuple[str, str], float] = {}
+        """("device" or "process", its name) -> when the last step there started."""
         self.rollout_version = 0
 
     def published(self, version: int) -> float | None:
@@ -232,7 +235,8 @@ def _place(state: _State, name: str, start: float, slowdown: float) -> SimStep:
     duration = graph.step_s(name, index % graph.minibatches) * slowdown
     holder = ("process", stage.process) if stage.process else ("device", device)
     if stage.offload and state.last_step.get(holder) != name:
-        duration += stage.load_s
+        hidden = start - state.last_start.get(holder, start) if stage.prefetch else 0.0
+        duration += max(0.0, stage.load_s - hidden)
     version = -1
     if name == graph.rollout:
         version = state.newest_version(start)
@@ -244,5 +248,6 @@ def _place(state: _State, name: str, start: float, slowdown: float) -> SimStep:
     state.placed[name] += 1
     state.device_free[device] = end
     state.last_step[("device", device)] = state.last_step[holder] = name
+    state.last_start[("device", device)] = state.last_start[holder] = start
     iteration, minibatch = divmod(index, graph.minibatches)
     return SimStep(name, iteration, minibatch, start, end, version)
