@@ -6,8 +6,9 @@ What is timed, in fp32 with `threads` torch threads (a stage's rank runs with it
 
     peak           a matmul of a mini-batch's tokens x hidden by hidden x intermediate (FLOP/s)
     bandwidth      copying a 64 MB tensor (bytes read + written / s)
-    rate, overhead a forward of a random model of the job's shape over the rows of a training pass
-                   (or a mini-batch, the more) and over one row: a forward lasts fixed + tokens x
+    rate, overhead the forward stages' log-probs (`TorchTrainEngine.forward_logprobs`) of a random
+                   model of the job's shape over the rows of a training pass (or a mini-batch,
+                   the more) and over one row: a forward lasts fixed + tokens x
                    per-token, so the two give the rate (2 P / per-token; efficiency: rate / peak)
                    and the fixed part (per layer + 1)
     decode         a step of the rollout engine's sampler (`backends/torch_rollout.py`, the rows
@@ -35,7 +36,9 @@ from pathlib import Path
 
 import torch
 
+from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
+from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.planner.analytic import ModelShape, Workload
 from stream_rlhf.planner.devices import DeviceFigures
 
@@ -90,8 +93,10 @@ def _measure(shape: ModelShape, work: Workload, threads: int) -> DeviceFigures:
     rows = max(work.rows, math.ceil(work.rows * work.minibatches / work.train_minibatches), 2)  # a training pass's
     ids = torch.randint(0, timed.vocab, (rows, seq))
     prompts = list(ids[:work.rows, :max(1, round(work.prompt_tokens))])
+    engine = TorchTrainEngine(model, RankGroup.single())  # the forward stages' own: packing, log-probs
+    large = fastest(lambda: engine.forward_logprobs(list(ids), temperature=1.0))
+    small = fastest(lambda: engine.forward_logprobs(list(ids[:1]), temperature=1.0))
     with torch.inference_mode():
-        large, small = fastest(lambda: model(ids)), fastest(lambda: model(ids[:1]))
         # the rollout engine's own sampler: DECODE_STEPS more steps, sampling included
         long, short = (fastest(lambda n=n: generate(model, prompts, SamplingParams(max_new_tokens=n)))
                        for n in (1 + DECODE_STEPS, 1))
