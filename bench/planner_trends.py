@@ -20,12 +20,14 @@ Workload (HybridFlow's): 1024 prompts per iteration, generated together (one min
 and response 1024 tokens each, one PPO epoch of 4 optimizer steps. Iteration time: the
 simulated run's steady-state window over the iterations in it (`Prediction.iteration_s`). Queues
 hold two iterations (`queue_capacity`): a forward waits for its trainer to take the iteration
-two before, so critic training, which gates no other stage, cannot fall behind without bound. A model's states are sharded over its
-stage's devices (FSDP / tensor parallel): a trainer 16 bytes a weight (bf16 weights and
-gradients, fp32 master weights and Adam's moments), a forward or rollout 2; a device keeps
-RESERVE_GB for activations and the KV cache. Links: NVLink (450 GB/s) within 8 GPUs, 50 GB/s per
-GPU (InfiniBand) beyond. Rollout on n GPUs splits a mini-batch's rows (a decode step is bound by
-the larger of its FLOPs and reading the weights, so it stops getting faster once memory-bound).
+two before, so critic training, which gates no other stage, cannot fall behind without bound.
+A model's states are sharded over its stage's devices (FSDP / tensor parallel): a trainer 16
+bytes a weight (bf16 weights and gradients, fp32 master weights and Adam's moments), a forward or
+rollout 2; a device keeps RESERVE_GB for activations and the KV cache. Links: NVLink (450 GB/s)
+within 8 GPUs, 50 GB/s per GPU (InfiniBand) beyond. Rollout on n GPUs splits a mini-batch's rows
+(a decode step is bound by the larger of its FLOPs and reading the weights, so it stops getting
+faster once memory-bound). An offload moves the leaving member's states out and the next one's
+in over PCIe (2 x its GB / 55 GB/s).
 """
 
 from __future__ import annotations

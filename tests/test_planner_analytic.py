@@ -54,7 +54,8 @@ def test_costs_of_a_tiny_job_at_a_known_rate():
 
 def test_decode_is_bandwidth_bound_when_the_weights_take_longer_than_the_flops():
     slow_memory = replace(MEGA, bandwidth=1e5)  # 408 bytes: 4080 us a step against 816
-    assert analytic_profile(PPO, SHAPE, WORK, slow_memory).step_s["rollout"][0] == pytest.approx((2448 + 5 * 4080) * 1e-6)
+    rollout = analytic_profile(PPO, SHAPE, WORK, slow_memory).step_s["rollout"]
+    assert rollout[0] == pytest.approx((2448 + 5 * 4080) * 1e-6)
 
 
 def test_overheads_are_per_layer_and_head():
@@ -159,3 +160,24 @@ def test_plan_search_on_a_preset_searches_ranks(config, capsys):
     assert "placement.stages.actor_train.ranks=3" in one_of_each["sets"]
     assert "placement.stages.actor_train.devices=[1, 2, 3]" in one_of_each["sets"]
     assert "rollout.instances=3" in next(p for p in result["plans"] if p["ranks"]["rollout"] == 3)["sets"]
+
+
+def test_this_machine_is_timed_once_per_shape_and_cached(tmp_path, monkeypatch):
+    from stream_rlhf.planner import micro_calibration
+
+    timed = []
+    monkeypatch.setattr(micro_calibration, "measure", lambda shape, work, threads: timed.append(work.rows) or MEGA)
+    assert micro_calibration.this_machine(SHAPE, WORK, 1, tmp_path) == MEGA
+    assert micro_calibration.this_machine(SHAPE, WORK, 1, tmp_path) == MEGA  # from the file
+    assert micro_calibration.this_machine(SHAPE, replace(WORK, rows=4), 1, tmp_path) == MEGA
+    assert timed == [2, 4] and len(list(tmp_path.glob("planner_machine_*.json"))) == 2
+
+
+def test_timing_a_tiny_model_gives_figures_within_reason():
+    """Real timings (their values depend on the machine): positive, the rate at most the GEMM peak."""
+    from stream_rlhf.planner.micro_calibration import measure
+
+    shape = ModelShape(hidden=64, intermediate=128, layers=1, heads=2, kv_heads=1, head_dim=32, vocab=49)
+    figures = measure(shape, replace(WORK, rows=4), threads=1)
+    assert figures.peak_flops > 0 and 0 < figures.efficiency <= 1 and figures.bandwidth > 0
+    assert figures.layer_overhead_s >= 0 and figures.decode_overhead_s >= 0 and figures.bytes_per_param == 4
