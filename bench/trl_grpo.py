@@ -7,6 +7,9 @@ Runs in TRL's own environment (see bench/vs_trl.py for the one-line setup); it i
 `stream_rlhf.data.arithmetic` from this repository (put on sys.path here), for the same prompts
 and the same reward rule. One optimizer step per step (16 prompts x 4 samples), no KL (beta=0),
 temperature 1. Writes per step: wall seconds, tokens (prompt + completion), mean reward.
+
+Precision is explicit: fp32 unless `--bf16` (GRPOConfig's own default is bf16 mixed precision, also
+on the CPU, which the rows of bench/vs_trl.py before 2026-11-26 ran against our fp32).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=5)
     parser.add_argument("--min-new-tokens", type=int, default=0, help="> 0: fixed-length answers (EOS suppressed)")
     parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast); default fp32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -72,7 +76,7 @@ def main() -> None:
         max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, beta=0.0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, shuffle_dataset=False,
-        generation_kwargs=generation, disable_tqdm=True, dataloader_num_workers=0,
+        generation_kwargs=generation, disable_tqdm=True, dataloader_num_workers=0, bf16=args.bf16,
     )
     clock = StepClock()
     trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
@@ -87,6 +91,7 @@ def main() -> None:
         "reward": [float(entry["reward"]) for entry in logs],
         "completion_len": [float(entry["completions/mean_length"]) for entry in logs],
         "threads": torch.get_num_threads(),
+        "bf16": trainer.args.bf16,
     }
     Path(args.out).write_text(json.dumps(result))
 

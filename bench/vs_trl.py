@@ -5,11 +5,16 @@ Each row runs `stream-rlhf run configs/text_grpo.yaml` (this environment) and be
 (runs/.cache, made by our run first), the arithmetic task, 16 prompts x 4 samples per step, one
 optimizer step per step, no KL (TRL's default beta=0), temperature 1, learning rate 2e-4:
 
-    row           model                                     answers
-    0.4M eos      the config's tiny model                   end at <eos> (at most 5 tokens)
-    12M eos       hidden 512, 4 layers (12.7M parameters)   end at <eos> (at most 5 tokens)
-    12M fixed48   the same                                  48 tokens (ours: no stop token;
-                                                            TRL: min_new_tokens=48)
+    row                model                                     answers
+    0.4M eos           the config's tiny model                   end at <eos> (at most 5 tokens)
+    12M eos            hidden 512, 4 layers (12.7M parameters)   end at <eos> (at most 5 tokens)
+    12M fixed48        the same                                  48 tokens (ours: no stop token;
+                                                                 TRL: min_new_tokens=48)
+    12M fixed48 bf16   the same, bf16 mixed precision on both sides (ours: `precision: bf16`;
+                       TRL: `bf16=True`, autocast)
+
+Every other row computes in fp32 on both sides. (TRL's GRPOConfig defaults to bf16 mixed
+precision, on the CPU too: rows measured before 2026-11-26 ran TRL in bf16 against our fp32.)
 
 Figures per side, over the steps after the first SKIP (start-up, first compilation of shapes):
 
@@ -28,7 +33,7 @@ TRL is not a dependency of this project. Set up its environment once, pinned to 
 
 Run from the repository root (our side runs in this interpreter's environment):
 
-    .venv/bin/python bench/vs_trl.py                 # the three rows (~5 minutes once warm-started)
+    .venv/bin/python bench/vs_trl.py                 # the four rows (~7 minutes once warm-started)
     .venv/bin/python bench/vs_trl.py --rows 0.4M_eos --steps 10
     .venv/bin/python bench/vs_trl.py --trl-python PATH   # TRL in another environment
 
@@ -70,12 +75,15 @@ class Row:
     max_new_tokens: int
     fixed: bool
     """Answers of exactly max_new_tokens tokens."""
+    bf16: bool = False
+    """bf16 mixed precision on both sides; fp32 otherwise."""
 
 
 ROWS = {
     "0.4M_eos": Row("0.4M_eos", [], 5, False),
     "12M_eos": Row("12M_eos", MODEL_12M, 5, False),
     "12M_fixed48": Row("12M_fixed48", MODEL_12M, 48, True),
+    "12M_fixed48_bf16": Row("12M_fixed48_bf16", MODEL_12M, 48, True, bf16=True),
 }
 
 
@@ -132,7 +140,8 @@ def run_ours(row: Row, steps: int) -> tuple[dict, str]:
     """Our side of `row`: its figures and the warm-started checkpoint it started from."""
     name = f"bench_vs_trl_{row.name}"
     overrides = [f"name={name}", f"iterations={steps}", f"rollout.max_new_tokens={row.max_new_tokens}",
-                 *(["rollout.stop=[]"] if row.fixed else []), *SHAPE, *row.model]
+                 *(["rollout.stop=[]"] if row.fixed else []), *(["precision=bf16"] if row.bf16 else []),
+                 *SHAPE, *row.model]
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     peak = run_watched(command, REPO / "runs" / f"{name}.log", 1800)
     run_dir = REPO / "runs" / name
@@ -147,7 +156,7 @@ def run_trl(trl_python: str, row: Row, steps: int, checkpoint: str) -> dict:
     out = REPO / "runs" / f"bench_vs_trl_{row.name}_trl.json"
     command = [trl_python, "bench/trl_grpo.py", "--checkpoint", checkpoint, "--steps", str(steps),
                "--max-new-tokens", str(row.max_new_tokens), "--out", str(out),
-               *(["--min-new-tokens", str(row.max_new_tokens)] if row.fixed else [])]
+               *(["--min-new-tokens", str(row.max_new_tokens)] if row.fixed else []), *(["--bf16"] if row.bf16 else [])]
     peak = run_watched(command, REPO / "runs" / f"bench_vs_trl_{row.name}_trl.log", 1800)
     r = json.loads(out.read_text())
     return side_figures(r["step_s"], r["tokens"], r["reward"], r["completion_len"], peak)

@@ -264,3 +264,16 @@ def test_env_var_parsing(value, want):
 def test_env_var_rejects_unknown():
     with pytest.raises(ValueError, match="STREAM_RLHF_KERNELS='cuda'"):
         dispatch.parse_backend_env("cuda")
+
+
+def test_log_probs_are_fp32_math_under_bf16_autocast():
+    """Mixed precision keeps the LM head's log-probs in fp32: autocast does not reach the kernels."""
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(7, 16, generator=g), torch.randn(30, 16, generator=g)
+    labels = torch.randint(0, 30, (7,), generator=g)
+    plain = logprobs_from_hidden(hidden, weight, labels, 0.7, with_entropy=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = logprobs_from_hidden(hidden, weight, labels, 0.7, with_entropy=True)
+        from_logits = logprobs_from_logits(hidden @ weight.T, labels, 0.7)[0]  # bf16 logits, fp32 log-softmax
+    assert torch.equal(plain[0], mixed[0]) and torch.equal(plain[1], mixed[1])
+    assert from_logits.dtype == torch.float32

@@ -251,3 +251,19 @@ def test_offload_round_trip_on_cuda_keeps_training_exact():
     plain, round_trip = trained(False), trained(True)
     for name in plain:
         assert torch.equal(round_trip[name], plain[name]), name
+
+
+def test_bf16_precision_computes_in_bf16_and_keeps_weights_and_log_probs_fp32():
+    exp = _experience()
+    advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
+    full, mixed = (TorchTrainEngine(_model(), RankGroup.single(), OptimizerConfig(lr=1e-2), precision=p)
+                   for p in ("fp32", "bf16"))
+    logp = [torch.cat(engine.logprobs(exp.sequences, 1.0)[0]) for engine in (full, mixed)]
+    assert logp[1].dtype == torch.float32
+    assert 0 < (logp[0] - logp[1]).abs().max() < 0.1  # bf16 matmuls: rounded, not the fp32 values
+    steps = [engine.train_step(exp, _loss(engine), {"advantages": advantages}) for engine in (full, mixed)]
+    for name in ("loss", "grad_norm"):  # the same step, up to bf16 rounding
+        assert steps[1][name] == pytest.approx(steps[0][name], rel=0.05)
+    assert all(t.dtype == torch.float32 for t in mixed.export_weights().values())
+    values = TorchTrainEngine(_critic(), RankGroup.single(), precision="bf16").values(exp.sequences)
+    assert all(v.dtype == torch.float32 for v in values)

@@ -51,6 +51,20 @@ def test_behaviour_logp_equals_recomputed(lm, prompts):
         torch.testing.assert_close(logp, again[prompt.numel() - 1 :], atol=1e-4, rtol=0)
 
 
+
+def test_bf16_sampling_records_fp32_log_probs_near_the_fp32_forward(lm, prompts):
+    """Under bf16 autocast (`precision: bf16`) the logits are cast back to fp32 before sampling:
+    the behaviour log-probs are fp32, bf16-rounded against a fp32 forward of the same tokens."""
+    params = SamplingParams(temperature=0.7, max_new_tokens=10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gen = generate(lm, prompts, params, generator=torch.Generator().manual_seed(0))
+    full = [torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)]
+    recomputed, _ = sequence_logprobs(lm, full, temperature=0.7)
+    gaps = torch.cat([(logp - again[prompt.numel() - 1 :]).abs()
+                      for prompt, logp, again in zip(prompts, gen.response_logp, recomputed)])
+    assert all(logp.dtype == torch.float32 for logp in gen.response_logp)
+    assert 0 < gaps.max() < 0.1
+
 def test_stop_tokens_end_responses(lm, prompts):
     free = generate(lm, prompts, SamplingParams(temperature=0, max_new_tokens=8))
     stop = int(free.response_ids[0][3])

@@ -3,10 +3,10 @@
 
     engine = build_train_engine(job.config, "actor_train", load_policy(path), ctx.group, cfg.actor)
 
-| backend    | engine                                             | needs            |
-|------------|----------------------------------------------------|------------------|
-| `torch`    | `torch_engine.TorchTrainEngine` (HF model, FSDP2)  | -                |
-| `megatron` | `megatron.engine.MegatronTrainEngine` (tp x pp x dp) | the megatron extra |
+| backend    | engine                                                    | needs              |
+|------------|-----------------------------------------------------------|--------------------|
+| `torch`    | `torch_engine.TorchTrainEngine` (HF model, FSDP2)         | -                  |
+| `megatron` | `megatron.engine.MegatronTrainEngine` (tp x pp x cp x dp) | the megatron extra |
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from torch import nn
 
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
+from stream_rlhf.backends.precision import Precision
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.backends.train_engine import TrainEngine
 from stream_rlhf.broker.rank_group import RankGroup
@@ -23,12 +24,12 @@ from stream_rlhf.launch.placement import StagePlacement
 
 
 def _torch(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None, own: StagePlacement,
-           stage: str, seed: int) -> TrainEngine:
-    return TorchTrainEngine(model, group, optimizer)
+           stage: str, seed: int, precision: Precision) -> TrainEngine:
+    return TorchTrainEngine(model, group, optimizer, precision)
 
 
 def _megatron(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None, own: StagePlacement,
-              stage: str, seed: int) -> TrainEngine:
+              stage: str, seed: int, precision: Precision) -> TrainEngine:
     from stream_rlhf.backends.megatron.config import check_parallel
     from stream_rlhf.backends.megatron.engine import MegatronTrainEngine  # megatron-core: the megatron extra
     from stream_rlhf.backends.megatron.model import text_config
@@ -47,4 +48,4 @@ def build_train_engine(config, stage: str, model: nn.Module, group: RankGroup,
     """The engine of `stage` (an `RLJobConfig`'s placement says which) holding `model`; trains with
     `optimizer`, forward only without."""
     own = config.placement.stages.get(stage, StagePlacement())
-    return TRAIN_ENGINES[own.backend](model, group, optimizer, own, stage, config.seed)
+    return TRAIN_ENGINES[own.backend](model, group, optimizer, own, stage, config.seed, config.precision)

@@ -107,7 +107,7 @@ def _draft(
     if k == 0:
         empty = hidden.new_zeros((hidden.shape[0], 0, heads.vocab_size), dtype=torch.float32)  # (B, 0, V)
         return empty[..., 0].long(), None if params.temperature == 0 else empty
-    head_logits = heads(hidden)[:k].transpose(0, 1)  # (B, k, V)
+    head_logits = heads(hidden)[:k].transpose(0, 1).float()  # (B, k, V)
     if params.temperature == 0:
         return head_logits.argmax(-1), None
     q = sampling_probs(head_logits, params)  # (B, k, V)
@@ -165,7 +165,7 @@ def generate_speculative(
     run = {**cache_argument(decoder, cache), "use_cache": True}
     hidden = decoder(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, **run)
     hidden = hidden.last_hidden_state[:, -1]  # (B, H): the last prompt token of every row
-    logits = lm_head(hidden)  # (B, V)
+    logits = lm_head(hidden).float()  # (B, V)
     pending = sample_tokens(logits, params, generator)  # (B,) emitted, not yet in the cache
 
     # responses, by prompt: column max_new is a dump for the writes that are cut
@@ -207,7 +207,7 @@ def generate_speculative(
         out = decoder(
             input_ids=feed, attention_mask=attention, position_ids=next_position[:, None] + slots, **run
         ).last_hidden_state  # (R, k+1, H)
-        logits = lm_head(out)  # (R, k+1, V): logits[:, j] is the distribution of feed[:, j + 1]
+        logits = lm_head(out).float()  # (R, k+1, V): logits[:, j] is the distribution of feed[:, j + 1]
         n, z = _verify(logits, drafts, q, params, generator)  # (R,), (R,)
 
         emitted = torch.cat([drafts, z[:, None]], dim=1).scatter(1, n[:, None], z[:, None])  # (R, k+1)

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
+from stream_rlhf.backends.precision import Precision, autocast
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.launch.core_lending import govern
@@ -70,8 +71,11 @@ class ModelForward(nn.Module):
 
 
 class TorchTrainEngine:
-    def __init__(self, model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None = None):
+    def __init__(self, model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None = None,
+                 precision: Precision = "fp32"):
+        """`precision` bf16: every forward under bf16 autocast (`backends/precision.py`)."""
         self.group = group
+        self.precision = precision
         self.device = group.device
         self.model = model.to(self.device)
         govern(self.model)  # core lending, when the launcher turned it on for this stage
@@ -95,12 +99,14 @@ class TorchTrainEngine:
     def logprobs(self, sequences: list[Tensor], temperature: float, with_entropy: bool = False,
                  images: list[SampleImages] | None = None,
                  prompt_lens: Tensor | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
-        return self.forward_module(sequences, images, temperature, with_entropy, prompt_lens)
+        with autocast(self.device, self.precision):
+            return self.forward_module(sequences, images, temperature, with_entropy, prompt_lens)
 
     def values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
                prompt_lens: Tensor | None = None) -> list[Tensor]:
-        outputs, _ = self.forward_module(sequences, images, prompt_lens=prompt_lens)
-        return [v[:-1, 0] for v in outputs]  # (L_i - 1,)
+        with autocast(self.device, self.precision):
+            outputs, _ = self.forward_module(sequences, images, prompt_lens=prompt_lens)
+        return [v[:-1, 0].float() for v in outputs]  # (L_i - 1,)
 
     def forward_logprobs(self, sequences: list[Tensor], temperature: float,
                          images: list[SampleImages] | None = None, prompt_lens: Tensor | None = None) -> list[Tensor]:

@@ -177,7 +177,7 @@ def generate(
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
     cache = PreallocatedCache(input_ids.shape[1] + params.max_new_tokens)
     run = {**cache_argument(model, cache), "use_cache": True}
-    logits = model(**prefill, attention_mask=attention, **run, logits_to_keep=1).logits[:, -1]  # (U, V)
+    logits = model(**prefill, attention_mask=attention, **run, logits_to_keep=1).logits[:, -1].float()  # (U, V)
     if copies is not None:  # one row per prompt from here on
         cache.batch_select_indices(copies)
         logits, attention, next_position = logits[copies], attention[copies], next_position[copies]
@@ -209,7 +209,7 @@ def generate(
         step_positions = next_position if images is None else next_position[None].expand(3, -1, -1)
         logits = model(
             token[:, None], attention_mask=attention, position_ids=step_positions, **run
-        ).logits[:, -1]
+        ).logits[:, -1].float()
         next_position = next_position + 1
 
     out_ids, out_logp = out_ids.cpu(), out_logp.cpu()

@@ -4,7 +4,8 @@
     logp, ent = logprobs_from_hidden(hidden, weight, labels, temperature, with_entropy=True)  # (..., H), (V, H)
 
 Both are differentiable and return fp32 (...) tensors (`ent` is None unless asked for); gradients
-come back in the inputs' dtype. `temperature <= 0` means 1.0 (greedy decoding's log-probs are of the untempered distribution).
+come back in the inputs' dtype. Both run outside `torch.autocast` (mixed precision keeps the LM
+head's log-probs in fp32, `backends/precision.py`). `temperature <= 0` means 1.0 (greedy decoding's log-probs are of the untempered distribution).
 Labels must lie in [0, V).
 
 Backends (`dispatch.backend_for`):
@@ -47,10 +48,11 @@ def logprobs_from_logits(
     if logits2d.stride(-1) != 1:
         logits2d = logits2d.contiguous()
     labels1d = labels.reshape(-1).contiguous()
-    if backend_for(logits) == "triton":
-        logp, ent = _TritonLogits.apply(logits2d, labels1d, _inv_temperature(temperature))
-    else:
-        logp, ent = _ChunkedLogits.apply(logits2d, labels1d, _inv_temperature(temperature))
+    with torch.autocast(logits.device.type, enabled=False):
+        if backend_for(logits) == "triton":
+            logp, ent = _TritonLogits.apply(logits2d, labels1d, _inv_temperature(temperature))
+        else:
+            logp, ent = _ChunkedLogits.apply(logits2d, labels1d, _inv_temperature(temperature))
     return logp.reshape(lead), ent.reshape(lead) if with_entropy else None
 
 
@@ -74,10 +76,11 @@ def logprobs_from_hidden(
     hidden2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # (T, H)
     labels1d = labels.reshape(-1).contiguous()  # (T,)
     inv_temp = _inv_temperature(temperature)
-    if backend_for(hidden) == "triton":
-        logp, ent = _TritonHidden.apply(hidden2d, weight.contiguous(), labels1d, inv_temp)
-    else:
-        logp, ent = _ChunkedHidden.apply(hidden2d, weight, labels1d, inv_temp, chunk_size)
+    with torch.autocast(hidden.device.type, enabled=False):
+        if backend_for(hidden) == "triton":
+            logp, ent = _TritonHidden.apply(hidden2d, weight.contiguous(), labels1d, inv_temp)
+        else:
+            logp, ent = _ChunkedHidden.apply(hidden2d, weight, labels1d, inv_temp, chunk_size)
     return logp.reshape(lead), ent.reshape(lead) if with_entropy else None
 
 

@@ -29,6 +29,7 @@ from typing import Literal
 from stream_rlhf.algos.config import AlgorithmConfig
 from stream_rlhf.backends.megatron.config import check_model
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
+from stream_rlhf.backends.precision import Precision
 from stream_rlhf.backends.rollout_config import RolloutConfig
 from stream_rlhf.broker.topology import BrokerConfig
 from stream_rlhf.config import ConfigError
@@ -110,6 +111,10 @@ class RLJobConfig:
     and the forwards; redelivery gives the new instance the unfinished mini-batches). A stateless
     stage left out restarts up to DEFAULT_RESTARTS times (rollout only with weights.transport shm);
     0 turns it off. A crash no restart covers resumes the run (`checkpoint.recoveries`)."""
+    precision: Precision = "fp32"
+    """Compute precision of the torch train and forward engines and of the torch sampler:
+    `fp32`, or `bf16` mixed precision (forwards under bf16 autocast; weights, gradients, optimizer
+    state and the LM head's log-probs stay fp32: `backends/precision.py`). vLLM runs in its own dtype."""
     trace: bool = True
     """Record every stage step, wait, payload fetch, weight publish and load and checkpoint save, and
     the broker's queue depths, in runs/<name>/trace.json (Perfetto / chrome://tracing format,
@@ -245,6 +250,9 @@ class RLJobConfig:
         split (a `model.path` checkpoint is checked when the engine is built)."""
         if stage not in GROUP_STAGES:
             raise ConfigError(f"{key}.backend=megatron: only {', '.join(GROUP_STAGES)} hold a train engine")
+        if self.precision != "fp32":
+            raise ConfigError(f"precision={self.precision}: {key}.backend=megatron computes in fp32 only here "
+                              "(megatron's own bf16 is not wired in); use precision fp32 or backend torch")
         if stage.startswith("critic") and (self.model.tiny.vision is not None or self.task.name == "shapes"):
             raise ConfigError(f"{key}.backend=megatron: vision-language critics are not mapped to megatron yet")
         if self.model.path is None:

@@ -6,7 +6,8 @@ policy model in the rollout process, on its rank's device; speculative with Medu
     out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
 
 Before each mini-batch it loads the newest policy version (`RolloutWeights.refresh_model`): every
-token of the mini-batch is sampled by that version.
+token of the mini-batch is sampled by that version. With `precision: bf16` it samples under bf16
+autocast (`backends/precision.py`); logits and log-probs stay fp32.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from stream_rlhf.backends.decode_attention import use_decode_attention
+from stream_rlhf.backends.precision import autocast
 from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.broker.stage import Batch, StageContext
@@ -43,10 +45,11 @@ class TorchRolloutEngine:
         self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
         generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch,
                                      device=self.device)
-        if self.speculation is not None:
-            gen, info = self.speculation.generate(self.model, prompts, params, generator, self.policy_version)
-            return Generated(gen, self.policy_version, info)
-        gen = generate(self.model, prompts, params, generator, images=self.images.of(batch.tensors))
+        with autocast(self.device, self.job.config.precision):
+            if self.speculation is not None:
+                gen, info = self.speculation.generate(self.model, prompts, params, generator, self.policy_version)
+                return Generated(gen, self.policy_version, info)
+            gen = generate(self.model, prompts, params, generator, images=self.images.of(batch.tensors))
         return Generated(gen, self.policy_version)
 
     def close(self) -> None:
