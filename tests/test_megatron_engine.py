@@ -4,12 +4,15 @@ Each layout (ranks, tp, pp) runs in fresh spawned processes (megatron's parallel
 process), checks itself against a one-rank `TorchTrainEngine` built from the same Hugging Face
 models, and writes what it measured for the test to assert:
 - HF -> megatron -> HF is bit-identical (Qwen2 with tied embeddings and qkv bias, Llama untied,
-  a Qwen2 critic with its value head, a Qwen2.5-VL whose frozen vision tower stays out of megatron);
-- forward log-probs and values equal the torch engine's to 1e-5 (fp32), the VLM's with image
-  features at its image tokens and M-RoPE positions;
+  a Qwen2 critic with its value head, a Qwen2.5-VL whose frozen vision tower stays out of megatron,
+  and the Qwen2.5-VL critic: its language model and value head);
+- forward log-probs and values equal the torch engine's to 1e-5 (fp32), both engines packing the
+  sequences (several per row), the VLM's and its critic's with image features at the image tokens
+  and M-RoPE positions; with `prompt_lens`, the samples of a prompt sharing its forward
+  (`pack_shared`) on both;
 - two optimizer steps of the actor and of the critic give the torch engine's losses, gradient
-  norms and weights (1e-5 and 1e-4); saved state resumes training exactly; a saved HF folder
-  loads back.
+  norms and weights (1e-5 and 1e-4); one step of the VLM actor, of the VLM critic and of the actor
+  on shared prompts likewise; saved state resumes training exactly; a saved HF folder loads back.
 Needs the `megatron` extra.
 """
 
@@ -32,6 +35,7 @@ LAYOUTS = [(1, 1, 1), (2, 2, 1), (2, 1, 2), (2, 1, 1)]  # (ranks, tp, pp); the l
 def _models():
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
+    from stream_rlhf.models.vision_language import VisionLanguageCritic
     from tests.tiny_models import tiny_qwen2_5_vl, tiny_qwen2_config
 
     heads = {"num_attention_heads": 4, "num_key_value_heads": 2}  # tp 2 splits both
@@ -47,7 +51,28 @@ def _models():
     base.config.text_config.num_key_value_heads = 2  # tp 2 splits them
     torch.manual_seed(3)
     vlm = type(base)(base.config)
-    return {"qwen2": qwen2, "llama": llama, "critic": critic, "vlm": vlm}
+    vlm_critic = VisionLanguageCritic(vlm.config, vlm.model.language_model)  # the VLM's own language model
+    torch.manual_seed(4)
+    torch.nn.init.normal_(vlm_critic.score.weight, std=0.1)  # not the zero head a new critic gets: values vary
+    return {"qwen2": qwen2, "llama": llama, "critic": critic, "vlm": vlm, "vlm_critic": vlm_critic}
+
+
+def _shared_experience():
+    """Three prompts with two samples each (GRPO's groups), so that a forward with `prompt_lens`
+    runs each prompt once; responses of 1 to 4 tokens."""
+    from stream_rlhf.stages.experience import Experience
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (3, 5, 2)]
+    response_lens = torch.tensor([2, 4, 3, 1, 4, 2])
+    sequences = [torch.cat([prompts[i // 2], torch.randint(1, VOCAB, (int(n),), generator=g)])
+                 for i, n in enumerate(response_lens)]
+    mask = (torch.arange(4)[None] < response_lens[:, None]).float()
+    behavior = -torch.rand(6, 4, generator=g) * 3 * mask
+    return Experience(sequences=sequences, prompt_lens=torch.tensor([len(prompts[i // 2]) for i in range(6)]),
+                      mask=mask, behavior_logp=behavior, old_logp=behavior.clone(), ref_logp=None,
+                      values=torch.zeros(6, 4), scores=torch.zeros(6), group_ids=torch.arange(6) // 2,
+                      policy_versions=torch.zeros(6))
 
 
 def _vlm_experience():
@@ -61,32 +86,36 @@ def _vlm_experience():
 
 
 def _vlm_train_experience(sequences: list[torch.Tensor], images: list) -> tuple:
-    """The VLM's samples as an Experience with three response tokens each, and their advantages."""
+    """The VLM's samples as an Experience with three response tokens each, and their advantages
+    (or a critic's returns)."""
     from stream_rlhf.stages.experience import Experience
 
     exp = Experience(sequences=sequences, prompt_lens=torch.tensor([len(q) - 3 for q in sequences]),
                      mask=torch.ones(3, 3), behavior_logp=-torch.ones(3, 3), old_logp=-torch.ones(3, 3),
-                     ref_logp=None, values=None, scores=torch.zeros(3), group_ids=torch.arange(3),
+                     ref_logp=None, values=torch.zeros(3, 3), scores=torch.zeros(3), group_ids=torch.arange(3),
                      policy_versions=torch.zeros(3), images=images)
     return exp, torch.tensor([[1.0], [-0.5], [0.25]]).expand(3, 3).contiguous()
 
 
 def _value_loss(engine):
+    """The critic stage's value loss: values of the part's sequences (images, shared prompts) as asked."""
     from stream_rlhf.algos.losses import value_loss
     from stream_rlhf.stages.samples import response_slices
 
     def loss_fn(part, per_sample):
-        values = part.padded(response_slices(engine.values(part.sequences), part.prompt_lens))
+        values = part.padded(response_slices(engine.values(part.sequences, part.images, part.prompt_lens),
+                                             part.prompt_lens))
         return value_loss(values, part.values, per_sample["returns"], part.mask, 10.0)
     return loss_fn
 
 
-def _vlm_loss(engine):
+def _policy_loss(engine):
+    """The actor stage's policy loss: log-probs with images and shared prompts as the stage asks."""
     from stream_rlhf.algos.losses import policy_loss
     from stream_rlhf.stages.samples import response_slices
 
     def loss_fn(part, per_sample):
-        logp, _ = engine.logprobs(part.sequences, 1.0, images=part.images)
+        logp, _ = engine.logprobs(part.sequences, 1.0, images=part.images, prompt_lens=part.prompt_lens)
         logp = part.padded(response_slices(logp, part.prompt_lens))
         return policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2)
     return loss_fn
@@ -132,8 +161,9 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
     parallel = MegatronConfig(tp=tp, pp=pp)
     found: dict[str, float | bool] = {}
     exp = _experience()
+    shared = _shared_experience()
     vlm_sequences, vlm_images = _vlm_experience()
-    for name in ("qwen2", "llama", "critic", "vlm"):
+    for name in ("qwen2", "llama", "critic", "vlm", "vlm_critic"):
         original = _models()[name].state_dict()
         engine = MegatronTrainEngine(_models()[name], group, parallel=parallel)
         exported = engine.export_weights()
@@ -143,12 +173,22 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
         if name == "vlm":
             found[f"{name}.logprobs"] = _max_diff(engine.forward_logprobs(vlm_sequences, 0.7, images=vlm_images),
                                                   reference.forward_logprobs(vlm_sequences, 0.7, images=vlm_images))
+        elif name == "vlm_critic":
+            found[f"{name}.values"] = _max_diff(engine.forward_values(vlm_sequences, vlm_images),
+                                                reference.forward_values(vlm_sequences, vlm_images))
         elif name == "critic":
             found[f"{name}.values"] = _max_diff(engine.forward_values(exp.sequences),
                                                 reference.forward_values(exp.sequences))
+            found[f"{name}.shared.values"] = _max_diff(
+                engine.forward_values(shared.sequences, prompt_lens=shared.prompt_lens),
+                reference.forward_values(shared.sequences, prompt_lens=shared.prompt_lens))
         else:
             found[f"{name}.logprobs"] = _max_diff(engine.forward_logprobs(exp.sequences, 0.7),
                                                   reference.forward_logprobs(exp.sequences, 0.7))
+            found[f"{name}.shared.logprobs"] = _max_diff(
+                engine.forward_logprobs(shared.sequences, 0.7, prompt_lens=shared.prompt_lens),
+                reference.forward_logprobs(shared.sequences, 0.7, prompt_lens=shared.prompt_lens))
+    found.update(_rows(engine, exp, shared))
 
     exp.values = torch.zeros_like(exp.mask)
     targets = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
@@ -173,15 +213,7 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
             e.train_step(exp, loss_of(e), {key: targets})
         a, b = engine.export_weights(), resumed.export_weights()
         found[f"{name}.resumes_exactly"] = all(torch.equal(a[k], b[k]) for k in a)
-    vlm_exp, advantages = _vlm_train_experience(vlm_sequences, vlm_images)
-    engine = MegatronTrainEngine(_models()["vlm"], group, optimizer, parallel)
-    reference = TorchTrainEngine(_models()["vlm"], RankGroup.single(), optimizer)
-    mine = engine.train_step(vlm_exp, _vlm_loss(engine), {"advantages": advantages})
-    theirs = reference.train_step(vlm_exp, _vlm_loss(reference), {"advantages": advantages})
-    found["vlm.train.loss"] = abs(mine["loss"] - theirs["loss"])
-    a, b = engine.export_weights(), reference.export_weights()
-    found["vlm.train.weights"] = max((a[k] - b[k]).abs().max().item() for k in b)
-    found["vlm.train.moved"] = max((b[k] - _models()["vlm"].state_dict()[k]).abs().max().item() for k in b)
+    found.update(_one_step_each(group, parallel, shared, vlm_sequences, vlm_images))
     folder = Path(out + ".checkpoint")
     engine = MegatronTrainEngine(_models()["qwen2"], group, optimizer, parallel)
     engine.train_step(exp, _loss(engine), {"advantages": targets})
@@ -194,19 +226,82 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
     _finish(group, found, out)
 
 
+def _rows(engine, exp, shared) -> dict[str, int | bool]:
+    """How the engine packed: its rows for `exp` and for `shared` with and without `prompt_lens`."""
+    unshared = engine._batch(shared.sequences, None, None)
+    with_prompts = engine._batch(shared.sequences, None, shared.prompt_lens)
+    mixed = exp.sequences + [s[:2] for s in exp.sequences]  # short ones fill the rows' tails
+    return {"rows": engine._batch(mixed, None, None).ids.shape[0], "samples": len(mixed),
+            "shared.tokens": int(with_prompts.ids.ne(0).sum()), "unshared.tokens": int(unshared.ids.ne(0).sum()),
+            "shared.shares": with_prompts.layout.shares_prefixes}
+
+
+def _train_once(group, parallel, optimizer, cases) -> dict[str, float]:
+    """One optimizer step of each case (case, model name, loss, part, per-sample tensors) on the
+    megatron engine and on a one-rank torch engine: the differences of their loss, gradient norm
+    and weights, and how far the torch engine's weights moved."""
+    from stream_rlhf.backends.megatron.engine import MegatronTrainEngine
+    from stream_rlhf.backends.torch_engine import TorchTrainEngine
+    from stream_rlhf.broker.rank_group import RankGroup
+
+    found = {}
+    for case, name, loss_of, part, per_sample in cases:
+        engine = MegatronTrainEngine(_models()[name], group, optimizer, parallel)
+        reference = TorchTrainEngine(_models()[name], RankGroup.single(), optimizer)
+        mine = engine.train_step(part, loss_of(engine), per_sample)
+        theirs = reference.train_step(part, loss_of(reference), per_sample)
+        for metric in ("loss", "grad_norm"):
+            found[f"{case}.train.{metric}"] = abs(mine[metric] - theirs[metric])
+        a, b = engine.export_weights(), reference.export_weights()
+        found[f"{case}.train.weights"] = max((a[k] - b[k]).abs().max().item() for k in b)
+        found[f"{case}.train.moved"] = max((b[k] - _models()[name].state_dict()[k]).abs().max().item() for k in b)
+    return found
+
+
+def _one_step_each(group, parallel, shared, vlm_sequences, vlm_images) -> dict[str, float]:
+    """`_train_once` of the actor on shared prompts, the VLM actor and the VLM critic. At a learning
+    rate of 1e-3: Adam's first step moves a weight by about the learning rate whatever its
+    gradient, so one whose gradient is float noise (~1e-9, near Adam's eps) moves differently on the
+    two engines by a fraction of it."""
+    from stream_rlhf.backends.optimizer_config import OptimizerConfig
+
+    vlm_exp, advantages = _vlm_train_experience(vlm_sequences, vlm_images)
+    shared_advantages = torch.linspace(-1, 1, shared.num_samples)[:, None].expand_as(shared.mask).contiguous()
+    return _train_once(group, parallel, OptimizerConfig(lr=1e-3, max_grad_norm=0.5), [
+        ("shared", "qwen2", _policy_loss, shared, {"advantages": shared_advantages}),
+        ("vlm", "vlm", _policy_loss, vlm_exp, {"advantages": advantages}),
+        ("vlm_critic", "vlm_critic", _value_loss, vlm_exp, {"returns": advantages})])
+
+
+def _assert_one_step_each(found: dict) -> None:
+    for case in ("shared", "vlm", "vlm_critic"):
+        assert found[f"{case}.train.moved"] > 5e-4, case  # training moved the weights: the comparison means something
+        assert found[f"{case}.train.weights"] < 1e-4, case
+        assert found[f"{case}.train.loss"] < 1e-5 and found[f"{case}.train.grad_norm"] < 1e-5, case
+
+
+def _assert_packed(found: dict) -> None:
+    """Several sequences shared a row; with `prompt_lens` each prompt was in the rows once."""
+    assert found["rows"] < found["samples"]
+    assert found["shared.shares"] is True
+    assert found["unshared.tokens"] - found["shared.tokens"] == 3 + 5 + 2  # one copy of each prompt fewer
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,tp,pp", LAYOUTS, ids=[f"ranks{w}-tp{t}-pp{p}" for w, t, p in LAYOUTS])
 def test_megatron_engine_matches_the_torch_engine(tmp_path, world, tp, pp):
     found = _run_ranks(tmp_path, _rank_main, world, tp, pp)
-    for name in ("qwen2", "llama", "critic", "vlm"):
+    for name in ("qwen2", "llama", "critic", "vlm", "vlm_critic"):
         assert found[f"{name}.round_trip"] is True, name
     assert found["qwen2.logprobs"] < 1e-5 and found["llama.logprobs"] < 1e-5 and found["vlm.logprobs"] < 1e-5
-    assert found["critic.values"] < 1e-5
+    assert found["qwen2.shared.logprobs"] < 1e-5 and found["llama.shared.logprobs"] < 1e-5
+    assert found["critic.values"] < 1e-5 and found["critic.shared.values"] < 1e-5 and found["vlm_critic.values"] < 1e-5
+    _assert_packed(found)
     for name in ("qwen2", "critic"):
         assert found[f"{name}.train.moved"] > 1e-3  # training moved the weights: the comparison means something
         assert found[f"{name}.train.weights"] < 1e-4, name
         for step in range(2):
             assert found[f"{name}.train.loss.{step}"] < 1e-5 and found[f"{name}.train.grad_norm.{step}"] < 1e-5
         assert found[f"{name}.resumes_exactly"] is True, name
-    assert found["vlm.train.moved"] > 1e-3 and found["vlm.train.weights"] < 1e-4 and found["vlm.train.loss"] < 1e-5
+    _assert_one_step_each(found)
     assert found["save_load"] is True

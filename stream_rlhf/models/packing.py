@@ -221,6 +221,23 @@ def pad_right(seqs: list[Tensor], value: float) -> Tensor:
     return nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=value)
 
 
+def vision_inputs(packed: Packed, sequences: list[Tensor], images: list[SampleImages],
+                  config) -> tuple[Tensor, Tensor]:
+    """A vision-language model's packed inputs besides the tokens: M-RoPE positions (3, R, C), each
+    sequence's own at its span (0 on padding), and the (N, H) image features in row-major order of
+    the packed image tokens. `config`: the VLM's."""
+    if len(images) != len(sequences):
+        raise ValueError(f"images: {len(images)} entries for {len(sequences)} sequences: must be one per sequence")
+    n_rows, width = packed.input_ids.shape
+    position_ids = torch.zeros((3, n_rows, width), dtype=torch.long)  # (3, R, C)
+    for i, (seq, sample, (row, start, length)) in enumerate(zip(sequences, images, packed.spans)):
+        check_sample_images(i, seq, sample, config)
+        position_ids[:, row, start : start + length] = mrope_positions(seq.cpu(), sample.grid_thw, config)
+    # features in row-major order of the packed image tokens: by row, then by start within the row
+    order = sorted(range(len(sequences)), key=lambda i: packed.spans[i][:2])
+    return position_ids, torch.cat([images[i].features for i in order])  # (N, H)
+
+
 def _model_inputs(
     model: nn.Module, packed: Packed, sequences: list[Tensor], images: list[SampleImages] | None, device: torch.device
 ) -> dict[str, Tensor]:
@@ -233,23 +250,14 @@ def _model_inputs(
             "position_ids": packed.position_ids.to(device),
             "attention_mask": mask,
         }
-    if len(images) != len(sequences):
-        raise ValueError(f"images: {len(images)} entries for {len(sequences)} sequences: must be one per sequence")
-    config = model.config
-    n_rows, width = packed.input_ids.shape
-    position_ids = torch.zeros((3, n_rows, width), dtype=torch.long)  # (3, R, C)
-    for i, (seq, sample, (row, start, length)) in enumerate(zip(sequences, images, packed.spans)):
-        check_sample_images(i, seq, sample, config)
-        position_ids[:, row, start : start + length] = mrope_positions(seq.cpu(), sample.grid_thw, config)
-    # features in row-major order of the packed image tokens: by row, then by start within the row
-    order = sorted(range(len(sequences)), key=lambda i: packed.spans[i][:2])
-    features = torch.cat([images[i].features.to(device) for i in order])  # (N, H)
+    position_ids, features = vision_inputs(packed, sequences, images, model.config)
+    features = features.to(device)
     inputs_embeds = embed_with_images(model, packed.input_ids.to(device), features)  # (R, C, H)
     return {"inputs_embeds": inputs_embeds, "position_ids": position_ids.to(device), "attention_mask": mask}
 
 
-def _packed(sequences: list[Tensor], capacity: int | None, images: list[SampleImages] | None,
-            prompt_lens: Tensor | None) -> Packed:
+def packed_layout(sequences: list[Tensor], capacity: int | None, images: list[SampleImages] | None,
+                  prompt_lens: Tensor | None) -> Packed:
     """The layout of a forward: prompts shared by their samples when `prompt_lens` is given (text
     models; a vision-language model's M-RoPE positions are placed per whole sequence)."""
     if prompt_lens is None or images is not None:
@@ -270,7 +278,7 @@ def packed_forward(
     one `SampleImages` per sequence for a vision-language model (None: a text model).
     `prompt_lens` (N,): the samples of one prompt share its forward (`pack_shared`).
     """
-    packed = _packed(sequences, capacity, images, prompt_lens)
+    packed = packed_layout(sequences, capacity, images, prompt_lens)
     device = next(model.parameters()).device
     logits = model(**_model_inputs(model, packed, sequences, images, device)).logits  # (R, C, ...)
     return unpack(logits, packed)
@@ -284,6 +292,19 @@ def packed_hidden_states(
     device = model.get_output_embeddings().weight.device
     hidden = model.get_decoder()(**_model_inputs(model, packed, sequences, images, device)).last_hidden_state
     return unpack(hidden, packed)
+
+
+def next_token_pairs(packed: Packed, sequences: list[Tensor], vocab: int,
+                     device: torch.device) -> tuple[Tensor, Tensor, Tensor | None]:
+    """What a packed forward's log-probs are of: flat positions (row * C + column) (P,) and the
+    next tokens they predict (P,), each pair once, and `inverse` (M,) taking them back to every
+    sequence's (L_i - 1,) in input order (None when nothing is shared: P = M, in that order)."""
+    positions = torch.cat([index[:-1] for index in packed.token_index]).to(device)  # (M,): position t predicts t + 1
+    labels = torch.cat([seq[1:] for seq in sequences]).to(device=device, dtype=torch.long)  # (M,)
+    if not packed.shares_prefixes:
+        return positions, labels, None
+    pairs, inverse = torch.unique(positions * vocab + labels, return_inverse=True)  # each pair once
+    return pairs // vocab, pairs % vocab, inverse
 
 
 def sequence_logprobs(
@@ -303,20 +324,14 @@ def sequence_logprobs(
     are never materialised, on Triton or on the chunked torch path. `images` and `prompt_lens` as
     in `packed_forward`; with a shared prompt, each (position, next token) pair is computed once.
     """
-    packed = _packed(sequences, capacity, images, prompt_lens)
+    packed = packed_layout(sequences, capacity, images, prompt_lens)
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}: an LM head with a bias is not supported by the fused log-probs")
     device = head.weight.device
     inputs = _model_inputs(model, packed, sequences, images, device)
     hidden = model.get_decoder()(**inputs).last_hidden_state  # (R, C, H)
-    positions = torch.cat([index[:-1] for index in packed.token_index]).to(device)  # (M,): position t predicts t + 1
-    labels = torch.cat([seq[1:] for seq in sequences]).to(device=device, dtype=torch.long)  # (M,)
-    inverse = None
-    if packed.shares_prefixes:  # each (position, next token) pair once
-        vocab = head.weight.shape[0]
-        pairs, inverse = torch.unique(positions * vocab + labels, return_inverse=True)
-        positions, labels = pairs // vocab, pairs % vocab
+    positions, labels, inverse = next_token_pairs(packed, sequences, head.weight.shape[0], device)
     flat = hidden.reshape(-1, hidden.shape[-1])  # (R * C, H)
     logp, entropy = logprobs_from_hidden(flat[positions], head.weight, labels, temperature, with_entropy)
     if inverse is not None:

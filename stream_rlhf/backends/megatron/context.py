@@ -2,17 +2,20 @@
 per-token results gathered back into whole sequences.
 
     split = ContextSplit(cp=2, rank=parallel.cp_rank)
-    width = split.width(longest)              # batches are right-padded to a multiple of 2 x cp
-    ids = split.take(ids, 1)                  # (B, S) -> (B, S_local), megatron's load-balanced layout
-    logp = split.gather(logp_local)           # (B, S_local, ...) of every cp rank -> (B, S, ...)
+    width = split.width(longest)              # packed rows are right-padded to a multiple of 2 x cp
+    ids = split.take(ids, 1)                  # (R, S) -> (R, S_local), megatron's load-balanced layout
+    values = split.gather(values_local)       # (R, S_local, ...) of every cp rank -> (R, S, ...)
+    logp = split.combine(mine)                # (P, ...) with zeros where another rank scores -> summed
 
-Under cp > 1 a rank holds S_local = S / cp positions: chunks r and 2 x cp - 1 - r of the sequence cut
-into 2 x cp (`kernels/cp_gather.py`, `megatron.core.utils.get_batch_on_this_cp_rank`). The engine
-gives megatron this rank's tokens, the causal mask's rows of its positions (all S columns: the
-attention, `cp_attention.py`, gathers every key) and the whole (3, B, S) M-RoPE positions, whose
-rotary embedding megatron cuts into the same chunks itself. Log-probs and values are computed for
-the local positions only and all-gathered as (B, S_local) floats per rank (`cp_gather`), never
-hidden states or logits. With cp = 1 every call returns its input.
+Under cp > 1 a rank holds S_local = S / cp positions of every packed row: chunks r and 2 x cp - 1 - r
+of the row cut into 2 x cp (`kernels/cp_gather.py`, `megatron.core.utils.get_batch_on_this_cp_rank`).
+The engine gives megatron this rank's tokens, the packed mask's rows of its positions (all S columns:
+the attention, `cp_attention.py`, gathers every key) and the whole (3, R, S) positions, whose rotary
+embedding megatron cuts into the same chunks itself. Values are computed at the local positions and
+all-gathered as (R, S_local) floats per rank (`cp_gather`); log-probs, whose (position, next token)
+pairs do not follow the rows when a prompt is shared, are scored by the rank holding the position
+and summed over cp as (P,) floats (`combine`); never hidden states or logits. With cp = 1 every
+call returns its input.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from stream_rlhf.kernels.cp_gather import cp_gather, local_positions, next_token_labels
+from stream_rlhf.kernels.cp_gather import cp_gather, local_positions
 
 from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region  # noqa: E402
 
 LAYOUT = "load_balanced"
 
@@ -48,10 +52,22 @@ class ContextSplit:
             return x
         return x.index_select(dim, local_positions(x.shape[dim], self.cp, self.rank, LAYOUT).to(x.device))
 
-    def labels(self, ids: Tensor) -> Tensor:
-        """(B, S_local): the next token of each of this rank's positions in `ids` (B, S); a
-        placeholder at the last position, which has none."""
-        return next_token_labels(ids, ids.shape[1] // self.cp, self.cp, self.rank, LAYOUT)
+    def locate(self, width: int) -> tuple[Tensor, Tensor]:
+        """Where each of `width` positions lives: the cp rank that holds it (S,) and its index in
+        that rank's part (S,)."""
+        owner, slot = torch.zeros(width, dtype=torch.long), torch.zeros(width, dtype=torch.long)
+        for rank in range(self.cp):
+            held = local_positions(width, self.cp, rank, LAYOUT) if self.cp > 1 else torch.arange(width)
+            owner[held], slot[held] = rank, torch.arange(len(held))
+        return owner, slot
+
+    def combine(self, mine: Tensor) -> Tensor:
+        """The sum over the cp group of each rank's `mine` (zero where another rank wrote), the same
+        on every rank; the backward passes the gradient through unchanged, so each rank's entries get
+        theirs only (as `gather`)."""
+        if self.cp == 1:
+            return mine
+        return reduce_from_tensor_model_parallel_region(mine, group=ps.get_context_parallel_group())
 
     def gather(self, local: Tensor) -> Tensor:
         """(B, S_local, ...) of every rank of the cp group -> (B, S, ...) in sequence order, the same
@@ -60,10 +76,3 @@ class ContextSplit:
             return local
         return cp_gather(local, self.cp, self.rank, LAYOUT, ps.get_context_parallel_group())
 
-
-def padded_ids(sequences: list[Tensor], width: int) -> Tensor:
-    """(B, width) long: `sequences` right-padded with 0."""
-    ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = seq
-    return ids

@@ -8,17 +8,20 @@
 The same `TrainEngine` protocol as the torch backend (`backends/train_engine.py`), so the stages and
 losses (`algos/`) are the same. Each data-parallel replica (tp x pp x cp ranks) takes its share of
 the samples; every forward and training pass runs through megatron's pipeline schedule with one
-micro-batch, the share right-padded to (B, S) under an explicit causal mask (no packing and no
-shared-prompt forwards yet: the same log-probs, more compute). A vision-language model's first stage
-embeds the tokens and puts the vision stage's features in at the image tokens, with Qwen2-VL's
-M-RoPE (3, B, S) positions; its frozen vision tower never enters megatron (its weights are exported
-as they came). Log-probs and entropies come from the fused kernel (`kernels/`) on the last stage's
-hidden states and the output layer's weight, all-gathered over tp (logits are never formed). Under
-context parallelism (cp > 1) each rank of a replica runs its part of every sequence (`context.py`:
-megatron's load-balanced chunks, the batch right-padded to a multiple of 2 x cp) and the per-token
-log-probs and values are all-gathered over cp (`kernels/cp_gather.py`), so callers see the same
-(L_i - 1,) results as with cp = 1. Inside `train_step`, `logprobs` / `values` read the hidden states
-of the step's own forward, so a loss function written for the torch engine works unchanged.
+micro-batch, the share packed padding-free as the torch engine packs it (`batch.py`: several
+sequences per row, positions restarting per sequence, the layout's block-diagonal causal mask as
+megatron's explicit mask; with `prompt_lens` a prompt's samples share its forward). A
+vision-language model's first stage embeds the rows and puts the vision stage's features in at the
+image tokens, with Qwen2-VL's M-RoPE (3, R, C) positions; its frozen vision tower never enters
+megatron (its weights are exported as they came); its critic (`VisionLanguageCritic`) is the same
+language model with a value head. Log-probs and entropies come from the fused kernel (`kernels/`)
+on the last stage's hidden states and the output layer's weight, all-gathered over tp (logits are
+never formed). Under context parallelism (cp > 1) each rank of a replica runs its part of every
+row (`context.py`: megatron's load-balanced chunks, the rows right-padded to a multiple of 2 x cp)
+and only per-token floats cross the cp ranks, so callers see the same (L_i - 1,) results as with
+cp = 1. Inside `train_step`, `logprobs` / `values` read the hidden states of the step's own forward
+(packed by the part's `prompt_lens`, as the stages' losses ask), so a loss function written for the
+torch engine works unchanged.
 Gradients are averaged over dp x cp by megatron's DDP (each rank's loss scaled by its share of the
 step's tokens, as in the torch engine), clipped to `max_grad_norm` and stepped by megatron's
 distributed optimizer (AdamW; megatron leaves biases and norms out of weight decay). On CUDA,
@@ -29,7 +32,6 @@ host memory and back storage by storage (`offload.py`), so megatron's views into
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,18 +39,18 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from stream_rlhf.backends.megatron.arch_qwen2_vl import VISION_PREFIX
+from stream_rlhf.backends.megatron.batch import Batch, packed_batch, token_logprobs, token_values
 from stream_rlhf.backends.megatron.config import MegatronConfig, check_parallel
-from stream_rlhf.backends.megatron.context import ContextSplit, padded_ids
-from stream_rlhf.backends.megatron.model import architecture, build_model, causal_mask, dims, join_megatron, text_config
+from stream_rlhf.backends.megatron.context import ContextSplit
+from stream_rlhf.backends.megatron.model import architecture, build_model, dims, join_megatron, text_config
 from stream_rlhf.backends.megatron.offload import HostCopies
 from stream_rlhf.backends.megatron.optimizer import MegatronOptimizer
 from stream_rlhf.backends.megatron.state import Layout, export_hf_state, load_hf_state
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.broker.rank_group import RankGroup
-from stream_rlhf.kernels import logprobs_from_hidden
 from stream_rlhf.models.checkpoint import save_checkpoint
-from stream_rlhf.models.vision_language import SampleImages, check_sample_images, mrope_positions, scatter_image_features
+from stream_rlhf.models.vision_language import SampleImages, scatter_image_features
 from stream_rlhf.stages.experience import Experience
 from stream_rlhf.weights.shm_store import WeightStore, reading
 
@@ -56,22 +58,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
 
-class Batch(NamedTuple):
-    ids: Tensor  # (B, S) long, right-padded (S a multiple of 2 x cp under cp > 1)
-    positions: Tensor  # (B, S), or (3, B, S) M-RoPE positions
-    mask: Tensor  # (1, 1, S, S) bool, True = masked out
-    features: Tensor | None  # (N, H) image features of the image tokens, row-major; None for text
-
-
 class MegatronTrainEngine:
     def __init__(self, model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None = None,
                  parallel: MegatronConfig | None = None, seed: int = 0):
-        """`model`: the Hugging Face policy or critic (a token classifier with a `score` head) whose
-        config and weights the megatron model takes; it is kept on the meta device for `save`."""
+        """`model`: the Hugging Face policy or critic (a token classifier, or a VLM's
+        `VisionLanguageCritic`, with a `score` head) whose config and weights the megatron model
+        takes; it is kept on the meta device for `save`."""
         critic = hasattr(model, "score")
         self.vision_config = model.config if hasattr(model.config, "vision_config") else None
-        if critic and self.vision_config is not None:
-            raise ValueError("megatron backend: vision-language critics are not mapped yet")
         parallel = parallel or MegatronConfig()
         if parallel.recompute and group.device.type != "cuda":
             raise ValueError("megatron.recompute=true: needs CUDA (megatron's recompute saves and restores CUDA RNG "
@@ -85,7 +79,7 @@ class MegatronTrainEngine:
         self.split = ContextSplit(parallel.cp, self.parallel.cp_rank)
         hf_state = model.state_dict()
         self.frozen = {k: v.detach().clone() for k, v in hf_state.items() if k.startswith(VISION_PREFIX)}
-        self.layout = Layout(architecture(model.config), dims(model.config, self.parallel.config.tp),
+        self.layout = Layout(architecture(model.config, critic), dims(model.config, self.parallel.config.tp),
                              text_config(model.config).num_hidden_layers,
                              bool(getattr(model.config, "tie_word_embeddings", False)) and not critic, critic,
                              self.parallel, {k: tuple(v.shape) for k, v in hf_state.items()},
@@ -97,7 +91,7 @@ class MegatronTrainEngine:
         del hf_state
         self.optimizer = MegatronOptimizer(self.model, optimizer) if optimizer is not None else None
         self.model.train(optimizer is not None)
-        self._step_outputs: tuple[list[Tensor], Tensor] | None = None  # inside train_step: (sequences, output)
+        self._step_outputs: tuple[list[Tensor], Batch, Tensor] | None = None  # in train_step: (sequences, batch, output)
         self._host = HostCopies()  # what offload moved to host memory (CUDA)
 
     # ---- forward -----------------------------------------------------------------------------
@@ -105,91 +99,54 @@ class MegatronTrainEngine:
     def logprobs(self, sequences: list[Tensor], temperature: float, with_entropy: bool = False,
                  images: list[SampleImages] | None = None,
                  prompt_lens: Tensor | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
-        return self._logprobs_of(self._output_for(sequences, images), sequences, temperature, with_entropy)
+        batch, out = self._output_for(sequences, images, prompt_lens)
+        return token_logprobs(out, self._head_weight(), batch, sequences, temperature, with_entropy, self.split)
 
     def values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
                prompt_lens: Tensor | None = None) -> list[Tensor]:
-        out = self.split.gather(self._output_for(sequences, images))  # (B, S)
-        return [out[i, : len(seq) - 1] for i, seq in enumerate(sequences)]
+        batch, out = self._output_for(sequences, images, prompt_lens)
+        return token_values(out, batch, self.split)
 
     def forward_logprobs(self, sequences: list[Tensor], temperature: float,
                          images: list[SampleImages] | None = None, prompt_lens: Tensor | None = None) -> list[Tensor]:
-        return self._shared(sequences, images, lambda out, seqs: self._logprobs_of(out, seqs, temperature, False)[0])
+        def logprobs_of(out: Tensor, batch: Batch, seqs: list[Tensor]) -> list[Tensor]:
+            return token_logprobs(out, self._head_weight(), batch, seqs, temperature, False, self.split)[0]
+
+        return self._shared(sequences, images, prompt_lens, logprobs_of)
 
     def forward_values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
                        prompt_lens: Tensor | None = None) -> list[Tensor]:
-        def values_of(out: Tensor, seqs: list[Tensor]) -> list[Tensor]:
-            out = self.split.gather(out)  # (B, S)
-            return [out[i, : len(s) - 1] for i, s in enumerate(seqs)]
+        return self._shared(sequences, images, prompt_lens, lambda out, batch, _: token_values(out, batch, self.split))
 
-        return self._shared(sequences, images, values_of)
-
-    def _output_for(self, sequences: list[Tensor], images: list[SampleImages] | None) -> Tensor:
-        """The last stage's output for `sequences`: the step's own forward inside `train_step`;
-        outside it (one pipeline stage only) a forward of its own."""
+    def _output_for(self, sequences: list[Tensor], images: list[SampleImages] | None,
+                    prompt_lens: Tensor | None) -> tuple[Batch, Tensor]:
+        """The batch of `sequences` and the last stage's output for it: inside `train_step` the
+        step's own (packed as its part's `prompt_lens` say, whatever the loss passes: the same
+        results); outside it (one pipeline stage only) a forward of its own."""
         if self._step_outputs is not None:
             if self._step_outputs[0] is not sequences:
                 raise ValueError("megatron train_step: the loss must ask for the log-probs of its own part's sequences")
-            return self._step_outputs[1]
+            return self._step_outputs[1:]
         if self.parallel.config.pp > 1:
             raise RuntimeError("megatron: with pp > 1 a forward runs through forward_* or train_step only")
-        return self._call(self.model, self._inputs(sequences, images))
+        batch = self._batch(sequences, images, prompt_lens)
+        return batch, self._call(self.model, batch)
 
-    def _inputs(self, sequences: list[Tensor], images: list[SampleImages] | None) -> Batch:
-        """(B, S) right-padded ids, (B, S) positions ((3, B, S) M-RoPE ones with images), (1, 1, S, S)
-        causal mask, and the (N, H) image features of the batch's image tokens in row-major order."""
-        width = self.split.width(max(len(s) for s in sequences))
-        ids = padded_ids(sequences, width)
-        if images is None:
-            positions = torch.arange(width)[None].expand(len(sequences), width)
-            return Batch(ids.to(self.device), positions.to(self.device), causal_mask(width, self.device), None)
-        if self.vision_config is None:
-            raise ValueError("megatron backend: images given to a text model")
-        positions = torch.zeros(3, len(sequences), width, dtype=torch.long)  # (3, B, S)
-        for i, (seq, sample) in enumerate(zip(sequences, images, strict=True)):
-            check_sample_images(i, seq, sample, self.vision_config)
-            positions[:, i, : len(seq)] = mrope_positions(seq.cpu(), sample.grid_thw, self.vision_config)
-        features = torch.cat([sample.features for sample in images]).to(self.device)  # (N, H)
-        return Batch(ids.to(self.device), positions.to(self.device), causal_mask(width, self.device), features)
+    def _batch(self, sequences: list[Tensor], images: list[SampleImages] | None, prompt_lens: Tensor | None) -> Batch:
+        return packed_batch(sequences, images, prompt_lens, self.split, self.vision_config, self.device)
 
     def _call(self, model: nn.Module, batch: Batch) -> Tensor:
         """`model` (the megatron model or its DDP wrapper) on this cp rank's part of `batch`; with
-        image features the first stage embeds the whole sequence itself, puts the features in at the
+        image features the first stage embeds the whole rows itself, puts the features in at the
         image tokens and passes on its part. The positions stay whole (megatron cuts the rotary
         embedding for this cp rank); the mask keeps the rows of this rank's positions."""
         decoder_input = None
         if batch.features is not None and self.parallel.first_stage:
-            embedded = self.model.embedding(input_ids=batch.ids, position_ids=None).transpose(0, 1)  # (B, S, H)
+            embedded = self.model.embedding(input_ids=batch.ids, position_ids=None).transpose(0, 1)  # (R, C, H)
             embedded = scatter_image_features(embedded, batch.ids, batch.features, self.vision_config.image_token_id)
-            decoder_input = self.split.take(embedded.transpose(0, 1), 0).contiguous()  # (S_local, B, H)
+            decoder_input = self.split.take(embedded.transpose(0, 1), 0).contiguous()  # (C_local, R, H)
         return model(self.split.take(batch.ids, 1), batch.positions, self.split.take(batch.mask, 2),
                      decoder_input=decoder_input)
-
-    def _logprobs_of(self, hidden: Tensor, sequences: list[Tensor], temperature: float,
-                     with_entropy: bool) -> tuple[list[Tensor], list[Tensor] | None]:
-        """Fused log-probs of `sequences` from the last stage's (B, S, H) hidden states (this cp
-        rank's (B, S_local, H) under cp > 1)."""
-        if self.split.cp > 1:
-            return self._cp_logprobs_of(hidden, sequences, temperature, with_entropy)
-        rows = torch.cat([torch.full((len(s) - 1,), i) for i, s in enumerate(sequences)]).to(self.device)
-        cols = torch.cat([torch.arange(len(s) - 1) for s in sequences]).to(self.device)
-        labels = torch.cat([s[1:] for s in sequences]).to(device=self.device, dtype=torch.long)
-        logp, entropy = logprobs_from_hidden(hidden[rows, cols], self._head_weight(), labels, temperature, with_entropy)
-        lengths = [len(s) - 1 for s in sequences]
-        return list(logp.split(lengths)), list(entropy.split(lengths)) if with_entropy else None
-
-    def _cp_logprobs_of(self, hidden: Tensor, sequences: list[Tensor], temperature: float,
-                        with_entropy: bool) -> tuple[list[Tensor], list[Tensor] | None]:
-        """`_logprobs_of` under cp: every local position's log-prob (and entropy), all-gathered over
-        cp as (B, S_local, 1 or 2) floats per rank."""
-        batch, local, size = hidden.shape
-        labels = self.split.labels(padded_ids(sequences, local * self.split.cp).to(self.device))  # (B, S_local)
-        logp, entropy = logprobs_from_hidden(hidden.reshape(-1, size), self._head_weight(), labels.reshape(-1),
-                                             temperature, with_entropy)
-        per_token = torch.stack([logp, entropy] if with_entropy else [logp], -1).view(batch, local, -1)
-        full = self.split.gather(per_token)  # (B, S, 1 or 2)
-        logps = [full[i, : len(s) - 1, 0] for i, s in enumerate(sequences)]
-        return logps, [full[i, : len(s) - 1, 1] for i, s in enumerate(sequences)] if with_entropy else None
 
     def _head_weight(self) -> Tensor:
         """(V, H): the output layer's weight, all-gathered over tp (backward: this rank's rows)."""
@@ -197,18 +154,20 @@ class MegatronTrainEngine:
         full = gather_from_tensor_model_parallel_region(local.t()).t() if self.parallel.config.tp > 1 else local
         return full[: self.layout.dims.vocab]
 
-    def _shared(self, sequences: list[Tensor], images: list[SampleImages] | None, result) -> list[Tensor]:
-        """`result(output, share)` over this replica's share of `sequences`, no gradient; every rank
-        gets every sample's (L_i - 1,) floats, on the CPU."""
+    def _shared(self, sequences: list[Tensor], images: list[SampleImages] | None, prompt_lens: Tensor | None,
+                result) -> list[Tensor]:
+        """`result(output, batch, share)` over this replica's share of `sequences`, no gradient;
+        every rank gets every sample's (L_i - 1,) floats, on the CPU."""
         mine = self._share(len(sequences))
         local = sequences[mine]
         lengths = [len(s) - 1 for s in sequences]
         offsets = [0] + torch.tensor(lengths).cumsum(0).tolist()
         flat = torch.zeros(offsets[-1], dtype=torch.float32)
         if local:
+            batch = self._batch(local, images[mine] if images is not None else None,
+                                prompt_lens[mine] if prompt_lens is not None else None)
             with torch.no_grad():
-                outputs = self._schedule(local, images[mine] if images is not None else None,
-                                         lambda out: (out.sum() * 0, {"out": result(out, local)}), True)
+                outputs = self._schedule(batch, lambda out: (out.sum() * 0, {"out": result(out, batch, local)}), True)
             if outputs and self.parallel.tp_rank == 0 and self.parallel.cp_rank == 0:
                 flat[offsets[mine.start]: offsets[mine.stop]] = torch.cat(outputs[0]["out"]).float().cpu()
         if self.group.distributed:
@@ -222,12 +181,9 @@ class MegatronTrainEngine:
         start = rank * base + min(rank, extra)
         return slice(start, start + base + (rank < extra))
 
-    def _schedule(self, sequences: list[Tensor], images: list[SampleImages] | None, loss,
-                  forward_only: bool) -> list[dict]:
+    def _schedule(self, batch: Batch, loss, forward_only: bool) -> list[dict]:
         """One micro-batch through megatron's pipeline schedule; `loss(output)` runs on the last
         stage and returns (loss, extras); the last stage gets the list of extras."""
-        batch = self._inputs(sequences, images)
-
         def forward_step(_iterator, model):
             return self._call(model, batch), loss
 
@@ -253,8 +209,10 @@ class MegatronTrainEngine:
         # cp rank's backward carries its own positions' part of the replica's loss: `cp_gather`)
         scale = tokens * self.parallel.dp / max(total, 1.0)
 
+        batch = self._batch(local.sequences, local.images, local.prompt_lens)
+
         def loss(output: Tensor):
-            self._step_outputs = (local.sequences, output)
+            self._step_outputs = (local.sequences, batch, output)
             try:
                 value, metrics = loss_fn(local, local_per_sample)
             finally:
@@ -262,7 +220,7 @@ class MegatronTrainEngine:
             return value * scale, {"metrics": {**metrics, "loss": value.item()}}
 
         self.optimizer.zero_grad()
-        outputs = self._schedule(local.sequences, local.images, loss, False)
+        outputs = self._schedule(batch, loss, False)
         grad_norm = self.optimizer.step()
         metrics = outputs[0]["metrics"] if outputs else {}
         return {**self._reduced(metrics, tokens, total), "grad_norm": grad_norm}

@@ -2,9 +2,10 @@
 
     parallel = join_megatron(group, MegatronConfig(tp=2), seed=0)    # once per process
     model = build_model(hf_model.config, parallel, critic=False)      # this rank's tp/pp shard
-    out = model(ids, positions, causal_mask(S))                       # (B, S, H) hidden or (B, S) values
+    out = model(ids, positions, mask)   # (3, B, S) positions, (B, 1, S, S) mask: (B, S, H) hidden or (B, S) values
 
-The model is megatron's local layer spec (no transformer-engine): RMSNorm, rotary positions,
+The model is megatron's local layer spec (no transformer-engine): RMSNorm, rotary positions (M-RoPE
+for every model, so that packed rows' positions restart per sequence: `mrope_section`),
 grouped-query attention (under cp > 1 our own core attention, `cp_attention.py`), SwiGLU, a fused
 QKV (with Qwen2's bias) and fused gate/up. Its last pipeline stage returns the final-norm hidden
 states (the fused log-prob kernel reads the output layer's weight itself: logits are never formed)
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from stream_rlhf.backends.megatron.arch_llama import LLAMA
 from stream_rlhf.backends.megatron.arch_qwen2 import QWEN2
-from stream_rlhf.backends.megatron.arch_qwen2_vl import QWEN2_VL
+from stream_rlhf.backends.megatron.arch_qwen2_vl import QWEN2_VL, QWEN2_VL_CRITIC
 from stream_rlhf.backends.megatron.config import MegatronConfig
 from stream_rlhf.backends.megatron.shim import apply_shims, seed_model_parallel
 from stream_rlhf.backends.megatron.weights import Architecture, Dims
@@ -90,12 +91,14 @@ def text_config(hf_config):
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
-def architecture(hf_config) -> Architecture:
+def architecture(hf_config, critic: bool = False) -> Architecture:
+    """The weight mapping of `hf_config`'s language model; a vision-language critic's own (its
+    language model is not under `model.`)."""
     kind = text_config(hf_config).model_type
     if kind not in ARCHITECTURES:
         raise ValueError(f"megatron backend: model_type {kind!r} has no weight mapping "
                          f"(mapped: {', '.join(ARCHITECTURES)})")
-    return ARCHITECTURES[kind]
+    return QWEN2_VL_CRITIC if critic and ARCHITECTURES[kind] is QWEN2_VL else ARCHITECTURES[kind]
 
 
 def dims(hf_config, tp: int) -> Dims:
@@ -105,10 +108,12 @@ def dims(hf_config, tp: int) -> Dims:
     return Dims(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, cfg.vocab_size, padded)
 
 
-def mrope_section(cfg) -> list[int] | None:
-    """Qwen2-VL's M-RoPE split of the rotary frequencies over (time, height, width), or None."""
+def mrope_section(cfg, head_dim: int) -> list[int]:
+    """The M-RoPE split of the rotary frequencies over (time, height, width): Qwen2-VL's, or for a
+    text model all of them on the first (its three position rows are equal: plain RoPE at the
+    given positions, which megatron's `rope` embedding does not take)."""
     section = (getattr(cfg, "rope_parameters", None) or {}).get("mrope_section")
-    return list(section) if section is not None else None
+    return list(section) if section is not None else [head_dim // 2, 0, 0]
 
 
 def rope_theta(cfg) -> float:
@@ -136,7 +141,8 @@ def transformer_config(hf_config, parallel: MegatronConfig) -> TransformerConfig
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
         context_parallel_size=parallel.cp, use_cpu_initialization=True, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, mrope_section=mrope_section(cfg), **recompute,
+        gradient_accumulation_fusion=False, mrope_section=mrope_section(cfg, dims(hf_config, 1).head_dim),
+        **recompute,
         # pipeline p2p as plain isend/irecv: batched p2p ends in torch.cuda.synchronize()
         batch_p2p_comm=torch.cuda.is_available(),
     )
@@ -154,7 +160,7 @@ class MegatronGPT(GPTModel):
                          vocab_size=dims(hf_config, config.tensor_model_parallel_size).padded_vocab,
                          max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process,
                          post_process=post_process, share_embeddings_and_output_weights=tied,
-                         position_embedding_type="mrope" if mrope_section(cfg) else "rope",
+                         position_embedding_type="mrope",
                          rotary_base=rope_theta(cfg))
         self.critic = critic
         if critic and post_process:
@@ -179,8 +185,3 @@ class MegatronGPT(GPTModel):
 def build_model(hf_config, parallel: Parallel, critic: bool) -> MegatronGPT:
     config = transformer_config(hf_config, parallel.config)
     return MegatronGPT(config, hf_config, critic, pre_process=parallel.first_stage, post_process=parallel.last_stage)
-
-
-def causal_mask(length: int, device: torch.device) -> Tensor:
-    """(1, 1, S, S) bool, True where attention is masked out (megatron's convention)."""
-    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), 1)[None, None]

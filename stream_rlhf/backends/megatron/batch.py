@@ -1,0 +1,106 @@
+"""The megatron engine's micro-batch: sequences packed padding-free into rows, and each sequence's
+per-token results read back out of the rows.
+
+    batch = packed_batch(sequences, images, prompt_lens, split, vision_config, device)
+    out = model(split.take(batch.ids, 1), batch.positions, split.take(batch.mask, 2))
+    logp, entropy = token_logprobs(out, head_weight, batch, sequences, 0.7, True, split)
+    values = token_values(out, batch, split)
+
+The layout is the torch engine's (`models/packing.py`, `packed_layout`): several sequences per row,
+positions restarting at 0 per sequence (M-RoPE ones per sequence for a vision-language model), and
+with `prompt_lens` (text models) the samples of one prompt sharing one copy of it. megatron gets
+the layout's attention mask as its explicit mask, inverted (True = masked out): block-diagonal
+causal, a shared prompt's samples each seeing the prompt and their own response only. Rows are
+right-padded to a multiple of 2 x cp under context parallelism (`context.py`); padding attends to
+itself only. Every model takes (3, R, C) positions: megatron's `rope` numbers positions 0..S-1 by
+itself, so the engine runs a text model's rotary embedding as M-RoPE too, its three rows equal
+(`model.py`).
+
+Log-probs are those of each (position, next token) pair of the layout, each pair once
+(`next_token_pairs`), by the fused kernel on the hidden states of the pairs' positions. Under cp > 1
+each rank scores the pairs whose position it holds and the pairs' (P,) floats (with entropy (P, 2))
+are summed over cp (`ContextSplit.combine`); values are (R, C_local) per rank, all-gathered over
+cp (`ContextSplit.gather`). Neither moves hidden states or logits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from stream_rlhf.backends.megatron.context import ContextSplit
+from stream_rlhf.kernels import logprobs_from_hidden
+from stream_rlhf.models.packing import Packed, next_token_pairs, packed_layout, vision_inputs
+from stream_rlhf.models.vision_language import SampleImages
+
+
+class Batch(NamedTuple):
+    ids: Tensor
+    """(R, C) long: the packed rows, right-padded with 0 (C a multiple of 2 x cp under cp > 1)."""
+    positions: Tensor
+    """(3, R, C) long: each sequence's positions from 0 (M-RoPE ones with images; a text model's
+    three rows equal); 0 on padding."""
+    mask: Tensor
+    """(R, 1, C, C) bool, True = masked out: the layout's attention mask, inverted."""
+    features: Tensor | None
+    """(N, H) image features of the rows' image tokens in row-major order; None for text."""
+    layout: Packed
+    """The packing before the cp padding (its flat positions count in its own width)."""
+
+
+def packed_batch(sequences: list[Tensor], images: list[SampleImages] | None, prompt_lens: Tensor | None,
+                 split: ContextSplit, vision_config, device: torch.device) -> Batch:
+    """`sequences` packed as the torch engine packs them (`prompt_lens`: a prompt's samples share
+    it, text models only), padded for `split`, on `device`. `vision_config`: a VLM's config, or None."""
+    if images is not None and vision_config is None:
+        raise ValueError("megatron backend: images given to a text model")
+    layout = packed_layout(sequences, None, images, prompt_lens)
+    rows, width = layout.input_ids.shape
+    extra = split.width(width) - width
+    attend = torch.eye(width + extra, dtype=torch.bool).repeat(rows, 1, 1, 1)  # (R, 1, C, C): padding sees itself
+    attend[:, :, :width, :width] = layout.attention_mask
+    features = None
+    if images is None:
+        positions = layout.position_ids.expand(3, rows, width)
+    else:
+        positions, features = vision_inputs(layout, sequences, images, vision_config)
+        features = features.to(device)
+    return Batch(F.pad(layout.input_ids, (0, extra)).to(device), F.pad(positions, (0, extra)).to(device),
+                 (~attend).to(device), features, layout)
+
+
+def token_logprobs(hidden: Tensor, head_weight: Tensor, batch: Batch, sequences: list[Tensor], temperature: float,
+                   with_entropy: bool, split: ContextSplit) -> tuple[list[Tensor], list[Tensor] | None]:
+    """(L_i - 1,) log-probs (and entropies) of `sequences` from the last stage's hidden states
+    (R, C_local, H) of `batch` (C_local = C / cp) and the (V, H) output layer's weight."""
+    device = hidden.device
+    positions, labels, inverse = next_token_pairs(batch.layout, sequences, head_weight.shape[0], device)
+    width = batch.layout.input_ids.shape[1]
+    rows, columns = positions // width, positions % width  # (P,)
+    owner, slot = (t.to(device) for t in split.locate(batch.ids.shape[1]))
+    mine = owner[columns] == split.rank  # (P,): the pairs whose position this cp rank holds
+    if mine.any():
+        logp, entropy = logprobs_from_hidden(hidden[rows[mine], slot[columns[mine]]], head_weight, labels[mine],
+                                             temperature, with_entropy)
+        scored = torch.stack([logp, entropy] if with_entropy else [logp], -1)  # (P_mine, 1 or 2)
+    else:  # no pair's position is on this cp rank: no kernel on empty input, the loss still reaches the hidden states
+        scored = hidden.new_zeros(0, 1 + with_entropy) + hidden.sum() * 0
+    if split.cp > 1:
+        scored = split.combine(scored.new_zeros(len(positions), scored.shape[1]).index_put((mine,), scored))
+    if inverse is not None:
+        scored = scored[inverse]  # (M, 1 or 2)
+    lengths = [len(s) - 1 for s in sequences]
+    logps = list(scored[:, 0].split(lengths))
+    return logps, list(scored[:, 1].split(lengths)) if with_entropy else None
+
+
+def token_values(output: Tensor, batch: Batch, split: ContextSplit) -> list[Tensor]:
+    """(L_i - 1,) values of each sequence of `batch` from the critic's (R, C_local) output, position
+    t valuing the state before token t + 1."""
+    values = split.gather(output)  # (R, C)
+    width = batch.layout.input_ids.shape[1]
+    flat = values[:, :width].reshape(-1)  # (R * width,): the layout's flat positions
+    return [flat[index[:-1].to(flat.device)] for index in batch.layout.token_index]
