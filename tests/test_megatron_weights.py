@@ -111,5 +111,4 @@ def test_job_configs_place_megatron_only_where_it_fits():
             job(stages, rollout_batch={"prompts_per_minibatch": 16})
     vision = {"task": {"name": "shapes"}, "model": {"tiny": {"vision": {}}}}
     assert job({"actor_train": {"backend": "megatron"}}, **vision).placement.stages["actor_train"].backend == "megatron"
-    with pytest.raises(ConfigError, match="critic_train.backend=megatron: vision-language critics are not mapped"):
-        job({"critic_train": {"backend": "megatron"}}, **vision)
+    assert job({"critic_train": {"backend": "megatron"}}, **vision).placement.stages["critic_train"].backend == "megatron"

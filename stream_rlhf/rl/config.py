@@ -246,15 +246,14 @@ class RLJobConfig:
                 raise ConfigError(f"{key}: launcher={self.launcher} does not host device groups yet (launcher: local)")
 
     def _check_megatron(self, stage: str, own: StagePlacement, key: str) -> None:
-        """A megatron stage holds a train engine and a text model whose heads and layers its sizes
-        split (a `model.path` checkpoint is checked when the engine is built)."""
+        """A megatron stage holds a train engine and a language model (a vision-language model's
+        decoder) whose heads and layers its sizes split (a `model.path` checkpoint is checked when
+        the engine is built)."""
         if stage not in GROUP_STAGES:
             raise ConfigError(f"{key}.backend=megatron: only {', '.join(GROUP_STAGES)} hold a train engine")
         if self.precision != "fp32":
             raise ConfigError(f"precision={self.precision}: {key}.backend=megatron computes in fp32 only here "
                               "(megatron's own bf16 is not wired in); use precision fp32 or backend torch")
-        if stage.startswith("critic") and (self.model.tiny.vision is not None or self.task.name == "shapes"):
-            raise ConfigError(f"{key}.backend=megatron: vision-language critics are not mapped to megatron yet")
         if self.model.path is None:
             tiny = self.model.tiny
             check_model(own.megatron, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_hidden_layers,
