@@ -176,3 +176,156 @@ def test_a_plan_across_hosts_without_keys_is_refused_before_anything_starts(tmp_
     plan = preview_plan(across(tmp_path, node_hosts=True, stage_resources=PINNED))
     with pytest.raises(ConfigError, match="spans hosts .* but carries no CURVE keys"):
         RayJob(replace(plan, keys=None))
+
+
+def test_a_host_run_folder_reaches_the_driver_appends_live_whole_files_replaced_deletions_too(tmp_path):
+    """What ranks on another host write (metrics appended line by line, stage counts replaced, a
+    checkpoint written in several pieces, files removed) arrives in the driver's run folder exactly."""
+    from stream_rlhf.launch.run_files import FolderMirror, apply_changes
+
+    host, driver = tmp_path / "host" / "run", tmp_path / "driver" / "run"
+    host.mkdir(parents=True)
+    mirror = FolderMirror(host)
+    metrics = host / "metrics.jsonl"
+    metrics.write_text('{"iteration": 1}\n')
+    (host / "stage_counts").mkdir()
+    counts = host / "stage_counts" / "rollout-0-7.json"
+    counts.write_text('{"generated": 16}')
+    assert apply_changes(driver, mirror.changes()) == len('{"iteration": 1}\n') + len('{"generated": 16}')
+    assert mirror.changes() == []  # nothing changed since
+    with metrics.open("a") as f:
+        f.write('{"iteration": 2}\n')
+    partial = counts.with_suffix(".partial")
+    partial.write_text('{"generated": 32}')
+    partial.replace(counts)
+    changes = mirror.changes()
+    appended = next(c for c in changes if c.path == "metrics.jsonl")
+    assert (appended.whole, appended.offset, appended.data) == (False, 17, b'{"iteration": 2}\n')
+    apply_changes(driver, changes)
+    assert (driver / "metrics.jsonl").read_text() == '{"iteration": 1}\n{"iteration": 2}\n'
+    assert (driver / "stage_counts" / "rollout-0-7.json").read_text() == '{"generated": 32}'
+    metrics.write_text('{"iteration": 1, "cut": true}\n{"iteration": 2}\n')  # rewritten in place: sent whole
+    weights = host / "checkpoint" / "model.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes in pieces of at most 4,096, metrics in the last
+    pieces = 0
+    while changes := mirror.changes(max_bytes=4096):
+        pieces += 1
+        apply_changes(driver, changes)
+        if pieces == 1:  # a reader never sees half a file
+            assert not (driver / "checkpoint" / "model.safetensors").exists()
+    assert pieces == 3 and (driver / "checkpoint" / "model.safetensors").read_bytes() == weights.read_bytes()
+    assert (driver / "metrics.jsonl").read_text() == metrics.read_text()
+    counts.unlink()
+    apply_changes(driver, mirror.changes())
+    assert sorted(p.name for p in driver.rglob("*") if p.is_file()) == ["metrics.jsonl", "model.safetensors"]
+    with pytest.raises(ValueError, match="outside it"):
+        from stream_rlhf.launch.run_files import FileChange
+
+        apply_changes(driver, [FileChange("../escape", 0, b"x", whole=True)])
+
+
+def test_broadcast_groups_meet_through_a_store_instead_of_a_folder(tmp_path):
+    """Across hosts a sender publishes its group's address in the launcher's store (no shared
+    folder), binds its interface towards that store, and its receiver finds it there."""
+    from stream_rlhf.weights import address_book
+    from stream_rlhf.weights.broadcast import BroadcastReceiver, BroadcastSender
+
+    store, book = address_book.host_book("127.0.0.1")
+    assert book.startswith("tcp://127.0.0.1:") and address_book.sender_host(book) == "127.0.0.1"
+    with pytest.raises(address_book.WeightSyncTimeout, match="'rollout-0': its address never appeared in the store"):
+        address_book.lookup(book, "rollout-0", timeout_s=0.2)
+    sender = BroadcastSender(book, {"rollout-0": 2}, "gloo", 1 << 20, timeout_s=30.0,
+                             host=address_book.sender_host(book))
+    try:
+        # what a Path makes of the book (vLLM workers get it as a folder argument) is the same book
+        receiver = BroadcastReceiver.join(Path(book), "rollout-0", 1, 2, "gloo", timeout_s=30.0)
+        sender.publish([("w", torch.arange(6.0))], version=3)
+        version, named = receiver.receive(min_version=3)
+        assert version == 3 and torch.equal(dict(named)["w"], torch.arange(6.0))
+        assert address_book.lookup(book, "rollout-0", 1.0).startswith("127.0.0.1:")
+        receiver.close()
+    finally:
+        sender.close()
+    assert not store.check(["address/rollout-0"])  # the sender forgot its address when it stopped
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_rank_on_another_host_writes_its_run_folder_and_weights_there(tmp_path):
+    """`on_host`: the plan's relocation of a stage spec; the trace and counts folders move with it,
+    and stages that meet through one host's weight store are listed to share a host."""
+    from stream_rlhf.rl.plan import on_host
+
+    plan = preview_plan(across(tmp_path, node_hosts=True, stage_resources=PINNED))
+    assert plan.run_dir == str((tmp_path / "across").resolve()) and plan.relocate == "stream_rlhf.rl.plan:on_host"
+    spec = plan.flow.stages["actor_train"]
+    moved = on_host(spec, str(tmp_path / "host" / "across"), "/dev/shm/x-weights-h1")
+    job = moved.kwargs["job"]
+    assert job.run_dir == tmp_path / "host" / "across" and job.weights_root == "/dev/shm/x-weights-h1"
+    assert spec.kwargs["job"].run_dir == tmp_path / "across"  # the driver's spec is unchanged
+    assert plan.same_host == []  # the critic crosses hosts by broadcast; the policy too here
+    assert plan.flow.stages["critic_forward"].restarts == 0
+    shm = preview_plan(across(tmp_path, node_hosts=True, stage_resources={"rollout": {"n": 1},
+                                                                          "actor_train": {"n": 1}}))
+    assert ("rollout", "actor_train") in [pair[:2] for pair in shm.same_host]
+    with pytest.raises(ValueError, match="not named after job across"):
+        on_host(spec, str(tmp_path / "host" / "other"), None)
+
+
+def test_critic_versions_reach_critic_forward_on_another_host_by_its_own_group(tmp_path, monkeypatch):
+    """With an address book (ranks on several hosts) critic_train's leader sends each critic version
+    to critic_forward's group; the forward's leader writes it into its own host's store, asks only
+    for versions it lacks, and a drain while it waits aborts the step."""
+    import threading
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from stream_rlhf.broker.rank_group import RankGroup
+    from stream_rlhf.broker.stage import StepAborted
+    from stream_rlhf.stages.critic_weights import CriticRelay, open_critic_sender
+    from stream_rlhf.stages.job_context import JobContext
+    from stream_rlhf.weights import address_book
+    from stream_rlhf.weights.shm_store import WeightStore
+
+    job = JobContext(build(RLJobConfig, tiny_job(tmp_path, "critic", weights={"timeout_s": 30.0})), "unused",
+                     str(tmp_path / "forward-host-weights"))
+    assert open_critic_sender(job) is None and CriticRelay.join(job, RankGroup.single()) is None  # one host
+    _store, book = address_book.host_book("127.0.0.1")
+    monkeypatch.setenv(address_book.BOOK_ENV, book)
+    sender = open_critic_sender(job)
+    relay = CriticRelay.join(job, RankGroup.single())
+    store = WeightStore(job.weights_root, "critic")
+    ctx = SimpleNamespace(stopping=threading.Event(), group=RankGroup.single())
+    try:
+        weights = {"v_head.weight": torch.full((2, 3), 7.0), "model.norm.weight": torch.ones(3)}
+        sender.publish(weights.items(), 2)
+        relay.fetch(1, store, ctx)
+        assert relay.received == 2 and store.latest_version() == 2
+        held = load_file(str(store.path(2)))
+        assert torch.equal(held["v_head.weight"], weights["v_head.weight"])
+        relay.fetch(2, store, ctx)  # held already: nothing asked
+        assert relay.receiver._requests == 1
+        ctx.stopping.set()
+        with pytest.raises(StepAborted, match="critic version 3"):
+            relay.fetch(3, store, ctx)
+    finally:
+        relay.close()
+        sender.close()
+
+
+def test_the_ray_launcher_refuses_to_split_stages_that_meet_through_one_hosts_store(tmp_path):
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from stream_rlhf.launch.ray_job import RayJob
+    from stream_rlhf.launch.spec import StageFailed
+
+    shm = {"rollout": {"n": 1}, "actor_train": {"n": 1}}  # pinned together: the store stays
+    job = RayJob(preview_plan(across(tmp_path, node_hosts=True, stage_resources=shm)))
+    job.placed = {"broker": {"host_id": "a"}, "rollout-0": {"host_id": "a"}, "actor_train-0": {"host_id": "a"},
+                  "critic_forward-0": {"host_id": "b"}, "critic_train-0": {"host_id": "a"}}
+    job._check_same_host()  # the critic crosses hosts by its broadcast group
+    job.placed["actor_train-0.rank1"] = {"host_id": "b"}
+    with pytest.raises(StageFailed, match=r"rollout \(on a\) and actor_train \(on a, b\) must share a host: "
+                                          r"weights.transport=shm is one host's"):
+        job._check_same_host()
+    assert job.failed == ["rollout", "actor_train"]

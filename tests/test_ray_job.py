@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job, write_job
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
@@ -215,7 +216,9 @@ def test_ppo_across_three_hosts_fetches_payloads_over_tcp_and_sends_weights_by_b
     """Rollout, the forwards and the trainers each on a host of their own (`ray.node_hosts`): the
     broker and payload servers use the keys the driver made, every consumer on another host than
     its producer fetches over TCP, rollout gets each policy by the broadcast group, and the sample
-    accounting is the local launcher's."""
+    accounting is the local launcher's. No host shares a folder with the driver or another host:
+    each writes a run folder and a weight store of its own, shipped into the driver's run folder
+    (metrics per iteration, the trace of every stage, the checkpoint the driver evaluates)."""
     cluster, (rollout_node, forwards_node, train_node) = three_hosts
     on = {name: {f"{name}_node": 1} for name in ("rollout", "forwards", "train")}
     resources = {"broker": on["train"], "prompts": on["rollout"], "rollout": on["rollout"],
@@ -247,4 +250,18 @@ def test_ppo_across_three_hosts_fetches_payloads_over_tcp_and_sends_weights_by_b
     assert "rollout-0" not in fetched  # its inputs (prompts) come from its own host: /dev/shm
     received = trace_events(run_dir, "weights receive")
     assert {e["args"]["transport"] for e in received.get("rollout-0", [])} == {"broadcast"}, received
+    # critic_forward, on another host than critic_train, got the critic of iterations 1 and 2 by its group
+    critic = [e["args"]["version"] for e in received.get("critic_forward-0", [])]
+    assert critic and critic == sorted(set(critic)) and critic[-1] == 2, received
     assert not [name for name, (_, pid) in where.items() if alive(pid)]
+    # every host wrote into a run folder of its own, shipped into the driver's and removed at the end
+    folders = dict(re.findall(r"ray: host (\S+) writes its run folder at (\S+), shipped to", log))
+    assert set(folders) == set(hosts.values()) and len(set(folders.values())) == 3
+    assert not [folder for folder in folders.values() if Path(folder).exists()]
+    assert [r["iteration"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
+    assert len(read_metrics(run_dir / "critic_metrics.jsonl")) == 3
+    assert (run_dir / "checkpoint" / "config.json").is_file() and (run_dir / "train_summary.json").is_file()
+    merged = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
+    assert tracks == set(where), tracks  # the broker and every stage instance, from three hosts
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_hosts")]  # every host's store is gone

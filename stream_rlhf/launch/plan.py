@@ -103,6 +103,18 @@ class JobPlan:
     keys: CurveKeys | None = field(default=None, repr=False)
     """The job's CURVE keys, made by the driver when the plan spans hosts (`spans_hosts`); the
     launcher hands them to the broker and every rank, which then use CURVE even on loopback."""
+    run_dir: str | None = None
+    """The driver's run folder, the one the user sees. A rank on another host writes into a run
+    folder of its host instead, which the launcher ships back into this one (`launch/ray_hosts.py`)."""
+    weights_root: str | None = None
+    """The folder of the weight versions in the driver host's /dev/shm; a rank on another host gets
+    `<it>-<host tag>` of its own."""
+    relocate: str | None = None
+    """"package.module:function" giving a stage spec the run folder and weight root of another
+    host (`(spec, run_dir, weights_root) -> spec`): what in its arguments names them."""
+    same_host: list[tuple[str, str, str]] = field(default_factory=list)
+    """(stage, stage, why): pairs whose ranks must share a host (the launcher refuses a placement
+    that splits them, naming the pair and why)."""
 
     @property
     def spans_hosts(self) -> bool:

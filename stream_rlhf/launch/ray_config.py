@@ -13,8 +13,9 @@ A job on a cluster (`address` set) or with `node_hosts` spans hosts (`JobPlan.sp
 driver generates CURVE keys and hands them to the broker and the ranks, which bind their node's
 address with them. `node_hosts` exercises the across-hosts paths on one machine (a
 `ray.cluster_utils.Cluster` whose nodes all have the IP 127.0.0.1): each node gets a host id of its
-own, so a rank on another node than its producer fetches payloads over TCP and rollout gets its
-weights by the broadcast group, as on separate machines.
+own, so a rank on another node than its producer fetches payloads over TCP, rollout and the critic
+forward get their weights by broadcast groups, and each node's ranks write a run folder and a weight
+store of their own (shipped into the driver's run folder), as on separate machines.
 
 Importing this module never imports Ray (a config with `launcher: local` does not need it).
 """
@@ -46,10 +47,11 @@ class RayConfig:
     start_timeout_s: float = 120.0
     """How long the placement group may wait for its bundles before the job fails, naming them."""
     node_hosts: bool = False
-    """Test/debug setting: treat every Ray node as a host of its own (its own host id, so no
-    /dev/shm shared with another node's ranks), so that ranks on another node than their peers take
-    the across-hosts paths (payloads over TCP with CURVE, weights by broadcast) even when the nodes
-    share one machine. Off: the host id is the machine's."""
+    """Test/debug setting: treat every Ray node as a host of its own (its own host id, run folder
+    and weight store, so no folder or /dev/shm shared with the driver or another node's ranks), so
+    that ranks on another node than their peers take the across-hosts paths (payloads over TCP with
+    CURVE, weights by broadcast, files shipped to the driver) even when the nodes share one
+    machine. Off: the host id is the machine's."""
 
     def __post_init__(self) -> None:
         if self.address is not None and not self.address:

@@ -17,11 +17,13 @@ address, and it and every rank get the plan's CURVE keys in their arguments (eac
 private folder of its own; a plan across hosts without keys is refused before anything starts).
 Each rank's host id (`STREAM_RLHF_HOST_ID`) is its machine's, or with `ray.node_hosts` its node's:
 a consumer on another host than its producer fetches the payload from the producer's payload
-server over TCP, and rollout gets its weights by the broadcast group (`rl/plan.py`). What still
-goes through the driver's machine (metrics, stage counters and the trace in the run folder, the
-broadcast group's address and the critic's weights in /dev/shm) keeps every rank on the driver's
-machine for now: a rank placed on another machine fails the job at start, naming it. Ray itself
-is imported only here (the `ray` extra).
+server over TCP, and rollout and the critic forward get their weights by broadcast groups
+(`rl/plan.py`), which meet through an address book the broker's actor serves on its node
+(`weights/address_book.py`, handed to every rank). A rank on another host than the driver's
+writes into a run folder and a weight root of its host, shipped into the driver's run folder
+while it runs and in full at the end (`ray_hosts.py`). Stages that still meet through one host's
+/dev/shm weight store (`JobPlan.same_host`) must share a host: a placement that splits them fails
+the job at start, naming the pair. Ray itself is imported only here (the `ray` extra).
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.sockets import CurveKeys, private_key_dir
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.launcher import BrokerClient, Watch
 from stream_rlhf.launch.plan import BROKER, JobPlan, RankPlan
+from stream_rlhf.launch.ray_hosts import RayHosts
 from stream_rlhf.launch.spec import StageFailed, StageSpec, setup_logging, take_restart
 
 log = logging.getLogger(__name__)
@@ -52,8 +56,6 @@ class _Worker:
         """The Ray node, its IP, the machine's name and host id, the worker's pid and the GPUs Ray gave it."""
         import ray
 
-        from stream_rlhf.broker.shm import host_id
-
         return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "host": socket.gethostname(), "host_id": host_id(), "pid": os.getpid(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()]}
@@ -62,26 +64,30 @@ class _Worker:
 class _BrokerActor(_Worker):
     """The broker in a Ray worker: `open` binds it, `serve` runs its loop on an actor thread."""
 
-    def open(self, plan: JobPlan, cwd: str, host: str) -> str:
-        """Bind the broker: on its node's address with the plan's keys when the plan spans hosts."""
+    def open(self, plan: JobPlan, cwd: str, host: str, trace_folder: str | None) -> tuple[str, str | None]:
+        """Bind the broker: on its node's address with the plan's keys when the plan spans hosts,
+        and then serve the weight-sync groups' address book there too. Returns both addresses."""
         import ray
 
         from stream_rlhf.broker.server import BrokerServer
         from stream_rlhf.broker.topology import CurveConfig
         from stream_rlhf.telemetry import trace
+        from stream_rlhf.weights.address_book import host_book
 
-        _enter(cwd, host)
+        _enter(cwd, host, None)
         flow = plan.flow
-        if flow.trace_folder is not None:
-            trace.start(flow.trace_folder, "broker", "broker")
+        if trace_folder is not None:
+            trace.start(trace_folder, "broker", "broker")
         config = flow.broker
         self.key_dir = tempfile.mkdtemp(prefix="srlhf-keys-") if plan.keys is not None else None
         if plan.keys is not None:
             config = replace(config, curve=CurveConfig(str(plan.keys.write(self.key_dir))))
+        book = None
         if plan.spans_hosts:
             config = replace(config, address=f"tcp://{ray.util.get_node_ip_address()}:*")
+            self.book, book = host_book(ray.util.get_node_ip_address())
         self.server = BrokerServer(flow.topology, config, flow.admission)
-        return self.server.address
+        return self.server.address, book
 
     def serve(self) -> dict[str, float]:
         try:
@@ -107,11 +113,11 @@ class _RankActor(_Worker):
             return f"tcp://{ip}:{probe.getsockname()[1]}"
 
     def run(self, stage: str, instance_id: str, spec: StageSpec, address: str, keys: CurveKeys | None, prefix: str,
-            rank: int, init_method: str | None, cwd: str, host: str) -> None:
+            rank: int, init_method: str | None, cwd: str, host: str, book: str | None) -> None:
         from stream_rlhf.launch.rank import run_stage
         from stream_rlhf.telemetry import trace
 
-        _enter(cwd, host)
+        _enter(cwd, host, book)
         try:
             with private_key_dir(keys) as key_dir:
                 run_stage(stage, instance_id, spec, address, key_dir, prefix, rank, init_method)
@@ -122,11 +128,16 @@ class _RankActor(_Worker):
             trace.stop()
 
 
-def _enter(cwd: str, host: str) -> None:
-    """A worker starts in Ray's folder: run in the driver's (the run folder's paths are relative to
-    it), as host `host` (the host id its payloads and the broker's segment checks go by)."""
+def _enter(cwd: str, host: str, book: str | None) -> None:
+    """A worker starts in Ray's folder: run in the driver's (the config's relative paths are
+    relative to it), as host `host` (the host id its payloads and the broker's segment checks go
+    by), its weight-sync groups meeting through `book` (None: a folder beside the weight store)."""
+    from stream_rlhf.weights.address_book import BOOK_ENV
+
     setup_logging()
     os.environ["STREAM_RLHF_HOST_ID"] = host
+    if book is not None:
+        os.environ[BOOK_ENV] = book
     if os.path.isdir(cwd):
         os.chdir(cwd)
 
@@ -162,6 +173,10 @@ class RayJob(BrokerClient):
         self._group: Any = None
         self._started_ray = False
         self._cwd = os.getcwd()
+        self.hosts = RayHosts(plan, host_id())
+        """The run folders of the hosts other than the driver's, shipped into the driver's."""
+        self.book: str | None = None
+        """The weight-sync groups' address book (a plan across hosts), served by the broker's actor."""
 
     def start(self, timeout_s: float = 30.0) -> str:
         import ray
@@ -195,9 +210,10 @@ class RayJob(BrokerClient):
                               f"{_summed(bundles)}, the cluster has {ray.cluster_resources()}")
         index, broker = self._bundles[BROKER]
         self._broker = self._actor(_BrokerActor, index, broker, max_concurrency=2)
-        self.placed[BROKER] = self._host_of(ray.get(self._broker.where.remote(), timeout=timeout_s))
-        self.address = ray.get(self._broker.open.remote(self.plan, self._cwd, self.placed[BROKER]["host_id"]),
-                               timeout=timeout_s)
+        where = self.placed[BROKER] = self._host_of(ray.get(self._broker.where.remote(), timeout=timeout_s))
+        trace_folder = self.hosts.trace_folder(self.plan.flow.trace_folder, where["node"], where["host_id"])
+        self.address, self.book = ray.get(self._broker.open.remote(self.plan, self._cwd, where["host_id"],
+                                                                   trace_folder), timeout=timeout_s)
         self._broker_run = self._broker.serve.remote()
         _log_placed(BROKER, self.placed[BROKER])
         self.start_instances([(stage, index) for stage, spec in self.plan.flow.stages.items()
@@ -229,14 +245,7 @@ class RayJob(BrokerClient):
                                                                   timeout=self.plan.ray.start_timeout_s))))
         for name in actors:
             _log_placed(name, self.placed[name])
-        elsewhere = sorted(name for name, where in self.placed.items() if where["host"] != socket.gethostname())
-        if elsewhere:
-            self._fail(elsewhere, f"{', '.join(elsewhere)}: placed on another machine than the driver's "
-                       f"({socket.gethostname()}); jobs across machines are not supported yet (metrics, stage "
-                       "counters and the trace go through the run folder, the broadcast group's address and the "
-                       "critic's weights through this machine's /dev/shm): give every node of ray.address this "
-                       "machine, or pin the stages with ray.stage_resources (ray.node_hosts runs the across-hosts "
-                       "paths on one machine)")
+        self._check_same_host()
         for stage, index in instances:
             instance_id = f"{stage}-{index}"
             spec = self.plan.flow.stages[stage]
@@ -246,10 +255,23 @@ class RayJob(BrokerClient):
             devices = ["cuda:0" if spec.device(r).startswith("cuda") else spec.device(r) for r in range(spec.ranks)]
             ray_spec = replace(spec, cores=None, rank_cores=None, lending=None, devices=devices)
             for rank, name in enumerate(names):
-                run = actors[name].run.remote(stage, instance_id, ray_spec, self.address, self.keys,
-                                              self.plan.flow.broker.shm_prefix, rank, init_method, self._cwd,
-                                              self.placed[name]["host_id"])
+                where = self.placed[name]
+                run = actors[name].run.remote(stage, instance_id, self.hosts.relocate(ray_spec, where["node"],
+                                                                                      where["host_id"]),
+                                              self.address, self.keys, self.plan.flow.broker.shm_prefix, rank,
+                                              init_method, self._cwd, where["host_id"], self.book)
                 self._runs[run] = name
+
+    def _check_same_host(self) -> None:
+        """Fail the job naming two stages that must share a host and were placed on two."""
+        hosts: dict[str, set[str]] = {}
+        for name, where in self.placed.items():
+            hosts.setdefault(name.partition(".rank")[0].rpartition("-")[0] or name, set()).add(where["host_id"])
+        for first, second, why in self.plan.same_host:
+            if first in hosts and second in hosts and len(hosts[first] | hosts[second]) > 1:
+                self._fail([first, second], f"{first} (on {', '.join(sorted(hosts[first]))}) and {second} (on "
+                           f"{', '.join(sorted(hosts[second]))}) must share a host: {why}; pin them to the same "
+                           "nodes with ray.stage_resources")
 
     def wait(self, timeout_s: float, watch: Callable[[], None] | None = None, watch_every_s: float = 2.0) -> None:
         """Until every rank's `run` returned; a failed one (an exception, or its worker died) stops
@@ -264,6 +286,7 @@ class RayJob(BrokerClient):
             if broker_error:  # a broker that returned has stopped cleanly: its ranks are leaving
                 self._fail(["broker"], f"the broker failed while {len(self._runs)} rank(s) ran: {broker_error}")
             watching.poll()
+            self.hosts.poll()
             done, _ = ray.wait(list(self._runs), num_returns=1, timeout=0.2)
             for ref in done:
                 name = self._runs.pop(ref)
@@ -328,6 +351,7 @@ class RayJob(BrokerClient):
         # a call on a killed actor fails once Ray has it dead: then no actor outlives the job
         probes = [actor.where.remote() for actor in killed]
         ray.wait(probes, num_returns=len(probes), timeout=10)
+        self.hosts.close()  # every rank has stopped: the last of their files reach the driver
         if self._group is not None:
             remove_placement_group(self._group)
             self._group = None

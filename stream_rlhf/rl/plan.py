@@ -10,22 +10,32 @@ start a rank before the driver made them (each stage process used to warm-start 
 A plan that spans hosts (`JobPlan.spans_hosts`) carries CURVE keys: those of `broker.curve.key_dir`
 when the config names a folder, else a pair the driver makes. Under `ray.node_hosts`, when rollout
 and actor_train are not pinned to the same nodes (`ray.stage_resources`), the weights travel by the
-broadcast group instead of the shared-memory store, which is one host's.
+broadcast group instead of the shared-memory store, which is one host's; the critic's versions go
+to critic_forward by a broadcast group of their own (`stages/critic_weights.py`).
+
+A rank on another host than the driver's gets its spec through `on_host` (the plan's `relocate`):
+its job writes into that host's run folder (shipped into the driver's) and keeps its weight
+versions in that host's store. Stages that still meet through one host's store are listed in the
+plan's `same_host` (the launcher refuses to split them), and a resumed run keeps its ranks on the
+driver's host (its checkpoint is read from the driver's run folder).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from stream_rlhf.broker.sockets import CurveKeys
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.placement import machine_cores
-from stream_rlhf.launch.plan import JobPlan
+from stream_rlhf.launch.plan import Dataflow, JobPlan
+from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import compile_job
+from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.weights.shm_store import weights_root
 
 
@@ -49,15 +59,63 @@ def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_languag
                       f"{cfg.ray.start_timeout_s:g} (checked when the placement group is made); ranks are not "
                       "pinned to cores under Ray, their cpus are the bundle's")
     plan = JobPlan(cfg.name, flow, cfg.launcher, cfg.ray, checkpoint, checkpoint_ready, dataset, dataset_ready,
-                   checks)
+                   checks, run_dir=str(Path(cfg.run_dir).resolve()), weights_root=weights,
+                   relocate="stream_rlhf.rl.plan:on_host", same_host=_same_host(cfg, flow.stages))
     if not plan.spans_hosts:
         return plan
     curve = cfg.broker.curve
     keys = ("across hosts: the broker and payload servers use CURVE keys "
             + (f"from broker.curve.key_dir={curve.key_dir}" if curve else "the driver made for this run")
             + ", handed to every rank")
-    return replace(plan, keys=CurveKeys.read(curve.key_dir) if curve else CurveKeys.generate(),
-                   checks=[*checks, keys, *([weights_check] if weights_check else [])])
+    checks = [*checks, keys, *([weights_check] if weights_check else [])]
+    if "critic_forward" in flow.stages:
+        flow, critic_check = _critic_across_hosts(cfg, flow)
+        checks.append(critic_check)
+    return replace(plan, flow=flow, keys=CurveKeys.read(curve.key_dir) if curve else CurveKeys.generate(),
+                   checks=checks)
+
+
+def on_host(spec: StageSpec, run_dir: str, weights_root: str | None) -> StageSpec:
+    """A stage's spec for a rank on another host than the driver's: its job writes into `run_dir`
+    (that host's run folder) and keeps its weight versions in `weights_root`."""
+    job: JobContext = spec.kwargs["job"]
+    if job.resume is not None:
+        raise ConfigError(f"run --resume: {job.config.name}'s ranks on another host than the driver's cannot read "
+                          f"the checkpoint they resume from ({job.resume.folder}, in the driver's run folder); "
+                          "resume with every rank on the driver's host")
+    folder = Path(run_dir)
+    if folder.name != job.config.name:
+        raise ValueError(f"on_host: run folder {run_dir} is not named after job {job.config.name}")
+    moved = replace(job, config=replace(job.config, runs_dir=str(folder.parent)),
+                    weights_root=weights_root or job.weights_root)
+    return replace(spec, kwargs={**spec.kwargs, "job": moved})
+
+
+SHARED_STORES = (
+    ("actor_forward", "actor_train", "actor_forward reads each policy from actor_train's weight store in /dev/shm"),
+    ("medusa_train", "actor_train", "medusa_train reads each policy from actor_train's weight store in /dev/shm"),
+    ("rollout", "medusa_train", "rollout reads the Medusa heads from medusa_train's weight store in /dev/shm"),
+)
+
+
+def _same_host(cfg: RLJobConfig, stages: dict[str, StageSpec]) -> list[tuple[str, str, str]]:
+    """The stage pairs that meet through one host's /dev/shm weight store."""
+    pairs = [pair for pair in SHARED_STORES if pair[0] in stages and pair[1] in stages]
+    if cfg.weights.transport != "broadcast":
+        pairs.append(("rollout", "actor_train", f"weights.transport={cfg.weights.transport} is one host's "
+                                                "(broadcast crosses hosts)"))
+    return pairs
+
+
+def _critic_across_hosts(cfg: RLJobConfig, flow: Dataflow) -> tuple[Dataflow, str]:
+    """critic_forward without restarts (it could not rejoin the critic's broadcast group), and the
+    plan's line saying how the critic's versions travel."""
+    if cfg.restarts.get("critic_forward", 0):
+        raise ConfigError(f"restarts.critic_forward={cfg.restarts['critic_forward']}: the plan spans hosts, so the "
+                          "critic's versions go by a broadcast group, which a restarted critic_forward cannot rejoin")
+    stages = {**flow.stages, "critic_forward": replace(flow.stages["critic_forward"], restarts=0)}
+    return replace(flow, stages=stages), ("across hosts: each critic version goes to critic_forward by a broadcast "
+                                          "group (stages/critic_weights.py); critic_forward is not restarted")
 
 
 def _weights_across_hosts(cfg: RLJobConfig) -> tuple[RLJobConfig, str]:

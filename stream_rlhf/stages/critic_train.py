@@ -19,6 +19,7 @@ from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.broker.stage import Batch, DeviceState, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_job_critic
 from stream_rlhf.rl.reward_parts_config import policy_version_at
+from stream_rlhf.stages.critic_weights import crosses_hosts, open_critic_sender
 from stream_rlhf.stages.experience import Experience, IterationBuffer
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator, stage_counts
@@ -26,6 +27,7 @@ from stream_rlhf.stages.samples import response_slices
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
 from stream_rlhf.telemetry.metrics import MetricsWriter
+from stream_rlhf.weights.broadcast import BroadcastSender
 from stream_rlhf.weights.shm_store import WeightStore
 
 
@@ -35,6 +37,7 @@ class CriticTrain(Stage):
         self.buffer = IterationBuffer(job.config.rollout_batch.minibatches)
         self.version = 0
         self.kl_ctl = kl_controller(job.config.algorithm.kl)
+        self.sender: BroadcastSender | None = None
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
@@ -42,9 +45,12 @@ class CriticTrain(Stage):
         self.engine = build_train_engine(self.job.config, "critic_train",
                                          load_job_critic(self.job.config, self.job.checkpoint), ctx.group, cfg.critic)
         self.weights = WeightStore(self.job.weights_root, "critic")
+        self.sender = open_critic_sender(self.job) if ctx.group.is_leader else None
         self.checkpoints = TrainerCheckpoints(self.job, "critic", self.engine, ctx.group)
         if (state := self.checkpoints.resume()) is not None:
             self.version, self.kl_ctl.coef = state["version"], state["kl_coef"]
+            if crosses_hosts():  # a resumed critic_forward asks for this version (every rank exports)
+                self._send(self.engine.export_weights())
         self.metrics = MetricsWriter(self.job.run_dir, "critic", "critic_metrics.jsonl", purge_step=self.version) \
             if ctx.group.is_leader else None
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
@@ -68,11 +74,19 @@ class CriticTrain(Stage):
             weights = self.engine.export_weights()
             if self.ctx.group.is_leader:
                 self.weights.publish(weights, self.version)
+                self._send(weights)
             self.checkpoints.iteration_done(self.version, {"kl_coef": self.kl_ctl.coef})
         return []
 
     def close(self) -> None:
         self.checkpoints.save_at_stop(self.version, {"kl_coef": self.kl_ctl.coef})
+        if self.sender is not None:
+            self.sender.close()
+
+    def _send(self, weights: dict[str, Tensor]) -> None:
+        """To critic_forward on another host (`critic_weights.py`), after the store has the version."""
+        if self.sender is not None:
+            self.sender.publish(weights.items(), self.version)
 
     def _update(self, exp: Experience) -> None:
         cfg = self.job.config

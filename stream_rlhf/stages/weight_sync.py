@@ -13,7 +13,10 @@ it there, and its `LATEST` file is how a rollout instance on the same host learn
 exists, also announced by the broker's weights_ready control); `broadcast` and `cuda_ipc` add a
 sender with one group per rollout instance, named after it (`rollout-0`, ...), which each
 instance joins at setup and asks for the newest version when it is ready for it. Only trained
-parameters travel there: a vision-language model's frozen vision tower never changes.
+parameters travel there: a vision-language model's frozen vision tower never changes. A broadcast
+group meets through the launcher's address book when it names one (ranks on several hosts:
+`weights/address_book.py`), else through a folder beside the store; a rollout on another host than
+the trainer learns of new versions from the broker's announcement (its host's store is empty).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from stream_rlhf.backends.vllm_client import VllmClient
 from stream_rlhf.backends.vllm_protocol import Update
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.telemetry import trace
+from stream_rlhf.weights.address_book import book_of, sender_host
 from stream_rlhf.weights.broadcast import BroadcastReceiver, BroadcastSender
 from stream_rlhf.weights.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from stream_rlhf.weights.shm_store import WeightStore
@@ -35,8 +39,14 @@ from stream_rlhf.weights.shm_store import WeightStore
 Sender = BroadcastSender | CudaIpcSender
 
 
-def sync_folder(job: JobContext) -> Path:
-    """Where the trainer's groups publish their addresses."""
+def sync_folder(job: JobContext) -> Path | str:
+    """Where the trainer's groups publish their addresses (`weights/address_book.py`): a folder
+    beside the weight store, or the store the launcher names for groups across hosts."""
+    return book_of(group_folder(job))
+
+
+def group_folder(job: JobContext) -> Path:
+    """The folder beside the weight store (CUDA IPC, one host's by nature, always meets there)."""
     return Path(job.weights_root) / "groups"
 
 
@@ -61,9 +71,10 @@ def open_sender(job: JobContext) -> Sender | None:
     bucket_bytes = cfg.bucket_mb << 20
     if cfg.transport == "broadcast":
         groups = {name: 1 + rollout_ranks(job) for name in names}
-        return BroadcastSender(sync_folder(job), groups, group_backend(), bucket_bytes, cfg.timeout_s)
+        book = sync_folder(job)
+        return BroadcastSender(book, groups, group_backend(), bucket_bytes, cfg.timeout_s, host=sender_host(book))
     if cfg.transport == "cuda_ipc":
-        return CudaIpcSender(sync_folder(job), names, bucket_bytes, cfg.timeout_s)
+        return CudaIpcSender(group_folder(job), names, bucket_bytes, cfg.timeout_s)
     return None
 
 
@@ -90,7 +101,7 @@ class RolloutWeights:
                                                     1 + rollout_ranks(self.job), group_backend(), self.cfg.timeout_s,
                                                     device=device)
         elif self.cfg.transport == "cuda_ipc":
-            self._receiver = CudaIpcReceiver.join(sync_folder(self.job), self.instance_id, self.cfg.timeout_s, device)
+            self._receiver = CudaIpcReceiver.join(group_folder(self.job), self.instance_id, self.cfg.timeout_s, device)
 
     def refresh_model(self, model: nn.Module, held: int) -> int:
         """Load the newest version into `model` if it is newer than `held`; the version held now."""
@@ -106,12 +117,11 @@ class RolloutWeights:
 
     def join_engine(self, engine: VllmClient) -> None:
         """Have the vLLM engine's workers join the trainer's group (no-op for shm)."""
-        folder = str(sync_folder(self.job))
         if self.cfg.transport == "broadcast":
-            engine.call("srl_join_broadcast", folder, self.instance_id, 1 + rollout_ranks(self.job), group_backend(),
+            engine.call("srl_join_broadcast", str(sync_folder(self.job)), self.instance_id, 1 + rollout_ranks(self.job), group_backend(),
                         self.cfg.timeout_s)
         elif self.cfg.transport == "cuda_ipc":
-            engine.call("srl_join_cuda_ipc", folder, self.instance_id, self.cfg.timeout_s)
+            engine.call("srl_join_cuda_ipc", str(group_folder(self.job)), self.instance_id, self.cfg.timeout_s)
 
     def engine_update(self, held: int) -> Update | None:
         """The update that brings a vLLM engine holding `held` to the newest version, or None."""

@@ -15,7 +15,7 @@ groups (gloo on CPU, NCCL on GPU), asked for by each receiver when it is ready.
 Protocol, per group (the store is the group's TCPStore, hosted by the sender's thread):
 
     sender thread                                  receiver ranks
-    open group (rank 0), publish_address     <-    wait_for_address, join
+    open group (rank 0), publish (address book) <-   lookup, join
     wait for request/<n> ......................    rank 1 sets request/<n> = min_version
     wait for a snapshot with version >= min
     set layout (first time), reply/<n> = version   all ranks wait for reply/<n>
@@ -32,6 +32,8 @@ A group's thread failing (a receiver not joining within `timeout_s`, a broadcast
 raised in the trainer's thread by the next publish(), check() or close(). A receiver joins once
 per sender: a restarted rollout needs a new sender (group). The sender removes its groups' stale
 address files when it starts, so start it before the receivers, or give each run its own folder.
+Across hosts the addresses go through a store instead of a folder (`address_book.py`: `folder` is
+then `tcp://HOST:PORT`), and the sender binds `host`, its interface towards that store.
 """
 
 from __future__ import annotations
@@ -45,15 +47,13 @@ import torch
 import torch.distributed as dist
 
 from stream_rlhf.telemetry import trace
+from stream_rlhf.weights.address_book import forget, lookup, publish
 from stream_rlhf.weights.buckets import BucketLayout, empty_buckets, unpack
 from stream_rlhf.weights.group import (
     BACKENDS,
     Backend,
     SyncGroup,
-    address_file,
     open_group,
-    publish_address,
-    wait_for_address,
     wait_for_keys,
 )
 from stream_rlhf.weights.sender import SnapshotSender
@@ -64,7 +64,7 @@ SENDER_NAME = "trainer (weight sender)"
 class BroadcastSender(SnapshotSender):
     """The trainer's end: one serving thread per group (see the module docstring)."""
 
-    def __init__(self, folder: Path, groups: dict[str, int], backend: Backend, bucket_bytes: int,
+    def __init__(self, folder: Path | str, groups: dict[str, int], backend: Backend, bucket_bytes: int,
                  timeout_s: float, rank_names: dict[str, list[str]] | None = None, host: str = "127.0.0.1"):
         """`groups`: group name -> world size (1 sender + the instance's receiver ranks).
         `rank_names`: group name -> a name for each rank, rank 0 first, used in errors (default:
@@ -89,14 +89,14 @@ class BroadcastSender(SnapshotSender):
         group: SyncGroup | None = None
         try:
             group = open_group(f"{self.host}:0", 0, self.groups[name], self.backend, self.timeout_s,
-                               self.rank_names[name], name, announce=partial(publish_address, self.folder, name),
+                               self.rank_names[name], name, announce=partial(publish, self.folder, name),
                                stop=stop)
             for request in itertools.count(1):
                 self._answer(group, request, stop)
         finally:
             if group is not None:
                 group.close()
-            address_file(self.folder, name).unlink(missing_ok=True)
+            forget(self.folder, name)
 
     def _answer(self, group: SyncGroup, request: int, stop: threading.Event) -> None:
         """Wait for request `request` of the group's rank 1 and broadcast the snapshot it asks for."""
@@ -130,29 +130,31 @@ class BroadcastReceiver:
         self._buckets: list[torch.Tensor] = []
 
     @classmethod
-    def join(cls, folder: Path, name: str, rank: int, world_size: int, backend: Backend, timeout_s: float,
+    def join(cls, folder: Path | str, name: str, rank: int, world_size: int, backend: Backend, timeout_s: float,
              device: torch.device | str = "cpu") -> BroadcastReceiver:
-        """Wait (up to `timeout_s`) for group `name`'s sender to publish its address in `folder`,
-        then join the group as `rank` (1 .. world_size-1)."""
+        """Wait (up to `timeout_s`) for group `name`'s sender to publish its address in `folder` (an
+        address book, `address_book.py`: a folder or `tcp://HOST:PORT`), then join the group as `rank` (1 .. world_size-1)."""
         if not 1 <= rank < world_size:
             raise ValueError(f"weight-sync group {name!r}: receiver rank={rank}: must be in [1, {world_size})")
         if backend == "nccl" and torch.device(device).type != "cuda":
             raise ValueError(f"weight-sync group {name!r}: backend='nccl' needs a CUDA device, not {device!r}")
-        address = wait_for_address(folder, name, timeout_s)
+        address = lookup(folder, name, timeout_s)
         group = open_group(address, rank, world_size, backend, timeout_s, default_rank_names(name, world_size), name)
         return cls(group, device)
 
-    def receive(self, min_version: int = 0) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    def receive(self, min_version: int = 0,
+                stop: threading.Event | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """Ask for the newest weights with a version >= `min_version` and wait for them (as long
         as the sender is alive). Returns (version, [(name, tensor)]): views into this receiver's
         buffers, valid until the next receive() overwrites them in place; copy them (or load them
-        into the model) before calling again."""
+        into the model) before calling again. Once `stop` is set before the sender replied, raises
+        WeightSyncClosed (the receiver is then out of step with its group: close it)."""
         self._requests += 1
         request, store, where = self._requests, self.group.store, f"weight-sync group {self.group.name!r}"
         try:
             if self.group.rank == 1:
                 store.set(f"request/{request}", str(min_version))
-            wait_for_keys(store, [f"reply/{request}"], where)
+            wait_for_keys(store, [f"reply/{request}"], where, stop=stop)
             version = int(store.get(f"reply/{request}"))
             if self._layout is None:
                 self._layout = BucketLayout.from_json(store.get("layout").decode())

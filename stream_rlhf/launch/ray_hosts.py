@@ -1,0 +1,186 @@
+"""The hosts of a Ray job other than the driver's: a run folder and a weight store of their own on
+each, mirrored into the driver's run folder while the job runs.
+
+    hosts = RayHosts(plan, driver_host=host_id())
+    spec = hosts.relocate(spec, node_id, host)  # a rank's spec writing into its host's run folder
+    hosts.poll()                                 # from the supervision loop: ships what changed
+    hosts.close()                                # a last full copy, then each host's folders go
+
+A rank (or the broker) on another host than the driver's never writes into the driver's run folder
+or reads its /dev/shm: every host gets an actor (`_HostActor`, no CPUs, pinned to the node) that
+makes a private run folder and owns it and the host's weight root (`JobPlan.weights_root` with the
+host's tag: under `ray.node_hosts` the nodes of one machine do not share it either). The ranks'
+specs are moved there (`JobPlan.relocate`: the plan's own function for its stage arguments; the
+trace folder and the counts folder here). The driver asks each host for what changed every
+`SHIP_EVERY_S` (`run_files.py`: appends for metrics and trace lines, whole files for counts and
+checkpoints), and for everything once the ranks stopped, before the driver reads the run folder
+(the evaluation of the final checkpoint, train_summary.json, the trace merge).
+
+Why through Ray: the driver already supervises every rank through Ray, a host actor outlives the
+restarts of its ranks (a restarted prompt source finds its cursor), and the files are fetched by
+the side that needs them, in batches of at most `SHIP_BYTES`, with no new message in the broker's
+protocol and no port of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from stream_rlhf.launch.plan import JobPlan
+from stream_rlhf.launch.run_files import FileChange, FolderMirror, apply_changes
+from stream_rlhf.launch.spec import StageSpec, load_class
+
+log = logging.getLogger(__name__)
+
+SHIP_EVERY_S = 1.0
+"""How often the driver asks every host for what changed in its run folder."""
+SHIP_BYTES = 32 << 20
+"""The most one host sends per call (large checkpoints take several)."""
+
+
+class _HostActor:
+    """A host's run folder and weight root, and what changed in the run folder since the last ask."""
+
+    def open(self, run_name: str, weights_root: str | None) -> str:
+        self.root = tempfile.mkdtemp(prefix="srlhf-host-")
+        self.run_dir = str(Path(self.root) / run_name)
+        Path(self.run_dir).mkdir()
+        self.weights_root = weights_root
+        self.mirror = FolderMirror(self.run_dir)
+        return self.run_dir
+
+    def changes(self, max_bytes: int) -> list[FileChange]:
+        return self.mirror.changes(max_bytes)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        if self.weights_root is not None:
+            shutil.rmtree(self.weights_root, ignore_errors=True)
+
+
+def host_tag(host: str) -> str:
+    """A host id as a file name part."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", host)
+
+
+class RayHosts:
+    """The driver's side: one `_HostActor` per host of the job's ranks other than the driver's."""
+
+    def __init__(self, plan: JobPlan, driver_host: str):
+        self.plan = plan
+        self.driver_host = driver_host
+        self.actors: dict[str, Any] = {}
+        self.run_dirs: dict[str, str] = {}
+        self.weight_roots: dict[str, str | None] = {}
+        self.shipped_bytes = 0
+        self._pending: dict[Any, str] = {}  # a `changes` call in flight -> its host
+        self._next = 0.0
+
+    def remote(self, host: str) -> bool:
+        """Ranks on `host` write into a run folder of their own (the driver's run folder is elsewhere)."""
+        return host != self.driver_host and self.plan.run_dir is not None
+
+    def relocate(self, spec: StageSpec, node: str, host: str) -> StageSpec:
+        """`spec` writing into `host`'s run folder and weight root (unchanged on the driver's host)."""
+        if not self.remote(host):
+            return spec
+        run_dir = self._open(node, host)
+        driver_run = self.plan.run_dir
+        spec = replace(spec, trace=_moved(spec.trace, driver_run, run_dir),
+                       counts_dir=_moved(spec.counts_dir, driver_run, run_dir))
+        if self.plan.relocate is None:
+            return spec
+        return load_class(self.plan.relocate)(spec, run_dir, self.weight_roots[host])
+
+    def trace_folder(self, folder: str | None, node: str, host: str) -> str | None:
+        """The broker's trace folder on `host`."""
+        return _moved(folder, self.plan.run_dir, self._open(node, host)) if self.remote(host) else folder
+
+    def _open(self, node: str, host: str) -> str:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if host not in self.actors:
+            strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+            actor = ray.remote(_HostActor).options(num_cpus=0, scheduling_strategy=strategy, max_restarts=0).remote()
+            weights = f"{self.plan.weights_root}-{host_tag(host)}" if self.plan.weights_root else None
+            self.actors[host] = actor
+            self.weight_roots[host] = weights
+            self.run_dirs[host] = ray.get(actor.open.remote(Path(self.plan.run_dir).name, weights), timeout=60)
+            log.info("ray: host %s writes its run folder at %s, shipped to %s", host, self.run_dirs[host],
+                     self.plan.run_dir)
+        return self.run_dirs[host]
+
+    def poll(self) -> None:
+        """Apply the answers that came in, and ask the hosts again every SHIP_EVERY_S."""
+        import ray
+
+        if self._pending:
+            done, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+            for ref in done:
+                self._collect(ref, self._pending.pop(ref), 0)
+        if not self._pending and time.monotonic() >= self._next:
+            self._next = time.monotonic() + SHIP_EVERY_S
+            self._pending = {actor.changes.remote(SHIP_BYTES): host for host, actor in self.actors.items()}
+
+    def _collect(self, ref: Any, host: str, timeout_s: float) -> None:
+        """Apply the answer of a `changes` call (the host counts what it holds as sent)."""
+        import ray
+
+        try:
+            self._apply(ray.get(ref, timeout=timeout_s or None))
+        except Exception as exc:  # noqa: BLE001 - a dead host's ranks fail the job on their own
+            log.warning("ray: could not ship host %s's run folder: %s", host, exc)
+
+    def ship_all(self, timeout_s: float = 300.0) -> None:
+        """Everything each host's run folder holds now, into the driver's (the ranks have stopped)."""
+        import ray
+
+        for ref, host in self._pending.items():
+            self._collect(ref, host, timeout_s)
+        self._pending.clear()
+        deadline = time.monotonic() + timeout_s
+        for host, actor in self.actors.items():
+            try:
+                while time.monotonic() < deadline and self._apply(ray.get(actor.changes.remote(SHIP_BYTES),
+                                                                          timeout=timeout_s)):
+                    pass
+            except Exception as exc:  # noqa: BLE001 - what reached the driver stays; the rest is lost
+                log.warning("ray: host %s's run folder was not all shipped: %s", host, exc)
+
+    def _apply(self, changes: list[FileChange]) -> bool:
+        self.shipped_bytes += apply_changes(self.plan.run_dir, changes)
+        return bool(changes)
+
+    def close(self) -> None:
+        """A last full copy; then every host removes its folders and its actor goes."""
+        import ray
+
+        if not self.actors:
+            return
+        self.ship_all()
+        log.info("ray: %d host(s) shipped %d bytes of run folder to %s", len(self.actors), self.shipped_bytes,
+                 self.plan.run_dir)
+        closing = [actor.close.remote() for actor in self.actors.values()]
+        ray.wait(closing, num_returns=len(closing), timeout=30)
+        for actor in self.actors.values():
+            ray.kill(actor)
+        self.actors.clear()
+
+
+def _moved(path: str | None, driver_run: str | None, host_run: str) -> str | None:
+    """`path` under the host's run folder when it is under the driver's."""
+    if path is None or driver_run is None:
+        return path
+    inside = Path(path).resolve()
+    run = Path(driver_run).resolve()
+    if inside != run and run not in inside.parents:
+        return path
+    return str(Path(host_run) / inside.relative_to(run))

@@ -1,0 +1,103 @@
+"""Where a weight-sync group's sender announces its store's address and its receivers look it up:
+a folder on one host, or a key-value store that ranks on every host reach.
+
+    publish(book, "rollout-0", "10.0.0.5:41234")   # the sender, once its group's store listens
+    address = lookup(book, "rollout-0", timeout_s)  # each receiver rank
+    forget(book, "rollout-0")                       # the sender, when it stops
+    host = sender_host(book)                        # the interface the sender binds
+
+`book` is a folder (`<weights root>/groups`: `group.publish_address` files, one host's /dev/shm), or
+`tcp://HOST:PORT`: a `TCPStore` that `host_book` serves (the Ray launcher's broker actor, on the
+broker's node, when a plan spans hosts), each address under the key `address/<group>`. The
+launcher hands the store's address to every rank (`BOOK_ENV`); the sender then binds its
+interface on the route to that node instead of 127.0.0.1. `tcp:/HOST:PORT` (what a Path makes of
+it) is the same book.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from stream_rlhf.weights.group import WeightSyncTimeout, address_file, publish_address, wait_for_address
+
+BOOK_ENV = "STREAM_RLHF_WEIGHT_BOOK"
+"""Set by the launcher for a rank when its weight-sync groups meet through a store (`tcp://HOST:PORT`)."""
+SCHEME = "tcp:"
+
+
+def book_of(folder: Path) -> Path | str:
+    """The book a rank's groups use: the launcher's store when it named one, else `folder`."""
+    return os.environ.get(BOOK_ENV) or folder
+
+
+def _store_address(book: Path | str) -> tuple[str, int] | None:
+    text = str(book)
+    if not text.startswith(SCHEME):
+        return None
+    host, _, port = text[len(SCHEME):].lstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"weight-sync address book {text!r}: expected tcp://HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _client(where: tuple[str, int], timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(where[0], where[1], is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def publish(book: Path | str, name: str, address: str) -> None:
+    where = _store_address(book)
+    if where is None:
+        publish_address(Path(book), name, address)
+    else:
+        _client(where, 60.0).set(f"address/{name}", address)
+
+
+def lookup(book: Path | str, name: str, timeout_s: float) -> str:
+    """Group `name`'s address once its sender published it; WeightSyncTimeout after `timeout_s`."""
+    where = _store_address(book)
+    if where is None:
+        return wait_for_address(Path(book), name, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    store = _client(where, timeout_s)
+    while not store.check([f"address/{name}"]):
+        if time.monotonic() >= deadline:
+            raise WeightSyncTimeout(f"weight-sync group {name!r}: its address never appeared in the store at "
+                                    f"{book} within {timeout_s}s (is the trainer's sender running?)")
+        time.sleep(0.02)
+    return store.get(f"address/{name}").decode()
+
+
+def forget(book: Path | str, name: str) -> None:
+    where = _store_address(book)
+    if where is None:
+        address_file(Path(book), name).unlink(missing_ok=True)
+        return
+    try:
+        _client(where, 5.0).delete_key(f"address/{name}")
+    except (RuntimeError, dist.DistError):  # the job's store is gone: nothing left to forget
+        pass
+
+
+def sender_host(book: Path | str) -> str:
+    """The interface a sender binds: on the route to the store's host, or 127.0.0.1 for a folder."""
+    where = _store_address(book)
+    if where is None:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(where)  # UDP: nothing is sent
+        return probe.getsockname()[0]
+
+
+def host_book(host: str) -> tuple[dist.TCPStore, str]:
+    """Serve a book on `host` (any free port, that interface only); keep the store object alive as
+    long as the job runs. Returns it and the book's address."""
+    listener = socket.create_server((host, 0), backlog=128)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
+    return store, f"tcp://{host}:{port}"
