@@ -18,6 +18,7 @@ Needs the `megatron` extra.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -248,7 +249,13 @@ def _train_once(group, parallel, optimizer, cases) -> dict[str, float]:
     for case, name, loss_of, part, per_sample in cases:
         engine = MegatronTrainEngine(_models()[name], group, optimizer, parallel)
         reference = TorchTrainEngine(_models()[name], RankGroup.single(), optimizer)
+        layers = [m for n, m in engine.model.named_modules() if n.rsplit(".", 1)[-1].isdigit() and ".layers." in n]
+        calls = []
+        hooks = [layer.register_forward_hook(lambda *_: calls.append(1)) for layer in layers]
         mine = engine.train_step(part, loss_of(engine), per_sample)
+        for hook in hooks:
+            hook.remove()
+        found[f"{case}.forwards_per_layer"] = len(calls) / max(len(layers), 1)  # 2 with recompute
         theirs = reference.train_step(part, loss_of(reference), per_sample)
         for metric in ("loss", "grad_norm"):
             found[f"{case}.train.{metric}"] = abs(mine[metric] - theirs[metric])
@@ -259,7 +266,8 @@ def _train_once(group, parallel, optimizer, cases) -> dict[str, float]:
 
 
 def _one_step_each(group, parallel, shared, vlm_sequences, vlm_images) -> dict[str, float]:
-    """`_train_once` of the actor on shared prompts, the VLM actor and the VLM critic. At a learning
+    """`_train_once` of the actor on shared prompts (also with activation recompute), the VLM actor
+    and the VLM critic. At a learning
     rate of 1e-3: Adam's first step moves a weight by about the learning rate whatever its
     gradient, so one whose gradient is float noise (~1e-9, near Adam's eps) moves differently on the
     two engines by a fraction of it."""
@@ -267,14 +275,19 @@ def _one_step_each(group, parallel, shared, vlm_sequences, vlm_images) -> dict[s
 
     vlm_exp, advantages = _vlm_train_experience(vlm_sequences, vlm_images)
     shared_advantages = torch.linspace(-1, 1, shared.num_samples)[:, None].expand_as(shared.mask).contiguous()
-    return _train_once(group, parallel, OptimizerConfig(lr=1e-3, max_grad_norm=0.5), [
+    optimizer = OptimizerConfig(lr=1e-3, max_grad_norm=0.5)
+    return {**_train_once(group, parallel, optimizer, [
         ("shared", "qwen2", _policy_loss, shared, {"advantages": shared_advantages}),
         ("vlm", "vlm", _policy_loss, vlm_exp, {"advantages": advantages}),
-        ("vlm_critic", "vlm_critic", _value_loss, vlm_exp, {"returns": advantages})])
+        ("vlm_critic", "vlm_critic", _value_loss, vlm_exp, {"returns": advantages})]),
+        **_train_once(group, dataclasses.replace(parallel, recompute=True), optimizer, [
+            ("recompute", "qwen2", _policy_loss, shared, {"advantages": shared_advantages})])}
 
 
 def _assert_one_step_each(found: dict) -> None:
-    for case in ("shared", "vlm", "vlm_critic"):
+    assert found["shared.forwards_per_layer"] >= 1  # the hooks saw the layers
+    assert found["recompute.forwards_per_layer"] == 2 * found["shared.forwards_per_layer"]  # it did recompute
+    for case in ("shared", "vlm", "vlm_critic", "recompute"):
         assert found[f"{case}.train.moved"] > 5e-4, case  # training moved the weights: the comparison means something
         assert found[f"{case}.train.weights"] < 1e-4, case
         assert found[f"{case}.train.loss"] < 1e-5 and found[f"{case}.train.grad_norm"] < 1e-5, case

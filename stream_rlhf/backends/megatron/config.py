@@ -25,8 +25,8 @@ class MegatronConfig:
     log-probs or values gathered back (`kernels/cp_gather.py`)."""
     recompute: bool = False
     """Recompute each decoder layer's activations in the backward pass (megatron's full, uniform
-    activation recompute): less memory, one more forward of the layers. CUDA only (it saves CUDA RNG
-    states): a CPU engine refuses it."""
+    activation recompute): less memory, one more forward of the layers (on the CPU the random state
+    is the CPU generator's: `shim.py`, shim 7)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):

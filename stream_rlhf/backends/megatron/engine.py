@@ -67,9 +67,6 @@ class MegatronTrainEngine:
         critic = hasattr(model, "score")
         self.vision_config = model.config if hasattr(model.config, "vision_config") else None
         parallel = parallel or MegatronConfig()
-        if parallel.recompute and group.device.type != "cuda":
-            raise ValueError("megatron.recompute=true: needs CUDA (megatron's recompute saves and restores CUDA RNG "
-                             "states); on the CPU leave it false")
         text = text_config(model.config)
         check_parallel(parallel, group.world_size, text.num_attention_heads, text.num_key_value_heads,
                        text.num_hidden_layers, "megatron")

@@ -28,6 +28,10 @@ The shims (nothing else in the project patches megatron; with CUDA only 5 applie
    slice of the full sequence's embedding with `get_pos_emb_on_this_cp_rank` of this module (the
    same chunks: r and 2 * cp - 1 - r of 2 * cp), not megatron's, which moves its chunk index through
    pinned memory to `.cuda()`.
+7. Without CUDA, activation recompute (`megatron.recompute`) saves and restores the CPU generator's
+   state where megatron's checkpoint function saves and restores the CUDA one
+   (`tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`), so the recomputed forward
+   draws the same random numbers (dropout) as the first.
 Models are built with `use_cpu_initialization` and every forward gets an explicit attention mask
 (megatron's unfused softmax has no implicit causal mask on CPU): `model.py`, `engine.py`.
 """
@@ -51,11 +55,14 @@ def apply_shims() -> None:
     from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random
 
     for module in (optimizer, clip_grads, schedules, utils):
         module.torch = _CpuTorch()
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+    random._get_cuda_rng_state = _get_cpu_rng_state
+    random._set_cuda_rng_state = _set_cpu_rng_state
 
 
 def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
@@ -77,6 +84,16 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm: float, total_norm: float,
     coefficient = max_norm / (total_norm + 1.0e-6)
     if coefficient < 1.0 and grads:
         torch._foreach_mul_(grads, coefficient)
+
+
+def _get_cpu_rng_state(device: object = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """The CPU generator's state in place of a CUDA device's (shim 7)."""
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, device: object = None, graph_safe: bool = False) -> None:
+    """Restores the CPU generator's state in place of a CUDA device's (shim 7)."""
+    torch.set_rng_state(new_state)
 
 
 def _cpu_device() -> torch.device:
