@@ -265,3 +265,29 @@ def test_ppo_across_three_hosts_fetches_payloads_over_tcp_and_sends_weights_by_b
     tracks = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
     assert tracks == set(where), tracks  # the broker and every stage instance, from three hosts
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_hosts")]  # every host's store is gone
+
+
+@pytest.mark.timeout(600)
+def test_metrics_from_another_host_arrive_while_the_job_runs_and_its_drain_checkpoint_after(tmp_path, three_hosts):
+    """The trainers on a host of their own (`ray.node_hosts`): metrics.jsonl reaches the driver's
+    run folder while the job still runs, and after SIGTERM the checkpoint the trainers wrote as they
+    drained is there too (the driver names it to resume from)."""
+    cluster, _ = three_hosts
+    on = {name: {f"{name}_node": 1} for name in ("rollout", "forwards", "train")}
+    resources = {"broker": on["train"], "prompts": on["rollout"], "rollout": on["rollout"],
+                 "ref_forward": on["forwards"], "reward_forward": on["forwards"], "critic_forward": on["forwards"],
+                 "actor_train": on["train"], "critic_train": on["train"]}
+    process, log_file = start_job(tmp_path, "live", "placement.mode=separated", "placement.rollout_cores=[0]",
+                                  "placement.train_cores=[1]", "iterations=200",
+                                  ray={"address": cluster.address, "strategy": "SPREAD", "stage_resources": resources,
+                                       "start_timeout_s": 60, "node_hosts": True})
+    metrics = tmp_path / "live" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None and not read_metrics(metrics):
+        time.sleep(0.2)
+    assert process.poll() is None and read_metrics(metrics), log_file.read_text()[-4000:]
+    process.terminate()
+    assert finish(process, 120) == 130
+    log = log_file.read_text()
+    assert "continue with `stream-rlhf run" in log, log[-4000:]  # a complete checkpoint in the driver's folder
+    assert len(read_metrics(metrics)) >= 1 and not list((tmp_path / "live").rglob("*.shipping"))
