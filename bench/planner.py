@@ -22,6 +22,12 @@ seconds per iteration per stage (its steps summed) and the iteration time each p
     .venv/bin/python bench/planner.py runs/bench_pipeline_{sync,stream0,stream1} --analytic configs/text_ppo.yaml \
         --set rollout.stop=[] --set rollout.max_new_tokens=48 ...     # bench/pipeline.py's WORKLOAD
 
+Core lending: the runs are taken to have lent idle cores between the sides (bench/pipeline.py's
+and the shipped configs' default; `--no-lending` otherwise): each profile fits each stage's
+speed-up alone (`planner/calibrate.py`; printed, "-" where there was too little alone-time to
+fit) and the simulator applies it. A target run without actor_forward (overlap_depth >= 1) is
+predicted from a profile with it, and the reverse, through `Profile.for_stages`.
+
 Placement: `separated` (the default, bench/pipeline.py's) puts the rollout side (`ROLLOUT_SIDE` of
 rl/dataflow.py: prompts and rollout) on one device set and every other stage on the other, as the
 engine places them; the runs given must have been placed that way.
@@ -34,7 +40,7 @@ import json
 from pathlib import Path
 
 from stream_rlhf.config import load_config
-from stream_rlhf.planner.calibrate import Profile, profile_from_trace
+from stream_rlhf.planner.calibrate import OFF_BOARD, Profile, profile_from_trace
 from stream_rlhf.planner.job_analytic import job_analytic_profile
 from stream_rlhf.planner.simulator import simulate
 from stream_rlhf.rl.config import RLJobConfig
@@ -58,9 +64,9 @@ def measured_iteration_s(summary: dict) -> float:
     return summary["trace"]["window_s"] / (iterations - min(STEADY_SKIP, iterations - 1))
 
 
-def predict(profile: Profile, summary: dict, devices: dict[str, str]) -> float:
-    graph = profile.graph(iterations=summary["iterations"], overlap_depth=summary["overlap_depth"],
-                          schedule=summary["schedule"], devices=devices)
+def predict(profile: Profile, summary: dict, devices: dict[str, str], lending: bool = False) -> float:
+    graph = profile.for_stages(devices).graph(iterations=summary["iterations"], overlap_depth=summary["overlap_depth"],
+                          schedule=summary["schedule"], devices=devices, lending=lending)
     return simulate(graph).iteration_s
 
 
@@ -72,18 +78,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run folders with trace.json and summary.json")
     parser.add_argument("--placement", choices=["separated", "colocated"], default="separated")
+    parser.add_argument("--no-lending", dest="lending", action="store_false",
+                        help="the runs lent no idle cores (placement.lend_idle_cores=false, or colocated)")
     parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
     parser.add_argument("--analytic", metavar="CONFIG", help="compare with the analytic costs of this config")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --analytic")
     parser.add_argument("--response-tokens", type=float, help="with --analytic: decode steps per mini-batch")
     args = parser.parse_args()
     runs = {run: load(run, args.placement) for run in args.runs}
-    profiles = {run: profile_from_trace(events, devices, ROLLOUT_SIDE) for run, (events, _, devices) in runs.items()}
+    lending = args.lending and args.placement == "separated"
+    profiles = {run: profile_from_trace(events, devices, ROLLOUT_SIDE, lending=lending)
+                for run, (events, _, devices) in runs.items()}
+    if lending:
+        print("speed-up alone with lent cores, fitted per stage (planner/calibrate.py; 1: too little alone-time):")
+        for run, profile in profiles.items():
+            print(f"  {label(runs[run][1]):<14}" + ", ".join(
+                f"{stage} {profile.alone_speedup[stage]:.2f}" if stage in profile.alone_speedup else f"{stage} -"
+                for stage in profile.step_s if stage not in OFF_BOARD))
     table: dict[str, dict[str, dict[str, float]]] = {}
     for source, profile in profiles.items():
         row = table.setdefault(label(runs[source][1]), {})
         for target, (_, summary, devices) in runs.items():
-            predicted, measured = predict(profile, summary, devices), measured_iteration_s(summary)
+            predicted, measured = predict(profile, summary, devices, lending), measured_iteration_s(summary)
             row[label(summary)] = {"predicted_s": round(predicted, 4), "measured_s": round(measured, 4),
                                    "error": round(predicted / measured - 1, 4)}
     targets = list(next(iter(table.values())))
@@ -99,7 +115,9 @@ def main() -> None:
                                                           profiles[run], runs[run][1], runs[run][2])
                     for run in args.runs}
     if args.json:
-        print(json.dumps({"placement": args.placement, "table": table, "analytic": analytic}))
+        print(json.dumps({"placement": args.placement, "table": table, "analytic": analytic,
+                          "alone_speedup": {label(runs[run][1]): profile.alone_speedup
+                                            for run, profile in profiles.items()}}))
 
 
 def compare_analytic(config: str, sets: list[str], response_tokens: float | None, run: Path, calibrated: Profile,

@@ -84,6 +84,24 @@ def test_a_profile_of_other_stages_is_refused_naming_them(config, tmp_path, caps
     assert "missing: ['critic_forward', 'critic_train', 'ref_forward', 'reward_forward']" in capsys.readouterr().err
 
 
+def test_a_profile_with_actor_forward_predicts_a_config_without_it(config, tmp_path, capsys):
+    """A run at overlap_depth 0 has actor_forward (0.2 s a mini-batch); the config (k=1) has not:
+    its cost moves into actor_train's last mini-batch, and the prediction is that graph's."""
+    graph = job_graph(config)
+    forward = SimStage("actor_forward", 0.2, inputs=("rollout",), device="train cores")
+    stages = [s if not s.name.endswith("_train") else SimStage(s.name, s.step_s, inputs=(*s.inputs, "actor_forward"),
+                                                                device=s.device) for s in graph.stages]
+    write_trace(SimGraph(stages=(*stages[:3], forward, *stages[3:]), iterations=graph.iterations,
+                         minibatches=graph.minibatches, overlap_depth=0), tmp_path / "k0")
+    assert main(["plan", str(config), "--profile", str(tmp_path / "k0"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    n = graph.minibatches
+    moved = tuple(s if s.name != "actor_train" else SimStage(s.name, (0.6,) * (n - 1) + (0.6 + 0.2 * n,),
+                                                               inputs=s.inputs, device=s.device) for s in graph.stages)
+    expected = simulate(SimGraph(stages=moved, iterations=graph.iterations, minibatches=n, overlap_depth=1))
+    assert result["prediction"]["iteration_s"] == pytest.approx(expected.iteration_s, abs=1e-3)
+
+
 def test_a_profile_needs_a_trace_and_no_device_figures(config, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["plan", str(config), "--profile", str(tmp_path / "empty"), "--device", "h100"]) == 2

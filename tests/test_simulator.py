@@ -3,9 +3,12 @@ by hand in each test's docstring (times in seconds)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from stream_rlhf.planner.calibrate import Profile, base_cost, exclusive_costs, fit_contention, profile_from_trace
+from stream_rlhf.planner.calibrate import (Profile, base_cost, exclusive_costs, fit_alone_speedup, fit_contention,
+                                           profile_from_trace)
 from stream_rlhf.planner.graph import SimGraph, SimStage
 from stream_rlhf.planner.search import search
 from stream_rlhf.planner.simulator import simulate
@@ -94,10 +97,12 @@ def test_offloaded_stages_pay_their_load_when_they_take_turns():
 
 
 def test_a_prefetched_onload_overlaps_the_other_members_step():
-    """As above with onloads of 0.75 s. ref's first step pays it (1-2.25); by then rollout's
-    second mini-batch is there and ref goes on (2.25-2.75, nothing to load), then critic, whose
-    onload without prefetch is paid in full (2.75-4, 4-4.5); with prefetch it started with ref's
-    step at 2.25, so 0.5 s of it is hidden (2.75-3.5, 3.5-4)."""
+    """As above with onloads of 0.75 s. ref's first step pays it (1-2.25); critic's first step has
+    waited since 1, ref's second (rollout's second mini-batch) only since 2, so critic goes first
+    (first come, first served). Without prefetch every turn pays the onload in full: critic
+    2.25-3.5, ref 3.5-4.75, critic 4.75-6. With prefetch an onload starts with the step before on
+    the device: critic's since 1 (1.25 s before it starts: hidden), 2.25-2.75; ref's since 2.25
+    (0.5 s hidden, 0.25 paid), 2.75-3.5; critic's since 2.75 (hidden), 3.5-4."""
     def graph(prefetch: bool) -> SimGraph:
         forwards = [SimStage(name, 0.5, inputs=("rollout",), device="gpu", offload=True, load_s=0.75,
                              prefetch=prefetch) for name in ("ref_forward", "critic_forward")]
@@ -106,9 +111,10 @@ def test_a_prefetched_onload_overlaps_the_other_members_step():
                         iterations=1, minibatches=2)
 
     full, pipelined = simulate(graph(False)), simulate(graph(True))
-    assert spans(full, "ref_forward") == spans(pipelined, "ref_forward") == [(1, 2.25), (2.25, 2.75)]
-    assert spans(full, "critic_forward") == [(2.75, 4), (4, 4.5)]
-    assert spans(pipelined, "critic_forward") == [(2.75, 3.5), (3.5, 4)]
+    assert spans(full, "ref_forward") == [(1, 2.25), (3.5, 4.75)]
+    assert spans(full, "critic_forward") == [(2.25, 3.5), (4.75, 6)]
+    assert spans(pipelined, "ref_forward") == [(1, 2.25), (2.75, 3.5)]
+    assert spans(pipelined, "critic_forward") == [(2.25, 2.75), (3.5, 4)]
 
 
 def test_weights_publish_and_load_delay_the_next_version():
@@ -224,6 +230,84 @@ def test_contention_fit_recovers_the_slowdown_of_overlapped_steps():
     assert fit_contention(groups) == 0.4
     assert base_cost(groups[0], 0.4) == pytest.approx(2.0)
     assert fit_contention([[(1.0, 0.0), (1.2, 0.0)]]) == 0.0
+
+
+def test_a_step_alone_runs_faster_on_lent_cores():
+    """Lending: rollout (1 s) and training (2 s, 2x faster alone) start together on their sides.
+    Training does 1 s of its work while rollout runs, then the other 1 s at 2x: it ends at 1.5.
+    A stage off the board (alone_speedup None, like the prompt source) keeps nobody from
+    borrowing: training alone all along ends at 1; with lending off it takes its 2 s."""
+    def graph(rollout_speedup: float | None, train_speedup: float | None) -> SimGraph:
+        return SimGraph(stages=(SimStage("rollout", 1.0, side="rollout", device="a", alone_speedup=rollout_speedup),
+                                SimStage("actor_train", 2.0, device="b", alone_speedup=train_speedup)),
+                        iterations=1, minibatches=1)
+
+    lent = simulate(graph(1.0, 2.0))
+    assert spans(lent, "rollout") == [(0, 1)]
+    assert spans(lent, "actor_train") == [(0, pytest.approx(1.5, abs=1e-5))]
+    assert spans(simulate(graph(None, 2.0)), "actor_train") == [(0, pytest.approx(1.0, abs=1e-5))]
+    assert spans(simulate(graph(None, None)), "actor_train") == [(0, 2.0)]
+    with pytest.raises(ValueError, match=r"actor_train.alone_speedup=0.5: must be >= 1"):
+        SimStage("actor_train", 2.0, alone_speedup=0.5)
+
+
+def test_lent_cores_speed_up_a_chain_that_takes_turns():
+    """k=0, both sides 2x faster alone: they never overlap, so every step runs alone: rollout
+    0-0.5, train 0.5-1.5, rollout 1.5-2, ... 1.5 s an iteration instead of 3."""
+    p = simulate(replace(chain(overlap_depth=0), stages=tuple(
+        replace(stage, alone_speedup=None if stage.name == "prompts" else 2.0) for stage in chain().stages)), skip=1)
+    assert spans(p, "rollout") == [pytest.approx(span, abs=1e-5) for span in [(0, 0.5), (1.5, 2.0), (3.0, 3.5)]]
+    assert spans(p, "actor_train") == [pytest.approx(span, abs=1e-5) for span in [(0.5, 1.5), (2.0, 3.0), (3.5, 4.5)]]
+    assert p.iteration_s == pytest.approx(1.5, abs=1e-5)
+
+
+def test_lending_fit_recovers_the_speedup_alone():
+    """Train side only (one device): actor_train costs 2 s on its own cores and runs 2x alone.
+    Iteration 0: it shares the device with critic_train from 0 to 4 (2 s exclusive each, none
+    alone); 1: alone 5-6 (1 s); 2: critic_train shares 7-8 (0.5 s exclusive each), then it is
+    alone 8-8.75 (0.75 s: 1.5 s of work): 1.25 s exclusive, 0.6 of it alone. The fit finds 2 and
+    the own-core cost 2; critic_train never ran alone (nothing to fit: 1 and absent). Without
+    lending the cost is the mean of what the steps took."""
+    names = {4: "actor_train-0", 5: "critic_train-0"}
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}
+              for pid, name in names.items()]
+    events += [_step_event("actor_train", 0, 4, 0, 4), _step_event("critic_train", 0, 4, 0, 5),
+               _step_event("actor_train", 5, 6, 1, 4),
+               _step_event("actor_train", 7, 8.75, 2, 4), _step_event("critic_train", 7, 8, 2, 5)]
+    devices = {"actor_train": "train", "critic_train": "train"}
+    lent = profile_from_trace(events, devices, rollout_side=set(), skip=0, lending=True)
+    assert lent.alone_speedup == {"actor_train": pytest.approx(2.0)}
+    assert lent.step_s == {"actor_train": (pytest.approx(2.0),), "critic_train": (pytest.approx(1.25),)}
+    plain = profile_from_trace(events, devices, rollout_side=set(), skip=0)
+    assert plain.alone_speedup == {} and plain.step_s["actor_train"] == (pytest.approx(4.25 / 3),)
+    # two positions of different own-core costs (2 and 0.5), s = 1.6; alone fractions that do not vary: no fit
+    positions = [[(base / (1 + 0.6 * a), a) for a in (0.0, 0.25, 0.5, 1.0)] for base in (2.0, 0.5)]
+    assert fit_alone_speedup(positions) == pytest.approx(1.6)
+    assert fit_alone_speedup([[(1.0, 0.5), (1.2, 0.5)]]) is None
+
+
+def test_a_profile_stands_for_a_schedule_without_actor_forward():
+    """At overlap_depth >= 1 actor_train computes the proximal log-probs itself: actor_forward's
+    cost (0.3 s an iteration) moves into the trainer's last position, and back out (as much as
+    ref_forward costs) for a schedule that runs it again; any other difference is refused."""
+    with_forward = Profile(
+        step_s={"rollout": (1.0, 1.0), "ref_forward": (0.1, 0.1), "actor_forward": (0.15, 0.15),
+                "actor_train": (0.0, 2.0)}, minibatches=2,
+        inputs={"rollout": (), "ref_forward": ("rollout",), "actor_forward": ("rollout",),
+                "actor_train": ("actor_forward", "ref_forward", "rollout")},
+        rollout_side=frozenset({"rollout"}), publish_s=0.0, weights_load_s=0.0, alone_speedup={"ref_forward": 1.5})
+    without = with_forward.for_stages({"rollout", "ref_forward", "actor_train"})
+    assert without.step_s == {"rollout": (1.0, 1.0), "ref_forward": (0.1, 0.1), "actor_train": (0.0, 2.3)}
+    assert without.inputs["actor_train"] == ("ref_forward", "rollout")
+    back = without.for_stages(with_forward.step_s)
+    assert list(back.step_s) == ["rollout", "ref_forward", "actor_forward", "actor_train"]
+    assert back.step_s["actor_forward"] == (0.1, 0.1) and back.step_s["actor_train"] == (0.0, pytest.approx(2.1))
+    assert back.inputs["actor_train"] == ("actor_forward", "ref_forward", "rollout")
+    assert back.inputs["actor_forward"] == ("rollout",)
+    assert back.alone_speedup == {"ref_forward": 1.5, "actor_forward": 1.5}
+    assert with_forward.for_stages(with_forward.step_s) is with_forward
+    with pytest.raises(ValueError, match="only actor_forward may differ"):
+        with_forward.for_stages({"rollout", "actor_train"})
 
 
 def _profile(contention: float):

@@ -62,6 +62,12 @@ class SimStage:
     host_mb: float = 0.0
     """Host memory its processes hold beyond the runtime each carries (`SimGraph.runtime_mb`),
     summed over them."""
+    alone_speedup: float | None = None
+    """Core lending (`placement.lend_idle_cores`): None, it is not on the core board (lending off,
+    the prompt source, a device group's member): it borrows nothing and its steps keep no other
+    stage from borrowing; a figure >= 1: it is on the board, and while no other stage on the board
+    is in a step its step runs this many times faster (on the other side's cores too). `step_s`
+    is then the cost on its own cores."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -75,6 +81,8 @@ class SimStage:
             raise ValueError(f"{self.name}.inputs: a stage cannot wait for itself")
         if self.processes < 1:
             raise ValueError(f"{self.name}.processes={self.processes}: must be >= 1")
+        if self.alone_speedup is not None and self.alone_speedup < 1:
+            raise ValueError(f"{self.name}.alone_speedup={self.alone_speedup}: must be >= 1 (or None)")
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,11 @@ class SimGraph:
                 raise ValueError(f"{stage.name}.device={stage.device!r}: process {stage.process!r} runs on "
                                  f"{devices[stage.process]!r} (a device group's stages share its device)")
         self.order()  # raises on a cycle
+
+    @property
+    def lending(self) -> bool:
+        """Some stage borrows idle cores (`SimStage.alone_speedup` above 1)."""
+        return any((stage.alone_speedup or 1.0) > 1 for stage in self.stages)
 
     def step_s(self, name: str, minibatch: int) -> float:
         cost = self.stage(name).step_s

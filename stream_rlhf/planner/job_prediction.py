@@ -12,8 +12,10 @@ The profile comes from a finished run of the same job (any schedule, overlap dep
 count; a few iterations are enough: `stream-rlhf run CONFIG --set iterations=4`), placed as the
 config places it now, with a process per stage: its trace gives each stage's cost (`calibrate.py`),
 its summary what each process held (`memory.py`). A profile whose stages differ from the config's
-(another algorithm, a stage left out or added) is refused, naming them; so is a run with device
-groups, whose step spans include the turns a stage waited for on its process.
+(another algorithm, a stage left out or added) is refused, naming them, except for actor_forward,
+which overlap_depth >= 1 leaves out (`Profile.for_stages` moves its cost into actor_train and
+back); so is a run with device groups, whose step spans include the turns a stage waited for on
+its process.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def job_profile(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> Profile:
                           "trace: true, the default)")
     events = json.loads(trace.read_text())["traceEvents"]
     traced = {e["args"]["stage"] for e in events if e.get("ph") == "X" and e.get("cat") == "step"}
-    if traced != stages:
+    if (traced ^ stages) - {"actor_forward"}:  # actor_forward alone: Profile.for_stages moves its cost
         raise ConfigError(f"--profile {run_dir}: its stages {sorted(traced)} are not this config's {sorted(stages)} "
                           f"(missing: {sorted(stages - traced)}, extra: {sorted(traced - stages)})")
     hosts = {stage_of_process(e["args"]["name"]) for e in events if e.get("name") == "process_name"}
@@ -59,11 +61,13 @@ def job_profile(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> Profile:
                           "steps include waiting for their turn; calibrate on a run with a process per stage")
     side = ROLLOUT_SIDE & stages
     if cfg.placement.mode == "colocated":
-        devices = {stage: "all cores" for stage in stages}
+        devices = {stage: "all cores" for stage in traced}
     else:
-        devices = {stage: "rollout cores" if stage in side else "train cores" for stage in stages}
+        devices = {stage: "rollout cores" if stage in side else "train cores" for stage in traced}
+    placement = cfg.placement
+    lending = placement.lend_idle_cores and placement.mode == "separated" and placement.resolved_device() == "cpu"
     try:
-        profile = profile_from_trace(events, devices, side)
+        profile = profile_from_trace(events, devices, side, lending=lending).for_stages(stages)
     except ValueError as exc:
         raise ConfigError(f"--profile {run_dir}: {exc}") from exc
     summary = run_dir / "summary.json"
@@ -111,8 +115,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
 
 def describe(prediction: Prediction, plans: list[Plan], profile: Profile, dropped: int = 0,
              limit_mb: float | None = None) -> str:
-    lines = [f"predicted (profile: contention {profile.contention:.2f}, weights publish {profile.publish_s:.3f} s, "
-             f"load {profile.weights_load_s:.3f} s{_runtime(profile)}):",
+    lines = [f"predicted (profile: contention {profile.contention:.2f}, {_lending(profile)}, weights publish "
+             f"{profile.publish_s:.3f} s, load {profile.weights_load_s:.3f} s{_runtime(profile)}):",
              f"  iteration {prediction.iteration_s:.3f} s, bubble ratio {_bubble(prediction)}, "
              f"max staleness {prediction.staleness_max}, peak memory {_memory(prediction)}"]
     if limit_mb is not None:
@@ -122,6 +126,12 @@ def describe(prediction: Prediction, plans: list[Plan], profile: Profile, droppe
         lines += [f"  {p.prediction.iteration_s:8.3f}  {_memory(p.prediction, unit=False):>8}  "
                   f"{_bubble(p.prediction):>6}  " + " ".join(f"--set {shlex.quote(s)}" for s in p.sets) for p in plans]
     return "\n".join(lines)
+
+
+def _lending(profile: Profile) -> str:
+    if not profile.alone_speedup:
+        return "no speed-up alone with lent cores fitted"
+    return "alone with lent cores " + ", ".join(f"{stage} {s:.2f}x" for stage, s in profile.alone_speedup.items())
 
 
 def _runtime(profile: Profile) -> str:

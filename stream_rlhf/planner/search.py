@@ -26,12 +26,13 @@ only), and fewer processes contend less for two cores: on text_ppo (8 iterations
 VM) the forwards and trainers grouped ran 0.89 and 0.91 s per iteration against 0.93 and 1.02 s
 separate, where the profile of the first separate run predicts 0.98 s for both.
 
-A profile measured with cores lent between the sides (`placement.lend_idle_cores`, the default)
-holds each step's cost with every core it could borrow, which is also its cost colocated; a
-profile measured without lending holds one side's cores only: search it in its own mode
-(`modes=`). Plans are ranked by predicted iteration time; ties go to the smaller overlap depth
-(less staleness), then to fewer groups (what the time does not pay for is left as it is), then
-to the order above.
+Separated plans lend idle cores between the sides (`placement.lend_idle_cores`, the default):
+a stage whose speed-up alone the profile could fit (`Profile.alone_speedup`, from a run that lent
+cores) runs that much faster while it is the only one in a step; the others keep their costs.
+Colocated plans use the profile's costs as they are (no lending there; a step's cost on every
+core is not measured apart). Plans are ranked by predicted iteration time; ties go to the
+smaller overlap depth (less staleness), then to fewer groups (what the time does not pay for is
+left as it is), then to the order above.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def devices_of(profile: Profile, mode: Mode) -> dict[str, str]:
 def predict(profile: Profile, iterations: int, schedule: Literal["stream", "sync"], overlap_depth: int,
             mode: Mode, groups: Groups | None = None) -> Prediction:
     graph = profile.graph(iterations=iterations, overlap_depth=overlap_depth, schedule=schedule,
-                          devices=devices_of(profile, mode), groups=groups)
+                          devices=devices_of(profile, mode), groups=groups, lending=mode == "separated")
     if mode == "colocated":  # one device set: nothing runs beside a step to slow it
         graph = replace(graph, contention=0.0)
     return simulate(graph)

@@ -27,9 +27,19 @@ for a fraction f of its time lasts cost * (1 + c * f). The slowdowns depend on t
 and the schedule on them, so the schedule is recomputed with the fractions of the previous one
 (damped by averaging) until they settle.
 
+Core lending (`SimStage.alone_speedup` = s, `placement.lend_idle_cores`): a stage on the core
+board whose step is the only board stage's step running computes on the other side's cores too
+and progresses s times faster. A step alone for a fraction a of its span gets through
+s * a + (1 - a) seconds of its own-core cost per second, so it lasts cost / (1 + (s - 1) * a);
+with contention, cost * (1 + c * f) / (1 + (s - 1) * a), both fractions of its span. The
+fractions settle with contention's, in the same rounds.
+
 Scheduling is list scheduling in time order: of the steps whose predecessors are all placed, the
-one that can start first goes next (ties: the graph's stage order, which puts inputs first), so
-a device never idles while a placed step could run on it, and the result is deterministic.
+one that can start first goes next (ties: the one ready first, waiting only for its device, then
+the graph's stage order, which puts inputs first), so a device never idles while a placed step
+could run on it, its queue is first come first served (as the OS shares a core between the
+processes that wait for it: a stage is not starved by others that always have a step ready), and
+the result is deterministic.
 
 The figures come from the simulated steps through `telemetry/trace_figures.py`, the functions
 that turn a real run's trace into its summary figures: a prediction and a measurement are the
@@ -94,10 +104,11 @@ def simulate(graph: SimGraph, skip: int | None = None) -> Prediction:
     state (None: as the run's summary does, `trace_figures`' default)."""
     slowdown: dict[tuple[str, int], float] = {}
     steps = _schedule(graph, slowdown)
-    for _ in range(CONTENTION_ROUNDS if graph.contention > 0 else 0):
+    for _ in range(CONTENTION_ROUNDS if graph.contention > 0 or graph.lending else 0):
         fractions = contended_fractions([(graph.stage(s.stage).device or s.stage, s.start_s, s.end_s) for s in steps])
-        target = {(s.stage, s.iteration * graph.minibatches + s.minibatch): 1 + graph.contention * f
-                  for s, f in zip(steps, fractions)}
+        speedups = alone_speedups(graph, steps)
+        target = {(s.stage, s.iteration * graph.minibatches + s.minibatch): (1 + graph.contention * f) / speedup
+                  for s, f, speedup in zip(steps, fractions, speedups)}
         damped = {key: (slowdown.get(key, 1.0) + value) / 2 for key, value in target.items()}  # no oscillation
         settled = max(abs(value - slowdown.get(key, 1.0)) for key, value in damped.items()) < 1e-6
         slowdown = damped
@@ -132,6 +143,17 @@ def contended_fractions(spans: list[tuple[str, float, float]]) -> list[float]:
             index += 1
         fractions.append(covered / (end - start) if end > start else 0.0)
     return fractions
+
+
+def alone_speedups(graph: SimGraph, steps: list[SimStep]) -> list[float]:
+    """Per step, 1 + (s - 1) * (the fraction of its span with no other board stage's step running),
+    s its stage's `alone_speedup` (1 for a stage off the board)."""
+    board = [index for index, step in enumerate(steps) if graph.stage(step.stage).alone_speedup is not None]
+    shared = contended_fractions([(steps[i].stage, steps[i].start_s, steps[i].end_s) for i in board])
+    speedups = [1.0] * len(steps)
+    for index, fraction in zip(board, shared):
+        speedups[index] = 1 + ((graph.stage(steps[index].stage).alone_speedup or 1.0) - 1) * (1 - fraction)
+    return speedups
 
 
 def peak_memory(graph: SimGraph) -> dict[str, float]:
@@ -195,20 +217,21 @@ def _schedule(graph: SimGraph, slowdown: dict[tuple[str, int], float]) -> list[S
     total = graph.iterations * graph.minibatches
     steps: list[SimStep] = []
     while len(steps) < total * len(order):
-        candidates = [(start, position, name) for position, name in enumerate(order)
-                      if (start := _earliest_start(state, name, total)) is not None]
+        candidates = [(*times, position, name) for position, name in enumerate(order)
+                      if (times := _earliest_start(state, name, total)) is not None]
         if not candidates:
             waiting = {name: divmod(state.placed[name], graph.minibatches) for name in order
                        if state.placed[name] < total}
             raise ValueError(f"the dataflow cannot go on (iteration, mini-batch next per stage: {waiting}); "
                              "a sync barrier behind a queue_capacity below the mini-batches per iteration?")
-        start, _, name = min(candidates)
+        start, _, _, name = min(candidates)
         steps.append(_place(state, name, start, slowdown.get((name, state.placed[name]), 1.0)))
     return sorted(steps, key=lambda step: (step.start_s, order.index(step.stage)))
 
 
-def _earliest_start(state: _State, name: str, total: int) -> float | None:
-    """When stage `name`'s next step can start, or None while something it waits for is unplaced."""
+def _earliest_start(state: _State, name: str, total: int) -> tuple[float, float] | None:
+    """When stage `name`'s next step can start and when it became ready (all but its device
+    free), or None while something it waits for is unplaced."""
     graph, stage = state.graph, state.graph.stage(name)
     index = state.placed[name]
     if index == total:
@@ -225,7 +248,8 @@ def _earliest_start(state: _State, name: str, total: int) -> float | None:
         waits += [state.start.get((consumer, index - graph.queue_capacity)) for consumer in graph.consumers(name)]
     if any(wait is None for wait in waits):
         return None
-    return max([*waits, state.device_free.get(stage.device or name, 0.0)])
+    ready = max(waits)
+    return max(ready, state.device_free.get(stage.device or name, 0.0)), ready
 
 
 def _place(state: _State, name: str, start: float, slowdown: float) -> SimStep:
