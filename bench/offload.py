@@ -10,7 +10,8 @@ Each column is one `stream-rlhf run configs/mllm_ppo.yaml` subprocess with a nam
     separate      nothing else: every stage its own process, schedule stream, overlap_depth as shipped
     full_offload  schedule=sync overlap_depth=0 (phases take turns), device groups, and every model
                   stage offloading all it holds after each step
-    pipelined     schedule and overlap_depth as shipped, the same device groups and offloads
+    pipelined     schedule and overlap_depth as shipped, the same device groups and offloads, each
+                  stage's onload prefetched during the other member's step (`prefetch: true`)
 
 The device groups (`placement.device_groups`): `forwards` hosts the forward stages with a model
 (ref_forward and critic_forward; actor_forward too where the job has one, in sync) and the reward
@@ -31,6 +32,8 @@ Figures, from each run's summary.json (`memory`: `telemetry/memory.py`) and metr
     processes        the job's processes (the broker included)
     offload+onload   what the stages' offload policies moved off and back onto their devices, MB
                      and seconds, summed over the stages (summary.json's `offload`; 0 on a CPU)
+    onload hidden    of the prefetched stages' onload seconds, the fraction that ran during another
+                     member's step (`onload_hidden_s` / `onload_s`; n/a when nothing moved)
     peak_mem_groups  (JSON) the larger job peak of the two device-group columns, against the
                      target <= 0.6 x peak_mem_separate
 
@@ -103,17 +106,19 @@ def schedule_overrides(column: str) -> list[str]:
     return ["schedule=sync", "overlap_depth=0"] if column == "full_offload" else []
 
 
-def group_overrides(stages: list[str]) -> list[str]:
-    """The device groups and offload policies over `stages` (the model stages the job has)."""
+def group_overrides(stages: list[str], prefetch: bool = False) -> list[str]:
+    """The device groups and offload policies over `stages` (the model stages the job has), each
+    stage's onload prefetched with `prefetch`."""
     forwards = [s for s in FORWARDS if s in stages]
     trainers = [s for s in TRAINERS if s in stages]
     groups = {"forwards": forwards + [s for s in SCORERS if s in stages], "trainers": trainers}
     flow = ", ".join(f"{name}: [{', '.join(members)}]" for name, members in groups.items() if members)
     out = [f"placement.device_groups={{{flow}}}"]
+    ahead = ", prefetch: true" if prefetch else ""
     for stage in forwards:
-        out.append(f"placement.stages.{stage}.offload={{what: [params], when: step}}")
+        out.append(f"placement.stages.{stage}.offload={{what: [params], when: step{ahead}}}")
     for stage in trainers:
-        out.append(f"placement.stages.{stage}.offload={{what: [params, grads, optimizer], when: step}}")
+        out.append(f"placement.stages.{stage}.offload={{what: [params, grads, optimizer], when: step{ahead}}}")
     return out
 
 
@@ -130,7 +135,8 @@ def column_overrides(column: str, settings: Settings, prefix: str) -> list[str]:
     own = [f"name=bench_offload_{settings.name}{column}", f"iterations={settings.iterations}",
            f"broker.shm_prefix={prefix}", *schedule_overrides(column)]
     if column not in ("spawned", "separate"):
-        own += group_overrides(model_stages(load_config(RLJobConfig, REPO / CONFIG, own)))
+        own += group_overrides(model_stages(load_config(RLJobConfig, REPO / CONFIG, own)),
+                               prefetch=column == "pipelined")
     load_config(RLJobConfig, REPO / CONFIG, own)
     return own
 
@@ -174,6 +180,14 @@ def offload_moved(summary: dict) -> tuple[float, float]:
     return sum(m["offload_mb"] + m["onload_mb"] for m in stages), sum(m["offload_s"] + m["onload_s"] for m in stages)
 
 
+def onload_hidden(summary: dict) -> float:
+    """The fraction of the prefetched stages' onload time that ran during another member's step
+    (NaN when no stage prefetched or nothing moved: on a CPU)."""
+    stages = [m for m in (summary.get("offload") or {}).values() if "onload_hidden_s" in m]
+    onload_s = sum(m["onload_s"] for m in stages)
+    return sum(m["onload_hidden_s"] for m in stages) / onload_s if onload_s > 0 else math.nan
+
+
 def analyse(run_dir: Path, skip: int) -> dict:
     """The figures of one run (module docstring)."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -189,6 +203,7 @@ def analyse(run_dir: Path, skip: int) -> dict:
         "processes": memory["processes"],
         "moved_mb": moved_mb,
         "moving_s": moving_s,
+        "onload_hidden": onload_hidden(summary),
         "process_names": sorted(memory["per_process"]),
         "tokens_per_s": summary["tokens_per_s"],
         "samples_dropped": summary["samples_dropped"],
@@ -215,6 +230,8 @@ def figures(results: dict[str, dict]) -> dict[str, float]:
         out[f"grouped_stages_mem_{column}"] = round(r["grouped_pss_mb"], 1)
     for column, r in results.items():
         out[f"processes_{column}"] = r["processes"]
+    if "pipelined" in results:
+        out["offload_hidden_fraction_pipelined"] = results["pipelined"]["onload_hidden"]
     return out
 
 
@@ -226,6 +243,7 @@ ROWS: list[tuple[str, str, str, bool]] = [
     ("processes", "processes", "d", False),
     ("offload+onload MB", "moved_mb", ",.0f", False),
     ("offload+onload s", "moving_s", ".2f", False),
+    ("onload hidden", "onload_hidden", ".0%", False),
     ("tokens/s", "tokens_per_s", ",.0f", False),
     ("samples dropped", "samples_dropped", "d", False),
     ("eval reward after", "eval_reward_after", ".3f", False),

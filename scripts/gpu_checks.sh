@@ -12,9 +12,10 @@
 #             (forward, training with the distributed optimizer, offload), every number in the log
 #   sampler   tests/test_sampler_cuda.py: decode attention and KV cache on cuda:0 vs the CPU and eager
 #   offload   offload policies and device groups on cuda:0: DeviceTurns and the torch engine's round
-#             trip (tests), then the main job on cuda with every stage its own process and with the
-#             forwards and the trainers in two device groups offloading after each step; both
-#             summaries (offload MB and seconds per stage, CUDA peaks) at the end of the log
+#             trip (tests), then the main job on cuda with every stage its own process, with the
+#             forwards and the trainers in two device groups offloading after each step, and the
+#             same with each onload prefetched; the summaries (offload MB and seconds per stage,
+#             prefetches and onload seconds hidden, CUDA peaks) at the end of the log
 #   kernels   bench/kernels.py: fused log-probs vs eager, bf16, time and peak memory
 #   weights   bench/weight_sync.py: shm, gloo and CUDA IPC vs reloading a file
 #   medusa    bench/medusa.py --device cuda: speculative decoding columns timed on the GPU
@@ -39,6 +40,10 @@ own_parts=(--ignore=tests/test_megatron_cuda.py --ignore=tests/test_sampler_cuda
 groups='placement.device_groups={forwards: [ref_forward, critic_forward], trainers: [actor_train, critic_train]}'
 step_offload='placement.stages={ref_forward: {offload: {what: [params]}}, critic_forward: {offload: {what: [params]}},
   actor_train: {offload: {what: [params, grads, optimizer]}}, critic_train: {offload: {what: [params, grads, optimizer]}}}'
+prefetched='placement.stages={ref_forward: {offload: {what: [params], prefetch: true}},
+  critic_forward: {offload: {what: [params], prefetch: true}},
+  actor_train: {offload: {what: [params, grads, optimizer], prefetch: true}},
+  critic_train: {offload: {what: [params, grads, optimizer], prefetch: true}}}'
 
 offload_jobs() {
     "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_device_turns.py tests/test_torch_engine.py &&
@@ -46,7 +51,9 @@ offload_jobs() {
         --set name=gpu_separate &&
     "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda --set iterations=6 \
         --set name=gpu_groups --set "$groups" --set "$step_offload" &&
-    for run in gpu_separate gpu_groups; do echo "$run summary:"; cat "runs/$run/summary.json"; echo; done
+    "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda --set iterations=6 \
+        --set name=gpu_prefetch --set "$groups" --set "$prefetched" &&
+    for run in gpu_separate gpu_groups gpu_prefetch; do echo "$run summary:"; cat "runs/$run/summary.json"; echo; done
 }
 
 if compgen -G ".whl/*.whl" > /dev/null; then

@@ -46,6 +46,8 @@ def test_groups_and_offloads_cover_the_model_stages_the_job_has():
     assert sync["placement.device_groups"] == {"forwards": ["actor_forward", "ref_forward"],
                                                "trainers": ["actor_train"]}
     assert "placement.stages.critic_train.offload" not in sync
+    pipelined = values(offload.group_overrides(["ref_forward", "actor_train"], prefetch=True))
+    assert pipelined["placement.stages.ref_forward.offload"] == {"what": ["params"], "when": "step", "prefetch": True}
 
 
 def test_the_main_jobs_model_stages_follow_its_schedule():
@@ -86,7 +88,7 @@ def test_figures_from_four_runs(tmp_path):
     write_run(tmp_path / "spawned", [9.0, 2.0, 2.0, 2.0], memory(spawned, 2750.0))
     write_run(tmp_path / "separate", [9.0, 2.0, 2.0, 4.0], memory(separate, 1600.0))
     write_run(tmp_path / "full_offload", [9.0, 5.0, 3.0, 4.0], memory(grouped, 1000.0))
-    moved = {stage: {"offload_mb": 10.0, "onload_mb": 8.0, "offload_s": 0.5, "onload_s": 0.25}
+    moved = {stage: {"offload_mb": 10.0, "onload_mb": 8.0, "offload_s": 0.5, "onload_s": 0.25, "onload_hidden_s": 0.2}
              for stage in ("ref_forward", "actor_train")}
     write_run(tmp_path / "pipelined", [9.0, 3.0, 3.0, 3.0], memory(grouped, 1100.0), moved)
     results = {column: offload.analyse(tmp_path / column, skip=1) for column in offload.COLUMNS}
@@ -95,6 +97,7 @@ def test_figures_from_four_runs(tmp_path):
     assert results["full_offload"]["iteration_s"] == 4.0  # the first iteration left out
     assert (results["pipelined"]["moved_mb"], results["pipelined"]["moving_s"]) == (36.0, 1.5)
     assert (results["separate"]["moved_mb"], results["separate"]["moving_s"]) == (0, 0)  # no policies
+    assert results["pipelined"]["onload_hidden"] == pytest.approx(0.8) and math.isnan(results["separate"]["onload_hidden"])
     assert all(math.isnan(x) for x in offload.offload_moved({"memory": {}}))  # a summary from before offloads
     figures = offload.figures(results)
     assert figures["peak_mem_separate"] == 1600.0

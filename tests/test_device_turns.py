@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -123,6 +124,79 @@ def test_one_stage_computes_at_a_time():
         thread.join()
     assert overlaps[0] == 0
 
+
+PREFETCH = OffloadPolicy(["params"], "switch", prefetch=True)
+
+
+def b_waits_during_a_step(turns: DeviceTurns, a_work: Callable[[], object],
+                          b_work: Callable[[], object] = lambda: None) -> None:
+    """`a` runs `a_work` in its step; `b`'s step (running `b_work`) is due once `a` holds the device."""
+    a_inside = threading.Event()
+
+    def b_steps() -> None:
+        a_inside.wait()
+        with turns.step("b", batch(0)):
+            b_work()
+
+    thread = threading.Thread(target=b_steps)
+    thread.start()
+    with turns.step("a", batch(0)):
+        a_inside.set()
+        time.sleep(0.05)  # b's step is called while a still holds the device
+        a_work()
+    thread.join()
+
+
+def test_a_prefetching_member_is_brought_back_while_another_steps():
+    """b's step is due while a holds the device: b's onload runs then (counted once, as a prefetch,
+    its time hidden), and a member without `prefetch` waits for the device to onload."""
+    turns = DeviceTurns()
+    counters = hosted(turns, {"a": (ModelStage(), SWITCH), "b": (ModelStage(), PREFETCH)})
+    b_waits_during_a_step(turns, lambda: time.sleep(0.2))
+    assert counters["b"]["prefetches"] == 1 and moves(counters["b"]) == (1, 1)  # no second onload in its turn
+    assert 0 <= counters["b"]["onload_hidden_s"] <= counters["b"]["onload_s"] + 1e-9
+    assert moves(counters["a"]) == (2, 1)  # a left when b took the device
+    plain = DeviceTurns()
+    counters = hosted(plain, {"a": (ModelStage(), SWITCH), "b": (ModelStage(), SWITCH)})
+    b_waits_during_a_step(plain, lambda: None)
+    assert counters["b"]["prefetches"] == 0 and moves(counters["b"]) == (1, 1)
+
+
+def test_a_third_member_taking_the_device_waits_for_the_prefetch_it_undoes():
+    turns = DeviceTurns()
+    counters = hosted(turns, {"a": (ModelStage(), SWITCH), "b": (ModelStage(), PREFETCH), "c": (ModelStage(), SWITCH)})
+    turns._start_prefetch("b")  # as b's step does while a holds the device
+    with turns.step("c", batch(0)):  # c's turn moves b's state off again, after the prefetch brought it
+        pass
+    assert counters["b"]["prefetches"] == 1 and moves(counters["b"]) == (2, 1)
+    with turns.step("b", batch(0)):  # back in its own turn, without a prefetch to wait for
+        pass
+    assert moves(counters["b"]) == (2, 2) and counters["b"]["onload_hidden_s"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by scripts/gpu_checks.sh tests)")
+def test_on_cuda_a_prefetch_overlaps_the_other_members_step_and_results_are_exact():
+    """b's parameters come back on a side stream during a's step (hidden time > 0), and b's
+    log-probs after the prefetch equal a model never moved."""
+    big = 64 * 1024 * 1024  # bytes of a's work tensor
+    turns = DeviceTurns()
+    a, b = ModelStage("cuda:0"), ModelStage("cuda:0")
+    reference = TorchTrainEngine(tiny_model(), RankGroup.single("cuda:0"))
+    counters = hosted(turns, {"a": (a, SWITCH), "b": (b, PREFETCH)})
+    sequences = [torch.randint(0, 64, (12,)), torch.randint(0, 64, (9,))]
+    found = []
+    work = torch.randn(big // 4 // 1024, 1024, device="cuda:0")
+
+    def a_computes() -> None:  # a's kernels keep the device busy while b's copies run beside them
+        for _ in range(200):
+            work.mul_(1.0001)
+        torch.cuda.synchronize()
+
+    b_waits_during_a_step(turns, a_computes, lambda: found.append(b.engine.forward_logprobs(sequences, 1.0)))
+    assert counters["b"]["prefetches"] == 1 and counters["b"]["onload_hidden_s"] > 0
+    for x, z in zip(found[0], reference.forward_logprobs(sequences, 1.0), strict=True):
+        assert torch.equal(x, z)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by scripts/gpu_checks.sh tests)")

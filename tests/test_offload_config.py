@@ -35,6 +35,8 @@ FORWARDS = {"forwards": ["ref_forward", "critic_forward"]}
          "placement.stages.ref_forward.offload.when='epoch': must be one of"),
         ({"placement.stages": {"ref_forward": {"offload": {"when": "switch"}}}},
          "placement.stages.ref_forward.offload.when=switch: ref_forward is in no placement.device_groups entry"),
+        ({"placement.stages": {"ref_forward": {"offload": {"prefetch": True}}}},
+         "placement.stages.ref_forward.offload.prefetch=true: ref_forward is in no placement.device_groups entry"),
         ({"placement.device_groups": {"solo": ["ref_forward"]}},
          "placement.device_groups.solo=['ref_forward']: a device group hosts two stages or more"),
         ({"placement.device_groups": {"a": ["ref_forward", "critic_forward"], "b": ["ref_forward", "actor_train"]}},

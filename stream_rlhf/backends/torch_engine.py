@@ -257,17 +257,25 @@ class TorchTrainEngine:
         return self._move(what, to_host=False)
 
     def _move(self, what: set[Offloadable], to_host: bool) -> int:
+        """Copies on the current CUDA stream. On a side stream (a device group's prefetch), each
+        tensor brought back is recorded on the default stream, where the model computes, so the
+        caching allocator never hands its block to the side stream while the model still uses it."""
         if self.device.type == "cpu":
             return 0
         if self.sharded:
             raise NotImplementedError("offload of an FSDP2-sharded engine is not built yet (offload policies)")
         moved = 0
+        stream = torch.cuda.current_stream(self.device)
+        compute = torch.cuda.default_stream(self.device)
 
         def move(key: tuple, tensor: Tensor) -> Tensor:
             nonlocal moved
             moved += tensor.numel() * tensor.element_size()
             if not to_host:
-                return tensor.to(self.device, non_blocking=True)
+                on_device = tensor.to(self.device, non_blocking=True)
+                if stream != compute:
+                    on_device.record_stream(compute)
+                return on_device
             host = self._host_buffers.get(key)
             if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
                 host = self._host_buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -283,7 +291,7 @@ class TorchTrainEngine:
                 for key, value in state.items():
                     if isinstance(value, Tensor) and value.dim() > 0 and (value.device.type == "cpu") != to_host:
                         state[key] = move(("optimizer", index, key), value)
-        torch.cuda.synchronize(self.device)  # the host copies are complete (and timed) when this returns
+        stream.synchronize()  # the copies are complete (and timed) when this returns
         if to_host:
             torch.cuda.empty_cache()  # what left can serve another process on this device (vLLM, a stage)
         return moved

@@ -192,7 +192,7 @@ class JobPlan:
                          + (f"  hosts {', '.join(r['hosts'])}" if "hosts" in r else ""))
         for stage, spec in self.flow.stages.items():
             if spec.offload is not None:
-                lines.append(f"  offload: {stage}: {', '.join(spec.offload.what)} when {spec.offload.when}")
+                lines.append(f"  offload: {stage}: {spec.offload.describe()}")
         lines.append("  topics:")
         for name, topic in data["topics"].items():
             source = f"join({', '.join(topic['join'])})" if "join" in topic else ", ".join(topic["producers"])

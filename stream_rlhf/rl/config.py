@@ -234,6 +234,9 @@ class RLJobConfig:
             if own.offload.when == "switch" and device_group_of(self.placement, stage) is None:
                 raise ConfigError(f"{key}.when=switch: {stage} is in no placement.device_groups entry (use step "
                                   "or iteration)")
+            if own.offload.prefetch and device_group_of(self.placement, stage) is None:
+                raise ConfigError(f"{key}.prefetch=true: {stage} is in no placement.device_groups entry (a "
+                                  "prefetch overlaps another member's step)")
         for name, members in self.placement.device_groups.items():
             key = f"placement.device_groups.{name}"
             if name in ALL_STAGES:

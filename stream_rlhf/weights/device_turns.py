@@ -19,8 +19,14 @@ Each stage's counts (`telemetry/stage_counts.py`, summed into the run summary's 
 get `offloads`, `onloads`, `offload_bytes`, `onload_bytes`, `offload_s`, `onload_s` and, on CUDA,
 the process's peak allocation (`telemetry/memory.py` CUDA_PEAK: the launcher gives every stage on
 CUDA its turns, policy or not, for this); each move is an `offload` or
-`onload` event on the stage's track of the trace. Nothing is prefetched yet:
-every onload is paid inside the turn that needs it.
+`onload` event on the stage's track of the trace.
+
+Prefetch (`prefetch: true`, device groups): a stage whose step is due while another member holds
+the device starts bringing its state back at once, in a thread on a side CUDA stream, so the
+copies run during the other member's computation; its turn then waits only for what is left of
+them. What the wait did not see is counted as `onload_hidden_s` (the prefetch's time before the
+turn began), the rest as paid in the turn. A stage that takes the device joins any prefetch of a
+stage it moves first, so every move of one stage's state happens in order.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+
+import torch
 
 from stream_rlhf.broker.stage import Batch, Stage
 from stream_rlhf.telemetry import trace
@@ -38,7 +46,8 @@ from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.offload_config import OffloadPolicy
 
 log = logging.getLogger(__name__)
-COUNTERS = ("offloads", "onloads", "offload_bytes", "onload_bytes", "offload_s", "onload_s")
+COUNTERS = ("offloads", "onloads", "offload_bytes", "onload_bytes", "offload_s", "onload_s", "prefetches",
+            "onload_hidden_s")
 
 
 @dataclass
@@ -49,6 +58,10 @@ class _Member:
     off: set[str] = field(default_factory=set)
     """What of its state is off the device now."""
     set_up: bool = False
+    prefetch: threading.Thread | None = None
+    """The onload running ahead of this stage's turn, if any (`_start_prefetch`)."""
+    prefetch_span: tuple[int, int] = (0, 0)
+    """When the last prefetch started and ended (trace clock, ns)."""
 
 
 class DeviceTurns:
@@ -57,6 +70,7 @@ class DeviceTurns:
         self.last_minibatch = last_minibatch
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def add(self, name: str, stage: Stage, policy: OffloadPolicy | None, counts: StageCounts) -> None:
         """Host `stage` under `name`; what it moves is counted in `counts`."""
@@ -80,6 +94,9 @@ class DeviceTurns:
     @contextmanager
     def step(self, name: str, batch: Batch | None) -> Iterator[None]:
         member = self._members[name]
+        if member.policy is not None and member.policy.prefetch and member.off and member.stage.uses_device(batch) \
+                and self._lock.locked():
+            self._start_prefetch(name)
         with self._lock:
             if not member.stage.uses_device(batch):
                 yield
@@ -100,6 +117,7 @@ class DeviceTurns:
 
     def _offload(self, name: str, what: set[str]) -> None:
         member = self._members[name]
+        self._join_prefetch(member)
         moving = what - member.off
         if not moving:
             return
@@ -111,7 +129,14 @@ class DeviceTurns:
         trace.complete("offload", "device", started, ended, stage=name, what=sorted(moving), bytes=moved)
 
     def _onload(self, name: str) -> None:
+        """Brings back what `name` has off the device, in its turn: what a prefetch did not finish
+        before the turn began is paid here, the rest was hidden."""
         member = self._members[name]
+        if member.prefetch is not None:
+            turn = trace.now_ns()
+            self._join_prefetch(member)
+            started, ended = member.prefetch_span
+            member.counts.add(onload_hidden_s=(min(ended, turn) - started) / 1e9)
         if not member.off:
             return
         started = trace.now_ns()
@@ -120,6 +145,42 @@ class DeviceTurns:
         trace.complete("onload", "device", started, ended, stage=name, what=sorted(member.off), bytes=moved)
         member.off.clear()
         member.counts.add(onloads=1, onload_bytes=moved, onload_s=(ended - started) / 1e9)
+
+    def _start_prefetch(self, name: str) -> None:
+        """Bring `name`'s state back in a thread while another member holds the device."""
+        member = self._members[name]
+        if member.prefetch is not None:
+            return
+
+        def run() -> None:
+            started = trace.now_ns()
+            with self._side_stream(member):
+                moved = sum(engine.onload(set(member.off)) for engine in member.stage.device_state())
+            ended = trace.now_ns()
+            trace.complete("onload", "device", started, ended, stage=name, what=sorted(member.off), bytes=moved,
+                           prefetch=True)
+            member.off.clear()
+            member.prefetch_span = (started, ended)
+            member.counts.add(onloads=1, prefetches=1, onload_bytes=moved, onload_s=(ended - started) / 1e9)
+
+        member.prefetch = threading.Thread(target=run, name=f"prefetch-{name}", daemon=True)
+        member.prefetch.start()
+
+    @staticmethod
+    def _join_prefetch(member: _Member) -> None:
+        if member.prefetch is not None:
+            member.prefetch.join()
+            member.prefetch = None
+
+    def _side_stream(self, member: _Member) -> AbstractContextManager:
+        """The side CUDA stream of the member's device (one per device), or nothing off CUDA."""
+        devices = {getattr(engine, "device", torch.device("cpu")) for engine in member.stage.device_state()}
+        cuda = [d for d in devices if d.type == "cuda"]
+        if not cuda:
+            return nullcontext()
+        if cuda[0] not in self._side_streams:
+            self._side_streams[cuda[0]] = torch.cuda.Stream(cuda[0])
+        return torch.cuda.stream(self._side_streams[cuda[0]])
 
     def _say_what_moves(self, name: str) -> None:
         member = self._members[name]
@@ -148,9 +209,11 @@ def offload_summary(counts: dict[str, dict[str, float]], policies: dict[str, Off
         if policy is None:
             continue
         moved = counts.get(stage, {})
-        block[stage] = {"policy": f"{'/'.join(policy.what)} when {policy.when}",
+        block[stage] = {"policy": policy.describe(),
                         "offloads": int(moved.get("offloads", 0)), "onloads": int(moved.get("onloads", 0)),
                         "offload_mb": round(moved.get("offload_bytes", 0) / 2**20, 1),
                         "onload_mb": round(moved.get("onload_bytes", 0) / 2**20, 1),
-                        "offload_s": round(moved.get("offload_s", 0), 3), "onload_s": round(moved.get("onload_s", 0), 3)}
+                        "offload_s": round(moved.get("offload_s", 0), 3), "onload_s": round(moved.get("onload_s", 0), 3),
+                        **({"prefetches": int(moved.get("prefetches", 0)),
+                            "onload_hidden_s": round(moved.get("onload_hidden_s", 0), 3)} if policy.prefetch else {})}
     return block or None

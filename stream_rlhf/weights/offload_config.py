@@ -13,6 +13,8 @@
     switch     only when another stage of its device group takes the device (the default there:
                consecutive steps of one stage move nothing)
 
+`prefetch: true` (device groups) brings a stage's state back while another member still computes.
+
 The stage's engines carry it out (`offload`/`onload`: pinned host memory on CUDA; on a CPU device
 parameters and optimizer state already live in host memory, so nothing moves and the stage says so).
 `weights/device_turns.py` applies it around each step.
@@ -39,6 +41,14 @@ class OffloadPolicy:
     when: Literal["step", "iteration", "switch"] = "step"
     """`step`, `iteration` (after an iteration's last mini-batch) or `switch` (when another stage of
     its device group needs the device)."""
+    prefetch: bool = False
+    """In a device group: once this stage's next mini-batch is ready while another member computes,
+    bring its state back on a side CUDA stream during that computation (seed 004's pipelined
+    offload), so the turn does not wait for it. Two members' state are on the device meanwhile."""
+
+    def describe(self) -> str:
+        """One line for plans and summaries: "params/grads when step, prefetched"."""
+        return f"{'/'.join(self.what)} when {self.when}{', prefetched' if self.prefetch else ''}"
 
     def __post_init__(self) -> None:
         if not self.what:
