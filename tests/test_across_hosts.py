@@ -13,7 +13,8 @@ import torch
 
 from stream_rlhf.broker import sockets
 from stream_rlhf.broker.messages import FieldSpec, Handle, Location
-from stream_rlhf.broker.payload import FRAME_BYTES, PayloadError, ShmTransport
+from stream_rlhf.broker.payload import FRAME_BYTES, ShmTransport
+from stream_rlhf.broker.payload_server import PayloadError
 from stream_rlhf.config import ConfigError, build
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.plan import preview_plan

@@ -22,7 +22,7 @@ from stream_rlhf.broker.messages import (
     Release,
     Request,
 )
-from stream_rlhf.broker.payload import MemoryTransport
+from stream_rlhf.broker.memory_transport import MemoryTransport
 from stream_rlhf.broker.stage import Output, Stage
 from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.config import ConfigError

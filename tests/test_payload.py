@@ -12,7 +12,9 @@ import zmq
 
 from stream_rlhf.broker import shm
 from stream_rlhf.broker.messages import Handle, Publish, decode, encode
-from stream_rlhf.broker.payload import MemoryTransport, PayloadError, ShmTransport
+from stream_rlhf.broker.memory_transport import MemoryTransport
+from stream_rlhf.broker.payload import ShmTransport
+from stream_rlhf.broker.payload_server import PayloadError
 
 LARGE = 40_000  # float32 elements: past the small-payload slot size, so a segment of its own
 
@@ -265,4 +267,4 @@ def test_a_request_over_the_limit_drops_its_connection_counted_and_logged(shm_pr
         context.term()
         producer.close()
     assert dropped == 1
-    assert "a frame over the 65,536-byte limit (payload.REQUEST_BYTES)" in caplog.text
+    assert "a frame over the 65,536-byte limit (payload_server.REQUEST_BYTES)" in caplog.text

@@ -41,7 +41,8 @@ from stream_rlhf.broker.messages import (
     Release,
     Request,
 )
-from stream_rlhf.broker.payload import PayloadError, PayloadTransport
+from stream_rlhf.broker.payload import PayloadTransport
+from stream_rlhf.broker.payload_server import PayloadError
 from stream_rlhf.broker.stage import Batch, Output, Stage, StepAborted
 from stream_rlhf.telemetry import trace
 

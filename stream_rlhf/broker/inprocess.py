@@ -29,7 +29,7 @@ from stream_rlhf.broker.messages import (
     Release,
     Request,
 )
-from stream_rlhf.broker.payload import MemoryTransport
+from stream_rlhf.broker.memory_transport import MemoryTransport
 from stream_rlhf.broker.stage import Stage, StageContext
 from stream_rlhf.broker.topology import BrokerConfig, Topology
 

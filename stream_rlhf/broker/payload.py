@@ -9,7 +9,8 @@ every consumer acked. Two transports implement the PayloadTransport protocol:
                      payloads up to 64 KiB go into slots of a shared arena and are copied out.
                      Other hosts: the producer's PayloadServer sends the same bytes as ZMQ frames
                      (zero-copy from the segment, one frame a field, at most FRAME_BYTES each).
-    MemoryTransport  in-process: tensors kept in a dict, for stages run without sockets in tests.
+    MemoryTransport  in-process: tensors kept in a dict, for stages run without sockets in tests
+                     (`memory_transport.py`).
 
 A GPU transport (CUDA IPC handles, NCCL p2p) implements the same protocol and adds its kind to
 `messages.LocationKind`; every stage process of a job uses the transport the job is built with.
@@ -20,12 +21,12 @@ Same host or other host is decided by the host id each FieldSpec's location carr
 clients and the fetch sockets its clients (`sockets.curve_server` / `curve_client`); without one
 it binds loopback only.
 
-The payload server reads requests of at most REQUEST_BYTES: libzmq closes the connection of a
-peer that sends a larger frame, and the server counts those (`connwatch.py`; a consumer says
-goodbye with a FetchRequest without fields before it closes). A fetch socket takes frames of at
-most FRAME_BYTES, and each must be as long as its field. The counters are the transport's
-`counters` (rejections, `payload.fetched_tcp` and its bytes), which the stage runner reports with
-its own; every fetch over TCP is also traced ("fetch tcp").
+The payload server (`payload_server.py`) reads requests of at most REQUEST_BYTES: libzmq closes the
+connection of a peer that sends a larger frame, and the server counts those (`connwatch.py`; a
+consumer says goodbye with a FetchRequest without fields before it closes). A fetch socket takes
+frames of at most FRAME_BYTES, and each must be as long as its field. The counters are the
+transport's `counters` (rejections, `payload.fetched_tcp` and its bytes), which the stage runner
+reports with its own; every fetch over TCP is also traced ("fetch tcp").
 """
 
 from __future__ import annotations
@@ -42,20 +43,16 @@ import torch
 import zmq
 
 from stream_rlhf.broker import shm, sockets
-from stream_rlhf.broker.connwatch import ConnectionWatch
 from stream_rlhf.broker.messages import (
-    FetchReply,
     FetchRequest,
     FieldAt,
     FieldSpec,
     Handle,
     Location,
-    MessageRejected,
     decode_fetch_reply,
-    decode_fetch_request,
     encode,
 )
-from stream_rlhf.broker.ratelog import RateLimitedLog, truncate
+from stream_rlhf.broker.payload_server import GOODBYE, PayloadError, PayloadServer
 from stream_rlhf.broker.shm import host_id
 from stream_rlhf.telemetry import trace
 
@@ -63,19 +60,11 @@ log = logging.getLogger(__name__)
 
 ALIGN = 64
 MAX_ARENA_MAPS = 64  # small-payload arenas a consumer keeps mapped
-REQUEST_BYTES = 64 << 10
-"""Largest fetch request the payload server reads (a handle id and its field names)."""
 FRAME_BYTES = 1 << 30
 """Largest field a consumer fetches from another host (one frame); a bigger one fails by name."""
-GOODBYE = FetchRequest("", [])
-"""What a consumer sends its payload servers before it closes its connection to them."""
 Tensors = dict[str, torch.Tensor]
 _SEGMENT_IDS = itertools.count()
 """Numbers the segments of every transport of this process (a device group runs several)."""
-
-
-class PayloadError(RuntimeError):
-    """A payload could not be stored or fetched; the message names the handle and field."""
 
 
 class PayloadTransport(Protocol):
@@ -377,121 +366,3 @@ class ShmTransport:
         self._fetch_sockets.clear()
         if self._own_context:
             self._context.term()
-
-
-class PayloadServer:
-    """A ROUTER socket on its own thread answering FetchRequests from the transport's segments.
-    A bad request is answered with its reason, counted in `counters` and logged (rate-limited)."""
-
-    def __init__(self, transport: ShmTransport, context: zmq.Context, host: str, counters: dict[str, float],
-                 key_dir: str | None = None):
-        self._transport = transport
-        self._socket = context.socket(zmq.ROUTER)
-        self._socket.linger = 0
-        self._socket.maxmsgsize = REQUEST_BYTES
-        self._auth = sockets.curve_server(context, self._socket, f"tcp://{host}:0", key_dir, "payload server")
-        port = self._socket.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
-        self.counters = counters
-        self._ratelog = RateLimitedLog(log)
-        self._watch = ConnectionWatch(self._socket, f"payload server {self.endpoint}", REQUEST_BYTES,
-                                      "payload.REQUEST_BYTES", self._ratelog, counters, "payload.connections_dropped")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="payload-server", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._watch.monitor, zmq.POLLIN)
-        while not self._stop.is_set():
-            poller.poll(100)
-            self._watch.collect()
-            while self._socket.poll(0):
-                message = self._socket.recv_multipart(copy=False)
-                try:
-                    self._answer(message)
-                except Exception as exc:  # noqa: BLE001 - a bug must not stop the payload plane
-                    self._reject("internal_error", f"{type(exc).__name__}: {exc}", None)
-            self._watch.judge()
-            self._ratelog.flush()
-        self._watch.close()
-        self._socket.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-
-    def _answer(self, message: list[zmq.Frame]) -> None:
-        if len(message) != 3:
-            self._reject("malformed", f"{len(message)} frames, expected 3", None)
-            return
-        identity, empty, request_frame = message[0].bytes, b"", message[2]  # bytes: tracked sends take no Frames
-        try:
-            request = decode_fetch_request(request_frame.buffer)
-            if request == GOODBYE:
-                self._watch.goodbye(request_frame)
-                return
-            found = self._transport.frames_for(request)
-        except (MessageRejected, PayloadError) as exc:
-            self._reject("malformed" if isinstance(exc, MessageRejected) else "not_held", str(exc),
-                         [identity, empty])
-            return
-        frames = [frame for _, frame in found]
-        if any(held.slot_offset >= 0 for held, _ in found):  # small payloads: copied, their slots free to reuse
-            self._socket.send_multipart([identity, empty, encode(FetchReply()), *frames])
-            return
-        tracker = self._socket.send_multipart(
-            [identity, empty, encode(FetchReply()), *frames], copy=False, track=True
-        )
-        for segment in {id(held.segment): held.segment for held, _ in found}.values():
-            segment.trackers.append(tracker)  # not reused before zmq has sent these bytes
-
-    def _reject(self, kind: str, reason: str, envelope: list[zmq.Frame] | None) -> None:
-        self.counters[f"payload.rejected.{kind}"] = self.counters.get(f"payload.rejected.{kind}", 0) + 1
-        self._ratelog.log(logging.WARNING, kind, "payload fetch rejected (%s): %s", kind, reason)
-        if envelope is not None:
-            self._socket.send_multipart([*envelope, encode(FetchReply(error=truncate(reason, 1000)))])
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-
-
-class MemoryTransport:
-    """In-process payloads: tensors stay in a dict shared by every stage of one process.
-    A field's location is "{handle id}/{field}", so a joined handle may rename fields."""
-
-    def __init__(self):
-        self.counters: dict[str, float] = {}
-        self._store: dict[str, torch.Tensor] = {}
-        self._keys: dict[str, list[str]] = {}
-
-    def put(self, handle_id: str, tensors: Tensors) -> dict[str, FieldSpec]:
-        keys = self._keys.setdefault(handle_id, [])
-        fields = {}
-        for name, tensor in tensors.items():
-            key = f"{handle_id}/{name}"
-            self._store[key] = tensor
-            keys.append(key)
-            nbytes = tensor.numel() * tensor.element_size()
-            fields[name] = FieldSpec(dtype_name(tensor.dtype), list(tensor.shape), nbytes, Location("memory", key))
-        return fields
-
-    def get(self, handle: Handle) -> Tensors:
-        out = {}
-        for name, spec in handle.fields.items():
-            tensor = self._store.get(spec.location.segment)
-            if tensor is None:
-                raise PayloadError(f"handle {handle.id} field {name!r}: payload {spec.location.segment} released")
-            out[name] = tensor
-        return out
-
-    def release(self, handle_id: str) -> None:
-        for key in self._keys.pop(handle_id, []):
-            del self._store[key]
-
-    def held(self) -> int:
-        return len(self._keys)
-
-    def close(self) -> None:
-        self._store.clear()
-        self._keys.clear()
