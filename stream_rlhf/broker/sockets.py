@@ -162,7 +162,8 @@ def curve_client(sock: zmq.Socket, address: str, key_dir: str | None, what: str)
         raise CurveKeyError(f"{what} address {address} is not loopback: CURVE keys are required")
 
 
-def router(context: zmq.Context, address: str, key_dir: str | None, max_message_bytes: int) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
+def router(context: zmq.Context, address: str, key_dir: str | None,
+           max_message_bytes: int) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
     """Bind the broker's ROUTER. Non-loopback addresses without keys are refused."""
     sock = context.socket(zmq.ROUTER)
     sock.linger = 0

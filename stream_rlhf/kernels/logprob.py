@@ -5,8 +5,8 @@
 
 Both are differentiable and return fp32 (...) tensors (`ent` is None unless asked for); gradients
 come back in the inputs' dtype. Both run outside `torch.autocast` (mixed precision keeps the LM
-head's log-probs in fp32, `backends/precision.py`). `temperature <= 0` means 1.0 (greedy decoding's log-probs are of the untempered distribution).
-Labels must lie in [0, V).
+head's log-probs in fp32, `backends/precision.py`). `temperature <= 0` means 1.0 (greedy
+decoding's log-probs are of the untempered distribution). Labels must lie in [0, V).
 
 Backends (`dispatch.backend_for`):
     triton  `csrc/triton/fused_logprob.py`: online log-sum-exp over vocabulary tiles, forward and

@@ -106,5 +106,6 @@ class CriticTrain(Stage):
             self.metrics.write({"iteration": self.version, **warmup, **means.means()})
 
     def _loss(self, part: Experience, per_sample: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        values = part.padded(response_slices(self.engine.values(part.sequences, part.images, part.prompt_lens), part.prompt_lens))  # (n, R)
+        values = self.engine.values(part.sequences, part.images, part.prompt_lens)
+        values = part.padded(response_slices(values, part.prompt_lens))  # (n, R)
         return value_loss(values, part.values, per_sample["returns"], part.mask, self.job.config.algorithm.value_clip)

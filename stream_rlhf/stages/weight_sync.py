@@ -118,8 +118,8 @@ class RolloutWeights:
     def join_engine(self, engine: VllmClient) -> None:
         """Have the vLLM engine's workers join the trainer's group (no-op for shm)."""
         if self.cfg.transport == "broadcast":
-            engine.call("srl_join_broadcast", str(sync_folder(self.job)), self.instance_id, 1 + rollout_ranks(self.job), group_backend(),
-                        self.cfg.timeout_s)
+            engine.call("srl_join_broadcast", str(sync_folder(self.job)), self.instance_id, 1 + rollout_ranks(self.job),
+                        group_backend(), self.cfg.timeout_s)
         elif self.cfg.transport == "cuda_ipc":
             engine.call("srl_join_cuda_ipc", str(group_folder(self.job)), self.instance_id, self.cfg.timeout_s)
 
