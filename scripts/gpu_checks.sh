@@ -9,7 +9,8 @@
 #             references, CUDA IPC weight sync, engine offload round trip, whole jobs on cuda:0
 #             (not the files of the two parts below)
 #   megatron  tests/test_megatron_cuda.py: the megatron engine on cuda:0 vs the torch engine
-#             (forward, training with the distributed optimizer, offload), every number in the log
+#             (forward, training with the distributed optimizer, offload), every number in the log;
+#             then text_ppo on cuda with both trainers on megatron (tp 1): its summary (time, memory)
 #   sampler   tests/test_sampler_cuda.py: decode attention and KV cache on cuda:0 vs the CPU and eager
 #   offload   offload policies and device groups on cuda:0: DeviceTurns and the torch engine's round
 #             trip (tests), then the main job on cuda with every stage its own process, with the
@@ -69,7 +70,10 @@ fi
 run_part() {
     case "$1" in
         tests) "$python" -m pytest -q -m gpu -p no:cacheprovider -rs tests "${own_parts[@]}" ;;
-        megatron) "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_megatron_cuda.py ;;
+        megatron) "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_megatron_cuda.py &&
+                  "$python" -m stream_rlhf.cli run configs/text_ppo.yaml --set placement.device=cuda --set name=gpu_megatron \
+                      --set "placement.stages={actor_train: {backend: megatron}, critic_train: {backend: megatron}}" &&
+                  cat runs/gpu_megatron/summary.json ;;
         sampler) "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_sampler_cuda.py ;;
         offload) offload_jobs ;;
         kernels) "$python" bench/kernels.py --json ;;
