@@ -250,9 +250,11 @@ def test_ppo_across_three_hosts_fetches_payloads_over_tcp_and_sends_weights_by_b
     assert "rollout-0" not in fetched  # its inputs (prompts) come from its own host: /dev/shm
     received = trace_events(run_dir, "weights receive")
     assert {e["args"]["transport"] for e in received.get("rollout-0", [])} == {"broadcast"}, received
-    # critic_forward, on another host than critic_train, got the critic of iterations 1 and 2 by its group
+    # critic_forward, on another host than critic_train, got the trained critic by its group, newer
+    # versions in order (version 2 only when it came before critic_forward's last step: with
+    # overlap_depth 1 that step needs a critic of version 1 or newer, so timing decides)
     critic = [e["args"]["version"] for e in received.get("critic_forward-0", [])]
-    assert critic and critic == sorted(set(critic)) and critic[-1] == 2, received
+    assert critic and critic == sorted(set(critic)) and 1 <= critic[0] and critic[-1] <= 2, received
     assert not [name for name, (_, pid) in where.items() if alive(pid)]
     # every host wrote into a run folder of its own, shipped into the driver's and removed at the end
     folders = dict(re.findall(r"ray: host (\S+) writes its run folder at (\S+), shipped to", log))
