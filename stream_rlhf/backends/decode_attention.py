@@ -11,8 +11,9 @@ Medusa's verification of several tokens, training) goes to Hugging Face's own SD
 
 The sampler's KV cache hands attention its whole buffers, (B, Hkv, capacity, D), with the slots
 not written yet masked in every row (`kv_cache.py`); a decode step attends only to the written
-prefix, a view whose batched matmuls need no copy: 64 rows x 48 steps of the 12M model decode in
-1.40 s instead of 1.52 s (one thread, Intel Xeon with AVX-512), the same tokens.
+prefix on the CPU, a view whose batched matmuls need no copy: 64 rows x 48 steps of the 12M model
+decode in 1.40 s instead of 1.52 s (one thread, Intel Xeon with AVX-512), the same tokens. (On
+CUDA it attends to the whole buffer: finding the prefix would stall the device once a layer.)
 
 The implementation registers under one name with Hugging Face's attention and mask tables, so
 the model's mask is built exactly as for SDPA (boolean, (B, 1, Q, K), or None when causal
@@ -47,7 +48,7 @@ def decode_attention_forward(
     if q_len != 1 or module.training or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if attention_mask is not None:  # the cache's unwritten tail, masked in every row (kv_cache.py): left out
+    if attention_mask is not None and key.device.type == "cpu":  # the cache's unwritten tail (kv_cache.py): left out
         attended = attention_mask.flatten(0, 2).any(0).nonzero()  # (n, 1) key positions some row attends
         used = int(attended[-1]) + 1 if len(attended) else key.shape[2]
         key, value, attention_mask = key[:, :, :used], value[:, :, :used], attention_mask[..., :used]
