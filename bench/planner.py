@@ -40,7 +40,8 @@ import json
 from pathlib import Path
 
 from stream_rlhf.config import load_config
-from stream_rlhf.planner.calibrate import OFF_BOARD, Profile, profile_from_trace
+from stream_rlhf.planner.calibrate import Profile, profile_from_trace
+from stream_rlhf.rl.dataflow import OFF_BOARD
 from stream_rlhf.planner.job_analytic import job_analytic_profile
 from stream_rlhf.planner.simulator import simulate
 from stream_rlhf.rl.config import RLJobConfig

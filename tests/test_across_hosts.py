@@ -125,7 +125,7 @@ def test_keys_in_memory_write_the_folder_layout_and_never_print_their_secrets(tm
 def test_interface_towards_the_broker():
     assert sockets.interface_towards("tcp://127.0.0.1:5555") == "127.0.0.1"
     assert sockets.interface_towards("ipc:///tmp/broker") == "127.0.0.1"
-    with pytest.raises(ConfigError, match="broker address tcp://no-such-host.invalid:5555: no route to its host"):
+    with pytest.raises(ConfigError, match="tcp://no-such-host.invalid:5555: no route to its host"):
         sockets.interface_towards("tcp://no-such-host.invalid:5555")
 
 
@@ -226,15 +226,16 @@ def test_a_host_run_folder_reaches_the_driver_appends_live_whole_files_replaced_
         apply_changes(driver, [FileChange("../escape", 0, b"x", whole=True)])
 
 
-def test_broadcast_groups_meet_through_a_store_instead_of_a_folder(tmp_path):
+def test_broadcast_groups_meet_through_a_store_instead_of_a_folder():
     """Across hosts a sender publishes its group's address in the launcher's store (no shared
     folder), binds its interface towards that store, and its receiver finds it there."""
     from stream_rlhf.weights import address_book
     from stream_rlhf.weights.broadcast import BroadcastReceiver, BroadcastSender
+    from stream_rlhf.weights.group import WeightSyncTimeout
 
     store, book = address_book.host_book("127.0.0.1")
     assert book.startswith("tcp://127.0.0.1:") and address_book.sender_host(book) == "127.0.0.1"
-    with pytest.raises(address_book.WeightSyncTimeout, match="'rollout-0': its address never appeared in the store"):
+    with pytest.raises(WeightSyncTimeout, match="'rollout-0': its address never appeared in the store"):
         address_book.lookup(book, "rollout-0", timeout_s=0.2)
     sender = BroadcastSender(book, {"rollout-0": 2}, "gloo", 1 << 20, timeout_s=30.0,
                              host=address_book.sender_host(book))
@@ -249,7 +250,6 @@ def test_broadcast_groups_meet_through_a_store_instead_of_a_folder(tmp_path):
     finally:
         sender.close()
     assert not store.check(["address/rollout-0"])  # the sender forgot its address when it stopped
-    assert not list(tmp_path.iterdir())
 
 
 def test_a_rank_on_another_host_writes_its_run_folder_and_weights_there(tmp_path):

@@ -99,7 +99,8 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
     reference = TorchTrainEngine(_models()["vlm_critic"], RankGroup.single())
     found["vlm_critic.values"] = _max_diff(engine.forward_values(vlm_sequences, vlm_images),
                                            reference.forward_values(vlm_sequences, vlm_images))
-    found["rows_width"] = engine._batch(shared.sequences, None, shared.prompt_lens).layout.input_ids.shape[1]
+    packed = engine._batch(shared.sequences, None, shared.prompt_lens)
+    found["rows_width"], found["padded_width"] = packed.layout.input_ids.shape[1], packed.ids.shape[1]
 
     exp.values = torch.zeros_like(exp.mask)
     targets = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
@@ -117,7 +118,8 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
 @pytest.mark.parametrize("world,tp,pp", LAYOUTS, ids=[f"ranks{w}-tp{t}-pp{p}-cp2" for w, t, p in LAYOUTS])
 def test_megatron_engine_at_cp2_matches_the_torch_engine(tmp_path, world, tp, pp):
     found = _run_ranks(tmp_path, _rank_main, world, tp, pp)
-    assert found["longest"] % 4 and found["vlm_longest"] % 4 and found["rows_width"] % 4  # the engine padded the rows
+    assert found["longest"] % 4 and found["vlm_longest"] % 4 and found["rows_width"] % 4  # rows that need padding...
+    assert found["padded_width"] % 4 == 0  # ...and the engine padded them to a multiple of 2 x cp
     for key in ("qwen2.logprobs", "qwen2.shared.logprobs", "qwen2.tiny.logprobs", "critic.values", "critic.shared.values",
                 "vlm.logprobs", "vlm_critic.values") + (("qwen2.entropy", "qwen2.shared.entropy") if pp == 1 else ()):
         assert found[key] < 1e-5, key

@@ -173,8 +173,9 @@ def test_this_machine_is_timed_once_per_shape_and_cached(tmp_path, monkeypatch):
     assert timed == [2, 4] and len(list(tmp_path.glob("planner_machine_*.json"))) == 2
 
 
-def test_timing_a_tiny_model_gives_figures_within_reason():
-    """Real timings (their values depend on the machine): positive, the rate at most the GEMM peak."""
+def test_timing_a_tiny_model_runs_every_measurement():
+    """A smoke test of the real timings (their values depend on the machine): every measurement runs
+    on a real model and sampler, and the fitted rate is above zero (the other bounds are clamped)."""
     from stream_rlhf.planner.micro_calibration import measure
 
     shape = ModelShape(hidden=64, intermediate=128, layers=1, heads=2, kv_heads=1, head_dim=32, vocab=49)

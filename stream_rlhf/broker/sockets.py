@@ -108,7 +108,8 @@ class CurveKeyError(ConfigError):
 
 def interface_towards(address: str) -> str:
     """This host's IP address on the route to `address`'s host ("127.0.0.1" for loopback, ipc and
-    inproc): where a stage binds its payload server so that the broker's other clients reach it."""
+    inproc, or a folder): where a stage binds its payload server so that the broker's other clients
+    reach it, and a weight sender its group's store."""
     parsed = urlparse(address)
     if parsed.scheme != "tcp" or not needs_curve(address):
         return "127.0.0.1"
@@ -117,7 +118,7 @@ def interface_towards(address: str) -> str:
             probe.connect((parsed.hostname or "", parsed.port or 9))  # UDP: nothing is sent
             return probe.getsockname()[0]
     except OSError as exc:
-        raise ConfigError(f"broker address {address}: no route to its host from here ({exc})") from None
+        raise ConfigError(f"{address}: no route to its host from here ({exc})") from None
 
 
 def curve_server(context: zmq.Context, sock: zmq.Socket, address: str, key_dir: str | None,

@@ -36,6 +36,7 @@ result is dropped after the gather, so it gets no gradient.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -68,10 +69,19 @@ def local_positions(seq_len: int, cp_size: int, rank: int, layout: Layout) -> to
     )
 
 
-def shard(x: torch.Tensor, cp_size: int, rank: int, layout: Layout) -> torch.Tensor:
-    """The part of x (B, S, ...) that `rank` holds: (B, S_local, ...)."""
-    positions = local_positions(x.shape[1], cp_size, rank, layout).to(x.device)  # (S_local,)
-    return x.index_select(1, positions)
+def shard(x: torch.Tensor, cp_size: int, rank: int, layout: Layout, dim: int = 1) -> torch.Tensor:
+    """The part of x (B, S, ...) that `rank` holds: (B, S_local, ...) (the sequence along `dim`)."""
+    positions = local_positions(x.shape[dim], cp_size, rank, layout).to(x.device)  # (S_local,)
+    return x.index_select(dim, positions)
+
+
+@lru_cache(maxsize=64)
+def sequence_order(seq_len: int, cp_size: int, layout: Layout) -> torch.Tensor:
+    """(S,) indices into the ranks' positions laid end to end (rank 0's, rank 1's, ...) in sequence
+    order: `order[p]` is where position p sits there (its rank is order[p] // S_local). Cached: the
+    same few lengths recur in every layer and step."""
+    stored = torch.cat([local_positions(seq_len, cp_size, r, layout) for r in range(cp_size)])  # (S,)
+    return torch.argsort(stored)
 
 
 class _AllGatherOwnGrad(torch.autograd.Function):
@@ -108,11 +118,10 @@ def cp_gather(
     seq_local = values_local.shape[1]
     gathered = _AllGatherOwnGrad.apply(values_local, cp_size, rank, group)  # (cp, B, S_local, ...)
     stored = torch.cat(gathered.unbind(0), dim=1)  # (B, S, ...) in rank order
-    order = torch.cat([local_positions(seq_local * cp_size, cp_size, r, layout) for r in range(cp_size)])  # (S,)
-    return stored.index_select(1, torch.argsort(order).to(stored.device))
+    return stored.index_select(1, sequence_order(seq_local * cp_size, cp_size, layout).to(stored.device))
 
 
-def next_token_labels(
+def _next_token_labels(
     input_ids: torch.Tensor, seq_local: int, cp_size: int, rank: int, layout: Layout
 ) -> torch.Tensor:
     """Labels (B, S_local) of this rank's positions: input_ids[:, p + 1], a placeholder at p = S - 1."""
@@ -140,7 +149,7 @@ def cp_token_logprobs(
     logits_local: (B, S_local, V) this rank's logits; input_ids: (B, S) the full sequence.
     """
     batch, seq_local, vocab = logits_local.shape
-    labels = next_token_labels(input_ids, seq_local, cp_size, rank, layout)  # (B, S_local)
+    labels = _next_token_labels(input_ids, seq_local, cp_size, rank, layout)  # (B, S_local)
     logp, _ = logprobs_from_logits(logits_local.reshape(-1, vocab), labels.reshape(-1), temperature=temperature)
     full = cp_gather(logp.float().view(batch, seq_local), cp_size, rank, layout, group)  # (B, S)
     return full[:, :-1]
@@ -161,7 +170,7 @@ def cp_token_logprobs_from_hidden(
     The local logits are never formed: `logprobs_from_hidden` works a chunk of tokens at a time.
     """
     batch, seq_local, hidden_size = hidden_local.shape
-    labels = next_token_labels(input_ids, seq_local, cp_size, rank, layout)  # (B, S_local)
+    labels = _next_token_labels(input_ids, seq_local, cp_size, rank, layout)  # (B, S_local)
     flat_hidden = hidden_local.reshape(-1, hidden_size)  # (B * S_local, H)
     logp, _ = logprobs_from_hidden(flat_hidden, weight, labels.reshape(-1), temperature=temperature)
     full = cp_gather(logp.float().view(batch, seq_local), cp_size, rank, layout, group)  # (B, S)

@@ -19,7 +19,7 @@ so a schedule that overlaps more (or less) than the calibration run is predicted
 slowdowns. A trace whose sides hardly overlapped (sync) cannot show contention: it fits 0.
 
 Core lending (`placement.lend_idle_cores`, `SimStage.alone_speedup`): with `lending`, a stage on
-the core board (every one but the prompt source: `OFF_BOARD`) that is the only one in a step
+the core board (every one but `rl/dataflow.py`'s `OFF_BOARD`) that is the only one in a step
 computes on the other side's cores too. Each step's share of its exclusive cost spent with no
 other board step running (a) is read off the trace, and per stage the speed-up s of those alone parts is fitted
 after the contention figure, on the costs without contention: a step of own-core cost b lasts
@@ -50,6 +50,7 @@ from typing import Any, Literal
 from stream_rlhf.planner.graph import SimGraph, SimStage
 from stream_rlhf.planner.memory import NOT_SAMPLED, MemoryProfile
 from stream_rlhf.planner.simulator import contended_fractions
+from stream_rlhf.rl.dataflow import OFF_BOARD
 from stream_rlhf.telemetry.trace_figures import TRAINER, is_leader_step, steady_window
 
 ROLLOUT = "rollout"
@@ -59,8 +60,6 @@ MIN_OVERLAP = 0.1
 """Contention is fitted only when at least this share of the steps' time overlapped other devices."""
 Sample = tuple[float, float]
 """A step's (exclusive cost, fraction of its time that other devices' steps ran)."""
-OFF_BOARD = frozenset({"prompts"})
-"""Stages that never take a slot of the core board (`rl/dataflow.py` `_lend_idle_cores`)."""
 MIN_ALONE_SPREAD = 0.1
 """A stage's lending speed-up is fitted only when the share of its steps' costs they ran alone
 varies by at least this much within a mini-batch position (a standard deviation, weighted by

@@ -38,7 +38,7 @@ from stream_rlhf.planner.rank_search import search_ranks
 from stream_rlhf.planner.search import Plan, device_group_candidates, groups_set
 from stream_rlhf.planner.simulator import Prediction
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
+from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, lends_idle_cores
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,8 @@ def job_profile(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> Profile:
         devices = {stage: "all cores" for stage in traced}
     else:
         devices = {stage: "rollout cores" if stage in side else "train cores" for stage in traced}
-    placement = cfg.placement
-    lending = placement.lend_idle_cores and placement.mode == "separated" and placement.resolved_device() == "cpu"
     try:
-        profile = profile_from_trace(events, devices, side, lending=lending).for_stages(stages)
+        profile = profile_from_trace(events, devices, side, lending=lends_idle_cores(cfg)).for_stages(stages)
     except ValueError as exc:
         raise ConfigError(f"--profile {run_dir}: {exc}") from exc
     summary = run_dir / "summary.json"

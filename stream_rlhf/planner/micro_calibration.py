@@ -55,7 +55,7 @@ MAX_TIMED_LAYERS = 2
 def this_machine(shape: ModelShape, work: Workload, threads: int, cache_dir: Path) -> DeviceFigures:
     """The figures of this machine for `shape` and `work` (cached; module docstring)."""
     key = {"host": platform.node(), "cpu": _cpu_model(), "torch": torch.__version__, "threads": threads,
-           "shape": asdict(shape), "rows": work.rows, "tokens": round(work.tokens)}
+           "shape": asdict(shape), "work": asdict(work)}  # what `measure` times depends on all of it
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir / f"planner_machine_{digest}.json"
     if path.is_file():

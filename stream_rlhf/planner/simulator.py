@@ -148,6 +148,8 @@ def contended_fractions(spans: list[tuple[str, float, float]]) -> list[float]:
 def alone_speedups(graph: SimGraph, steps: list[SimStep]) -> list[float]:
     """Per step, 1 + (s - 1) * (the fraction of its span with no other board stage's step running),
     s its stage's `alone_speedup` (1 for a stage off the board)."""
+    if not graph.lending:  # no stage runs faster alone: nothing to measure
+        return [1.0] * len(steps)
     board = [index for index, step in enumerate(steps) if graph.stage(step.stage).alone_speedup is not None]
     shared = contended_fractions([(steps[i].stage, steps[i].start_s, steps[i].end_s) for i in board])
     speedups = [1.0] * len(steps)

@@ -203,18 +203,30 @@ def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPl
     )
 
 
+OFF_BOARD = frozenset({"prompts"})
+"""Stages that never borrow or lend cores (no slot on the core board)."""
+
+
+def lends_idle_cores(cfg: RLJobConfig) -> bool:
+    """Whether the job's sides lend each other idle cores: `placement.lend_idle_cores` with a
+    separated placement on the CPU whose sides have no core in common, under the local launcher
+    (the core board is a folder of this machine)."""
+    placement = cfg.placement
+    return (placement.lend_idle_cores and placement.mode == "separated" and placement.resolved_device() == "cpu"
+            and not set(placement.rollout_cores) & set(placement.train_cores) and cfg.launcher == "local")
+
+
 def _lend_idle_cores(cfg: RLJobConfig, stages: dict[str, StageSpec]) -> dict[str, StageSpec]:
-    """With a separated placement on the CPU (and `placement.lend_idle_cores`), every one-rank
-    stage on its side's cores (the prompt source aside) borrows the other side's while it is the
-    only one in a step; each instance gets a slot of the run's core board (local launcher only)."""
+    """When the job lends idle cores (`lends_idle_cores`), every one-rank stage on its side's cores
+    (`OFF_BOARD` aside) borrows the other side's while it is the only one in a step; each instance
+    gets a slot of the run's core board."""
     placement = cfg.placement
     sides = (set(placement.rollout_cores), set(placement.train_cores))
-    if (not placement.lend_idle_cores or placement.mode != "separated" or placement.resolved_device() != "cpu"
-            or sides[0] & sides[1] or cfg.launcher != "local"):  # the core board is a folder of this machine
+    if not lends_idle_cores(cfg):
         return stages
     grouped = {member for members in cfg.placement.device_groups.values() for member in members}
     rollout_side = {name: name in ROLLOUT_SIDE for name, spec in stages.items()  # on its side's cores, one rank
-                    if name != "prompts" and spec.ranks == 1 and name not in grouped
+                    if name not in OFF_BOARD and spec.ranks == 1 and name not in grouped
                     and set(spec.cores or ()) == sides[name not in ROLLOUT_SIDE]}
     if len(set(rollout_side.values())) < 2:  # nothing to lend to the other side
         return stages

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from stream_rlhf.weights.group import WeightSyncTimeout, address_file, publish_address, wait_for_address
+from stream_rlhf.broker.sockets import interface_towards
+from stream_rlhf.weights.group import address_file, publish_address, wait_for_address, wait_for_keys
 
 BOOK_ENV = "STREAM_RLHF_WEIGHT_BOOK"
 """Set by the launcher for a rank when its weight-sync groups meet through a store (`tcp://HOST:PORT`)."""
@@ -63,13 +64,9 @@ def lookup(book: Path | str, name: str, timeout_s: float) -> str:
     where = _store_address(book)
     if where is None:
         return wait_for_address(Path(book), name, timeout_s)
-    deadline = time.monotonic() + timeout_s
     store = _client(where, timeout_s)
-    while not store.check([f"address/{name}"]):
-        if time.monotonic() >= deadline:
-            raise WeightSyncTimeout(f"weight-sync group {name!r}: its address never appeared in the store at "
-                                    f"{book} within {timeout_s}s (is the trainer's sender running?)")
-        time.sleep(0.02)
+    wait_for_keys(store, [f"address/{name}"], f"weight-sync group {name!r}: its address never appeared in the store "
+                  f"at {book} within {timeout_s}s (is the trainer's sender running?)", time.monotonic() + timeout_s)
     return store.get(f"address/{name}").decode()
 
 
@@ -86,12 +83,7 @@ def forget(book: Path | str, name: str) -> None:
 
 def sender_host(book: Path | str) -> str:
     """The interface a sender binds: on the route to the store's host, or 127.0.0.1 for a folder."""
-    where = _store_address(book)
-    if where is None:
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect(where)  # UDP: nothing is sent
-        return probe.getsockname()[0]
+    return interface_towards(str(book))
 
 
 def host_book(host: str) -> tuple[dist.TCPStore, str]:

@@ -196,7 +196,9 @@ class DeviceTurns:
 
     @staticmethod
     def _note_peak(member: _Member) -> None:
-        if (peak := cuda_peak_mb()) is not None:
+        """The process's CUDA peak into the stage's counts file, written only when it rose (a peak
+        only grows): not a file write per step."""
+        if (peak := cuda_peak_mb()) is not None and peak != member.counts.details.get(CUDA_PEAK):
             member.counts.set_details(**{CUDA_PEAK: peak})
 
 

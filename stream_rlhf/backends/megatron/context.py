@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from stream_rlhf.kernels.cp_gather import cp_gather, local_positions
+from stream_rlhf.kernels.cp_gather import cp_gather, sequence_order, shard
 
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region  # noqa: E402
@@ -50,16 +50,15 @@ class ContextSplit:
         """`x`'s entries at this rank's positions along `dim` (whose length is the whole sequence)."""
         if self.cp == 1:
             return x
-        return x.index_select(dim, local_positions(x.shape[dim], self.cp, self.rank, LAYOUT).to(x.device))
+        return shard(x, self.cp, self.rank, LAYOUT, dim)
 
     def locate(self, width: int) -> tuple[Tensor, Tensor]:
         """Where each of `width` positions lives: the cp rank that holds it (S,) and its index in
         that rank's part (S,)."""
-        owner, slot = torch.zeros(width, dtype=torch.long), torch.zeros(width, dtype=torch.long)
-        for rank in range(self.cp):
-            held = local_positions(width, self.cp, rank, LAYOUT) if self.cp > 1 else torch.arange(width)
-            owner[held], slot[held] = rank, torch.arange(len(held))
-        return owner, slot
+        if self.cp == 1:
+            return torch.zeros(width, dtype=torch.long), torch.arange(width)
+        order = sequence_order(width, self.cp, LAYOUT)  # where each position sits in the ranks' parts end to end
+        return order // (width // self.cp), order % (width // self.cp)
 
     def combine(self, mine: Tensor) -> Tensor:
         """The sum over the cp group of each rank's `mine` (zero where another rank wrote), the same

@@ -21,7 +21,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from stream_rlhf.kernels.cp_gather import local_positions
+from stream_rlhf.backends.megatron.context import LAYOUT
+from stream_rlhf.kernels.cp_gather import sequence_order
 
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # noqa: E402
@@ -40,6 +41,7 @@ class CPDotProductAttention(DotProductAttention):
         self.cp_size = config.context_parallel_size
         super().__init__(dataclasses.replace(config, context_parallel_size=1), *args, **kwargs)  # the parent's check
         self.config = config
+        self._orders: dict[tuple[int, torch.device], Tensor] = {}  # (S, device) -> sequence order there
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 *args, **kwargs) -> Tensor:
@@ -52,9 +54,11 @@ class CPDotProductAttention(DotProductAttention):
         return super().forward(query, key, value, attention_mask, *args, **kwargs)
 
     def _sequence_order(self, length: int, device: torch.device) -> Tensor:
-        """(S,) indices into the rank-order gather (rank 0's positions, rank 1's, ...) in sequence order."""
-        stored = torch.cat([local_positions(length, self.cp_size, r, "load_balanced") for r in range(self.cp_size)])
-        return torch.argsort(stored).to(device)
+        """(S,) indices into the rank-order gather (rank 0's positions, rank 1's, ...) in sequence
+        order, on `device` (kept: every forward of a batch width asks again)."""
+        if (length, device) not in self._orders:
+            self._orders[length, device] = sequence_order(length, self.cp_size, LAYOUT).to(device)
+        return self._orders[length, device]
 
 
 def with_cp_attention(spec: ModuleSpec) -> ModuleSpec:
