@@ -166,6 +166,10 @@ def test_a_run_whose_stages_are_killed_again_and_again_finishes_with_every_sampl
             time.sleep(0.2)
         time.sleep(rng.uniform(0, 1.0))  # somewhere inside an iteration
         live = _live_pids(log)
+        while not live:  # between a resume's stage processes (the last kill's): wait for the new ones
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+            live = _live_pids(log)
         victim = next(n for n in live if n.startswith(pick)) if pick else rng.choice(sorted(live))
         os.kill(live[victim], signal.SIGKILL)
         victims.append(victim)
