@@ -270,10 +270,6 @@ def test_ppo_across_three_hosts_fetches_payloads_over_tcp_and_sends_weights_by_b
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=False, reason="known intermittent bug (about 1 run in 3): on SIGTERM actor_train, on "
-                   "another host than rollout, sometimes does not finish its drain before the broker's grace ends "
-                   "(its step seems held by the weight sender of a rollout group that already stopped), so the "
-                   "launcher kills it and no drain checkpoint is written (the assertion on it fails)")
 def test_metrics_from_another_host_arrive_while_the_job_runs_and_its_drain_checkpoint_after(tmp_path, three_hosts):
     """The trainers on a host of their own (`ray.node_hosts`): metrics.jsonl reaches the driver's
     run folder while the job still runs, and after SIGTERM the checkpoint the trainers wrote as they

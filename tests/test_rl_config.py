@@ -157,6 +157,7 @@ def test_medusa_adds_its_trainer_beside_the_others(tmp_path):
     cfg = build(RLJobConfig, tiny_job(tmp_path, "m", **{"rollout.medusa.enabled": True}))
     topics = compile_job(cfg, "checkpoint", "weights").topology.topics
     assert topics["experience"].consumers == ["actor_train", "critic_train", "medusa_train"]
+    assert topics["experience"].align_at_stop == ["actor_train", "critic_train"]  # the parts of a checkpoint
     stale = build(RLJobConfig, tiny_job(tmp_path, "m", **{"rollout.medusa.enabled": True,
                                                           "rollout.medusa.companion": False}))
     assert "medusa_train" not in compile_job(stale, "checkpoint", "weights").stages

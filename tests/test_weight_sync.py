@@ -3,6 +3,7 @@ real gloo over loopback."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from stream_rlhf.weights.broadcast import BroadcastReceiver, BroadcastSender
 from stream_rlhf.weights.buckets import unpack
 from stream_rlhf.weights.group import WeightSyncClosed, WeightSyncTimeout, open_group, publish_address, wait_for_address
-from stream_rlhf.weights.sender import SnapshotSlot
+from stream_rlhf.weights.sender import ServingThreads, SnapshotSlot
 from tests.stages import wait_until
 from tests.weight_receiver import receiver_process
 
@@ -175,3 +176,14 @@ def test_a_snapshot_being_sent_is_never_overwritten_and_an_idle_one_is_reused():
     stop.set()
     with pytest.raises(WeightSyncClosed, match="waiting for a version >= 4"):
         slot.acquire(min_version=4, stop=stop)
+
+
+def test_closing_leaves_a_serving_thread_stuck_in_a_transfer_behind_with_a_warning(caplog):
+    """A receiver that stopped mid-broadcast holds its group's thread until the collective times
+    out; closing waits only the time given, then leaves that (daemon) thread behind."""
+    release = threading.Event()
+    threads = ServingThreads("weight-sync", lambda name, stop: release.wait(), ["rollout-0"])
+    with caplog.at_level(logging.WARNING):
+        threads.close(0.2)
+    assert "weight-sync rollout-0 still inside a transfer" in caplog.text
+    release.set()

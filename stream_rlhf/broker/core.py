@@ -15,6 +15,10 @@ Waits for / unblocked by:
     producer credit on t        waits for room in every consumer queue of t (less the credit
                                 its peers hold, up to their share); unblocked by delivery
                                 (queue shrinks), join completion or a peer leaving
+    shutdown to the stages      waits for the aligned consumers to catch up (`catch_up.py`);
+                                unblocked by their acks, their leaving or `end_catch_up`
+
+Once a stop begins nothing is delivered but what a catch-up needs, and producers get no credit.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import msgspec
 
 from stream_rlhf.broker import shm
 from stream_rlhf.broker.admission import Admission, AdmitAll
+from stream_rlhf.broker.catch_up import CatchUp
 from stream_rlhf.broker.join import merge_parts
 from stream_rlhf.broker.journal import Journal
 from stream_rlhf.broker.messages import (
@@ -107,6 +112,10 @@ class BrokerCore:
         self.ratelog = RateLimitedLog(log)  # every rejection and peer-caused warning goes through it
         self.started = now
         self.stopping = False
+        """A stop was asked (the server then calls `begin_stop`)."""
+        self.catch_up: CatchUp | None = None
+        """Set once the stop began: what the aligned consumers still lack."""
+        self.shutdown_sent = False
         self._out: list[tuple[bytes, Message]] = []
         self._acks_to: defaultdict[bytes, list[str]] = defaultdict(list)
         self._releases_to: defaultdict[bytes, list[str]] = defaultdict(list)
@@ -265,6 +274,10 @@ class BrokerCore:
             log.log(_membership_level(inst.stage), "instance %s (%s) left: %s", truncate(inst.instance_id), inst.stage,
                     reason)
         self._dirty_topics.update(inst.granted)
+        if self.catching_up:
+            if not any(i.stage == inst.stage for i in self.instances.values()):
+                self.catch_up.give_up(inst.stage)
+            self._shut_down_once_caught_up()
         if reason != "stopped" and inst.host == self.host and inst.pid and not shm.pid_alive(inst.pid):
             self._reclaim_unpublished(inst.pid)
 
@@ -362,6 +375,9 @@ class BrokerCore:
         queue = self.queues[key]
         if stage in self.paused:
             return
+        if self.catch_up is not None:
+            self._dispatch_catch_up(key)
+            return
         while queue:
             entry = self.entries.get(queue[0])
             if entry is None or stage not in entry.pending:  # acked meanwhile (late ack)
@@ -374,15 +390,32 @@ class BrokerCore:
             ]
             if not candidates:
                 return
-            inst = min(candidates, key=lambda i: len(i.inflight))
             queue.popleft()
-            inst.credits[topic] -= 1
-            inst.inflight[entry.handle.id] = topic
-            attempt = entry.attempts.get(stage, 0) + 1
-            entry.attempts[stage] = attempt
-            self._send(inst.peer, Deliver(entry.handle, attempt))
-            self.stats["delivered"] += 1
-            self._dirty_topics.add(topic)
+            self._deliver(min(candidates, key=lambda i: len(i.inflight)), entry, key)
+
+    def _dispatch_catch_up(self, key: tuple[str, str]) -> None:
+        """While stopping: only the handles `key`'s stage lacks of what an aligned sibling acked
+        (wherever they are in the queue; admission let the sibling have them)."""
+        if not self.catching_up:
+            return
+        topic, stage = key
+        queue = self.queues[key]
+        for handle_id in [h for h in queue if self.catch_up.wants(stage, h) and h in self.entries]:
+            candidates = [i for i in self.instances.values() if i.stage == stage and i.credits.get(topic, 0) > 0]
+            if not candidates:
+                return
+            queue.remove(handle_id)
+            self._deliver(min(candidates, key=lambda i: len(i.inflight)), self.entries[handle_id], key)
+
+    def _deliver(self, inst: Instance, entry: Entry, key: tuple[str, str]) -> None:
+        topic, stage = key
+        inst.credits[topic] -= 1
+        inst.inflight[entry.handle.id] = topic
+        attempt = entry.attempts.get(stage, 0) + 1
+        entry.attempts[stage] = attempt
+        self._send(inst.peer, Deliver(entry.handle, attempt))
+        self.stats["delivered"] += 1
+        self._dirty_topics.add(topic)
 
     def _grant_producer_credit(self, topic: str) -> None:
         """Share the free room of `topic` among its producers, each up to capacity // producers.
@@ -394,7 +427,7 @@ class BrokerCore:
         waited for credit holding mini-batch 1 of an iteration, which therefore never trained, so
         no later prompts were admitted and the early one never published what would have freed
         room. The topic may hold that surplus beyond its capacity until it is used."""
-        if topic not in self.topology.topics or self.topology.topics[topic].join:
+        if topic not in self.topology.topics or self.topology.topics[topic].join or self.catch_up is not None:
             return
         producers = [i for i in self.instances.values() if topic in self._outputs.get(i.stage, ())]
         if not producers:
@@ -450,6 +483,7 @@ class BrokerCore:
                              nack.handle_id, nack.reason)
             self.queues[(topic, inst.stage)].appendleft(nack.handle_id)
             self._dirty_queues.add((topic, inst.stage))
+            self._shut_down_once_caught_up()
             return
         why = "poison" if nack.requeue else "rejected"
         self.stats[f"dropped.{why}"] += 1
@@ -467,6 +501,10 @@ class BrokerCore:
         entry.pending.discard(consumer)
         if self.journal:
             self.journal.acked(handle_id, consumer)
+        if self.catch_up is not None and not self.shutdown_sent:
+            self.catch_up.got(consumer, handle_id)
+            self.catch_up.note(entry.handle, entry.pending)
+            self._shut_down_once_caught_up()
         if not entry.pending:
             self._finish(entry)
 
@@ -529,13 +567,59 @@ class BrokerCore:
                 self.paused -= stages
                 self._dirty_queues.update(k for k in self.queues if k[1] in stages)
         elif control.op == "shutdown" and control.target == "*":
-            self.stopping = True
+            self.begin_stop()  # the stages hear of it once the aligned consumers caught up
+            return
         for other in self.instances.values():
             if other.stage != CONTROL_STAGE and control.target in ("*", other.stage):
                 self._send(other.peer, control)
 
+    def begin_stop(self) -> None:
+        """The job stops: deliver only what the aligned consumers lack of each other's acks
+        (`catch_up.py`), then tell every stage to shut down. Once; later calls do nothing."""
+        self.stopping = True
+        if self.catch_up is not None:
+            return
+        self.catch_up = CatchUp(self.topology)
+        for stage in {s for stages in self.catch_up.aligned.values() for s in stages}:
+            if not any(i.stage == stage for i in self.instances.values()):
+                self.catch_up.give_up(stage)
+        for entry in self.entries.values():
+            self.catch_up.note(entry.handle, entry.pending)
+        if self.catch_up.lacks:
+            log.info("stopping: %s acknowledged by a sibling; delivering them before the shutdown",
+                     self.catch_up.describe())
+            self._dirty_queues.update(self.queues)
+        self._shut_down_once_caught_up()
+
+    @property
+    def catching_up(self) -> bool:
+        return self.catch_up is not None and not self.shutdown_sent
+
+    def end_catch_up(self) -> None:
+        """Stop waiting for the catch-up (`stop_catch_up_s` passed): shut every stage down now."""
+        if self.catching_up:
+            log.warning("stopping: the catch-up ran out of time (%s; unacknowledged deliveries: %s): shutting down "
+                        "without it, so the trainers may stop at different versions",
+                        self.catch_up.describe() or "nothing lacked", self._aligned_in_flight() or "none")
+            self.broadcast_shutdown()
+
+    def _shut_down_once_caught_up(self) -> None:
+        """Shutdown to every stage once no aligned consumer lacks a handle or holds an
+        unacknowledged delivery of its aligned topic (acking it would leave its siblings lacking)."""
+        if self.catching_up and not self.catch_up.lacks and not self._aligned_in_flight():
+            if self.catch_up.lacked:
+                log.info("stopping: the aligned consumers caught up (%s handle(s))", sum(self.catch_up.lacked.values()))
+            self.broadcast_shutdown()
+
+    def _aligned_in_flight(self) -> str:
+        """`critic_train-0: 2` for each instance holding deliveries of a topic that aligns it."""
+        held = {inst.instance_id: sum(self.catch_up.aligns(topic, inst.stage) for topic in inst.inflight.values())
+                for inst in self.instances.values()}
+        return ", ".join(f"{name}: {count}" for name, count in sorted(held.items()) if count)
+
     def broadcast_shutdown(self) -> None:
         """Tell every stage instance to drain and stop (the broker is stopping)."""
+        self.shutdown_sent = True
         for inst in self.instances.values():
             if inst.stage != CONTROL_STAGE:
                 self._send(inst.peer, Control("shutdown"))

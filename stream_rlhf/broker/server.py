@@ -6,9 +6,10 @@ Every frame is size-checked and decoded here; a bad one is rejected with a logge
 counter, never an exception out of the loop: a handler that raises (a broker bug) is counted in
 `internal_errors` and answered as a rejection naming the message type. libzmq itself refuses a
 frame far over `max_message_bytes` by closing its connection; `connwatch.py` counts those. Log
-lines about peers are rate-limited (`ratelog.py`). The loop stops on SIGINT/SIGTERM or on
-Control(shutdown) once every stage instance has left (or `shutdown_grace_s` passed), then
-unlinks every payload it still tracks and any segment of a dead process of this job.
+lines about peers are rate-limited (`ratelog.py`). On SIGINT/SIGTERM or Control(shutdown) the
+stages are told to shut down (once the trainers caught up with each other: `catch_up.py`); the
+loop stops once every stage instance has left (or `shutdown_grace_s` passed), then unlinks every
+payload it still tracks and any segment of a dead process of this job.
 
 With a trace started in this process (`telemetry/trace.py`), the loop samples every
 QUEUE_SAMPLE_S the depth of each consumer queue (`queue <topic>><stage>`: handles waiting for
@@ -91,7 +92,7 @@ class BrokerServer:
                     signal.signal(sig, lambda *_: self.request_stop())
         interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
-        stopping_since = None
+        stopping_since = shutdown_since = None
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -110,9 +111,14 @@ class BrokerServer:
                 if self.core.stopping:
                     if stopping_since is None:
                         stopping_since = now
-                        self.core.broadcast_shutdown()
+                        self.core.begin_stop()
+                    elif self.core.catching_up and now - stopping_since > self.config.stop_catch_up_s:
+                        self.core.end_catch_up()
+                    if shutdown_since is None and self.core.shutdown_sent:
+                        shutdown_since = now
+                    self._send(self._flush())
                     stages_left = [i for i in self.core.instances.values() if i.stage != CONTROL_STAGE]
-                    if not stages_left or now - stopping_since > self.shutdown_grace_s:
+                    if not stages_left or (shutdown_since is not None and now - shutdown_since > self.shutdown_grace_s):
                         break
         finally:
             self.close()

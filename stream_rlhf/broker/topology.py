@@ -36,6 +36,10 @@ class TopicConfig:
     broker's `queue_capacity`, counting handles that wait in a join too. With a capacity of its
     own only the consumers' queues count: a handle waiting in a join waits for parts that those
     consumers produce, so they bound it."""
+    align_at_stop: list[str] = field(default_factory=list)
+    """Consumers that, when the job stops, first receive every handle of this topic that another of
+    them has acknowledged (`catch_up.py`): the trainers end at one policy version, so the checkpoint
+    a drain leaves is complete."""
 
     def __post_init__(self) -> None:
         if self.capacity is not None and (self.capacity < 1 or not self.consumers):
@@ -46,6 +50,8 @@ class TopicConfig:
             raise ConfigError("producers=[]: a topic needs producers or a join")
         if len(set(self.join)) != len(self.join):
             raise ConfigError(f"join={self.join}: a part is listed twice")
+        if not set(self.align_at_stop) <= set(self.consumers):
+            raise ConfigError(f"align_at_stop={self.align_at_stop}: only consumers ({self.consumers}) can be aligned")
 
 
 @dataclass(frozen=True)
@@ -78,11 +84,17 @@ class BrokerConfig:
     journal_fsync: bool = False
     shm_prefix: str = "srlhf"
     """Shared-memory segments of this job are named /{shm_prefix}_{pid}_{n}."""
+    stop_catch_up_s: float = 30.0
+    """At a stop, how long the consumers a topic aligns (the trainers) may take to catch up with
+    each other before every stage is told to shut down anyway (`catch_up.py`); launchers wait this
+    long more than their usual grace before they kill a stage."""
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "handshake_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
+        if self.stop_catch_up_s < 0:
+            raise ConfigError(f"stop_catch_up_s={self.stop_catch_up_s}: must be >= 0")
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             raise ConfigError(
                 f"heartbeat_timeout_s={self.heartbeat_timeout_s}: must be >= 2 * "

@@ -68,5 +68,5 @@ class HandRank(BrokerClient):
             self.failed = list(self.processes)
             raise StageFailed(f"{self.failed[0]} failed: {exc}") from exc
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """Nothing to stop: the rank ran in this process and has returned."""

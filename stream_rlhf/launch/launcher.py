@@ -17,10 +17,20 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from stream_rlhf.broker.client import ControlClient
+from stream_rlhf.broker.topology import BrokerConfig
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.launch.spec import StageFailed
 
 log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 15.0
+"""How long a launcher waits for its ranks to leave once the stages were told to shut down."""
+
+
+def stop_grace_s(broker: BrokerConfig) -> float:
+    """How long after asking the broker to stop a launcher waits before it kills a rank: the
+    trainers' catch-up (`broker/catch_up.py`) and then the drain."""
+    return broker.stop_catch_up_s + STOP_GRACE_S
 
 
 class Launcher(Protocol):
@@ -35,7 +45,8 @@ class Launcher(Protocol):
 
     def wait(self, timeout_s: float, watch: Callable[[], None] | None = None, watch_every_s: float = 2.0) -> None: ...
 
-    def stop(self, grace_s: float = 15.0) -> None: ...
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain every rank (killing those still running `grace_s` later; None: `stop_grace_s`)."""
 
     def client(self) -> ControlClient: ...
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from stream_rlhf.broker.topology import BrokerConfig, Topology
 from stream_rlhf.config import ConfigError
-from stream_rlhf.launch.launcher import BrokerClient, Watch
+from stream_rlhf.launch.launcher import BrokerClient, Watch, stop_grace_s
 from stream_rlhf.launch.rank import run_device_group, run_stage
 from stream_rlhf.launch.process_start import FORK_SERVER, fork_server_pid, in_child, launcher_state, start_context
 from stream_rlhf.launch.spec import StageFailed, StageSpec, take_restart
@@ -270,10 +270,12 @@ class LocalJob(BrokerClient):
         self.start_device_group(group)
         return True
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """Drain every stage, then stop the broker; kill only what ignores that."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain every stage, then stop the broker; kill only what ignores that for `grace_s`
+        (None: `launcher.stop_grace_s`)."""
         if self.broker_process is None:
             return
+        grace_s = stop_grace_s(self.broker) if grace_s is None else grace_s
         if self.broker_process.is_alive() and any(p.is_alive() for p in self.processes.values()):
             self.ask_shutdown()
         deadline = time.monotonic() + grace_s

@@ -43,7 +43,7 @@ from typing import Any
 from stream_rlhf.broker.shm import host_id
 from stream_rlhf.broker.sockets import CurveKeys, private_key_dir
 from stream_rlhf.config import ConfigError
-from stream_rlhf.launch.launcher import BrokerClient, Watch
+from stream_rlhf.launch.launcher import BrokerClient, Watch, stop_grace_s
 from stream_rlhf.launch.plan import BROKER, JobPlan, RankPlan
 from stream_rlhf.launch.ray_hosts import RayHosts
 from stream_rlhf.launch.spec import StageFailed, StageSpec, setup_logging, take_restart
@@ -320,14 +320,16 @@ class RayJob(BrokerClient):
         self.start_instances([(stage, int(index))])
         return True
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """Drain every rank through the broker, stop the broker, kill what is left of either, remove
-        the placement group and (when the job started it) the local Ray instance."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain every rank through the broker, stop the broker, kill what is left of either (after
+        `grace_s`; None: `launcher.stop_grace_s`), remove the placement group and (when the job
+        started it) the local Ray instance."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
         if not ray.is_initialized():
             return
+        grace_s = stop_grace_s(self.plan.flow.broker) if grace_s is None else grace_s
         running: set[str] = set()
         if self._runs and self.address:
             self.ask_shutdown()

@@ -22,7 +22,9 @@ place of `vision`: each stage then runs the vision tower itself.
 
 With `rollout.medusa` enabled (and companion training on), `medusa_train` is a third consumer
 of the experiences, beside the actor and critic trainers. GRPO, RLOO and REINFORCE++ have no
-critic stages. Admission holds the prompts of iteration i
+critic stages. At a stop the broker lets the checkpointed trainers (actor, critic) catch up with
+each other's experience mini-batches first, so the checkpoint a drain leaves is complete.
+Admission holds the prompts of iteration i
 until training has published version i - overlap_depth. The `sync` schedule adds barriers: a
 mini-batch of rollout (or experience) is delivered only when every mini-batch of its iteration
 has been published there, so generation, forwards and training run phase by phase.
@@ -101,8 +103,8 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
         if stage in cfg.placement.stages:
             log.warning("placement.stages.%s: not used, this config has no %s stage", stage, stage)
     forwards = [f for f in ("ref_forward", "reward_forward", "actor_forward", "critic_forward") if f not in left_out]
-    trainers = ["actor_train"] + (["critic_train"] if critic else [])
-    trainers += ["medusa_train"] if cfg.rollout.medusa.enabled and cfg.rollout.medusa.companion else []
+    checkpointed = ["actor_train"] + (["critic_train"] if critic else [])  # a checkpoint holds each one's part
+    trainers = checkpointed + (["medusa_train"] if cfg.rollout.medusa.enabled and cfg.rollout.medusa.companion else [])
     parts = {"ref_forward": "ref_logp", "reward_forward": "reward", "actor_forward": "old_logp", "critic_forward": "values"}
     prefetch = vision_language and cfg.vision.prefetch
     topics = {**{parts[f]: TopicConfig(producers=[f]) for f in forwards}}
@@ -110,7 +112,8 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
         topics.update(
             prompts=TopicConfig(producers=["prompts"], consumers=["rollout"]),
             rollout=TopicConfig(producers=["rollout"], consumers=forwards),
-            experience=TopicConfig(join=["rollout", *(parts[f] for f in forwards)], consumers=trainers),
+            experience=TopicConfig(join=["rollout", *(parts[f] for f in forwards)], consumers=trainers,
+                                   align_at_stop=checkpointed),
         )
     else:
         images = "vision" if prefetch else "prompts"  # the handle every stage reads image features from
@@ -118,7 +121,8 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
             prompts=TopicConfig(producers=["prompts"], consumers=["vision_prefetch" if prefetch else "rollout"]),
             rollout=TopicConfig(producers=["rollout"]),
             generated=TopicConfig(join=["rollout", images], consumers=forwards),
-            experience=TopicConfig(join=["rollout", images, *(parts[f] for f in forwards)], consumers=trainers),
+            experience=TopicConfig(join=["rollout", images, *(parts[f] for f in forwards)], consumers=trainers,
+                                   align_at_stop=checkpointed),
         )
         if prefetch:
             topics["vision"] = TopicConfig(producers=["vision_prefetch"], consumers=["rollout"],

@@ -21,7 +21,9 @@ become visible once their copies finished (publish waits for the current stream)
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +34,12 @@ from stream_rlhf.telemetry import trace
 from stream_rlhf.weights.buckets import BucketLayout, pack
 from stream_rlhf.weights.group import WeightSyncClosed, WeightSyncTimeout, address_file
 
+log = logging.getLogger(__name__)
+
 WAKE_S = 0.1
 """How often waiting serving threads look at their stop event."""
+CLOSE_WAIT_S = 10.0
+"""The longest a closing sender waits for its groups' threads (see SnapshotSender.close)."""
 
 
 @dataclass(frozen=True)
@@ -141,11 +147,16 @@ class ServingThreads:
             raise failures[0]
 
     def close(self, timeout_s: float) -> None:
-        """Stop every thread and wait up to `timeout_s` each (a thread inside a rendezvous or a
-        collective returns when that times out); raise a failure check() has not raised."""
+        """Stop every thread and wait up to `timeout_s` in all (a thread inside a rendezvous or a
+        collective returns only when that ends or times out: one still there is left behind, it
+        is a daemon, with a warning); raise a failure check() has not raised."""
         self.stop.set()
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if stuck := [t.name for t in self._threads if t.is_alive()]:
+            log.warning("%s still inside a transfer %.0fs after closing: left behind (a receiver stopped mid-way?)",
+                        ", ".join(stuck), timeout_s)
         if not self._reported:
             self.check()
 
@@ -181,8 +192,10 @@ class SnapshotSender:
 
     def close(self) -> None:
         """Stop serving; raises a failure not raised before. Returns at once unless a group's thread
-        is inside a collective or waits for an acknowledgement (then within timeout_s)."""
-        self._threads.close(self.timeout_s + 5.0)
+        is inside a collective or waits for an acknowledgement (then within CLOSE_WAIT_S: a
+        receiver still taking part finishes well within it, one that stopped would hold the
+        closing trainer, at a drain past the launcher's grace, until the collective times out)."""
+        self._threads.close(min(self.timeout_s + 5.0, CLOSE_WAIT_S))
 
     def _serve(self, name: str, stop: threading.Event) -> None:
         raise NotImplementedError
