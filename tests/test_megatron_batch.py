@@ -24,15 +24,20 @@ from tests.tiny_models import tiny_qwen2_config  # noqa: E402
 
 def test_the_batch_is_the_packed_layout_padded_for_cp():
     shared = _shared_experience()
-    batch = packed_batch(shared.sequences, None, shared.prompt_lens, ContextSplit(2, 0), None, torch.device("cpu"))
+    splits = [ContextSplit(2, rank) for rank in range(2)]
+    batch, other = (packed_batch(shared.sequences, None, shared.prompt_lens, split, None, torch.device("cpu"))
+                    for split in splits)
     layout = pack_shared(shared.sequences, shared.prompt_lens)
     rows, width = layout.input_ids.shape
     assert batch.ids.shape == (rows, 12) and width == 9  # 9 -> a multiple of 2 x cp
     assert torch.equal(batch.ids[:, :width], layout.input_ids) and not batch.ids[:, width:].any()
-    assert torch.equal(batch.mask[:, :, :width, :width], ~layout.attention_mask)
-    padding = batch.mask[:, 0, width:, :]  # (R, 3, 12): each padding position sees itself only
+    assert batch.mask.shape == (rows, 1, 6, 12)  # each cp rank gets its queries' rows only
+    owner, slot = splits[0].locate(12)
+    mask = torch.stack([(batch, other)[owner[q]].mask[:, 0, slot[q]] for q in range(12)], 1)[:, None]  # (R, 1, 12, 12)
+    assert torch.equal(mask[:, :, :width, :width], ~layout.attention_mask)
+    padding = mask[:, 0, width:, :]  # (R, 3, 12): each padding position sees itself only
     assert torch.equal(~padding, torch.eye(12, dtype=torch.bool)[width:].expand(rows, -1, -1))
-    assert not (~batch.mask[:, 0, :width, width:]).any()  # and no token sees padding
+    assert not (~mask[:, 0, :width, width:]).any()  # and no token sees padding
     assert batch.positions.shape == (3, rows, 12)
     assert all(torch.equal(batch.positions[axis, :, :width], layout.position_ids) for axis in range(3))
 

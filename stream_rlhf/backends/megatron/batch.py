@@ -2,7 +2,7 @@
 per-token results read back out of the rows.
 
     batch = packed_batch(sequences, images, prompt_lens, split, vision_config, device)
-    out = model(split.take(batch.ids, 1), batch.positions, split.take(batch.mask, 2))
+    out = model(split.take(batch.ids, 1), batch.positions, batch.mask)
     logp, entropy = token_logprobs(out, head_weight, batch, sequences, 0.7, True, split)
     values = token_values(out, batch, split)
 
@@ -44,7 +44,8 @@ class Batch(NamedTuple):
     """(3, R, C) long: each sequence's positions from 0 (M-RoPE ones with images; a text model's
     three rows equal); 0 on padding."""
     mask: Tensor
-    """(R, 1, C, C) bool, True = masked out: the layout's attention mask, inverted."""
+    """(R, 1, C_local, C) bool, True = masked out: the layout's attention mask, inverted, at the
+    queries of this cp rank's positions (C_local = C / cp; taken before it goes to the device)."""
     features: Tensor | None
     """(N, H) image features of the rows' image tokens in row-major order; None for text."""
     layout: Packed
@@ -69,7 +70,7 @@ def packed_batch(sequences: list[Tensor], images: list[SampleImages] | None, pro
         positions, features = vision_inputs(layout, sequences, images, vision_config)
         features = features.to(device)
     return Batch(F.pad(layout.input_ids, (0, extra)).to(device), F.pad(positions, (0, extra)).to(device),
-                 (~attend).to(device), features, layout)
+                 split.take(~attend, 2).to(device), features, layout)
 
 
 def token_logprobs(hidden: Tensor, head_weight: Tensor, batch: Batch, sequences: list[Tensor], temperature: float,

@@ -136,13 +136,13 @@ class MegatronTrainEngine:
         """`model` (the megatron model or its DDP wrapper) on this cp rank's part of `batch`; with
         image features the first stage embeds the whole rows itself, puts the features in at the
         image tokens and passes on its part. The positions stay whole (megatron cuts the rotary
-        embedding for this cp rank); the mask keeps the rows of this rank's positions."""
+        embedding for this cp rank); the mask holds the rows of this rank's positions already."""
         decoder_input = None
         if batch.features is not None and self.parallel.first_stage:
             embedded = self.model.embedding(input_ids=batch.ids, position_ids=None).transpose(0, 1)  # (R, C, H)
             embedded = scatter_image_features(embedded, batch.ids, batch.features, self.vision_config.image_token_id)
             decoder_input = self.split.take(embedded.transpose(0, 1), 0).contiguous()  # (C_local, R, H)
-        return model(self.split.take(batch.ids, 1), batch.positions, self.split.take(batch.mask, 2),
+        return model(self.split.take(batch.ids, 1), batch.positions, batch.mask,
                      decoder_input=decoder_input)
 
     def _head_weight(self) -> Tensor:
