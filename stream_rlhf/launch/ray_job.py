@@ -210,10 +210,15 @@ class RayJob(BrokerClient):
                               f"{_summed(bundles)}, the cluster has {ray.cluster_resources()}")
         index, broker = self._bundles[BROKER]
         self._broker = self._actor(_BrokerActor, index, broker, max_concurrency=2)
-        where = self.placed[BROKER] = self._host_of(ray.get(self._broker.where.remote(), timeout=timeout_s))
-        trace_folder = self.hosts.trace_folder(self.plan.flow.trace_folder, where["node"], where["host_id"])
-        self.address, self.book = ray.get(self._broker.open.remote(self.plan, self._cwd, where["host_id"],
-                                                                   trace_folder), timeout=timeout_s)
+        wait_s = max(timeout_s, settings.start_timeout_s)  # a loaded node starts a worker process slowly
+        try:
+            where = self.placed[BROKER] = self._host_of(ray.get(self._broker.where.remote(), timeout=wait_s))
+            trace_folder = self.hosts.trace_folder(self.plan.flow.trace_folder, where["node"], where["host_id"])
+            self.address, self.book = ray.get(self._broker.open.remote(self.plan, self._cwd, where["host_id"],
+                                                                       trace_folder), timeout=wait_s)
+        except ray.exceptions.GetTimeoutError:
+            raise StageFailed(f"the broker's Ray actor did not start and open within {wait_s:g}s "
+                              "(ray.start_timeout_s)") from None
         self._broker_run = self._broker.serve.remote()
         _log_placed(BROKER, self.placed[BROKER])
         self.start_instances([(stage, index) for stage, spec in self.plan.flow.stages.items()
