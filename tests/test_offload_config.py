@@ -52,8 +52,11 @@ FORWARDS = {"forwards": ["ref_forward", "critic_forward"]}
         ({"placement.device_groups": FORWARDS, "placement.stages": {"ref_forward": {"cores": [0]}}},
          "placement.device_groups.forwards: its stages share one process, so one cores setting: "
          "stages.ref_forward.cores=[0], stages.critic_forward.cores=None"),
-        ({"placement.device_groups": FORWARDS, "launcher": "ray"},
-         "placement.device_groups.forwards: launcher=ray does not host device groups yet"),
+        ({"placement.device_groups": FORWARDS, "launcher": "ray",
+          "ray": {"stage_resources": {"ref_forward": {"a": 1}}}},
+         "placement.device_groups.forwards: its stages share one process, one Ray bundle on one node, so one "
+         "ray.stage_resources setting: ray.stage_resources.ref_forward={'a': 1.0}, "
+         "ray.stage_resources.critic_forward=None"),
     ],
 )
 def test_bad_offload_or_device_group_names_the_key(tmp_path, override, message):

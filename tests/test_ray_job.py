@@ -293,3 +293,26 @@ def test_metrics_from_another_host_arrive_while_the_job_runs_and_its_drain_check
     log = log_file.read_text()
     assert "continue with `stream-rlhf run" in log, log[-4000:]  # a complete checkpoint in the driver's folder
     assert len(read_metrics(metrics)) >= 1 and not list((tmp_path / "live").rglob("*.shipping"))
+
+
+def test_a_device_group_runs_as_one_ray_actor_and_trains_every_sample(tmp_path):
+    """`placement.device_groups` under Ray: the three forwards run in one actor (one bundle) taking
+    turns, every generated sample is trained, and no actor or raylet outlives the job."""
+    before = raylets()
+    forwards = ["ref_forward", "reward_forward", "critic_forward"]
+    code, log = run_job(tmp_path, "raygroup", 300, "placement.mode=separated", ray={"num_cpus": 2},
+                        **{"placement.device_groups": {"forwards": forwards}})
+    assert code == 0, log[-4000:]
+    summary = assert_accounting(tmp_path / "raygroup")
+    where = placed(log)
+    assert set(where) == {"broker", "prompts-0", "rollout-0", "forwards-0", "actor_train-0", "critic_train-0"}
+    assert f"forwards-0: {', '.join(forwards)} in one process" in log  # run_device_group, in the actor's worker
+    plan = json.loads((tmp_path / "raygroup" / "plan.json").read_text())
+    assert plan["ray"]["bundles"] == 6 and {r["process"] for r in plan["ranks"]} == set(where)
+    assert next(r for r in plan["ranks"] if r["process"] == "forwards-0")["hosts"] == forwards
+    # the members with a model took turns on the device: each moved its model off for the others
+    assert set(summary["offload"]) == {"ref_forward", "critic_forward"}, summary["offload"]
+    assert all(moved["offloads"] >= 1 for moved in summary["offload"].values()), summary["offload"]
+    assert not [name for name, (_, pid) in where.items() if alive(pid)]  # no actor outlived the job
+    assert raylets() <= before
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_raygroup")]

@@ -146,8 +146,17 @@ class JobPlan:
             key = frozenset(cores if cores is not None else every)
             gpus = _share(1, sharing[device]) if device.startswith("cuda") else 0.0
             out.append(RankPlan(stage, instance, rank, device, cores, threads, _share(len(key), sharing[key]), gpus,
-                                dict(self.ray.stage_resources.get(stage, {}))))
+                                self.resources_of(stage)))
         return out
+
+    def resources_of(self, unit: str) -> dict[str, float]:
+        """The custom Ray resources of a stage's bundles (`ray.stage_resources`); of a device group's
+        one bundle, every resource any of its members asks for (the most of each)."""
+        wanted: dict[str, float] = {}
+        for stage in self.flow.device_groups.get(unit, [unit]):
+            for name, amount in self.ray.stage_resources.get(stage, {}).items():
+                wanted[name] = max(amount, wanted.get(name, 0.0))
+        return wanted
 
     def as_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data (`stream-rlhf plan --json`)."""

@@ -9,7 +9,7 @@ actor, `stream-rlhf stage` in the command's own process.
     run_device_group("forwards", 0, {"ref_forward": spec, "critic_forward": spec2}, address, None, "srlhf")
 
 runs the stages of a device group (`placement.device_groups`) in this one process, taking turns on
-its device.
+its device (the local launcher's process of the group, or the Ray launcher's actor).
 """
 
 from __future__ import annotations
@@ -116,7 +116,9 @@ def run_device_group(group_name: str, index: int, members: dict[str, StageSpec],
 
 
 def _run_together(process: str, runners: dict[str, StageRunner]) -> None:
-    """Each runner on a thread of its own; SIGTERM drains them all (a second stops them now)."""
+    """Each runner on a thread of its own; SIGTERM drains them all (a second stops them now) when
+    this is the main thread (under Ray, where a worker may run its actor's calls on another, the
+    broker's shutdown drains them)."""
     errors: dict[str, BaseException] = {}
     done = threading.Event()
 
@@ -128,7 +130,8 @@ def _run_together(process: str, runners: dict[str, StageRunner]) -> None:
         finally:
             done.set()
 
-    signal.signal(signal.SIGTERM, lambda *_: [r.request_stop() for r in runners.values()])
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: [r.request_stop() for r in runners.values()])
     threads = [threading.Thread(target=run, args=(name, runner), name=f"{name}-stage") for name, runner in runners.items()]
     for thread in threads:
         thread.start()

@@ -10,7 +10,10 @@ resources `ray.stage_resources` names for its stage, so stages land on the nodes
 The actor of a rank runs it in its own worker process (`launch/rank.py`), exactly as a local
 process would, except that Ray's resources replace core pinning and core lending, and a rank on a
 GPU uses the one Ray assigned it (`CUDA_VISIBLE_DEVICES`: cuda:0). A group of several ranks meets
-at a TCP rendezvous on its leader's node.
+at a TCP rendezvous on its leader's node. A device group (`placement.device_groups`) is one actor in
+one bundle, as it is one process under the local launcher: it runs every member
+(`launch/rank.py` run_device_group), restarts as a whole (when every member has restarts left) and
+counts as each of its members wherever the plan asks which host a stage is on.
 
 Across hosts (`JobPlan.spans_hosts`: a cluster, or `ray.node_hosts`) the broker binds its node's
 address, and it and every rank get the plan's CURVE keys in their arguments (each writes them to a
@@ -23,7 +26,8 @@ server over TCP, and rollout and the critic forward get their weights by broadca
 writes into a run folder and a weight root of its host, shipped into the driver's run folder
 while it runs and in full at the end (`ray_hosts.py`). Stages that still meet through one host's
 /dev/shm weight store (`JobPlan.same_host`) must share a host: a placement that splits them fails
-the job at start, naming the pair. Ray itself is imported only here (the `ray` extra).
+the job at start, naming the pair. Ray itself is imported only by the launcher (this module,
+`ray_actors.py`, `ray_hosts.py`: the `ray` extra).
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -41,105 +44,15 @@ from dataclasses import replace
 from typing import Any
 
 from stream_rlhf.broker.shm import host_id
-from stream_rlhf.broker.sockets import CurveKeys, private_key_dir
+from stream_rlhf.broker.sockets import CurveKeys
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.launcher import BrokerClient, Watch, stop_grace_s
 from stream_rlhf.launch.plan import BROKER, JobPlan, RankPlan
+from stream_rlhf.launch.ray_actors import BrokerActor, RankActor
 from stream_rlhf.launch.ray_hosts import RayHosts
-from stream_rlhf.launch.spec import StageFailed, StageSpec, setup_logging, take_restart
+from stream_rlhf.launch.spec import StageFailed, StageSpec, take_restart
 
 log = logging.getLogger(__name__)
-
-
-class _Worker:
-    def where(self) -> dict[str, Any]:
-        """The Ray node, its IP, the machine's name and host id, the worker's pid and the GPUs Ray gave it."""
-        import ray
-
-        return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "host": socket.gethostname(), "host_id": host_id(), "pid": os.getpid(),
-                "gpus": [str(g) for g in ray.get_gpu_ids()]}
-
-
-class _BrokerActor(_Worker):
-    """The broker in a Ray worker: `open` binds it, `serve` runs its loop on an actor thread."""
-
-    def open(self, plan: JobPlan, cwd: str, host: str, trace_folder: str | None) -> tuple[str, str | None]:
-        """Bind the broker: on its node's address with the plan's keys when the plan spans hosts,
-        and then serve the weight-sync groups' address book there too. Returns both addresses."""
-        import ray
-
-        from stream_rlhf.broker.server import BrokerServer
-        from stream_rlhf.broker.topology import CurveConfig
-        from stream_rlhf.telemetry import trace
-        from stream_rlhf.weights.address_book import host_book
-
-        _enter(cwd, host, None)
-        flow = plan.flow
-        if trace_folder is not None:
-            trace.start(trace_folder, "broker", "broker")
-        config = flow.broker
-        self.key_dir = tempfile.mkdtemp(prefix="srlhf-keys-") if plan.keys is not None else None
-        if plan.keys is not None:
-            config = replace(config, curve=CurveConfig(str(plan.keys.write(self.key_dir))))
-        book = None
-        if plan.spans_hosts:
-            config = replace(config, address=f"tcp://{ray.util.get_node_ip_address()}:*")
-            self.book, book = host_book(ray.util.get_node_ip_address())
-        self.server = BrokerServer(flow.topology, config, flow.admission)
-        return self.server.address, book
-
-    def serve(self) -> dict[str, float]:
-        try:
-            return self.server.serve()
-        finally:
-            if self.key_dir is not None:
-                shutil.rmtree(self.key_dir, ignore_errors=True)
-
-    def request_stop(self) -> None:
-        self.server.request_stop()
-
-
-class _RankActor(_Worker):
-    """One rank of a stage instance in a Ray worker."""
-
-    def rendezvous(self) -> str:
-        """A TCP rendezvous for the rank group this actor leads, on its node."""
-        import ray
-
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as probe:
-            probe.bind((ip, 0))
-            return f"tcp://{ip}:{probe.getsockname()[1]}"
-
-    def run(self, stage: str, instance_id: str, spec: StageSpec, address: str, keys: CurveKeys | None, prefix: str,
-            rank: int, init_method: str | None, cwd: str, host: str, book: str | None) -> None:
-        from stream_rlhf.launch.rank import run_stage
-        from stream_rlhf.telemetry import trace
-
-        _enter(cwd, host, book)
-        try:
-            with private_key_dir(keys) as key_dir:
-                run_stage(stage, instance_id, spec, address, key_dir, prefix, rank, init_method)
-        except BaseException:
-            log.exception("%s: rank %d failed", instance_id, rank)
-            raise
-        finally:
-            trace.stop()
-
-
-def _enter(cwd: str, host: str, book: str | None) -> None:
-    """A worker starts in Ray's folder: run in the driver's (the config's relative paths are
-    relative to it), as host `host` (the host id its payloads and the broker's segment checks go
-    by), its weight-sync groups meeting through `book` (None: a folder beside the weight store)."""
-    from stream_rlhf.weights.address_book import BOOK_ENV
-
-    setup_logging()
-    os.environ["STREAM_RLHF_HOST_ID"] = host
-    if book is not None:
-        os.environ[BOOK_ENV] = book
-    if os.path.isdir(cwd):
-        os.chdir(cwd)
 
 
 class RayJob(BrokerClient):
@@ -166,6 +79,7 @@ class RayJob(BrokerClient):
         self.placed: dict[str, dict[str, Any]] = {}
         """Where each process ran: Ray node id, node IP, pid, GPU ids (the broker too)."""
         self.restarts_left = {name: spec.restarts for name, spec in plan.flow.stages.items()}
+        self.restarts_left.update({group: self._restart_spec(group).restarts for group in plan.flow.device_groups})
         self._bundles = {r.name: (i, r) for i, r in enumerate(plan.ranks())}
         self._runs: dict[Any, str] = {}  # the `run` call of each rank -> its process name
         self._broker: Any = None
@@ -209,7 +123,7 @@ class RayJob(BrokerClient):
                               f"{settings.start_timeout_s:g} (strategy {settings.strategy}); asked for "
                               f"{_summed(bundles)}, the cluster has {ray.cluster_resources()}")
         index, broker = self._bundles[BROKER]
-        self._broker = self._actor(_BrokerActor, index, broker, max_concurrency=2)
+        self._broker = self._actor(BrokerActor, index, broker, max_concurrency=2)
         wait_s = max(timeout_s, settings.start_timeout_s)  # a loaded node starts a worker process slowly
         try:
             where = self.placed[BROKER] = self._host_of(ray.get(self._broker.where.remote(), timeout=wait_s))
@@ -221,8 +135,10 @@ class RayJob(BrokerClient):
                               "(ray.start_timeout_s)") from None
         self._broker_run = self._broker.serve.remote()
         _log_placed(BROKER, self.placed[BROKER])
-        self.start_instances([(stage, index) for stage, spec in self.plan.flow.stages.items()
-                              for index in range(spec.instances)])
+        groups = self.plan.flow.device_groups
+        grouped = {member for members in groups.values() for member in members}
+        self.start_instances([(stage, index) for stage, spec in self.plan.flow.stages.items() if stage not in grouped
+                              for index in range(spec.instances)] + [(group, 0) for group in groups])
         return self.address
 
     def _actor(self, cls: type, index: int, rank: RankPlan, max_concurrency: int = 1) -> Any:
@@ -235,43 +151,65 @@ class RayJob(BrokerClient):
         return remote.remote()
 
     def start_instances(self, instances: list[tuple[str, int]]) -> None:
-        """Start an actor for every rank of each (stage, index) instance, wait until every one is
-        up (Ray starts a few workers at a time), then run them all at once, as the local launcher's
-        processes start: a rank that joined the broker long after the others would find the job over."""
+        """Start an actor for every rank of each (stage, index) instance (a device group's one
+        process for a (group, 0)), wait until every one is up (Ray starts a few workers at a time),
+        then run them all at once, as the local launcher's processes start: a rank that joined the
+        broker long after the others would find the job over."""
         import ray
 
         actors: dict[str, Any] = {}
-        for stage, index in instances:
-            for rank in range(self.plan.flow.stages[stage].ranks):
-                name = f"{stage}-{index}" if rank == 0 else f"{stage}-{index}.rank{rank}"
-                actors[name] = self._actor(_RankActor, *self._bundles[name])
+        for unit, index in instances:
+            for name in self._process_names(unit, index):
+                actors[name] = self._actor(RankActor, *self._bundles[name])
         self.processes.update(actors)  # from here on, stop() kills them
         self.placed.update(zip(actors, map(self._host_of, ray.get([a.where.remote() for a in actors.values()],
                                                                   timeout=self.plan.ray.start_timeout_s))))
         for name in actors:
             _log_placed(name, self.placed[name])
         self._check_same_host()
-        for stage, index in instances:
-            instance_id = f"{stage}-{index}"
-            spec = self.plan.flow.stages[stage]
-            names = [instance_id if r == 0 else f"{instance_id}.rank{r}" for r in range(spec.ranks)]
+        prefix = self.plan.flow.broker.shm_prefix
+        for unit, index in instances:
+            names = self._process_names(unit, index)
+            if unit in self.plan.flow.device_groups:
+                where = self.placed[names[0]]
+                members = {m: self.hosts.relocate(_under_ray(self.plan.flow.stages[m]), where["node"],
+                                                  where["host_id"]) for m in self.plan.flow.device_groups[unit]}
+                run = actors[names[0]].run_group.remote(unit, index, members, self.address, self.keys, prefix,
+                                                        self._cwd, where["host_id"], self.book)
+                self._runs[run] = names[0]
+                continue
+            instance_id = names[0]
+            spec = _under_ray(self.plan.flow.stages[unit])
             init_method = ray.get(actors[instance_id].rendezvous.remote()) if spec.ranks > 1 else None
-            # Ray's resources replace pinning and lending; a GPU rank sees only the GPU Ray gave it
-            devices = ["cuda:0" if spec.device(r).startswith("cuda") else spec.device(r) for r in range(spec.ranks)]
-            ray_spec = replace(spec, cores=None, rank_cores=None, lending=None, devices=devices)
             for rank, name in enumerate(names):
                 where = self.placed[name]
-                run = actors[name].run.remote(stage, instance_id, self.hosts.relocate(ray_spec, where["node"],
-                                                                                      where["host_id"]),
-                                              self.address, self.keys, self.plan.flow.broker.shm_prefix, rank,
-                                              init_method, self._cwd, where["host_id"], self.book)
+                run = actors[name].run.remote(unit, instance_id, self.hosts.relocate(spec, where["node"],
+                                                                                     where["host_id"]),
+                                              self.address, self.keys, prefix, rank, init_method, self._cwd,
+                                              where["host_id"], self.book)
                 self._runs[run] = name
 
+    def _process_names(self, unit: str, index: int) -> list[str]:
+        """The processes of instance `index` of a stage (one per rank), or of a device group (one)."""
+        instance_id = f"{unit}-{index}"
+        if unit in self.plan.flow.device_groups:
+            return [instance_id]
+        return [instance_id if r == 0 else f"{instance_id}.rank{r}" for r in range(self.plan.flow.stages[unit].ranks)]
+
+    def _restart_spec(self, unit: str) -> StageSpec:
+        """The spec whose `restarts` a stage or device group gets: a group's member with the fewest
+        (a group restarts as a whole, so only while every member may)."""
+        members = self.plan.flow.device_groups.get(unit, [unit])
+        return min((self.plan.flow.stages[m] for m in members), key=lambda spec: spec.restarts)
+
     def _check_same_host(self) -> None:
-        """Fail the job naming two stages that must share a host and were placed on two."""
+        """Fail the job naming two stages that must share a host and were placed on two (a device
+        group's members are on its process's host)."""
         hosts: dict[str, set[str]] = {}
         for name, where in self.placed.items():
-            hosts.setdefault(name.partition(".rank")[0].rpartition("-")[0] or name, set()).add(where["host_id"])
+            unit = name.partition(".rank")[0].rpartition("-")[0] or name
+            for stage in self.plan.flow.device_groups.get(unit, [unit]):
+                hosts.setdefault(stage, set()).add(where["host_id"])
         for first, second, why in self.plan.same_host:
             if first in hosts and second in hosts and len(hosts[first] | hosts[second]) > 1:
                 self._fail([first, second], f"{first} (on {', '.join(sorted(hosts[first]))}) and {second} (on "
@@ -308,12 +246,13 @@ class RayJob(BrokerClient):
         raise StageFailed(message)
 
     def _restart(self, name: str, error: str) -> bool:
-        """Start the crashed rank's instance again (every rank) if its stage has restarts left."""
+        """Start the crashed rank's instance again (every rank; a device group's process with all its
+        members) if its stage (every member) has restarts left."""
         import ray
 
         instance_id = name.partition(".rank")[0]
         stage, _, index = instance_id.rpartition("-")
-        backoff_s = take_restart(self.restarts_left, stage, self.plan.flow.stages[stage])
+        backoff_s = take_restart(self.restarts_left, stage, self._restart_spec(stage))
         if backoff_s is None:
             return False
         log.warning("%s failed (%s): restarting it in %.1fs (%d restart(s) left for %s)", name,
@@ -374,6 +313,13 @@ class RayJob(BrokerClient):
         if not self.plan.ray.node_hosts:
             return where
         return {**where, "host_id": f"{where['host_id']}/node-{where['node'][:12]}"}
+
+
+def _under_ray(spec: StageSpec) -> StageSpec:
+    """`spec` as a Ray worker runs it: Ray's resources replace pinning and lending, and a GPU rank
+    sees only the GPU Ray gave it (cuda:0)."""
+    devices = ["cuda:0" if spec.device(r).startswith("cuda") else spec.device(r) for r in range(spec.ranks)]
+    return replace(spec, cores=None, rank_cores=None, lending=None, devices=devices)
 
 
 def _log_placed(name: str, where: dict[str, Any]) -> None:

@@ -218,8 +218,9 @@ class RLJobConfig:
                                   "steps): every rank needs one")
 
     def _check_device_groups(self) -> None:
-        """Offload policies name what the stage holds; device groups host model stages the local
-        launcher starts (a member this config leaves out is dropped when the dataflow compiles)."""
+        """Offload policies name what the stage holds; device groups host model stages, in one
+        process (under Ray one bundle, so its members ask for the same resources; a member this
+        config leaves out is dropped when the dataflow compiles)."""
         for stage, own in self.placement.stages.items():
             key = f"placement.stages.{stage}.offload"
             if own.offload is None:
@@ -245,8 +246,11 @@ class RLJobConfig:
                 if member not in DEVICE_GROUP_STAGES:
                     raise ConfigError(f"{key}: {member!r} cannot join a device group (only "
                                       f"{', '.join(DEVICE_GROUP_STAGES)} can)")
-            if self.launcher != "local":
-                raise ConfigError(f"{key}: launcher={self.launcher} does not host device groups yet (launcher: local)")
+            pins = {m: self.ray.stage_resources.get(m) for m in members}
+            if len({repr(sorted((p or {}).items())) for p in pins.values()}) > 1:
+                raise ConfigError(f"{key}: its stages share one process, one Ray bundle on one node, so one "
+                                  "ray.stage_resources setting: "
+                                  + ", ".join(f"ray.stage_resources.{m}={p}" for m, p in pins.items()))
 
     def _check_megatron(self, stage: str, own: StagePlacement, key: str) -> None:
         """A megatron stage holds a train engine and a language model (a vision-language model's
