@@ -586,7 +586,7 @@ class BrokerCore:
         for entry in self.entries.values():
             self.catch_up.note(entry.handle, entry.pending)
         if self.catch_up.lacks:
-            log.info("stopping: %s acknowledged by a sibling; delivering them before the shutdown",
+            log.info("stopping: %s handle(s) a sibling acknowledged; the shutdown waits for them",
                      self.catch_up.describe())
             self._dirty_queues.update(self.queues)
         self._shut_down_once_caught_up()
