@@ -266,6 +266,12 @@ def test_ppo_across_three_hosts_fetches_payloads_over_tcp_and_sends_weights_by_b
     merged = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
     tracks = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
     assert tracks == set(where), tracks  # the broker and every stage instance, from three hosts
+    # each host's clock was measured against the driver's for the merge (one machine: within 50 ms)
+    offsets = {host: float(ms) for host, ms in re.findall(r"ray: host (\S+)'s clock is ([-+\d.]+) ms", log)}
+    assert set(offsets) == set(folders) and all(abs(ms) < 50 for ms in offsets.values()), offsets
+    clocks = json.loads((run_dir / "trace_events" / "clocks.json").read_text())["hosts"]
+    assert set(clocks) == set(folders) and all(abs(c["offset_ns"]) < 50_000_000 for c in clocks.values()), clocks
+    assert all(clocks[host]["files"] for host in clocks)  # the events files each host's processes wrote
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_hosts")]  # every host's store is gone
 
 

@@ -16,6 +16,11 @@ trace folder and the counts folder here). The driver asks each host for what cha
 checkpoints), and for everything once the ranks stopped, before the driver reads the run folder
 (the evaluation of the final checkpoint, train_summary.json, the trace merge).
 
+Each host's clock may differ from the driver's: when its actor starts, the driver measures the
+offset over a few round trips (`telemetry/trace_clocks.py`), logs it, and keeps it in the trace
+folder's clocks.json with the names of the events files that host's processes wrote, so the trace
+merge puts that host's events on the driver's clock.
+
 Why through Ray: the driver already supervises every rank through Ray, a host actor outlives the
 restarts of its ranks (a restarted prompt source finds its cursor), and the files are fetched by
 the side that needs them, in batches of at most `SHIP_BYTES`, with no new message in the broker's
@@ -36,6 +41,8 @@ from typing import Any
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.launch.run_files import FileChange, FolderMirror, apply_changes
 from stream_rlhf.launch.spec import StageSpec, load_class
+from stream_rlhf.telemetry import trace
+from stream_rlhf.telemetry.trace_clocks import HostClocks, measure_offset
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,10 @@ class _HostActor:
     def changes(self, max_bytes: int) -> list[FileChange]:
         return self.mirror.changes(max_bytes)
 
+    def clock_ns(self) -> int:
+        """This host's trace clock."""
+        return trace.now_ns()
+
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
         if self.weights_root is not None:
@@ -80,6 +91,9 @@ class RayHosts:
         self.run_dirs: dict[str, str] = {}
         self.weight_roots: dict[str, str | None] = {}
         self.shipped_bytes = 0
+        self.clocks = HostClocks(driver_host)
+        """Each host's clock offset from the driver's, and its trace events files (the trace merge's)."""
+        self._trace_inside = _inside(plan.flow.trace_folder, plan.run_dir)
         self._pending: dict[Any, str] = {}  # a `changes` call in flight -> its host
         self._next = 0.0
 
@@ -116,6 +130,9 @@ class RayHosts:
             self.run_dirs[host] = ray.get(actor.open.remote(Path(self.plan.run_dir).name, weights), timeout=60)
             log.info("ray: host %s writes its run folder at %s, shipped to %s", host, self.run_dirs[host],
                      self.plan.run_dir)
+            self.clocks.hosts[host] = offset = measure_offset(lambda: ray.get(actor.clock_ns.remote(), timeout=60))
+            log.info("ray: host %s's clock is %s", host, offset.describe())
+            self._record_clocks()
         return self.run_dirs[host]
 
     def poll(self) -> None:
@@ -135,7 +152,7 @@ class RayHosts:
         import ray
 
         try:
-            self._apply(ray.get(ref, timeout=timeout_s or None))
+            self._apply(host, ray.get(ref, timeout=timeout_s or None))
         except Exception as exc:  # noqa: BLE001 - a dead host's ranks fail the job on their own
             log.warning("ray: could not ship host %s's run folder: %s", host, exc)
 
@@ -149,15 +166,26 @@ class RayHosts:
         deadline = time.monotonic() + timeout_s
         for host, actor in self.actors.items():
             try:
-                while time.monotonic() < deadline and self._apply(ray.get(actor.changes.remote(SHIP_BYTES),
-                                                                          timeout=timeout_s)):
+                while time.monotonic() < deadline and self._apply(host, ray.get(actor.changes.remote(SHIP_BYTES),
+                                                                                timeout=timeout_s)):
                     pass
             except Exception as exc:  # noqa: BLE001 - what reached the driver stays; the rest is lost
                 log.warning("ray: host %s's run folder was not all shipped: %s", host, exc)
 
-    def _apply(self, changes: list[FileChange]) -> bool:
+    def _apply(self, host: str, changes: list[FileChange]) -> bool:
         self.shipped_bytes += apply_changes(self.plan.run_dir, changes)
+        files = self.clocks.files.setdefault(host, set())
+        named = {Path(c.path).name for c in changes if not c.deleted and c.path.endswith(".jsonl")
+                 and Path(c.path).parent == self._trace_inside}
+        if not named <= files:
+            files |= named
+            self._record_clocks()
         return bool(changes)
+
+    def _record_clocks(self) -> None:
+        """clocks.json in the driver's trace folder (none without a trace)."""
+        if self.plan.flow.trace_folder is not None:
+            self.clocks.write(Path(self.plan.flow.trace_folder))
 
     def close(self) -> None:
         """A last full copy; then every host removes its folders and its actor goes."""
@@ -177,10 +205,16 @@ class RayHosts:
 
 def _moved(path: str | None, driver_run: str | None, host_run: str) -> str | None:
     """`path` under the host's run folder when it is under the driver's."""
-    if path is None or driver_run is None:
-        return path
+    relative = _inside(path, driver_run)
+    return path if relative is None else str(Path(host_run) / relative)
+
+
+def _inside(path: str | None, run_dir: str | None) -> Path | None:
+    """`path` relative to `run_dir` (None when it is not under it)."""
+    if path is None or run_dir is None:
+        return None
     inside = Path(path).resolve()
-    run = Path(driver_run).resolve()
+    run = Path(run_dir).resolve()
     if inside != run and run not in inside.parents:
-        return path
-    return str(Path(host_run) / inside.relative_to(run))
+        return None
+    return inside.relative_to(run)

@@ -17,8 +17,9 @@ names into numbered, named tracks and writes runs/<name>/trace.json.
 
 Clock: `time.time_ns()`, the host's wall clock, in whole microseconds since the epoch (`ts`, and
 `dur` as the difference of two such rounded timestamps). Every process of a local run reads the
-same clock, so their events line up with no alignment step; a launcher across hosts would have to
-align them (none does yet). A step lasts milliseconds to seconds, so a clock slew under NTP does
+same clock, so their events line up with no alignment step; across hosts the Ray launcher measures
+each host's offset from the driver's clock and the merge shifts that host's events by it
+(`trace_clocks.py`). A step lasts milliseconds to seconds, so a clock slew under NTP does
 not change a duration measurably.
 """
 

@@ -20,6 +20,9 @@ events:
   (iteration * 4096 + mini-batch) * 256 + the edge's index among every (producer, consumer) pair.
 - Staleness. A "C" counter `staleness` (mean and max, from metrics.jsonl) on actor_train's track
   at the end of each trained iteration.
+- One clock. The events files of another host than the driver's (named in the folder's
+  clocks.json, `trace_clocks.py`) are shifted by that host's measured clock offset, so the steps of
+  one iteration line up across hosts; the driver host's events keep their timestamps.
 
 A line that does not parse (the torn last line of a killed process) is skipped and counted in
 otherData.lines_skipped, so a trace is written after a failure too.
@@ -35,12 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from stream_rlhf.broker.topology import Topology
+from stream_rlhf.telemetry.trace_clocks import read_shifts
 from stream_rlhf.telemetry.trace_figures import TRAINER, is_leader_step
 
 BROKER = "broker"
 OTHER_THREADS = 1000
 """tids of threads other than a rank's own start here."""
-CLOCK = "wall clock (time.time_ns) of one host, microseconds since the epoch"
+CLOCK = "wall clock (time.time_ns) of the driver's host, microseconds since the epoch"
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,13 @@ def topic_sources(topology: Topology) -> dict[str, list[str]]:
 
 
 def read_events(folder: Path) -> tuple[list[dict[str, Any]], int, int]:
-    """The events of every file in `folder`, the lines skipped, and the files read."""
+    """The events of every file in `folder` (on the driver's clock), the lines skipped, and the files
+    read."""
     events, skipped = [], 0
     files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+    shifts = read_shifts(folder) if files else {}
     for path in files:
+        shift = shifts.get(path.name, 0)
         for line in path.read_text(errors="replace").splitlines():
             try:
                 event = json.loads(line)
@@ -76,6 +83,8 @@ def read_events(folder: Path) -> tuple[list[dict[str, Any]], int, int]:
                 skipped += 1
                 continue
             if isinstance(event, dict) and isinstance(event.get("pid"), str) and isinstance(event.get("tid"), str):
+                if shift and isinstance(event.get("ts"), int):
+                    event["ts"] += shift
                 events.append(event)
             else:
                 skipped += 1
