@@ -109,14 +109,12 @@ def separated(rollout_side: int, devices: int) -> dict[str, tuple[str, int]]:
             ("train set", devices - rollout_side) for stage in PPO}
 
 
-def figures(sim: SimGraph, devices: int, offload: str = "") -> dict[str, object]:
-    """Iteration seconds, and the most any device holds (a pipelined onload holds the two largest)."""
+def figures(sim: SimGraph, devices: int) -> dict[str, object]:
+    """Iteration seconds, and the most any device holds (`simulator.peak_memory`: a pipelined
+    onload holds the two largest members)."""
     prediction = simulate(sim)
     iteration_s = prediction.iteration_s
     peak = max(prediction.peak_memory_gb.values())
-    if offload == "pipelined":
-        held = sorted((s.memory_gb for s in sim.stages), reverse=True)
-        peak = held[0] + held[1]
     fits = peak <= PRESETS["h100"].memory_gb - RESERVE_GB
     return {"iteration_s": round(iteration_s, 2), "peak_gb": round(peak, 1), "fits": fits,
             "gpu_s": round(iteration_s * devices, 1)}
@@ -152,9 +150,8 @@ def seed004(devices: int = 4) -> dict[str, object]:
     return {"gpus": devices,
             "conventional": figures(graph(shapes, colocated(devices)), devices),
             "conventional on 2x the GPUs": figures(graph(shapes, colocated(2 * devices)), 2 * devices),
-            "full offload": figures(graph(shapes, colocated(devices), offload="full"), devices, "full"),
-            "pipelined offload": figures(graph(shapes, colocated(devices), offload="pipelined"), devices,
-                                         "pipelined")}
+            "full offload": figures(graph(shapes, colocated(devices), offload="full"), devices),
+            "pipelined offload": figures(graph(shapes, colocated(devices), offload="pipelined"), devices)}
 
 
 def cell(f: dict[str, object]) -> str:

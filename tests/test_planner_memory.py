@@ -87,11 +87,13 @@ def test_a_profile_without_memory_predicts_none():
 
 def test_device_memory_of_groups_is_each_groups_largest_member():
     """On one GPU: rollout resident (2), the forwards' process holds the larger of 3 and 5, the
-    trainers' the larger of 4 and 6: 2 + 5 + 6 = 13 (separate processes: 2 + 3 + 5 + 4 + 6 = 20)."""
-    def graph(grouped: bool) -> SimGraph:
+    trainers' the larger of 4 and 6: 2 + 5 + 6 = 13 (separate processes: 2 + 3 + 5 + 4 + 6 = 20).
+    Prefetching, a group holds its two largest members while one's onload overlaps the other's step:
+    2 + (3 + 5) + (4 + 6) = 20."""
+    def graph(grouped: bool, prefetch: bool = False) -> SimGraph:
         def stage(name: str, gb: float, inputs: tuple[str, ...], group: str) -> SimStage:
             return SimStage(name, 0.1, inputs=inputs, device="gpu", memory_gb=gb,
-                            process=group if grouped else "", offload=grouped)
+                            process=group if grouped else "", offload=grouped, prefetch=prefetch)
         return SimGraph(stages=(SimStage("rollout", 1.0, side="rollout", device="gpu", memory_gb=2.0),
                                 stage("ref_forward", 3.0, ("rollout",), "forwards"),
                                 stage("critic_forward", 5.0, ("rollout",), "forwards"),
@@ -100,6 +102,7 @@ def test_device_memory_of_groups_is_each_groups_largest_member():
                         iterations=1, minibatches=1)
     assert simulate(graph(True)).peak_memory_gb == {"gpu": 13.0}
     assert simulate(graph(False)).peak_memory_gb == {"gpu": 20.0}
+    assert simulate(graph(True, prefetch=True)).peak_memory_gb == {"gpu": 20.0}
 
 
 def test_a_group_member_pays_its_load_when_its_process_switched():

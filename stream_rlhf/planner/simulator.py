@@ -159,20 +159,26 @@ def alone_speedups(graph: SimGraph, steps: list[SimStep]) -> list[float]:
 
 
 def peak_memory(graph: SimGraph) -> dict[str, float]:
-    """Per device (`Prediction.peak_memory_gb`)."""
+    """Per device (`Prediction.peak_memory_gb`): a device group holds its largest member, or its
+    two largest when a member prefetches (the next one's onload overlaps the current one's step)."""
     devices: dict[str, list[SimStage]] = {}
     for stage in graph.stages:
         devices.setdefault(stage.device or stage.name, []).append(stage)
     peaks = {}
     for device, held in devices.items():
-        groups: dict[str, float] = {}
+        groups: dict[str, list[SimStage]] = {}
         for stage in held:
             if stage.process:
-                groups[stage.process] = max(groups.get(stage.process, 0.0), stage.memory_gb)
+                groups.setdefault(stage.process, []).append(stage)
         alone = [stage for stage in held if not stage.process]
-        peaks[device] = (sum(s.memory_gb for s in alone if not s.offload) + sum(groups.values())
+        peaks[device] = (sum(s.memory_gb for s in alone if not s.offload) + sum(map(_group_peak, groups.values()))
                          + max((s.memory_gb for s in alone if s.offload), default=0.0))
     return peaks
+
+
+def _group_peak(members: list[SimStage]) -> float:
+    sizes = sorted((s.memory_gb for s in members), reverse=True)
+    return sum(sizes[:2]) if any(s.prefetch for s in members) else sizes[0]
 
 
 def trace_event(step: SimStep) -> dict[str, object]:
