@@ -16,6 +16,12 @@ trace folder and the counts folder here). The driver asks each host for what cha
 checkpoints), and for everything once the ranks stopped, before the driver reads the run folder
 (the evaluation of the final checkpoint, train_summary.json, the trace merge).
 
+Checkpoints arrive part by part, each part's manifest last (`run_files.py`), and a trainer's prune
+on its host reaches the driver as deletions. Trainers on two hosts each hold only their own part,
+so neither host's prune finds a complete checkpoint: the driver prunes its copy as the trainers'
+prunes recorded (`resume/store.recorded_store`), and rollout's kept outputs the oldest checkpoint
+it keeps covers, whenever checkpoint files arrived.
+
 Each host's clock may differ from the driver's: when its actor starts, the driver measures the
 offset over a few round trips (`telemetry/trace_clocks.py`), logs it, and keeps it in the trace
 folder's clocks.json with the names of the events files that host's processes wrote, so the trace
@@ -41,6 +47,7 @@ from typing import Any
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.launch.run_files import FileChange, FolderMirror, apply_changes
 from stream_rlhf.launch.spec import StageSpec, load_class
+from stream_rlhf.resume.store import FOLDER as CHECKPOINTS, recorded_store
 from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.trace_clocks import HostClocks, measure_offset
 
@@ -174,6 +181,8 @@ class RayHosts:
 
     def _apply(self, host: str, changes: list[FileChange]) -> bool:
         self.shipped_bytes += apply_changes(self.plan.run_dir, changes)
+        if any(c.path.startswith(f"{CHECKPOINTS}/") for c in changes):
+            self._prune_checkpoints()
         files = self.clocks.files.setdefault(host, set())
         named = {Path(c.path).name for c in changes if not c.deleted and c.path.endswith(".jsonl")
                  and Path(c.path).parent == self._trace_inside}
@@ -181,6 +190,18 @@ class RayHosts:
             files |= named
             self._record_clocks()
         return bool(changes)
+
+    def _prune_checkpoints(self) -> None:
+        """The driver's copy of the checkpoints keeps what the trainers keep (see the module docstring)."""
+        from stream_rlhf.stages.generated_store import GeneratedStore
+
+        recorded = recorded_store(Path(self.plan.run_dir) / CHECKPOINTS)
+        if recorded is None:
+            return
+        store, parts = recorded
+        store.prune(parts)
+        if kept := store.versions(parts):
+            GeneratedStore(Path(self.plan.run_dir)).prune(kept[0])
 
     def _record_clocks(self) -> None:
         """clocks.json in the driver's trace folder (none without a trace)."""

@@ -14,6 +14,16 @@ first and replaces the driver's copy once complete, so a reader never sees half 
 travel in chunks of at most `max_bytes` per call; what is left goes in the next call. A file caught
 mid-write is sent again once it changes, so the driver's folder is exact after a last `changes`
 taken once every writer stopped.
+
+Checkpoints (`resume/store.py`) arrive as they are on the host: a part is written in a hidden
+staging folder (`.<part>.<pid>.tmp`), renamed into place with its MANIFEST.json, and old `iter-*`
+folders are deleted by the trainer's prune. The mirror skips staging folders (and hidden `.tmp`
+files) and sends a folder's MANIFEST.json only in a call where every other file of that folder is
+sent to the end (in that call or before), so a part in the driver's folder never has its manifest
+before its files (a checkpoint is complete there only when it is complete). A deleted file's
+`.shipping` copy goes too, and the folders a deletion empties, so a pruned `iter-*` folder leaves
+nothing behind: the driver keeps the checkpoints the trainer's host keeps. The rest of a file
+whose `.shipping` copy is gone (its folder pruned on the driver meanwhile) is dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from stream_rlhf.resume.store import MANIFEST
 
 TAIL_BYTES = 4096
 """How much of a file's end is kept to tell an append from a rewrite."""
@@ -62,30 +74,41 @@ class FolderMirror:
         out: list[FileChange] = []
         budget = max_bytes
         present = set()
-        for path in sorted(p for p in self.folder.rglob("*") if p.is_file()):
-            relative = path.relative_to(self.folder).as_posix()
+        unfinished: set[Path] = set()  # folders with a file not all sent yet: their manifest waits
+        files = (p.relative_to(self.folder) for p in self.folder.rglob("*") if p.is_file())
+        for relative_path in sorted((r for r in files if not _staging(r)), key=_manifest_last):
+            relative = relative_path.as_posix()
             present.add(relative)
-            if budget <= 0:
+            if relative_path.name == MANIFEST and relative_path.parent in unfinished:
                 continue
+            path = self.folder / relative_path
             try:
-                change = self._change(path, relative, budget)
+                change = self._change(path, relative, budget) if budget > 0 else None
+                if not self._unchanged(path, relative):
+                    unfinished.add(relative_path.parent)
             except FileNotFoundError:  # replaced or deleted while scanned: the next call sees it
+                unfinished.add(relative_path.parent)
                 continue
             if change is not None:
                 out.append(change)
                 budget -= max(len(change.data), 1)
-        for relative in sorted(set(self.sent) - present):
-            del self.sent[relative]
+        for relative in sorted((set(self.sent) | set(self._partial)) - present):
+            self.sent.pop(relative, None)
             self._partial.pop(relative, None)
             out.append(FileChange(relative, 0, b"", whole=False, deleted=True))
         return out
 
+    def _unchanged(self, path: Path, relative: str) -> bool:
+        """Every byte of the file as it is now was sent."""
+        stat, before = path.stat(), self.sent.get(relative)
+        return before is not None and (before.inode, before.size, before.mtime_ns) == (stat.st_ino, stat.st_size,
+                                                                                      stat.st_mtime_ns)
+
     def _change(self, path: Path, relative: str, budget: int) -> FileChange | None:
+        if self._unchanged(path, relative):
+            return None
         stat = path.stat()
         before = self.sent.get(relative)
-        if before is not None and (before.inode, before.size, before.mtime_ns) == (stat.st_ino, stat.st_size,
-                                                                                 stat.st_mtime_ns):
-            return None
         with path.open("rb") as f:
             partial = self._partial.get(relative)
             if partial is not None and _same(partial[0], stat):  # the rest of a whole file
@@ -113,6 +136,16 @@ class FolderMirror:
                                     _read_at(f, tail_from, size - tail_from))
 
 
+def _staging(relative: Path) -> bool:
+    """A hidden `.tmp` file or folder: a write in progress, renamed into place when done."""
+    return any(part.startswith(".") and part.endswith(".tmp") for part in relative.parts)
+
+
+def _manifest_last(relative: Path) -> tuple[tuple[str, ...], bool, str]:
+    """Sort key: folder by folder, a folder's manifest after its other files."""
+    return relative.parent.parts, relative.name == MANIFEST, relative.name
+
+
 def _same(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_ino, a.st_size, a.st_mtime_ns) == (b.st_ino, b.st_size, b.st_mtime_ns)
 
@@ -132,10 +165,14 @@ def apply_changes(run_dir: Path | str, changes: list[FileChange]) -> int:
             raise ValueError(f"run folder {root}: refusing to write {change.path!r} outside it")
         if change.deleted:
             target.unlink(missing_ok=True)
+            target.with_name(target.name + SHIPPING).unlink(missing_ok=True)
+            _remove_empty(target.parent, root)
+            continue
+        copy = target.with_name(target.name + SHIPPING)
+        if change.whole and change.offset and not copy.exists():  # pruned here meanwhile: the rest goes too
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         if change.whole:
-            copy = target.with_name(target.name + SHIPPING)
             with copy.open("r+b" if change.offset else "wb") as f:
                 f.seek(change.offset)
                 f.write(change.data)
@@ -148,3 +185,13 @@ def apply_changes(run_dir: Path | str, changes: list[FileChange]) -> int:
                 f.truncate()
         written += len(change.data)
     return written
+
+
+def _remove_empty(folder: Path, root: Path) -> None:
+    """`folder` and the folders above it up to `root` (excluded), while they are empty."""
+    while folder != root and root in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or gone): the folders above it are not empty either
+            return
+        folder = folder.parent

@@ -8,6 +8,7 @@ found (a corrupt one skipped with a warning), old ones pruned.
                 state.json
                 MANIFEST.json       sha256 and size of every file; written last
             critic/
+            pruning.json        `keep` and the parts of the last prune (in the newest checkpoint)
         prompt_cursor.jsonl     where the prompt source's dataset stood at each iteration's start
 
     store = CheckpointStore(run_dir / "checkpoints", keep=2)
@@ -19,6 +20,10 @@ is on disk, so a part either exists whole or not at all. Stages write their part
 each at its own pace; a checkpoint is complete when every part the run needs exists. A part
 whose files do not match its manifest (a truncated or corrupt file) makes its checkpoint
 unusable: `latest` warns naming the file and falls back to the previous complete one.
+
+A prune records its `keep` and parts in the newest checkpoint's pruning.json, so that a copy of
+the folder is pruned as its writers prune theirs (`recorded_store`): the driver's copy of
+checkpoints whose parts were written on other hosts, where no one writer's folder has every part.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ FOLDER = "checkpoints"
 """A run's checkpoints: `runs/<name>/checkpoints/`."""
 MANIFEST = "MANIFEST.json"
 PREFIX = "iter-"
+PRUNING = "pruning.json"
 
 
 @dataclass(frozen=True)
@@ -79,12 +85,8 @@ class CheckpointStore:
 
     def versions(self, parts: Sequence[str]) -> list[int]:
         """The checkpoints that have every part in `parts`, oldest first (not verified)."""
-        found = []
-        for folder in self.root.glob(f"{PREFIX}*"):
-            number = folder.name[len(PREFIX):]
-            if number.isdigit() and all((folder / part / MANIFEST).is_file() for part in parts):
-                found.append(int(number))
-        return sorted(found)
+        return [version for version, folder in _numbered(self.root)
+                if all((folder / part / MANIFEST).is_file() for part in parts)]
 
     def latest(self, parts: Sequence[str]) -> ResumePoint | None:
         """The newest complete checkpoint whose every file matches its manifest; a damaged one is
@@ -99,14 +101,42 @@ class CheckpointStore:
 
     def prune(self, parts: Sequence[str]) -> None:
         """Delete every checkpoint older than the `keep` newest complete ones."""
+        self._record_pruning(parts)
         complete = self.versions(parts)
         if len(complete) <= self.keep:
             return
         oldest_kept = complete[-self.keep]
-        for folder in self.root.glob(f"{PREFIX}*"):
-            number = folder.name[len(PREFIX):]
-            if number.isdigit() and int(number) < oldest_kept:
+        for version, folder in _numbered(self.root):
+            if version < oldest_kept:
                 shutil.rmtree(folder, ignore_errors=True)
+
+    def _record_pruning(self, parts: Sequence[str]) -> None:
+        """pruning.json in the newest checkpoint folder (written atomically, once)."""
+        folders = _numbered(self.root)
+        if not folders:
+            return
+        path = folders[-1][1] / PRUNING
+        text = json.dumps({"keep": self.keep, "parts": sorted(parts)})
+        if path.is_file() and path.read_text() == text:
+            return
+        staging = path.with_name(f".{PRUNING}.{os.getpid()}.tmp")
+        staging.write_text(text)
+        os.replace(staging, path)
+
+
+def recorded_store(root: str | Path) -> tuple[CheckpointStore, list[str]] | None:
+    """The store at `root` with the `keep` of its writers' newest recorded prune, and their parts;
+    None before any."""
+    for _, folder in reversed(_numbered(Path(root))):
+        if (folder / PRUNING).is_file():
+            record = json.loads((folder / PRUNING).read_text())
+            return CheckpointStore(root, record["keep"]), record["parts"]
+    return None
+
+
+def _numbered(root: Path) -> list[tuple[int, Path]]:
+    """Every `iter-*` folder in `root` with its version, oldest first."""
+    return sorted((int(f.name[len(PREFIX):]), f) for f in root.glob(f"{PREFIX}*") if f.name[len(PREFIX):].isdigit())
 
 
 def _damage(part: Path) -> str:
