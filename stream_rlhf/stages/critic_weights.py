@@ -18,13 +18,11 @@ critic_forward could not rejoin the group, so the plan gives it no restarts (`rl
 
 from __future__ import annotations
 
-import os
-
 from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.broker.stage import StageContext, StepAborted
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.weight_sync import group_backend
-from stream_rlhf.weights.address_book import BOOK_ENV, sender_host
+from stream_rlhf.weights.address_book import launcher_book, sender_host
 from stream_rlhf.weights.broadcast import BroadcastReceiver, BroadcastSender
 from stream_rlhf.weights.group import WeightSyncClosed
 from stream_rlhf.weights.shm_store import WeightStore
@@ -40,11 +38,11 @@ def critic_forward_ranks(job: JobContext) -> int:
 
 def crosses_hosts() -> bool:
     """The launcher named an address book: the critic's versions go by broadcast."""
-    return os.environ.get(BOOK_ENV) is not None
+    return launcher_book() is not None
 
 
 def open_critic_sender(job: JobContext) -> BroadcastSender | None:
-    book = os.environ.get(BOOK_ENV)
+    book = launcher_book()
     if book is None:
         return None
     cfg = job.config.weights
@@ -63,7 +61,7 @@ class CriticRelay:
 
     @classmethod
     def join(cls, job: JobContext, group: RankGroup) -> CriticRelay | None:
-        book = os.environ.get(BOOK_ENV)
+        book = launcher_book()
         if book is None:
             return None
         world_size = 1 + critic_forward_ranks(job)

@@ -32,9 +32,14 @@ BOOK_ENV = "STREAM_RLHF_WEIGHT_BOOK"
 SCHEME = "tcp:"
 
 
+def launcher_book() -> str | None:
+    """The store the launcher named for this rank's groups (`BOOK_ENV`); None on one host."""
+    return os.environ.get(BOOK_ENV) or None
+
+
 def book_of(folder: Path) -> Path | str:
     """The book a rank's groups use: the launcher's store when it named one, else `folder`."""
-    return os.environ.get(BOOK_ENV) or folder
+    return launcher_book() or folder
 
 
 def _store_address(book: Path | str) -> tuple[str, int] | None:
