@@ -72,6 +72,21 @@ def test_a_delivery_a_trainer_still_holds_is_waited_for_and_then_caught_up_by_th
     assert shutdowns(h, src, actor, critic, heads) == [src, actor, critic, heads]
 
 
+def test_what_a_sibling_acks_during_the_catch_up_goes_to_a_trainer_idle_with_credit():
+    h, src, actor, critic, heads = job()
+    h.publish(src, "experience", "x0")
+    h.take(critic)
+    h.send(critic, Ack(["x0"]))
+    h.publish(src, "experience", "x1")  # the actor holds it; the critic, out of credit, does not
+    stop(h)
+    h.send(critic, Request("experience", 1))  # nothing it lacks yet: the credit waits
+    assert h.take(critic, Deliver) == []
+    h.send(actor, Ack(["x0", "x1"]))
+    assert [d.handle.id for d in h.take(critic, Deliver)] == ["x1"]
+    h.send(critic, Ack(["x1"]))
+    assert shutdowns(h, src, actor, critic, heads) == [src, actor, critic, heads]
+
+
 def test_trainers_level_with_each_other_hear_of_the_stop_at_once():
     h, src, actor, critic, heads = job()
     h.publish(src, "experience", "x0")

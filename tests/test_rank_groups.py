@@ -84,6 +84,25 @@ def test_ppo_with_two_rank_trainers_accounts_for_every_sample(tmp_path):
     assert not leftover_shm("t_groups")
 
 
+def test_sigterm_leaves_a_drain_checkpoint_of_two_rank_trainers(tmp_path):
+    """The ranks of each trainer stop together, so the save at the stop (a collective) runs on
+    both, at the version they trained, past the periodic checkpoints (every 100 iterations)."""
+    process, log = start_run(tmp_path, "drained", "iterations=50", "checkpoint={every: 100, keep: 2}", GROUPS)
+    metrics = tmp_path / "drained" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and len(read_metrics(metrics)) < 2:
+        assert process.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "ignored shutdown" not in text, text[-3000:]
+    saved = sorted((tmp_path / "drained" / "checkpoints").glob("iter-*"))
+    assert saved and len(read_metrics(metrics)) >= 2, text[-3000:]
+    assert all((saved[-1] / part / "MANIFEST.json").is_file() for part in ("actor", "critic"))
+    assert f"holds policy version {int(saved[-1].name[5:])}: continue with" in text
+
+
 @pytest.mark.parametrize(("victim", "named"), [("follower", r"actor_train-0\.rank1"), ("leader", r"actor_train-0")])
 def test_a_dead_rank_fails_the_job_naming_it_and_leaves_no_process(tmp_path, victim, named):
     """Whichever rank dies, the others fail in their next collective (no hang) and the job stops."""

@@ -503,7 +503,8 @@ class BrokerCore:
             self.journal.acked(handle_id, consumer)
         if self.catch_up is not None and not self.shutdown_sent:
             self.catch_up.got(consumer, handle_id)
-            self.catch_up.note(entry.handle, entry.pending)
+            self.catch_up.note(entry.handle, entry.pending)  # the siblings that lack it now get it
+            self._dirty_queues.update(k for k in self.queues if k[0] == entry.handle.topic)
             self._shut_down_once_caught_up()
         if not entry.pending:
             self._finish(entry)

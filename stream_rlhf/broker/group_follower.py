@@ -80,6 +80,7 @@ class GroupFollower:
                     self.stage.on_weights(message.version)
                 else:
                     raise LeaderProtocolError(f"{self.instance_id}: unexpected {type(message).__name__}")
+            self.group.stopped_together = True
         finally:
             self.stage.close()
 

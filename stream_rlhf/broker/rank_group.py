@@ -51,6 +51,10 @@ class RankGroup:
         self.world_size = world_size
         self.device = device
         self.process_group = process_group
+        self.stopped_together = world_size == 1
+        """Every rank left the step loop at the same point (the leader shared GroupStop, each
+        follower received it), so the stage's close() runs on every rank and may hold a collective
+        (a trainer's drain checkpoint). False after a failure: the other ranks may be gone."""
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> RankGroup:

@@ -275,6 +275,7 @@ class StageRunner:
         self._group_stopped = True
         try:
             self.group.share(GroupStop(self.state.value))
+            self.group.stopped_together = True
         except Exception as exc:  # noqa: BLE001 - a dead rank: the launcher reports it
             self.log.warning("%s: could not tell the other ranks to stop: %s", self.instance_id, exc)
 

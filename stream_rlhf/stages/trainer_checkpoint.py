@@ -74,6 +74,7 @@ class TrainerCheckpoints:
         """This trainer's part of checkpoint `version` (a collective over the group's ranks)."""
         if not self.group.is_leader:
             self.engine.save_state(Path(os.devnull))  # gathers the shards; only the leader writes
+            self.saved = version
             return
 
         def write(folder: Path) -> None:
@@ -90,7 +91,7 @@ class TrainerCheckpoints:
 
     def save_at_stop(self, version: int, state: dict[str, Any]) -> None:
         """At a stop (drain): the state not saved yet, unless a failure cut an iteration short
-        (its weights are between two versions), and only for a one-rank trainer (a group's
-        followers may already have left, and a save is a collective)."""
-        if version > self.saved and version > 0 and not self.in_iteration and self.group.world_size == 1:
+        (its weights are between two versions), and for a group of ranks only when they stopped
+        together (a save is a collective; after a failure the other ranks may be gone)."""
+        if version > self.saved and version > 0 and not self.in_iteration and self.group.stopped_together:
             self.save(version, state)
