@@ -193,15 +193,11 @@ class RayHosts:
 
     def _prune_checkpoints(self) -> None:
         """The driver's copy of the checkpoints keeps what the trainers keep (see the module docstring)."""
-        from stream_rlhf.stages.generated_store import GeneratedStore
+        from stream_rlhf.stages.generated_store import prune_checkpoints
 
         recorded = recorded_store(Path(self.plan.run_dir) / CHECKPOINTS)
-        if recorded is None:
-            return
-        store, parts = recorded
-        store.prune(parts)
-        if kept := store.versions(parts):
-            GeneratedStore(Path(self.plan.run_dir)).prune(kept[0])
+        if recorded is not None:
+            prune_checkpoints(*recorded, Path(self.plan.run_dir))
 
     def _record_clocks(self) -> None:
         """clocks.json in the driver's trace folder (none without a trace)."""

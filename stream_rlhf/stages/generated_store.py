@@ -4,7 +4,8 @@
     store = GeneratedStore(run_dir)
     store.save(output)                     # rollout, before it publishes a mini-batch
     output = store.load(iteration, minibatch)   # rollout of a resumed run: None if never generated
-    store.prune(version)                   # actor_train, once checkpoint `version` is written
+    store.prune(version)                   # once checkpoint `version` is written
+    prune_checkpoints(checkpoints, parts, run_dir)  # older checkpoints, and what they covered
     store.samples_from(version)            # the driver, at a resume: samples kept for iterations >= version
 
 One file per mini-batch in `runs/<name>/checkpoints/generated/`, named by iteration, mini-batch
@@ -24,9 +25,17 @@ from pathlib import Path
 import torch
 
 from stream_rlhf.broker.stage import Output
-from stream_rlhf.resume.store import FOLDER
+from stream_rlhf.resume.store import FOLDER, CheckpointStore
 
 NAME = re.compile(r"(\d+)-(\d+)-(\d+)\.pt")
+
+
+def prune_checkpoints(checkpoints: CheckpointStore, parts: list[str], run_dir: Path) -> None:
+    """Delete the checkpoints older than the `keep` newest complete ones, and rollout's kept
+    outputs of the iterations the oldest checkpoint kept covers."""
+    checkpoints.prune(parts)
+    if kept := checkpoints.versions(parts):
+        GeneratedStore(run_dir).prune(kept[0])
 
 
 class GeneratedStore:

@@ -24,7 +24,7 @@ from stream_rlhf.backends.train_engine import TrainEngine
 from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.resume.store import FOLDER, CheckpointStore
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.stages.generated_store import GeneratedStore
+from stream_rlhf.stages.generated_store import prune_checkpoints
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.telemetry import trace
 
@@ -83,10 +83,7 @@ class TrainerCheckpoints:
 
         with trace.span("checkpoint save", "checkpoint", version=version, part=self.part):
             self.store.write_part(version, self.part, write)
-        parts = checkpoint_parts(self.job.config)
-        self.store.prune(parts)
-        if kept := self.store.versions(parts):  # what the oldest checkpoint kept still needs
-            GeneratedStore(self.job.run_dir).prune(kept[0])
+        prune_checkpoints(self.store, checkpoint_parts(self.job.config), self.job.run_dir)
         self.saved = version
 
     def save_at_stop(self, version: int, state: dict[str, Any]) -> None:
