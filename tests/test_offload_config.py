@@ -46,7 +46,8 @@ FORWARDS = {"forwards": ["ref_forward", "critic_forward"]}
         ({"placement.device_groups": {"g": ["rollout", "ref_forward"]}},
          "placement.device_groups.g: 'rollout' cannot join a device group"),
         ({"placement.device_groups": FORWARDS, "placement.stages": {"ref_forward": {"ranks": 2}}},
-         "placement.device_groups.forwards: stages.ref_forward.ranks=2: device groups of several ranks"),
+         "placement.device_groups.forwards: its stages share one process, so one ranks setting: "
+         "stages.ref_forward.ranks=2, stages.critic_forward.ranks=1"),
         ({"placement.device_groups": FORWARDS, "placement.stages": {"ref_forward": {"backend": "megatron"}}},
          "stages.ref_forward.backend=megatron: a device group hosts torch-backend stages"),
         ({"placement.device_groups": FORWARDS, "placement.stages": {"ref_forward": {"cores": [0]}}},

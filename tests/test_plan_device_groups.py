@@ -75,3 +75,13 @@ def test_a_group_restarts_only_while_every_member_may(tmp_path):
                                          "restarts": {"ref_forward": 3, "reward_forward": 1, "critic_forward": 2}})
     assert job.restarts_left["forwards"] == 1
     assert job._restart_spec("forwards").restarts == 1 and job._restart_spec("rollout").restarts == 2
+
+
+def test_a_group_of_two_rank_members_is_a_process_and_a_bundle_per_rank(tmp_path):
+    two = {"ref_forward": {"ranks": 2}, "critic_forward": {"ranks": 2}}
+    job = ray_launcher(tmp_path, "k", **{"placement.device_groups": {"forwards": list(two)}, "placement.stages": two})
+    ranks = [r for r in job.plan.ranks() if r.stage == "forwards"]
+    assert [(r.name, r.rank) for r in ranks] == [("forwards-0", 0), ("forwards-0.rank1", 1)]
+    assert job._process_names("forwards", 0) == ["forwards-0", "forwards-0.rank1"]
+    hosts = {r["process"]: r.get("hosts") for r in job.plan.as_dict()["ranks"]}
+    assert hosts["forwards-0.rank1"] == ["ref_forward", "critic_forward"]

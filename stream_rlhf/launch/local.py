@@ -8,7 +8,7 @@
 A stage of `ranks` > 1 runs each instance as that many processes, one torch.distributed group
 (`broker/rank_group.py`): rank 0 is the broker client, the others follow it. A rank that dies fails
 the job, or restarts its whole group when the stage has restarts left. The stages of a device group
-(`device_groups`, one instance of one rank each) share one process, named after the group
+(`device_groups`, one instance each) share one process per rank, named after the group
 (`launch/rank.py` run_device_group); it restarts as a whole when every member may restart.
 
 Processes are forked from a server that imported torch once (`process_start.py`: they share its
@@ -63,8 +63,8 @@ def _stage_main(stage_name: str, instance_id: str, spec: StageSpec, address: str
 
 
 def _device_group_main(group: str, index: int, members: dict[str, StageSpec], address: str, key_dir: str | None,
-                       prefix: str) -> None:
-    run_device_group(group, index, members, address, key_dir, prefix)
+                       prefix: str, rank: int = 0, init_method: str | None = None) -> None:
+    run_device_group(group, index, members, address, key_dir, prefix, rank, init_method)
     _exit_cleanly()
 
 
@@ -91,7 +91,7 @@ class LocalJob(BrokerClient):
     ):
         """`trace_folder`: where the broker appends its trace events (queue depths); each stage
         rank traces to its spec's `trace` folder. `device_groups`: group name -> stages run in one
-        process (one instance of one rank each)."""
+        process per rank (one instance each, the same ranks)."""
         missing = topology.stages() - set(stages)
         if missing:
             raise ConfigError(f"stages: no spec for {sorted(missing)} (they appear in topics)")
@@ -111,9 +111,12 @@ class LocalJob(BrokerClient):
         """By process name: the instance id for rank 0, `<instance id>.rank<r>` for the others."""
         self.device_groups = dict(device_groups or {})
         for group, members in self.device_groups.items():
-            several = [m for m in members if stages[m].instances != 1 or stages[m].ranks != 1]
+            several = [m for m in members if stages[m].instances != 1]
             if several:
-                raise ConfigError(f"device_groups.{group}: {several} run several instances or ranks; members run one")
+                raise ConfigError(f"device_groups.{group}: {several} run several instances; members run one")
+            if len({stages[m].ranks for m in members}) > 1:
+                raise ConfigError(f"device_groups.{group}: its members run one process per rank, so the same ranks: "
+                                  + ", ".join(f"{m}={stages[m].ranks}" for m in members))
         self.restarts_left = {name: spec.restarts for name, spec in stages.items()}
         self.restarts_left.update({group: min(stages[m].restarts for m in members)
                                    for group, members in self.device_groups.items()})
@@ -172,11 +175,7 @@ class LocalJob(BrokerClient):
         """Start every rank of instance `index` of `stage_name`; returns its leader's process."""
         instance_id = f"{stage_name}-{index}"
         spec = self.stages[stage_name]
-        init_method = None
-        if spec.ranks > 1:
-            self._rendezvous = self._rendezvous or tempfile.mkdtemp(prefix="srlhf-groups-")
-            self._group_starts += 1
-            init_method = "file://" + os.path.join(self._rendezvous, f"{instance_id}-{self._group_starts}")
+        init_method = self._new_rendezvous(instance_id, spec.ranks)
         for rank in range(spec.ranks):
             name = rank_process_name(instance_id, rank)
             process = self._ctx.Process(
@@ -189,19 +188,31 @@ class LocalJob(BrokerClient):
             self.processes[name] = process
         return self.processes[instance_id]
 
+    def _new_rendezvous(self, instance_id: str, ranks: int) -> str | None:
+        """A fresh rendezvous for a group of `ranks` processes (None for one)."""
+        if ranks == 1:
+            return None
+        self._rendezvous = self._rendezvous or tempfile.mkdtemp(prefix="srlhf-groups-")
+        self._group_starts += 1
+        return "file://" + os.path.join(self._rendezvous, f"{instance_id}-{self._group_starts}")
+
     def start_device_group(self, group: str) -> mp.Process:
-        """Start the one process of device group `group` (instance 0 of each of its stages)."""
-        name = f"{group}-0"
+        """Start the processes of device group `group`, one per rank (instance 0 of each of its
+        stages); returns rank 0's."""
         members = {m: self.stages[m] for m in self.device_groups[group]}
-        process = self._ctx.Process(
-            target=in_child,
-            args=(launcher_state(), _device_group_main, group, 0, members, self.address, self.key_dir,
-                  self.broker.shm_prefix),
-            name=name,
-        )
-        process.start()
-        self.processes[name] = process
-        return process
+        ranks = next(iter(members.values())).ranks
+        init_method = self._new_rendezvous(f"{group}-0", ranks)
+        for rank in range(ranks):
+            name = rank_process_name(f"{group}-0", rank)
+            process = self._ctx.Process(
+                target=in_child,
+                args=(launcher_state(), _device_group_main, group, 0, members, self.address, self.key_dir,
+                      self.broker.shm_prefix, rank, init_method),
+                name=name,
+            )
+            process.start()
+            self.processes[name] = process
+        return self.processes[f"{group}-0"]
 
     def wait(self, timeout_s: float, watch: Callable[[], None] | None = None, watch_every_s: float = 2.0) -> None:
         """Until every stage process has exited; a failed one, or the broker failing under them,
@@ -263,10 +274,12 @@ class LocalJob(BrokerClient):
         if self.restarts_left[group] <= 0:
             return False
         self.restarts_left[group] -= 1
-        name = f"{group}-0"
-        log.warning("%s (%s) exited with %s: restarting it (%d restart(s) left)", name,
-                    ", ".join(self.device_groups[group]), self.processes[name].exitcode, self.restarts_left[group])
-        self.processes.pop(name)
+        names = [name for name in self.processes if name.partition(".rank")[0] == f"{group}-0"]
+        codes = ", ".join(f"{name} {self.processes[name].exitcode}" for name in names)
+        log.warning("%s (%s) exited (%s): restarting it (%d restart(s) left)", f"{group}-0",
+                    ", ".join(self.device_groups[group]), codes, self.restarts_left[group])
+        for name in names:  # the survivors of a group of ranks wait on the dead one
+            _end(self.processes.pop(name), grace_s=5.0)
         self.start_device_group(group)
         return True
 

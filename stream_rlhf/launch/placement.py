@@ -93,8 +93,9 @@ class PlacementConfig:
     stages: dict[str, StagePlacement] = field(default_factory=dict)
     """Per-stage ranks, cores and devices (stages not named: one rank on the mode's cores)."""
     device_groups: dict[str, list[str]] = field(default_factory=dict)
-    """Group name -> stages that share one process (per rank) and its device, taking turns: a
-    member offloads what its policy says when another takes the device (`weights/device_turns.py`)."""
+    """Group name -> stages that share one process per rank and its device, taking turns (in rank 0's
+    order when they have several ranks): a member offloads what its policy says when another takes
+    the device (`weights/device_turns.py`)."""
     lend_idle_cores: bool = True
     """separated, on the CPU: a side with no step running lends its cores to the other side's
     running stage (`core_lending.py`); false: each side keeps to its own cores."""
@@ -200,7 +201,7 @@ def device_group_of(placement: PlacementConfig, stage: str) -> str | None:
 
 
 def _check_device_groups(groups: dict[str, list[str]], stages: dict[str, StagePlacement]) -> None:
-    """Members share one process: one rank each, the same cores and devices, torch engines (the
+    """Members share one process per rank: the same ranks, cores and devices, torch engines (the
     megatron backend keeps process-wide parallel state), each stage in one group."""
     seen: dict[str, str] = {}
     for name, members in groups.items():
@@ -212,13 +213,10 @@ def _check_device_groups(groups: dict[str, list[str]], stages: dict[str, StagePl
             if member in seen:
                 raise ConfigError(f"{key}: {member} is in device group {seen[member]} already")
             seen[member] = name
-            if own.ranks != 1:
-                raise ConfigError(f"{key}: stages.{member}.ranks={own.ranks}: device groups of several ranks per "
-                                  "stage are not built yet (members run one rank each)")
             if own.backend != "torch":
                 raise ConfigError(f"{key}: stages.{member}.backend={own.backend}: a device group hosts torch-backend "
                                   "stages (megatron keeps process-wide parallel state)")
-        for field_name in ("cores", "devices"):
+        for field_name in ("ranks", "cores", "devices"):
             values = {m: getattr(own, field_name) for m, own in placed.items()}
             if len({repr(v) for v in values.values()}) > 1:
                 raise ConfigError(f"{key}: its stages share one process, so one {field_name} setting: "

@@ -129,9 +129,10 @@ class JobPlan:
         grouped = {member: group for group, members in self.flow.device_groups.items() for member in members}
         for stage, spec in self.flow.stages.items():
             if stage in grouped:
-                if self.flow.device_groups[grouped[stage]][0] == stage:  # the group's one process
+                if self.flow.device_groups[grouped[stage]][0] == stage:  # the group's process (one a rank)
                     group = grouped[stage]
-                    placed.append((group, f"{group}-0", 0, spec.device(0), spec.cores_of(0), spec.threads))
+                    placed += [(group, f"{group}-0", rank, spec.device(rank), spec.cores_of(rank), spec.threads)
+                               for rank in range(spec.ranks)]
                 continue
             for index in range(spec.instances):
                 for rank in range(spec.ranks):

@@ -28,9 +28,10 @@ from stream_rlhf.launch.spec import StageSpec, load_class
 from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.device_turns import DeviceTurns
+from stream_rlhf.weights.turn_order import TurnOrder
 
 if TYPE_CHECKING:
-    from stream_rlhf.broker.runner import StageRunner
+    from stream_rlhf.broker.rank_group import RankGroup
     from stream_rlhf.launch.core_lending import ThreadGovernor
 
 log = logging.getLogger(__name__)
@@ -87,62 +88,100 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
 
 
 def run_device_group(group_name: str, index: int, members: dict[str, StageSpec], address: str, key_dir: str | None,
-                     prefix: str) -> None:
+                     prefix: str, rank: int = 0, init_method: str | None = None) -> None:
     """Run instance `index` of every stage of a device group in this one process: each its own
     broker client (its own instance id and topics) on a thread of its own, all taking turns on one
-    device (`weights/device_turns.py`). Returns once every member stopped; the first member that
-    failed stops the others at once and its error is raised."""
+    device (`weights/device_turns.py`). Members of several ranks (`spec.ranks`, the same for each;
+    `init_method`: the group's rendezvous) run rank `rank` of every member here: on rank 0 they are
+    the broker clients, on the others they follow them, each member over a process group of its
+    own, and every rank takes its turns in rank 0's order (`weights/turn_order.py`). Returns once
+    every member stopped; the first member that failed stops the others at once and its error is
+    raised."""
+    from stream_rlhf.broker.group_follower import GroupFollower
+    from stream_rlhf.broker.payload import ShmTransport
     from stream_rlhf.broker.rank_group import RankGroup, RankSpec
     from stream_rlhf.broker.runner import StageRunner
 
     first = next(iter(members.values()))
-    _pin(first, 0)
-    process = f"{group_name}-{index}"
+    _pin(first, rank)
+    process = f"{group_name}-{index}" if rank == 0 else f"{group_name}-{index}.rank{rank}"
     if first.trace is not None:
-        trace.start(first.trace, process, "rank 0")
-    device = RankGroup.join(RankSpec(device=first.device(0))).device  # every member's models live there
-    log.info("%s: %s in one process on %s", process, ", ".join(members), device)
-    turns = DeviceTurns(first.last_minibatch)
-    runners = {}
-    for name, spec in members.items():
-        stage = load_class(spec.cls)(**spec.kwargs)
-        step_context, setup_context = _contexts(turns, name)
-        runner = StageRunner(stage, name, f"{name}-{index}", address, key_dir, prefetch=spec.prefetch,
-                             shm_prefix=prefix, group=RankGroup.single(device), step_context=step_context,
-                             setup_context=setup_context)
-        turns.add(name, stage, spec.offload, _offload_counts(spec, name, f"{name}-{index}", 0))
-        runners[name] = runner
-    _run_together(process, runners)
+        trace.start(first.trace, f"{group_name}-{index}", f"rank {rank}")
+    world = RankGroup.join(RankSpec(rank, first.ranks, init_method, first.device(rank), first.group_timeout_s))
+    try:
+        log.info("%s: %s in one process on %s%s", process, ", ".join(members), world.device,
+                 f" (rank {rank} of {world.world_size} of each)" if world.distributed else "")
+        groups = {name: _subgroup(world) for name in members}  # made in the same order on every rank
+        order = TurnOrder(_subgroup(world), list(members)) if world.distributed else None
+        turns = DeviceTurns(first.last_minibatch, order)
+        runs: dict[str, Callable[[], object]] = {}
+        stops: dict[str, Callable[[], None]] = {}
+        for name, spec in members.items():
+            instance_id = f"{name}-{index}"
+            stage = load_class(spec.cls)(**spec.kwargs)
+            step_context, setup_context = _contexts(turns, name)
+            if rank == 0:
+                runner = StageRunner(stage, name, instance_id, address, key_dir, prefetch=spec.prefetch,
+                                     shm_prefix=prefix, group=groups[name], step_context=step_context,
+                                     setup_context=setup_context)
+                runs[name], stops[name] = runner.run, runner.request_stop
+            else:
+                transport = ShmTransport(prefix=prefix, serve=False, key_dir=key_dir)
+                runs[name] = GroupFollower(stage, name, instance_id, groups[name], transport, step_context,
+                                           setup_context).run
+            turns.add(name, stage, spec.offload, _offload_counts(spec, name, instance_id, rank))
+        try:
+            _run_together(process, runs, stops)
+        finally:
+            if order is not None:
+                order.close()
+    finally:
+        world.close()
 
 
-def _run_together(process: str, runners: dict[str, StageRunner]) -> None:
-    """Each runner on a thread of its own; SIGTERM drains them all (a second stops them now) when
-    this is the main thread (under Ray, where a worker may run its actor's calls on another, the
-    broker's shutdown drains them)."""
+def _subgroup(world: RankGroup) -> RankGroup:
+    """A process group of every rank of `world` of its own (a single rank: none), so that one
+    member's collectives never queue behind another's."""
+    import torch.distributed as dist
+
+    from stream_rlhf.broker.rank_group import RankGroup
+
+    if not world.distributed:
+        return RankGroup.single(world.device)
+    return RankGroup(world.rank, world.world_size, world.device, dist.new_group())
+
+
+def _run_together(process: str, runs: dict[str, Callable[[], object]], stops: dict[str, Callable[[], None]]) -> None:
+    """Each member's `run` on a thread of its own. `stops` (rank 0's broker clients): SIGTERM
+    calls them all, draining (a second stops them now), when this is the main thread (under Ray,
+    where a worker may run its actor's calls on another, the broker's shutdown drains them); a
+    failed member stops the others at once. The other ranks' members stop when their leaders do
+    (or fail with them). The threads are daemons: a member left waiting in a collective does not
+    keep a failed process alive."""
     errors: dict[str, BaseException] = {}
     done = threading.Event()
 
-    def run(name: str, runner: StageRunner) -> None:
+    def run(name: str) -> None:
         try:
-            runner.run()
+            runs[name]()
         except BaseException as exc:  # noqa: BLE001 - re-raised by the main thread, named
             errors[name] = exc
         finally:
             done.set()
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: [r.request_stop() for r in runners.values()])
-    threads = [threading.Thread(target=run, args=(name, runner), name=f"{name}-stage") for name, runner in runners.items()]
+    if stops and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: [stop() for stop in stops.values()])
+    threads = [threading.Thread(target=run, args=(name,), name=f"{name}-stage", daemon=True) for name in runs]
     for thread in threads:
         thread.start()
     while any(thread.is_alive() for thread in threads):
         done.wait(0.5)
         done.clear()
         if errors:
-            for name, runner in runners.items():
+            for name, stop in stops.items():
                 if name not in errors:
-                    runner.request_stop()  # drain,
-                    runner.request_stop()  # and stop now: the process fails anyway
+                    stop()  # drain,
+                    stop()  # and stop now: the process fails anyway
             break
     for thread in threads:
         thread.join(30)

@@ -101,12 +101,13 @@ class RankActor(_Worker):
                    lambda key_dir: run_stage(stage, instance_id, spec, address, key_dir, prefix, rank, init_method))
 
     def run_group(self, group: str, index: int, members: dict[str, StageSpec], address: str, keys: CurveKeys | None,
-                  prefix: str, cwd: str, host: str, book: str | None) -> None:
-        """Every member of device group `group` in this worker, taking turns on its device."""
+                  prefix: str, rank: int, init_method: str | None, cwd: str, host: str, book: str | None) -> None:
+        """Rank `rank` of every member of device group `group` in this worker, taking turns on its device."""
         from stream_rlhf.launch.rank import run_device_group
 
-        _in_worker(f"{group}-{index} ({', '.join(members)})", cwd, host, book, keys,
-                   lambda key_dir: run_device_group(group, index, members, address, key_dir, prefix))
+        _in_worker(f"{group}-{index} ({', '.join(members)}): rank {rank}", cwd, host, book, keys,
+                   lambda key_dir: run_device_group(group, index, members, address, key_dir, prefix, rank,
+                                                    init_method))
 
 
 def _in_worker(process: str, cwd: str, host: str, book: str | None, keys: CurveKeys | None,

@@ -11,9 +11,9 @@ The actor of a rank runs it in its own worker process (`launch/rank.py`), exactl
 process would, except that Ray's resources replace core pinning and core lending, and a rank on a
 GPU uses the one Ray assigned it (`CUDA_VISIBLE_DEVICES`: cuda:0). A group of several ranks meets
 at a TCP rendezvous on its leader's node. A device group (`placement.device_groups`) is one actor in
-one bundle, as it is one process under the local launcher: it runs every member
-(`launch/rank.py` run_device_group), restarts as a whole (when every member has restarts left) and
-counts as each of its members wherever the plan asks which host a stage is on.
+one bundle per rank, as it is one process per rank under the local launcher: it runs that rank of
+every member (`launch/rank.py` run_device_group), restarts as a whole (when every member has
+restarts left) and counts as each of its members wherever the plan asks which host a stage is on.
 
 Across hosts (`JobPlan.spans_hosts`: a cluster, or `ray.node_hosts`) the broker binds its node's
 address, and it and every rank get the plan's CURVE keys in their arguments (each writes them to a
@@ -170,31 +170,29 @@ class RayJob(BrokerClient):
         prefix = self.plan.flow.broker.shm_prefix
         for unit, index in instances:
             names = self._process_names(unit, index)
-            if unit in self.plan.flow.device_groups:
-                where = self.placed[names[0]]
-                members = {m: self.hosts.relocate(_under_ray(self.plan.flow.stages[m]), where["node"],
-                                                  where["host_id"]) for m in self.plan.flow.device_groups[unit]}
-                run = actors[names[0]].run_group.remote(unit, index, members, self.address, self.keys, prefix,
-                                                        self._cwd, where["host_id"], self.book)
-                self._runs[run] = names[0]
-                continue
             instance_id = names[0]
-            spec = _under_ray(self.plan.flow.stages[unit])
-            init_method = ray.get(actors[instance_id].rendezvous.remote()) if spec.ranks > 1 else None
+            init_method = ray.get(actors[instance_id].rendezvous.remote()) if len(names) > 1 else None
+            members = self.plan.flow.device_groups.get(unit)
             for rank, name in enumerate(names):
                 where = self.placed[name]
-                run = actors[name].run.remote(unit, instance_id, self.hosts.relocate(spec, where["node"],
-                                                                                     where["host_id"]),
-                                              self.address, self.keys, prefix, rank, init_method, self._cwd,
-                                              where["host_id"], self.book)
+                if members is not None:
+                    specs = {m: self.hosts.relocate(_under_ray(self.plan.flow.stages[m]), where["node"],
+                                                    where["host_id"]) for m in members}
+                    run = actors[name].run_group.remote(unit, index, specs, self.address, self.keys, prefix, rank,
+                                                        init_method, self._cwd, where["host_id"], self.book)
+                else:
+                    spec = self.hosts.relocate(_under_ray(self.plan.flow.stages[unit]), where["node"],
+                                               where["host_id"])
+                    run = actors[name].run.remote(unit, instance_id, spec, self.address, self.keys, prefix, rank,
+                                                  init_method, self._cwd, where["host_id"], self.book)
                 self._runs[run] = name
 
     def _process_names(self, unit: str, index: int) -> list[str]:
-        """The processes of instance `index` of a stage (one per rank), or of a device group (one)."""
+        """The processes of instance `index` of a stage or a device group: one per rank (a group's
+        members have the same ranks)."""
         instance_id = f"{unit}-{index}"
-        if unit in self.plan.flow.device_groups:
-            return [instance_id]
-        return [instance_id if r == 0 else f"{instance_id}.rank{r}" for r in range(self.plan.flow.stages[unit].ranks)]
+        ranks = self.plan.flow.stages[self.plan.flow.device_groups.get(unit, [unit])[0]].ranks
+        return [instance_id if r == 0 else f"{instance_id}.rank{r}" for r in range(ranks)]
 
     def _restart_spec(self, unit: str) -> StageSpec:
         """The spec whose `restarts` a stage or device group gets: a group's member with the fewest

@@ -15,6 +15,9 @@ on an iteration's last mini-batch (`iteration`). A step that does not use the mo
 stage with a policy offloads at once, so the members of a device group are never on the device
 together (their peak is the largest one's, not the sum).
 
+A device group of several ranks (one process per rank, each hosting that rank of every member)
+takes its turns in rank 0's order on every rank (`order`, `weights/turn_order.py`).
+
 Each stage's counts (`telemetry/stage_counts.py`, summed into the run summary's `offload` block)
 get `offloads`, `onloads`, `offload_bytes`, `onload_bytes`, `offload_s`, `onload_s` and, on CUDA,
 the process's peak allocation (`telemetry/memory.py` CUDA_PEAK: the launcher gives every stage on
@@ -44,6 +47,7 @@ from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.memory import CUDA_PEAK, cuda_peak_mb
 from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.offload_config import OffloadPolicy
+from stream_rlhf.weights.turn_order import TurnOrder
 
 log = logging.getLogger(__name__)
 COUNTERS = ("offloads", "onloads", "offload_bytes", "onload_bytes", "offload_s", "onload_s", "prefetches",
@@ -65,9 +69,11 @@ class _Member:
 
 
 class DeviceTurns:
-    def __init__(self, last_minibatch: int | None = None):
-        """`last_minibatch`: the index of an iteration's last mini-batch (policies with `iteration`)."""
+    def __init__(self, last_minibatch: int | None = None, order: TurnOrder | None = None):
+        """`last_minibatch`: the index of an iteration's last mini-batch (policies with `iteration`);
+        `order`: the turn order of a device group of several ranks (None: turns as they come)."""
         self.last_minibatch = last_minibatch
+        self.order = order
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -82,7 +88,7 @@ class DeviceTurns:
     @contextmanager
     def setup(self, name: str) -> Iterator[None]:
         """Around `name`'s setup: the others leave the device first; with a policy it leaves at once after."""
-        with self._lock:
+        with self._turn(name):
             self._take_device(name)
             yield
             member = self._members[name]
@@ -97,7 +103,7 @@ class DeviceTurns:
         if member.policy is not None and member.policy.prefetch and member.off and member.stage.uses_device(batch) \
                 and self._lock.locked():
             self._start_prefetch(name)
-        with self._lock:
+        with self._turn(name):
             if not member.stage.uses_device(batch):
                 yield
                 return
@@ -109,6 +115,16 @@ class DeviceTurns:
                     batch is None or batch.minibatch == self.last_minibatch)):
                 self._offload(name, set(policy.what))
             self._note_peak(member)
+
+    @contextmanager
+    def _turn(self, name: str) -> Iterator[None]:
+        """The device lock for `name`, in rank 0's order when the group has several ranks."""
+        if self.order is not None:
+            self.order.wait_for(name)
+        with self._lock:
+            if self.order is not None:
+                self.order.granted(name)
+            yield
 
     def _take_device(self, name: str) -> None:
         for other, member in self._members.items():
