@@ -70,6 +70,19 @@ def test_each_core_set_is_shared_out_among_its_processes_never_over(tmp_path):
     assert {tuple(r.cores) for r in plan.ranks()} == {(0, 1)}  # colocated: every process on both cores
 
 
+def test_overlapping_core_sets_ask_for_no_more_cpus_than_the_cores():
+    """Colocated, a two-rank trainer's ranks get one core each beside processes on both: each core
+    is shared out among every process pinned to it (it was counted once per core set: 4 CPUs)."""
+    plan = preview_plan(load_config(RLJobConfig, str(ROOT / "configs" / "text_ppo.yaml"),
+                                    ["placement.mode=colocated", "placement.stages={actor_train: {ranks: 2}}"]))
+    ranks = plan.ranks()
+    assert {tuple(r.cores) for r in ranks if r.stage == "actor_train"} == {(0,), (1,)}
+    assert 1.99 < sum(r.cpus for r in ranks) <= 2
+    on_both = [r.cpus for r in ranks if tuple(r.cores) == (0, 1)]
+    on_one = [r.cpus for r in ranks if len(r.cores) == 1]
+    assert len(set(on_both)) == 1 and len(set(on_one)) == 1 and on_one[0] < on_both[0]
+
+
 def test_stage_refuses_to_start_before_the_driver_made_the_warm_start(tmp_path, capsys):
     config = write_job(tmp_path / "job.yaml", fresh_cache_job(tmp_path))
     assert main(["stage", str(config), "rollout", "--broker", "tcp://127.0.0.1:1"]) == 2

@@ -61,8 +61,9 @@ class RankPlan:
     threads: int | None
     """torch intra-op threads (None: torch's default)."""
     cpus: float
-    """Its share of the CPUs: its cores divided among every process pinned to the same cores
-    (the CPUs of its Ray bundle)."""
+    """Its share of the CPUs: of each of its cores, a part for every process pinned to that core
+    (core sets may overlap: a two-rank stage's ranks on one core each beside processes on both),
+    so the job asks for no more CPUs than its cores (the CPUs of its Ray bundle)."""
     gpus: float
     """Its share of its GPU: 1 divided among every process on the same device (0 on the CPU)."""
     resources: dict[str, float] = field(default_factory=dict)
@@ -80,7 +81,7 @@ class RankPlan:
             if self.resources else "any node"
 
 
-def _share(amount: int, among: int) -> float:
+def _share(amount: float, among: int) -> float:
     """`amount` split `among` processes, rounded down to Ray's 4 decimals (never more than there is)."""
     return math.floor(amount / among * 1e4) / 1e4
 
@@ -138,15 +139,17 @@ class JobPlan:
                 for rank in range(spec.ranks):
                     placed.append((stage, f"{stage}-{index}", rank, spec.device(rank), spec.cores_of(rank),
                                    spec.threads))
-        sharing: dict[frozenset[int] | str, int] = {}
+        on_core: dict[int, int] = {}  # core -> the processes pinned to it (core sets may overlap)
+        on_device: dict[str, int] = {}
         for _, _, _, device, cores, _ in placed:
-            for key in (frozenset(cores if cores is not None else every), device):
-                sharing[key] = sharing.get(key, 0) + 1
+            for core in set(cores if cores is not None else every):
+                on_core[core] = on_core.get(core, 0) + 1
+            on_device[device] = on_device.get(device, 0) + 1
         out = []
         for stage, instance, rank, device, cores, threads in placed:
-            key = frozenset(cores if cores is not None else every)
-            gpus = _share(1, sharing[device]) if device.startswith("cuda") else 0.0
-            out.append(RankPlan(stage, instance, rank, device, cores, threads, _share(len(key), sharing[key]), gpus,
+            cpus = sum(1 / on_core[core] for core in set(cores if cores is not None else every))
+            gpus = _share(1, on_device[device]) if device.startswith("cuda") else 0.0
+            out.append(RankPlan(stage, instance, rank, device, cores, threads, _share(cpus, 1), gpus,
                                 self.resources_of(stage)))
         return out
 
