@@ -112,6 +112,22 @@ def test_the_search_gives_rollout_the_devices_it_needs():
     assert [p.prediction.iteration_s for p in plans] == sorted(p.prediction.iteration_s for p in plans)
 
 
+def test_device_groups_are_tried_with_several_ranks_when_their_members_have_the_same():
+    """Of 4 devices separated, the train side's stages all get the same ranks, so the forwards'
+    group is tried at every split; a group is not tried where its members' ranks differ."""
+    stages = {"prompts": (), "rollout": ("prompts",), "ref_forward": ("rollout",), "critic_forward": ("rollout",),
+              "actor_train": ("ref_forward", "critic_forward")}
+    profile = analytic_profile(stages, SHAPE, replace(WORK, minibatches=1), MEGA)
+    forwards = {"forwards": ["ref_forward", "critic_forward"]}
+    mixed = {"mixed": ["rollout", "ref_forward"]}  # one on each side: the same ranks only at 2 + 2
+    plans = search_ranks(lambda ranks: profile, device_count=4, iterations=4, modes=("separated",),
+                         groups=[{}, forwards, mixed])
+    tried = {(tuple(sorted(p.ranks.items())), tuple(p.groups)) for p in plans}
+    splits = {r for r, _ in tried}
+    assert len(splits) == 3 and all((r, ("forwards",)) in tried for r in splits)  # 1, 2 and 3 ranks on training
+    assert [dict(r)["ref_forward"] for r, groups in tried if groups == ("mixed",)] == [2]
+
+
 def test_device_presets_take_overrides_and_name_bad_ones():
     h100 = device_figures("h100,count=8,efficiency=0.5")
     assert h100.count == 8 and h100.rate == pytest.approx(494.5e12) and h100.name == "h100,count=8,efficiency=0.5"

@@ -12,8 +12,9 @@ The two stage groups of a placement mode share the job's `device_count` devices:
                 device_count - r, each of its stages with that many ranks; r in 1, 2, 4, ... and
                 device_count - 1, - 2, - 4, ... (below device_count)
 
-Device groups (`placement.device_groups`) are tried only where their members keep one rank each
-(the config refuses a group member with several). A stage's cost on n devices is the profile
+Device groups (`placement.device_groups`) are tried where their members have the same ranks
+(the config refuses a group whose members differ; one process per rank hosts every member). A
+stage's cost on n devices is the profile
 factory's (`analytic.py`: data parallel, its compute over n at an efficiency, a trainer's
 gradient all-reduce over the link). With one device per group (a CPU: one side's cores each)
 the axis has one point and the search is `search.py`'s. Not checked: a trainer's ranks against
@@ -26,8 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from stream_rlhf.planner.calibrate import Profile
-from stream_rlhf.planner.search import MODES, Groups, Mode, Plan, search
-from stream_rlhf.rl.config import DEVICE_GROUP_STAGES
+from stream_rlhf.planner.search import MODES, Groups, Mode, Plan, device_group_candidates, search
 
 RankFactory = Callable[[Mapping[str, int]], Profile]
 """Ranks per stage -> the profile of the stages on that many devices each."""
@@ -51,12 +51,17 @@ def search_ranks(profile_of: RankFactory, device_count: int, iterations: int, ma
     """`search.py`'s search for every ranks split of every mode, best first (ties: fewer devices
     on the rollout side, then as `search` orders)."""
     base = profile_of({})
+    candidates = device_group_candidates(base.step_s) if groups is None else groups
     plans: list[Plan] = []
     for mode in modes:
         for ranks in rank_splits(list(base.step_s), base.rollout_side, device_count, mode):
             profile = profile_of(ranks) if ranks else base
-            spread = any(n > 1 for stage, n in ranks.items() if stage in DEVICE_GROUP_STAGES)
-            tried = [{}] if spread else groups  # a device group's members run one rank each
+            tried = [g for g in candidates if _same_ranks(g, ranks)]
             plans += [replace(plan, ranks=ranks) for plan in search(profile, iterations, max_overlap_depth, (mode,),
                                                                     tried)]
     return sorted(plans, key=lambda plan: (round(plan.prediction.iteration_s, 9), plan.overlap_depth))
+
+
+def _same_ranks(groups: Groups, ranks: Mapping[str, int]) -> bool:
+    """Every device group's members have as many ranks as each other under `ranks`."""
+    return all(len({ranks.get(member, 1) for member in members}) == 1 for members in groups.values())
