@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from stream_rlhf.atomic_file import write_text_atomically
+
 HEADS_FOLDER = "medusa"
 """The heads live in this subfolder of a checkpoint: a `*.safetensors` file at the top would be
 loaded as part of the policy by vLLM (which reads every one there) and fail."""
@@ -103,10 +105,8 @@ def save_heads(heads: MedusaHeads, checkpoint: str | Path) -> None:
     tmp = folder / f"{WEIGHTS_FILE}.tmp-{os.getpid()}"
     save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, tmp)
     os.replace(tmp, folder / WEIGHTS_FILE)
-    tmp = folder / f"{CONFIG_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps({"hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size,
-                               "num_heads": heads.num_heads}))
-    os.replace(tmp, folder / CONFIG_FILE)
+    write_text_atomically(folder / CONFIG_FILE, json.dumps({"hidden_size": heads.hidden_size,
+                                                            "vocab_size": heads.vocab_size, "num_heads": heads.num_heads}))
 
 
 def load_heads(checkpoint: str | Path) -> MedusaHeads:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from stream_rlhf.atomic_file import write_text_atomically
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.broker.rank_group import RankGroup
@@ -63,10 +64,7 @@ def this_machine(shape: ModelShape, work: Workload, threads: int, cache_dir: Pat
     started = time.perf_counter()
     figures = measure(shape, work, threads)
     log.info("plan: timed this machine in %.1f s: %s", time.perf_counter() - started, figures.describe())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"key": key, "figures": asdict(figures)}, indent=1))
-    partial.replace(path)
+    write_text_atomically(path, json.dumps({"key": key, "figures": asdict(figures)}, indent=1))
     return figures
 
 

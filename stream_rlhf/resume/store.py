@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from stream_rlhf.atomic_file import write_text_atomically
+
 log = logging.getLogger("stream_rlhf")
 FOLDER = "checkpoints"
 """A run's checkpoints: `runs/<name>/checkpoints/`."""
@@ -119,9 +121,7 @@ class CheckpointStore:
         text = json.dumps({"keep": self.keep, "parts": sorted(parts)})
         if path.is_file() and path.read_text() == text:
             return
-        staging = path.with_name(f".{PRUNING}.{os.getpid()}.tmp")
-        staging.write_text(text)
-        os.replace(staging, path)
+        write_text_atomically(path, text)
 
 
 def recorded_store(root: str | Path) -> tuple[CheckpointStore, list[str]] | None:

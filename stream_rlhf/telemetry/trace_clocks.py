@@ -19,11 +19,11 @@ from files the driver's own host wrote are not in `files` and keep their timesta
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from stream_rlhf.atomic_file import write_text_atomically
 from stream_rlhf.telemetry.trace import now_ns
 
 CLOCKS = "clocks.json"
@@ -77,10 +77,7 @@ class HostClocks:
         record = {"driver_host": self.driver_host,
                   "hosts": {host: {**asdict(offset), "files": sorted(self.files.get(host, ()))}
                             for host, offset in sorted(self.hosts.items())}}
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{CLOCKS}.tmp"
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, folder / CLOCKS)
+        write_text_atomically(folder / CLOCKS, json.dumps(record, indent=1))
 
 
 def read_shifts(folder: Path) -> dict[str, int]:

@@ -31,12 +31,12 @@ otherData.lines_skipped, so a trace is written after a failure too.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stream_rlhf.atomic_file import write_text_atomically
 from stream_rlhf.broker.topology import Topology
 from stream_rlhf.telemetry.trace_clocks import read_shifts
 from stream_rlhf.telemetry.trace_figures import TRAINER, is_leader_step
@@ -105,12 +105,9 @@ def merge_trace(folder: Path, out: Path, sources: dict[str, list[str]], order: I
     events += _flows(steps, sources)
     events += _staleness(steps, metrics)
     events.sort(key=lambda e: (e["ph"] != "M", e.get("ts", 0)))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
-                               "otherData": {"clock": CLOCK, "lines_skipped": skipped, "files": files}},
-                              separators=(",", ":")))
-    os.replace(tmp, out)
+    write_text_atomically(out, json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
+                                           "otherData": {"clock": CLOCK, "lines_skipped": skipped, "files": files}},
+                                          separators=(",", ":")))
     return MergedTrace(events, skipped, files)
 
 

@@ -41,6 +41,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from stream_rlhf.atomic_file import write_text_atomically
+
 Backend = Literal["gloo", "nccl"]
 BACKENDS = ("gloo", "nccl")
 
@@ -226,12 +228,8 @@ def address_file(folder: Path, name: str) -> Path:
 
 def publish_address(folder: Path, name: str, address: str) -> Path:
     """Write `<folder>/<name>.json` atomically with the group's store address; returns its path."""
-    path = address_file(folder, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"name": name, "address": address, "pid": os.getpid()}))
-    os.replace(tmp, path)
-    return path
+    return write_text_atomically(address_file(folder, name),
+                                 json.dumps({"name": name, "address": address, "pid": os.getpid()}))
 
 
 def wait_for_address(folder: Path, name: str, timeout_s: float) -> str:

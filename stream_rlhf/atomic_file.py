@@ -1,0 +1,19 @@
+"""Files that readers see whole or not at all: written under a hidden name of this process's own,
+then renamed into place.
+
+    write_text_atomically(run_dir / "clocks.json", json.dumps(record))
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_text_atomically(path: Path, text: str) -> Path:
+    """`text` into `path` (its folder made if missing), replacing what was there in one rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging.write_text(text)
+    os.replace(staging, path)
+    return path
