@@ -200,6 +200,12 @@ def three_hosts(monkeypatch):
         cluster.shutdown()
 
 
+ON_THREE_HOSTS = {stage: {f"{host}_node": 1} for host, stages in (
+    ("rollout", ("prompts", "rollout")), ("forwards", ("ref_forward", "reward_forward", "critic_forward")),
+    ("train", ("broker", "actor_train", "critic_train"))) for stage in stages}
+"""ray.stage_resources placing the tiny PPO job on `three_hosts`: rollout, the forwards, the trainers."""
+
+
 def trace_events(run_dir: Path, name: str) -> dict[str, list[dict]]:
     """process -> its trace events called `name`, from every process's events file."""
     out: dict[str, list[dict]] = {}
@@ -220,10 +226,7 @@ def test_ppo_across_three_hosts_fetches_payloads_over_tcp_and_sends_weights_by_b
     each writes a run folder and a weight store of its own, shipped into the driver's run folder
     (metrics per iteration, the trace of every stage, the checkpoint the driver evaluates)."""
     cluster, (rollout_node, forwards_node, train_node) = three_hosts
-    on = {name: {f"{name}_node": 1} for name in ("rollout", "forwards", "train")}
-    resources = {"broker": on["train"], "prompts": on["rollout"], "rollout": on["rollout"],
-                 "ref_forward": on["forwards"], "reward_forward": on["forwards"], "critic_forward": on["forwards"],
-                 "actor_train": on["train"], "critic_train": on["train"]}
+    resources = ON_THREE_HOSTS
     ray_settings = {"address": cluster.address, "strategy": "SPREAD", "stage_resources": resources,
                     "start_timeout_s": 60, "node_hosts": True}
     # 3 iterations: rollout runs one policy ahead (overlap_depth 1), so only the third needs a new one
@@ -233,10 +236,10 @@ def test_ppo_across_three_hosts_fetches_payloads_over_tcp_and_sends_weights_by_b
     run_dir = tmp_path / "hosts"
     assert_accounting(run_dir, iterations=3)
     where = placed(log)
-    nodes = {"rollout": rollout_node, "forwards": forwards_node, "train": train_node}
+    nodes = {"rollout_node": rollout_node, "forwards_node": forwards_node, "train_node": train_node}
     for process in where:
         stage = process.rsplit("-", 1)[0]
-        assert where[process][0] == nodes[next(k for k, v in on.items() if resources[stage] == v)], process
+        assert where[process][0] == nodes[next(iter(resources[stage]))], process
     assert {ip for _, _, ip, _ in PLACED.findall(log)} == {LOOPBACK}  # every node, so every socket, on loopback
     hosts = dict(re.findall(r"ray: (\S+) on node \w+ \(.*, host (\S+)\)", log))
     assert len(set(hosts.values())) == 3 and hosts["rollout-0"] != hosts["ref_forward-0"] != hosts["actor_train-0"]
@@ -281,10 +284,7 @@ def test_metrics_from_another_host_arrive_while_the_job_runs_and_its_drain_check
     run folder while the job still runs, and after SIGTERM the checkpoint the trainers wrote as they
     drained is there too (the driver names it to resume from)."""
     cluster, _ = three_hosts
-    on = {name: {f"{name}_node": 1} for name in ("rollout", "forwards", "train")}
-    resources = {"broker": on["train"], "prompts": on["rollout"], "rollout": on["rollout"],
-                 "ref_forward": on["forwards"], "reward_forward": on["forwards"], "critic_forward": on["forwards"],
-                 "actor_train": on["train"], "critic_train": on["train"]}
+    resources = ON_THREE_HOSTS
     process, log_file = start_job(tmp_path, "live", "placement.mode=separated", "placement.rollout_cores=[0]",
                                   "placement.train_cores=[1]", "iterations=200",
                                   ray={"address": cluster.address, "strategy": "SPREAD", "stage_resources": resources,
