@@ -229,6 +229,28 @@ def test_ranks_share_out_their_stage_cores_and_get_devices(tmp_path):
     assert stages["critic_train"].ranks == 1 and stages["critic_train"].devices == ["cpu"]
 
 
+def test_with_rollout_puts_stages_on_the_rollout_cores_and_lends_them_as_that_side(tmp_path, caplog):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores (the placement names cores 0 and 1)")
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "w", **{
+        "placement.device": "cpu", "placement.mode": "separated", "placement.rollout_cores": [0],
+        "placement.train_cores": [1], "placement.with_rollout": ["critic_forward", "critic_train"]}))
+    stages = compile_job(cfg, "checkpoint", "weights").stages
+    cores = {name: spec.rank_cores for name, spec in stages.items()}
+    assert cores["rollout"] == cores["critic_forward"] == cores["critic_train"] == [[0]]
+    assert cores["actor_train"] == cores["ref_forward"] == [[1]]
+    assert stages["critic_train"].lending.lender_cores == (1,)  # it borrows the train side's core
+    assert stages["actor_train"].lending.lender_cores == (0,)
+    grpo = build(RLJobConfig, tiny_job(tmp_path, "w", **{
+        "placement.mode": "separated", "placement.with_rollout": ["critic_train"], "algorithm.advantage": "grpo",
+        "rollout_batch.samples_per_prompt": 2}))
+    with caplog.at_level(logging.INFO):
+        compile_job(grpo, "checkpoint", "weights")  # the shipped PPO configs name it: GRPO from them still runs
+    assert "placement.with_rollout: critic_train not in this job" in caplog.text
+    with pytest.raises(ConfigError, match=r"placement.with_rollout: 'rollout' is not a stage that could leave"):
+        build(RLJobConfig, tiny_job(tmp_path, "w", **{"placement.with_rollout": ["rollout"]}))
+
+
 def test_stateless_stages_restart_by_default_and_rollout_only_where_it_can_rejoin():
     shm = build(RLJobConfig, {"name": "r"})
     assert {s: shm.restarts_of(s) for s in ("rollout", "ref_forward", "actor_train", "prompts")} == {

@@ -99,6 +99,11 @@ class PlacementConfig:
     lend_idle_cores: bool = True
     """separated, on the CPU: a side with no step running lends its cores to the other side's
     running stage (`core_lending.py`); false: each side keeps to its own cores."""
+    with_rollout: list[str] = field(default_factory=list)
+    """separated: stages that run on the rollout side's cores, beside prompts and rollout (which
+    are there always), e.g. a PPO job's critic_forward and critic_train: rollout alone leaves its
+    cores idle most of the time while the train side's are shared by two trainers. Not used when
+    colocated."""
 
     def __post_init__(self) -> None:
         for name in ("rollout_cores", "train_cores", "broker_cores"):

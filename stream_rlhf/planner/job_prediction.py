@@ -38,7 +38,7 @@ from stream_rlhf.planner.rank_search import search_ranks
 from stream_rlhf.planner.search import Plan, device_group_candidates, groups_set
 from stream_rlhf.planner.simulator import Prediction
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, lends_idle_cores
+from stream_rlhf.rl.dataflow import lends_idle_cores, on_rollout_cores
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def job_profile(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> Profile:
     if groups := sorted(hosts - traced - {BROKER}):
         raise ConfigError(f"--profile {run_dir}: processes {groups} each ran several stages (device groups), whose "
                           "steps include waiting for their turn; calibrate on a run with a process per stage")
-    side = ROLLOUT_SIDE & stages
+    side = {stage for stage in stages if on_rollout_cores(cfg, stage)}
     if cfg.placement.mode == "colocated":
         devices = {stage: "all cores" for stage in traced}
     else:

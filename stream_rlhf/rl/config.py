@@ -198,6 +198,10 @@ class RLJobConfig:
                         "than its value estimates follow", self.actor.lr, self.critic.lr)
 
     def _check_stage_placements(self) -> None:
+        for stage in self.placement.with_rollout:
+            if stage not in ALL_STAGES or stage in ("prompts", "rollout"):
+                raise ConfigError(f"placement.with_rollout: {stage!r} is not a stage that could leave the train side "
+                                  f"({', '.join(s for s in ALL_STAGES if s not in ('prompts', 'rollout'))})")
         samples = self.rollout_batch.samples_per_minibatch * self.rollout_batch.minibatches
         steps = self.algorithm.train_minibatches
         chunk = -(-samples // steps)  # torch.chunk's part size; the last part holds what is left

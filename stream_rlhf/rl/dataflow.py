@@ -65,7 +65,8 @@ STAGE_CLASSES = {
     "medusa_train": "stream_rlhf.stages.medusa_train:MedusaTrain",
 }
 ROLLOUT_SIDE = {"prompts", "rollout"}
-"""Stages placed on `placement.rollout_cores` when separated; the rest go on `train_cores`."""
+"""Stages placed on `placement.rollout_cores` when separated (with `placement.with_rollout`); the
+rest go on `train_cores`."""
 NO_MODEL = {"prompts", "reward_forward"}
 """Stages whose work stays on the CPU whatever `placement.device` says (the reward is a rule, or a
 reward model scored on the CPU)."""
@@ -102,6 +103,9 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
         log.info("dataflow: no %s stage: %s", stage, reason)
         if stage in cfg.placement.stages:
             log.warning("placement.stages.%s: not used, this config has no %s stage", stage, stage)
+    if cfg.placement.with_rollout and cfg.placement.mode != "separated":
+        log.info("placement.with_rollout: not used with placement.mode=%s (every stage on every core)",
+                 cfg.placement.mode)
     forwards = [f for f in ("ref_forward", "reward_forward", "actor_forward", "critic_forward") if f not in left_out]
     checkpointed = ["actor_train"] + (["critic_train"] if critic else [])  # a checkpoint holds each one's part
     trainers = checkpointed + (["medusa_train"] if cfg.rollout.medusa.enabled and cfg.rollout.medusa.companion else [])
@@ -131,6 +135,8 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     minibatches = cfg.rollout_batch.minibatches
     trace = f"{cfg.run_dir}/{TRACE_FOLDER}" if cfg.trace else None
     names = ["prompts", *(["vision_prefetch"] if prefetch else []), "rollout", *forwards, *trainers]
+    if unused := [stage for stage in cfg.placement.with_rollout if stage not in names]:
+        log.info("placement.with_rollout: %s not in this job", ", ".join(unused))
     ranks = check_placement(cfg, names)
     groups = device_groups(cfg, names)
     grouped = {member for members in groups.values() for member in members}
@@ -154,7 +160,8 @@ def check_placement(cfg: RLJobConfig, stages: list[str] | None = None) -> dict[s
     """The ranks of each of `stages` (default: every stage the config could have), checked against
     this machine; the driver calls it before the warm start, so a bad placement costs nothing."""
     names = stages if stages is not None else list(STAGE_CLASSES)
-    ranks = {name: stage_ranks(cfg.placement, name, name in ROLLOUT_SIDE, _uses_device(cfg, name)) for name in names}
+    ranks = {name: stage_ranks(cfg.placement, name, on_rollout_cores(cfg, name), _uses_device(cfg, name))
+             for name in names}
     preflight(cfg.placement, ranks)
     return ranks
 
@@ -229,9 +236,9 @@ def _lend_idle_cores(cfg: RLJobConfig, stages: dict[str, StageSpec]) -> dict[str
     if not lends_idle_cores(cfg):
         return stages
     grouped = {member for members in cfg.placement.device_groups.values() for member in members}
-    rollout_side = {name: name in ROLLOUT_SIDE for name, spec in stages.items()  # on its side's cores, one rank
+    rollout_side = {name: on_rollout_cores(cfg, name) for name, spec in stages.items()  # on its side's cores, one rank
                     if name not in OFF_BOARD and spec.ranks == 1 and name not in grouped
-                    and set(spec.cores or ()) == sides[name not in ROLLOUT_SIDE]}
+                    and set(spec.cores or ()) == sides[not on_rollout_cores(cfg, name)]}
     if len(set(rollout_side.values())) < 2:  # nothing to lend to the other side
         return stages
     first, total = {}, 0
@@ -243,6 +250,11 @@ def _lend_idle_cores(cfg: RLJobConfig, stages: dict[str, StageSpec]) -> dict[str
         lender_cores = tuple(placement.train_cores if side else placement.rollout_cores)
         lent[name] = replace(stages[name], lending=CoreLending(board, total, first[name], lender_cores))
     return lent
+
+
+def on_rollout_cores(cfg: RLJobConfig, stage: str) -> bool:
+    """The stage runs on the rollout side's cores when separated (`ROLLOUT_SIDE`, `placement.with_rollout`)."""
+    return stage in ROLLOUT_SIDE or stage in cfg.placement.with_rollout
 
 
 def _uses_device(cfg: RLJobConfig, stage: str) -> bool:
