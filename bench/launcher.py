@@ -20,9 +20,9 @@ Figures, from each run's summary.json and metrics.jsonl:
                    also pays for the stages' start-up).
     tokens/s       summary.json's tokens_per_s, over the same iterations.
 
-The ratios are ray / local (the baseline): > 1 means Ray is slower. Under Ray the ranks are not
-pinned to cores and lend none (the local run pins rollout to one core and the rest to the other,
-and lends idle cores), so the per-iteration figure includes that difference as well as Ray's own.
+The ratios are ray / local (the baseline): > 1 means Ray is slower. Both pin each rank to the
+plan's cores (Ray on an instance of this machine's own); under Ray the ranks lend no idle cores,
+so the per-iteration figure includes that difference as well as Ray's own.
 """
 
 from __future__ import annotations
