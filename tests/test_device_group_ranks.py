@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import time
 
 import pytest
 
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job
+from tests.test_rank_groups import kill_a_follower_and_finish
 from tests.test_rl_job import leftover_shm, start_run
 from tests.test_rl_process_rewards import run
 
@@ -74,15 +73,7 @@ def test_a_group_of_two_rank_members_restarts_every_rank_and_the_run_completes(t
                              "restarts={ref_forward: 1, critic_forward: 1}",
                              "placement.stages={ref_forward: {ranks: 2}, critic_forward: {ranks: 2}}",
                              "placement.device_groups={forwards: [ref_forward, critic_forward]}")
-    metrics = tmp_path / "regroup" / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not read_metrics(metrics):
-        time.sleep(0.05)
-    follower = re.search(r"ref_forward-0 rank 1 of 2 \(pid (\d+)\)", log.read_text())
-    assert follower and process.poll() is None, log.read_text()[-3000:]
-    os.kill(int(follower[1]), signal.SIGKILL)
-    assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
-    text = log.read_text()
+    text = kill_a_follower_and_finish(process, log, tmp_path / "regroup")
     assert re.search(r"forwards-0 \(ref_forward, critic_forward\) exited \(.*forwards-0\.rank1 -9.*\): restarting it "
                      r"\(0 restart\(s\) left\)", text), text[-3000:]
     assert len(re.findall(r"critic_forward-0 rank 1 of 2 \(pid \d+\)", text)) == 2  # a new group

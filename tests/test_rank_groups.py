@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,19 +124,24 @@ def test_a_dead_rank_fails_the_job_naming_it_and_leaves_no_process(tmp_path, vic
     assert not leftover_shm(f"t_{name}")
 
 
-def test_a_restartable_group_restarts_every_rank_and_the_run_completes(tmp_path):
-    iterations = 12
-    process, log = start_run(tmp_path, "regroup", f"iterations={iterations}", "restarts={ref_forward: 1}",
-                             "placement.stages={ref_forward: {ranks: 2}}")
-    metrics = tmp_path / "regroup" / "metrics.jsonl"
+def kill_a_follower_and_finish(process: subprocess.Popen, log: Path, run_dir: Path) -> str:
+    """Once the run's first iteration is in, SIGKILL rank 1 of ref_forward-0; the log once the run
+    ended (it must end well: the group restarts)."""
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not read_metrics(metrics):
+    while time.monotonic() < deadline and not read_metrics(run_dir / "metrics.jsonl"):
         time.sleep(0.05)
     follower = re.search(r"ref_forward-0 rank 1 of 2 \(pid (\d+)\)", log.read_text())
     assert follower and process.poll() is None, log.read_text()[-3000:]
     os.kill(int(follower[1]), signal.SIGKILL)
     assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
-    text = log.read_text()
+    return log.read_text()
+
+
+def test_a_restartable_group_restarts_every_rank_and_the_run_completes(tmp_path):
+    iterations = 12
+    process, log = start_run(tmp_path, "regroup", f"iterations={iterations}", "restarts={ref_forward: 1}",
+                             "placement.stages={ref_forward: {ranks: 2}}")
+    text = kill_a_follower_and_finish(process, log, tmp_path / "regroup")
     assert "ref_forward-0.rank1 exited with -9: restarting it with every rank of ref_forward-0" in text
     assert len(re.findall(r"ref_forward-0 rank 1 of 2 \(pid \d+\)", text)) == 2  # a new group
     summary = json.loads((tmp_path / "regroup" / "summary.json").read_text())

@@ -275,7 +275,7 @@ class BrokerCore:
                     reason)
         self._dirty_topics.update(inst.granted)
         if self.catching_up:
-            if not any(i.stage == inst.stage for i in self.instances.values()):
+            if not self._has_instance(inst.stage):
                 self.catch_up.give_up(inst.stage)
             self._shut_down_once_caught_up()
         if reason != "stopped" and inst.host == self.host and inst.pid and not shm.pid_alive(inst.pid):
@@ -385,13 +385,11 @@ class BrokerCore:
                 continue
             if not self.admission.admit(entry.handle, stage, self.policy_version):
                 return
-            candidates = [
-                i for i in self.instances.values() if i.stage == stage and i.credits.get(topic, 0) > 0
-            ]
-            if not candidates:
+            inst = self._least_loaded(stage, topic)
+            if inst is None:
                 return
             queue.popleft()
-            self._deliver(min(candidates, key=lambda i: len(i.inflight)), entry, key)
+            self._deliver(inst, entry, key)
 
     def _dispatch_catch_up(self, key: tuple[str, str]) -> None:
         """While stopping: only the handles `key`'s stage lacks of what an aligned sibling acked
@@ -401,11 +399,19 @@ class BrokerCore:
         topic, stage = key
         queue = self.queues[key]
         for handle_id in [h for h in queue if self.catch_up.wants(stage, h) and h in self.entries]:
-            candidates = [i for i in self.instances.values() if i.stage == stage and i.credits.get(topic, 0) > 0]
-            if not candidates:
+            inst = self._least_loaded(stage, topic)
+            if inst is None:
                 return
             queue.remove(handle_id)
-            self._deliver(min(candidates, key=lambda i: len(i.inflight)), self.entries[handle_id], key)
+            self._deliver(inst, self.entries[handle_id], key)
+
+    def _least_loaded(self, stage: str, topic: str) -> Instance | None:
+        """The instance of `stage` with credit on `topic` and the fewest handles in flight, if any."""
+        candidates = [i for i in self.instances.values() if i.stage == stage and i.credits.get(topic, 0) > 0]
+        return min(candidates, key=lambda i: len(i.inflight)) if candidates else None
+
+    def _has_instance(self, stage: str) -> bool:
+        return any(i.stage == stage for i in self.instances.values())
 
     def _deliver(self, inst: Instance, entry: Entry, key: tuple[str, str]) -> None:
         topic, stage = key
@@ -582,7 +588,7 @@ class BrokerCore:
             return
         self.catch_up = CatchUp(self.topology)
         for stage in {s for stages in self.catch_up.aligned.values() for s in stages}:
-            if not any(i.stage == stage for i in self.instances.values()):
+            if not self._has_instance(stage):
                 self.catch_up.give_up(stage)
         for entry in self.entries.values():
             self.catch_up.note(entry.handle, entry.pending)

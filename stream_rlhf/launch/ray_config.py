@@ -53,6 +53,12 @@ class RayConfig:
     CURVE, weights by broadcast, files shipped to the driver) even when the nodes share one
     machine. Off: the host id is the machine's."""
 
+    @property
+    def own_instance(self) -> bool:
+        """The ranks run on a Ray instance of this machine the job starts (`address` left out), not a
+        cluster: their cores are the plan's, so they keep them (`ray_job._under_ray`)."""
+        return self.address is None and not self.node_hosts
+
     def __post_init__(self) -> None:
         if self.address is not None and not self.address:
             raise ConfigError("ray.address='': leave it out (null) for a local Ray instance")

@@ -168,6 +168,7 @@ class RayJob(BrokerClient):
             _log_placed(name, self.placed[name])
         self._check_same_host()
         prefix = self.plan.flow.broker.shm_prefix
+        pinned = self.plan.ray.own_instance
         for unit, index in instances:
             names = self._process_names(unit, index)
             instance_id = names[0]
@@ -176,13 +177,13 @@ class RayJob(BrokerClient):
             for rank, name in enumerate(names):
                 where = self.placed[name]
                 if members is not None:
-                    specs = {m: self.hosts.relocate(_under_ray(self.plan.flow.stages[m], self._own_machine),
-                                                    where["node"], where["host_id"]) for m in members}
+                    specs = {m: self.hosts.relocate(_under_ray(self.plan.flow.stages[m], pinned), where["node"],
+                                                    where["host_id"]) for m in members}
                     run = actors[name].run_group.remote(unit, index, specs, self.address, self.keys, prefix, rank,
                                                         init_method, self._cwd, where["host_id"], self.book)
                 else:
-                    spec = self.hosts.relocate(_under_ray(self.plan.flow.stages[unit], self._own_machine),
-                                               where["node"], where["host_id"])
+                    spec = self.hosts.relocate(_under_ray(self.plan.flow.stages[unit], pinned), where["node"],
+                                               where["host_id"])
                     run = actors[name].run.remote(unit, instance_id, spec, self.address, self.keys, prefix, rank,
                                                   init_method, self._cwd, where["host_id"], self.book)
                 self._runs[run] = name
@@ -305,11 +306,6 @@ class RayJob(BrokerClient):
         if self.key_dir is not None:
             shutil.rmtree(self.key_dir, ignore_errors=True)
             self.key_dir = None
-
-    @property
-    def _own_machine(self) -> bool:
-        """The ranks run on a Ray instance of this machine's own (`ray.address` left out), not a cluster."""
-        return self.plan.ray.address is None and not self.plan.ray.node_hosts
 
     def _host_of(self, where: dict[str, Any]) -> dict[str, Any]:
         """`where` with the host id its process runs as: its machine's, or with ray.node_hosts its node's."""

@@ -55,8 +55,8 @@ def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_languag
     checks = [f"driver machine: placement cores within the available {machine_cores()}",
               f"driver machine: CUDA devices {', '.join(devices) or 'none'} needed, {present} present"]
     if cfg.launcher == "ray":
-        pinning = ("ranks keep the plan's cores (a Ray instance of this machine)" if cfg.ray.address is None
-                   and not cfg.ray.node_hosts else "ranks are not pinned to cores, their cpus are the bundle's")
+        pinning = ("ranks keep the plan's cores (a Ray instance of this machine)" if cfg.ray.own_instance
+                   else "ranks are not pinned to cores, their cpus are the bundle's")
         checks.append(f"ray: every bundle must fit a node of the cluster within ray.start_timeout_s="
                       f"{cfg.ray.start_timeout_s:g} (checked when the placement group is made); {pinning}")
     plan = JobPlan(cfg.name, flow, cfg.launcher, cfg.ray, checkpoint, checkpoint_ready, dataset, dataset_ready,
