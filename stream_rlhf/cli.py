@@ -223,8 +223,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _predict(args: argparse.Namespace, flow: Dataflow) -> dict[str, object]:
     """Print the simulator's prediction (and with --search the best plans); their JSON keys."""
-    from stream_rlhf.planner.job_prediction import (analytic_costs, buildable_groups, describe, describe_device,
-                                                    job_profile, plan_dict)
+    from stream_rlhf.planner.job_prediction import (analytic_costs, buildable_groups, buildable_with_rollout,
+                                                    describe, describe_device, job_profile, plan_dict)
     from stream_rlhf.planner.search import predict, search, within_memory
     from stream_rlhf.rl.config import RLJobConfig
     from stream_rlhf.rl.dataflow import device_groups
@@ -238,13 +238,14 @@ def _predict(args: argparse.Namespace, flow: Dataflow) -> dict[str, object]:
     cfg = load_config(RLJobConfig, args.config, args.set)
     stages = set(flow.stages)
     groups = buildable_groups(args.config, args.set, stages) if args.search else []
+    moved = buildable_with_rollout(args.config, args.set, stages) if args.search else []
     if args.profile is not None:
         profile = job_profile(cfg, stages, args.profile)
-        every = search(profile, cfg.iterations, groups=groups) if args.search else []
+        every = search(profile, cfg.iterations, groups=groups, with_rollout=moved) if args.search else []
         source = f"profile {args.profile}"
     else:
         profile, device, every = analytic_costs(cfg, flow, args.device, args.prompt_tokens, args.response_tokens,
-                                                groups if args.search else None)
+                                                groups if args.search else None, moved)
         print(describe_device(device))
         source = device.name
     if args.memory_limit_mb is not None and profile.memory is None:
@@ -252,7 +253,7 @@ def _predict(args: argparse.Namespace, flow: Dataflow) -> dict[str, object]:
                           if args.profile else "--memory-limit-mb: analytic costs have no host memory figures "
                           "(give --profile RUN_DIR)")
     prediction = predict(profile, cfg.iterations, cfg.schedule, cfg.overlap_depth, cfg.placement.mode,
-                         device_groups(cfg, sorted(stages)))
+                         device_groups(cfg, sorted(stages)), cfg.placement.with_rollout)
     plans, dropped = within_memory(every, args.memory_limit_mb)
     print(describe(prediction, plans[:args.top], profile, dropped, args.memory_limit_mb))
     found = {"plans": [plan_dict(p) for p in plans[:args.top]], "plans_over_memory_limit": dropped}

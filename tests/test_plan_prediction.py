@@ -114,7 +114,9 @@ def test_a_profile_needs_a_trace_and_no_device_figures(config, tmp_path, capsys)
 def test_search_tries_device_groups_within_a_memory_limit(config, tmp_path, capsys):
     """Each stage process 300 MB (reward_forward's, the runtime, 280), the broker 170: separate
     170 + 7 x 300 - 20 = 2250 MB; the forwards in one process 2250 - 2 x 280 = 1690; the trainers
-    too 1690 - 280 = 1410. Under 1500 MB only the last is left: 16 plans left out."""
+    too 1690 - 280 = 1410. Under 1500 MB only the last is left. Placements: separated with 5
+    with_rollout candidates (4 leave the forwards' group whole, 2 both groups), colocated with
+    none: 6 + 5 + 3, x 4 schedules; 44 plans left out, 12 kept."""
     write_trace(job_graph(config), tmp_path / "calibration")
     pss = {f"{stage}-0": 280.0 if stage == "reward_forward" else 300.0 for stage in COSTS} | {"broker": 170.0}
     memory = {"per_process": {name: {"peak_pss_mb": mb} for name, mb in pss.items()}}
@@ -124,11 +126,13 @@ def test_search_tries_device_groups_within_a_memory_limit(config, tmp_path, caps
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["prediction"]["peak_mem_mb"] == pytest.approx(2250.0)
-    assert result["plans_over_memory_limit"] == 16 and len(result["plans"]) == 8
-    assert [plan["peak_mem_mb"] for plan in result["plans"]] == pytest.approx([1410.0] * 8)
+    assert result["plans_over_memory_limit"] == 44 and len(result["plans"]) == 12
+    assert [plan["peak_mem_mb"] for plan in result["plans"]] == pytest.approx([1410.0] * 12)
+    assert {plan["sets"][4] for plan in result["plans"]} == {
+        "placement.with_rollout=[]", "placement.with_rollout=[ref_forward, reward_forward, critic_forward]"}
     assert all(plan["sets"][3] == "placement.device_groups={forwards: [ref_forward, reward_forward, critic_forward], "
                "trainers: [actor_train, critic_train]}" for plan in result["plans"])
-    assert "16 plan(s) left out: predicted over --memory-limit-mb 1500" in out
+    assert "44 plan(s) left out: predicted over --memory-limit-mb 1500" in out
     assert "--set 'placement.device_groups={forwards:" in out
 
 

@@ -140,11 +140,11 @@ def test_a_groups_stages_must_share_its_device():
 
 
 def test_search_tries_the_groups_and_the_limit_leaves_out_what_is_over():
-    """Three groupings x (sync + stream k=0..2) x 2 modes; a limit of 2000 MB keeps the grouped
-    plans (1990 and 1700) and leaves out the 8 separate ones (2280)."""
-    plans = search(profile(), iterations=4)
+    """Three groupings x (sync + stream k=0..2) x 2 modes (no stage on rollout's cores); a limit of
+    2000 MB keeps the grouped plans (1990 and 1700) and leaves out the 8 separate ones (2280)."""
+    plans = search(profile(), iterations=4, with_rollout=[()])
     assert len(plans) == 24
-    assert {tuple(p.sets[3:]) for p in plans} == {
+    assert {tuple(p.sets[3:4]) for p in plans} == {
         ("placement.device_groups={}",),
         ("placement.device_groups={forwards: [ref_forward, critic_forward]}",),
         ("placement.device_groups={forwards: [ref_forward, critic_forward], trainers: [actor_train, critic_train]}",)}
@@ -170,9 +170,11 @@ def test_the_set_lines_of_every_candidate_build_the_config(tmp_path):
                            inputs={s: () for s in stages}, rollout_side=frozenset({"prompts", "rollout"}),
                            publish_s=0.0, weights_load_s=0.0), iterations=2, max_overlap_depth=0,
                    modes=("separated",), groups=candidates)
+    assert len(plans) == 2 * (5 + 4 + 2)  # with_rollout: 5 candidates, 4 leave the forwards whole, 2 both groups
     for plan in plans:
         cfg = load_config(RLJobConfig, str(config), plan.sets)
         assert cfg.placement.device_groups == plan.groups and cfg.schedule == plan.schedule
+        assert cfg.placement.with_rollout == list(plan.with_rollout)
     assert buildable_groups(str(config), [], stages) == candidates
 
 

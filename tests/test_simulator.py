@@ -323,7 +323,7 @@ def test_search_picks_overlap_when_the_sides_do_not_interfere():
     busy from 0 to 6 x (1 + 2) = 18 s (the window's figure differs where rollout ran ahead of it)."""
     plans = search(_profile(contention=0.0), iterations=6)
     assert plans[0].sets == ["schedule=stream", "overlap_depth=1", "placement.mode=separated",
-                             "placement.device_groups={}"]
+                             "placement.device_groups={}", "placement.with_rollout=[]"]
     assert plans[0].prediction.iteration_s == pytest.approx(2.0)
     assert [p.prediction.makespan_s for p in plans if p.mode == "colocated"] == pytest.approx([18.0] * 4)
     assert len(plans) == 8  # (sync + stream k=0..2) x 2 modes

@@ -3,19 +3,22 @@
 
     profile = job_profile(cfg, stages, Path("runs/calibration"))    # costs from that run's trace
     prediction = predict(profile, cfg.iterations, cfg.schedule, cfg.overlap_depth, cfg.placement.mode,
-                         groups)                                    # search.py
-    plans = search(profile, cfg.iterations, groups=buildable_groups(config, sets, stages))
+                         groups, cfg.placement.with_rollout)        # search.py
+    plans = search(profile, cfg.iterations, groups=buildable_groups(config, sets, stages),
+                   with_rollout=buildable_with_rollout(config, sets, stages))
     kept, dropped = within_memory(plans, limit_mb)
     print(describe(prediction, kept[:3], profile, dropped, limit_mb))
 
 The profile comes from a finished run of the same job (any schedule, overlap depth and iteration
 count; a few iterations are enough: `stream-rlhf run CONFIG --set iterations=4`), placed as the
 config places it now, with a process per stage: its trace gives each stage's cost (`calibrate.py`),
-its summary what each process held (`memory.py`). A profile whose stages differ from the config's
-(another algorithm, a stage left out or added) is refused, naming them, except for actor_forward,
-which overlap_depth >= 1 leaves out (`Profile.for_stages` moves its cost into actor_train and
-back); so is a run with device groups, whose step spans include the turns a stage waited for on
-its process.
+its summary what each process held (`memory.py`). Its stages' devices are the config's cores
+(`rl/dataflow.py` `on_rollout_cores`: `placement.with_rollout` with rollout when separated); their
+side for the figures and the sync barriers is the dataflow's (`ROLLOUT_SIDE`). A profile whose
+stages differ from the config's (another algorithm, a stage left out or added) is refused, naming
+them, except for actor_forward, which overlap_depth >= 1 leaves out (`Profile.for_stages` moves
+its cost into actor_train and back); so is a run with device groups, whose step spans include the
+turns a stage waited for on its process.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from stream_rlhf.planner.devices import DeviceFigures, device_figures
 from stream_rlhf.planner.job_analytic import job_analytic_profile
 from stream_rlhf.planner.memory import BROKER, memory_profile, stage_of_process
 from stream_rlhf.planner.rank_search import search_ranks
-from stream_rlhf.planner.search import Plan, device_group_candidates, groups_set
+from stream_rlhf.planner.search import (Moved, Plan, device_group_candidates, groups_set, with_rollout_candidates,
+                                        with_rollout_set)
 from stream_rlhf.planner.simulator import Prediction
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import lends_idle_cores, on_rollout_cores
+from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, lends_idle_cores, on_rollout_cores
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +63,13 @@ def job_profile(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> Profile:
     if groups := sorted(hosts - traced - {BROKER}):
         raise ConfigError(f"--profile {run_dir}: processes {groups} each ran several stages (device groups), whose "
                           "steps include waiting for their turn; calibrate on a run with a process per stage")
-    side = {stage for stage in stages if on_rollout_cores(cfg, stage)}
     if cfg.placement.mode == "colocated":
         devices = {stage: "all cores" for stage in traced}
     else:
-        devices = {stage: "rollout cores" if stage in side else "train cores" for stage in traced}
+        devices = {stage: "rollout cores" if on_rollout_cores(cfg, stage) else "train cores" for stage in traced}
     try:
-        profile = profile_from_trace(events, devices, side, lending=lends_idle_cores(cfg)).for_stages(stages)
+        profile = profile_from_trace(events, devices, ROLLOUT_SIDE & stages,
+                                     lending=lends_idle_cores(cfg)).for_stages(stages)
     except ValueError as exc:
         raise ConfigError(f"--profile {run_dir}: {exc}") from exc
     summary = run_dir / "summary.json"
@@ -74,21 +78,33 @@ def job_profile(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> Profile:
 
 def buildable_groups(config: str, sets: list[str], stages: set[str]) -> list[dict[str, list[str]]]:
     """The device groups the search tries (`device_group_candidates`) that this config accepts
-    with `sets` (a member with several ranks, another backend or cores of its own rules one out)."""
-    kept = []
-    for groups in device_group_candidates(stages):
-        try:
-            load_config(RLJobConfig, config, [*sets, groups_set(groups)])
-        except ConfigError as exc:
-            log.info("plan --search: device groups %s do not fit this config: %s", groups, exc)
-            continue
-        kept.append(groups)
-    return kept
+    with `sets` (a member with several ranks, another backend or cores of its own rules one out),
+    with no stage on rollout's cores (the search pairs them with `with_rollout`; `search.fits`)."""
+    return [groups for groups in device_group_candidates(stages)
+            if _builds(config, [*sets, "placement.with_rollout=[]"], groups_set(groups))]
+
+
+def buildable_with_rollout(config: str, sets: list[str], stages: set[str]) -> list[Moved]:
+    """The stages on rollout's cores the search tries (`with_rollout_candidates`) that this config
+    accepts, separated and without device groups, with `sets` (the search pairs them with the
+    groups; `search.fits`)."""
+    base = [*sets, "placement.mode=separated", "placement.device_groups={}"]
+    return [moved for moved in with_rollout_candidates(stages) if _builds(config, base, with_rollout_set(moved))]
+
+
+def _builds(config: str, sets: list[str], line: str) -> bool:
+    """Whether `config` loads with `sets` and then `line` (why not is logged)."""
+    try:
+        load_config(RLJobConfig, config, [*sets, line])
+    except ConfigError as exc:
+        log.info("plan --search: %s does not fit this config: %s", line, exc)
+        return False
+    return True
 
 
 def analytic_costs(cfg: RLJobConfig, flow: Dataflow, device_spec: str | None, prompt_tokens: float | None,
-                   response_tokens: float | None, groups: list[dict[str, list[str]]] | None
-                   ) -> tuple[Profile, DeviceFigures, list[Plan]]:
+                   response_tokens: float | None, groups: list[dict[str, list[str]]] | None,
+                   with_rollout: list[Moved] | None = None) -> tuple[Profile, DeviceFigures, list[Plan]]:
     """The analytic profile of `cfg` (`job_analytic.py`) on `device_spec` (None: this machine),
     the figures used, and with `groups` (the device groups to try) the plans of a search over
     schedules, placements and ranks (`rank_search.py`), best first; without: no plans."""
@@ -100,7 +116,8 @@ def analytic_costs(cfg: RLJobConfig, flow: Dataflow, device_spec: str | None, pr
     def profile_of(ranks: Mapping[str, int]) -> Profile:
         return job_analytic_profile(cfg, flow, device, prompt_tokens, response_tokens, dict(ranks))[0]
 
-    return profile, device, search_ranks(profile_of, device.count, cfg.iterations, groups=groups)
+    return profile, device, search_ranks(profile_of, device.count, cfg.iterations, groups=groups,
+                                         with_rollout=with_rollout)
 
 
 def describe_device(device: DeviceFigures) -> str:

@@ -17,7 +17,9 @@ Device groups (`placement.device_groups`) are tried where their members have the
 stage's cost on n devices is the profile
 factory's (`analytic.py`: data parallel, its compute over n at an efficiency, a trainer's
 gradient all-reduce over the link). With one device per group (a CPU: one side's cores each)
-the axis has one point and the search is `search.py`'s. Not checked: a trainer's ranks against
+the axis has one point and the search is `search.py`'s, `placement.with_rollout` included; with
+several devices a stage on rollout's cores would need rollout's ranks, and no stage is moved
+there (`with_rollout` is not searched). Not checked: a trainer's ranks against
 its smallest optimizer step (the config refuses more ranks than samples in a step).
 """
 
@@ -27,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from stream_rlhf.planner.calibrate import Profile
-from stream_rlhf.planner.search import MODES, Groups, Mode, Plan, device_group_candidates, search
+from stream_rlhf.planner.search import MODES, Groups, Mode, Moved, Plan, device_group_candidates, search
 
 RankFactory = Callable[[Mapping[str, int]], Profile]
 """Ranks per stage -> the profile of the stages on that many devices each."""
@@ -47,9 +49,11 @@ def rank_splits(stages: Sequence[str], rollout_side: frozenset[str], device_coun
 
 
 def search_ranks(profile_of: RankFactory, device_count: int, iterations: int, max_overlap_depth: int = 2,
-                 modes: tuple[Mode, ...] = MODES, groups: Sequence[Groups] | None = None) -> list[Plan]:
+                 modes: tuple[Mode, ...] = MODES, groups: Sequence[Groups] | None = None,
+                 with_rollout: Sequence[Moved] | None = None) -> list[Plan]:
     """`search.py`'s search for every ranks split of every mode, best first (ties: fewer devices
-    on the rollout side, then as `search` orders)."""
+    on the rollout side, then as `search` orders); `with_rollout` is searched on one device only
+    (module docstring)."""
     base = profile_of({})
     candidates = device_group_candidates(base.step_s) if groups is None else groups
     plans: list[Plan] = []
@@ -57,8 +61,9 @@ def search_ranks(profile_of: RankFactory, device_count: int, iterations: int, ma
         for ranks in rank_splits(list(base.step_s), base.rollout_side, device_count, mode):
             profile = profile_of(ranks) if ranks else base
             tried = [g for g in candidates if _same_ranks(g, ranks)]
+            moves = with_rollout if device_count < 2 else [()]
             plans += [replace(plan, ranks=ranks) for plan in search(profile, iterations, max_overlap_depth, (mode,),
-                                                                    tried)]
+                                                                    tried, moves)]
     return sorted(plans, key=lambda plan: (round(plan.prediction.iteration_s, 9), plan.overlap_depth))
 
 
