@@ -6,6 +6,7 @@ schedule must give back the same figures."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from stream_rlhf.config import load_config
 from stream_rlhf.planner.graph import SimGraph, SimStage
 from stream_rlhf.planner.simulator import simulate, trace_event
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
+from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, on_rollout_cores
 from stream_rlhf.rl.plan import preview_plan
 from stream_rlhf.telemetry.trace_merge import topic_sources
 from tests.rl_tiny import tiny_job, write_job
@@ -25,7 +26,8 @@ COSTS = {"prompts": 0.01, "rollout": 1.0, "ref_forward": 0.2, "reward_forward": 
 
 
 def job_graph(config: Path) -> SimGraph:
-    """The tiny PPO job's stages with made-up costs, edges as its broker routes the topics."""
+    """The tiny PPO job's stages with made-up costs, edges as its broker routes the topics, on the
+    cores the config gives them (`placement.with_rollout`'s on rollout's)."""
     cfg = load_config(RLJobConfig, str(config), [])
     flow = preview_plan(cfg).flow
     sources = topic_sources(flow.topology)
@@ -34,7 +36,8 @@ def job_graph(config: Path) -> SimGraph:
     assert set(inputs) == set(COSTS), sorted(inputs)
     stages = tuple(SimStage(name, COSTS[name], inputs=tuple(inputs[name]),
                             side="rollout" if name in ROLLOUT_SIDE else "train",
-                            device="rollout cores" if name in ROLLOUT_SIDE else "train cores") for name in COSTS)
+                            device="rollout cores" if on_rollout_cores(cfg, name) else "train cores")
+                   for name in COSTS)
     return SimGraph(stages=stages, iterations=cfg.iterations, minibatches=cfg.rollout_batch.minibatches,
                     overlap_depth=cfg.overlap_depth)
 
@@ -109,6 +112,28 @@ def test_a_profile_needs_a_trace_and_no_device_figures(config, tmp_path, capsys)
         in capsys.readouterr().err
     assert main(["plan", str(config), "--profile", str(tmp_path / "empty")]) == 2
     assert "no trace.json there" in capsys.readouterr().err
+
+
+def test_a_config_with_stages_on_rollouts_cores_predicts_its_own_run(tmp_path, capsys):
+    """The critic's stages on rollout's cores (`placement.with_rollout`): calibrated on a run placed
+    so, the config as given gives back that run's iteration time (the profile's devices are the
+    config's). Here the move does not pay: rollout's cores carry 2 x (0.01 + 1.0 + 0.2 + 0.5) =
+    3.42 s of work an iteration, against 2 x 1.51 = 3.02 on the train cores with the critic there,
+    and the same costs placed so run faster."""
+    config = write_job(tmp_path / "job.yaml", tiny_job(
+        tmp_path, "moved", schedule="stream", overlap_depth=1, iterations=6,
+        **{"placement.mode": "separated", "placement.with_rollout": ["critic_forward", "critic_train"]}))
+    graph = job_graph(config)
+    assert graph.stage("critic_train").device == "rollout cores" and graph.stage("critic_train").side == "train"
+    iteration_s = write_trace(graph, tmp_path / "calibration")
+    assert main(["plan", str(config), "--profile", str(tmp_path / "calibration"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["prediction"]["iteration_s"] == pytest.approx(iteration_s, abs=1e-4)
+    on_train_side = SimGraph(stages=tuple(replace(stage, device="rollout cores" if stage.side == "rollout"
+                                                  else "train cores") for stage in graph.stages),
+                             iterations=graph.iterations, minibatches=graph.minibatches,
+                             overlap_depth=graph.overlap_depth)
+    assert simulate(on_train_side).iteration_s < iteration_s - 0.1
 
 
 def test_search_tries_device_groups_within_a_memory_limit(config, tmp_path, capsys):
