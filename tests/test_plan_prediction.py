@@ -136,6 +136,20 @@ def test_a_config_with_stages_on_rollouts_cores_predicts_its_own_run(tmp_path, c
     assert simulate(on_train_side).iteration_s < iteration_s - 0.1
 
 
+def test_a_run_placed_otherwise_than_the_config_is_refused(config, tmp_path, capsys):
+    """The run's plan.json put critic_train on rollout's cores (core 0), the config does not: the
+    profile would read its steps as the train side's, so plan refuses and names the --set line."""
+    write_trace(job_graph(config), tmp_path / "calibration")
+    cores = {stage: [0] if stage in ("prompts", "rollout", "critic_train") else [1] for stage in COSTS}
+    ranks = [{"stage": stage, "rank": 0, "cores": on} for stage, on in cores.items()]
+    (tmp_path / "calibration" / "plan.json").write_text(json.dumps({"ranks": ranks}))
+    assert main(["plan", str(config), "--profile", str(tmp_path / "calibration")]) == 2
+    assert ("the run had ['critic_train'] on rollout's cores, this config none; calibrate on a run placed as the "
+            "config is, or give --set 'placement.with_rollout=[critic_train]'") in capsys.readouterr().err
+    assert main(["plan", str(config), "--profile", str(tmp_path / "calibration"),
+                 "--set", "placement.with_rollout=[critic_train]"]) == 0
+
+
 def test_search_tries_device_groups_within_a_memory_limit(config, tmp_path, capsys):
     """Each stage process 300 MB (reward_forward's, the runtime, 280), the broker 170: separate
     170 + 7 x 300 - 20 = 2250 MB; the forwards in one process 2250 - 2 x 280 = 1690; the trainers

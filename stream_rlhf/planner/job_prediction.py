@@ -13,7 +13,8 @@ The profile comes from a finished run of the same job (any schedule, overlap dep
 count; a few iterations are enough: `stream-rlhf run CONFIG --set iterations=4`), placed as the
 config places it now, with a process per stage: its trace gives each stage's cost (`calibrate.py`),
 its summary what each process held (`memory.py`). Its stages' devices are the config's cores
-(`rl/dataflow.py` `on_rollout_cores`: `placement.with_rollout` with rollout when separated); their
+(`rl/dataflow.py` `on_rollout_cores`: `placement.with_rollout` with rollout when separated; a run
+whose plan.json put other stages on rollout's cores is refused, naming the `--set` line); their
 side for the figures and the sync barriers is the dataflow's (`ROLLOUT_SIDE`). A profile whose
 stages differ from the config's (another algorithm, a stage left out or added) is refused, naming
 them, except for actor_forward, which overlap_depth >= 1 leaves out (`Profile.for_stages` moves
@@ -63,6 +64,7 @@ def job_profile(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> Profile:
     if groups := sorted(hosts - traced - {BROKER}):
         raise ConfigError(f"--profile {run_dir}: processes {groups} each ran several stages (device groups), whose "
                           "steps include waiting for their turn; calibrate on a run with a process per stage")
+    _check_run_sides(cfg, stages, run_dir)
     if cfg.placement.mode == "colocated":
         devices = {stage: "all cores" for stage in traced}
     else:
@@ -74,6 +76,26 @@ def job_profile(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> Profile:
         raise ConfigError(f"--profile {run_dir}: {exc}") from exc
     summary = run_dir / "summary.json"
     return replace(profile, memory=memory_profile(json.loads(summary.read_text()))) if summary.is_file() else profile
+
+
+def _check_run_sides(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> None:
+    """Refuse a separated run (its plan.json) that put other stages on rollout's cores than `cfg`
+    does: the profile reads each stage's device from the config (`on_rollout_cores`)."""
+    plan = run_dir / "plan.json"
+    if cfg.placement.mode != "separated" or not plan.is_file():
+        return
+    cores: dict[str, tuple[int, ...]] = {}
+    for rank in json.loads(plan.read_text()).get("ranks", []):
+        cores.setdefault(rank["stage"], tuple(rank.get("cores") or ()))
+    rollout = cores.get("rollout")
+    if not rollout or len({cores[stage] for stage in stages if stage in cores}) < 2:  # unpinned, or one side
+        return
+    ran = sorted(stage for stage in stages - ROLLOUT_SIDE if stage in cores and cores[stage] == rollout)
+    configured = sorted(stage for stage in stages - ROLLOUT_SIDE if stage in cores and on_rollout_cores(cfg, stage))
+    if ran != configured:
+        raise ConfigError(f"--profile {run_dir}: the run had {ran or 'no stage'} on rollout's cores, this config "
+                          f"{configured or 'none'}; calibrate on a run placed as the config is, or give "
+                          f"--set '{with_rollout_set(tuple(ran))}' as that run had it")
 
 
 def buildable_groups(config: str, sets: list[str], stages: set[str]) -> list[dict[str, list[str]]]:
