@@ -28,9 +28,10 @@ speed-up alone (`planner/calibrate.py`; printed, "-" where there was too little 
 fit) and the simulator applies it. A target run without actor_forward (overlap_depth >= 1) is
 predicted from a profile with it, and the reverse, through `Profile.for_stages`.
 
-Placement: `separated` (the default, bench/pipeline.py's) puts the rollout side (`ROLLOUT_SIDE` of
-rl/dataflow.py: prompts and rollout) on one device set and every other stage on the other, as the
-engine places them; the runs given must have been placed that way.
+Placement: `separated` (the default, bench/pipeline.py's) puts the stages a run had on rollout's
+cores (its plan.json: `ROLLOUT_SIDE` of rl/dataflow.py, prompts and rollout, and the config's
+`placement.with_rollout`; `ROLLOUT_SIDE` alone where the plan names no cores) on one device set
+and every other stage on the other, as the engine placed them.
 """
 
 from __future__ import annotations
@@ -54,9 +55,22 @@ def load(run: Path, placement: str) -> tuple[list[dict], dict, dict[str, str]]:
     events = json.loads((run / "trace.json").read_text())["traceEvents"]
     summary = json.loads((run / "summary.json").read_text())
     stages = {e["args"]["stage"] for e in events if e.get("cat") == "step"}
-    devices = {stage: "rollout side" if placement == "separated" and stage in ROLLOUT_SIDE else "train side"
+    rollout_side = on_rollout_cores(run)
+    devices = {stage: "rollout side" if placement == "separated" and stage in rollout_side else "train side"
                for stage in stages}
     return events, summary, devices
+
+
+def on_rollout_cores(run: Path) -> set[str]:
+    """The stages the run's plan.json put on rollout's cores; `ROLLOUT_SIDE` without cores there."""
+    plan = run / "plan.json"
+    ranks = json.loads(plan.read_text()).get("ranks", []) if plan.is_file() else []
+    cores: dict[str, list[int]] = {}
+    for rank in ranks:
+        cores.setdefault(rank["stage"], rank.get("cores") or [])
+    if not cores.get("rollout"):
+        return set(ROLLOUT_SIDE)
+    return {stage for stage, on in cores.items() if on == cores["rollout"]} | ROLLOUT_SIDE
 
 
 def measured_iteration_s(summary: dict) -> float:
