@@ -17,6 +17,7 @@ from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job
 from tests.test_rank_groups import kill_a_follower_and_finish
 from tests.test_rl_job import leftover_shm, start_run
+from tests.test_rl_device_groups import assert_same_samples
 from tests.test_rl_process_rewards import run
 
 pytestmark = pytest.mark.slow
@@ -49,12 +50,7 @@ def test_groups_of_two_rank_members_give_the_samples_of_separate_stages(tmp_path
     assert "trainers-0.rank1: actor_train, critic_train in one process on cpu (rank 1 of 2 of each)" in log
     for stage in RANKS:  # rank 1 of each member followed its leader
         assert re.search(rf"{stage}-0 rank 1 of 2 \(pid \d+\) follows its leader on cpu", log), stage
-    samples = {name: [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
-               for name, folder in (("separate", separate_dir), ("grouped", grouped_dir))}
-    assert len(samples["grouped"]) == len(samples["separate"]) == 32
-    for ours, theirs in zip(samples["grouped"], samples["separate"], strict=True):
-        for key in ("iteration", "minibatch", "response", "reward", "logprob", "advantage", "kl"):
-            assert ours[key] == theirs[key], (key, ours, theirs)
+    assert_same_samples(separate_dir, grouped_dir)
     trained = {name: read_metrics(folder / "metrics.jsonl") for name, folder in (("separate", separate_dir),
                                                                                 ("grouped", grouped_dir))}
     assert [r["iteration"] for r in trained["grouped"]] == [0, 1]

@@ -48,8 +48,17 @@ FORWARDS = {"forwards": ["ref_forward", "critic_forward"]}
         ({"placement.device_groups": FORWARDS, "placement.stages": {"ref_forward": {"ranks": 2}}},
          "placement.device_groups.forwards: its stages share one process, so one ranks setting: "
          "stages.ref_forward.ranks=2, stages.critic_forward.ranks=1"),
-        ({"placement.device_groups": FORWARDS, "placement.stages": {"ref_forward": {"backend": "megatron"}}},
-         "stages.ref_forward.backend=megatron: a device group hosts torch-backend stages"),
+        ({"placement.device_groups": FORWARDS,
+          "placement.stages": {"ref_forward": {"backend": "megatron", "ranks": 2, "megatron": {"tp": 2}},
+                               "critic_forward": {"backend": "megatron", "ranks": 2}}},
+         "placement.device_groups.forwards: its megatron stages share one process and so megatron's parallel "
+         "state, so one tp, pp and cp: stages.ref_forward.megatron={tp: 2, pp: 1, cp: 1}, "
+         "stages.critic_forward.megatron={tp: 1, pp: 1, cp: 1}"),
+        ({"placement.device_groups": FORWARDS, "placement.with_rollout": ["critic_forward"],
+          "placement.mode": "separated"},
+         "placement.with_rollout=['critic_forward']: critic_forward of device_groups.forwards would run on rollout's "
+         "cores, ref_forward on the train side's, but a group's stages share one process: name all of its stages "
+         "or none"),
         ({"placement.device_groups": FORWARDS, "placement.stages": {"ref_forward": {"cores": [0]}}},
          "placement.device_groups.forwards: its stages share one process, so one cores setting: "
          "stages.ref_forward.cores=[0], stages.critic_forward.cores=None"),

@@ -23,6 +23,16 @@ def job(tmp_path: Path, name: str, **overrides: object) -> dict:
                     samples_log={"per_minibatch": 8}, **overrides)
 
 
+def assert_same_samples(separate_dir: Path, grouped_dir: Path) -> None:
+    """The two runs logged the same 32 samples (2 iterations of the tiny job), field by field."""
+    samples = {name: [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+               for name, folder in (("separate", separate_dir), ("grouped", grouped_dir))}
+    assert len(samples["grouped"]) == len(samples["separate"]) == 32
+    for ours, theirs in zip(samples["grouped"], samples["separate"], strict=True):
+        for key in ("iteration", "minibatch", "response", "reward", "logprob", "advantage", "kl"):
+            assert ours[key] == theirs[key], (key, ours, theirs)
+
+
 @pytest.mark.timeout(600)
 def test_four_forwards_in_two_device_groups_give_the_same_samples_as_four_stages(tmp_path):
     separate, separate_dir = run(tmp_path, job(tmp_path, "separate"))
@@ -37,11 +47,24 @@ def test_four_forwards_in_two_device_groups_give_the_same_samples_as_four_stages
     moved = grouped["offload"]["ref_forward"]  # after its setup and each of its 4 steps; back for each step
     assert (moved["policy"], moved["offloads"], moved["onloads"]) == ("params when step", 5, 4)
     assert set(grouped["offload"]) == {"ref_forward", "actor_forward", "critic_forward", "actor_train", "critic_train"}
-    samples = {name: [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
-               for name, folder in (("separate", separate_dir), ("grouped", grouped_dir))}
-    assert len(samples["grouped"]) == len(samples["separate"]) == 32  # every sample of both iterations
-    for ours, theirs in zip(samples["grouped"], samples["separate"], strict=True):
-        for key in ("iteration", "minibatch", "response", "reward", "logprob", "advantage", "kl"):
-            assert ours[key] == theirs[key], (key, ours, theirs)
+    assert_same_samples(separate_dir, grouped_dir)  # every sample of both iterations
     for key in ("eval_reward_after", "eval_greedy_reward_after"):
         assert grouped[key] == separate[key]
+
+
+@pytest.mark.timeout(900)
+def test_megatron_stages_in_device_groups_give_the_same_samples_as_megatron_stages_apart(tmp_path):
+    """Two megatron members in one process share its megatron parallel state (one rank, tp 1)."""
+    pytest.importorskip("megatron.core", reason="the megatron extra (pip install -e '.[megatron]') runs this")
+    on_megatron = {stage: {"backend": "megatron"} for stage in
+                   ("actor_forward", "ref_forward", "critic_forward", "actor_train", "critic_train")}
+    separate, separate_dir = run(tmp_path, job(tmp_path, "mseparate", **{"placement.stages": on_megatron}))
+    grouped, grouped_dir = run(tmp_path, job(tmp_path, "mgrouped", **{
+        "placement.device_groups": GROUPS,
+        "placement.stages": on_megatron | {"ref_forward": {"backend": "megatron",
+                                                          "offload": {"what": ["params"], "when": "step"}}}}))
+
+    assert grouped["samples_trained"] == separate["samples_trained"] == 32
+    assert grouped["memory"]["processes"] == separate["memory"]["processes"] - 3
+    assert_same_samples(separate_dir, grouped_dir)
+    assert grouped["eval_reward_after"] == separate["eval_reward_after"]

@@ -112,3 +112,17 @@ def test_a_dtype_safetensors_cannot_hold_is_named(tmp_path):
     model.register_buffer("phase", torch.zeros(2, dtype=torch.complex128))
     with pytest.raises(ValueError, match=r"phase: dtype torch.complex128 cannot be stored"):
         WeightStore(tmp_path, "actor").publish(model, 1)
+
+
+def test_load_state_gives_back_the_names_a_tied_tensor_was_stored_once_under(tmp_path):
+    store = WeightStore(tmp_path, "policy")
+    embed = torch.arange(6.0).reshape(3, 2)
+    store.publish({"model.embed_tokens.weight": embed, "lm_head.weight": embed, "norm.weight": torch.ones(2)}, 1)
+    assert len(load_file(str(store.path(1)))) == 2  # the tied pair once
+    state = store.load_state(1)
+    assert sorted(state) == ["lm_head.weight", "model.embed_tokens.weight", "norm.weight"]
+    assert torch.equal(state["lm_head.weight"], embed) and torch.equal(state["model.embed_tokens.weight"], embed)
+    store.publish({"model.embed_tokens.weight": embed + 1, "lm_head.weight": embed + 1, "norm.weight": torch.ones(2)}, 2)
+    store.publish({"model.embed_tokens.weight": embed + 2, "lm_head.weight": embed + 2, "norm.weight": torch.ones(2)}, 3)
+    with pytest.raises(FileNotFoundError):
+        store.load_state(1)  # left the window (keep 2)

@@ -111,6 +111,8 @@ class PlacementConfig:
         for stage, own in self.stages.items():
             _check_core_list(f"stages.{stage}.cores", own.cores)
         _check_device_groups(self.device_groups, self.stages)
+        if self.mode == "separated":
+            _check_groups_on_one_side(self.device_groups, self.with_rollout)
         # fill in the cores left out from this machine's; frozen, so set once here
         rollout, train = split_cores(machine_cores(), self.rollout_cores, self.train_cores)
         object.__setattr__(self, "rollout_cores", rollout)
@@ -206,8 +208,9 @@ def device_group_of(placement: PlacementConfig, stage: str) -> str | None:
 
 
 def _check_device_groups(groups: dict[str, list[str]], stages: dict[str, StagePlacement]) -> None:
-    """Members share one process per rank: the same ranks, cores and devices, torch engines (the
-    megatron backend keeps process-wide parallel state), each stage in one group."""
+    """Members share one process per rank: the same ranks, cores and devices, each stage in one group;
+    megatron members the same tp, pp and cp (megatron keeps its parallel state per process: they
+    share its process groups, over which the group's turns run one member at a time)."""
     seen: dict[str, str] = {}
     for name, members in groups.items():
         key = f"device_groups.{name}"
@@ -218,14 +221,27 @@ def _check_device_groups(groups: dict[str, list[str]], stages: dict[str, StagePl
             if member in seen:
                 raise ConfigError(f"{key}: {member} is in device group {seen[member]} already")
             seen[member] = name
-            if own.backend != "torch":
-                raise ConfigError(f"{key}: stages.{member}.backend={own.backend}: a device group hosts torch-backend "
-                                  "stages (megatron keeps process-wide parallel state)")
         for field_name in ("ranks", "cores", "devices"):
             values = {m: getattr(own, field_name) for m, own in placed.items()}
             if len({repr(v) for v in values.values()}) > 1:
                 raise ConfigError(f"{key}: its stages share one process, so one {field_name} setting: "
                                   + ", ".join(f"stages.{m}.{field_name}={v}" for m, v in values.items()))
+        sizes = {m: (own.megatron.tp, own.megatron.pp, own.megatron.cp) for m, own in placed.items()
+                 if own.backend == "megatron"}
+        if len(set(sizes.values())) > 1:
+            named = (f"stages.{m}.megatron={{tp: {tp}, pp: {pp}, cp: {cp}}}" for m, (tp, pp, cp) in sizes.items())
+            raise ConfigError(f"{key}: its megatron stages share one process and so megatron's parallel state, "
+                              f"so one tp, pp and cp: {', '.join(named)}")
+
+
+def _check_groups_on_one_side(groups: dict[str, list[str]], with_rollout: list[str]) -> None:
+    """A device group is one process on one side's cores: with_rollout names all its members or none."""
+    for name, members in groups.items():
+        moved = [m for m in members if m in with_rollout]
+        if moved and len(moved) < len(members):
+            raise ConfigError(f"with_rollout={with_rollout}: {', '.join(moved)} of device_groups.{name} would run on "
+                              f"rollout's cores, {', '.join(m for m in members if m not in moved)} on the train side's, "
+                              "but a group's stages share one process: name all of its stages or none")
 
 
 def _check_core_list(key: str, cores: list[int] | None) -> None:

@@ -117,6 +117,16 @@ class WeightStore:
                 reading(path):
             load_model(model, str(path))
 
+    def load_state(self, version: int) -> dict[str, Tensor]:
+        """`version` as a state dict on the CPU, the tied names it stored once restored (FileNotFoundError
+        once it has left the window)."""
+        path = self.path(version)
+        with trace.span("weights load", "weights", version=version, model=self.folder.name, transport="shm"), \
+                reading(path), safe_open(str(path), framework="pt") as f:
+            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no iteration
+            dropped = {name: kept for name, kept in (f.metadata() or {}).items() if kept in state}
+        return state | {name: state[kept] for name, kept in dropped.items()}
+
     def path(self, version: int) -> Path:
         """The file of `version` (a reader that opens it after `keep` newer versions finds it gone)."""
         return self.folder / f"v{version}.safetensors"

@@ -52,7 +52,7 @@ from stream_rlhf.broker.rank_group import RankGroup
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.vision_language import SampleImages, scatter_image_features
 from stream_rlhf.stages.experience import Experience
-from stream_rlhf.weights.shm_store import WeightStore, reading
+from stream_rlhf.weights.shm_store import WeightStore
 
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
@@ -258,8 +258,7 @@ class MegatronTrainEngine:
             if newest <= held:
                 return held
             try:
-                with reading(store.path(newest)):
-                    weights = load_file(str(store.path(newest)))
+                weights = store.load_state(newest)
             except FileNotFoundError:  # left the window meanwhile: agree on a newer one
                 continue
             load_hf_state(self.model, self._untied(weights), self.layout)

@@ -82,6 +82,14 @@ def export_hf_state(model: nn.Module, layout: Layout) -> dict[str, Tensor]:
                     full[name] = full[name].contiguous()
                     dist.broadcast(full[name], src=source, group=pp_group)
             out.update(full)
+    out = {name: _owning(t.to(layout.hf_dtypes.get(name, t.dtype))) for name, t in out.items()}
     if layout.tied:
         out[layout.arch.lm_head] = out[layout.arch.embed]
-    return {name: t.to(layout.hf_dtypes.get(name, t.dtype)) for name, t in out.items()}
+    return out
+
+
+def _owning(tensor: Tensor) -> Tensor:
+    """`tensor`, or a copy of it where it is a view into a larger storage: at tp 1 a fused QKV or
+    gate/up parameter splits into views of one storage, which safetensors refuses to save."""
+    whole = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if whole and tensor.is_contiguous() else tensor.clone(memory_format=torch.contiguous_format)
