@@ -16,7 +16,8 @@ Each column is one `stream-rlhf run configs/mllm_ppo.yaml` subprocess with a nam
 The device groups (`placement.device_groups`): `forwards` hosts the forward stages with a model
 (ref_forward and critic_forward; actor_forward too where the job has one, in sync) and the reward
 stage (a rule here: no model to offload, one process less), `trainers` hosts actor_train and
-critic_train. Offload (`placement.stages.<stage>.offload`, when: step): a
+critic_train; both on the train side's cores (the config's `with_rollout`, critic_forward and
+critic_train on rollout's, would split each group: a group is one process). Offload (`placement.stages.<stage>.offload`, when: step): a
 forward's params, a trainer's params, grads and optimizer state. On a CPU device nothing moves (the
 device is host memory): there the saving is the processes a group merges, each of which carries
 the torch runtime.
@@ -34,6 +35,9 @@ Figures, from each run's summary.json (`memory`: `telemetry/memory.py`) and metr
                      and seconds, summed over the stages (summary.json's `offload`; 0 on a CPU)
     onload hidden    of the prefetched stages' onload seconds, the fraction that ran during another
                      member's step (`onload_hidden_s` / `onload_s`; n/a when nothing moved)
+    CUDA peak, job   (--device cuda) each process's torch.cuda.max_memory_allocated, summed over the
+                     job's processes (a device group's members report their one process's peak);
+                     an upper bound on what the job held at once
     peak_mem_groups  (JSON) the larger job peak of the two device-group columns, against the
                      target <= 0.6 x peak_mem_separate
 
@@ -42,6 +46,8 @@ MB: 2**20 bytes. Run from the repository root:
     .venv/bin/python bench/offload.py            # full run (~4 minutes on 2 cores): the table
     .venv/bin/python bench/offload.py --quick    # smoke run: 3 iterations each
     .venv/bin/python bench/offload.py --json     # the table, then one JSON object as the last line
+    python bench/offload.py --device cuda --iterations 6 --columns separate full_offload pipelined
+                                                 # on a GPU machine (scripts/gpu_checks.sh offload)
 
 Every column's config is checked (its keys and values) before the first run starts. Each run's
 output goes to runs/bench_offload_<column>.log (--quick: bench_offload_quick_<column>).
@@ -56,7 +62,7 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline import assert_nothing_left, mean_iteration_s, progress, run_logged, shm_entries  # bench/, beside this script
@@ -64,6 +70,7 @@ from pipeline import assert_nothing_left, mean_iteration_s, progress, run_logged
 from stream_rlhf.config import ConfigError, load_config
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import left_out_stages
+from stream_rlhf.telemetry.memory import CUDA_PEAK
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/mllm_ppo.yaml"
@@ -90,6 +97,8 @@ class Settings:
     """Iterations of each run."""
     skip: int
     """Leading iterations left out of the mean iteration time."""
+    device: str = "cpu"
+    """`placement.device` of every column (cpu, or cuda on a GPU machine)."""
 
 
 FULL = Settings(name="", iterations=10, skip=2)
@@ -113,7 +122,7 @@ def group_overrides(stages: list[str], prefetch: bool = False) -> list[str]:
     trainers = [s for s in TRAINERS if s in stages]
     groups = {"forwards": forwards + [s for s in SCORERS if s in stages], "trainers": trainers}
     flow = ", ".join(f"{name}: [{', '.join(members)}]" for name, members in groups.items() if members)
-    out = [f"placement.device_groups={{{flow}}}"]
+    out = [f"placement.device_groups={{{flow}}}", "placement.with_rollout=[]"]  # a group runs on one side's cores
     ahead = ", prefetch: true" if prefetch else ""
     for stage in forwards:
         out.append(f"placement.stages.{stage}.offload={{what: [params], when: step{ahead}}}")
@@ -132,13 +141,19 @@ def model_stages(cfg: RLJobConfig) -> list[str]:
 def column_overrides(column: str, settings: Settings, prefix: str) -> list[str]:
     """Every `--set` of the column's run; its config is built from them (a bad key or value is a
     ConfigError naming it, before anything runs)."""
-    own = [f"name=bench_offload_{settings.name}{column}", f"iterations={settings.iterations}",
-           f"broker.shm_prefix={prefix}", *schedule_overrides(column)]
+    own = [f"name={run_name(column, settings)}", f"iterations={settings.iterations}",
+           f"broker.shm_prefix={prefix}", f"placement.device={settings.device}", *schedule_overrides(column)]
     if column not in ("spawned", "separate"):
         own += group_overrides(model_stages(load_config(RLJobConfig, REPO / CONFIG, own)),
                                prefetch=column == "pipelined")
     load_config(RLJobConfig, REPO / CONFIG, own)
     return own
+
+
+def run_name(column: str, settings: Settings) -> str:
+    """The column's run folder under runs/ (a CUDA run's name says so)."""
+    device = "" if settings.device == "cpu" else f"{settings.device}_"
+    return f"bench_offload_{settings.name}{device}{column}"
 
 
 # ---- running -----------------------------------------------------------------------------------
@@ -188,14 +203,29 @@ def onload_hidden(summary: dict) -> float:
     return sum(m["onload_hidden_s"] for m in stages) / onload_s if onload_s > 0 else math.nan
 
 
-def analyse(run_dir: Path, skip: int) -> dict:
-    """The figures of one run (module docstring)."""
+def cuda_peak_mb(memory: dict, groups: dict[str, list[str]]) -> float:
+    """The CUDA peaks the stages reported, summed over their processes: the members of a device
+    group share one process, and so its one peak (NaN when no stage reported one: not on CUDA)."""
+    peaks = memory.get(CUDA_PEAK) or {}
+    if not peaks:
+        return math.nan
+    process_of = {stage: group for group, members in groups.items() for stage in members}
+    per_process: dict[str, float] = {}
+    for stage, mb in peaks.items():
+        process = process_of.get(stage, stage)
+        per_process[process] = max(per_process.get(process, 0.0), mb)
+    return sum(per_process.values())
+
+
+def analyse(run_dir: Path, skip: int, groups: dict[str, list[str]]) -> dict:
+    """The figures of one run (module docstring); `groups`: its config's device groups."""
     summary = json.loads((run_dir / "summary.json").read_text())
     memory = summary.get("memory")
     if not memory or not memory["processes"]:
         raise RuntimeError(f"{run_dir}/summary.json: no memory block (not the local launcher, or no sample)")
     moved_mb, moving_s = offload_moved(summary)
     return {
+        "cuda_peak_mb": cuda_peak_mb(memory, groups),
         "iteration_s": mean_iteration_s(run_dir, skip),
         "peak_pss_mb": memory["peak_pss_mb"],
         "peak_rss_mb": memory["peak_rss_mb"],
@@ -230,6 +260,9 @@ def figures(results: dict[str, dict]) -> dict[str, float]:
         out[f"grouped_stages_mem_{column}"] = round(r["grouped_pss_mb"], 1)
     for column, r in results.items():
         out[f"processes_{column}"] = r["processes"]
+    for column, r in results.items():
+        if not math.isnan(r["cuda_peak_mb"]):
+            out[f"cuda_peak_mb_{column}"] = round(r["cuda_peak_mb"], 1)
     if "pipelined" in results:
         out["offload_hidden_fraction_pipelined"] = results["pipelined"]["onload_hidden"]
     return out
@@ -240,6 +273,7 @@ ROWS: list[tuple[str, str, str, bool]] = [
     ("peak PSS, job MB", "peak_pss_mb", ",.0f", True),
     ("peak RSS, job MB", "peak_rss_mb", ",.0f", False),
     ("grouped stages MB", "grouped_pss_mb", ",.0f", True),
+    ("CUDA peak, job MB", "cuda_peak_mb", ",.0f", True),
     ("processes", "processes", "d", False),
     ("offload+onload MB", "moved_mb", ",.0f", False),
     ("offload+onload s", "moving_s", ".2f", False),
@@ -256,6 +290,8 @@ def format_table(results: dict[str, dict], settings: Settings) -> str:
     """The columns side by side, with their ratios against separate."""
     cells: list[tuple[str, list[str]]] = [("", list(results))]
     for label, key, fmt, ratio in ROWS:
+        if all(isinstance(r[key], float) and math.isnan(r[key]) for r in results.values()):
+            continue  # a figure no column has (the CUDA peak on a CPU)
         cells.append((label, [format(r[key], fmt) for r in results.values()]))
         if ratio:
             cells.append(("  / separate", [f"{r[key] / results['separate'][key]:.2f}" for r in results.values()]))
@@ -276,7 +312,7 @@ def format_table(results: dict[str, dict], settings: Settings) -> str:
     notes += [
         (f"iterations {settings.skip}..{settings.iterations - 1} of {settings.iterations} timed; peak PSS: the "
          "largest sum over the job's processes at one 0.5 s sample; grouped stages: per-process peaks summed"),
-        f"workload: {CONFIG} as shipped, {settings.iterations} iterations",
+        f"workload: {CONFIG} as shipped, {settings.iterations} iterations, placement.device={settings.device}",
     ]
     return "\n".join([*lines, "", *notes])
 
@@ -287,8 +323,17 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     parser.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS),
                         help="run only these (separate always runs: the ratios are against it)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="placement.device of every column (cuda: the CUDA peak row too)")
+    parser.add_argument("--iterations", type=int, help="iterations of each run (default: 10, --quick 3)")
     args = parser.parse_args()
     settings = QUICK if args.quick else FULL
+    if args.iterations is not None:
+        if args.iterations <= settings.skip + 1:
+            parser.error(f"--iterations {args.iterations}: more than {settings.skip + 1} (the first "
+                         f"{settings.skip} are not timed)")
+        settings = replace(settings, iterations=args.iterations)
+    settings = replace(settings, device=args.device)
     prefix = f"bo{uuid.uuid4().hex[:8]}"  # this invocation's shared-memory names
     columns = [c for c in COLUMNS if c == "separate" or c in args.columns]
     try:
@@ -298,10 +343,11 @@ def main() -> None:
     results = {}
     for column in columns:
         started = time.monotonic()
-        progress(f"{column}: {settings.iterations} iterations (runs/bench_offload_{settings.name}{column}.log; "
+        progress(f"{column}: {settings.iterations} iterations (runs/{run_name(column, settings)}.log; "
                  f"load average {os.getloadavg()[0]:.2f})")
+        groups = load_config(RLJobConfig, REPO / CONFIG, overrides[column]).placement.device_groups
         results[column] = analyse(run_column(overrides[column], prefix, SPAWN if column == "spawned" else {}),
-                                  settings.skip)
+                                  settings.skip, groups)
         progress(f"{column}: {results[column]['iteration_s']:.3f} s/iteration, peak PSS "
                  f"{results[column]['peak_pss_mb']:,.0f} MB ({time.monotonic() - started:.0f} s)")
     print(format_table(results, settings))

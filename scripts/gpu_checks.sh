@@ -10,13 +10,14 @@
 #             (not the files of the two parts below)
 #   megatron  tests/test_megatron_cuda.py: the megatron engine on cuda:0 vs the torch engine
 #             (forward, training with the distributed optimizer, offload), every number in the log;
-#             then text_ppo on cuda with both trainers on megatron (tp 1): its summary (time, memory)
+#             then text_ppo on cuda with both trainers on megatron (tp 1): its summary (time, memory);
+#             then 10 iterations of it with the forwards and the trainers on megatron in two device groups
 #   sampler   tests/test_sampler_cuda.py: decode attention and KV cache on cuda:0 vs the CPU and eager
 #   offload   offload policies and device groups on cuda:0: DeviceTurns and the torch engine's round
-#             trip (tests), then the main job on cuda with every stage its own process, with the
-#             forwards and the trainers in two device groups offloading after each step, and the
-#             same with each onload prefetched; the summaries (offload MB and seconds per stage,
-#             prefetches and onload seconds hidden, CUDA peaks) at the end of the log
+#             trip (tests), then bench/offload.py --device cuda on the main job (6 iterations a
+#             column): every stage its own process, the forwards and the trainers in two device
+#             groups offloading after each step (sync), and the same pipelined with each onload
+#             prefetched: iteration time, host PSS, CUDA peaks, MB moved, onload time hidden
 #   kernels   bench/kernels.py: fused log-probs vs eager, bf16, time and peak memory
 #   weights   bench/weight_sync.py: shm, gloo and CUDA IPC vs reloading a file
 #   medusa    bench/medusa.py --device cuda: speculative decoding columns timed on the GPU
@@ -38,23 +39,19 @@ python=${PYTHON:-python3}
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 own_parts=(--ignore=tests/test_megatron_cuda.py --ignore=tests/test_sampler_cuda.py  # run by their parts
            --ignore=tests/test_device_turns.py)
-groups='placement.device_groups={forwards: [ref_forward, critic_forward], trainers: [actor_train, critic_train]}'
-step_offload='placement.stages={ref_forward: {offload: {what: [params]}}, critic_forward: {offload: {what: [params]}},
-  actor_train: {offload: {what: [params, grads, optimizer]}}, critic_train: {offload: {what: [params, grads, optimizer]}}}'
-prefetched='placement.stages={ref_forward: {offload: {what: [params], prefetch: true}},
-  critic_forward: {offload: {what: [params], prefetch: true}},
-  actor_train: {offload: {what: [params, grads, optimizer], prefetch: true}},
-  critic_train: {offload: {what: [params, grads, optimizer], prefetch: true}}}'
-
 offload_jobs() {
     "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_device_turns.py tests/test_torch_engine.py &&
-    "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda --set iterations=6 \
-        --set name=gpu_separate &&
-    "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda --set iterations=6 \
-        --set name=gpu_groups --set "$groups" --set "$step_offload" &&
-    "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda --set iterations=6 \
-        --set name=gpu_prefetch --set "$groups" --set "$prefetched" &&
-    for run in gpu_separate gpu_groups gpu_prefetch; do echo "$run summary:"; cat "runs/$run/summary.json"; echo; done
+    "$python" bench/offload.py --device cuda --iterations 6 --columns separate full_offload pipelined --json
+}
+
+megatron_groups() {  # every model stage on megatron, the forwards and the trainers in two device groups
+    local on_megatron='{backend: megatron}'
+    "$python" -m stream_rlhf.cli run configs/text_ppo.yaml --set placement.device=cuda --set name=gpu_megatron_groups \
+        --set iterations=10 --set 'placement.with_rollout=[]' \
+        --set 'placement.device_groups={forwards: [ref_forward, critic_forward], trainers: [actor_train, critic_train]}' \
+        --set "placement.stages={ref_forward: $on_megatron, critic_forward: $on_megatron, actor_train: $on_megatron,
+               critic_train: $on_megatron}" &&
+    cat runs/gpu_megatron_groups/summary.json
 }
 
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -73,7 +70,7 @@ run_part() {
         megatron) "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_megatron_cuda.py &&
                   "$python" -m stream_rlhf.cli run configs/text_ppo.yaml --set placement.device=cuda --set name=gpu_megatron \
                       --set "placement.stages={actor_train: {backend: megatron}, critic_train: {backend: megatron}}" &&
-                  cat runs/gpu_megatron/summary.json ;;
+                  cat runs/gpu_megatron/summary.json && megatron_groups ;;
         sampler) "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_sampler_cuda.py ;;
         offload) offload_jobs ;;
         kernels) "$python" bench/kernels.py --json ;;

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -36,6 +37,7 @@ def test_groups_and_offloads_cover_the_model_stages_the_job_has():
                                            "critic_train"]))
     assert sets.pop("placement.device_groups") == {"forwards": ["ref_forward", "critic_forward", "reward_forward"],
                                                    "trainers": ["actor_train", "critic_train"]}
+    assert sets.pop("placement.with_rollout") == []  # each group on the train side's cores, whole
     assert sets == {
         "placement.stages.ref_forward.offload": {"what": ["params"], "when": "step"},
         "placement.stages.critic_forward.offload": {"what": ["params"], "when": "step"},
@@ -61,8 +63,10 @@ def test_the_main_jobs_model_stages_follow_its_schedule():
     assert offload.model_stages(sync) == ["actor_forward", "ref_forward", "critic_forward", "reward_forward",
                                           "actor_train", "critic_train"]
     assert offload.column_overrides("separate", offload.QUICK, "px") == [
-        "name=bench_offload_quick_separate", "iterations=3", "broker.shm_prefix=px"]
-    assert offload.column_overrides("spawned", offload.QUICK, "px")[1:] == ["iterations=3", "broker.shm_prefix=px"]
+        "name=bench_offload_quick_separate", "iterations=3", "broker.shm_prefix=px", "placement.device=cpu"]
+    assert offload.run_name("pipelined", replace(offload.FULL, device="cuda")) == "bench_offload_cuda_pipelined"
+    assert offload.column_overrides("spawned", offload.QUICK, "px")[1:] == ["iterations=3", "broker.shm_prefix=px",
+                                                                         "placement.device=cpu"]
 
 
 def memory(per_process: dict[str, float], peak: float) -> dict:
@@ -91,7 +95,9 @@ def test_figures_from_four_runs(tmp_path):
     moved = {stage: {"offload_mb": 10.0, "onload_mb": 8.0, "offload_s": 0.5, "onload_s": 0.25, "onload_hidden_s": 0.2}
              for stage in ("ref_forward", "actor_train")}
     write_run(tmp_path / "pipelined", [9.0, 3.0, 3.0, 3.0], memory(grouped, 1100.0), moved)
-    results = {column: offload.analyse(tmp_path / column, skip=1) for column in offload.COLUMNS}
+    groups = {"forwards": ["ref_forward", "critic_forward"], "trainers": ["actor_train", "critic_train"]}
+    results = {column: offload.analyse(tmp_path / column, skip=1, groups={} if column in ("spawned", "separate")
+                                       else groups) for column in offload.COLUMNS}
     assert results["separate"]["grouped_pss_mb"] == 300 + 300 + 350 + 350 + 50  # every rank of a grouped stage
     assert results["pipelined"]["grouped_pss_mb"] == 320 + 400
     assert results["full_offload"]["iteration_s"] == 4.0  # the first iteration left out
@@ -116,4 +122,14 @@ def test_figures_from_four_runs(tmp_path):
 def test_a_run_without_a_memory_block_is_an_error(tmp_path):
     write_run(tmp_path / "ray", [1.0, 1.0], None)
     with pytest.raises(RuntimeError, match="no memory block"):
-        offload.analyse(tmp_path / "ray", skip=1)
+        offload.analyse(tmp_path / "ray", skip=1, groups={})
+
+
+def test_the_cuda_peak_of_a_job_counts_each_process_once():
+    """Members of a device group report their one process's peak; separate stages add up."""
+    peaks = {"cuda_peak_allocated_mb": {"rollout": 50.0, "ref_forward": 80.0, "critic_forward": 81.0,
+                                        "actor_train": 190.0, "critic_train": 192.0}}
+    groups = {"forwards": ["ref_forward", "critic_forward"], "trainers": ["actor_train", "critic_train"]}
+    assert offload.cuda_peak_mb(peaks, groups) == 50 + 81 + 192
+    assert offload.cuda_peak_mb(peaks, {}) == 50 + 80 + 81 + 190 + 192
+    assert math.isnan(offload.cuda_peak_mb({}, groups))  # on a CPU no stage reports one
