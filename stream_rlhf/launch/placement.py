@@ -112,7 +112,7 @@ class PlacementConfig:
             _check_core_list(f"stages.{stage}.cores", own.cores)
         _check_device_groups(self.device_groups, self.stages)
         if self.mode == "separated":
-            _check_groups_on_one_side(self.device_groups, self.with_rollout)
+            check_groups_on_one_side(self.device_groups, self.with_rollout)
         # fill in the cores left out from this machine's; frozen, so set once here
         rollout, train = split_cores(machine_cores(), self.rollout_cores, self.train_cores)
         object.__setattr__(self, "rollout_cores", rollout)
@@ -234,7 +234,7 @@ def _check_device_groups(groups: dict[str, list[str]], stages: dict[str, StagePl
                               f"so one tp, pp and cp: {', '.join(named)}")
 
 
-def _check_groups_on_one_side(groups: dict[str, list[str]], with_rollout: list[str]) -> None:
+def check_groups_on_one_side(groups: dict[str, list[str]], with_rollout: list[str]) -> None:
     """A device group is one process on one side's cores: with_rollout names all its members or none."""
     for name, members in groups.items():
         moved = [m for m in members if m in with_rollout]

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from stream_rlhf.config import ConfigError
-from stream_rlhf.launch.placement import PlacementConfig
+from stream_rlhf.launch.placement import check_groups_on_one_side
 from stream_rlhf.planner.calibrate import Profile
 from stream_rlhf.planner.simulator import Prediction, simulate
 from stream_rlhf.rl.config import ALL_STAGES, DEVICE_GROUP_STAGES, GROUP_STAGES
@@ -121,8 +121,7 @@ def with_rollout_candidates(stages: Iterable[str]) -> list[Moved]:
 def fits(groups: Groups, moved: Moved) -> bool:
     """The placement's own check (`launch/placement.py`): no device group split between the sides."""
     try:
-        PlacementConfig(mode="separated", device_groups={name: list(members) for name, members in groups.items()},
-                        with_rollout=list(moved))
+        check_groups_on_one_side({name: list(members) for name, members in groups.items()}, list(moved))
     except ConfigError:
         return False
     return True
