@@ -12,9 +12,11 @@ say so when quoting a prediction made from them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass
 
-from stream_rlhf.config import ConfigError
+import yaml
+
+from stream_rlhf.config import ConfigError, build
 
 GB = 1e9
 
@@ -87,19 +89,20 @@ PRESETS = {
 
 def device_figures(spec: str) -> DeviceFigures:
     """`NAME[,key=value...]`: a preset (`PRESETS`) with fields overridden, e.g. "h100,count=8" or
-    "a100,efficiency=0.5,memory_gb=40"; ConfigError naming what is wrong."""
+    "a100,efficiency=0.5,memory_gb=40"; ConfigError naming what is wrong (values are YAML, checked
+    as a config's are)."""
     name, *overrides = [part.strip() for part in spec.split(",")]
     if name not in PRESETS:
         raise ConfigError(f"--device {spec}: {name!r} is not a preset ({', '.join(PRESETS)})")
-    types = {f.name: f.type for f in fields(DeviceFigures) if f.name != "name"}
-    values: dict[str, float | int] = {}
+    values = asdict(PRESETS[name])
     for override in overrides:
         key, _, text = override.partition("=")
-        if key not in types or not text:
-            raise ConfigError(f"--device {spec}: {override!r} is not key=value of {', '.join(types)}")
-        try:
-            values[key] = int(text) if types[key] == "int" else float(text)
-        except ValueError as exc:
-            raise ConfigError(f"--device {spec}: {key}={text!r} is not a number") from exc
-    suffix = "".join(f",{o}" for o in overrides)
-    return replace(PRESETS[name], name=name + suffix, **values)
+        if key == "name" or key not in values or not text:
+            raise ConfigError(f"--device {spec}: {override!r} is not key=value of "
+                              f"{', '.join(k for k in values if k != 'name')}")
+        values[key] = yaml.safe_load(text)
+    values["name"] = name + "".join(f",{o}" for o in overrides)
+    try:
+        return build(DeviceFigures, values)
+    except ConfigError as exc:
+        raise ConfigError(f"--device {spec}: {exc}") from None
