@@ -126,9 +126,11 @@ def main() -> None:
         print(f"{source:<14}" + "".join(f"{c:>26}" for c in cells))
     analytic = {}
     if args.analytic:
-        analytic = {label(runs[run][1]): compare_analytic(args.analytic, args.set, args.response_tokens, run,
-                                                          profiles[run], runs[run][1], runs[run][2])
-                    for run in args.runs}
+        analytic = {}
+        for run in args.runs:
+            own = label(runs[run][1])
+            analytic[own] = compare_analytic(args.analytic, args.set, args.response_tokens, run, profiles[run],
+                                             table[own][own]["predicted_s"], runs[run][1], runs[run][2])
     if args.json:
         print(json.dumps({"placement": args.placement, "table": table, "analytic": analytic,
                           "alone_speedup": {label(runs[run][1]): profile.alone_speedup
@@ -136,16 +138,18 @@ def main() -> None:
 
 
 def compare_analytic(config: str, sets: list[str], response_tokens: float | None, run: Path, calibrated: Profile,
-                     summary: dict, devices: dict[str, str]) -> dict[str, dict[str, float]]:
+                     calibrated_iteration_s: float, summary: dict, devices: dict[str, str]
+                     ) -> dict[str, dict[str, float]]:
     """Per stage: seconds per iteration, analytic vs calibrated on `run` (printed); and the iteration
-    time each profile predicts for the run's schedule."""
+    time each profile predicts for the run's schedule (the calibrated one: the table's own cell,
+    `calibrated_iteration_s`)."""
     schedule = [f"schedule={summary['schedule']}", f"overlap_depth={summary['overlap_depth']}"]
     cfg = load_config(RLJobConfig, config, [*sets, *schedule])
     analytic, device = job_analytic_profile(cfg, preview_plan(cfg).flow, None, response_tokens=response_tokens)
     rows = {stage: {"analytic_s": round(sum(analytic.step_s[stage]), 5), "calibrated_s": round(sum(cost), 5)}
             for stage, cost in calibrated.step_s.items() if stage in analytic.step_s}
     rows["iteration"] = {"analytic_s": round(predict(analytic, summary, devices), 4),
-                         "calibrated_s": round(predict(calibrated, summary, devices), 4),
+                         "calibrated_s": calibrated_iteration_s,
                          "measured_s": round(measured_iteration_s(summary), 4)}
     print(f"\n{label(summary)} ({run}): seconds per iteration, analytic ({device.name}) / calibrated")
     for stage, row in rows.items():
