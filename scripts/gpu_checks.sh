@@ -26,6 +26,9 @@
 #
 # Each part writes OUT_DIR/<part>.log (and its --json figures as the log's last line); one failing
 # part does not stop the others; the exit status is the number of parts that failed.
+# The jobs warm-start their tiny models first (a few hundred SFT steps, minutes on a GPU: launch-bound);
+# carry the warm starts made here (runs/.cache: the tiny-* folders and the shapes-* dataset, found by
+# content wherever the checkout is) to skip that.
 # Wheels in .whl/ (packages the machine lacks, e.g. megatron-core, pyzmq, msgspec: pip download
 # them for its Python) are installed first into /tmp/site, which goes on PYTHONPATH.
 set -uo pipefail

@@ -6,9 +6,10 @@ A random model never earns a reward, so RL would have nothing to reinforce. A fe
 steps on the task's train split (the arithmetic problems, or the JSONL prompts of `data.train`,
 images included) give a policy that sometimes succeeds. A vision-language model trains its vision
 tower here too; RL then keeps it frozen. The result is saved under
-`model.warm_start.cache_dir/<hash>/`, where the hash covers the tiny model, the task and the SFT
-settings: a second run with the same settings loads it in a second. A config with `model.path`
-skips all of this and uses that checkpoint.
+`model.warm_start.cache_dir/<hash>/`, where the hash covers the tiny model, the task, the SFT
+settings and the content of `data.train` (not its path: a cache folder copied to another machine
+or checkout is found there): a second run with the same settings loads it in a second. A config
+with `model.path` skips all of this and uses that checkpoint.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -71,9 +71,8 @@ def _cache_folder(cfg: RLJobConfig) -> tuple[Path, dict]:
         settings["task"] = {k: settings["task"][k] for k in ("name", "max_operand", "seed")}
         if cfg.task.terms != 2:  # (left out at 2, so the warm starts cached before terms existed stay valid)
             settings["task"]["terms"] = cfg.task.terms
-    if cfg.data.train is not None:
-        stat = os.stat(cfg.data.train)
-        settings["data"] = {"train": os.path.abspath(cfg.data.train), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+    if cfg.data.train is not None:  # its content, not its path or time: a copied cache stays valid elsewhere
+        settings["data"] = {"train_sha256": hashlib.sha256(Path(cfg.data.train).read_bytes()).hexdigest(),
                             "min_pixels": cfg.data.min_pixels, "max_pixels": cfg.data.max_pixels}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cfg.model.warm_start.cache_dir) / f"tiny-{key}", settings
