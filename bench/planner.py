@@ -44,6 +44,7 @@ from stream_rlhf.config import load_config
 from stream_rlhf.planner.calibrate import Profile, profile_from_trace
 from stream_rlhf.rl.dataflow import OFF_BOARD
 from stream_rlhf.planner.job_analytic import job_analytic_profile
+from stream_rlhf.planner.job_prediction import planned_on_rollout_cores
 from stream_rlhf.planner.simulator import simulate
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
@@ -63,14 +64,8 @@ def load(run: Path, placement: str) -> tuple[list[dict], dict, dict[str, str]]:
 
 def on_rollout_cores(run: Path) -> set[str]:
     """The stages the run's plan.json put on rollout's cores; `ROLLOUT_SIDE` without cores there."""
-    plan = run / "plan.json"
-    ranks = json.loads(plan.read_text()).get("ranks", []) if plan.is_file() else []
-    cores: dict[str, list[int]] = {}
-    for rank in ranks:
-        cores.setdefault(rank["stage"], rank.get("cores") or [])
-    if not cores.get("rollout"):
-        return set(ROLLOUT_SIDE)
-    return {stage for stage, on in cores.items() if on == cores["rollout"]} | ROLLOUT_SIDE
+    sides = planned_on_rollout_cores(run) or {}
+    return {stage for stage, on in sides.items() if on} | ROLLOUT_SIDE
 
 
 def measured_iteration_s(summary: dict) -> float:

@@ -81,21 +81,26 @@ def job_profile(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> Profile:
 def _check_run_sides(cfg: RLJobConfig, stages: set[str], run_dir: Path) -> None:
     """Refuse a separated run (its plan.json) that put other stages on rollout's cores than `cfg`
     does: the profile reads each stage's device from the config (`on_rollout_cores`)."""
-    plan = run_dir / "plan.json"
-    if cfg.placement.mode != "separated" or not plan.is_file():
-        return
-    cores: dict[str, tuple[int, ...]] = {}
-    for rank in json.loads(plan.read_text()).get("ranks", []):
-        cores.setdefault(rank["stage"], tuple(rank.get("cores") or ()))
-    rollout = cores.get("rollout")
-    if not rollout or len({cores[stage] for stage in stages if stage in cores}) < 2:  # unpinned, or one side
-        return
-    ran = sorted(stage for stage in stages - ROLLOUT_SIDE if stage in cores and cores[stage] == rollout)
-    configured = sorted(stage for stage in stages - ROLLOUT_SIDE if stage in cores and on_rollout_cores(cfg, stage))
+    sides = planned_on_rollout_cores(run_dir)
+    if cfg.placement.mode != "separated" or sides is None or all(sides.get(stage, True) for stage in stages):
+        return  # unknown, unpinned, or every stage on one set of cores
+    ran = sorted(stage for stage in stages - ROLLOUT_SIDE if sides.get(stage))
+    configured = sorted(stage for stage in stages - ROLLOUT_SIDE if stage in sides and on_rollout_cores(cfg, stage))
     if ran != configured:
         raise ConfigError(f"--profile {run_dir}: the run had {ran or 'no stage'} on rollout's cores, this config "
                           f"{configured or 'none'}; calibrate on a run placed as the config is, or give "
                           f"--set '{with_rollout_set(tuple(ran))}' as that run had it")
+
+
+def planned_on_rollout_cores(run_dir: Path) -> dict[str, bool] | None:
+    """Per stage of the run's plan.json, whether its (first) rank had rollout's cores; None without a
+    plan or with rollout not pinned to cores."""
+    plan = run_dir / "plan.json"
+    cores: dict[str, tuple[int, ...]] = {}
+    for rank in json.loads(plan.read_text()).get("ranks", []) if plan.is_file() else []:
+        cores.setdefault(rank["stage"], tuple(rank.get("cores") or ()))
+    rollout = cores.get("rollout")
+    return {stage: on == rollout for stage, on in cores.items()} if rollout else None
 
 
 def buildable_groups(config: str, sets: list[str], stages: set[str]) -> list[dict[str, list[str]]]:
