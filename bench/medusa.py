@@ -55,7 +55,7 @@ from stream_rlhf.config import load_config
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer, stop_token_ids
 from stream_rlhf.models.medusa import MedusaHeads, load_heads
-from stream_rlhf.models.warm_start import warm_start
+from stream_rlhf.driver.warm_start import warm_start
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.job_context import seeded_generator
 

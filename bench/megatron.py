@@ -48,9 +48,9 @@ import torch  # noqa: E402
 from stream_rlhf.algos.losses import policy_loss  # noqa: E402
 from stream_rlhf.backends.optimizer_config import OptimizerConfig  # noqa: E402
 from stream_rlhf.backends.torch_engine import TorchTrainEngine  # noqa: E402
-from stream_rlhf.broker.rank_group import RankGroup, RankSpec  # noqa: E402
-from stream_rlhf.stages.experience import Experience  # noqa: E402
-from stream_rlhf.stages.samples import response_slices  # noqa: E402
+from stream_rlhf.distributed import RankGroup, RankSpec  # noqa: E402
+from stream_rlhf.experience import Experience  # noqa: E402
+from stream_rlhf.samples import response_slices  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_scaling", os.path.join(BENCH, "scaling.py"))
 scaling = importlib.util.module_from_spec(_spec)

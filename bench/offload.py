@@ -69,7 +69,7 @@ from pipeline import assert_nothing_left, mean_iteration_s, progress, run_logged
 
 from stream_rlhf.config import ConfigError, load_config
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import left_out_stages
+from stream_rlhf.driver.dataflow import left_out_stages
 from stream_rlhf.telemetry.memory import CUDA_PEAK
 
 REPO = Path(__file__).resolve().parents[1]

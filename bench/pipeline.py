@@ -93,8 +93,8 @@ from pathlib import Path
 
 from process_tree import process_table, tree  # bench/, beside this script
 
-from stream_rlhf.broker import shm
-from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
+from stream_rlhf.broker.payload import shm
+from stream_rlhf.driver.dataflow import ROLLOUT_SIDE
 from stream_rlhf.telemetry.trace_figures import trace_figures
 from stream_rlhf.weights.shm_store import SHM_ROOT
 

@@ -29,7 +29,7 @@ fit) and the simulator applies it. A target run without actor_forward (overlap_d
 predicted from a profile with it, and the reverse, through `Profile.for_stages`.
 
 Placement: `separated` (the default, bench/pipeline.py's) puts the stages a run had on rollout's
-cores (its plan.json: `ROLLOUT_SIDE` of rl/dataflow.py, prompts and rollout, and the config's
+cores (its plan.json: `ROLLOUT_SIDE` of driver/dataflow.py, prompts and rollout, and the config's
 `placement.with_rollout`; `ROLLOUT_SIDE` alone where the plan names no cores) on one device set
 and every other stage on the other, as the engine placed them.
 """
@@ -42,13 +42,13 @@ from pathlib import Path
 
 from stream_rlhf.config import load_config
 from stream_rlhf.planner.calibrate import Profile, profile_from_trace
-from stream_rlhf.rl.dataflow import OFF_BOARD
+from stream_rlhf.driver.dataflow import OFF_BOARD
 from stream_rlhf.planner.job_analytic import job_analytic_profile
 from stream_rlhf.planner.job_prediction import planned_on_rollout_cores
 from stream_rlhf.planner.simulator import simulate
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
-from stream_rlhf.rl.plan import preview_plan
+from stream_rlhf.driver.dataflow import ROLLOUT_SIDE
+from stream_rlhf.driver.plan import preview_plan
 from stream_rlhf.telemetry.trace_figures import STEADY_SKIP
 
 

@@ -41,9 +41,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from stream_rlhf.algos.losses import policy_loss
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
-from stream_rlhf.broker.rank_group import RankGroup, RankSpec
-from stream_rlhf.stages.experience import Experience
-from stream_rlhf.stages.samples import response_slices
+from stream_rlhf.distributed import RankGroup, RankSpec
+from stream_rlhf.experience import Experience
+from stream_rlhf.samples import response_slices
 
 VOCAB = 128
 FULL = {"hidden": 512, "intermediate": 1376, "layers": 4, "heads": 8, "samples": 64, "length": 128, "steps": 3}

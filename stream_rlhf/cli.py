@@ -113,7 +113,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         job = LocalJob(cfg.topology, cfg.broker, cfg.stages, cfg.admission())
         return _supervise(job, cfg.name, cfg.timeout_s, _BrokerProgress(job))
     from stream_rlhf.rl.config import RLJobConfig
-    from stream_rlhf.rl.driver import RLRun
+    from stream_rlhf.driver.run import RLRun
 
     cfg = load_config(RLJobConfig, args.config, args.set)
     if args.resume:  # a run folder named on the command line: runs_dir and name follow from it
@@ -227,7 +227,7 @@ def _predict(args: argparse.Namespace, flow: Dataflow) -> dict[str, object]:
                                                     describe, describe_device, job_profile, plan_dict)
     from stream_rlhf.planner.search import predict, search, within_memory
     from stream_rlhf.rl.config import RLJobConfig
-    from stream_rlhf.rl.dataflow import device_groups
+    from stream_rlhf.driver.dataflow import device_groups
 
     if is_dataflow_config(args.config):
         raise ConfigError("plan --profile / --search / --device: predictions are for RL job configs")
@@ -262,7 +262,7 @@ def _predict(args: argparse.Namespace, flow: Dataflow) -> dict[str, object]:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
-    from stream_rlhf.broker.server import BrokerServer
+    from stream_rlhf.broker.control.server import BrokerServer
 
     flow = _plan(args, prepare=True).flow
     counters = BrokerServer(flow.topology, flow.broker, flow.admission).serve()
@@ -286,7 +286,7 @@ def _plan(args: argparse.Namespace, prepare: bool) -> JobPlan:
         cfg = load_config(JobConfig, args.config, args.set)
         return JobPlan(cfg.name, Dataflow(cfg.topology, cfg.broker, cfg.stages, cfg.admission()))
     from stream_rlhf.rl.config import RLJobConfig
-    from stream_rlhf.rl.plan import preview_plan
+    from stream_rlhf.driver.plan import preview_plan
 
     cfg = load_config(RLJobConfig, args.config, args.set)
     if prepare:
@@ -296,14 +296,14 @@ def _plan(args: argparse.Namespace, prepare: bool) -> JobPlan:
 
 def _prepare(cfg: RLJobConfig) -> None:
     """Write the dataset and warm-start once (both cached), as `stream-rlhf run` does first."""
-    from stream_rlhf.models.warm_start import warm_start
+    from stream_rlhf.driver.warm_start import warm_start
     from stream_rlhf.rl.task_data import resolve_data
 
     warm_start(resolve_data(cfg))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from stream_rlhf.broker.client import ControlClient
+    from stream_rlhf.broker.control.client import ControlClient
 
     with ControlClient(args.address, args.keys) as client:
         print(json.dumps(client.stats(), indent=2, sort_keys=True))

@@ -16,9 +16,9 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
-from stream_rlhf.broker.admission import OverlapAdmission
-from stream_rlhf.broker.stage import Stage
-from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
+from stream_rlhf.broker.control.admission import OverlapAdmission
+from stream_rlhf.stage import Stage
+from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.config import ConfigError, import_dotted
 from stream_rlhf.launch.spec import StageSpec
 

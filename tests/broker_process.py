@@ -11,8 +11,8 @@ from pathlib import Path
 
 import zmq
 
-from stream_rlhf.broker.client import ControlClient
-from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
+from stream_rlhf.broker.control.client import ControlClient
+from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.launch.local import _broker_main
 
 TOPOLOGY = Topology({"items": TopicConfig(producers=["src"], consumers=["sink"])})

@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
-from stream_rlhf.broker import shm
+from stream_rlhf.broker.payload import shm
 
 
 @pytest.fixture

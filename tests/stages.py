@@ -11,8 +11,8 @@ from typing import TypeVar
 
 import torch
 
-from stream_rlhf.broker import shm
-from stream_rlhf.broker.stage import Batch, Output, Stage, StepAborted
+from stream_rlhf.broker.payload import shm
+from stream_rlhf.stage import Batch, Output, Stage, StepAborted
 
 T = TypeVar("T")
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from stream_rlhf.broker import sockets
-from stream_rlhf.broker.messages import FieldSpec, Handle, Location
-from stream_rlhf.broker.payload import FRAME_BYTES, ShmTransport
-from stream_rlhf.broker.payload_server import PayloadError
+from stream_rlhf.broker.control.messages import FieldSpec, Handle, Location
+from stream_rlhf.broker.payload.transport import FRAME_BYTES, ShmTransport
+from stream_rlhf.broker.payload.server import PayloadError
 from stream_rlhf.config import ConfigError, build
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.plan import preview_plan
+from stream_rlhf.driver.plan import preview_plan
 from tests.rl_tiny import tiny_job
 
 
@@ -255,10 +255,10 @@ def test_broadcast_groups_meet_through_a_store_instead_of_a_folder():
 def test_a_rank_on_another_host_writes_its_run_folder_and_weights_there(tmp_path):
     """`on_host`: the plan's relocation of a stage spec; the trace and counts folders move with it,
     and stages that meet through one host's weight store are listed to share a host."""
-    from stream_rlhf.rl.plan import on_host
+    from stream_rlhf.driver.plan import on_host
 
     plan = preview_plan(across(tmp_path, node_hosts=True, stage_resources=PINNED))
-    assert plan.run_dir == str((tmp_path / "across").resolve()) and plan.relocate == "stream_rlhf.rl.plan:on_host"
+    assert plan.run_dir == str((tmp_path / "across").resolve()) and plan.relocate == "stream_rlhf.driver.plan:on_host"
     spec = plan.flow.stages["actor_train"]
     moved = on_host(spec, str(tmp_path / "host" / "across"), "/dev/shm/x-weights-h1")
     job = moved.kwargs["job"]
@@ -282,8 +282,8 @@ def test_critic_versions_reach_critic_forward_on_another_host_by_its_own_group(t
 
     from safetensors.torch import load_file
 
-    from stream_rlhf.broker.rank_group import RankGroup
-    from stream_rlhf.broker.stage import StepAborted
+    from stream_rlhf.distributed import RankGroup
+    from stream_rlhf.stage import StepAborted
     from stream_rlhf.stages.critic_weights import CriticRelay, open_critic_sender
     from stream_rlhf.stages.job_context import JobContext
     from stream_rlhf.weights import address_book

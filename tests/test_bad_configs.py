@@ -196,7 +196,7 @@ ONE_CORE = textwrap.dedent("""
     os.sched_setaffinity(0, {core})
     from stream_rlhf.config import ConfigError, load_config
     from stream_rlhf.rl.config import RLJobConfig
-    from stream_rlhf.rl.dataflow import compile_job
+    from stream_rlhf.driver.dataflow import compile_job
     for name, vision in (("mllm_ppo", True), ("text_ppo", False), ("text_grpo", False)):
         cfg = load_config(RLJobConfig, f"configs/{name}.yaml")
         flow = compile_job(cfg, "checkpoint", "weights", vision_language=vision)

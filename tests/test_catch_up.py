@@ -1,5 +1,5 @@
 """At a stop the trainers catch up with each other before any stage is told to shut down
-(`broker/catch_up.py`), driven on the broker's core without sockets."""
+(`broker/control/catch_up.py`), driven on the broker's core without sockets."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from stream_rlhf.broker.messages import Ack, Control, Deliver, Heartbeat, Nack, Request
-from stream_rlhf.broker.topology import CONTROL_STAGE, TopicConfig, Topology
+from stream_rlhf.broker.control.messages import Ack, Control, Deliver, Heartbeat, Nack, Request
+from stream_rlhf.broker.control.topology import CONTROL_STAGE, TopicConfig, Topology
 from stream_rlhf.config import ConfigError
 from tests.test_core import Harness
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stream_rlhf.broker import shm
+from stream_rlhf.broker.payload import shm
 
 pytestmark = pytest.mark.slow
 DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "broker_demo.yaml")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from stream_rlhf.broker.admission import OverlapAdmission
-from stream_rlhf.broker.core import BrokerCore
-from stream_rlhf.broker.host import StageHost
-from stream_rlhf.broker.messages import (
+from stream_rlhf.broker.control.admission import OverlapAdmission
+from stream_rlhf.broker.control.core import BrokerCore
+from stream_rlhf.broker.runtime.host import StageHost
+from stream_rlhf.broker.control.messages import (
     SCHEMA_VERSION,
     Ack,
     Control,
@@ -22,9 +22,9 @@ from stream_rlhf.broker.messages import (
     Release,
     Request,
 )
-from stream_rlhf.broker.memory_transport import MemoryTransport
-from stream_rlhf.broker.stage import Output, Stage
-from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
+from stream_rlhf.broker.payload.memory_transport import MemoryTransport
+from stream_rlhf.stage import Output, Stage
+from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.config import ConfigError
 
 TOPOLOGY = Topology({

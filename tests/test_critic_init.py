@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from stream_rlhf.broker.admission import OverlapAdmission
-from stream_rlhf.broker.messages import Handle
+from stream_rlhf.broker.control.admission import OverlapAdmission
+from stream_rlhf.broker.control.messages import Handle
 from stream_rlhf.config import ConfigError, build
 from stream_rlhf.models.checkpoint import build_tiny, load_critic_from_reward_model, save_checkpoint
 from stream_rlhf.models.model_config import TinyModelConfig

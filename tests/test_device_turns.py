@@ -13,9 +13,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
-from stream_rlhf.broker.messages import Handle
-from stream_rlhf.broker.rank_group import RankGroup
-from stream_rlhf.broker.stage import Batch, DeviceState, Stage
+from stream_rlhf.broker.control.messages import Handle
+from stream_rlhf.distributed import RankGroup
+from stream_rlhf.stage import Batch, DeviceState, Stage
 from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.device_turns import DeviceTurns
 from stream_rlhf.weights.offload_config import OffloadPolicy

@@ -19,8 +19,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stream_rlhf.broker.client import ControlClient
-from stream_rlhf.broker.messages import (
+from stream_rlhf.broker.control.client import ControlClient
+from stream_rlhf.broker.control.messages import (
     PID_MAX,
     SCHEMA_VERSION,
     Ack,
@@ -42,8 +42,8 @@ from stream_rlhf.broker.messages import (
     decode,
     encode,
 )
-from stream_rlhf.broker.shm import host_id
-from stream_rlhf.broker.topology import BrokerConfig
+from stream_rlhf.broker.payload.shm import host_id
+from stream_rlhf.broker.control.topology import BrokerConfig
 from tests.broker_process import broker_process, raw_dealer
 from tests.test_messages import MESSAGES
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from stream_rlhf.broker.inprocess import InProcessBus
-from stream_rlhf.broker.stage import Batch, Output, Stage
+from stream_rlhf.broker.runtime.inprocess import InProcessBus
+from stream_rlhf.stage import Batch, Output, Stage
 from stream_rlhf.config import load_config
 from stream_rlhf.demo.stages import PromptSource, ToyForward, ToyRollout, ToyTrainer
 from stream_rlhf.job import JobConfig
@@ -41,7 +41,7 @@ def test_demo_dataflow_in_process(tmp_path):
 
 
 def test_joined_batch_carries_every_part_field():
-    from stream_rlhf.broker.topology import TopicConfig, Topology
+    from stream_rlhf.broker.control.topology import TopicConfig, Topology
 
     topology = Topology({
         "a": TopicConfig(producers=["src"], consumers=["double"]),

@@ -11,16 +11,16 @@ from transformers import Qwen2ForCausalLM
 
 from stream_rlhf.backends.speculative import generate_speculative
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
-from stream_rlhf.broker.inprocess import InProcessBus
+from stream_rlhf.broker.runtime.inprocess import InProcessBus
 from stream_rlhf.config import build
 from stream_rlhf.data.arithmetic import problems
-from stream_rlhf.launch.spec import load_class
+from stream_rlhf.config import import_dotted
 from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
 from stream_rlhf.models.medusa import MedusaHeads, has_heads, heads_loss, load_heads, save_heads
 from stream_rlhf.models.packing import packed_hidden_states
-from stream_rlhf.models.warm_start import warm_start
+from stream_rlhf.driver.warm_start import warm_start
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import compile_job
+from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.speculation import Speculation
 from stream_rlhf.telemetry.metrics import read_metrics
@@ -69,7 +69,7 @@ def run_medusa_job(tmp_path: Path, name: str, **overrides) -> tuple[RLJobConfig,
     assert "medusa_train" in flow.stages
     bus = InProcessBus(flow.topology, flow.broker, flow.admission)
     for stage_name, spec in flow.stages.items():
-        bus.add(stage_name, load_class(spec.cls)(**spec.kwargs), spec.instances)
+        bus.add(stage_name, import_dotted(spec.cls, "cls")(**spec.kwargs), spec.instances)
     bus.run()
     run_dir = Path(cfg.run_dir)
     return cfg, read_metrics(run_dir / "metrics.jsonl"), read_metrics(run_dir / "medusa_metrics.jsonl")

@@ -61,7 +61,7 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
     from stream_rlhf.backends.megatron.engine import MegatronTrainEngine
     from stream_rlhf.backends.optimizer_config import OptimizerConfig
     from stream_rlhf.backends.torch_engine import TorchTrainEngine
-    from stream_rlhf.broker.rank_group import RankGroup, RankSpec
+    from stream_rlhf.distributed import RankGroup, RankSpec
     from tests.test_torch_engine import _experience, _loss
 
     group = RankGroup.join(RankSpec(rank, world, f"file://{init_file}"))

@@ -174,7 +174,7 @@ def _checks(kind: str, init_file: str, found: dict, save) -> None:
 
         dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init_file}", rank=0, world_size=1)
     from stream_rlhf.backends.optimizer_config import OptimizerConfig
-    from stream_rlhf.broker.rank_group import RankGroup
+    from stream_rlhf.distributed import RankGroup
 
     group = RankGroup.single("cuda:0")  # one rank: join_megatron takes the process group above, or makes one
     optimizer = OptimizerConfig(lr=1e-2, max_grad_norm=0.5)

@@ -61,7 +61,7 @@ def _models():
 def _shared_experience():
     """Three prompts with two samples each (GRPO's groups), so that a forward with `prompt_lens`
     runs each prompt once; responses of 1 to 4 tokens."""
-    from stream_rlhf.stages.experience import Experience
+    from stream_rlhf.experience import Experience
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (3, 5, 2)]
@@ -89,7 +89,7 @@ def _vlm_experience():
 def _vlm_train_experience(sequences: list[torch.Tensor], images: list) -> tuple:
     """The VLM's samples as an Experience with three response tokens each, and their advantages
     (or a critic's returns)."""
-    from stream_rlhf.stages.experience import Experience
+    from stream_rlhf.experience import Experience
 
     exp = Experience(sequences=sequences, prompt_lens=torch.tensor([len(q) - 3 for q in sequences]),
                      mask=torch.ones(3, 3), behavior_logp=-torch.ones(3, 3), old_logp=-torch.ones(3, 3),
@@ -101,7 +101,7 @@ def _vlm_train_experience(sequences: list[torch.Tensor], images: list) -> tuple:
 def _value_loss(engine):
     """The critic stage's value loss: values of the part's sequences (images, shared prompts) as asked."""
     from stream_rlhf.algos.losses import value_loss
-    from stream_rlhf.stages.samples import response_slices
+    from stream_rlhf.samples import response_slices
 
     def loss_fn(part, per_sample):
         values = part.padded(response_slices(engine.values(part.sequences, part.images, part.prompt_lens),
@@ -113,7 +113,7 @@ def _value_loss(engine):
 def _policy_loss(engine):
     """The actor stage's policy loss: log-probs with images and shared prompts as the stage asks."""
     from stream_rlhf.algos.losses import policy_loss
-    from stream_rlhf.stages.samples import response_slices
+    from stream_rlhf.samples import response_slices
 
     def loss_fn(part, per_sample):
         logp, _ = engine.logprobs(part.sequences, 1.0, images=part.images, prompt_lens=part.prompt_lens)
@@ -154,7 +154,7 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
     from stream_rlhf.backends.megatron.engine import MegatronTrainEngine
     from stream_rlhf.backends.optimizer_config import OptimizerConfig
     from stream_rlhf.backends.torch_engine import TorchTrainEngine
-    from stream_rlhf.broker.rank_group import RankGroup, RankSpec
+    from stream_rlhf.distributed import RankGroup, RankSpec
     from stream_rlhf.models.tokenizer import build_tokenizer
     from tests.test_torch_engine import _experience, _loss
 
@@ -243,7 +243,7 @@ def _train_once(group, parallel, optimizer, cases) -> dict[str, float]:
     and weights, and how far the torch engine's weights moved."""
     from stream_rlhf.backends.megatron.engine import MegatronTrainEngine
     from stream_rlhf.backends.torch_engine import TorchTrainEngine
-    from stream_rlhf.broker.rank_group import RankGroup
+    from stream_rlhf.distributed import RankGroup
 
     found = {}
     for case, name, loss_of, part, per_sample in cases:

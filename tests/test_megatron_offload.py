@@ -40,7 +40,7 @@ def _cpu_engine_main(out: str) -> None:
     torch.set_num_threads(1)
     from stream_rlhf.backends.megatron.engine import MegatronTrainEngine
     from stream_rlhf.backends.optimizer_config import OptimizerConfig
-    from stream_rlhf.broker.rank_group import RankGroup
+    from stream_rlhf.distributed import RankGroup
     from tests.test_megatron_engine import _models
     from tests.test_torch_engine import _experience, _loss
 

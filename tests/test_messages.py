@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from stream_rlhf.broker.messages import (
+from stream_rlhf.broker.control.messages import (
     SCHEMA_VERSION,
     Ack,
     Control,

@@ -14,7 +14,7 @@ from stream_rlhf.launch.launcher import make_launcher
 from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.launch.ray_config import RayConfig
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.plan import preview_plan
+from stream_rlhf.driver.plan import preview_plan
 from tests.rl_tiny import VISION, tiny_job, write_job
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,7 +125,7 @@ def test_stage_resources_pin_the_bundles_of_a_stage(tmp_path):
 
 
 def test_processes_on_one_gpu_share_it_out():
-    from stream_rlhf.broker.topology import BrokerConfig, TopicConfig, Topology
+    from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
     from stream_rlhf.launch.plan import Dataflow, JobPlan
     from stream_rlhf.launch.spec import StageSpec
 

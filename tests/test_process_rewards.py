@@ -23,9 +23,9 @@ from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.reward_parts_config import ProcessRewardConfig
 from stream_rlhf.rl.task_data import check_prompts
-from stream_rlhf.stages.experience import Experience
+from stream_rlhf.experience import Experience
 from stream_rlhf.stages.process_reward import ProcessScorer, check_process_reward, separator_id
-from stream_rlhf.stages.samples import Rollout
+from stream_rlhf.samples import Rollout
 
 STEP_RULE = "stream_rlhf.data.arithmetic:step_reward"
 

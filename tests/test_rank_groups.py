@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from stream_rlhf.config import build
-from stream_rlhf.models.warm_start import warm_start
+from stream_rlhf.driver.warm_start import warm_start
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.task_data import resolve_data
 from stream_rlhf.telemetry.metrics import read_metrics

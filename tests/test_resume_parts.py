@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from stream_rlhf.broker.stage import Output
+from stream_rlhf.stage import Output
 from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.prompt_cursor import PromptCursors
 from tests.test_data_prompts import _dataset, _good, _write

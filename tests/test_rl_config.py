@@ -13,7 +13,7 @@ import torch
 
 from stream_rlhf.config import ConfigError, build, load_config
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import compile_job
+from stream_rlhf.driver.dataflow import compile_job
 from tests.rl_tiny import VISION, tiny_job, write_job
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -145,7 +145,7 @@ def test_with_rollout_running_ahead_there_is_no_actor_forward_whose_log_probs_wo
     before training cannot have; actor_train computes those log-probs (never both passes)."""
     cfg = build(RLJobConfig, tiny_job(tmp_path, "k1", overlap_depth=1,
                                       **{"placement.stages": {"actor_forward": {"ranks": 1}}}))
-    with caplog.at_level(logging.INFO, logger="stream_rlhf.rl.dataflow"):
+    with caplog.at_level(logging.INFO, logger="stream_rlhf.driver.dataflow"):
         flow = compile_job(cfg, "c", "w")
     assert "actor_forward" not in flow.stages and "ref_forward" in flow.stages  # the KL still needs the reference
     assert flow.topology.topics["experience"].join == ["rollout", "ref_logp", "reward", "values"]

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stream_rlhf.broker.inprocess import InProcessBus
+from stream_rlhf.broker.runtime.inprocess import InProcessBus
 from stream_rlhf.config import build
-from stream_rlhf.launch.spec import load_class
-from stream_rlhf.models.warm_start import warm_start
-from stream_rlhf.rl import dataflow
+from stream_rlhf.config import import_dotted
+from stream_rlhf.driver.warm_start import warm_start
+from stream_rlhf.driver import dataflow
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import compile_job
+from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job
 
@@ -30,7 +30,7 @@ def run_inprocess(tmp_path: Path, name: str, every_forward: bool = False, **over
         flow = compile_job(cfg, str(warm_start(cfg)), str(tmp_path / f"{name}-weights"))
     bus = InProcessBus(flow.topology, flow.broker, flow.admission)
     for stage_name, spec in flow.stages.items():
-        bus.add(stage_name, load_class(spec.cls)(**spec.kwargs), spec.instances)
+        bus.add(stage_name, import_dotted(spec.cls, "cls")(**spec.kwargs), spec.instances)
     stats = bus.run()
     assert stats["published.experience"] == cfg.iterations * cfg.rollout_batch.minibatches
     return cfg, read_metrics(Path(cfg.run_dir) / "metrics.jsonl")

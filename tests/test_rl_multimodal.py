@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from stream_rlhf.broker.inprocess import InProcessBus
+from stream_rlhf.broker.runtime.inprocess import InProcessBus
 from stream_rlhf.config import build
-from stream_rlhf.launch.spec import load_class
+from stream_rlhf.config import import_dotted
 from stream_rlhf.models.tokenizer import build_tokenizer
-from stream_rlhf.models.warm_start import warm_start
+from stream_rlhf.driver.warm_start import warm_start
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import compile_job
+from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.rl.task_data import resolve_data
 from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_details
@@ -36,7 +36,7 @@ def run_multimodal(tmp_path: Path, name: str, **overrides) -> tuple[RLJobConfig,
     flow = compile_job(cfg, str(warm_start(cfg)), str(tmp_path / f"{name}-weights"), vision_language=True)
     bus = InProcessBus(flow.topology, flow.broker, flow.admission)
     for stage_name, spec in flow.stages.items():
-        bus.add(stage_name, load_class(spec.cls)(**spec.kwargs), spec.instances)
+        bus.add(stage_name, import_dotted(spec.cls, "cls")(**spec.kwargs), spec.instances)
     stats = bus.run()
     assert stats["published.experience"] == cfg.iterations * cfg.rollout_batch.minibatches
     return cfg, read_metrics(Path(cfg.run_dir) / "metrics.jsonl"), read_stage_counts(Path(cfg.run_dir))

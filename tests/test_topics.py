@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stream_rlhf.stages.samples import Rollout, ragged
+from stream_rlhf.samples import Rollout, ragged
 from stream_rlhf.stages.topics import TOPICS, TopicSchemaError, topic_output
 
 

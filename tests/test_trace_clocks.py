@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from stream_rlhf.broker.topology import TopicConfig, Topology
+from stream_rlhf.broker.control.topology import TopicConfig, Topology
 from stream_rlhf.telemetry.trace import TraceRecorder
 from stream_rlhf.telemetry.trace_clocks import CLOCKS, ClockOffset, HostClocks, measure_offset, read_shifts
 from stream_rlhf.telemetry.trace_merge import merge_trace, topic_sources

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
+from stream_rlhf.driver.dataflow import ROLLOUT_SIDE
 from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.telemetry.trace_figures import clip, steady_window, trace_figures
 from tests.rl_tiny import tiny_job, write_job

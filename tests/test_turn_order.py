@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from stream_rlhf.broker.rank_group import RankGroup, RankSpec
-from stream_rlhf.broker.stage import Stage
+from stream_rlhf.distributed import RankGroup, RankSpec
+from stream_rlhf.stage import Stage
 from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.device_turns import DeviceTurns
 from stream_rlhf.weights.turn_order import TurnOrder, TurnsEnded

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 from stream_rlhf.config import load_config
-from stream_rlhf.models.warm_start import warm_start_folder
+from stream_rlhf.driver.warm_start import warm_start_folder
 from stream_rlhf.rl.config import RLJobConfig
 from tests.bench_run import REPO
 

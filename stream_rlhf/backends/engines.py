@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -19,8 +20,11 @@ from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.backends.train_engine import TrainEngine
-from stream_rlhf.broker.rank_group import RankGroup
-from stream_rlhf.launch.placement import StagePlacement
+from stream_rlhf.distributed import RankGroup
+
+if TYPE_CHECKING:  # the job's config, read here: the launcher's package is above the engines
+    from stream_rlhf.launch.placement import StagePlacement
+    from stream_rlhf.rl.config import RLJobConfig
 
 
 def _torch(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None, own: StagePlacement,
@@ -43,9 +47,9 @@ def _megatron(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | N
 TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {"torch": _torch, "megatron": _megatron}
 
 
-def build_train_engine(config, stage: str, model: nn.Module, group: RankGroup,
+def build_train_engine(config: RLJobConfig, stage: str, model: nn.Module, group: RankGroup,
                        optimizer: OptimizerConfig | None = None) -> TrainEngine:
     """The engine of `stage` (an `RLJobConfig`'s placement says which) holding `model`; trains with
     `optimizer`, forward only without."""
-    own = config.placement.stages.get(stage, StagePlacement())
+    own = config.placement.of(stage)
     return TRAIN_ENGINES[own.backend](model, group, optimizer, own, stage, config.seed, config.precision)

@@ -1,6 +1,6 @@
 """The rollout-engine seam: what the rollout stage asks of a generation backend.
 
-    engine = ROLLOUT_ENGINES[cfg.rollout.backend] -> load_class(...)(job, weights, images, ctx)
+    engine = ROLLOUT_ENGINES[cfg.rollout.backend] -> import_dotted(...)(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)     # Generated: responses, version, metadata
     engine.close()
 
@@ -19,7 +19,7 @@ from typing import Protocol
 from torch import Tensor
 
 from stream_rlhf.backends.torch_rollout import Generation, SamplingParams
-from stream_rlhf.broker.stage import Batch
+from stream_rlhf.stage import Batch
 
 ROLLOUT_ENGINES = {
     "torch": "stream_rlhf.stages.rollout_torch:TorchRolloutEngine",

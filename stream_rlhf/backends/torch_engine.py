@@ -34,12 +34,12 @@ from torch.distributed.tensor import DTensor
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision, autocast
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
-from stream_rlhf.broker.rank_group import RankGroup
-from stream_rlhf.launch.core_lending import govern
+from stream_rlhf.distributed import RankGroup
+from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.models.vision_language import SampleImages
-from stream_rlhf.stages.experience import Experience
+from stream_rlhf.experience import Experience
 from stream_rlhf.weights.shm_store import WeightStore
 
 

@@ -20,9 +20,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from stream_rlhf.broker.rank_group import RankGroup
+from stream_rlhf.distributed import RankGroup
 from stream_rlhf.models.vision_language import SampleImages
-from stream_rlhf.stages.experience import Experience
+from stream_rlhf.experience import Experience
 from stream_rlhf.weights.offload_config import OffloadTarget
 
 Offloadable = OffloadTarget

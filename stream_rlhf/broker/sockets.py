@@ -25,7 +25,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from stream_rlhf.broker.topology import needs_curve
+from stream_rlhf.broker.control.topology import needs_curve
 from stream_rlhf.config import ConfigError
 
 

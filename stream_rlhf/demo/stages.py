@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.stage import Batch, Output, Stage, StageContext
 
 
 class PromptSource(Stage):

@@ -9,7 +9,7 @@ head's log-probs in fp32, `backends/precision.py`). `temperature <= 0` means 1.0
 decoding's log-probs are of the untempered distribution). Labels must lie in [0, V).
 
 Backends (`dispatch.backend_for`):
-    triton  `csrc/triton/fused_logprob.py`: online log-sum-exp over vocabulary tiles, forward and
+    triton  `stream_rlhf/kernels/triton_logprob.py`: online log-sum-exp over vocabulary tiles, forward and
             backward; the hidden-state form never materialises the logits either.
     torch   logits form: a custom autograd Function over slices of rows (forward and backward), so
             it holds one slice's fp32 softmax at a time. Hidden form: a custom
@@ -85,7 +85,7 @@ def logprobs_from_hidden(
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton path (kernels and their math: csrc/triton/fused_logprob.py)
+# Triton path (kernels and their math: stream_rlhf/kernels/triton_logprob.py)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -96,7 +96,7 @@ def _grad_or_none(g: Tensor | None) -> Tensor | None:
 class _TritonLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, inv_temp: float) -> tuple[Tensor, Tensor]:
-        from csrc.triton import fused_logprob
+        from stream_rlhf.kernels import triton_logprob as fused_logprob
 
         logp, ent, lse, ez = fused_logprob.logits_forward(logits, labels, inv_temp, TRITON_LOGITS_BLOCK_V)
         ctx.save_for_backward(logits, labels, lse, ez)
@@ -106,7 +106,7 @@ class _TritonLogits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp: Tensor | None, g_ent: Tensor | None):
-        from csrc.triton import fused_logprob
+        from stream_rlhf.kernels import triton_logprob as fused_logprob
 
         logits, labels, lse, ez = ctx.saved_tensors
         if g_logp is None and g_ent is None:
@@ -121,7 +121,7 @@ class _TritonLogits(torch.autograd.Function):
 class _TritonHidden(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: float) -> tuple[Tensor, Tensor]:
-        from csrc.triton import fused_logprob
+        from stream_rlhf.kernels import triton_logprob as fused_logprob
 
         bt, bv, bk = TRITON_HIDDEN_BLOCKS
         logp, ent, lse, ez = fused_logprob.hidden_forward(hidden, weight, labels, inv_temp, bt, bv, bk)
@@ -132,7 +132,7 @@ class _TritonHidden(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp: Tensor | None, g_ent: Tensor | None):
-        from csrc.triton import fused_logprob
+        from stream_rlhf.kernels import triton_logprob as fused_logprob
 
         hidden, weight, labels, lse, ez = ctx.saved_tensors
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from stream_rlhf.broker.client import ControlClient
-from stream_rlhf.broker.topology import BrokerConfig
+from stream_rlhf.broker.control.client import ControlClient
+from stream_rlhf.broker.control.topology import BrokerConfig
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.launch.spec import StageFailed
 
@@ -29,7 +29,7 @@ STOP_GRACE_S = 15.0
 
 def stop_grace_s(broker: BrokerConfig) -> float:
     """How long after asking the broker to stop a launcher waits before it kills a rank: the
-    trainers' catch-up (`broker/catch_up.py`) and then the drain."""
+    trainers' catch-up (`broker/control/catch_up.py`) and then the drain."""
     return broker.stop_catch_up_s + STOP_GRACE_S
 
 

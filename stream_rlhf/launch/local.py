@@ -6,7 +6,7 @@
     job.stop()
 
 A stage of `ranks` > 1 runs each instance as that many processes, one torch.distributed group
-(`broker/rank_group.py`): rank 0 is the broker client, the others follow it. A rank that dies fails
+(`distributed.py`): rank 0 is the broker client, the others follow it. A rank that dies fails
 the job, or restarts its whole group when the stage has restarts left. The stages of a device group
 (`device_groups`, one instance each) share one process per rank, named after the group
 (`launch/rank.py` run_device_group); it restarts as a whole when every member may restart.
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stream_rlhf.broker.topology import BrokerConfig, Topology
+from stream_rlhf.broker.control.topology import BrokerConfig, Topology
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.launcher import BrokerClient, Watch, stop_grace_s
 from stream_rlhf.launch.rank import run_device_group, run_stage
@@ -49,7 +49,7 @@ def _broker_main(
         os.sched_setaffinity(0, cores)
     if trace_folder is not None:
         trace.start(trace_folder, "broker", "broker")
-    from stream_rlhf.broker.server import BrokerServer
+    from stream_rlhf.broker.control.server import BrokerServer
 
     server = BrokerServer(topology, config, admission)
     address_queue.put(server.address)

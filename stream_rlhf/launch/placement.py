@@ -118,6 +118,10 @@ class PlacementConfig:
         object.__setattr__(self, "rollout_cores", rollout)
         object.__setattr__(self, "train_cores", train)
 
+    def of(self, stage: str) -> StagePlacement:
+        """`stage`'s own placement: its entry in `stages`, or the defaults."""
+        return self.stages.get(stage, StagePlacement())
+
     def resolved_device(self) -> Literal["cpu", "cuda"]:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,7 +145,7 @@ class RankPlacement:
 
 def stage_ranks(placement: PlacementConfig, stage: str, rollout_side: bool, uses_device: bool) -> list[RankPlacement]:
     """The ranks of `stage` (`uses_device`: it holds a torch model that can live on a GPU)."""
-    own = placement.stages.get(stage, StagePlacement())
+    own = placement.of(stage)
     cores = own.cores or placement.mode_cores(rollout_side)
     key = f"placement.stages.{stage}"
     on_cuda = uses_device and placement.resolved_device() == "cuda"

@@ -1,6 +1,6 @@
 """The job plan: a config compiled once, in the driver, into everything a launcher carries out.
 
-    plan = compile_plan(cfg, ...)     # rl/plan.py for RL jobs; dataflow configs wrap their Dataflow
+    plan = compile_plan(cfg, ...)     # driver/plan.py for RL jobs; dataflow configs wrap their Dataflow
     print(plan.describe())            # which stage on which node, cores and device; what was left out
     json.dumps(plan.as_dict())        # the same, for tools (`stream-rlhf plan CONFIG --json`)
     launcher = make_launcher(plan)    # launch/launcher.py: local processes or Ray actors
@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from stream_rlhf.broker.admission import OverlapAdmission, PhaseAdmission
+from stream_rlhf.broker.control.admission import OverlapAdmission, PhaseAdmission
 from stream_rlhf.broker.sockets import CurveKeys
-from stream_rlhf.broker.topology import BrokerConfig, Topology
+from stream_rlhf.broker.control.topology import BrokerConfig, Topology
 from stream_rlhf.launch.placement import machine_cores
 from stream_rlhf.launch.ray_config import RayConfig
 from stream_rlhf.launch.spec import StageSpec

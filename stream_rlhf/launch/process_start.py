@@ -10,7 +10,7 @@ multiprocessing's fork server, a fresh single-threaded process that imported the
 runs nothing else, the processes share those pages copy-on-write: ~90 MB of PSS each, 20 MB
 private, and they start faster. The fork server starts no threads and touches no CUDA, so forking
 it is safe where forking the launcher (threads, sockets) would not be; it ignores Ctrl-C and exits
-when the launcher does, which sends every stage SIGTERM (`spec.child_signals`): multiprocessing
+when the launcher does, which sends every stage SIGTERM (`child_process.child_signals`): multiprocessing
 hands each forked process the launcher's end of the pipe the server watches for that, which would
 keep the server (and so the stages) alive after a killed launcher, so `in_child` closes it. Where there is no
 fork server (not Linux, or `STREAM_RLHF_START=spawn`), processes are spawned as before.
@@ -31,7 +31,8 @@ from collections.abc import Callable
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 
-from stream_rlhf.launch.spec import child_signals, setup_logging
+from stream_rlhf.child_process import child_signals
+from stream_rlhf.launch.spec import setup_logging
 
 PRELOAD = ["torch", "numpy", "zmq", "msgspec", "safetensors.torch", "transformers",
            "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen2_vl.modeling_qwen2_vl"]

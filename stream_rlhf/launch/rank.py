@@ -3,7 +3,7 @@
     run_stage("rollout", "rollout-0", spec, "tcp://127.0.0.1:5555", key_dir=None, prefix="srlhf")
 
 Rank 0 attaches to the broker; the others follow it through their torch.distributed group
-(`broker/rank_group.py`). The local launcher calls it in a spawned process, the Ray launcher in an
+(`distributed.py`). The local launcher calls it in a spawned process, the Ray launcher in an
 actor, `stream-rlhf stage` in the command's own process.
 
     run_device_group("forwards", 0, {"ref_forward": spec, "critic_forward": spec2}, address, None, "srlhf")
@@ -22,17 +22,18 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
-from stream_rlhf.broker.stage import Batch
+from stream_rlhf.stage import Batch
 from stream_rlhf.config import ConfigError
-from stream_rlhf.launch.spec import StageSpec, load_class
+from stream_rlhf.config import import_dotted
+from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.device_turns import DeviceTurns
 from stream_rlhf.weights.turn_order import TurnOrder
 
 if TYPE_CHECKING:
-    from stream_rlhf.broker.rank_group import RankGroup
-    from stream_rlhf.launch.core_lending import ThreadGovernor
+    from stream_rlhf.distributed import RankGroup
+    from stream_rlhf.backends.core_lending import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +43,11 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
     """Build the stage from its spec and run rank `rank` of the instance until it stops: rank 0
     attached to the broker at `address`, the others following it (`init_method`: the group's
     rendezvous URL, with `spec.ranks` > 1)."""
-    from stream_rlhf.broker.group_follower import GroupFollower
-    from stream_rlhf.broker.payload import ShmTransport
-    from stream_rlhf.broker.rank_group import RankGroup, RankSpec
-    from stream_rlhf.broker.runner import StageRunner
-    from stream_rlhf.launch.core_lending import ThreadGovernor
+    from stream_rlhf.broker.runtime.group_follower import GroupFollower
+    from stream_rlhf.broker.payload.transport import ShmTransport
+    from stream_rlhf.distributed import RankGroup, RankSpec
+    from stream_rlhf.broker.runtime.runner import StageRunner
+    from stream_rlhf.backends.core_lending import ThreadGovernor
 
     if not 0 <= rank < spec.ranks:
         raise ConfigError(f"rank={rank}: {instance_id} has ranks 0..{spec.ranks - 1}")
@@ -58,7 +59,7 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
     group = RankGroup.join(RankSpec(rank, spec.ranks, init_method, spec.device(rank), spec.group_timeout_s))
     log.info("%s: rank %d of %d on %s", instance_id, rank, spec.ranks, spec.device(rank))
     try:
-        stage = load_class(spec.cls)(**spec.kwargs)
+        stage = import_dotted(spec.cls, "cls")(**spec.kwargs)
         # on CUDA every stage takes its (uncontended) turns, which report its peak device memory
         on_cuda = spec.device(rank).startswith("cuda")
         turns = DeviceTurns(spec.last_minibatch) if spec.offload is not None or on_cuda else None
@@ -97,10 +98,10 @@ def run_device_group(group_name: str, index: int, members: dict[str, StageSpec],
     own, and every rank takes its turns in rank 0's order (`weights/turn_order.py`). Returns once
     every member stopped; the first member that failed stops the others at once and its error is
     raised."""
-    from stream_rlhf.broker.group_follower import GroupFollower
-    from stream_rlhf.broker.payload import ShmTransport
-    from stream_rlhf.broker.rank_group import RankGroup, RankSpec
-    from stream_rlhf.broker.runner import StageRunner
+    from stream_rlhf.broker.runtime.group_follower import GroupFollower
+    from stream_rlhf.broker.payload.transport import ShmTransport
+    from stream_rlhf.distributed import RankGroup, RankSpec
+    from stream_rlhf.broker.runtime.runner import StageRunner
 
     first = next(iter(members.values()))
     _pin(first, rank)
@@ -118,7 +119,7 @@ def run_device_group(group_name: str, index: int, members: dict[str, StageSpec],
         stops: dict[str, Callable[[], None]] = {}
         for name, spec in members.items():
             instance_id = f"{name}-{index}"
-            stage = load_class(spec.cls)(**spec.kwargs)
+            stage = import_dotted(spec.cls, "cls")(**spec.kwargs)
             step_context, setup_context = _contexts(turns, name)
             if rank == 0:
                 runner = StageRunner(stage, name, instance_id, address, key_dir, prefetch=spec.prefetch,
@@ -144,7 +145,7 @@ def _subgroup(world: RankGroup) -> RankGroup:
     member's collectives never queue behind another's."""
     import torch.distributed as dist
 
-    from stream_rlhf.broker.rank_group import RankGroup
+    from stream_rlhf.distributed import RankGroup
 
     if not world.distributed:
         return RankGroup.single(world.device)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from stream_rlhf.broker.shm import host_id
+from stream_rlhf.broker.payload.shm import host_id
 from stream_rlhf.broker.sockets import CurveKeys, private_key_dir
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.launch.spec import StageSpec, setup_logging
@@ -50,8 +50,8 @@ class BrokerActor(_Worker):
         and then serve the weight-sync groups' address book there too. Returns both addresses."""
         import ray
 
-        from stream_rlhf.broker.server import BrokerServer
-        from stream_rlhf.broker.topology import CurveConfig
+        from stream_rlhf.broker.control.server import BrokerServer
+        from stream_rlhf.broker.control.topology import CurveConfig
         from stream_rlhf.telemetry import trace
         from stream_rlhf.weights.address_book import host_book
 

@@ -46,7 +46,8 @@ from typing import Any
 
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.launch.run_files import FileChange, FolderMirror, apply_changes
-from stream_rlhf.launch.spec import StageSpec, load_class
+from stream_rlhf.config import import_dotted
+from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.resume.store import FOLDER as CHECKPOINTS, recorded_store
 from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.trace_clocks import HostClocks, measure_offset
@@ -118,7 +119,7 @@ class RayHosts:
                        counts_dir=_moved(spec.counts_dir, driver_run, run_dir))
         if self.plan.relocate is None:
             return spec
-        return load_class(self.plan.relocate)(spec, run_dir, self.weight_roots[host])
+        return import_dotted(self.plan.relocate, "relocate")(spec, run_dir, self.weight_roots[host])
 
     def trace_folder(self, folder: str | None, node: str, host: str) -> str | None:
         """The broker's trace folder on `host`."""

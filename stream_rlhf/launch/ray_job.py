@@ -21,7 +21,7 @@ private folder of its own; a plan across hosts without keys is refused before an
 Each rank's host id (`STREAM_RLHF_HOST_ID`) is its machine's, or with `ray.node_hosts` its node's:
 a consumer on another host than its producer fetches the payload from the producer's payload
 server over TCP, and rollout and the critic forward get their weights by broadcast groups
-(`rl/plan.py`), which meet through an address book the broker's actor serves on its node
+(`driver/plan.py`), which meet through an address book the broker's actor serves on its node
 (`weights/address_book.py`, handed to every rank). A rank on another host than the driver's
 writes into a run folder and a weight root of its host, shipped into the driver's run folder
 while it runs and in full at the end (`ray_hosts.py`). Stages that still meet through one host's
@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from stream_rlhf.broker.shm import host_id
+from stream_rlhf.broker.payload.shm import host_id
 from stream_rlhf.broker.sockets import CurveKeys
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.launcher import BrokerClient, Watch, stop_grace_s
@@ -64,7 +64,7 @@ class RayJob(BrokerClient):
         if plan.spans_hosts and plan.keys is None:
             raise ConfigError(f"job {plan.name}: its plan spans hosts (ray.address={plan.ray.address!r}, "
                               f"ray.node_hosts={plan.ray.node_hosts}) but carries no CURVE keys: the broker and "
-                              "the payload servers would take any client (compile it with rl/plan.py's "
+                              "the payload servers would take any client (compile it with driver/plan.py's "
                               "compile_plan, which makes them)")
         self.plan = plan
         curve = plan.flow.broker.curve

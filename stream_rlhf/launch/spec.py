@@ -1,16 +1,14 @@
-"""What every launcher shares: a stage's spec, how its class loads, a child process's signals.
+"""What every launcher shares: a stage's spec, its logging, how a failed stage restarts.
 
     spec = StageSpec("stream_rlhf.stages.rollout:RolloutStage", instances=2, kwargs={"job": job})
-    stage = load_class(spec.cls)(**spec.kwargs)
+    stage = import_dotted(spec.cls, "cls")(**spec.kwargs)
 
-The job, the dataflow, the stages and the vLLM server import this module, never a launcher
-(`local.py`, `ray_job.py`), so none of them pulls in the machinery that starts processes.
+The job and the dataflow import this module, never a launcher (`local.py`, `ray_job.py`), so
+neither pulls in the machinery that starts processes.
 """
 
 from __future__ import annotations
 
-import ctypes
-import importlib
 import logging
 import signal
 import sys
@@ -18,10 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stream_rlhf.config import ConfigError
-from stream_rlhf.launch.core_board import CoreLending
+from stream_rlhf.backends.core_board import CoreLending
 from stream_rlhf.weights.offload_config import OffloadPolicy
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_BACKOFF_S = 0.5
 """The wait before a crashed instance's first restart; it doubles with each further restart."""
 
@@ -90,27 +87,11 @@ class StageFailed(RuntimeError):
     """A stage process exited with an error; its traceback is on stderr above."""
 
 
-def load_class(path: str) -> type:
-    module_name, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"cls={path!r}: cannot load: {exc}") from None
-
 
 def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
 
 
-def child_signals() -> None:
-    """For a child process (the broker, a stage, a rollout's vLLM engine): Ctrl-C reaches the
-    whole process group; the parent alone handles it and stops its children (the launcher
-    through the broker and SIGTERM), so a child never dies half-started. If the parent itself
-    dies (even by SIGKILL), Linux sends the child SIGTERM: no orphans."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def take_restart(restarts_left: dict[str, int], stage: str, spec: StageSpec) -> float | None:

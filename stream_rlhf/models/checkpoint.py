@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -37,7 +38,9 @@ from transformers.utils import logging as hf_logging
 from stream_rlhf.models.model_config import TinyModelConfig
 from stream_rlhf.models.tokenizer import VISION_TOKENS
 from stream_rlhf.models.vision_language import VisionLanguageCritic, load_vision_language_critic
-from stream_rlhf.rl.config import RLJobConfig
+
+if TYPE_CHECKING:  # the job's config, read by load_job_critic only
+    from stream_rlhf.rl.config import RLJobConfig
 
 
 def build_tiny(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:

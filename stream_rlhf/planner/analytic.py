@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from stream_rlhf.planner.calibrate import Profile
 from stream_rlhf.planner.devices import DeviceFigures
-from stream_rlhf.rl.dataflow import ROLLOUT_SIDE
+from stream_rlhf.driver.dataflow import ROLLOUT_SIDE
 
 ADAM_BYTES = 28
 """Bytes an Adam step moves per weight: reads weight, gradient, two moments; writes three (fp32)."""

@@ -19,7 +19,7 @@ so a schedule that overlaps more (or less) than the calibration run is predicted
 slowdowns. A trace whose sides hardly overlapped (sync) cannot show contention: it fits 0.
 
 Core lending (`placement.lend_idle_cores`, `SimStage.alone_speedup`): with `lending`, a stage on
-the core board (every one but `rl/dataflow.py`'s `OFF_BOARD`) that is the only one in a step
+the core board (every one but `driver/dataflow.py`'s `OFF_BOARD`) that is the only one in a step
 computes on the other side's cores too. Each step's share of its exclusive cost spent with no
 other board step running (a) is read off the trace, and per stage the speed-up s of those alone parts is fitted
 after the contention figure, on the costs without contention: a step of own-core cost b lasts
@@ -29,7 +29,7 @@ only where a varies within a position (`MIN_ALONE_SPREAD`: a sync run's trainer 
 steps alone cannot tell its speed-up from its cost); elsewhere it stays 1 and the profile says so
 (`Profile.alone_speedup` lacks the stage). The costs kept are then own-core costs.
 
-A run at overlap_depth >= 1 has no actor_forward (`rl/dataflow.py` `left_out_stages`: actor_train
+A run at overlap_depth >= 1 has no actor_forward (`driver/dataflow.py` `left_out_stages`: actor_train
 computes the proximal log-probs itself, once an iteration); `Profile.for_stages` moves that
 forward's cost into the trainer, or back out, so that a profile of one schedule predicts the
 other's stages.
@@ -50,7 +50,7 @@ from typing import Any, Literal
 from stream_rlhf.planner.graph import SimGraph, SimStage
 from stream_rlhf.planner.memory import NOT_SAMPLED, MemoryProfile
 from stream_rlhf.planner.simulator import contended_fractions
-from stream_rlhf.rl.dataflow import OFF_BOARD
+from stream_rlhf.driver.dataflow import OFF_BOARD
 from stream_rlhf.telemetry.trace_figures import TRAINER, is_leader_step, steady_window
 
 ROLLOUT = "rollout"

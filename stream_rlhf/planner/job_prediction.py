@@ -13,7 +13,7 @@ The profile comes from a finished run of the same job (any schedule, overlap dep
 count; a few iterations are enough: `stream-rlhf run CONFIG --set iterations=4`), placed as the
 config places it now, with a process per stage: its trace gives each stage's cost (`calibrate.py`),
 its summary what each process held (`memory.py`). Its stages' devices are the config's cores
-(`rl/dataflow.py` `on_rollout_cores`: `placement.with_rollout` with rollout when separated; a run
+(`driver/dataflow.py` `on_rollout_cores`: `placement.with_rollout` with rollout when separated; a run
 whose plan.json put other stages on rollout's cores is refused, naming the `--set` line); their
 side for the figures and the sync barriers is the dataflow's (`ROLLOUT_SIDE`). A profile whose
 stages differ from the config's (another algorithm, a stage left out or added) is refused, naming
@@ -43,7 +43,7 @@ from stream_rlhf.planner.search import (Moved, Plan, device_group_candidates, gr
                                         with_rollout_set)
 from stream_rlhf.planner.simulator import Prediction
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, lends_idle_cores, on_rollout_cores
+from stream_rlhf.driver.dataflow import ROLLOUT_SIDE, lends_idle_cores, on_rollout_cores
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ import torch
 from stream_rlhf.atomic_file import write_text_atomically
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
-from stream_rlhf.broker.rank_group import RankGroup
+from stream_rlhf.distributed import RankGroup
 from stream_rlhf.planner.analytic import ModelShape, Workload
 from stream_rlhf.planner.devices import DeviceFigures
 

@@ -11,7 +11,7 @@ stages on rollout's cores the engine runs:
 
     sync             overlap_depth 0 (its barriers already serialise the phases)
     stream           overlap_depth 0 .. max_overlap_depth
-    separated        the rollout side (rl/dataflow.py ROLLOUT_SIDE) on one device set, every other
+    separated        the rollout side (driver/dataflow.py ROLLOUT_SIDE) on one device set, every other
                      stage on the other; steps of the two slow each other by the profile's contention
     colocated        every stage on one device set, one step at a time, no contention
     no groups        a process per stage
@@ -144,7 +144,7 @@ def device_group_candidates(stages: Iterable[str]) -> list[dict[str, list[str]]]
 
 def devices_of(profile: Profile, mode: Mode, with_rollout: Collection[str] = ()) -> dict[str, str]:
     """Stage -> device set under a placement mode; separated, the rollout side and `with_rollout`
-    on rollout's cores (rl/dataflow.py `on_rollout_cores`' rule, for a profile without its config)."""
+    on rollout's cores (driver/dataflow.py `on_rollout_cores`' rule, for a profile without its config)."""
     if mode == "colocated":
         return {stage: "all cores" for stage in profile.step_s}
     rollout_cores = profile.rollout_side | set(with_rollout)

@@ -182,7 +182,7 @@ def _group_peak(members: list[SimStage]) -> float:
 
 
 def trace_event(step: SimStep) -> dict[str, object]:
-    """A step as the trace records one (`broker/host.py`), times in whole microseconds."""
+    """A step as the trace records one (`broker/runtime/host.py`), times in whole microseconds."""
     start, end = round(step.start_s * 1e6), round(step.end_s * 1e6)
     return {"ph": "X", "cat": "step", "name": step.stage, "ts": start, "dur": end - start, "pid": step.stage,
             "tid": "rank 0", "args": {"stage": step.stage, "iteration": step.iteration, "minibatch": step.minibatch}}

@@ -31,7 +31,7 @@ from stream_rlhf.backends.megatron.config import check_model
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision
 from stream_rlhf.backends.rollout_config import RolloutConfig
-from stream_rlhf.broker.topology import BrokerConfig
+from stream_rlhf.broker.control.topology import BrokerConfig
 from stream_rlhf.config import ConfigError
 from stream_rlhf.data.task_config import DataConfig, TaskConfig
 from stream_rlhf.launch.placement import PlacementConfig, StagePlacement, device_group_of

@@ -2,7 +2,7 @@
 
 They are the policy's log-probs for the KL penalty and the proximal log-probs the PPO loss clips
 against: the dataflow has this stage only with overlap_depth 0, where they come from the weights
-training starts from (rl/dataflow.py; with rollout running ahead actor_train computes them
+training starts from (driver/dataflow.py; with rollout running ahead actor_train computes them
 itself). Each output records the version it used as `proximal_version`, and actor_train checks it.
 With several ranks each computes a share of the mini-batch.
 """
@@ -10,11 +10,11 @@ With several ranks each computes a share of the mini-batch.
 from __future__ import annotations
 
 from stream_rlhf.backends.engines import build_train_engine
-from stream_rlhf.broker.stage import Batch, DeviceState, Output, Stage, StageContext
+from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
-from stream_rlhf.stages.samples import Rollout, ragged, response_slices
+from stream_rlhf.samples import Rollout, ragged, response_slices
 from stream_rlhf.stages.topics import topic_output
 from stream_rlhf.weights.shm_store import WeightStore
 

@@ -13,13 +13,13 @@ critic_forward rank) and the forward's leader writes each one it receives into i
 store, where every rank loads it as before (`engine.refresh`); on the trainer's own host the
 version is there already and is not written twice. Every rank asks for the same versions (the
 batches' policy versions, a collective); a drain while waiting aborts the step. A restarted
-critic_forward could not rejoin the group, so the plan gives it no restarts (`rl/plan.py`).
+critic_forward could not rejoin the group, so the plan gives it no restarts (`driver/plan.py`).
 """
 
 from __future__ import annotations
 
-from stream_rlhf.broker.rank_group import RankGroup
-from stream_rlhf.broker.stage import StageContext, StepAborted
+from stream_rlhf.distributed import RankGroup
+from stream_rlhf.stage import StageContext, StepAborted
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.weight_sync import group_backend
 from stream_rlhf.weights.address_book import launcher_book, sender_host

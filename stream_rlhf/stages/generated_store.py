@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from stream_rlhf.broker.stage import Output
+from stream_rlhf.stage import Output
 from stream_rlhf.resume.store import FOLDER, CheckpointStore
 
 NAME = re.compile(r"(\d+)-(\d+)-(\d+)\.pt")

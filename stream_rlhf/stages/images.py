@@ -19,7 +19,7 @@ from torch import Tensor
 
 from stream_rlhf.models.vision_language import SampleImages, encode_images, load_vision_tower
 from stream_rlhf.stages.job_context import JobContext
-from stream_rlhf.stages.samples import ragged, unragged
+from stream_rlhf.samples import ragged, unragged
 from stream_rlhf.telemetry.stage_counts import StageCounts
 
 IMAGE_FIELDS = ("image_grid_thw", "prompt_images", "prompt_images_lens")

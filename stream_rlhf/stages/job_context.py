@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from stream_rlhf.broker.stage import StageContext
+from stream_rlhf.stage import StageContext
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.telemetry.stage_counts import StageCounts

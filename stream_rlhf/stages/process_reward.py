@@ -23,7 +23,7 @@ from stream_rlhf.algos.process_rewards import place_step_rewards, step_ends, ste
 from stream_rlhf.config import ConfigError, import_dotted
 from stream_rlhf.models.packing import pad_right
 from stream_rlhf.rl.reward_parts_config import ProcessRewardConfig
-from stream_rlhf.stages.samples import Rollout
+from stream_rlhf.samples import Rollout
 
 StepFunction = Callable[[str, list[str], str], list[float]]
 KEY = "reward.process"

@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
-from stream_rlhf.launch.spec import load_class
+from stream_rlhf.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.config import import_dotted
 from stream_rlhf.models.checkpoint import load_reward_model, load_tokenizer
 from stream_rlhf.models.packing import pad_right
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.process_reward import ProcessScorer
-from stream_rlhf.stages.samples import Rollout, ragged
+from stream_rlhf.samples import Rollout, ragged
 from stream_rlhf.stages.topics import topic_output
 
 RewardFunction = Callable[[str, str, str], float]
@@ -30,7 +30,7 @@ class Scorer:
     def __init__(self, job: JobContext):
         self.cfg = job.config.reward
         self.tokenizer = load_tokenizer(job.checkpoint)
-        self.function: RewardFunction | None = load_class(self.cfg.function) if self.cfg.function else None
+        self.function: RewardFunction | None = import_dotted(self.cfg.function, "reward.function") if self.cfg.function else None
         self.model = load_reward_model(self.cfg.model_path) if self.cfg.model_path else None
 
     def score(self, rollout: Rollout, references: list[str]) -> torch.Tensor:

@@ -18,13 +18,13 @@ import torch
 
 from stream_rlhf.backends.rollout_engine import ROLLOUT_ENGINES, RolloutEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams
-from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
-from stream_rlhf.launch.spec import load_class
+from stream_rlhf.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.config import import_dotted
 from stream_rlhf.models.checkpoint import load_tokenizer, stop_token_ids
 from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
-from stream_rlhf.stages.samples import Rollout, ragged, unragged
+from stream_rlhf.samples import Rollout, ragged, unragged
 from stream_rlhf.stages.topics import topic_output
 from stream_rlhf.stages.weight_sync import RolloutWeights
 
@@ -44,7 +44,7 @@ class RolloutStage(Stage):
         self.counts = stage_counts(self.job, ctx)
         self.weights = RolloutWeights(self.job, ctx.instance_id)
         images = ImageInputs(self.job, self.counts, ctx.group.device)
-        self.engine: RolloutEngine = load_class(ROLLOUT_ENGINES[cfg.backend])(self.job, self.weights, images, ctx)
+        self.engine: RolloutEngine = import_dotted(ROLLOUT_ENGINES[cfg.backend], "rollout.backend")(self.job, self.weights, images, ctx)
         self.generated = GeneratedStore(self.job.run_dir) if self.job.config.checkpoint.keep_generated else None
 
     def on_weights(self, version: int) -> None:

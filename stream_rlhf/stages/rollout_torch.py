@@ -18,8 +18,8 @@ from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.precision import autocast
 from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
-from stream_rlhf.broker.stage import Batch, StageContext
-from stream_rlhf.launch.core_lending import govern
+from stream_rlhf.stage import Batch, StageContext
+from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator

@@ -33,7 +33,7 @@ from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_client import GenerateAbandoned, VllmClient
 from stream_rlhf.backends.vllm_protocol import Update
 from stream_rlhf.backends.vllm_rollout import VllmOptions
-from stream_rlhf.broker.stage import Batch, StageContext, StepAborted
+from stream_rlhf.stage import Batch, StageContext, StepAborted
 from stream_rlhf.models.checkpoint import max_positions
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, seeded_generator

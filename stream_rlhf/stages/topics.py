@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from stream_rlhf.broker.stage import Output
+from stream_rlhf.stage import Output
 
 Kind = Literal["per_sample", "ragged", "free"]
 INT = (torch.int64,)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stream_rlhf.backends.train_engine import TrainEngine
-from stream_rlhf.broker.rank_group import RankGroup
+from stream_rlhf.distributed import RankGroup
 from stream_rlhf.resume.store import FOLDER, CheckpointStore
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.generated_store import prune_checkpoints

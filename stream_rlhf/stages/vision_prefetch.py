@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from stream_rlhf.broker.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.models.vision_language import encode_images, load_vision_tower
 from stream_rlhf.stages.images import IMAGE_FIELDS
 from stream_rlhf.stages.job_context import JobContext, stage_counts

@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # the config half of this file is read before any model: no t
     from torch import Tensor
     from transformers import PreTrainedTokenizerBase
 
-    from stream_rlhf.broker.stage import Batch
-    from stream_rlhf.stages.experience import Experience
+    from stream_rlhf.stage import Batch
+    from stream_rlhf.experience import Experience
 
 SAMPLES_FILE = "samples.jsonl"
 IMAGE_PATHS = "image_paths"

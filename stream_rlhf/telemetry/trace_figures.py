@@ -7,9 +7,9 @@
 Pure functions over the merged events (`trace_merge.py`). The driver puts them in summary.json and
 bench/pipeline.py reports them, both through `trace_figures`, so the two cannot disagree.
 
-A *step* is an "X" event of category "step" (`broker/host.py`: one call of a stage's `step`,
+A *step* is an "X" event of category "step" (`broker/runtime/host.py`: one call of a stage's `step`,
 payload fetch and publish excluded), with `args.stage` and `args.iteration`. The other ranks of
-a stage group trace their share of each step too (`broker/group_follower.py`, with `args.rank`
+a stage group trace their share of each step too (`broker/runtime/group_follower.py`, with `args.rank`
 > 0, on their own tracks); the figures count a group's step once, by its leader's event. Every
 figure is taken over the steady-state window W = [lo, hi], with steps clipped to it:
 

@@ -34,12 +34,14 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stream_rlhf.atomic_file import write_text_atomically
-from stream_rlhf.broker.topology import Topology
 from stream_rlhf.telemetry.trace_clocks import read_shifts
 from stream_rlhf.telemetry.trace_figures import TRAINER, is_leader_step
+
+if TYPE_CHECKING:  # the broker's graph, read only: the broker itself writes traces
+    from stream_rlhf.broker.control.topology import Topology
 
 BROKER = "broker"
 OTHER_THREADS = 1000

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stream_rlhf.broker.stage import Batch, Stage
+from stream_rlhf.stage import Batch, Stage
 from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.memory import CUDA_PEAK, cuda_peak_mb
 from stream_rlhf.telemetry.stage_counts import StageCounts

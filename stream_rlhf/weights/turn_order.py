@@ -25,7 +25,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from stream_rlhf.broker.rank_group import RankGroup
+from stream_rlhf.distributed import RankGroup
 
 log = logging.getLogger(__name__)
 END = -1

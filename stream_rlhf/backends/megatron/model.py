@@ -27,7 +27,7 @@ from stream_rlhf.backends.megatron.arch_qwen2_vl import QWEN2_VL, QWEN2_VL_CRITI
 from stream_rlhf.backends.megatron.config import MegatronConfig
 from stream_rlhf.backends.megatron.shim import apply_shims, seed_model_parallel
 from stream_rlhf.backends.megatron.weights import Architecture, Dims
-from stream_rlhf.broker.rank_group import RankGroup
+from stream_rlhf.distributed import RankGroup
 
 apply_shims()  # before megatron's modules allocate anything
 

@@ -21,7 +21,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig as CoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
-from stream_rlhf.broker.rank_group import RankGroup
+from stream_rlhf.distributed import RankGroup
 
 
 class MegatronOptimizer:

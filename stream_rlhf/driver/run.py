@@ -1,6 +1,6 @@
 """The driver of `stream-rlhf run` for RL configs: everything around the stage processes.
 
-    run = RLRun(cfg)           # RLRun(cfg, resume=True): continue from the last checkpoint (`rl/resume.py`)
+    run = RLRun(cfg)           # RLRun(cfg, resume=True): continue from the last checkpoint (`driver/resume.py`)
     job = run.prepare()        # dataset (cached), warm start (cached), eval before, the plan -> its launcher
     ... supervise the job with run.progress() ...
     run.cleanup()              # always, however the job ended: removes the weight versions
@@ -35,9 +35,9 @@ from stream_rlhf.launch.launcher import Launcher, make_launcher
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import ROLLOUT_SIDE, check_placement
-from stream_rlhf.rl.plan import compile_plan
-from stream_rlhf.rl.resume import Resumed, prepare_resume, read_record, record_start
+from stream_rlhf.driver.dataflow import ROLLOUT_SIDE, check_placement
+from stream_rlhf.driver.plan import compile_plan
+from stream_rlhf.driver.resume import Resumed, prepare_resume, read_record, record_start
 from stream_rlhf.stages.trainer_checkpoint import checkpoint_parts, checkpoint_store
 from stream_rlhf.telemetry.memory import MemorySampler, describe, device_peaks
 from stream_rlhf.telemetry.metrics import MetricsWriter, read_metrics
@@ -90,8 +90,8 @@ class RLRun:
 
     def prepare(self) -> Launcher:
         from stream_rlhf.models.checkpoint import is_vision_language
-        from stream_rlhf.models.warm_start import warm_start
-        from stream_rlhf.rl.evaluate import evaluate
+        from stream_rlhf.driver.warm_start import warm_start
+        from stream_rlhf.driver.evaluate import evaluate
         from stream_rlhf.rl.task_data import resolve_data
 
         check_placement(self.cfg)  # cores and devices of this machine, before anything costly
@@ -190,7 +190,7 @@ class RLRun:
                      point.folder, point.version, config, self.run_dir)
 
     def finish(self) -> dict[str, Any]:
-        from stream_rlhf.rl.evaluate import evaluate
+        from stream_rlhf.driver.evaluate import evaluate
         from stream_rlhf.telemetry.plots import write_plots
 
         job_s = time.monotonic() - self.job_started

@@ -13,7 +13,7 @@ import uuid
 import zmq
 
 from stream_rlhf.broker import sockets
-from stream_rlhf.broker.messages import (
+from stream_rlhf.broker.control.messages import (
     SCHEMA_VERSION,
     Control,
     ControlOp,
@@ -26,7 +26,7 @@ from stream_rlhf.broker.messages import (
     decode,
     encode,
 )
-from stream_rlhf.broker.topology import CONTROL_STAGE
+from stream_rlhf.broker.control.topology import CONTROL_STAGE
 
 
 class HandshakeError(RuntimeError):

@@ -20,10 +20,10 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
-from stream_rlhf.broker.messages import GroupBatch, GroupMessage, GroupSetup, GroupStop, GroupWeights, Handle
-from stream_rlhf.broker.payload import PayloadTransport
-from stream_rlhf.broker.rank_group import RankGroup
-from stream_rlhf.broker.stage import Batch, Stage, StageContext
+from stream_rlhf.broker.control.messages import GroupBatch, GroupMessage, GroupSetup, GroupStop, GroupWeights, Handle
+from stream_rlhf.broker.payload.transport import PayloadTransport
+from stream_rlhf.distributed import RankGroup
+from stream_rlhf.stage import Batch, Stage, StageContext
 from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from stream_rlhf.rl.task_data import open_prompts
 from stream_rlhf.stages.images import samples_of
 from stream_rlhf.stages.job_context import JobContext, seeded_generator
 from stream_rlhf.stages.reward_forward import Scorer
-from stream_rlhf.stages.samples import Rollout
+from stream_rlhf.samples import Rollout
 
 
 def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from stream_rlhf.launch.plan import Dataflow, JobPlan
 from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.dataflow import compile_job
+from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.weights.shm_store import weights_root
 
@@ -61,7 +61,7 @@ def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_languag
                       f"{cfg.ray.start_timeout_s:g} (checked when the placement group is made); {pinning}")
     plan = JobPlan(cfg.name, flow, cfg.launcher, cfg.ray, checkpoint, checkpoint_ready, dataset, dataset_ready,
                    checks, run_dir=str(Path(cfg.run_dir).resolve()), weights_root=weights,
-                   relocate="stream_rlhf.rl.plan:on_host", same_host=_same_host(cfg, flow.stages))
+                   relocate="stream_rlhf.driver.plan:on_host", same_host=_same_host(cfg, flow.stages))
     if not plan.spans_hosts:
         return plan
     curve = cfg.broker.curve
@@ -140,7 +140,7 @@ def preview_plan(cfg: RLJobConfig) -> JobPlan:
     """The plan the driver would compile for `cfg`, from where it puts the dataset and the warm
     start, without making them."""
     from stream_rlhf.models.checkpoint import is_vision_language
-    from stream_rlhf.models.warm_start import warm_start_folder
+    from stream_rlhf.driver.warm_start import warm_start_folder
     from stream_rlhf.rl.task_data import data_files
 
     cfg, unwritten = data_files(cfg)

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from stream_rlhf.broker import shm
-from stream_rlhf.broker.admission import Admission, AdmitAll
-from stream_rlhf.broker.catch_up import CatchUp
-from stream_rlhf.broker.join import merge_parts
-from stream_rlhf.broker.journal import Journal
-from stream_rlhf.broker.messages import (
+from stream_rlhf.broker.payload import shm
+from stream_rlhf.broker.control.admission import Admission, AdmitAll
+from stream_rlhf.broker.control.catch_up import CatchUp
+from stream_rlhf.broker.control.join import merge_parts
+from stream_rlhf.broker.control.journal import Journal
+from stream_rlhf.broker.control.messages import (
     SCHEMA_VERSION,
     Ack,
     Control,
@@ -53,7 +53,7 @@ from stream_rlhf.broker.messages import (
     Stats,
 )
 from stream_rlhf.broker.ratelog import RateLimitedLog, truncate
-from stream_rlhf.broker.topology import CONTROL_STAGE, BrokerConfig, Topology
+from stream_rlhf.broker.control.topology import CONTROL_STAGE, BrokerConfig, Topology
 
 log = logging.getLogger(__name__)
 

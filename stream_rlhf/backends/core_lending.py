@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from stream_rlhf.launch.core_board import CoreBoard, CoreLending
+from stream_rlhf.backends.core_board import CoreBoard, CoreLending
 
 MIN_PARAMETERS = 4_000_000
 """Smaller models gain nothing from a second thread on the CPU: their ops are too small to split

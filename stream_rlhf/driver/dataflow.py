@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from stream_rlhf.broker.admission import OverlapAdmission, PhaseAdmission
-from stream_rlhf.broker.topology import TopicConfig, Topology
+from stream_rlhf.broker.control.admission import OverlapAdmission, PhaseAdmission
+from stream_rlhf.broker.control.topology import TopicConfig, Topology
 from stream_rlhf.config import ConfigError
-from stream_rlhf.launch.core_board import CoreLending
+from stream_rlhf.backends.core_board import CoreLending
 from stream_rlhf.launch.plan import Dataflow
 from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.launch.placement import RankPlacement, preflight, stage_ranks

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from stream_rlhf.broker.messages import Handle
+from stream_rlhf.broker.control.messages import Handle
 
 
 class Admission(Protocol):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from stream_rlhf.broker.messages import GroupMessage, decode_group, encode
+from stream_rlhf.broker.control.messages import GroupMessage, decode_group, encode
 
 
 @dataclass(frozen=True)

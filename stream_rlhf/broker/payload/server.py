@@ -22,11 +22,11 @@ import zmq
 
 from stream_rlhf.broker import sockets
 from stream_rlhf.broker.connwatch import ConnectionWatch
-from stream_rlhf.broker.messages import FetchReply, FetchRequest, MessageRejected, decode_fetch_request, encode
+from stream_rlhf.broker.control.messages import FetchReply, FetchRequest, MessageRejected, decode_fetch_request, encode
 from stream_rlhf.broker.ratelog import RateLimitedLog, truncate
 
 if TYPE_CHECKING:
-    from stream_rlhf.broker.payload import ShmTransport
+    from stream_rlhf.broker.payload.transport import ShmTransport
 
 log = logging.getLogger(__name__)
 

@@ -26,13 +26,14 @@ import time
 import msgspec
 import zmq
 
-from stream_rlhf.broker import shm, sockets
-from stream_rlhf.broker.admission import Admission
+from stream_rlhf.broker import sockets
+from stream_rlhf.broker.payload import shm
+from stream_rlhf.broker.control.admission import Admission
 from stream_rlhf.broker.connwatch import ConnectionWatch
-from stream_rlhf.broker.core import BrokerCore
-from stream_rlhf.broker.messages import Heartbeat, Message, MessageRejected, decode
-from stream_rlhf.broker.shm import host_id
-from stream_rlhf.broker.topology import CONTROL_STAGE, BrokerConfig, Topology
+from stream_rlhf.broker.control.core import BrokerCore
+from stream_rlhf.broker.control.messages import Heartbeat, Message, MessageRejected, decode
+from stream_rlhf.broker.payload.shm import host_id
+from stream_rlhf.broker.control.topology import CONTROL_STAGE, BrokerConfig, Topology
 from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)

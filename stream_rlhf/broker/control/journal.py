@@ -22,7 +22,7 @@ from typing import Union
 
 import msgspec
 
-from stream_rlhf.broker.messages import Handle
+from stream_rlhf.broker.control.messages import Handle
 
 log = logging.getLogger(__name__)
 

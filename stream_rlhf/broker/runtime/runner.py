@@ -39,9 +39,9 @@ import msgspec
 import zmq
 
 from stream_rlhf.broker import sockets
-from stream_rlhf.broker.client import HandshakeError
-from stream_rlhf.broker.host import StageHost
-from stream_rlhf.broker.messages import (
+from stream_rlhf.broker.control.client import HandshakeError
+from stream_rlhf.broker.runtime.host import StageHost
+from stream_rlhf.broker.control.messages import (
     SCHEMA_VERSION,
     Ack,
     Control,
@@ -64,10 +64,10 @@ from stream_rlhf.broker.messages import (
     Stats,
     decode,
 )
-from stream_rlhf.broker.payload import PayloadTransport, ShmTransport
-from stream_rlhf.broker.rank_group import RankGroup
-from stream_rlhf.broker.shm import host_id
-from stream_rlhf.broker.stage import Batch, Stage, StageContext, StepAborted
+from stream_rlhf.broker.payload.transport import PayloadTransport, ShmTransport
+from stream_rlhf.distributed import RankGroup
+from stream_rlhf.broker.payload.shm import host_id
+from stream_rlhf.stage import Batch, Stage, StageContext, StepAborted
 from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)

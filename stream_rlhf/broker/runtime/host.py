@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
-from stream_rlhf.broker.messages import (
+from stream_rlhf.broker.control.messages import (
     Ack,
     Deliver,
     Handle,
@@ -41,9 +41,9 @@ from stream_rlhf.broker.messages import (
     Release,
     Request,
 )
-from stream_rlhf.broker.payload import PayloadTransport
-from stream_rlhf.broker.payload_server import PayloadError
-from stream_rlhf.broker.stage import Batch, Output, Stage, StepAborted
+from stream_rlhf.broker.payload.transport import PayloadTransport
+from stream_rlhf.broker.payload.server import PayloadError
+from stream_rlhf.stage import Batch, Output, Stage, StepAborted
 from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stream_rlhf.broker.messages import PID_MAX
+from stream_rlhf.broker.control.messages import PID_MAX
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import logging
 import time
 from collections import deque
 
-from stream_rlhf.broker.admission import Admission
-from stream_rlhf.broker.core import BrokerCore
-from stream_rlhf.broker.host import StageHost
-from stream_rlhf.broker.messages import (
+from stream_rlhf.broker.control.admission import Admission
+from stream_rlhf.broker.control.core import BrokerCore
+from stream_rlhf.broker.runtime.host import StageHost
+from stream_rlhf.broker.control.messages import (
     SCHEMA_VERSION,
     Ack,
     Control,
@@ -29,9 +29,9 @@ from stream_rlhf.broker.messages import (
     Release,
     Request,
 )
-from stream_rlhf.broker.memory_transport import MemoryTransport
-from stream_rlhf.broker.stage import Stage, StageContext
-from stream_rlhf.broker.topology import BrokerConfig, Topology
+from stream_rlhf.broker.payload.memory_transport import MemoryTransport
+from stream_rlhf.stage import Stage, StageContext
+from stream_rlhf.broker.control.topology import BrokerConfig, Topology
 
 log = logging.getLogger(__name__)
 

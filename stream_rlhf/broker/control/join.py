@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 
-from stream_rlhf.broker.messages import FieldSpec, Handle
+from stream_rlhf.broker.control.messages import FieldSpec, Handle
 
 
 def merge_parts(join: str, parts: list[Handle]) -> tuple[Handle, int]:

@@ -21,8 +21,8 @@ from typing import Protocol
 
 import torch
 
-from stream_rlhf.broker.messages import ControlOp, Handle, MetadataValue
-from stream_rlhf.broker.rank_group import RankGroup
+from stream_rlhf.broker.control.messages import ControlOp, Handle, MetadataValue
+from stream_rlhf.distributed import RankGroup
 
 
 @dataclass(frozen=True)

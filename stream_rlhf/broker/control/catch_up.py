@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from stream_rlhf.broker.messages import Handle
-from stream_rlhf.broker.topology import Topology
+from stream_rlhf.broker.control.messages import Handle
+from stream_rlhf.broker.control.topology import Topology
 
 
 class CatchUp:

@@ -42,8 +42,9 @@ from typing import Literal, Protocol
 import torch
 import zmq
 
-from stream_rlhf.broker import shm, sockets
-from stream_rlhf.broker.messages import (
+from stream_rlhf.broker import sockets
+from stream_rlhf.broker.payload import shm
+from stream_rlhf.broker.control.messages import (
     FetchRequest,
     FieldAt,
     FieldSpec,
@@ -52,8 +53,8 @@ from stream_rlhf.broker.messages import (
     decode_fetch_reply,
     encode,
 )
-from stream_rlhf.broker.payload_server import GOODBYE, PayloadError, PayloadServer
-from stream_rlhf.broker.shm import host_id
+from stream_rlhf.broker.payload.server import GOODBYE, PayloadError, PayloadServer
+from stream_rlhf.broker.payload.shm import host_id
 from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)

@@ -1,1 +1,0 @@
-"""Triton kernels; each has a PyTorch reference in `stream_rlhf.kernels` and a test comparing the two."""
