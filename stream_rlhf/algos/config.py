@@ -63,7 +63,9 @@ class AlgorithmConfig:
     """gae: the critic's new values are clipped to within this of the values it predicted when the
     iteration's experience was made (the clipped value loss)."""
     is_cap: Annotated[float, Meta(ge=1)] = 2.0
-    """Truncation of the behaviour importance weight (decoupled PPO, overlap_depth >= 1)."""
+    """Decoupled PPO (overlap_depth >= 1): each token's loss is weighted by exp(old_logp -
+    behavior_logp), the proximal over the behaviour policy, truncated to at most is_cap, which
+    bounds how much a token sampled by an older version counts."""
     entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
     """Weight of the entropy bonus in the actor's loss (loss - entropy_coef * entropy); 0: no bonus
     (the entropy is logged either way)."""

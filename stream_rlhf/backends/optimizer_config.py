@@ -13,6 +13,8 @@ from stream_rlhf.config import check_fields
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    """A train engine's AdamW optimizer and gradient clipping."""
+
     lr: Annotated[float, Meta(gt=0)] = 1e-4
     """AdamW's learning rate."""
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0

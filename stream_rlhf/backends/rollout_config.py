@@ -49,6 +49,8 @@ class MedusaConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    """Generation: which engine samples the responses, how many instances, and how it samples."""
+
     backend: Literal["torch", "vllm"] = "torch"
     """`torch`: our KV-cache sampler; `vllm`: a vLLM engine per instance (the `vllm` extra)."""
     instances: Annotated[int, Meta(ge=1)] = 1

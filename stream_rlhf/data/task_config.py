@@ -47,7 +47,9 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """A JSONL prompt dataset in place of the synthetic task's prompts, one object per line:
+    """A JSONL prompt dataset in place of the synthetic task's prompts.
+
+    One object per line:
 
         {"prompt": "<image>how many red?", "images": ["images/1.png"], "answer": "2"}
 

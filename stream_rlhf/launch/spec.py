@@ -27,6 +27,9 @@ RESTART_BACKOFF_S = 0.5
 
 @dataclass(frozen=True)
 class StageSpec:
+    """One stage of a job: its class and arguments, its instances and ranks and where they run (a
+    broker job's `stages.<name>`; the RL dataflow builds them from the RL config)."""
+
     cls: str
     """Stage class as "package.module:ClassName"."""
     instances: Annotated[int, Meta(ge=1)] = 1

@@ -83,7 +83,7 @@ class RolloutBatchConfig:
 
 @dataclass(frozen=True)
 class RLJobConfig:
-    """An RL job (`stream-rlhf run configs/text_ppo.yaml`): the root of the keys in docs/config.md."""
+    """An RL job (`stream-rlhf run configs/text_ppo.yaml`): the top level of its YAML file."""
 
     name: str
     """The run's name: its folder under `runs_dir` (no "/"), which holds metrics, summary, trace,
@@ -135,7 +135,7 @@ class RLJobConfig:
     restarts: dict[str, int] = field(default_factory=dict)
     """Stage -> how often the launcher restarts a crashed instance (stateless stages only: rollout
     and the forwards; redelivery gives the new instance the unfinished mini-batches). A stateless
-    stage left out restarts up to DEFAULT_RESTARTS times (rollout only with weights.transport shm);
+    stage left out restarts up to 2 times (DEFAULT_RESTARTS) (rollout only with weights.transport shm);
     0 turns it off. A crash no restart covers resumes the run (`checkpoint.recoveries`)."""
     precision: Precision = "fp32"
     """Compute precision of the torch train and forward engines and of the torch sampler:
