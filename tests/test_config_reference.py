@@ -16,6 +16,7 @@ from stream_rlhf.config import ConfigError, build, declared_constraints
 from stream_rlhf.config_reference import REGENERATE, field_descriptions, render, sections
 from stream_rlhf.job import JobConfig
 from stream_rlhf.launch.spec import StageSpec
+from stream_rlhf.planner.devices import PRESETS, DeviceFigures
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.reward_parts_config import ProcessRewardConfig
 
@@ -65,6 +66,7 @@ def _example(cls: type, tmp_path: Path) -> object:
         TopicConfig: lambda: TopicConfig(producers=["a"], consumers=["b"]),
         StageSpec: lambda: StageSpec("m:C"),
         ProcessRewardConfig: lambda: ProcessRewardConfig(function="stream_rlhf.data.arithmetic:step_reward"),
+        DeviceFigures: lambda: PRESETS["h100"],
     }
     return examples[cls]() if cls in examples else cls()
 
@@ -84,7 +86,8 @@ def _breaking(meta: object, value: object) -> object:
 
 
 def _constrained_classes() -> list[type]:
-    found = {cls for root in ROOTS for _, cls in sections(root) if declared_constraints(cls)}
+    """The sections of the two job configs, and `plan --device`'s figures, that declare constraints."""
+    found = {cls for root in ROOTS for _, cls in sections(root) if declared_constraints(cls)} | {DeviceFigures}
     return sorted(found, key=lambda cls: cls.__qualname__)
 
 

@@ -46,8 +46,8 @@ class AlgorithmConfig:
     """How advantages are estimated: `gae` (generalised advantage estimation with a learned critic:
     the critic stages run), `grpo` (each response's score normalised over its prompt's group),
     `rloo` (score minus the mean of the other responses to its prompt), `reinforce_pp` (REINFORCE++:
-    discounted returns; whitened over the batch when whiten_advantages). grpo and rloo need rollout_batch.samples_per_prompt
-    >= 2; only gae uses a critic."""
+    discounted returns; whitened over the batch when whiten_advantages). grpo and rloo need
+    rollout_batch.samples_per_prompt >= 2; only gae uses a critic."""
     gamma: Annotated[float, Meta(ge=0, le=1)] = 1.0
     """Discount factor per token of the return (gae, reinforce_pp); 1: no discount, the usual
     choice when the reward sits on the last token."""

@@ -14,8 +14,10 @@ Glossary (the words the code and the metrics use):
 Every section is a frozen dataclass beside the component it configures (`models/model_config.py`,
 `data/task_config.py`, `backends/rollout_config.py`, `algos/config.py`, `rl/reward_parts_config.py`,
 `weights/sync_config.py`, `launch/placement.py`, ...); this file holds the job's own keys and the
-checks that span sections. Unknown keys, wrong types and impossible combinations fail in
-`stream_rlhf.config.build` before any process starts, naming the dotted key and value.
+checks that span sections; `rl/stage_kinds.py` the stages a job may have and what kind each is.
+Unknown keys, wrong types, values outside a field's declared constraint and impossible combinations
+fail in `stream_rlhf.config.build` before any process starts, naming the dotted key and value; every
+key is listed in docs/config.md.
 """
 
 from __future__ import annotations
@@ -135,8 +137,8 @@ class RLJobConfig:
     restarts: dict[str, int] = field(default_factory=dict)
     """Stage -> how often the launcher restarts a crashed instance (stateless stages only: rollout
     and the forwards; redelivery gives the new instance the unfinished mini-batches). A stateless
-    stage left out restarts up to 2 times (DEFAULT_RESTARTS) (rollout only with weights.transport shm);
-    0 turns it off. A crash no restart covers resumes the run (`checkpoint.recoveries`)."""
+    stage left out restarts up to DEFAULT_RESTARTS = 2 times (rollout only with weights.transport
+    shm); 0 turns it off. A crash no restart covers resumes the run (`checkpoint.recoveries`)."""
     precision: Precision = "fp32"
     """Compute precision of the torch train and forward engines and of the torch sampler:
     `fp32`, or `bf16` mixed precision (forwards under bf16 autocast; weights, gradients, optimizer
@@ -187,8 +189,8 @@ class RLJobConfig:
                               f"its weights.transport={self.weights.transport} group; use transport shm")
         for stage, count in self.restarts.items():
             if stage not in STAGE_KINDS or not STAGE_KINDS[stage].restartable:
-                raise ConfigError(f"restarts.{stage}={count}: only {', '.join(stages_where('restartable'))} can restart "
-                                  "(the others hold state a restart would lose)")
+                raise ConfigError(f"restarts.{stage}={count}: only {', '.join(stages_where('restartable'))} can "
+                                  "restart (the others hold state a restart would lose)")
             if count < 0:
                 raise ConfigError(f"restarts.{stage}={count}: must be >= 0")
         self._check_stage_placements()
