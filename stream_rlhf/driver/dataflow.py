@@ -47,13 +47,13 @@ from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.launch.placement import RankPlacement, preflight, stage_ranks
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.rl.stage_kinds import STAGE_KINDS
+from stream_rlhf.rl.stage_kinds import STAGE_KINDS, stages_where
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.telemetry.trace import FOLDER as TRACE_FOLDER
 from stream_rlhf.weights.offload_config import OffloadPolicy, default_group_policy
 
 log = logging.getLogger(__name__)
-ROLLOUT_SIDE = {"prompts", "rollout"}
+ROLLOUT_SIDE = frozenset(stages_where("rollout_side"))
 """Stages placed on `placement.rollout_cores` when separated (with `placement.with_rollout`); the
 rest go on `train_cores`."""
 NO_MODEL = {"prompts", "reward_forward"}

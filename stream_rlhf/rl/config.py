@@ -222,9 +222,10 @@ class RLJobConfig:
 
     def _check_stage_placements(self) -> None:
         for stage in self.placement.with_rollout:
-            if stage not in STAGE_KINDS or stage in ("prompts", "rollout"):
+            if stage not in STAGE_KINDS or STAGE_KINDS[stage].rollout_side:
+                movable = (s for s, kind in STAGE_KINDS.items() if not kind.rollout_side)
                 raise ConfigError(f"placement.with_rollout: {stage!r} is not a stage that could leave the train side "
-                                  f"({', '.join(s for s in STAGE_KINDS if s not in ('prompts', 'rollout'))})")
+                                  f"({', '.join(movable)})")
         samples = self.rollout_batch.samples_per_minibatch * self.rollout_batch.minibatches
         steps = self.algorithm.train_minibatches
         chunk = -(-samples // steps)  # torch.chunk's part size; the last part holds what is left

@@ -35,6 +35,9 @@ class StageKind:
     (`restarts`); the broker redelivers what the old one had unfinished."""
     critic: bool = False
     """It exists only with a critic (`algorithm.advantage: gae`)."""
+    rollout_side: bool = False
+    """It runs on `placement.rollout_cores` when separated, always (others may join it there through
+    `placement.with_rollout`)."""
 
     @property
     def trains(self) -> bool:
@@ -43,11 +46,11 @@ class StageKind:
 
 STAGE_KINDS: dict[str, StageKind] = {
     "prompts": StageKind("stream_rlhf.stages.prompts:PromptSource", "source", groupable=False,
-                         device_group=False, restartable=False),
+                         device_group=False, restartable=False, rollout_side=True),
     "vision_prefetch": StageKind("stream_rlhf.stages.vision_prefetch:VisionPrefetch", "vision", groupable=False,
                                  device_group=False, restartable=True),
     "rollout": StageKind("stream_rlhf.stages.rollout:RolloutStage", "rollout", groupable=False,
-                         device_group=False, restartable=True),
+                         device_group=False, restartable=True, rollout_side=True),
     "ref_forward": StageKind("stream_rlhf.stages.ref_forward:RefForward", "forward", groupable=True,
                              device_group=True, restartable=True),
     "reward_forward": StageKind("stream_rlhf.stages.reward_forward:RewardForward", "forward", groupable=False,
@@ -66,6 +69,7 @@ STAGE_KINDS: dict[str, StageKind] = {
 """Every stage an RL job may have, in dataflow order."""
 
 
-def stages_where(test: Literal["groupable", "device_group", "restartable", "critic", "trains"]) -> list[str]:
+def stages_where(test: Literal["groupable", "device_group", "restartable", "critic", "rollout_side", "trains"]
+                 ) -> list[str]:
     """The stages whose kind has `test` true, in table order (to name them in an error message)."""
     return [name for name, kind in STAGE_KINDS.items() if getattr(kind, test)]
