@@ -46,7 +46,9 @@ class ConfigError(ValueError):
 
 
 def build(cls: type[T], data: Any, prefix: str = "") -> T:
-    """Build dataclass `cls` from plain YAML data, checking every key and type."""
+    """Build dataclass `cls` from plain YAML data, checking every key and type; constructing it runs
+    its `__post_init__`, which checks the declared constraints (`check_fields`) and then those that
+    span fields."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or '<root>'}={data!r}: expected a mapping")
     hints = typing.get_type_hints(cls)
@@ -78,7 +80,7 @@ def check_fields(config: Any) -> None:
 
 
 @functools.cache
-def declared_constraints(cls: type) -> dict[str, Any]:
+def declared_constraints(cls: type) -> dict[str, Meta]:
     """Field name -> the msgspec `Meta` its type declares, for the fields of dataclass `cls` that
     declare one."""
     hints = typing.get_type_hints(cls, include_extras=True)
@@ -90,7 +92,7 @@ def declared_constraints(cls: type) -> dict[str, Any]:
     return found
 
 
-def constraint_text(meta: Any, example: Any = 0) -> str:
+def constraint_text(meta: Meta, example: Any = 0) -> str:
     """The constraint as the error and the reference say it: ">= 1", "in (0, 1]", "a non-empty
     string" (`example`: a value of the field, to word a length)."""
     low = f"[{meta.ge}" if meta.ge is not None else f"({meta.gt}" if meta.gt is not None else None
@@ -106,7 +108,7 @@ def constraint_text(meta: Any, example: Any = 0) -> str:
     return f"at least {meta.min_length} long"
 
 
-def _meta_of(hint: Any) -> Any:
+def _meta_of(hint: Any) -> Meta | None:
     """The `Meta` of an `Annotated[..., Meta(...)]` hint, or of the one inside `X | None`."""
     if typing.get_origin(hint) is Annotated:
         return next((m for m in hint.__metadata__ if isinstance(m, Meta)), None)
@@ -115,7 +117,7 @@ def _meta_of(hint: Any) -> Any:
     return None
 
 
-def _satisfies(meta: Any, value: Any) -> bool:
+def _satisfies(meta: Meta, value: Any) -> bool:
     if meta.min_length is not None and len(value) < meta.min_length:
         return False
     return ((meta.ge is None or value >= meta.ge) and (meta.gt is None or value > meta.gt)

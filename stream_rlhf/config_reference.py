@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from typing import Any, Literal, Union
 
 from stream_rlhf.config import constraint_text, declared_constraints
+from stream_rlhf.job import JobConfig
+from stream_rlhf.rl.config import RLJobConfig
 
 REGENERATE = "python -m stream_rlhf.config_reference > docs/config.md"
 """The command that rewrites docs/config.md."""
@@ -67,9 +69,6 @@ def sections(cls: type, key: str = "") -> Iterator[tuple[str, type]]:
 
 def render() -> str:
     """docs/config.md."""
-    from stream_rlhf.job import JobConfig
-    from stream_rlhf.rl.config import RLJobConfig
-
     lines = [
         "# Config reference",
         "",
