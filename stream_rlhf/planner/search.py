@@ -86,7 +86,7 @@ class Plan:
         for stage, n in self.ranks.items():
             if stage == "rollout" and n > 1:
                 spread.append(f"rollout.instances={n}")
-            elif STAGE_KINDS[stage].groupable and (n > 1 or first):
+            elif stage in STAGE_KINDS and STAGE_KINDS[stage].groupable and (n > 1 or first):
                 spread += [f"placement.stages.{stage}.ranks={n}",
                            f"placement.stages.{stage}.devices=[{', '.join(map(str, range(first, first + n)))}]"]
         return [f"schedule={self.schedule}", f"overlap_depth={self.overlap_depth}", f"placement.mode={self.mode}",
@@ -108,7 +108,7 @@ def with_rollout_candidates(stages: Iterable[str]) -> list[Moved]:
     """The train-side stages tried on rollout's cores (module docstring), those the job has, in
     `STAGE_KINDS` order, each set once, none first."""
     present = set(stages)
-    forwards = {stage for stage in present if STAGE_KINDS[stage].work == "forward"}
+    forwards = {stage for stage, kind in STAGE_KINDS.items() if stage in present and kind.work == "forward"}
     wanted = [set(), {"critic_train"}, {"critic_forward", "critic_train"}, forwards, forwards | {"critic_train"}]
     candidates: list[Moved] = []
     for names in wanted:
