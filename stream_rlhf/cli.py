@@ -45,14 +45,18 @@ if TYPE_CHECKING:
     from stream_rlhf.rl.config import RLJobConfig
 
 log = logging.getLogger("stream_rlhf")
+CONFIG_REFERENCE = ("Every config key, with its type, default, constraint and description: docs/config.md "
+                    "(generated from the config classes by python -m stream_rlhf.config_reference).")
+"""The epilog of `stream-rlhf run --help`."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stream-rlhf", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a job on this machine")
-    run.add_argument("config")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    run = sub.add_parser("run", help="run a job on this machine", epilog=CONFIG_REFERENCE)
+    run.add_argument("config", help="the job's YAML file, e.g. configs/text_ppo.yaml")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, e.g. --set algorithm.kl.coef=0.05 (repeatable)")
     run.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN_DIR",
                      help="continue the run in RUN_DIR (default runs/<name>) from its last complete checkpoint")
     plan = sub.add_parser("plan", help="print the job plan (nothing starts)")

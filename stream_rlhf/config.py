@@ -6,20 +6,35 @@ Every config class is a frozen dataclass whose fields carry type hints; `build(c
 each value against its hint (nested dataclasses, list, dict, Literal, Optional, int/float/str/bool),
 rejects unknown keys, and then runs the class's own `__post_init__` checks, which raise
 ConfigError with their dotted key too.
+
+A field declares its constraint in its type, and its description in the string literal (attribute
+docstring) on the line under it:
+
+    batch_size: Annotated[int, Meta(ge=1)] = 8
+    \"\"\"Samples per optimizer step.\"\"\"
+
+    def __post_init__(self) -> None:
+        check_fields(self)       # every declared constraint: "batch_size=0: must be >= 1"
+        ...                      # then the checks that span fields
+
+`Meta` is msgspec's (bounds ge, gt, le, lt; min_length); `config_reference.py` renders the
+constraints and descriptions into docs/config.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import yaml
+from msgspec import Meta
 
 T = TypeVar("T")
 _YAML11_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
@@ -31,7 +46,9 @@ class ConfigError(ValueError):
 
 
 def build(cls: type[T], data: Any, prefix: str = "") -> T:
-    """Build dataclass `cls` from plain YAML data, checking every key and type."""
+    """Build dataclass `cls` from plain YAML data, checking every key and type; constructing it runs
+    its `__post_init__`, which checks the declared constraints (`check_fields`) and then those that
+    span fields."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or '<root>'}={data!r}: expected a mapping")
     hints = typing.get_type_hints(cls)
@@ -46,6 +63,65 @@ def build(cls: type[T], data: Any, prefix: str = "") -> T:
         raise ConfigError(f"{prefix or '<root>'}: {exc}") from None
     except ConfigError as exc:
         raise ConfigError(_join(prefix, str(exc)) if prefix else str(exc)) from None
+
+
+def check_fields(config: Any) -> None:
+    """Check every field of the dataclass instance `config` against the constraint its type
+    declares (`Annotated[int, Meta(ge=1)]`, also inside `| None`); a ConfigError "name=value: must
+    be >= 1" for the first that fails (`build` puts the section's dotted key in front)."""
+    for name, meta in declared_constraints(type(config)).items():
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r}: must be a finite number")
+        if not _satisfies(meta, value):
+            raise ConfigError(f"{name}={value!r}: must be {constraint_text(meta, value)}")
+
+
+@functools.cache
+def declared_constraints(cls: type) -> dict[str, Meta]:
+    """Field name -> the msgspec `Meta` its type declares, for the fields of dataclass `cls` that
+    declare one."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    found = {}
+    for f in dataclasses.fields(cls):
+        meta = _meta_of(hints[f.name])
+        if meta is not None:
+            found[f.name] = meta
+    return found
+
+
+def constraint_text(meta: Meta, example: Any = 0) -> str:
+    """The constraint as the error and the reference say it: ">= 1", "in (0, 1]", "a non-empty
+    string" (`example`: a value of the field, to word a length)."""
+    low = f"[{meta.ge}" if meta.ge is not None else f"({meta.gt}" if meta.gt is not None else None
+    high = f"{meta.le}]" if meta.le is not None else f"{meta.lt})" if meta.lt is not None else None
+    if low and high:
+        return f"in {low}, {high}"
+    if low:
+        return f">= {meta.ge}" if meta.ge is not None else f"> {meta.gt}"
+    if high:
+        return f"<= {meta.le}" if meta.le is not None else f"< {meta.lt}"
+    if meta.min_length == 1:
+        return "a non-empty string" if isinstance(example, str) else "non-empty"
+    return f"at least {meta.min_length} long"
+
+
+def _meta_of(hint: Any) -> Meta | None:
+    """The `Meta` of an `Annotated[..., Meta(...)]` hint, or of the one inside `X | None`."""
+    if typing.get_origin(hint) is Annotated:
+        return next((m for m in hint.__metadata__ if isinstance(m, Meta)), None)
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return next((m for m in map(_meta_of, typing.get_args(hint)) if m is not None), None)
+    return None
+
+
+def _satisfies(meta: Meta, value: Any) -> bool:
+    if meta.min_length is not None and len(value) < meta.min_length:
+        return False
+    return ((meta.ge is None or value >= meta.ge) and (meta.gt is None or value > meta.gt)
+            and (meta.le is None or value <= meta.le) and (meta.lt is None or value < meta.lt))
 
 
 def load_config(cls: type[T], path: str | Path, overrides: list[str] = ()) -> T:

@@ -15,35 +15,41 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from msgspec import Meta
 
 from stream_rlhf.broker.control.admission import OverlapAdmission
 from stream_rlhf.stage import Stage
 from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
-from stream_rlhf.config import ConfigError, import_dotted
+from stream_rlhf.config import ConfigError, check_fields, import_dotted
 from stream_rlhf.launch.spec import StageSpec
 
 
 @dataclass(frozen=True)
 class JobConfig:
+    """A broker job of hand-written stages (`stream-rlhf run configs/broker_demo.yaml`)."""
+
     name: str
+    """The run's name: its folder under runs/ (no "/")."""
     topics: dict[str, TopicConfig]
+    """Topic name -> its producers, consumers or join parts: the dataflow the broker routes by."""
     stages: dict[str, StageSpec]
+    """Stage name -> its class, instances and kwargs; the names are those the topics use."""
     broker: BrokerConfig = field(default_factory=BrokerConfig)
-    overlap_depth: int = 1
+    """The broker's own settings (`broker`)."""
+    overlap_depth: Annotated[int, Meta(ge=0)] = 1
     """How many policy versions rollout may run ahead of training (0: on-policy)."""
     admission_topics: list[str] = field(default_factory=list)
     """Topics gated by overlap_depth (the prompts that rollout consumes)."""
-    timeout_s: float = 600.0
+    timeout_s: Annotated[float, Meta(gt=0)] = 600.0
     """The run fails if it has not finished by then."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if not self.name or "/" in self.name:
             raise ConfigError(f"name={self.name!r}: a non-empty folder name")
         Topology(self.topics)  # checks producers, consumers and joins
-        if self.overlap_depth < 0:
-            raise ConfigError(f"overlap_depth={self.overlap_depth}: must be >= 0")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s={self.timeout_s}: must be > 0")
         for topic in self.admission_topics:
             if topic not in self.topics:
                 raise ConfigError(f"admission_topics: {topic!r} is not a topic")

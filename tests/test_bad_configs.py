@@ -51,11 +51,11 @@ RL_ROWS = [
     # numbers: NaN, inf and out of range
     (("broker.heartbeat_interval_s=.nan",), "broker.heartbeat_interval_s=nan: must be a finite number"),
     (("actor.lr=.inf",), "actor.lr=inf: must be a finite number"),
-    (("critic.weight_decay=-1",), "critic.weight_decay=-1.0: must be finite and >= 0"),
+    (("critic.weight_decay=-1",), "critic.weight_decay=-1.0: must be >= 0"),
     (("model.tiny.hidden_size=-64",), "model.tiny.hidden_size=-64: must be >= 1"),
     (("rollout.temperature=.nan",), "rollout.temperature=nan: must be a finite number"),
     (("rollout.top_p=1.5",), "rollout.top_p=1.5: must be in (0, 1]"),
-    (("algorithm.clip_low=1.5",), "algorithm.clip_low=1.5: must be < 1"),
+    (("algorithm.clip_low=1.5",), "algorithm.clip_low=1.5: must be in [0, 1)"),
     (("algorithm.gamma=-.inf",), "algorithm.gamma=-inf: must be a finite number"),
     (("algorithm.kl.coef=-0.1",), "algorithm.kl.coef=-0.1: must be >= 0"),
     (("weights.timeout_s=0",), "weights.timeout_s=0.0: must be > 0"),

@@ -80,7 +80,7 @@ def test_moving_nothing_wins_a_tie():
 
 def test_the_candidates_are_the_critic_and_the_forwards_each_once():
     """PPO: none, critic_train, the critic's stages, the four forwards, and those with critic_train
-    (ALL_STAGES order); GRPO (no critic): none and the forwards."""
+    (STAGE_KINDS order); GRPO (no critic): none and the forwards."""
     assert with_rollout_candidates(PPO_STAGES) == [
         (), ("critic_train",), ("critic_forward", "critic_train"),
         ("ref_forward", "reward_forward", "actor_forward", "critic_forward"),

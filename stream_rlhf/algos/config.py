@@ -4,65 +4,84 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+from msgspec import Meta
 
 from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
-from stream_rlhf.config import ConfigError
+from stream_rlhf.config import ConfigError, check_fields
 
 Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 
 
 @dataclass(frozen=True)
 class KLConfig:
+    """The KL(policy || reference) penalty that keeps the policy near the starting checkpoint
+    (`algos/kl.py`); the `ref_forward` stage computes the reference log-probs it needs."""
+
     kind: Literal["k1", "k2", "k3"] = "k1"
+    """The per-token KL estimator: `k1` = logp - ref_logp (unbiased, high variance, can be
+    negative), `k2` = 0.5 * (logp - ref_logp)^2 (low variance, biased), `k3` = exp(d) - d - 1 with
+    d = ref_logp - logp (unbiased, low variance, never negative)."""
     placement: Literal["reward", "loss"] = "reward"
     """`reward`: -coef * KL per token is added to the reward; `loss`: coef * KL is added to the loss."""
-    coef: float = 0.01
-    target: float | None = None
+    coef: Annotated[float, Meta(ge=0)] = 0.01
+    """The KL coefficient (the starting one when `target` is set). 0 with no `target`: no KL
+    penalty, and the job runs without a `ref_forward` stage."""
+    target: Annotated[float, Meta(gt=0)] | None = None
     """Set to make the coefficient adaptive (Ziegler et al.): it moves to keep KL near target."""
-    horizon: int = 10_000
+    horizon: Annotated[int, Meta(ge=1)] = 10_000
+    """Adaptive coefficient only: each update moves it by at most 20% times (samples measured /
+    horizon); larger is slower."""
 
     def __post_init__(self) -> None:
-        if self.coef < 0:
-            raise ConfigError(f"coef={self.coef}: must be >= 0")
-        if self.target is not None and self.target <= 0:
-            raise ConfigError(f"target={self.target}: must be > 0")
-        if self.horizon < 1:
-            raise ConfigError(f"horizon={self.horizon}: must be >= 1")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
+    """The advantage estimator and the PPO loss (`algos/advantages.py`, `algos/losses.py`)."""
+
     advantage: Estimator = "gae"
-    gamma: float = 1.0
-    lam: float = 0.95
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    value_clip: float = 0.2
-    is_cap: float = 2.0
-    """Truncation of the behaviour importance weight (decoupled PPO, overlap_depth >= 1)."""
-    entropy_coef: float = 0.0
+    """How advantages are estimated: `gae` (generalised advantage estimation with a learned critic:
+    the critic stages run), `grpo` (each response's score normalised over its prompt's group),
+    `rloo` (score minus the mean of the other responses to its prompt), `reinforce_pp` (REINFORCE++:
+    discounted returns; whitened over the batch when whiten_advantages). grpo and rloo need
+    rollout_batch.samples_per_prompt >= 2; only gae uses a critic."""
+    gamma: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    """Discount factor per token of the return (gae, reinforce_pp); 1: no discount, the usual
+    choice when the reward sits on the last token."""
+    lam: Annotated[float, Meta(ge=0, le=1)] = 0.95
+    """GAE's lambda (gae only): 1 is the Monte Carlo return (high variance), 0 the one-step TD
+    estimate (biased by the critic)."""
+    clip_low: Annotated[float, Meta(ge=0, lt=1)] = 0.2
+    """PPO's clip below: the probability ratio is clipped at 1 - clip_low."""
+    clip_high: Annotated[float, Meta(ge=0)] = 0.2
+    """PPO's clip above: the ratio is clipped at 1 + clip_high (larger than clip_low: "clip-higher",
+    more room to raise unlikely tokens)."""
+    value_clip: Annotated[float, Meta(ge=0)] = 0.2
+    """gae: the critic's new values are clipped to within this of the values it predicted when the
+    iteration's experience was made (the clipped value loss)."""
+    is_cap: Annotated[float, Meta(ge=1)] = 2.0
+    """Decoupled PPO (overlap_depth >= 1): each token's loss is weighted by exp(old_logp -
+    behavior_logp), the proximal over the behaviour policy, truncated to at most is_cap, which
+    bounds how much a token sampled by an older version counts."""
+    entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
+    """Weight of the entropy bonus in the actor's loss (loss - entropy_coef * entropy); 0: no bonus
+    (the entropy is logged either way)."""
     whiten_advantages: bool = True
     """Whiten over the whole rollout batch (every mini-batch of the iteration)."""
-    ppo_epochs: int = 2
-    train_minibatches: int = 2
+    ppo_epochs: Annotated[int, Meta(ge=1)] = 2
+    """Passes of the actor (and critic) over each iteration's samples."""
+    train_minibatches: Annotated[int, Meta(ge=1)] = 2
     """Optimizer steps per epoch: the iteration's samples are split into this many."""
     kl: KLConfig = field(default_factory=KLConfig)
+    """The KL penalty against the reference model (`algorithm.kl`)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.advantage not in ADVANTAGE_ESTIMATORS:
             raise ConfigError(f"advantage={self.advantage!r}: unknown")
-        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            raise ConfigError(f"gamma={self.gamma}, lam={self.lam}: must be in [0, 1]")
-        if self.ppo_epochs < 1 or self.train_minibatches < 1:
-            raise ConfigError(f"ppo_epochs={self.ppo_epochs}, train_minibatches={self.train_minibatches}: must be >= 1")
-        if self.is_cap < 1:
-            raise ConfigError(f"is_cap={self.is_cap}: must be >= 1")
-        for name in ("clip_low", "clip_high", "value_clip", "entropy_coef"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
-        if self.clip_low >= 1:
-            raise ConfigError(f"clip_low={self.clip_low}: must be < 1 (the ratio's lower bound is 1 - clip_low)")
 
     @property
     def uses_critic(self) -> bool:

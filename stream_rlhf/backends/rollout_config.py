@@ -4,10 +4,12 @@ beside the rollout backends (`torch_rollout.py`, `vllm_rollout.py`, `speculative
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+from msgspec import Meta
 
 from stream_rlhf.backends.vllm_config import VllmConfig
-from stream_rlhf.config import ConfigError
+from stream_rlhf.config import ConfigError, check_fields
 
 
 @dataclass(frozen=True)
@@ -22,52 +24,56 @@ class MedusaConfig:
     """
 
     enabled: bool = False
-    heads: int = 3
-    lr: float = 1e-3
-    max_lag: int = 2
+    """true: rollout speculates with Medusa heads and the `medusa_train` stage trains them (torch
+    backend, text models only)."""
+    heads: Annotated[int, Meta(ge=1)] = 3
+    """Medusa heads: beside the LM head's next token, head k (0-based) proposes the token k + 2
+    places ahead, so one verifying forward can accept up to heads + 1 tokens."""
+    lr: Annotated[float, Meta(gt=0)] = 1e-3
+    """AdamW's learning rate of the heads' training (the warm start's and `medusa_train`'s)."""
+    max_lag: Annotated[int, Meta(ge=0)] = 2
     """Policy versions the heads' backbone may trail rollout's before rollout stops using them."""
     companion: bool = True
     """false: the heads stay as the warm start left them (stale heads, for comparison)."""
-    epochs: int = 1
+    epochs: Annotated[int, Meta(ge=1)] = 1
     """Passes of the heads' training over each iteration's experiences."""
-    warm_start_steps: int = 200
+    warm_start_steps: Annotated[int, Meta(ge=0)] = 200
     """Steps training the heads on the warm-started policy's hidden states (embedded tiny model)."""
-    probe_every: int = 8
+    probe_every: Annotated[int, Meta(ge=1)] = 8
     """Every this many mini-batches rollout decodes one plainly, to compare speeds: speculation
     turns itself off while it is slower than plain decoding, and says so."""
 
     def __post_init__(self) -> None:
-        for name in ("heads", "epochs", "probe_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.max_lag < 0 or self.warm_start_steps < 0:
-            raise ConfigError(f"max_lag={self.max_lag}, warm_start_steps={self.warm_start_steps}: must be >= 0")
-        if self.lr <= 0:
-            raise ConfigError(f"lr={self.lr}: must be > 0")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    """Generation: which engine samples the responses, how many instances, and how it samples."""
+
     backend: Literal["torch", "vllm"] = "torch"
     """`torch`: our KV-cache sampler; `vllm`: a vLLM engine per instance (the `vllm` extra)."""
-    instances: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 6
+    instances: Annotated[int, Meta(ge=1)] = 1
+    """Rollout instances (data parallel): each takes whole mini-batches from the broker, the
+    least-loaded first, and holds a copy of the policy."""
+    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    """Sampling temperature: tokens are drawn from softmax(logits / temperature); 0: greedy. The
+    trainers compute log-probs at this same temperature, so it is part of the objective."""
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p; 1:
+    the whole vocabulary (what backend vllm needs)."""
+    max_new_tokens: Annotated[int, Meta(ge=1)] = 6
+    """The most tokens a response may have; a response that reaches it without a stop token is cut
+    there."""
     stop: list[str] | None = None
     """Tokens that end a response (kept in it); None: the tokenizer's end-of-sequence token."""
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    """Medusa speculative decoding (`rollout.medusa`); off by default."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    """The vLLM engine's settings (`rollout.vllm`), read with backend vllm."""
 
     def __post_init__(self) -> None:
-        if self.instances < 1:
-            raise ConfigError(f"instances={self.instances}: must be >= 1")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        check_fields(self)
         if self.backend == "vllm" and self.top_p < 1:
             # vLLM reports log-probs of the top-p-truncated distribution; the pipeline's behaviour
             # log-probs are under the full tempered one (what the forwards recompute)

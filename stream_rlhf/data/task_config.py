@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from stream_rlhf.config import ConfigError
+from msgspec import Meta
+
+from stream_rlhf.config import ConfigError, check_fields
 
 
 @dataclass(frozen=True)
@@ -22,31 +24,32 @@ class TaskConfig:
     """
 
     name: Literal["arithmetic", "shapes"] = "arithmetic"
-    max_operand: int = 99
+    """Which synthetic task (see above); with `data.train` set, its prompts replace the task's."""
+    max_operand: Annotated[int, Meta(ge=1)] = 99
     """arithmetic: the largest operand."""
-    terms: int = 2
+    terms: Annotated[int, Meta(ge=2)] = 2
     """arithmetic: operands per prompt; > 2 asks for every partial sum (the multi-step task)."""
-    train_prompts: int = 4096
+    train_prompts: Annotated[int, Meta(ge=1)] = 4096
     """shapes: prompts written for the train split (RL and the warm start cycle over them)."""
-    eval_prompts: int = 256
+    eval_prompts: Annotated[int, Meta(ge=1)] = 256
+    """Prompts of the held-out split that the before/after evaluation scores."""
     seed: int = 0
+    """Seed of the generated prompts (the train split, the held-out split and the warm start's
+    examples each derive their own from it)."""
     data_dir: str = "runs/.cache"
     """shapes: where the generated dataset is kept (a folder per task setting, reused by later runs)."""
 
     def __post_init__(self) -> None:
-        if self.max_operand < 1:
-            raise ConfigError(f"max_operand={self.max_operand}: must be >= 1")
-        if self.terms < 2:
-            raise ConfigError(f"terms={self.terms}: must be >= 2")
+        check_fields(self)
         if self.terms != 2 and self.name != "arithmetic":
             raise ConfigError(f"terms={self.terms}: only the arithmetic task has terms")
-        if self.eval_prompts < 1 or self.train_prompts < 1:
-            raise ConfigError(f"train_prompts={self.train_prompts}, eval_prompts={self.eval_prompts}: must be >= 1")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """A JSONL prompt dataset in place of the synthetic task's prompts, one object per line:
+    """A JSONL prompt dataset in place of the synthetic task's prompts.
+
+    One object per line:
 
         {"prompt": "<image>how many red?", "images": ["images/1.png"], "answer": "2"}
 
@@ -63,20 +66,21 @@ class DataConfig:
     """error: a bad line (unreadable JSON, missing or corrupt image, unsupported image size, image
     markers that do not match the images) stops the run naming file and line. skip: it is left
     out, counted by reason and reported in the summary."""
-    min_pixels: int = 16 * 16
+    min_pixels: Annotated[int, Meta(ge=1)] = 16 * 16
     """Images are resized (keeping their aspect ratio) to at least this many pixels..."""
     max_pixels: int = 448 * 448
     """...and at most this many, with sides rounded to the vision tower's patch grid."""
-    max_images_per_prompt: int = 4
+    max_images_per_prompt: Annotated[int, Meta(ge=1)] = 4
+    """A line with more images than this is a bad sample (see `on_bad_sample`); vLLM sizes its
+    multimodal inputs by it."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if (self.train is None) != (self.eval is None):
             raise ConfigError(f"train={self.train!r}, eval={self.eval!r}: give both or neither")
         for name in ("train", "eval"):
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ConfigError(f"{name}={path!r}: no such file")
-        if not 1 <= self.min_pixels <= self.max_pixels:
+        if self.min_pixels > self.max_pixels:
             raise ConfigError(f"min_pixels={self.min_pixels}, max_pixels={self.max_pixels}: need 1 <= min <= max")
-        if self.max_images_per_prompt < 1:
-            raise ConfigError(f"max_images_per_prompt={self.max_images_per_prompt}: must be >= 1")

@@ -46,25 +46,14 @@ from stream_rlhf.launch.plan import Dataflow
 from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.launch.placement import RankPlacement, preflight, stage_ranks
 from stream_rlhf.resume.store import ResumePoint
-from stream_rlhf.rl.config import GROUP_STAGES, RLJobConfig
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.stage_kinds import STAGE_KINDS, stages_where
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.telemetry.trace import FOLDER as TRACE_FOLDER
 from stream_rlhf.weights.offload_config import OffloadPolicy, default_group_policy
 
 log = logging.getLogger(__name__)
-STAGE_CLASSES = {
-    "prompts": "stream_rlhf.stages.prompts:PromptSource",
-    "vision_prefetch": "stream_rlhf.stages.vision_prefetch:VisionPrefetch",
-    "rollout": "stream_rlhf.stages.rollout:RolloutStage",
-    "ref_forward": "stream_rlhf.stages.ref_forward:RefForward",
-    "reward_forward": "stream_rlhf.stages.reward_forward:RewardForward",
-    "actor_forward": "stream_rlhf.stages.actor_forward:ActorForward",
-    "critic_forward": "stream_rlhf.stages.critic_forward:CriticForward",
-    "actor_train": "stream_rlhf.stages.actor_train:ActorTrain",
-    "critic_train": "stream_rlhf.stages.critic_train:CriticTrain",
-    "medusa_train": "stream_rlhf.stages.medusa_train:MedusaTrain",
-}
-ROLLOUT_SIDE = {"prompts", "rollout"}
+ROLLOUT_SIDE = frozenset(stages_where("rollout_side"))
 """Stages placed on `placement.rollout_cores` when separated (with `placement.with_rollout`); the
 rest go on `train_cores`."""
 NO_MODEL = {"prompts", "reward_forward"}
@@ -159,7 +148,7 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
 def check_placement(cfg: RLJobConfig, stages: list[str] | None = None) -> dict[str, list[RankPlacement]]:
     """The ranks of each of `stages` (default: every stage the config could have), checked against
     this machine; the driver calls it before the warm start, so a bad placement costs nothing."""
-    names = stages if stages is not None else list(STAGE_CLASSES)
+    names = stages if stages is not None else list(STAGE_KINDS)
     ranks = {name: stage_ranks(cfg.placement, name, on_rollout_cores(cfg, name), _uses_device(cfg, name))
              for name in names}
     preflight(cfg.placement, ranks)
@@ -187,9 +176,10 @@ def offload_policy(cfg: RLJobConfig, stage: str, grouped: bool) -> OffloadPolicy
     so for it `iteration` is `step`."""
     own = cfg.placement.stages.get(stage)
     policy = own.offload if own is not None else None
-    if policy is None and grouped and stage in GROUP_STAGES:
-        policy = default_group_policy(trains=stage.endswith("_train"))
-    if policy is not None and policy.when == "iteration" and stage.endswith("_train"):
+    kind = STAGE_KINDS[stage]
+    if policy is None and grouped and kind.groupable:
+        policy = default_group_policy(trains=kind.trains)
+    if policy is not None and policy.when == "iteration" and kind.trains:
         policy = replace(policy, when="step")
     return policy
 
@@ -197,7 +187,7 @@ def offload_policy(cfg: RLJobConfig, stage: str, grouped: bool) -> OffloadPolicy
 def _stage_spec(cfg: RLJobConfig, name: str, job: JobContext, ranks: list[RankPlacement],
                 trace: str | None, grouped: bool = False) -> StageSpec:
     return StageSpec(
-        STAGE_CLASSES[name],
+        STAGE_KINDS[name].cls,
         instances=_instances(cfg, name),
         kwargs={"job": job},
         cores=ranks[0].cores,

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+from msgspec import Meta
 
 from stream_rlhf.backends.megatron.config import MegatronConfig, check_ranks
-from stream_rlhf.config import ConfigError
+from stream_rlhf.config import ConfigError, check_fields
 from stream_rlhf.weights.offload_config import OffloadPolicy
 
 
@@ -37,7 +38,7 @@ from stream_rlhf.weights.offload_config import OffloadPolicy
 class StagePlacement:
     """Where one stage's ranks run (`placement.stages.<stage>`)."""
 
-    ranks: int = 1
+    ranks: Annotated[int, Meta(ge=1)] = 1
     """Processes per instance, one torch.distributed group: a training stage shards its model over
     them (FSDP2), a forward stage splits each mini-batch."""
     devices: list[int] | None = None
@@ -55,8 +56,7 @@ class StagePlacement:
     None: nothing (in a device group: everything it holds, when another member takes the device)."""
 
     def __post_init__(self) -> None:
-        if self.ranks < 1:
-            raise ConfigError(f"ranks={self.ranks}: must be >= 1")
+        check_fields(self)
         if self.backend == "megatron":
             check_ranks(self.megatron, self.ranks, "megatron")
         elif self.megatron != MegatronConfig():
@@ -81,6 +81,8 @@ class PlacementConfig:
     """
 
     mode: Literal["separated", "colocated"] = "separated"
+    """`separated`: rollout's side and the train side on cores of their own, running at once;
+    `colocated`: every stage on every core, taking turns (see above)."""
     rollout_cores: list[int] | None = None
     """None: the first half of the cores this process may run on (at least one; `split_cores`)."""
     train_cores: list[int] | None = None

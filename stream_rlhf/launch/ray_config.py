@@ -23,9 +23,11 @@ Importing this module never imports Ray (a config with `launcher: local` does no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
-from stream_rlhf.config import ConfigError
+from msgspec import Meta
+
+from stream_rlhf.config import ConfigError, check_fields
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -37,14 +39,14 @@ class RayConfig:
     address: str | None = None
     """The cluster `ray.init(address=...)` joins ("auto", "HOST:PORT", "ray://HOST:PORT"); None:
     the driver starts a Ray instance of its own on this machine and shuts it down at the end."""
-    num_cpus: int | None = None
+    num_cpus: Annotated[int, Meta(ge=1)] | None = None
     """With `address` None: the CPUs of that local instance; None: Ray's count of this machine's."""
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """The placement group's strategy over the bundles, one bundle per rank (and the broker's)."""
     stage_resources: dict[str, dict[str, float]] = field(default_factory=dict)
     """Stage (or "broker") -> custom resources each of its bundles asks for, on top of the CPUs and
     GPUs of the plan: a stage lands only on nodes that offer them."""
-    start_timeout_s: float = 120.0
+    start_timeout_s: Annotated[float, Meta(gt=0)] = 120.0
     """How long the placement group may wait for its bundles before the job fails, naming them."""
     node_hosts: bool = False
     """Test/debug setting: treat every Ray node as a host of its own (its own host id, run folder
@@ -60,17 +62,14 @@ class RayConfig:
         return self.address is None and not self.node_hosts
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.address is not None and not self.address:
             raise ConfigError("ray.address='': leave it out (null) for a local Ray instance")
         if self.num_cpus is not None and self.address is not None:
             raise ConfigError(f"ray.num_cpus={self.num_cpus}: only for a local instance (ray.address is "
                               f"{self.address!r}; the cluster's nodes say how many CPUs they have)")
-        if self.num_cpus is not None and self.num_cpus < 1:
-            raise ConfigError(f"ray.num_cpus={self.num_cpus}: must be >= 1")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"ray.strategy={self.strategy!r}: one of {', '.join(STRATEGIES)}")
-        if self.start_timeout_s <= 0:
-            raise ConfigError(f"ray.start_timeout_s={self.start_timeout_s}: must be > 0")
         for stage, resources in self.stage_resources.items():
             for name, amount in resources.items():
                 if name in ("CPU", "GPU", "memory"):

@@ -13,9 +13,11 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from stream_rlhf.config import ConfigError
+from msgspec import Meta
+
+from stream_rlhf.config import ConfigError, check_fields
 from stream_rlhf.backends.core_board import CoreLending
 from stream_rlhf.weights.offload_config import OffloadPolicy
 
@@ -25,23 +27,26 @@ RESTART_BACKOFF_S = 0.5
 
 @dataclass(frozen=True)
 class StageSpec:
+    """One stage of a job: its class and arguments, its instances and ranks and where they run (a
+    broker job's `stages.<name>`; the RL dataflow builds them from the RL config)."""
+
     cls: str
     """Stage class as "package.module:ClassName"."""
-    instances: int = 1
+    instances: Annotated[int, Meta(ge=1)] = 1
     """Data-parallel instances; the broker hands each handle to the least-loaded one."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the class."""
-    prefetch: int = 2
+    prefetch: Annotated[int, Meta(ge=1)] = 2
     """Handles delivered to an instance ahead of the one it is processing."""
     cores: list[int] | None = None
     """CPU cores the process is pinned to (os.sched_setaffinity); None: all."""
-    threads: int | None = None
+    threads: Annotated[int, Meta(ge=1)] | None = None
     """torch intra-op threads; None: torch's default."""
-    restarts: int = 0
+    restarts: Annotated[int, Meta(ge=0)] = 0
     """How often the launcher restarts a crashed instance before failing the job."""
     trace: str | None = None
     """Folder where each rank appends its trace events (`telemetry/trace.py`); None: no trace."""
-    ranks: int = 1
+    ranks: Annotated[int, Meta(ge=1)] = 1
     """Processes per instance, one torch.distributed group (gloo on CPU, NCCL on CUDA)."""
     devices: list[str] | None = None
     """The torch device of each rank (`cpu`, `cuda:N`); None: `cpu` for every rank."""
@@ -59,18 +64,9 @@ class StageSpec:
     """The run folder whose `stage_counts/` gets what its offload policy moved (None: counted, not written)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if ":" not in self.cls:
             raise ConfigError(f"cls={self.cls!r}: expected 'package.module:ClassName'")
-        if self.instances < 1:
-            raise ConfigError(f"instances={self.instances}: must be >= 1")
-        if self.prefetch < 1:
-            raise ConfigError(f"prefetch={self.prefetch}: must be >= 1")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads={self.threads}: must be >= 1")
-        if self.restarts < 0:
-            raise ConfigError(f"restarts={self.restarts}: must be >= 0")
-        if self.ranks < 1:
-            raise ConfigError(f"ranks={self.ranks}: must be >= 1")
         for name in ("devices", "rank_cores"):
             value = getattr(self, name)
             if value is not None and len(value) != self.ranks:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from stream_rlhf.config import ConfigError
+from msgspec import Meta
+
+from stream_rlhf.config import ConfigError, check_fields
 
 
 @dataclass(frozen=True)
@@ -15,20 +18,25 @@ class TinyVisionConfig:
     """The vision tower of a tiny Qwen2-VL-architecture model (a ViT over patch_size pixel patches;
     every spatial_merge_size x spatial_merge_size patches become one image token of the LM)."""
 
-    depth: int = 2
-    embed_dim: int = 64
-    num_heads: int = 2
-    mlp_ratio: int = 2
-    patch_size: int = 8
-    temporal_patch_size: int = 2
+    depth: Annotated[int, Meta(ge=1)] = 2
+    """Transformer blocks of the vision tower."""
+    embed_dim: Annotated[int, Meta(ge=1)] = 64
+    """Width of the vision tower's hidden states; num_heads must divide it."""
+    num_heads: Annotated[int, Meta(ge=1)] = 2
+    """Attention heads per vision block."""
+    mlp_ratio: Annotated[int, Meta(ge=1)] = 2
+    """The vision MLP's hidden width as a multiple of embed_dim."""
+    patch_size: Annotated[int, Meta(ge=1)] = 8
+    """Side in pixels of the square patches the tower embeds; image sides are rounded to multiples of
+    patch_size * spatial_merge_size."""
+    temporal_patch_size: Annotated[int, Meta(ge=1)] = 2
     """Qwen2-VL encodes an image as two identical frames (a video of length temporal_patch_size)."""
-    spatial_merge_size: int = 2
+    spatial_merge_size: Annotated[int, Meta(ge=1)] = 2
+    """Each square of spatial_merge_size x spatial_merge_size patches is merged into one image token
+    of the language model."""
 
     def __post_init__(self) -> None:
-        for name in ("depth", "embed_dim", "num_heads", "mlp_ratio", "patch_size", "temporal_patch_size",
-                     "spatial_merge_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        check_fields(self)
         if self.embed_dim % self.num_heads:
             raise ConfigError(f"num_heads={self.num_heads}: must divide embed_dim={self.embed_dim}")
 
@@ -38,24 +46,25 @@ class TinyModelConfig:
     """A random-initialised Qwen2-architecture model (vocabulary from the project's tokenizer); with
     `vision` set, a Qwen2-VL-architecture vision-language model."""
 
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    """vLLM serves only head_dim >= 32."""
-    max_position_embeddings: int = 64
+    hidden_size: Annotated[int, Meta(ge=1)] = 128
+    """Width of the decoder's hidden states (the embedding size)."""
+    intermediate_size: Annotated[int, Meta(ge=1)] = 384
+    """Hidden width of each decoder layer's MLP."""
+    num_hidden_layers: Annotated[int, Meta(ge=1)] = 2
+    """Decoder layers."""
+    num_attention_heads: Annotated[int, Meta(ge=1)] = 4
+    """Query heads per attention layer."""
+    num_key_value_heads: Annotated[int, Meta(ge=1)] = 2
+    """Key/value heads per attention layer (grouped-query attention); must divide num_attention_heads."""
+    head_dim: Annotated[int, Meta(ge=32)] = 32
+    """Width of each attention head; vLLM serves only head_dim >= 32."""
+    max_position_embeddings: Annotated[int, Meta(ge=1)] = 64
+    """The longest sequence (prompt + response tokens) the model takes."""
     vision: TinyVisionConfig | None = None
     """The vision tower; None: a text-only model."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.head_dim < 32:
-            raise ConfigError(f"head_dim={self.head_dim}: must be >= 32 (vLLM cannot serve less)")
+        check_fields(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_key_value_heads={self.num_key_value_heads}: must divide "
@@ -67,28 +76,32 @@ class TinyModelConfig:
 class WarmStartConfig:
     """Short SFT on the task's train split so RL starts from a policy that sometimes succeeds."""
 
-    steps: int = 400
-    batch_size: int = 64
-    lr: float = 1e-3
+    steps: Annotated[int, Meta(ge=0)] = 400
+    """SFT optimizer steps on the embedded tiny model before RL; 0: RL starts from the random
+    initialisation."""
+    batch_size: Annotated[int, Meta(ge=1)] = 64
+    """Prompts with their reference answers per SFT step."""
+    lr: Annotated[float, Meta(gt=0)] = 1e-3
+    """AdamW's learning rate of the SFT."""
     cache_dir: str = "runs/.cache"
     """Finished warm starts are kept here, keyed by a hash of model, task and these settings."""
 
     def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ConfigError(f"steps={self.steps}: must be >= 0")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size={self.batch_size}: must be >= 1")
-        if not self.lr > 0:
-            raise ConfigError(f"lr={self.lr}: must be > 0")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The policy model: a checkpoint folder, or the embedded tiny model warm-started here."""
+
     path: str | None = None
     """A Hugging Face checkpoint folder (config, weights, tokenizer). None: the embedded tiny model."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """The embedded tiny model's sizes (`model.tiny`), read when `path` is None."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """The SFT warm start of the embedded tiny model (`model.warm_start`), read when `path` is None."""
     seed: int = 0
+    """Seed of the tiny model's random initialisation (and part of the warm start's cache key)."""
 
     def __post_init__(self) -> None:
         if self.path is not None and not os.path.isfile(os.path.join(self.path, "config.json")):
@@ -104,12 +117,11 @@ class VisionConfig:
     rollout, and every other stage reads its features. false: every stage that needs the
     features (rollout, forwards, trainers) runs the vision tower itself (the baseline that
     bench/vision.py compares against)."""
-    prefetch_depth: int = 2
+    prefetch_depth: Annotated[int, Meta(ge=1)] = 2
     """Mini-batches of features the vision stage may hold ready at the broker beyond what rollout
     has taken (rollout's runner itself takes up to 2 into its input queue)."""
-    instances: int = 1
+    instances: Annotated[int, Meta(ge=1)] = 1
     """Data-parallel instances of the vision stage (independent of the language model's)."""
 
     def __post_init__(self) -> None:
-        if self.prefetch_depth < 1 or self.instances < 1:
-            raise ConfigError(f"prefetch_depth={self.prefetch_depth}, instances={self.instances}: must be >= 1")
+        check_fields(self)

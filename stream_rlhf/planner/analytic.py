@@ -35,11 +35,10 @@ from dataclasses import dataclass
 from stream_rlhf.planner.calibrate import Profile
 from stream_rlhf.planner.devices import DeviceFigures
 from stream_rlhf.driver.dataflow import ROLLOUT_SIDE
+from stream_rlhf.rl.stage_kinds import STAGE_KINDS
 
 ADAM_BYTES = 28
 """Bytes an Adam step moves per weight: reads weight, gradient, two moments; writes three (fp32)."""
-FORWARD_STAGES = ("ref_forward", "actor_forward", "critic_forward")
-TRAIN_STAGES = ("actor_train", "critic_train")
 
 
 @dataclass(frozen=True)
@@ -120,9 +119,11 @@ def stage_step_s(stage: str, stages: set[str], shape: ModelShape, work: Workload
     flat = (0.0,) * work.minibatches
     if stage == "rollout":
         return (rollout_s(shape, work, device, ranks),) * work.minibatches
-    if stage in FORWARD_STAGES:
+    kind = STAGE_KINDS.get(stage)
+    policy_sized = kind is not None and kind.groupable  # a copy of the policy's architecture
+    if policy_sized and kind.work == "forward":
         return (forward_s(shape, work.tokens, device, ranks),) * work.minibatches
-    if stage in TRAIN_STAGES:
+    if policy_sized and kind.trains:
         cost = train_s(shape, work, device, ranks)
         if stage == "actor_train" and "actor_forward" not in stages:
             cost += forward_s(shape, work.tokens * work.minibatches, device, ranks)

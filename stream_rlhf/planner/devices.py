@@ -13,55 +13,49 @@ say so when quoting a prediction made from them.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Annotated
 
 import yaml
+from msgspec import Meta
 
-from stream_rlhf.config import ConfigError, build
+from stream_rlhf.config import ConfigError, build, check_fields
 
 GB = 1e9
 
 
 @dataclass(frozen=True)
 class DeviceFigures:
+    """One device's figures (`plan --device NAME,key=value`: these fields are the keys)."""
+
     name: str
     """What the figures describe (a preset's name, or "this machine (...)")."""
-    peak_flops: float
+    peak_flops: Annotated[float, Meta(gt=0)]
     """FLOP/s of a dense matmul at the device's peak (the precision of `bytes_per_param`)."""
-    efficiency: float = 1.0
+    efficiency: Annotated[float, Meta(gt=0, le=1)] = 1.0
     """The fraction of `peak_flops` a forward or training pass reaches (MFU)."""
-    bandwidth: float = 1e12
+    bandwidth: Annotated[float, Meta(gt=0)] = 1e12
     """Device memory bandwidth, bytes/s: a memory-bound decode step reads every weight once."""
-    layer_overhead_s: float = 0.0
+    layer_overhead_s: Annotated[float, Meta(ge=0)] = 0.0
     """Fixed seconds per layer of a forward pass (kernel launches, Python); a training pass costs
     three times a forward's."""
-    decode_overhead_s: float = 0.0
+    decode_overhead_s: Annotated[float, Meta(ge=0)] = 0.0
     """Fixed seconds per layer of one decode step (with CUDA graphs: close to nothing)."""
-    bytes_per_param: int = 2
+    bytes_per_param: Annotated[int, Meta(ge=1)] = 2
     """Bytes of one weight as the stages hold and send it (2: bf16, 4: fp32)."""
-    link_bandwidth: float = 1e11
+    link_bandwidth: Annotated[float, Meta(gt=0)] = 1e11
     """Bytes/s between two devices (gradient all-reduce, weight publish to rollout)."""
-    host_bandwidth: float = 5e10
+    host_bandwidth: Annotated[float, Meta(gt=0)] = 5e10
     """Bytes/s between a device and host memory (offload and onload)."""
-    memory_gb: float = 80.0
+    memory_gb: Annotated[float, Meta(gt=0)] = 80.0
     """Memory of one device."""
-    count: int = 1
+    count: Annotated[int, Meta(ge=1)] = 1
     """Devices of the job."""
-    dp_efficiency: float = 0.9
+    dp_efficiency: Annotated[float, Meta(gt=0, le=1)] = 0.9
     """The fraction of linear speed-up a stage's compute keeps when split over several ranks (the
     gradients' all-reduce is costed apart, over `link_bandwidth`)."""
 
     def __post_init__(self) -> None:
-        for name in ("peak_flops", "bandwidth", "link_bandwidth", "host_bandwidth", "memory_gb"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"device.{name}={getattr(self, name)}: must be > 0")
-        for name in ("efficiency", "dp_efficiency"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ConfigError(f"device.{name}={getattr(self, name)}: must be in (0, 1]")
-        if self.layer_overhead_s < 0 or self.decode_overhead_s < 0:
-            raise ConfigError(f"device.layer_overhead_s={self.layer_overhead_s}, decode_overhead_s="
-                              f"{self.decode_overhead_s}: must be >= 0")
-        if self.count < 1 or self.bytes_per_param < 1:
-            raise ConfigError(f"device.count={self.count}, bytes_per_param={self.bytes_per_param}: must be >= 1")
+        check_fields(self)
 
     @property
     def rate(self) -> float:
@@ -103,6 +97,6 @@ def device_figures(spec: str) -> DeviceFigures:
         values[key] = yaml.safe_load(text)
     values["name"] = name + "".join(f",{o}" for o in overrides)
     try:
-        return build(DeviceFigures, values)
+        return build(DeviceFigures, values, "device")
     except ConfigError as exc:
         raise ConfigError(f"--device {spec}: {exc}") from None

@@ -55,7 +55,7 @@ from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.placement import check_groups_on_one_side
 from stream_rlhf.planner.calibrate import Profile
 from stream_rlhf.planner.simulator import Prediction, simulate
-from stream_rlhf.rl.config import ALL_STAGES, DEVICE_GROUP_STAGES, GROUP_STAGES
+from stream_rlhf.rl.stage_kinds import STAGE_KINDS
 
 Mode = Literal["separated", "colocated"]
 MODES: tuple[Mode, ...] = ("separated", "colocated")
@@ -86,7 +86,7 @@ class Plan:
         for stage, n in self.ranks.items():
             if stage == "rollout" and n > 1:
                 spread.append(f"rollout.instances={n}")
-            elif stage in GROUP_STAGES and (n > 1 or first):
+            elif stage in STAGE_KINDS and STAGE_KINDS[stage].groupable and (n > 1 or first):
                 spread += [f"placement.stages.{stage}.ranks={n}",
                            f"placement.stages.{stage}.devices=[{', '.join(map(str, range(first, first + n)))}]"]
         return [f"schedule={self.schedule}", f"overlap_depth={self.overlap_depth}", f"placement.mode={self.mode}",
@@ -106,13 +106,13 @@ def with_rollout_set(moved: Moved) -> str:
 
 def with_rollout_candidates(stages: Iterable[str]) -> list[Moved]:
     """The train-side stages tried on rollout's cores (module docstring), those the job has, in
-    `ALL_STAGES` order, each set once, none first."""
+    `STAGE_KINDS` order, each set once, none first."""
     present = set(stages)
-    forwards = {stage for stage in present if stage.endswith("_forward")}
+    forwards = {stage for stage, kind in STAGE_KINDS.items() if stage in present and kind.work == "forward"}
     wanted = [set(), {"critic_train"}, {"critic_forward", "critic_train"}, forwards, forwards | {"critic_train"}]
     candidates: list[Moved] = []
     for names in wanted:
-        moved = tuple(stage for stage in ALL_STAGES if stage in names & present)
+        moved = tuple(stage for stage in STAGE_KINDS if stage in names & present)
         if moved not in candidates:
             candidates.append(moved)
     return candidates
@@ -131,9 +131,9 @@ def device_group_candidates(stages: Iterable[str]) -> list[dict[str, list[str]]]
     """No groups; the forwards in one group; and the trainers in another (each where the job has
     two stages or more for it)."""
     present = set(stages)
-    joinable = [stage for stage in ALL_STAGES if stage in present and stage in DEVICE_GROUP_STAGES]
-    forwards = [stage for stage in joinable if stage.endswith("_forward")]
-    trainers = [stage for stage in joinable if stage.endswith("_train")]
+    joinable = [stage for stage, kind in STAGE_KINDS.items() if stage in present and kind.device_group]
+    forwards = [stage for stage in joinable if STAGE_KINDS[stage].work == "forward"]
+    trainers = [stage for stage in joinable if STAGE_KINDS[stage].trains]
     candidates: list[dict[str, list[str]]] = [{}]
     if len(forwards) > 1:
         candidates.append({"forwards": forwards})

@@ -4,31 +4,31 @@ config); the checkpoints are `runs/<name>/checkpoints/` (`resume/store.py`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from stream_rlhf.config import ConfigError
+from msgspec import Meta
+
+from stream_rlhf.config import check_fields
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 10
+    """When the run saves its state for `stream-rlhf run --resume` (`checkpoint`)."""
+
+    every: Annotated[int, Meta(ge=0)] = 10
     """Checkpoint after every this many training iterations (and after the last one, and when a
     run is stopped); 0: only after the last one and at a stop."""
-    keep: int = 2
+    keep: Annotated[int, Meta(ge=1)] = 2
     """The newest complete checkpoints kept; older ones are deleted once a newer one is complete."""
     keep_generated: bool = True
     """Keep rollout's outputs on disk until a checkpoint covers them, so that a resumed run trains
     what the stopped one generated instead of generating it again (`stages/generated_store.py`)."""
-    recoveries: int = 2
+    recoveries: Annotated[int, Meta(ge=0)] = 2
     """How often a run whose stage failed (a crash the launcher could not restart, e.g. a trainer)
     resumes itself from its newest checkpoint before it fails for good."""
 
     def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ConfigError(f"every={self.every}: must be >= 0 (0: only at the end and at a stop)")
-        if self.keep < 1:
-            raise ConfigError(f"keep={self.keep}: must be >= 1")
-        if self.recoveries < 0:
-            raise ConfigError(f"recoveries={self.recoveries}: must be >= 0")
+        check_fields(self)
 
     def due(self, version: int, iterations: int) -> bool:
         """Whether the state after `version` training iterations is checkpointed."""

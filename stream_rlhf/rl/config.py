@@ -14,8 +14,10 @@ Glossary (the words the code and the metrics use):
 Every section is a frozen dataclass beside the component it configures (`models/model_config.py`,
 `data/task_config.py`, `backends/rollout_config.py`, `algos/config.py`, `rl/reward_parts_config.py`,
 `weights/sync_config.py`, `launch/placement.py`, ...); this file holds the job's own keys and the
-checks that span sections. Unknown keys, wrong types and impossible combinations fail in
-`stream_rlhf.config.build` before any process starts, naming the dotted key and value.
+checks that span sections; `rl/stage_kinds.py` the stages a job may have and what kind each is.
+Unknown keys, wrong types, values outside a field's declared constraint and impossible combinations
+fail in `stream_rlhf.config.build` before any process starts, naming the dotted key and value; every
+key is listed in docs/config.md.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+from msgspec import Meta
 
 from stream_rlhf.algos.config import AlgorithmConfig
 from stream_rlhf.backends.megatron.config import check_model
@@ -32,26 +36,20 @@ from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision
 from stream_rlhf.backends.rollout_config import RolloutConfig
 from stream_rlhf.broker.control.topology import BrokerConfig
-from stream_rlhf.config import ConfigError
+from stream_rlhf.config import ConfigError, check_fields
 from stream_rlhf.data.task_config import DataConfig, TaskConfig
 from stream_rlhf.launch.placement import PlacementConfig, StagePlacement, device_group_of
 from stream_rlhf.launch.ray_config import RayConfig
 from stream_rlhf.models.model_config import ModelConfig, VisionConfig
 from stream_rlhf.resume.config import CheckpointConfig
 from stream_rlhf.rl.reward_parts_config import CriticConfig, RewardConfig
+from stream_rlhf.rl.stage_kinds import STAGE_KINDS, stages_where
 from stream_rlhf.telemetry.sample_log import SampleLogConfig
 from stream_rlhf.weights.offload_config import TRAINING_STATE
 from stream_rlhf.weights.sync_config import WeightSyncConfig
 
-ALL_STAGES = ("prompts", "vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward",
-              "actor_train", "critic_train", "medusa_train")
-GROUP_STAGES = ("ref_forward", "actor_forward", "critic_forward", "actor_train", "critic_train")
-"""Stages whose instances can be groups of several ranks (`placement.stages.<stage>.ranks`)."""
-DEVICE_GROUP_STAGES = (*GROUP_STAGES, "reward_forward")
-"""Stages that can share a process and device with others (`placement.device_groups`)."""
-RESTARTABLE = ("vision_prefetch", "rollout", "ref_forward", "reward_forward", "actor_forward", "critic_forward")
 DEFAULT_RESTARTS = 2
-CRITIC_STAGES = ("critic_forward", "critic_train")
+"""Restarts of a crashed instance of a restartable stage that `restarts` leaves out."""
 CRITIC_OPTIMIZER = CriticConfig()
 """The critic's settings when `critic` is left out."""
 log = logging.getLogger("stream_rlhf")
@@ -67,16 +65,18 @@ critic ignore `critic.*` and the critic stages' placement too. Setting one is a 
 
 @dataclass(frozen=True)
 class RolloutBatchConfig:
-    prompts_per_minibatch: int = 32
-    minibatches: int = 2
+    """How many prompts an iteration generates for, in how many mini-batches."""
+
+    prompts_per_minibatch: Annotated[int, Meta(ge=1)] = 32
+    """Prompts in each mini-batch (the unit that flows between stages); it holds
+    prompts_per_minibatch * samples_per_prompt samples."""
+    minibatches: Annotated[int, Meta(ge=1)] = 2
     """Mini-batches per iteration (per rollout batch)."""
-    samples_per_prompt: int = 1
+    samples_per_prompt: Annotated[int, Meta(ge=1)] = 1
     """Responses per prompt; GRPO and RLOO need >= 2 (they normalise within a prompt's group)."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_minibatch", "minibatches", "samples_per_prompt"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        check_fields(self)
 
     @property
     def samples_per_minibatch(self) -> int:
@@ -85,32 +85,60 @@ class RolloutBatchConfig:
 
 @dataclass(frozen=True)
 class RLJobConfig:
+    """An RL job (`stream-rlhf run configs/text_ppo.yaml`): the top level of its YAML file."""
+
     name: str
+    """The run's name: its folder under `runs_dir` (no "/"), which holds metrics, summary, trace,
+    checkpoints and logs."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The advantage estimator, PPO's clipping and epochs, and the KL penalty."""
     schedule: Literal["stream", "sync"] = "stream"
-    overlap_depth: int = 1
+    """`stream`: every stage works as soon as its input is there, rollout up to `overlap_depth`
+    versions ahead; `sync`: phase by phase (all of an iteration's rollout, then its forwards, then
+    training), on-policy (overlap_depth 0), the baseline."""
+    overlap_depth: Annotated[int, Meta(ge=0)] = 1
     """How many policy versions rollout may run ahead of training (0: on-policy)."""
-    iterations: int = 20
+    iterations: Annotated[int, Meta(ge=1)] = 20
+    """Training iterations of the run: each generates, scores and trains on one rollout batch, and
+    publishes one policy version."""
     rollout_batch: RolloutBatchConfig = field(default_factory=RolloutBatchConfig)
+    """The size of an iteration: prompts per mini-batch, mini-batches, responses per prompt."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy: a checkpoint folder, or the embedded tiny model and its warm start."""
     task: TaskConfig = field(default_factory=TaskConfig)
+    """The synthetic task whose prompts and references the run uses (unless `data` gives a dataset)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """A JSONL prompt dataset in place of the task's prompts."""
     vision: VisionConfig = field(default_factory=VisionConfig)
+    """The vision stage of a vision-language model (ignored for text models)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation: backend, instances, sampling, speculative decoding."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """What scores a response: a rule function, a reward model, process rewards."""
     actor: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The actor's (policy's) optimizer."""
     critic: CriticConfig = field(default_factory=lambda: CRITIC_OPTIMIZER)
+    """The critic's optimizer, initialisation and warm-up (gae only)."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Which cores and devices each stage's ranks run on, and which stages share a device."""
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How rollout gets each new policy version from actor_train."""
     broker: BrokerConfig = field(default_factory=BrokerConfig)
+    """The broker's settings (queue capacity, heartbeats; its address when stages join by hand)."""
     runs_dir: str = "runs"
+    """The folder that holds the run folders (runs/<name>/)."""
     seed: int = 0
-    timeout_s: float = 900.0
+    """Seed of sampling, of the dataset's order and of the trainers' shuffles: each stage derives
+    its generators from it and the iteration (and mini-batch), so a run is reproducible whatever
+    the timing."""
+    timeout_s: Annotated[float, Meta(gt=0)] = 900.0
+    """The run fails if it has not finished by then (seconds); a rank also waits at most this long
+    in a collective."""
     restarts: dict[str, int] = field(default_factory=dict)
     """Stage -> how often the launcher restarts a crashed instance (stateless stages only: rollout
     and the forwards; redelivery gives the new instance the unfinished mini-batches). A stateless
-    stage left out restarts up to DEFAULT_RESTARTS times (rollout only with weights.transport shm);
-    0 turns it off. A crash no restart covers resumes the run (`checkpoint.recoveries`)."""
+    stage left out restarts up to DEFAULT_RESTARTS = 2 times (rollout only with weights.transport
+    shm); 0 turns it off. A crash no restart covers resumes the run (`checkpoint.recoveries`)."""
     precision: Precision = "fp32"
     """Compute precision of the torch train and forward engines and of the torch sampler:
     `fp32`, or `bf16` mixed precision (forwards under bf16 autocast; weights, gradients, optimizer
@@ -130,14 +158,9 @@ class RLJobConfig:
     """Where `launcher: ray` finds its cluster and how it places the ranks (`launch/ray_config.py`)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if not self.name or "/" in self.name:
             raise ConfigError(f"name={self.name!r}: a non-empty folder name")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s={self.timeout_s}: must be > 0")
-        if self.iterations < 1:
-            raise ConfigError(f"iterations={self.iterations}: must be >= 1")
-        if self.overlap_depth < 0:
-            raise ConfigError(f"overlap_depth={self.overlap_depth}: must be >= 0")
         if self.schedule == "sync" and self.overlap_depth != 0:
             raise ConfigError(f"overlap_depth={self.overlap_depth}: schedule=sync is on-policy, needs 0")
         grouped = self.algorithm.advantage in ("grpo", "rloo")
@@ -165,9 +188,9 @@ class RLJobConfig:
             raise ConfigError(f"restarts.rollout={self.restarts['rollout']}: a restarted instance cannot rejoin "
                               f"its weights.transport={self.weights.transport} group; use transport shm")
         for stage, count in self.restarts.items():
-            if stage not in RESTARTABLE:
-                raise ConfigError(f"restarts.{stage}={count}: only {', '.join(RESTARTABLE)} can restart "
-                                  "(the others hold state a restart would lose)")
+            if stage not in STAGE_KINDS or not STAGE_KINDS[stage].restartable:
+                raise ConfigError(f"restarts.{stage}={count}: only {', '.join(stages_where('restartable'))} can "
+                                  "restart (the others hold state a restart would lose)")
             if count < 0:
                 raise ConfigError(f"restarts.{stage}={count}: must be >= 0")
         self._check_stage_placements()
@@ -180,8 +203,8 @@ class RLJobConfig:
         if self.launcher != "ray" and self.ray != RayConfig():
             raise ConfigError(f"ray: set, but launcher={self.launcher} never reads it (launcher: ray)")
         for stage in self.ray.stage_resources:
-            if stage not in ALL_STAGES and stage != "broker":
-                raise ConfigError(f"ray.stage_resources.{stage}: not a stage ({', '.join(ALL_STAGES)}) or broker")
+            if stage not in STAGE_KINDS and stage != "broker":
+                raise ConfigError(f"ray.stage_resources.{stage}: not a stage ({', '.join(STAGE_KINDS)}) or broker")
 
     def _check_critic(self) -> None:
         """critic.init and critic.warmup_iterations need what they read; an actor learning faster
@@ -199,24 +222,25 @@ class RLJobConfig:
 
     def _check_stage_placements(self) -> None:
         for stage in self.placement.with_rollout:
-            if stage not in ALL_STAGES or stage in ("prompts", "rollout"):
+            if stage not in STAGE_KINDS or STAGE_KINDS[stage].rollout_side:
+                movable = (s for s, kind in STAGE_KINDS.items() if not kind.rollout_side)
                 raise ConfigError(f"placement.with_rollout: {stage!r} is not a stage that could leave the train side "
-                                  f"({', '.join(s for s in ALL_STAGES if s not in ('prompts', 'rollout'))})")
+                                  f"({', '.join(movable)})")
         samples = self.rollout_batch.samples_per_minibatch * self.rollout_batch.minibatches
         steps = self.algorithm.train_minibatches
         chunk = -(-samples // steps)  # torch.chunk's part size; the last part holds what is left
         smallest_step = samples % chunk or chunk
         for stage, own in self.placement.stages.items():
             key = f"placement.stages.{stage}"
-            if stage not in ALL_STAGES:
-                raise ConfigError(f"{key}: {stage!r} is not a stage ({', '.join(ALL_STAGES)})")
-            if own.ranks > 1 and stage not in GROUP_STAGES:
+            if stage not in STAGE_KINDS:
+                raise ConfigError(f"{key}: {stage!r} is not a stage ({', '.join(STAGE_KINDS)})")
+            if own.ranks > 1 and not STAGE_KINDS[stage].groupable:
                 hint = " (use rollout.instances)" if stage == "rollout" else ""
-                raise ConfigError(f"{key}.ranks={own.ranks}: only {', '.join(GROUP_STAGES)} run as groups of "
-                                  f"ranks{hint}")
+                raise ConfigError(f"{key}.ranks={own.ranks}: only {', '.join(stages_where('groupable'))} run as "
+                                  f"groups of ranks{hint}")
             if own.backend == "megatron":
                 self._check_megatron(stage, own, key)
-            if stage.endswith("_train") and own.ranks > smallest_step:
+            if STAGE_KINDS[stage].trains and own.ranks > smallest_step:
                 raise ConfigError(f"{key}.ranks={own.ranks}: an optimizer step has as few as {smallest_step} "
                                   f"samples ({samples} per iteration in algorithm.train_minibatches={steps} "
                                   "steps): every rank needs one")
@@ -229,10 +253,10 @@ class RLJobConfig:
             key = f"placement.stages.{stage}.offload"
             if own.offload is None:
                 continue
-            if stage not in GROUP_STAGES:
+            if not STAGE_KINDS[stage].groupable:
                 raise ConfigError(f"{key}: {stage} holds no model on a device to offload (only "
-                                  f"{', '.join(GROUP_STAGES)} do)")
-            kept = [w for w in own.offload.what if w in TRAINING_STATE and not stage.endswith("_train")]
+                                  f"{', '.join(stages_where('groupable'))} do)")
+            kept = [w for w in own.offload.what if w in TRAINING_STATE and not STAGE_KINDS[stage].trains]
             if kept:
                 raise ConfigError(f"{key}.what={own.offload.what}: {stage} is forward-only, it keeps no "
                                   f"{' or '.join(kept)}")
@@ -244,12 +268,12 @@ class RLJobConfig:
                                   "prefetch overlaps another member's step)")
         for name, members in self.placement.device_groups.items():
             key = f"placement.device_groups.{name}"
-            if name in ALL_STAGES:
+            if name in STAGE_KINDS:
                 raise ConfigError(f"{key}: the group's name is a stage's; name it after what it hosts")
             for member in members:
-                if member not in DEVICE_GROUP_STAGES:
+                if member not in STAGE_KINDS or not STAGE_KINDS[member].device_group:
                     raise ConfigError(f"{key}: {member!r} cannot join a device group (only "
-                                      f"{', '.join(DEVICE_GROUP_STAGES)} can)")
+                                      f"{', '.join(stages_where('device_group'))} can)")
             pins = {m: self.ray.stage_resources.get(m) for m in members}
             if len({repr(sorted((p or {}).items())) for p in pins.values()}) > 1:
                 raise ConfigError(f"{key}: its stages share one process, one Ray bundle on one node, so one "
@@ -260,8 +284,9 @@ class RLJobConfig:
         """A megatron stage holds a train engine and a language model (a vision-language model's
         decoder) whose heads and layers its sizes split (a `model.path` checkpoint is checked when
         the engine is built)."""
-        if stage not in GROUP_STAGES:
-            raise ConfigError(f"{key}.backend=megatron: only {', '.join(GROUP_STAGES)} hold a train engine")
+        if not STAGE_KINDS[stage].groupable:
+            raise ConfigError(f"{key}.backend=megatron: only {', '.join(stages_where('groupable'))} hold a train "
+                              "engine")
         if self.precision != "fp32":
             raise ConfigError(f"precision={self.precision}: {key}.backend=megatron computes in fp32 only here "
                               "(megatron's own bf16 is not wired in); use precision fp32 or backend torch")
@@ -284,7 +309,7 @@ class RLJobConfig:
         for key in (f.name for f in dataclasses.fields(CriticConfig)):
             if getattr(self.critic, key) != getattr(CRITIC_OPTIMIZER, key):
                 raise ConfigError(f"critic.{key}={getattr(self.critic, key)}: {why}")
-        for stage in CRITIC_STAGES:
+        for stage in stages_where("critic"):
             if stage in self.placement.stages:
                 raise ConfigError(f"placement.stages.{stage}: {why}, so no {stage} stage")
             if stage in self.restarts:
@@ -295,7 +320,7 @@ class RLJobConfig:
         if stage in self.restarts:
             return self.restarts[stage]
         rejoins = stage != "rollout" or self.weights.transport == "shm"
-        return DEFAULT_RESTARTS if stage in RESTARTABLE and rejoins else 0
+        return DEFAULT_RESTARTS if STAGE_KINDS[stage].restartable and rejoins else 0
 
     @property
     def run_dir(self) -> str:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+from msgspec import Meta
 
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
-from stream_rlhf.config import ConfigError, import_dotted
+from stream_rlhf.config import ConfigError, check_fields, import_dotted
 
 
 @dataclass(frozen=True)
@@ -44,20 +46,19 @@ class ProcessRewardConfig:
     """A Hugging Face token-classification checkpoint with one label (a PRM, e.g. from
     `python -m stream_rlhf.models.prm`); a step's score is sigmoid(logit) at its end token. It
     must share the policy's tokenizer."""
-    separator: str = ","
+    separator: Annotated[str, Meta(min_length=1)] = ","
     """The text that ends a step; it must be one token of the policy's tokenizer."""
     weight: float = 1.0
     """How much a step score counts against the outcome reward (which has weight 1 here)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if (self.function is None) == (self.model_path is None):
             raise ConfigError(f"function={self.function!r}, model_path={self.model_path!r}: give one of them")
         if self.function is not None and not callable(import_dotted(self.function, "function")):
             raise ConfigError(f"function={self.function!r}: not callable (expected fn(prompt, steps, reference))")
         if self.model_path is not None and not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise ConfigError(f"model_path={self.model_path!r}: no config.json there")
-        if not self.separator:
-            raise ConfigError("separator='': must be a non-empty string")
         if not math.isfinite(self.weight):
             raise ConfigError(f"weight={self.weight}: must be finite")
 
@@ -66,19 +67,16 @@ class ProcessRewardConfig:
 class CriticConfig(OptimizerConfig):
     """The critic's optimizer (as `actor`'s), where its weights come from, and its warm-up."""
 
-    lr: float = 1e-3
+    lr: Annotated[float, Meta(gt=0)] = 1e-3
+    """AdamW's learning rate of the critic: 10x the actor's by default (an actor.lr above it is
+    warned about: PPO tends to diverge when the policy moves faster than its value estimates)."""
     init: Literal["policy", "reward_model"] = "policy"
     """policy: the starting policy's backbone with a zero value head. reward_model: the backbone
     and scalar head of `reward.model_path` (a sequence-classification model of the policy's
     architecture and vocabulary), so the critic starts out scoring what the reward scores."""
-    warmup_iterations: int = 0
+    warmup_iterations: Annotated[int, Meta(ge=0)] = 0
     """The first N iterations train only the critic: the actor stays frozen, publishes no weights,
     and rollout keeps generating with version 0 (counted as `critic_warmup` in metrics.jsonl)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.warmup_iterations < 0:
-            raise ConfigError(f"warmup_iterations={self.warmup_iterations}: must be >= 0")
 
 
 def policy_version_at(iteration: int, warmup_iterations: int) -> int:
@@ -95,9 +93,11 @@ class RewardConfig:
     function: str | None = "stream_rlhf.data.arithmetic:reward"
     """Dotted path "package.module:name" of a rule-based reward; None for none."""
     function_weight: float = 1.0
+    """What the rule-based reward's score is multiplied by in the sum."""
     model_path: str | None = None
     """A Hugging Face sequence-classification checkpoint with one label (the scalar head)."""
     model_weight: float = 1.0
+    """What the reward model's score is multiplied by in the sum."""
     process: ProcessRewardConfig | None = None
     """Process rewards at the steps of a response (a rule function or a PRM); None: outcome only."""
 

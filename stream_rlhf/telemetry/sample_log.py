@@ -21,9 +21,11 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
-from stream_rlhf.config import ConfigError
+from msgspec import Meta
+
+from stream_rlhf.config import check_fields
 from stream_rlhf.telemetry.metrics import cut_metrics
 
 if TYPE_CHECKING:  # the config half of this file is read before any model: no torch at import
@@ -45,12 +47,11 @@ DIGITS = 4
 class SampleLogConfig:
     """The `samples_log` section of an RL job."""
 
-    per_minibatch: int = 2
+    per_minibatch: Annotated[int, Meta(ge=0)] = 2
     """Samples logged of every trained mini-batch (evenly spread over it); 0 turns the log off."""
 
     def __post_init__(self) -> None:
-        if self.per_minibatch < 0:
-            raise ConfigError(f"per_minibatch={self.per_minibatch}: must be >= 0 (0: no sample log)")
+        check_fields(self)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ TRAINING_STATE: tuple[OffloadTarget, ...] = ("grads", "optimizer")
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """`placement.stages.<stage>.offload`."""
+    """What of a stage's model state leaves its device, and when (`placement.stages.<stage>.offload`)."""
 
     what: list[OffloadTarget] = field(default_factory=lambda: ["params"])
     """What leaves the device: `params`, and for a training stage `grads` and `optimizer` state."""

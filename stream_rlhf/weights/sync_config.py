@@ -4,9 +4,11 @@ beside the transports (`shm_store.py`, `broadcast.py`, `cuda_ipc.py`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from stream_rlhf.config import ConfigError
+from msgspec import Meta
+
+from stream_rlhf.config import check_fields
 
 
 @dataclass(frozen=True)
@@ -20,13 +22,10 @@ class WeightSyncConfig:
     update: Literal["drain", "in_flight"] = "drain"
     """`drain`: between mini-batches; `in_flight` (vLLM): between engine steps, requests keep their
     KV cache and each token records the version that sampled it."""
-    bucket_mb: int = 64
+    bucket_mb: Annotated[int, Meta(ge=1)] = 64
     """`broadcast` / `cuda_ipc`: parameters travel in flat buckets of at most this many MiB."""
-    timeout_s: float = 180.0
+    timeout_s: Annotated[float, Meta(gt=0)] = 180.0
     """How long a weight-sync group waits for its ranks to join."""
 
     def __post_init__(self) -> None:
-        if self.bucket_mb < 1:
-            raise ConfigError(f"bucket_mb={self.bucket_mb}: must be >= 1")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s={self.timeout_s}: must be > 0")
+        check_fields(self)

@@ -7,18 +7,23 @@ they fit the stage's ranks and the model, made before any process starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from stream_rlhf.config import ConfigError
+from msgspec import Meta
+
+from stream_rlhf.config import ConfigError, check_fields
 
 
 @dataclass(frozen=True)
 class MegatronConfig:
-    tp: int = 1
+    """The megatron engine's parallel sizes; data parallel is what the stage's ranks leave."""
+
+    tp: Annotated[int, Meta(ge=1)] = 1
     """Tensor-parallel size: attention heads, key/value groups, the MLP and the vocabulary are split
     over this many ranks."""
-    pp: int = 1
+    pp: Annotated[int, Meta(ge=1)] = 1
     """Pipeline-parallel size: the decoder layers are split into this many consecutive stages."""
-    cp: int = 1
+    cp: Annotated[int, Meta(ge=1)] = 1
     """Context-parallel size: each sample's sequence is split over this many ranks in megatron's
     load-balanced layout (2 x cp chunks; the engine right-pads every batch to a multiple of 2 x cp),
     keys and values all-gathered in each attention layer (`cp_attention.py`), only the per-token
@@ -29,9 +34,7 @@ class MegatronConfig:
     is the CPU generator's: `shim.py`, shim 7)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        check_fields(self)
 
     @property
     def model_parallel(self) -> int:

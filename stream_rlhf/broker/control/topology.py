@@ -15,22 +15,27 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from typing import Annotated
 from urllib.parse import urlparse
 
-from stream_rlhf.config import ConfigError
+from msgspec import Meta
+
+from stream_rlhf.config import ConfigError, check_fields
 
 CONTROL_STAGE = "_control"  # stage name of CLI / launcher clients: no topics, may send Control
 
 
 @dataclass(frozen=True)
 class TopicConfig:
+    """One topic of the dataflow: who publishes on it, who receives it, or which topics it joins."""
+
     producers: list[str] = field(default_factory=list)
     """Stages allowed to publish on this topic (empty for a join topic)."""
     consumers: list[str] = field(default_factory=list)
     """Stages that each receive every handle of this topic."""
     join: list[str] = field(default_factory=list)
     """Part topics merged into this one by (iteration, minibatch); excludes `producers`."""
-    capacity: int | None = None
+    capacity: Annotated[int, Meta(ge=1)] | None = None
     """Handles queued for this topic's consumers before its producers get no more credit (how far
     a producer may run ahead of them, e.g. the vision encoder's prefetch depth). None: the
     broker's `queue_capacity`, counting handles that wait in a join too. With a capacity of its
@@ -42,8 +47,9 @@ class TopicConfig:
     a drain leaves is complete."""
 
     def __post_init__(self) -> None:
-        if self.capacity is not None and (self.capacity < 1 or not self.consumers):
-            raise ConfigError(f"capacity={self.capacity}: must be >= 1, on a topic with consumers")
+        check_fields(self)
+        if self.capacity is not None and not self.consumers:
+            raise ConfigError(f"capacity={self.capacity}: only a topic with consumers has a capacity")
         if self.join and self.producers:
             raise ConfigError(f"producers={self.producers}: a join topic has no producers")
         if not self.join and not self.producers:
@@ -56,6 +62,8 @@ class TopicConfig:
 
 @dataclass(frozen=True)
 class CurveConfig:
+    """CURVE encryption and authentication of the broker's sockets (`broker.curve`)."""
+
     key_dir: str
     """Folder written by `stream-rlhf keys DIR`: broker.key_secret, and authorized_clients/ with
     the public keys of the clients allowed in."""
@@ -63,46 +71,46 @@ class CurveConfig:
 
 @dataclass(frozen=True)
 class BrokerConfig:
+    """The broker process: where it binds, how it detects dead peers, how much it queues."""
+
     address: str = "tcp://127.0.0.1:*"
     """Where the broker binds; `*` as the port picks a free one (set a fixed port when stages are
-    started by hand with `stream-rlhf stage ... --broker ADDR`)."""
-    """Where the broker's ROUTER binds. Anything but loopback / ipc:// requires `curve`."""
+    started by hand with `stream-rlhf stage ... --broker ADDR`). Anything but loopback or ipc://
+    requires `curve`."""
     curve: CurveConfig | None = None
-    heartbeat_interval_s: float = 0.5
+    """CURVE keys (`broker.curve.key_dir`); None: plain sockets, allowed on loopback and ipc:// only."""
+    heartbeat_interval_s: Annotated[float, Meta(gt=0)] = 0.5
     """Both sides send a heartbeat this often."""
-    heartbeat_timeout_s: float = 3.0
+    heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 3.0
     """A peer silent this long is dead: its in-flight handles are redelivered."""
-    handshake_timeout_s: float = 10.0
-    max_message_bytes: int = 1 << 20
+    handshake_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
+    """How long a stage waits for the broker's answer to its hello before it fails (is the broker
+    running, are the CURVE keys right?)."""
+    max_message_bytes: Annotated[int, Meta(ge=1)] = 1 << 20
     """Larger control messages are rejected, logged and counted."""
-    queue_capacity: int = 16
+    queue_capacity: Annotated[int, Meta(ge=1)] = 16
     """Handles queued per (topic, consumer stage) before producers get no more credit."""
-    max_attempts: int = 5
+    max_attempts: Annotated[int, Meta(ge=1)] = 5
     """Deliveries of one handle before it is dropped as poison (counted, with reason)."""
     journal: str = ""
     """Append-only journal of handles in flight; a restarted broker replays it. Empty: none."""
     journal_fsync: bool = False
+    """fsync the journal at each flush (once per broker loop turn): it then survives a machine crash,
+    not only a broker crash, at the cost of a disk flush per turn."""
     shm_prefix: str = "srlhf"
     """Shared-memory segments of this job are named /{shm_prefix}_{pid}_{n}."""
-    stop_catch_up_s: float = 30.0
+    stop_catch_up_s: Annotated[float, Meta(ge=0)] = 30.0
     """At a stop, how long the consumers a topic aligns (the trainers) may take to catch up with
     each other before every stage is told to shut down anyway (`catch_up.py`); launchers wait this
     long more than their usual grace before they kill a stage."""
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "handshake_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
-        if self.stop_catch_up_s < 0:
-            raise ConfigError(f"stop_catch_up_s={self.stop_catch_up_s}: must be >= 0")
+        check_fields(self)
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             raise ConfigError(
                 f"heartbeat_timeout_s={self.heartbeat_timeout_s}: must be >= 2 * "
                 f"heartbeat_interval_s ({self.heartbeat_interval_s})"
             )
-        for name in ("max_message_bytes", "queue_capacity", "max_attempts"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         if not self.shm_prefix.isidentifier():
             raise ConfigError(f"shm_prefix={self.shm_prefix!r}: letters, digits and _ only")
         if needs_curve(self.address) and self.curve is None:
