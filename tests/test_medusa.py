@@ -15,7 +15,8 @@ from stream_rlhf.broker.runtime.inprocess import InProcessBus
 from stream_rlhf.config import build
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.config import import_dotted
-from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
+from stream_rlhf.data.tokenizer import load_tokenizer
+from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.medusa import MedusaHeads, has_heads, heads_loss, load_heads, save_heads
 from stream_rlhf.models.packing import packed_hidden_states
 from stream_rlhf.driver.warm_start import warm_start

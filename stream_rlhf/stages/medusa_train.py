@@ -28,7 +28,8 @@ from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.medusa import heads_loss, load_rollout_heads, save_heads
 from stream_rlhf.models.packing import packed_hidden_states
 from stream_rlhf.experience import Experience, IterationBuffer
-from stream_rlhf.stages.job_context import JobContext, seeded_generator
+from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.trainer_checkpoint import ENGINE, STATE, checkpoint_store
 from stream_rlhf.stages.training import MetricMeans, minibatch_indices
 from stream_rlhf.telemetry.metrics import MetricsWriter

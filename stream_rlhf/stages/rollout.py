@@ -20,7 +20,7 @@ from stream_rlhf.backends.rollout_engine import ROLLOUT_ENGINES, RolloutEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.config import import_dotted
-from stream_rlhf.models.checkpoint import load_tokenizer, stop_token_ids
+from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
 from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts

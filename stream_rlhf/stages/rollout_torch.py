@@ -22,7 +22,8 @@ from stream_rlhf.stage import Batch, StageContext
 from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.stages.images import ImageInputs
-from stream_rlhf.stages.job_context import JobContext, seeded_generator
+from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.speculation import Speculation
 from stream_rlhf.stages.weight_sync import RolloutWeights
 

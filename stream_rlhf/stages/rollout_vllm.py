@@ -36,7 +36,8 @@ from stream_rlhf.backends.vllm_rollout import VllmOptions
 from stream_rlhf.stage import Batch, StageContext, StepAborted
 from stream_rlhf.models.checkpoint import max_positions
 from stream_rlhf.stages.images import ImageInputs
-from stream_rlhf.stages.job_context import JobContext, seeded_generator
+from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.weight_sync import RolloutWeights
 
 
