@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from stream_rlhf.kernels.logprob import logprobs_from_hidden
 from stream_rlhf.models.vision_language import check_sample_images, embed_with_images, mrope_positions
-from stream_rlhf.samples import SampleImages, pad_right
+from stream_rlhf.samples import SampleImages
 
 WIDER_ROW_SAVING = 0.125
 """The share of slots a wider row width must save over a narrower one to be chosen."""
