@@ -18,9 +18,7 @@ from torch import Tensor
 from stream_rlhf.algos.config import KLConfig
 from stream_rlhf.algos.kl import kl_estimate
 from stream_rlhf.stage import Batch
-from stream_rlhf.models.packing import pad_right
-from stream_rlhf.models.vision_language import SampleImages
-from stream_rlhf.samples import Rollout, unragged
+from stream_rlhf.samples import Rollout, SampleImages, pad_right, unragged
 
 
 @dataclass

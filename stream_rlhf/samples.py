@@ -4,7 +4,9 @@
     per_sample = unragged(batch.tensors, "behavior_logp")   # [Tensor (R_i,), ...]
 
 No padding crosses the broker: a mini-batch of N sequences is one flat tensor and an (N,) length
-tensor per field. `Rollout` is the rollout topic's content that every downstream stage reads.
+tensor per field. `Rollout` is the rollout topic's content that every downstream stage reads;
+`SampleImages` the encoded images of one sequence, as engines take them; `pad_right` makes the
+(N, L) tensors a model or a loss reads.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def ragged(name: str, values: list[Tensor]) -> dict[str, Tensor]:
@@ -23,6 +25,11 @@ def ragged(name: str, values: list[Tensor]) -> dict[str, Tensor]:
 
 def unragged(tensors: dict[str, Tensor], name: str) -> list[Tensor]:
     return list(torch.split(tensors[name], tensors[f"{name}_lens"].tolist()))
+
+
+def pad_right(seqs: list[Tensor], value: float) -> Tensor:
+    """Stack (L_i, ...) tensors into (B, Lmax, ...), filling the tail of each with `value`."""
+    return nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=value)
 
 
 @dataclass
@@ -66,3 +73,20 @@ def response_slices(per_position: list[Tensor], prompt_lens: Tensor) -> list[Ten
     """From per-position predictions of each sequence (L_i - 1, ...) (position t predicts token
     t + 1), keep the ones that predict response tokens: (R_i, ...)."""
     return [v[p - 1:] for v, p in zip(per_position, prompt_lens.tolist())]
+
+
+@dataclass(frozen=True)
+class SampleImages:
+    """The images of one sequence, already encoded by the vision tower."""
+
+    features: Tensor
+    """(n_tokens, H) float: the features of the sequence's images concatenated in the order of its
+    image tokens (n_tokens = its number of image tokens; (0, H) for a sequence without images)."""
+    grid_thw: Tensor
+    """(n_images, 3) long: (t, h, w) of each image in vision patches, in the same order."""
+
+    def __post_init__(self) -> None:
+        if self.features.ndim != 2:
+            raise ValueError(f"features.shape={tuple(self.features.shape)}: must be (n_tokens, hidden)")
+        if self.grid_thw.ndim != 2 or self.grid_thw.shape[1] != 3:
+            raise ValueError(f"grid_thw.shape={tuple(self.grid_thw.shape)}: must be (n_images, 3)")

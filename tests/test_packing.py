@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-from stream_rlhf.models.packing import pack, pack_shared, packed_forward, pad_right, sequence_logprobs, unpack
+from stream_rlhf.models.packing import pack, pack_shared, packed_forward, sequence_logprobs, unpack
+from stream_rlhf.samples import pad_right
 from tests.tiny_models import tiny_qwen2_config
 
 VOCAB = 48

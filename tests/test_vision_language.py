@@ -21,7 +21,6 @@ from stream_rlhf.models.model_config import TinyModelConfig, TinyVisionConfig
 from stream_rlhf.models.packing import pack, packed_forward, sequence_logprobs
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
 from stream_rlhf.models.vision_language import (
-    SampleImages,
     VisionLanguageCritic,
     embed_with_images,
     encode_images,
@@ -30,6 +29,7 @@ from stream_rlhf.models.vision_language import (
     mrope_positions,
     vision_tower,
 )
+from stream_rlhf.samples import SampleImages
 from stream_rlhf.weights.shm_store import WeightStore
 from tests.tiny_models import tiny_qwen2_5_vl
 

@@ -30,7 +30,8 @@ from stream_rlhf.models.checkpoint import build_tiny, load_policy, save_checkpoi
 from stream_rlhf.models.model_config import TinyModelConfig, TinyVisionConfig
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.models.tokenizer import build_tokenizer
-from stream_rlhf.models.vision_language import SampleImages, encode_images, load_vision_tower
+from stream_rlhf.models.vision_language import encode_images, load_vision_tower
+from stream_rlhf.samples import SampleImages
 from stream_rlhf.stages.weight_sync import trained_parameters
 from stream_rlhf.telemetry.stage_counts import read_stage_counts
 from stream_rlhf.weights.shm_store import WeightStore

@@ -1,7 +1,12 @@
 """The train engine a forward or training stage holds, chosen from one table by
-`placement.stages.<stage>.backend`:
+`placement.stages.<stage>.backend`; it loads the stage's model from the checkpoint folder itself:
 
-    engine = build_train_engine(job.config, "actor_train", load_policy(path), ctx.group, cfg.actor)
+    engine = build_train_engine(job.config, "actor_train", job.checkpoint, ctx.group, cfg.actor)
+
+| stage                                         | model (`STAGE_MODELS`)                              |
+|-----------------------------------------------|-----------------------------------------------------|
+| `actor_train`, `actor_forward`, `ref_forward` | the policy (`load_policy`)                          |
+| `critic_train`, `critic_forward`              | the critic `critic.init` says (`load_job_critic`)   |
 
 | backend    | engine                                                    | needs              |
 |------------|-----------------------------------------------------------|--------------------|
@@ -21,6 +26,7 @@ from stream_rlhf.backends.precision import Precision
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.backends.train_engine import TrainEngine
 from stream_rlhf.distributed import RankGroup
+from stream_rlhf.models.checkpoint import load_job_critic, load_policy
 
 if TYPE_CHECKING:  # the job's config, read here: the launcher's package is above the engines
     from stream_rlhf.launch.placement import StagePlacement
@@ -47,9 +53,26 @@ def _megatron(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | N
 TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {"torch": _torch, "megatron": _megatron}
 
 
-def build_train_engine(config: RLJobConfig, stage: str, model: nn.Module, group: RankGroup,
+def _policy(config: RLJobConfig, checkpoint: str) -> nn.Module:
+    return load_policy(checkpoint)
+
+
+STAGE_MODELS: dict[str, Callable[[RLJobConfig, str], nn.Module]] = {
+    "actor_train": _policy,
+    "actor_forward": _policy,
+    "ref_forward": _policy,
+    "critic_train": load_job_critic,
+    "critic_forward": load_job_critic,
+}
+"""Stage -> the model its engine loads from the job's checkpoint folder."""
+
+
+def build_train_engine(config: RLJobConfig, stage: str, checkpoint: str, group: RankGroup,
                        optimizer: OptimizerConfig | None = None) -> TrainEngine:
-    """The engine of `stage` (an `RLJobConfig`'s placement says which) holding `model`; trains with
-    `optimizer`, forward only without."""
+    """The engine of `stage` (an `RLJobConfig`'s placement says which) holding the stage's model,
+    loaded from `checkpoint` (`STAGE_MODELS`); trains with `optimizer`, forward only without."""
+    if stage not in STAGE_MODELS:
+        raise ValueError(f"build_train_engine: stage {stage!r} holds no train engine (one of {sorted(STAGE_MODELS)})")
     own = config.placement.of(stage)
+    model = STAGE_MODELS[stage](config, checkpoint)
     return TRAIN_ENGINES[own.backend](model, group, optimizer, own, stage, config.seed, config.precision)

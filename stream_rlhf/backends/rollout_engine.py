@@ -22,8 +22,8 @@ from stream_rlhf.backends.torch_rollout import Generation, SamplingParams
 from stream_rlhf.stage import Batch
 
 ROLLOUT_ENGINES = {
-    "torch": "stream_rlhf.stages.rollout_torch:TorchRolloutEngine",
-    "vllm": "stream_rlhf.stages.rollout_vllm:VllmRolloutEngine",
+    "torch": "stream_rlhf.backends.torch_rollout_engine:TorchRolloutEngine",
+    "vllm": "stream_rlhf.backends.vllm_rollout_engine:VllmRolloutEngine",
 }
 """`rollout.backend` -> the engine class, loaded only when chosen (vLLM's client stays unimported)."""
 

@@ -38,7 +38,7 @@ from stream_rlhf.distributed import RankGroup
 from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
-from stream_rlhf.models.vision_language import SampleImages
+from stream_rlhf.samples import SampleImages
 from stream_rlhf.experience import Experience
 from stream_rlhf.weights.shm_store import WeightStore
 

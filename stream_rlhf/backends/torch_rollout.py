@@ -35,7 +35,8 @@ from torch import Tensor, nn
 
 from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
 from stream_rlhf.kernels.logprob import logprobs_from_logits
-from stream_rlhf.models.vision_language import SampleImages, check_sample_images, embed_with_images, mrope_positions
+from stream_rlhf.models.vision_language import check_sample_images, embed_with_images, mrope_positions
+from stream_rlhf.samples import SampleImages
 
 
 @dataclass(frozen=True)

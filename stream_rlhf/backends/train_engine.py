@@ -1,14 +1,15 @@
 """The train-engine seam: what a model-holding stage asks of its training backend.
 
-    engine = TorchTrainEngine(load_policy(path), ctx.group, optimizer=cfg.actor)  # torch_engine.py
+    engine = build_train_engine(cfg, "actor_train", checkpoint, ctx.group, cfg.actor)  # engines.py
     logp = engine.forward_logprobs(sequences, temperature)       # a mini-batch, split over the ranks
     metrics = engine.train_step(part, loss_fn, per_sample)       # one optimizer step
     store.publish(engine.export_weights(), version)              # Hugging Face names, full tensors
 
 Stage logic (`stages/`) keeps what to compute: losses and advantages (`algos/`), staleness,
-versions. An engine owns the model, its device, its optimizer and how the ranks of the stage
-instance share the work. Every rank of the instance calls the same methods in the same order
-(collectives inside); results are the same on every rank.
+versions. An engine owns the model (`build_train_engine` loads it from the checkpoint folder),
+its device, its optimizer and how the ranks of the stage instance share the work. Every rank of
+the instance calls the same methods in the same order (collectives inside); results are the same
+on every rank.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from stream_rlhf.distributed import RankGroup
-from stream_rlhf.models.vision_language import SampleImages
+from stream_rlhf.samples import SampleImages
 from stream_rlhf.experience import Experience
 from stream_rlhf.weights.offload_config import OffloadTarget
 

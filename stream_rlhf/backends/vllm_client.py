@@ -47,7 +47,7 @@ from stream_rlhf.backends import vllm_protocol as wire
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_rollout import VllmGeneration, VllmOptions
 from stream_rlhf.config import ConfigError
-from stream_rlhf.models.vision_language import SampleImages
+from stream_rlhf.samples import SampleImages
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05

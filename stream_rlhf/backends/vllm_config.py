@@ -1,4 +1,4 @@
-"""The config of the vLLM rollout engine (`rollout.vllm`), beside the engine (`stages/rollout_vllm.py`,
+"""The config of the vLLM rollout engine (`rollout.vllm`), beside the engine (`vllm_rollout_engine.py`,
 `backends/vllm_client.py`)."""
 
 from __future__ import annotations

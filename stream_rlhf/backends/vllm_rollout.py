@@ -52,7 +52,7 @@ from torch import Tensor
 
 from stream_rlhf.backends.torch_rollout import Generation, SamplingParams
 from stream_rlhf.models.checkpoint import is_vision_language
-from stream_rlhf.models.vision_language import SampleImages
+from stream_rlhf.samples import SampleImages
 
 log = logging.getLogger(__name__)
 WORKER_EXTENSION = "stream_rlhf.backends.vllm_worker.WeightSyncExtension"

@@ -34,7 +34,7 @@ from stream_rlhf.backends import vllm_protocol as wire
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_rollout import VllmGeneration, VllmOptions, VllmRollout
 from stream_rlhf.child_process import child_signals
-from stream_rlhf.models.vision_language import SampleImages
+from stream_rlhf.samples import SampleImages
 
 log = logging.getLogger("vllm_server")
 TERM_GRACE_S = 20.0

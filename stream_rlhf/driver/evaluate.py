@@ -19,14 +19,16 @@ import torch
 from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.data.arithmetic import problems
-from stream_rlhf.models.checkpoint import load_policy, load_tokenizer, stop_token_ids
-from stream_rlhf.models.vision_language import SampleImages, encode_images, is_vision_language_model
+from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
+from stream_rlhf.models.checkpoint import load_policy
+from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.task_data import open_prompts
 from stream_rlhf.stages.images import samples_of
-from stream_rlhf.stages.job_context import JobContext, seeded_generator
+from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.reward_forward import Scorer
-from stream_rlhf.samples import Rollout
+from stream_rlhf.samples import Rollout, SampleImages
 
 
 def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[str, Any]:

@@ -23,10 +23,12 @@ from pathlib import Path
 
 import torch
 
+from stream_rlhf.algos.medusa import heads_loss
 from stream_rlhf.cache_folder import build_once
 from stream_rlhf.data.arithmetic import problems
-from stream_rlhf.models.checkpoint import build_tiny, load_policy, load_tokenizer, save_checkpoint
-from stream_rlhf.models.medusa import MedusaHeads, heads_folder, heads_loss, save_heads
+from stream_rlhf.data.tokenizer import load_tokenizer
+from stream_rlhf.models.checkpoint import build_tiny, load_policy, save_checkpoint
+from stream_rlhf.models.medusa import MedusaHeads, heads_folder, save_heads
 from stream_rlhf.models.packing import packed_hidden_states
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig

@@ -24,7 +24,6 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
-    AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2Config,
@@ -107,13 +106,6 @@ def _build_tiny_vision_language(cfg: TinyModelConfig, tokenizer: PreTrainedToken
         **special,
     )
     return Qwen2VLForConditionalGeneration(config)
-
-
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def is_vision_language(path: str | Path) -> bool:
@@ -221,14 +213,3 @@ def load_reward_model(path: str | Path) -> PreTrainedModel:
     if model.config.num_labels != 1:
         raise ValueError(f"reward model {path}: {model.config.num_labels} labels, expected 1 (a scalar head)")
     return model.eval()
-
-
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop: list[str] | None) -> tuple[int, ...]:
-    """Ids of the tokens that end a response: `stop`, or the tokenizer's end-of-sequence token."""
-    if stop is None:
-        return (tokenizer.eos_token_id,)
-    ids = tuple(tokenizer.convert_tokens_to_ids(token) for token in stop)
-    unknown = [token for token, i in zip(stop, ids) if i is None or i == tokenizer.unk_token_id]
-    if unknown:
-        raise ValueError(f"rollout.stop: {unknown} are not tokens of this tokenizer")
-    return ids

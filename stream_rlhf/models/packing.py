@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from stream_rlhf.kernels.logprob import logprobs_from_hidden
-from stream_rlhf.models.vision_language import SampleImages, check_sample_images, embed_with_images, mrope_positions
+from stream_rlhf.models.vision_language import check_sample_images, embed_with_images, mrope_positions
+from stream_rlhf.samples import SampleImages
 
 WIDER_ROW_SAVING = 0.125
 """The share of slots a wider row width must save over a narrower one to be chosen."""
@@ -214,11 +215,6 @@ def unpack(values: Tensor, packed: Packed) -> list[Tensor]:
     """Per-token values (R, C, ...) -> one (L_i, ...) tensor per input sequence, in input order."""
     flat = values.reshape(-1, *values.shape[2:])  # (R * C, ...)
     return [flat[index] for index in packed.token_index]
-
-
-def pad_right(seqs: list[Tensor], value: float) -> Tensor:
-    """Stack (L_i, ...) tensors into (B, Lmax, ...), filling the tail of each with `value`."""
-    return nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=value)
 
 
 def vision_inputs(packed: Packed, sequences: list[Tensor], images: list[SampleImages],

@@ -30,7 +30,7 @@ from transformers.utils import logging as hf_logging
 
 from stream_rlhf.algos.process_rewards import step_ends
 from stream_rlhf.data.arithmetic import problems
-from stream_rlhf.models.checkpoint import load_tokenizer
+from stream_rlhf.data.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 SEPARATOR = ","

@@ -22,7 +22,6 @@ Glossary:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,22 +29,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForImageTextToText, PretrainedConfig
 from transformers.modeling_outputs import TokenClassifierOutput
 
-
-@dataclass(frozen=True)
-class SampleImages:
-    """The images of one sequence, already encoded by the vision tower."""
-
-    features: Tensor
-    """(n_tokens, H) float: the features of the sequence's images concatenated in the order of its
-    image tokens (n_tokens = its number of image tokens; (0, H) for a sequence without images)."""
-    grid_thw: Tensor
-    """(n_images, 3) long: (t, h, w) of each image in vision patches, in the same order."""
-
-    def __post_init__(self) -> None:
-        if self.features.ndim != 2:
-            raise ValueError(f"features.shape={tuple(self.features.shape)}: must be (n_tokens, hidden)")
-        if self.grid_thw.ndim != 2 or self.grid_thw.shape[1] != 3:
-            raise ValueError(f"grid_thw.shape={tuple(self.grid_thw.shape)}: must be (n_images, 3)")
+from stream_rlhf.samples import SampleImages
 
 
 def is_vision_language_model(model: nn.Module) -> bool:

@@ -144,7 +144,7 @@ def _model_view(cfg: RLJobConfig) -> _ModelView:
         ids = tuple(tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))) if tiny.vision else None
         return _ModelView(tokenizer, tiny.max_position_embeddings, "model.tiny.max_position_embeddings",
                           tiny.vision, ids)
-    from stream_rlhf.models.checkpoint import load_tokenizer
+    from stream_rlhf.data.tokenizer import load_tokenizer
 
     config = AutoConfig.from_pretrained(cfg.model.path)
     vision = getattr(config, "vision_config", None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
-from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.samples import Rollout, ragged, response_slices
@@ -26,7 +25,7 @@ class ActorForward(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.engine = build_train_engine(self.job.config, "actor_forward", load_policy(self.job.checkpoint), ctx.group)
+        self.engine = build_train_engine(self.job.config, "actor_forward", self.job.checkpoint, ctx.group)
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "actor")
 

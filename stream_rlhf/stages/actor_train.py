@@ -33,12 +33,13 @@ from torch import Tensor
 from stream_rlhf.algos.losses import entropy_loss, kl_loss, policy_loss
 from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.engines import build_train_engine
+from stream_rlhf.data.tokenizer import load_tokenizer
 from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
-from stream_rlhf.models.checkpoint import load_policy, load_tokenizer
 from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.experience import Experience, IterationBuffer
 from stream_rlhf.stages.images import ImageInputs
-from stream_rlhf.stages.job_context import JobContext, seeded_generator, stage_counts
+from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.samples import response_slices
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
@@ -67,8 +68,7 @@ class ActorTrain(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         cfg = self.job.config
-        self.engine = build_train_engine(self.job.config, "actor_train", load_policy(self.job.checkpoint), ctx.group,
-                                         cfg.actor)
+        self.engine = build_train_engine(self.job.config, "actor_train", self.job.checkpoint, ctx.group, cfg.actor)
         self.trained_names = self.engine.trained_names()
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "actor")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StepAborted, StageContext
-from stream_rlhf.models.checkpoint import load_job_critic
 from stream_rlhf.stages.critic_weights import CriticRelay
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
@@ -29,8 +28,7 @@ class CriticForward(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.engine = build_train_engine(self.job.config, "critic_forward",
-                                         load_job_critic(self.job.config, self.job.checkpoint), ctx.group)
+        self.engine = build_train_engine(self.job.config, "critic_forward", self.job.checkpoint, ctx.group)
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "critic")
         self.relay = CriticRelay.join(self.job, ctx.group)  # on several hosts: versions by broadcast

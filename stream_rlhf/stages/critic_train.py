@@ -17,12 +17,12 @@ from stream_rlhf.algos.losses import value_loss
 from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
-from stream_rlhf.models.checkpoint import load_job_critic
 from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.stages.critic_weights import crosses_hosts, open_critic_sender
 from stream_rlhf.experience import Experience, IterationBuffer
 from stream_rlhf.stages.images import ImageInputs
-from stream_rlhf.stages.job_context import JobContext, seeded_generator, stage_counts
+from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.samples import response_slices
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
@@ -42,8 +42,7 @@ class CriticTrain(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         cfg = self.job.config
-        self.engine = build_train_engine(self.job.config, "critic_train",
-                                         load_job_critic(self.job.config, self.job.checkpoint), ctx.group, cfg.critic)
+        self.engine = build_train_engine(self.job.config, "critic_train", self.job.checkpoint, ctx.group, cfg.critic)
         self.weights = WeightStore(self.job.weights_root, "critic")
         self.sender = open_critic_sender(self.job) if ctx.group.is_leader else None
         self.checkpoints = TrainerCheckpoints(self.job, "critic", self.engine, ctx.group)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stream_rlhf.models.vision_language import SampleImages, encode_images, load_vision_tower
+from stream_rlhf.backends.forward_engine import VisionTowerEngine
+from stream_rlhf.samples import SampleImages, ragged, unragged
 from stream_rlhf.stages.job_context import JobContext
-from stream_rlhf.samples import ragged, unragged
 from stream_rlhf.telemetry.stage_counts import StageCounts
 
 IMAGE_FIELDS = ("image_grid_thw", "prompt_images", "prompt_images_lens")
@@ -50,9 +50,9 @@ class ImageInputs:
         """`device`: where this stage's own vision tower runs (without the vision stage)."""
         self.enabled = job.vision_language
         self.counts = counts
-        self.tower = None
+        self.tower: VisionTowerEngine | None = None
         if self.enabled and not job.config.vision.prefetch:
-            self.tower = load_vision_tower(job.checkpoint).to(device)
+            self.tower = VisionTowerEngine(job.checkpoint, device)
 
     def of(self, tensors: dict[str, Tensor]) -> list[SampleImages] | None:
         if not self.enabled:
@@ -65,7 +65,7 @@ class ImageInputs:
             if self.tower is None:
                 raise RuntimeError("a handle without image_features reached a stage that has no vision tower "
                                    "(vision.prefetch is on but the vision stage did not run)")
-            per_image = encode_images(self.tower, tensors["pixel_values"], grid)
+            per_image = self.tower.image_features(tensors["pixel_values"], grid)
             self.counts.add(images_encoded=len(grid), encoder_calls=1)
         return samples_of(per_image, grid, unragged(tensors, "prompt_images"))
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from stream_rlhf.stage import StageContext
 from stream_rlhf.resume.store import ResumePoint
@@ -34,12 +31,6 @@ class JobContext:
     @property
     def run_dir(self) -> Path:
         return Path(self.config.run_dir)
-
-
-def seeded_generator(*parts: int | str, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator on `device` seeded by `parts` (seed, iteration, mini-batch...): the same
-    mini-batch samples the same way whichever schedule, instance or process handles it."""
-    return torch.Generator(device).manual_seed(random.Random("/".join(map(str, parts))).getrandbits(63))
 
 
 def stage_counts(job: JobContext, ctx: StageContext) -> StageCounts:

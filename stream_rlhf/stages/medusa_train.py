@@ -21,14 +21,12 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
-from stream_rlhf.stage import Batch, Output, Stage, StageContext
-from stream_rlhf.models.checkpoint import load_policy
-from stream_rlhf.models.medusa import heads_loss, load_rollout_heads, save_heads
-from stream_rlhf.models.packing import packed_hidden_states
+from stream_rlhf.algos.medusa import heads_loss
+from stream_rlhf.backends.medusa_engine import MedusaTrainEngine
 from stream_rlhf.experience import Experience, IterationBuffer
-from stream_rlhf.stages.job_context import JobContext, seeded_generator
+from stream_rlhf.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.trainer_checkpoint import ENGINE, STATE, checkpoint_store
 from stream_rlhf.stages.training import MetricMeans, minibatch_indices
 from stream_rlhf.telemetry.metrics import MetricsWriter
@@ -49,10 +47,7 @@ class MedusaTrain(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         cfg = self.job.config.rollout.medusa
-        self.device = ctx.group.device
-        self.backbone = load_policy(self.job.checkpoint).eval().requires_grad_(False).to(self.device)
-        self.heads = load_rollout_heads(self.job.checkpoint, self.backbone, cfg.heads).train().to(self.device)
-        self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.engine = MedusaTrainEngine(self.job.checkpoint, cfg.heads, cfg.lr, ctx.group.device)
         self.actor = WeightStore(self.job.weights_root, "actor")
         self.store = WeightStore(self.job.weights_root, "medusa")
         self.metrics = MetricsWriter(self.job.run_dir, "medusa", "medusa_metrics.jsonl")
@@ -70,23 +65,16 @@ class MedusaTrain(Stage):
 
     def _train(self, iteration: int, batches: list[Batch]) -> None:
         started = time.monotonic()
-        self.backbone_version = self.actor.refresh(self.backbone, self.backbone_version)
+        self.backbone_version = self.engine.refresh(self.actor, self.backbone_version)
         exp = Experience.from_batches(batches)
         cfg = self.job.config
         generator = seeded_generator(cfg.seed, "medusa_train", iteration)
         means = MetricMeans()
         for _ in range(cfg.rollout.medusa.epochs):
             for index in minibatch_indices(exp.num_samples, cfg.algorithm.train_minibatches, generator):
-                part = exp.select(index)
-                with torch.no_grad():
-                    hidden = packed_hidden_states(self.backbone, part.sequences)
-                loss, metrics = heads_loss(self.heads, hidden, part.sequences, part.prompt_lens.tolist())
-                self.optimizer.zero_grad()
-                loss.backward()
-                self.optimizer.step()
-                means.add({"loss": loss.item(), **metrics})
+                means.add(self.engine.train_step(exp.select(index), heads_loss))
         self.published += 1
-        self.store.publish(self.heads, self.published, {"backbone_version": str(self.backbone_version)})
+        self.engine.publish(self.store, self.published, {"backbone_version": str(self.backbone_version)})
         self.metrics.write({"iteration": iteration, "backbone_version": self.backbone_version,
                             "skipped_iterations": self.skipped_iterations,
                             "train_s": round(time.monotonic() - started, 3), **means.means()})
@@ -94,7 +82,7 @@ class MedusaTrain(Stage):
             self.checkpoints.write_part(iteration + 1, PART, self._save)
 
     def _save(self, folder: Path) -> None:
-        torch.save({"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict()}, folder / ENGINE)
+        self.engine.save_state(folder / ENGINE)
         (folder / STATE).write_text(json.dumps({"published": self.published, "backbone_version": self.backbone_version,
                                                 "skipped_iterations": self.skipped_iterations}))
 
@@ -106,15 +94,13 @@ class MedusaTrain(Stage):
                          self.job.start_version)
             return
         folder = self.checkpoints.folder(found[-1]) / PART
-        saved = torch.load(folder / ENGINE, map_location=self.device, weights_only=True)
-        self.heads.load_state_dict(saved["heads"])
-        self.optimizer.load_state_dict(saved["optimizer"])
+        self.engine.load_state(folder / ENGINE)
         state = json.loads((folder / STATE).read_text())
         self.published, self.skipped_iterations = state["published"], state["skipped_iterations"]
-        self.store.publish(self.heads, self.published, {"backbone_version": str(state["backbone_version"])})
+        self.engine.publish(self.store, self.published, {"backbone_version": str(state["backbone_version"])})
         ctx.log.info("resumed the Medusa heads of %s (backbone version %d)", folder, state["backbone_version"])
 
     def close(self) -> None:
         """The heads go into the run's checkpoint folder (actor_train wrote it before the stop)."""
-        if hasattr(self, "heads"):
-            save_heads(self.heads, self.job.run_dir / "checkpoint")
+        if hasattr(self, "engine"):
+            self.engine.save(self.job.run_dir / "checkpoint")

@@ -20,8 +20,9 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from stream_rlhf.algos.process_rewards import place_step_rewards, step_ends, step_spans
+from stream_rlhf.backends.forward_engine import ProcessRewardEngine
 from stream_rlhf.config import ConfigError, import_dotted
-from stream_rlhf.models.packing import pad_right
+from stream_rlhf.data.tokenizer import load_tokenizer
 from stream_rlhf.rl.reward_parts_config import ProcessRewardConfig
 from stream_rlhf.samples import Rollout
 
@@ -45,8 +46,6 @@ def check_process_reward(cfg: ProcessRewardConfig, tokenizer: PreTrainedTokenize
     separator_id(tokenizer, cfg.separator)
     if cfg.model_path is None:
         return
-    from stream_rlhf.models.checkpoint import load_tokenizer
-
     if load_tokenizer(cfg.model_path).get_vocab() != tokenizer.get_vocab():
         raise ConfigError(f"{KEY}.model_path={cfg.model_path!r}: its tokenizer differs from the policy's (a PRM "
                           "scores the policy's token ids)")
@@ -58,10 +57,7 @@ class ProcessScorer:
         self.tokenizer = tokenizer
         self.separator_id = separator_id(tokenizer, cfg.separator)
         self.function: StepFunction | None = import_dotted(cfg.function, f"{KEY}.function") if cfg.function else None
-        if cfg.model_path is not None:
-            from stream_rlhf.models.prm import load_prm
-
-            self.model = load_prm(cfg.model_path)
+        self.prm = ProcessRewardEngine(cfg.model_path, tokenizer.pad_token_id) if cfg.model_path is not None else None
 
     def rewards(self, rollout: Rollout, references: list[str]) -> list[Tensor]:
         """Per sample (R_i,): weight * step score at each step's end token."""
@@ -90,11 +86,5 @@ class ProcessScorer:
         return out
 
     def _model_scores(self, rollout: Rollout, ends: list[Tensor]) -> list[Tensor]:
-        pad = self.tokenizer.pad_token_id
-        input_ids = pad_right(rollout.sequences, pad).long()  # (N, L)
-        lengths = torch.tensor([len(s) for s in rollout.sequences])
-        mask = (torch.arange(input_ids.shape[1])[None] < lengths[:, None]).long()  # (N, L)
-        with torch.inference_mode():
-            logits = self.model(input_ids=input_ids, attention_mask=mask).logits[..., 0].float()  # (N, L)
-        probs = torch.sigmoid(logits)
-        return [probs[i, p + e] for i, (p, e) in enumerate(zip(rollout.prompt_lens.tolist(), ends))]
+        """The PRM's probability that each step is right, read at the step's end token."""
+        return self.prm.step_scores(rollout.sequences, [p + e for p, e in zip(rollout.prompt_lens.tolist(), ends)])

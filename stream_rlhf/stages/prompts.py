@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.data.arithmetic import problems
-from stream_rlhf.models.checkpoint import load_tokenizer
+from stream_rlhf.data.tokenizer import load_tokenizer
 from stream_rlhf.rl.task_data import open_prompts
 from stream_rlhf.stages.images import image_batch_fields
 from stream_rlhf.stages.job_context import JobContext

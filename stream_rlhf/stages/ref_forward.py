@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
-from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.samples import Rollout, ragged, response_slices
@@ -18,7 +17,7 @@ class RefForward(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.engine = build_train_engine(self.job.config, "ref_forward", load_policy(self.job.checkpoint), ctx.group)
+        self.engine = build_train_engine(self.job.config, "ref_forward", self.job.checkpoint, ctx.group)
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
 
     def device_state(self) -> list[DeviceState]:

@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import torch
 
-from stream_rlhf.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.backends.forward_engine import RewardModelEngine
 from stream_rlhf.config import import_dotted
-from stream_rlhf.models.checkpoint import load_reward_model, load_tokenizer
-from stream_rlhf.models.packing import pad_right
+from stream_rlhf.data.tokenizer import load_tokenizer
+from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.process_reward import ProcessScorer
 from stream_rlhf.samples import Rollout, ragged
@@ -31,15 +31,15 @@ class Scorer:
         self.cfg = job.config.reward
         self.tokenizer = load_tokenizer(job.checkpoint)
         self.function: RewardFunction | None = import_dotted(self.cfg.function, "reward.function") if self.cfg.function else None
-        self.model = load_reward_model(self.cfg.model_path) if self.cfg.model_path else None
+        self.reward_model = RewardModelEngine(self.cfg.model_path) if self.cfg.model_path else None
 
     def score(self, rollout: Rollout, references: list[str]) -> torch.Tensor:
         """(N,) scores of the sequences of `rollout`."""
         scores = torch.zeros(len(rollout.sequences))
         if self.function is not None:
             scores += self.cfg.function_weight * self._rule_scores(rollout, references)
-        if self.model is not None:
-            scores += self.cfg.model_weight * self._model_scores(rollout)
+        if self.reward_model is not None:
+            scores += self.cfg.model_weight * self.reward_model.scores(rollout.sequences)
         return scores
 
     def _rule_scores(self, rollout: Rollout, references: list[str]) -> torch.Tensor:
@@ -50,15 +50,6 @@ class Scorer:
             response = decode(sequence[prompt_len:], skip_special_tokens=True)
             scores.append(float(self.function(prompt, response, reference)))
         return torch.tensor(scores)
-
-    def _model_scores(self, rollout: Rollout) -> torch.Tensor:
-        pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
-        input_ids = pad_right(rollout.sequences, pad).long()  # (N, L)
-        lengths = torch.tensor([len(s) for s in rollout.sequences])
-        mask = (torch.arange(input_ids.shape[1])[None] < lengths[:, None]).long()  # (N, L)
-        with torch.inference_mode():
-            logits = self.model(input_ids=input_ids, attention_mask=mask).logits  # (N, 1)
-        return logits[:, 0].float()
 
 
 class RewardForward(Stage):

@@ -1,13 +1,13 @@
 """Rollout: samples responses from the current policy through a rollout engine
-(`backends/rollout_engine.py`): our torch KV-cache sampler (`stages/rollout_torch.py`) or vLLM
-(`stages/rollout_vllm.py`), chosen by `rollout.backend`.
+(`backends/rollout_engine.py`): our torch KV-cache sampler (`backends/torch_rollout_engine.py`) or
+vLLM (`backends/vllm_rollout_engine.py`), chosen by `rollout.backend`.
 
 Before each mini-batch the engine loads the newest actor weights the trainer published (with
 `weights.update: in_flight` vLLM also takes them between engine steps), and every output carries
 the `policy_version` that generated it along with the behaviour log-probs of the sampled tokens;
 the engines give the same fields. A vision-language model reads the image features of its input
 handle (the vision stage's; `stages/images.py`). With `rollout.medusa` enabled, decoding is
-speculative with Medusa heads where that is faster (`stages/speculation.py`). Every output is kept on disk
+speculative with Medusa heads where that is faster (`backends/speculation.py`). Every output is kept on disk
 until a checkpoint covers its iteration (`stages/generated_store.py`), and a mini-batch found
 there (a resumed run, a redelivery after a crash) is published again rather than generated.
 """
@@ -20,7 +20,7 @@ from stream_rlhf.backends.rollout_engine import ROLLOUT_ENGINES, RolloutEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.config import import_dotted
-from stream_rlhf.models.checkpoint import load_tokenizer, stop_token_ids
+from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
 from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from stream_rlhf.backends.forward_engine import VisionTowerEngine
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
-from stream_rlhf.models.vision_language import encode_images, load_vision_tower
 from stream_rlhf.stages.images import IMAGE_FIELDS
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.topics import topic_output
@@ -29,13 +29,13 @@ class VisionPrefetch(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.tower = load_vision_tower(self.job.checkpoint).to(ctx.group.device)
+        self.tower = VisionTowerEngine(self.job.checkpoint, ctx.group.device)
         self.counts = stage_counts(self.job, ctx)
 
     def step(self, batch: Batch | None) -> list[Output]:
         t = batch.tensors
         grid = t["image_grid_thw"].long()
-        per_image = [f.cpu() for f in encode_images(self.tower, t["pixel_values"], grid)]  # the payload is host memory
+        per_image = [f.cpu() for f in self.tower.image_features(t["pixel_values"], grid)]  # the payload is host memory
         self.counts.add(images_encoded=len(grid), encoder_calls=1)
         hidden = per_image[0].shape[-1] if per_image else 0
         tensors = {

@@ -34,7 +34,7 @@ from torch import Tensor
 from stream_rlhf.backends.megatron.context import ContextSplit
 from stream_rlhf.kernels import logprobs_from_hidden
 from stream_rlhf.models.packing import Packed, next_token_pairs, packed_layout, vision_inputs
-from stream_rlhf.models.vision_language import SampleImages
+from stream_rlhf.samples import SampleImages
 
 
 class Batch(NamedTuple):

@@ -50,8 +50,9 @@ from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.models.checkpoint import save_checkpoint
-from stream_rlhf.models.vision_language import SampleImages, scatter_image_features
+from stream_rlhf.models.vision_language import scatter_image_features
 from stream_rlhf.experience import Experience
+from stream_rlhf.samples import SampleImages
 from stream_rlhf.weights.shm_store import WeightStore
 
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -25,8 +26,10 @@ from torch import Tensor, nn
 from stream_rlhf.backends.speculative import generate_speculative
 from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, generate
 from stream_rlhf.models.medusa import load_rollout_heads
-from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.weights.shm_store import WeightStore
+
+if TYPE_CHECKING:  # the rollout stage's job, passed in: stages/ is above the engines
+    from stream_rlhf.stages.job_context import JobContext
 
 SMOOTHING = 0.3
 """Weight of the newest mini-batch in the seconds-per-token moving averages."""

@@ -1,6 +1,6 @@
 """The rollout stage's torch engine (`rollout.backend: torch`): our KV-cache sampler over the
 policy model in the rollout process, on its rank's device; speculative with Medusa heads when
-`rollout.medusa` is enabled (`stages/speculation.py`).
+`rollout.medusa` is enabled (`speculation.py`).
 
     engine = TorchRolloutEngine(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
@@ -12,19 +12,24 @@ autocast (`backends/precision.py`); logits and log-probs stay fp32.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import Tensor
 
 from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.precision import autocast
 from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
-from stream_rlhf.stage import Batch, StageContext
 from stream_rlhf.backends.core_lending import govern
+from stream_rlhf.backends.speculation import Speculation
 from stream_rlhf.models.checkpoint import load_policy
-from stream_rlhf.stages.images import ImageInputs
-from stream_rlhf.stages.job_context import JobContext, seeded_generator
-from stream_rlhf.stages.speculation import Speculation
-from stream_rlhf.stages.weight_sync import RolloutWeights
+from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stage import Batch, StageContext
+
+if TYPE_CHECKING:  # the rollout stage's own objects, passed in: stages/ is above the engines
+    from stream_rlhf.stages.images import ImageInputs
+    from stream_rlhf.stages.job_context import JobContext
+    from stream_rlhf.stages.weight_sync import RolloutWeights
 
 
 class TorchRolloutEngine:

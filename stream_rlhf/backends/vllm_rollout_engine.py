@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -33,11 +34,14 @@ from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_client import GenerateAbandoned, VllmClient
 from stream_rlhf.backends.vllm_protocol import Update
 from stream_rlhf.backends.vllm_rollout import VllmOptions
-from stream_rlhf.stage import Batch, StageContext, StepAborted
 from stream_rlhf.models.checkpoint import max_positions
-from stream_rlhf.stages.images import ImageInputs
-from stream_rlhf.stages.job_context import JobContext, seeded_generator
-from stream_rlhf.stages.weight_sync import RolloutWeights
+from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stage import Batch, StageContext, StepAborted
+
+if TYPE_CHECKING:  # the rollout stage's own objects, passed in: stages/ is above the engines
+    from stream_rlhf.stages.images import ImageInputs
+    from stream_rlhf.stages.job_context import JobContext
+    from stream_rlhf.stages.weight_sync import RolloutWeights
 
 
 def engine_options(job: JobContext, max_model_len: int) -> VllmOptions:
