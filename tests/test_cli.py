@@ -124,7 +124,8 @@ def test_broker_and_stages_started_separately_as_on_a_cluster(tmp_path, free_por
     logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("broker", "stages")}  # files: never a full pipe
     broker = subprocess.Popen([*module, "broker", DEMO, *overrides],
                               stdout=subprocess.PIPE, stderr=logs["broker"], text=True)
-    instances = [("prompts", 0), ("rollout", 0), ("rollout", 1), ("ref_forward", 0), ("reward_forward", 0), ("trainer", 0)]
+    instances = [("prompts", 0), ("rollout", 0), ("rollout", 1), ("ref_forward", 0), ("reward_forward", 0),
+                 ("trainer", 0)]
     stages = [
         subprocess.Popen([*module, "stage", DEMO, name, "--broker", address,
                           "--index", str(index), *overrides], stderr=logs["stages"])

@@ -166,8 +166,9 @@ def test_a_bad_location_is_a_payload_error_naming_the_handle(shm_prefix, bad):
     producer = ShmTransport(prefix=shm_prefix, serve=False)
     try:
         spec = producer.put("h", {"x": torch.zeros(LARGE)})["x"]
-        location = msgspec.structs.replace(spec.location, **{k: v for k, v in bad.items() if k in ("segment", "offset")})
-        spec = msgspec.structs.replace(spec, location=location, **{k: v for k, v in bad.items() if k in ("shape", "nbytes")})
+        where = {k: v for k, v in bad.items() if k in ("segment", "offset")}
+        size = {k: v for k, v in bad.items() if k in ("shape", "nbytes")}
+        spec = msgspec.structs.replace(spec, location=msgspec.structs.replace(spec.location, **where), **size)
         with pytest.raises(PayloadError, match="handle h field 'x'"):
             producer.get(make_handle({"x": spec}))
     finally:

@@ -31,6 +31,7 @@ def start(context, path: Path, variable: str) -> None:
     assert process.exitcode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get(START_METHOD_VARIABLE) == "spawn", reason="this run spawns its processes")
 def test_a_forked_stage_sees_the_launchers_environment_of_now_and_the_servers_torch(tmp_path, monkeypatch):
     context = start_context()

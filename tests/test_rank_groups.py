@@ -42,8 +42,8 @@ def test_two_rank_actor_stages_train_as_one_rank_does(tmp_path):
             "iterations=3")
     one, one_log = start_run(tmp_path, "one", *grpo)
     assert one.wait(timeout=300) == 0, one_log.read_text()[-3000:]
-    two, two_log = start_run(tmp_path, "two", *grpo,
-                             "placement.stages={actor_train: {ranks: 2}, actor_forward: {ranks: 2}, ref_forward: {ranks: 2}}")
+    two, two_log = start_run(tmp_path, "two", *grpo, "placement.stages={actor_train: {ranks: 2}, "
+                             "actor_forward: {ranks: 2}, ref_forward: {ranks: 2}}")
     assert two.wait(timeout=300) == 0, two_log.read_text()[-3000:]
     text = two_log.read_text()
     for stage in ("actor_train", "actor_forward", "ref_forward"):

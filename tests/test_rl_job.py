@@ -78,7 +78,8 @@ def test_killed_stage_stops_the_run_with_a_clear_message_and_no_orphans(tmp_path
     pids: dict[str, int] = {}
     while time.monotonic() < deadline and not read_metrics(tmp_path / "kill" / "metrics.jsonl"):
         time.sleep(0.5)
-        pids = {m[0]: int(m[1]) for m in re.findall(r"instance (\S+) of stage \S+ joined \(pid (\d+)\)", log.read_text())}
+        joined = re.findall(r"instance (\S+) of stage \S+ joined \(pid (\d+)\)", log.read_text())
+        pids = {name: int(pid) for name, pid in joined}
     assert "rollout-0" in pids, log.read_text()[-3000:]
     os.kill(pids["rollout-0"], signal.SIGKILL)
     assert process.wait(timeout=60) == 1
