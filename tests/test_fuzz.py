@@ -180,6 +180,7 @@ def test_typed_fuzz_longer_run():
     fuzz(max_examples=2000)
 
 
+@pytest.mark.slow
 def test_oversized_message_rejected_with_reason():
     """A frame just over max_message_bytes (within libzmq's CURVE allowance) is read and answered
     with an Error saying why; one far over it is refused by libzmq (test_security.py)."""

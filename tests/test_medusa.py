@@ -121,6 +121,7 @@ def test_the_heads_lag_never_exceeds_its_bound(tmp_path):
     assert sum(r["speculative_minibatches"] for r in records) >= 1
 
 
+@pytest.mark.slow
 def test_speculation_turns_itself_off_while_slower_than_plain_and_says_so(tmp_path, caplog):
     cfg = build(RLJobConfig, tiny_job(tmp_path, "auto", **{"rollout.medusa.enabled": True}))
     job = JobContext(cfg, str(warm_start(cfg)), str(tmp_path / "weights"))

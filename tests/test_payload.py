@@ -202,6 +202,7 @@ def _consume(handle_bytes: bytes, queue) -> None:
     consumer.close()
 
 
+@pytest.mark.slow
 def test_other_process_maps_the_segment(shm_prefix):
     producer = ShmTransport(prefix=shm_prefix, serve=False)
     want = awkward_tensors()

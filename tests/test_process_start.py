@@ -16,6 +16,7 @@ from stream_rlhf.launch.process_start import (
     start_context,
 )
 
+pytestmark = pytest.mark.slow  # each test starts processes (the first one the fork server, which imports torch)
 
 def write_environment_and_torch_state(path: str, variable: str) -> None:
     import sys
@@ -31,7 +32,6 @@ def start(context, path: Path, variable: str) -> None:
     assert process.exitcode == 0
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get(START_METHOD_VARIABLE) == "spawn", reason="this run spawns its processes")
 def test_a_forked_stage_sees_the_launchers_environment_of_now_and_the_servers_torch(tmp_path, monkeypatch):
     context = start_context()
