@@ -15,6 +15,7 @@ from stream_rlhf.broker.control.messages import Handle, Publish, decode, encode
 from stream_rlhf.broker.payload.memory_transport import MemoryTransport
 from stream_rlhf.broker.payload.transport import ShmTransport
 from stream_rlhf.broker.payload.server import PayloadError
+from tests.waiting import wait_for
 
 LARGE = 40_000  # float32 elements: past the small-payload slot size, so a segment of its own
 
@@ -256,9 +257,8 @@ def test_a_request_over_the_limit_drops_its_connection_counted_and_logged(shm_pr
         consumer.close()
         sock.connect(producer.endpoint)
         sock.send_multipart([b"", b"\x00" * (64 << 20)])
-        deadline = time.monotonic() + 10
-        while producer.counters.get("payload.connections_dropped", 0) < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: producer.counters.get("payload.connections_dropped", 0) >= 1, 10,
+                 "the payload server to drop the connection of the request over the limit")
         served = ShmTransport(prefix=shm_prefix, serve=False, prefer="tcp")
         assert_same(served.get(handle), want)  # the server serves on
         served.close()

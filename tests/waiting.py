@@ -15,12 +15,13 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.02) -> T:
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.02,
+             detail: Callable[[], str] | None = None) -> T:
     """The first truthy value of `predicate()`, asked every `interval_s`; TimeoutError naming `what`
-    once `timeout_s` passed without one."""
+    once `timeout_s` passed without one, followed by `detail()` if given (a log's tail)."""
     deadline = time.monotonic() + timeout_s
     while not (result := predicate()):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:g}s for {what}")
+            raise TimeoutError(f"waited {timeout_s:g}s for {what}" + (f"\n{detail()}" if detail else ""))
         time.sleep(interval_s)
     return result
