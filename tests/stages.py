@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
 from stream_rlhf.broker.payload import shm
 from stream_rlhf.stage import Batch, Output, Stage, StepAborted
-
-T = TypeVar("T")
+from tests.waiting import wait_for
 
 
 class CountingSource(Stage):
@@ -43,8 +40,8 @@ class GatedSource(CountingSource):
 
     def setup(self, ctx) -> None:
         super().setup(ctx)
-        wait_until(lambda: len(os.listdir(self.ready_dir)) >= self.readers, self.timeout_s,
-                   f"{self.readers} ready files in {self.ready_dir}")
+        wait_for(lambda: len(os.listdir(self.ready_dir)) >= self.readers, self.timeout_s,
+                 f"{self.readers} ready files in {self.ready_dir}")
 
 
 class Worker(Stage):
@@ -76,8 +73,8 @@ class PayloadLosingWorker(Worker):
 
     def setup(self, ctx) -> None:
         super().setup(ctx)
-        segments = wait_until(lambda: shm.list_segments(self.prefix), self.timeout_s,
-                              f"a shared-memory segment of prefix {self.prefix!r}")
+        segments = wait_for(lambda: shm.list_segments(self.prefix), self.timeout_s,
+                            f"a shared-memory segment of prefix {self.prefix!r}")
         for name, _ in segments:
             shm.unlink(name)
 
@@ -130,16 +127,6 @@ class Sink(Stage):
         if self.count == self.expected:
             self.ctx.send_control("shutdown", -1)
         return []
-
-
-def wait_until(predicate: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Polls `predicate` until it returns something truthy, and returns that."""
-    deadline = time.monotonic() + timeout_s
-    while not (result := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s}s for {what}")
-        time.sleep(0.02)
-    return result
 
 
 def read_records(path: str | Path) -> list[dict]:

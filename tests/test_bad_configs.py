@@ -210,6 +210,7 @@ ONE_CORE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_shipped_configs_place_on_a_one_core_machine():
     """The README's first command on a machine (or cgroup) with one core: every stage on that core."""
     result = subprocess.run([sys.executable, "-c", ONE_CORE], capture_output=True, text=True, timeout=120,

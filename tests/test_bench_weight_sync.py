@@ -9,7 +9,8 @@ from tests.bench_run import run_bench_json
 pytestmark = pytest.mark.slow
 
 TRANSPORTS = ("disk_reload", "shm", "gloo", "cuda_ipc")
-KEYS = {"model", "params", "bytes", "disk_reload_load_s"} | {f"{t}_{unit}" for t in TRANSPORTS for unit in ("s", "gbps")}
+KEYS = {"model", "params", "bytes", "disk_reload_load_s"} | {
+    f"{t}_{unit}" for t in TRANSPORTS for unit in ("s", "gbps")}
 
 
 def test_bench_weight_sync_quick_json(tmp_path):

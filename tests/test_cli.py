@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from stream_rlhf.broker.payload import shm
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "broker_demo.yaml")
@@ -79,10 +80,16 @@ def start_long_demo(tmp_path: Path, prefix: str) -> subprocess.Popen:
     ]
     log = open(tmp_path / "log", "w+")
     job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while "trained: weights v2" not in (tmp_path / "log").read_text():
-        assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
-        time.sleep(0.2)
+
+    def trained_twice() -> bool:
+        text = (tmp_path / "log").read_text()
+        if "trained: weights v2" in text:
+            return True
+        assert job.poll() is None, text[-3000:]
+        return False
+
+    wait_for(trained_twice, 120, "'trained: weights v2' in the demo's log",
+             detail=lambda: (tmp_path / "log").read_text()[-3000:])
     return job
 
 
@@ -124,7 +131,8 @@ def test_broker_and_stages_started_separately_as_on_a_cluster(tmp_path, free_por
     logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("broker", "stages")}  # files: never a full pipe
     broker = subprocess.Popen([*module, "broker", DEMO, *overrides],
                               stdout=subprocess.PIPE, stderr=logs["broker"], text=True)
-    instances = [("prompts", 0), ("rollout", 0), ("rollout", 1), ("ref_forward", 0), ("reward_forward", 0), ("trainer", 0)]
+    instances = [("prompts", 0), ("rollout", 0), ("rollout", 1), ("ref_forward", 0), ("reward_forward", 0),
+                 ("trainer", 0)]
     stages = [
         subprocess.Popen([*module, "stage", DEMO, name, "--broker", address,
                           "--index", str(index), *overrides], stderr=logs["stages"])

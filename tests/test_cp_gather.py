@@ -85,6 +85,7 @@ def _worker(rank: int, cp_size: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_cp_logprobs_match_single_process(cp_size, free_port):
     mp.spawn(_worker, args=(cp_size, free_port), nprocs=cp_size, join=True)

@@ -70,7 +70,8 @@ def test_min_pixels_scales_up(tmp_path):
 
 
 def test_from_vision_config():
-    vision = Qwen2VLConfig(vision_config={"patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2}).vision_config
+    config = Qwen2VLConfig(vision_config={"patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2})
+    vision = config.vision_config
     spec = ImageSpec.from_vision_config(vision, min_pixels=256, max_pixels=4096)
     assert (spec.patch_size, spec.merge_size, spec.temporal_patch_size, spec.factor) == (8, 2, 2, 16)
     with pytest.raises(ValueError, match="min_pixels"):

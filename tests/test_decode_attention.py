@@ -47,6 +47,7 @@ def test_decode_attention_equals_sdpa_with_grouped_heads_and_mask(q_len):
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_generate_with_decode_attention_samples_what_sdpa_samples(lm):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (6, 1, 3, 9, 3)]

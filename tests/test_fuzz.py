@@ -134,7 +134,8 @@ def fuzz(max_examples: int) -> dict[str, float]:
 
         @settings(max_examples=max_examples, deadline=None, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-        @given(hello=st.none() | prior_hellos, frames=st.lists(st.one_of(typed_frames, garbage_frames), min_size=1, max_size=4),
+        @given(hello=st.none() | prior_hellos,
+               frames=st.lists(st.one_of(typed_frames, garbage_frames), min_size=1, max_size=4),
                one_message=st.booleans())
         def send(hello: Hello | None, frames: list[bytes], one_message: bool) -> None:
             sock = context.socket(zmq.DEALER)
@@ -169,6 +170,7 @@ def fuzz(max_examples: int) -> dict[str, float]:
     return after
 
 
+@pytest.mark.slow
 def test_typed_fuzz_leaves_the_broker_serving_without_internal_errors():
     fuzz(max_examples=150)
 
@@ -178,6 +180,7 @@ def test_typed_fuzz_longer_run():
     fuzz(max_examples=2000)
 
 
+@pytest.mark.slow
 def test_oversized_message_rejected_with_reason():
     """A frame just over max_message_bytes (within libzmq's CURVE allowance) is read and answered
     with an Error saying why; one far over it is refused by libzmq (test_security.py)."""
@@ -193,6 +196,7 @@ def test_oversized_message_rejected_with_reason():
     assert isinstance(reply, Error) and reply.code == "oversize" and f"{LIMIT}" in reply.reason
 
 
+@pytest.mark.slow
 def test_a_hello_naming_an_impossible_pid_is_rejected_and_the_broker_outlives_its_heartbeat_check():
     """A schema-valid HELLO with this host's id and pid 2**40, then silence: the broker once
     removed the silent peer with os.kill(2**40, 0), and the OverflowError left its loop."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
@@ -86,6 +87,7 @@ def rollouts(model, tokenizer, cfg: RLJobConfig) -> tuple[list[torch.Tensor], li
     return [torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)], [len(p) for p in prompts], params
 
 
+@pytest.mark.slow
 def test_companion_training_lowers_the_heads_loss_and_raises_acceptance(tmp_path):
     """The heads start as copies of the LM head (no warm start of theirs), so they draft badly;
     fine-tuned on the run's own rollouts beside the actor, they fit the final policy's samples
@@ -112,6 +114,7 @@ def test_companion_training_lowers_the_heads_loss_and_raises_acceptance(tmp_path
     assert accept["companion"] > accept["start"] + 0.1, accept
 
 
+@pytest.mark.slow
 def test_the_heads_lag_never_exceeds_its_bound(tmp_path):
     """max_lag 0: rollout drafts only with heads trained on its own policy version, else plainly."""
     _, records, _ = run_medusa_job(tmp_path, "lag", iterations=4, overlap_depth=1,
@@ -120,6 +123,7 @@ def test_the_heads_lag_never_exceeds_its_bound(tmp_path):
     assert sum(r["speculative_minibatches"] for r in records) >= 1
 
 
+@pytest.mark.slow
 def test_speculation_turns_itself_off_while_slower_than_plain_and_says_so(tmp_path, caplog):
     cfg = build(RLJobConfig, tiny_job(tmp_path, "auto", **{"rollout.medusa.enabled": True}))
     job = JobContext(cfg, str(warm_start(cfg)), str(tmp_path / "weights"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topol
 from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.launch.spec import StageFailed, StageSpec
 from tests.stages import read_records
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 FAST_HEARTBEAT = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
@@ -60,12 +62,15 @@ def run_to_end(job: LocalJob, timeout_s: float = 90) -> None:
         job.stop()
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+def port_is_free(port: int) -> bool:
+    """`port` can be bound again on 127.0.0.1, as libzmq binds it (SO_REUSEADDR)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def test_fan_out_competing_consumers_and_join(tmp_path, shm_prefix):
@@ -241,7 +246,7 @@ def test_broker_killed_and_restarted_recovers_from_journal(tmp_path, shm_prefix,
         wait_for(lambda: len(read_records(out)) >= 5, 60, "first outputs")
         os.kill(job.broker_process.pid, signal.SIGKILL)
         job.broker_process.join(5)
-        time.sleep(0.5)
+        wait_for(lambda: port_is_free(free_port), 10, f"port {free_port} of the killed broker to be free")
         job.start_broker()
         job.wait(90)
     finally:

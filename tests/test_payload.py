@@ -15,6 +15,7 @@ from stream_rlhf.broker.control.messages import Handle, Publish, decode, encode
 from stream_rlhf.broker.payload.memory_transport import MemoryTransport
 from stream_rlhf.broker.payload.transport import ShmTransport
 from stream_rlhf.broker.payload.server import PayloadError
+from tests.waiting import wait_for
 
 LARGE = 40_000  # float32 elements: past the small-payload slot size, so a segment of its own
 
@@ -166,8 +167,9 @@ def test_a_bad_location_is_a_payload_error_naming_the_handle(shm_prefix, bad):
     producer = ShmTransport(prefix=shm_prefix, serve=False)
     try:
         spec = producer.put("h", {"x": torch.zeros(LARGE)})["x"]
-        location = msgspec.structs.replace(spec.location, **{k: v for k, v in bad.items() if k in ("segment", "offset")})
-        spec = msgspec.structs.replace(spec, location=location, **{k: v for k, v in bad.items() if k in ("shape", "nbytes")})
+        where = {k: v for k, v in bad.items() if k in ("segment", "offset")}
+        size = {k: v for k, v in bad.items() if k in ("shape", "nbytes")}
+        spec = msgspec.structs.replace(spec, location=msgspec.structs.replace(spec.location, **where), **size)
         with pytest.raises(PayloadError, match="handle h field 'x'"):
             producer.get(make_handle({"x": spec}))
     finally:
@@ -201,6 +203,7 @@ def _consume(handle_bytes: bytes, queue) -> None:
     consumer.close()
 
 
+@pytest.mark.slow
 def test_other_process_maps_the_segment(shm_prefix):
     producer = ShmTransport(prefix=shm_prefix, serve=False)
     want = awkward_tensors()
@@ -254,9 +257,8 @@ def test_a_request_over_the_limit_drops_its_connection_counted_and_logged(shm_pr
         consumer.close()
         sock.connect(producer.endpoint)
         sock.send_multipart([b"", b"\x00" * (64 << 20)])
-        deadline = time.monotonic() + 10
-        while producer.counters.get("payload.connections_dropped", 0) < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: producer.counters.get("payload.connections_dropped", 0) >= 1, 10,
+                 "the payload server to drop the connection of the request over the limit")
         served = ShmTransport(prefix=shm_prefix, serve=False, prefer="tcp")
         assert_same(served.get(handle), want)  # the server serves on
         served.close()

@@ -49,7 +49,7 @@ def write_trace(graph: SimGraph, run_dir: Path) -> float:
     events = [{"ph": "M", "name": "process_name", "pid": stage.name, "tid": 0, "args": {"name": f"{stage.name}-0"}}
               for stage in graph.stages]
     events += [trace_event(step) for step in prediction.steps]
-    for (name, iteration, minibatch), step in steps.items():
+    for name, _iteration, _minibatch in steps:
         for source in graph.stage(name).inputs:
             flow = len(events)
             events += [{"ph": "s", "id": flow, "pid": source, "ts": 0, "name": "minibatch"},

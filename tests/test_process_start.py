@@ -16,6 +16,7 @@ from stream_rlhf.launch.process_start import (
     start_context,
 )
 
+pytestmark = pytest.mark.slow  # each test starts processes (the first one the fork server, which imports torch)
 
 def write_environment_and_torch_state(path: str, variable: str) -> None:
     import sys

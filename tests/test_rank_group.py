@@ -32,6 +32,7 @@ def _rank(rank: int, init: str, out: mp.Queue) -> None:
     os._exit(0)  # as a stage process ends (launch/local.py): no interpreter teardown after torch.distributed
 
 
+@pytest.mark.slow
 def test_two_ranks_share_the_leaders_messages_and_gather_in_rank_order(tmp_path):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

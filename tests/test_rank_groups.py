@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.task_data import resolve_data
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import VISION, tiny_job, write_job
-from tests.test_rl_job import _gone_or_zombie, leftover_shm, start_run
+from tests.test_rl_job import _gone_or_zombie, leftover_shm, start_run, wait_for_iterations
 
 pytestmark = pytest.mark.slow
 GROUPS = "placement.stages={actor_train: {ranks: 2}, critic_train: {ranks: 2}, ref_forward: {ranks: 2}}"
@@ -42,8 +41,8 @@ def test_two_rank_actor_stages_train_as_one_rank_does(tmp_path):
             "iterations=3")
     one, one_log = start_run(tmp_path, "one", *grpo)
     assert one.wait(timeout=300) == 0, one_log.read_text()[-3000:]
-    two, two_log = start_run(tmp_path, "two", *grpo,
-                             "placement.stages={actor_train: {ranks: 2}, actor_forward: {ranks: 2}, ref_forward: {ranks: 2}}")
+    two, two_log = start_run(tmp_path, "two", *grpo, "placement.stages={actor_train: {ranks: 2}, "
+                             "actor_forward: {ranks: 2}, ref_forward: {ranks: 2}}")
     assert two.wait(timeout=300) == 0, two_log.read_text()[-3000:]
     text = two_log.read_text()
     for stage in ("actor_train", "actor_forward", "ref_forward"):
@@ -90,10 +89,7 @@ def test_sigterm_leaves_a_drain_checkpoint_of_two_rank_trainers(tmp_path):
     both, at the version they trained, past the periodic checkpoints (every 100 iterations)."""
     process, log = start_run(tmp_path, "drained", "iterations=50", "checkpoint={every: 100, keep: 2}", GROUPS)
     metrics = tmp_path / "drained" / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and len(read_metrics(metrics)) < 2:
-        assert process.poll() is None, log.read_text()[-3000:]
-        time.sleep(0.2)
+    wait_for_iterations(process, log, metrics, 2)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
     text = log.read_text()
@@ -109,9 +105,7 @@ def test_a_dead_rank_fails_the_job_naming_it_and_leaves_no_process(tmp_path, vic
     """Whichever rank dies, the others fail in their next collective (no hang) and the job stops."""
     name = f"dead{victim}"
     process, log = start_run(tmp_path, name, "iterations=50", GROUPS)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not read_metrics(tmp_path / name / "metrics.jsonl"):
-        time.sleep(0.2)
+    wait_for_iterations(process, log, tmp_path / name / "metrics.jsonl")
     text = log.read_text()
     pids = {"follower": re.search(r"actor_train-0 rank 1 of 2 \(pid (\d+)\)", text),
             "leader": re.search(r"instance actor_train-0 of stage actor_train joined \(pid (\d+)\)", text)}
@@ -127,9 +121,7 @@ def test_a_dead_rank_fails_the_job_naming_it_and_leaves_no_process(tmp_path, vic
 def kill_a_follower_and_finish(process: subprocess.Popen, log: Path, run_dir: Path) -> str:
     """Once the run's first iteration is in, SIGKILL rank 1 of ref_forward-0; the log once the run
     ended (it must end well: the group restarts)."""
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not read_metrics(run_dir / "metrics.jsonl"):
-        time.sleep(0.05)
+    wait_for_iterations(process, log, run_dir / "metrics.jsonl")
     follower = re.search(r"ref_forward-0 rank 1 of 2 \(pid (\d+)\)", log.read_text())
     assert follower and process.poll() is None, log.read_text()[-3000:]
     os.kill(int(follower[1]), signal.SIGKILL)

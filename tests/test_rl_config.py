@@ -85,6 +85,7 @@ def test_bad_config_names_the_key(tmp_path, override, message):
     assert message in str(err.value)
 
 
+@pytest.mark.slow
 def test_cli_rejects_a_bad_config_before_starting_anything(tmp_path):
     path = write_job(tmp_path / "bad.yaml", tiny_job(tmp_path, "bad"))
     result = subprocess.run(
@@ -96,6 +97,7 @@ def test_cli_rejects_a_bad_config_before_starting_anything(tmp_path):
     assert not (tmp_path / "bad").exists()  # nothing ran: no run folder
 
 
+@pytest.mark.slow
 def test_cli_rejects_a_placement_this_machine_cannot_run_before_the_warm_start(tmp_path):
     path = write_job(tmp_path / "cores.yaml", tiny_job(tmp_path, "cores"))
     result = subprocess.run(

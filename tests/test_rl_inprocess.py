@@ -21,7 +21,8 @@ from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job
 
 
-def run_inprocess(tmp_path: Path, name: str, every_forward: bool = False, **overrides) -> tuple[RLJobConfig, list[dict]]:
+def run_inprocess(tmp_path: Path, name: str, every_forward: bool = False,
+                  **overrides) -> tuple[RLJobConfig, list[dict]]:
     """`every_forward`: compile the dataflow with the reference and actor forwards it would leave out."""
     cfg = build(RLJobConfig, tiny_job(tmp_path, name, **overrides))
     with pytest.MonkeyPatch.context() as patch:
@@ -52,7 +53,8 @@ def test_sync_and_stream_on_policy_train_on_the_same_batches(tmp_path):
     stream_cfg, stream = run_inprocess(tmp_path, "stream", schedule="stream", overlap_depth=0, iterations=1)
     assert len(sync) == len(stream) == 1
     for a, b in zip(sync, stream):
-        assert a["reward"] == b["reward"] and a["tokens"] == b["tokens"] and a["staleness_max"] == b["staleness_max"] == 0
+        assert a["reward"] == b["reward"] and a["tokens"] == b["tokens"]
+        assert a["staleness_max"] == b["staleness_max"] == 0
     sync_weights = load_file(Path(sync_cfg.run_dir) / "checkpoint" / "model.safetensors")
     stream_weights = load_file(Path(stream_cfg.run_dir) / "checkpoint" / "model.safetensors")
     for key, value in sync_weights.items():

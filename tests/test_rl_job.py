@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.telemetry.stage_counts import FOLDER as COUNTS
 from tests.rl_tiny import tiny_job, write_job
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 SUMMARY_KEYS = {"eval_reward_before", "eval_reward_after", "tokens_per_s", "wall_s", "iterations", "samples_trained",
@@ -35,6 +35,18 @@ def start_run(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.Popen, 
 
 def leftover_shm(prefix: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+def wait_for_iterations(process: subprocess.Popen, log: Path, metrics: Path, iterations: int = 1,
+                        timeout_s: float = 180) -> None:
+    """Until `metrics` holds `iterations` lines; fails with the log's tail if the run ended first."""
+    def written() -> bool:
+        if len(read_metrics(metrics)) >= iterations:
+            return True
+        assert process.poll() is None, log.read_text()[-3000:]
+        return False
+
+    wait_for(written, timeout_s, f"{iterations} iteration(s) in {metrics}", detail=lambda: log.read_text()[-3000:])
 
 
 def test_tiny_ppo_run_writes_a_consistent_summary(tmp_path):
@@ -74,11 +86,9 @@ def test_killed_stage_stops_the_run_with_a_clear_message_and_no_orphans(tmp_path
     # no restart, no recovery: the launcher's own reaction to a crash (tests/test_resume_job.py has the rest)
     process, log = start_run(tmp_path, "kill", "iterations=50", "overlap_depth=1", "restarts={rollout: 0}",
                              "checkpoint.recoveries=0")
-    deadline = time.monotonic() + 180
-    pids: dict[str, int] = {}
-    while time.monotonic() < deadline and not read_metrics(tmp_path / "kill" / "metrics.jsonl"):
-        time.sleep(0.5)
-        pids = {m[0]: int(m[1]) for m in re.findall(r"instance (\S+) of stage \S+ joined \(pid (\d+)\)", log.read_text())}
+    wait_for_iterations(process, log, tmp_path / "kill" / "metrics.jsonl")
+    joined = re.findall(r"instance (\S+) of stage \S+ joined \(pid (\d+)\)", log.read_text())
+    pids = {name: int(pid) for name, pid in joined}
     assert "rollout-0" in pids, log.read_text()[-3000:]
     os.kill(pids["rollout-0"], signal.SIGKILL)
     assert process.wait(timeout=60) == 1
@@ -92,9 +102,7 @@ def test_killed_stage_stops_the_run_with_a_clear_message_and_no_orphans(tmp_path
 
 def test_ctrl_c_drains_and_stops_everything(tmp_path):
     process, log = start_run(tmp_path, "sigint", "iterations=50")
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not read_metrics(tmp_path / "sigint" / "metrics.jsonl"):
-        time.sleep(0.5)
+    wait_for_iterations(process, log, tmp_path / "sigint" / "metrics.jsonl")
     pids = [int(p) for p in re.findall(r"joined \(pid (\d+)\)", log.read_text())]
     os.killpg(process.pid, signal.SIGINT)  # what a terminal sends to the foreground group
     assert process.wait(timeout=60) == 130, log.read_text()[-3000:]
@@ -107,9 +115,7 @@ def test_a_restartable_stage_is_restarted_and_the_run_completes(tmp_path):
     iterations = 20  # enough that the kill lands mid-run on a fast machine too
     process, log = start_run(tmp_path, "restart", f"iterations={iterations}", "restarts={rollout: 1}")
     metrics = tmp_path / "restart" / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not read_metrics(metrics):
-        time.sleep(0.05)
+    wait_for_iterations(process, log, metrics)
     pid = int(re.search(r"instance rollout-0 of stage rollout joined \(pid (\d+)\)", log.read_text())[1])
     os.kill(pid, signal.SIGKILL)
     assert process.wait(timeout=240) == 0, log.read_text()[-3000:]

@@ -167,6 +167,7 @@ def test_a_bad_line_met_during_rl_stops_the_run_naming_file_and_line(tmp_path):
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_bad")]
 
 
+@pytest.mark.slow
 def test_a_bad_line_read_by_the_warm_start_is_a_data_error_of_the_cli(tmp_path):
     cfg = resolve_data(build(RLJobConfig, tiny_job(tmp_path, "source", **VISION)))
     folder = tmp_path / "data"

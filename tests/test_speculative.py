@@ -257,7 +257,8 @@ def small_heads(small_lm) -> dict[str, MedusaHeads]:
     positions = range(PROMPT.numel() - 1, length - 2)
     hidden_t = torch.cat([hidden[:, t] for t in positions])  # (M, H)
     targets = torch.cat(
-        [torch.stack([seqs[:, t + 2 + k] if t + 2 + k < length else torch.full_like(seqs[:, 0], -100) for k in range(2)])
+        [torch.stack([seqs[:, t + 2 + k] if t + 2 + k < length else torch.full_like(seqs[:, 0], -100)
+                      for k in range(2)])
          for t in positions], dim=1,
     )  # fmt: skip  # (2, M)
     fitted = _fit(MedusaHeads.from_policy(small_lm, 2), hidden_t, targets, steps=100)

@@ -35,7 +35,8 @@ def test_the_outputs_the_stages_build_match_their_schemas():
      r"field 'prompt_lens': shape \(1,\), expected \(2, ...\)"),
     (lambda t: t.update(behavior_logp_lens=torch.tensor([2, 2], dtype=torch.int32)),
      r"field 'behavior_logp': \(3,\) values for lengths summing to 4"),
-    (lambda t: t.update(sequences_lens=torch.tensor([4, 3])), "field 'sequences'_lens: torch.int64 \\(2,\\), expected int32"),
+    (lambda t: t.update(sequences_lens=torch.tensor([4, 3])),
+     "field 'sequences'_lens: torch.int64 \\(2,\\), expected int32"),
     (lambda t: t.update(group_ids=[0, 0]), "field 'group_ids': a list, not a tensor"),
 ])
 def test_a_bad_output_fails_at_publish_naming_topic_and_field(change, message):

@@ -141,6 +141,7 @@ def _run_ranks(world: int, tmp_path: Path, case: str) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_two_fsdp2_ranks_train_to_the_same_weights_as_one(tmp_path):
     one = load_file(_run_ranks(1, tmp_path, "train"))
     two = load_file(_run_ranks(2, tmp_path, "train"))
@@ -158,6 +159,7 @@ def test_two_fsdp2_ranks_train_to_the_same_weights_as_one(tmp_path):
         assert b["proximal_sum"] == pytest.approx(a["proximal_sum"], rel=1e-6)  # a float32 sum of ~140
 
 
+@pytest.mark.slow
 def test_two_fsdp2_critic_ranks_train_to_the_same_weights_as_one(tmp_path):
     one = load_file(_run_ranks(1, tmp_path, "critic"))
     two = load_file(_run_ranks(2, tmp_path, "critic"))
@@ -168,6 +170,7 @@ def test_two_fsdp2_critic_ranks_train_to_the_same_weights_as_one(tmp_path):
     assert [b["grad_norm"] for b in m2] == pytest.approx([a["grad_norm"] for a in m1], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_two_forward_ranks_give_the_log_probs_of_one(tmp_path):
     one = load_file(_run_ranks(1, tmp_path, "forward") + ".rank0")
     two_ranks = _run_ranks(2, tmp_path, "forward")

@@ -13,6 +13,7 @@ import pytest
 from stream_rlhf.viewer.page import write_page
 from tests.test_viewer_page import BAD_LINES, write_samples
 
+pytestmark = pytest.mark.slow  # a real Chromium process (scripts/setup_browser.sh installs it before the full suite)
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--no-first-run"]

@@ -12,6 +12,7 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from stream_rlhf.cli import main
@@ -120,6 +121,7 @@ def test_server_binds_loopback_only_and_serves_the_page(tmp_path):
     assert host == "127.0.0.1"
 
 
+@pytest.mark.slow
 def test_view_serve_through_the_real_cli(tmp_path):
     write_samples(tmp_path)
     command = [sys.executable, "-m", "stream_rlhf.cli", "view", str(tmp_path), "--serve", "--port", "0"]

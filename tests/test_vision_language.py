@@ -137,7 +137,8 @@ def test_mismatched_images_name_the_counts(vlm, samples):
         mrope_positions(sample.input_ids, torch.tensor([[1, 4, 4], [1, 4, 4]]), vlm.config)
     images = encode(vlm, sample)
     short = SampleImages(images.features[:3], images.grid_thw)
-    with pytest.raises(ValueError, match=r"sequence 0: 4 image tokens, grid_thw \[\[1, 4, 4\]\] gives 4, features hold 3"):
+    with pytest.raises(ValueError,
+                       match=r"sequence 0: 4 image tokens, grid_thw \[\[1, 4, 4\]\] gives 4, features hold 3"):
         packed_forward(vlm, [sample.input_ids], images=[short])
     with pytest.raises(ValueError, match="4 image tokens but 3 image feature rows"):
         embed_with_images(vlm, sample.input_ids, images.features[:3])

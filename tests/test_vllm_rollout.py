@@ -26,8 +26,8 @@ from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.stages.weight_sync import trained_parameters
 from stream_rlhf.weights.broadcast import BroadcastSender
 from stream_rlhf.weights.shm_store import WeightStore
-from tests.stages import wait_until
 from tests.vllm_env import vllm_python
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPTS = ["12+7=", "3+4=", "55+1=", "9+90=", "1+1=", "70+8="] * 4
@@ -226,7 +226,7 @@ def test_a_generate_abandoned_at_stop_kills_the_hung_engine_and_its_processes(ch
     assert [r.getMessage() for r in caplog.records] == [
         f"vLLM engine process {client.process.pid} is busy with an abandoned generate: killing it"]
     for pid in tree[1:]:  # vLLM's engine core and workers are in the engine's process group
-        wait_until(lambda pid=pid: not alive(pid), 10, f"engine child {pid} to exit")
+        wait_for(lambda pid=pid: not alive(pid), 10, f"engine child {pid} to exit")
 
 
 OWNER = """
@@ -252,7 +252,7 @@ def test_an_engine_whose_rollout_is_killed_exits_with_every_vllm_process(checkpo
         owner.kill()
         owner.wait()
     for pid in tree:
-        wait_until(lambda pid=pid: not alive(pid), 30, f"engine process {pid} to exit")
+        wait_for(lambda pid=pid: not alive(pid), 30, f"engine process {pid} to exit")
 
 
 def alive(pid: int) -> bool:

@@ -13,7 +13,7 @@ from stream_rlhf.weights.broadcast import BroadcastReceiver, BroadcastSender
 from stream_rlhf.weights.buckets import unpack
 from stream_rlhf.weights.group import WeightSyncClosed, WeightSyncTimeout, open_group, publish_address, wait_for_address
 from stream_rlhf.weights.sender import ServingThreads, SnapshotSlot
-from tests.stages import wait_until
+from tests.waiting import wait_for
 from tests.weight_receiver import receiver_process
 
 pytestmark = pytest.mark.slow
@@ -137,7 +137,7 @@ def test_sender_names_the_rank_that_never_joined(tmp_path):
                               rank_names={"rollout-0": ["trainer", "rollout-0 vLLM worker 0"]})
     message = r"group 'rollout-0' at 127\.0\.0\.1:\d+: rank\(s\) 1 \(rollout-0 vLLM worker 0\) did not join within 1\.5s"
     with pytest.raises(WeightSyncTimeout, match=message):
-        wait_until(trainer.check, 120, "the sender to give up on rank 1")
+        wait_for(trainer.check, 120, "the sender to give up on rank 1")
     with pytest.raises(WeightSyncTimeout, match=message):
         trainer.publish(weights(1), version=1)
     trainer.close()  # already reported: closes quietly
