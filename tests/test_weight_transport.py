@@ -1,6 +1,7 @@
 """The transport table (`weights/transport.py`): each transport's sender and receiver, opened from
 the table, move a small state dict; shm and broadcast here on the CPU (gloo over loopback),
-cuda_ipc on a GPU machine (a receiver in a spawned process on the same GPU)."""
+cuda_ipc on a GPU machine (a receiver in a spawned process on the same GPU). Then the stage side
+(`stages/weight_sync.py`) over the table."""
 
 from __future__ import annotations
 
@@ -9,10 +10,17 @@ from typing import get_args, get_type_hints
 
 import pytest
 import torch
+from torch import nn
 
+from stream_rlhf.backends.vllm_protocol import receive_update
+from stream_rlhf.config import build
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.stages.weight_sync import RolloutWeights, open_sender, trained_parameters
 from stream_rlhf.weights.shm_store import WeightStore
 from stream_rlhf.weights.sync_config import WeightSyncConfig
 from stream_rlhf.weights.transport import TRANSPORTS, Link, groups_folder
+from tests.rl_tiny import tiny_job
 from tests.weight_receiver import receiver_process
 
 CPU = torch.device("cpu")
@@ -114,4 +122,33 @@ def test_cuda_ipc_round_trips_to_a_process_on_the_same_gpu(tmp_path):
             assert version == 1
             assert_same(got, 1)
     finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+def test_rollout_weights_load_the_newest_version_through_the_jobs_transport(tmp_path, transport):
+    """The stage side (`stages/weight_sync.py`): the trainer publishes to its store and through
+    `weights.transport`; a rollout instance loads the newest version once it is newer than the one
+    it holds, whichever transport carries it."""
+    job = JobContext(build(RLJobConfig, tiny_job(tmp_path, "sync", weights={"transport": transport,
+                                                                              "timeout_s": 20.0})),
+                     "unused", str(tmp_path / "weights"))
+    trainer, rollout = nn.Linear(4, 3), nn.Linear(4, 3)
+    store = WeightStore(job.weights_root, "actor")
+    sender = open_sender(job)
+    weights = RolloutWeights(job, "rollout-0")
+    try:
+        weights.join_model(rollout)
+        assert weights.refresh_model(rollout, 0) == 0  # nothing newer than what it holds
+        for version in (1, 2):
+            with torch.no_grad():
+                trainer.bias.fill_(version)
+            store.publish(trainer, version)  # the trainer's own publish comes first (its forwards read it)
+            sender.publish(trained_parameters(trainer), version)
+        assert weights.refresh_model(rollout, 0) == 2
+        assert torch.equal(rollout.bias, trainer.bias) and torch.equal(rollout.weight, trainer.weight)
+        assert weights.refresh_model(rollout, 2) == 2
+        assert weights.engine_update(1) == receive_update(2) and weights.engine_update(2) is None
+    finally:
+        weights.close()
         sender.close()
