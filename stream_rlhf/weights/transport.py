@@ -124,6 +124,10 @@ class Join(Protocol):
 class Transport(NamedTuple):
     open_sender: OpenSender
     join: Join
+    one_host: bool
+    """Its ends meet on one host (a /dev/shm store, a GPU's memory): the plan keeps them together."""
+    needs_cuda: bool
+    """Both ends need the same CUDA device."""
 
 
 def _shm_sender(link: Link, groups: dict[str, int], rank_names: dict[str, list[str]] | None = None) -> ShmSender:
@@ -156,8 +160,9 @@ def _cuda_ipc_join(link: Link, group: str, rank: int, world_size: int, device: t
 
 
 TRANSPORTS: dict[str, Transport] = {
-    "shm": Transport(_shm_sender, _shm_join),
-    "broadcast": Transport(_broadcast_sender, _broadcast_join),
-    "cuda_ipc": Transport(_cuda_ipc_sender, _cuda_ipc_join),
+    "shm": Transport(_shm_sender, _shm_join, one_host=True, needs_cuda=False),
+    "broadcast": Transport(_broadcast_sender, _broadcast_join, one_host=False, needs_cuda=False),
+    "cuda_ipc": Transport(_cuda_ipc_sender, _cuda_ipc_join, one_host=True, needs_cuda=True),
 }
-"""`weights.transport` -> its two ends (the config's Literal lists the same names)."""
+"""`weights.transport` -> its two ends and where they may run (the config's Literal lists the same
+names; the plan's checks read `one_host` and `needs_cuda` here, `driver/plan.py`, `driver/dataflow.py`)."""
