@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from stream_rlhf.backends.torch_rollout import load_weights
 from stream_rlhf.backends.vllm_protocol import receive_update
 from stream_rlhf.config import build
 from stream_rlhf.rl.config import RLJobConfig
@@ -152,3 +153,20 @@ def test_rollout_weights_load_the_newest_version_through_the_jobs_transport(tmp_
     finally:
         weights.close()
         sender.close()
+
+
+def test_shm_receives_tied_tensors_once_and_loading_them_fills_both_names(tmp_path):
+    """As the broadcast transport sends them: one copy of a tied embedding per version loaded."""
+    def tied(value: float) -> nn.Module:
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight
+        with torch.no_grad():
+            model[0].weight.fill_(value)
+        return model
+
+    WeightStore(tmp_path, "actor").publish(tied(3.0), version=1)
+    version, named = TRANSPORTS["shm"].join(link(tmp_path), "rollout-0", 1, 2, CPU).receive(1)
+    assert version == 1 and len(named) == 1  # the tied pair, stored and received once
+    rollout = tied(0.0)
+    load_weights(rollout, named, "rollout-0")
+    assert (rollout[1].weight == 3.0).all() and rollout[1].weight is rollout[0].weight

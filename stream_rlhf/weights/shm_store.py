@@ -124,14 +124,15 @@ class WeightStore:
         """`version` as a state dict on the CPU, the tied names it stored once restored (FileNotFoundError
         once it has left the window)."""
         with trace.span("weights load", "weights", version=version, model=self.folder.name, transport="shm"):
-            return self._read(version)
+            state, metadata = self._read(version)
+        dropped = {name: kept for name, kept in metadata.items() if kept in state}
+        return state | {name: state[kept] for name, kept in dropped.items()}
 
-    def _read(self, version: int) -> dict[str, Tensor]:
+    def _read(self, version: int) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """The tensors `version` stores (tied ones once) and its metadata."""
         path = self.path(version)
         with reading(path), safe_open(str(path), framework="pt") as f:
-            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no iteration
-            dropped = {name: kept for name, kept in (f.metadata() or {}).items() if kept in state}
-        return state | {name: state[kept] for name, kept in dropped.items()}
+            return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}  # noqa: SIM118 - no iteration
 
     def path(self, version: int) -> Path:
         """The file of `version` (a reader that opens it after `keep` newer versions finds it gone)."""
@@ -174,12 +175,13 @@ class ShmReceiver:
     def receive(self, min_version: int = 0,
                 stop: threading.Event | None = None) -> tuple[int, list[tuple[str, Tensor]]] | None:
         """The store's newest version as (version, [(name, tensor)]) on the CPU if it is >= `min_version`,
-        else None; nothing here waits (`stop` is for the protocol's sake)."""
+        else None; nothing here waits (`stop` is for the protocol's sake). Tied tensors come once, as
+        the broadcast transport sends them: loading one loads both, with no second copy."""
         while (version := self.store.latest_version()) >= min_version:
             try:
                 with trace.span("weights receive", "weights", version=version, model=self.store.folder.name,
                                 transport="shm"):
-                    return version, list(self.store._read(version).items())
+                    return version, list(self.store._read(version)[0].items())
             except FileNotFoundError:  # left the window since LATEST named it: a newer one is there
                 continue
         return None
