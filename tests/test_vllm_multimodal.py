@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from stream_rlhf.backends import vllm_protocol as wire
 from stream_rlhf.backends.torch_engine import freeze_vision_tower
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_client import SHIM, VllmClient, engine_env
@@ -35,6 +35,7 @@ from stream_rlhf.samples import SampleImages
 from stream_rlhf.stages.weight_sync import trained_parameters
 from stream_rlhf.telemetry.stage_counts import read_stage_counts
 from stream_rlhf.weights.shm_store import WeightStore
+from stream_rlhf.weights.transport import Link, groups_folder
 from tests.rl_tiny import VISION, tiny_job, write_job
 from tests.test_rl_vllm import assert_every_sample_trained, run
 from tests.vllm_env import vllm_python
@@ -145,21 +146,23 @@ def test_behaviour_logprobs_equal_our_forward_with_0_1_and_2_images(engine, chec
 def test_updates_load_the_language_model_under_the_trainers_names(engine, checkpoint, batch, tmp_path):
     """v1: a whole-model file from `WeightStore.publish` (it keeps the tied head as lm_head.weight);
     v2: only the trained parameters, named as in memory (model.language_model.*, tied head as the
-    embedding), as the broadcast transport sends them."""
+    embedding), as the broadcast transport sends them. Both through the shm transport's store."""
     prompts, images = batch
     seeds = list(range(len(prompts)))
     v1 = language_model_perturbed(load_policy(checkpoint).eval(), seed=1)
     store = WeightStore(tmp_path, "actor")
     store.publish(v1, version=1)
     assert logprob_error(v1, prompts, images, engine.generate(prompts, params(), seeds, images=images)) > 1e-2
-    engine.update(1, "srl_load_file", str(store.path(1)))
+    engine.join_weights("shm", Link(str(tmp_path), "actor", str(groups_folder(tmp_path)), "gloo", 1 << 16, 60.0),
+                        "rollout-0", 2)
+    engine.update(1, wire.RECEIVE, 1)
     assert logprob_error(v1, prompts, images, engine.generate(prompts, params(), seeds, images=images)) < 1e-4
 
     v2 = language_model_perturbed(v1, seed=2)
     trained = dict(trained_parameters(v2))
     assert "model.language_model.embed_tokens.weight" in trained and not any(".visual." in n for n in trained)
-    save_file({name: tensor.contiguous() for name, tensor in trained.items()}, tmp_path / "v2.safetensors")
-    engine.update(2, "srl_load_file", str(tmp_path / "v2.safetensors"))
+    store.publish({name: tensor.contiguous() for name, tensor in trained.items()}, version=2)
+    engine.update(2, wire.RECEIVE, 2)
     gen = engine.generate(prompts, params(), seeds, images=images)
     assert engine.version == 2 and all((v == 2).all() for v in gen.token_versions)
     assert logprob_error(v2, prompts, images, gen) < 1e-4

@@ -24,8 +24,8 @@ from stream_rlhf.models.model_config import TinyModelConfig
 from stream_rlhf.models.packing import sequence_logprobs
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.stages.weight_sync import trained_parameters
-from stream_rlhf.weights.broadcast import BroadcastSender
 from stream_rlhf.weights.shm_store import WeightStore
+from stream_rlhf.weights.transport import TRANSPORTS, Link, groups_folder
 from tests.vllm_env import vllm_python
 from tests.waiting import wait_for
 
@@ -52,6 +52,11 @@ def engine(checkpoint):
     yield client
     client.close()
     assert client.process.returncode == 0
+
+
+def link(root: Path) -> Link:
+    """Where the engine's workers meet a trainer whose store is `root` (gloo on loopback)."""
+    return Link(str(root), "actor", str(groups_folder(root)), "gloo", 1 << 16, 60.0)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +117,8 @@ def test_update_through_shared_memory_file(engine, checkpoint, prompts, tmp_path
     stale = engine.generate(prompts, params(), seeds=list(range(len(prompts))))
     assert logprob_error(new, prompts, stale, 1.0) > 1e-2  # it still had other weights
 
-    engine.update(1, "srl_load_file", str(store.path(1)))
+    engine.join_weights("shm", link(tmp_path), "rollout-0", 2)
+    engine.update(1, wire.RECEIVE, 1)
     gen = engine.generate(prompts, params(), seeds=list(range(len(prompts))))
     assert engine.version == 1
     assert logprob_error(new, prompts, gen, 1.0) < 1e-4
@@ -121,11 +127,11 @@ def test_update_through_shared_memory_file(engine, checkpoint, prompts, tmp_path
 
 def test_update_through_a_gloo_broadcast_group(engine, checkpoint, prompts, tmp_path):
     new = perturbed(load_policy(checkpoint).eval(), seed=2)
-    sender = BroadcastSender(tmp_path, {"rollout-0": 2}, "gloo", bucket_bytes=1 << 16, timeout_s=60)
+    sender = TRANSPORTS["broadcast"].open_sender(link(tmp_path), {"rollout-0": 2})
     try:
-        engine.call("srl_join_broadcast", str(tmp_path), "rollout-0", 2, "gloo", 60.0)
+        engine.join_weights("broadcast", link(tmp_path), "rollout-0", 2)
         sender.publish(trained_parameters(new), version=2)  # tied head: sent once, as the embedding
-        engine.update(2, "srl_receive", 2)
+        engine.update(2, wire.RECEIVE, 2)
         sender.check()
     finally:
         sender.close()
@@ -140,15 +146,16 @@ def test_in_flight_update_labels_each_token_with_its_version(engine, checkpoint,
     new = perturbed(old, seed=4)
     store = WeightStore(tmp_path, "actor", keep=3)
     store.publish(old, version=3)
-    store.publish(new, version=4)
-    engine.update(3, "srl_load_file", str(store.path(3)))
+    engine.join_weights("shm", link(tmp_path), "rollout-0", 2)
+    engine.update(3, wire.RECEIVE, 3)
     sent = []
 
     def in_flight() -> wire.Update | None:  # asked as the request goes out: the update lands after step 1
         if sent:
             return None
         sent.append(True)
-        return wire.Update(4, "srl_load_file", [str(store.path(4))])
+        store.publish(new, version=4)
+        return wire.receive_update(4)
 
     # no stop token: every response runs 48 steps (asked only after 50 ms of silence, the update
     # once missed a generate that CI finished inside them)
@@ -175,9 +182,10 @@ def test_updates_log_no_warning_for_the_layers_they_leave_alone(checkpoint, tmp_
                         start_timeout_s=300)
     try:
         store = WeightStore(tmp_path, "actor")
+        client.join_weights("shm", link(tmp_path), "rollout-0", 2)
         for version in (1, 2):
             store.publish(perturbed(load_policy(checkpoint).eval(), seed=version), version=version)
-            client.update(version, "srl_load_file", str(store.path(version)))
+            client.update(version, wire.RECEIVE, version)
     finally:
         client.close()
     log = "".join(capfd.readouterr())
@@ -186,8 +194,9 @@ def test_updates_log_no_warning_for_the_layers_they_leave_alone(checkpoint, tmp_
 
 
 def test_a_failed_request_is_reported_and_the_engine_keeps_serving(engine, prompts, tmp_path):
-    with pytest.raises(VllmEngineError, match="missing.safetensors"):
-        engine.update(9, "srl_load_file", str(tmp_path / "missing.safetensors"))
+    engine.join_weights("shm", link(tmp_path), "rollout-0", 2)  # an empty store
+    with pytest.raises(VllmEngineError, match=r"no weights of version >= 9 in ShmReceiver\(.*/actor\)"):
+        engine.update(9, wire.RECEIVE, 9)
     with pytest.raises(VllmEngineError, match="not a WeightSyncExtension method"):
         engine.call("reload_weights")
     gen = engine.generate(prompts[:2], params(), seeds=[0, 1])

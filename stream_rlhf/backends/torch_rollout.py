@@ -3,6 +3,7 @@
     params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=64, stop_token_ids=(eos,))
     gen = generate(model, prompts, params, generator=torch.Generator().manual_seed(0))
     gen.response_ids[i], gen.response_logp[i], gen.finish_reasons[i]
+    load_weights(model, named, "rollout-0")      # a policy version received between generates
 
 Prompts are left-padded into one batch; position ids come from the attention mask, so padding does
 not shift positions and each row decodes exactly as it would alone. One prefill, then one token
@@ -28,6 +29,7 @@ distribution): an image token in a response would have no features in every late
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -220,3 +222,11 @@ def generate(
         response_logp=[out_logp[i, :n].clone() for i, n in enumerate(lengths_list)],
         finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
     )
+
+
+def load_weights(model: nn.Module, named: Iterable[tuple[str, Tensor]], who: str) -> None:
+    """Copy a received policy version (`weights/transport.py`: all of the model's tensors, or only
+    its trained ones) into `model` in place; a name the model lacks is an error naming `who`."""
+    result = model.load_state_dict(dict(named), strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"{who}: received weights the model does not have: {result.unexpected_keys[:5]}")

@@ -3,7 +3,8 @@
     engine = VllmClient(checkpoint, VllmOptions(max_model_len=64), python=".venv-vllm/bin/python")
     gen = engine.generate(prompts, params, seeds)          # a VllmGeneration, as torch_rollout's
     gen = engine.generate(prompts, params, seeds, images=images)   # a VLM: one SampleImages per prompt
-    engine.update(3, "srl_load_file", "/dev/shm/.../v3.safetensors")
+    engine.join_weights("broadcast", link, "rollout-0", world_size=2)   # the trainer's transport
+    engine.update(3, wire.RECEIVE, 3)                      # receive version >= 3 through it, load it
     engine.close()
 
 The engine runs in a process of its own (`vllm_server.py`) started with `python`, which may be
@@ -48,6 +49,7 @@ from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_rollout import VllmGeneration, VllmOptions
 from stream_rlhf.config import ConfigError
 from stream_rlhf.samples import SampleImages
+from stream_rlhf.weights.transport import Link
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
@@ -164,6 +166,11 @@ class VllmClient:
             return 0
         self._send(update)
         return 1
+
+    def join_weights(self, transport: str, link: Link, group: str, world_size: int) -> None:
+        """Have the engine's workers join the trainer's `transport` (`weights/transport.py`) as
+        ranks 1 .. world_size - 1 of `group`; each `wire.receive_update` then loads a version from it."""
+        self.call(wire.JOIN, transport, link.to_json(), group, world_size)
 
     def update(self, version: int, method: str, *args: wire.Arg) -> None:
         """Load weights `version` by `method(*args)` of the engine's workers (`vllm_worker.py`)."""

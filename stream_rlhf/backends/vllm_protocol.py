@@ -17,8 +17,10 @@
 Token ids and log-probs travel as flat little-endian int32 / float32 bytes plus per-sample
 lengths; a vision-language model's prompts carry their image features the same way
 (`PromptImages`), and a text model's carry none (the field is left out of the message).
-`Update.method` names a `WeightSyncExtension` method of the workers and `args` are plain values
-(paths, names, numbers): weights never travel through this socket.
+`Update.method` names a `WeightSyncExtension` method of the workers (`vllm_worker.py`) and `args`
+are plain values (names, numbers, JSON): weights never travel through this socket. The workers
+join the trainer's weight transport once (`Call(JOIN, ...)`), and each weight update is then
+`receive_update(version)`: receive the newest version >= it through that transport, load it.
 """
 
 from __future__ import annotations
@@ -52,10 +54,21 @@ class Generate(msgspec.Struct, tag="generate", frozen=True, omit_defaults=True):
     """One per prompt for a vision-language model; None (not sent) for a text model."""
 
 
+JOIN = "srl_join"
+"""The workers' method joining a weight transport: (transport, Link as JSON, group, world size)."""
+RECEIVE = "srl_receive"
+"""The workers' method receiving a version >= its one argument through the joined transport."""
+
+
 class Update(msgspec.Struct, tag="update", frozen=True):
     version: int
     method: str
     args: list[Arg]
+
+
+def receive_update(version: int) -> Update:
+    """The update that brings the engine to the newest version >= `version` of its transport."""
+    return Update(version, RECEIVE, [version])
 
 
 class Call(msgspec.Struct, tag="call", frozen=True):

@@ -3,7 +3,8 @@
     engine = VllmRollout(checkpoint, VllmOptions(max_model_len=64, cpu_cores=[0]))
     gen = engine.generate(prompts, params, seeds)       # a `VllmGeneration`, like torch_rollout's
     gen = engine.generate(prompts, params, seeds, images=images)   # a VLM: one `SampleImages` per prompt
-    engine.update(3, "srl_load_file", "/dev/shm/.../v3.safetensors")    # or (3, "srl_receive", 3)
+    engine.call("srl_join", "shm", link.to_json(), "rollout-0", 2)   # the trainer's weight transport
+    engine.update(3, "srl_receive", 3)                  # the newest version >= 3 through it
     engine.close()
 
 This runs in the engine process (`vllm_server.py`, started by `vllm_client.py`), which may use

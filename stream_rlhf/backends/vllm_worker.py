@@ -1,16 +1,16 @@
 """The weight-sync side of a vLLM worker: mixed into every worker of the rollout's engine.
 
     EngineArgs(..., worker_extension_cls="stream_rlhf.backends.vllm_worker.WeightSyncExtension")
-    engine.collective_rpc("srl_load_file", args=("/dev/shm/.../v3.safetensors",))
-    engine.collective_rpc("srl_join_broadcast", args=(folder, "rollout-0", 2, "gloo", 60.0))
+    engine.collective_rpc("srl_join", args=("broadcast", link.to_json(), "rollout-0", 2))
     engine.collective_rpc("srl_receive", args=(min_version,))   # -> [version] per worker
-    (srl_join_cuda_ipc instead of srl_join_broadcast: the same through CUDA IPC)
 
-vLLM imports this module inside its worker processes (`vllm_client.py` puts this package on
-their PYTHONPATH), so it imports little at the top; its methods are prefixed `srl_` so that they
-never shadow the worker's own (`update_weights`, `reload_weights` exist). Arguments cross a msgpack boundary
-without types, so only names, paths and numbers are passed: the tensors come from the shared-
-memory file or the broadcast group, never through the RPC.
+Each worker is a receiver rank of the trainer's weight transport, whichever it is (`shm`,
+`broadcast`, `cuda_ipc`: one table, `weights/transport.py`). vLLM imports this module inside its
+worker processes (`vllm_client.py` puts this package on their PYTHONPATH), so it imports little at
+the top; its methods are prefixed `srl_` so that they never shadow the worker's own
+(`update_weights`, `reload_weights` exist). Arguments cross a msgpack boundary without types, so
+only names, numbers and JSON are passed: the tensors come from the shared-memory store or the
+sender's group, never through the RPC.
 
 Weights are loaded with `reload_weights(..., is_checkpoint_format=True)`: on the CPU build the
 linear layers are prepacked oneDNN handles and `model.load_weights` fails; reload restores,
@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from pathlib import Path
 
-from safetensors.torch import load_file
+import torch
 from torch import Tensor
-
-from stream_rlhf.weights.shm_store import reading
 
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -66,32 +63,27 @@ class WeightSyncExtension:
     """Methods vLLM adds to its worker class (`self` is the worker: `reload_weights`, `rank`,
     `device`, `model_runner` are its own)."""
 
-    def srl_load_file(self, path: str) -> None:
-        """Load a safetensors file (a version of `weights.shm_store.WeightStore`) into the model,
-        holding it against reuse by the store meanwhile."""
-        with reading(Path(path)):
-            self._srl_reload(load_file(path).items())
+    def srl_join(self, transport: str, link: str, group: str, world_size: int) -> None:
+        """Join the trainer's `transport` as receiver rank 1 + this worker's rank of `group`
+        (`link`: a `weights.transport.Link` as JSON); a receiver joined before is closed."""
+        from stream_rlhf.weights.transport import TRANSPORTS, Link
 
-    def srl_join_broadcast(self, folder: str, group: str, world_size: int, backend: str, timeout_s: float) -> None:
-        """Join the trainer's broadcast group `group` as rank 1 + this worker's rank."""
-        from stream_rlhf.weights.broadcast import BroadcastReceiver
-
-        self._srl_receiver = BroadcastReceiver.join(
-            Path(folder), group, 1 + self.rank, world_size, backend, timeout_s, device=str(self.device)
-        )
+        self.srl_close()
+        self._srl_receiver = TRANSPORTS[transport].join(Link.from_json(link), group, 1 + self.rank, world_size,
+                                                        torch.device(self.device))
 
     def srl_receive(self, min_version: int) -> int:
-        """Receive the newest version (at least `min_version`) from the joined broadcast group or
-        CUDA IPC sender and load it; returns its version."""
-        version, named = self._srl_receiver.receive(min_version)
+        """Receive the newest version (at least `min_version`) from the joined transport and load
+        it; returns its version."""
+        receiver = getattr(self, "_srl_receiver", None)
+        if receiver is None:
+            raise RuntimeError(f"srl_receive({min_version}): no weight transport joined (srl_join first)")
+        received = receiver.receive(min_version)
+        if received is None:
+            raise RuntimeError(f"srl_receive: no weights of version >= {min_version} in {receiver!r}")
+        version, named = received
         self._srl_reload(named)
         return version
-
-    def srl_join_cuda_ipc(self, folder: str, name: str, timeout_s: float) -> None:
-        """Connect to the trainer's CUDA IPC sender `name` (trainer and worker share this GPU)."""
-        from stream_rlhf.weights.cuda_ipc import CudaIpcReceiver
-
-        self._srl_receiver = CudaIpcReceiver.join(Path(folder), name, timeout_s, device=self.device)
 
     def srl_close(self) -> None:
         receiver = getattr(self, "_srl_receiver", None)

@@ -51,6 +51,7 @@ from stream_rlhf.rl.stage_kinds import STAGE_KINDS, stages_where
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.telemetry.trace import FOLDER as TRACE_FOLDER
 from stream_rlhf.weights.offload_config import OffloadPolicy, default_group_policy
+from stream_rlhf.weights.transport import TRANSPORTS
 
 log = logging.getLogger(__name__)
 ROLLOUT_SIDE = frozenset(stages_where("rollout_side"))
@@ -83,9 +84,9 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
                 resume: ResumePoint | None = None) -> Dataflow:
     """The dataflow of `cfg` starting from `checkpoint` (`vision_language`: it has a vision tower),
     or continuing from the run checkpoint `resume`."""
-    if cfg.weights.transport == "cuda_ipc" and not torch.cuda.is_available():
-        raise ConfigError("weights.transport=cuda_ipc: needs a CUDA device shared by the trainer and rollout; "
-                          "this machine has none (use shm or broadcast)")
+    if TRANSPORTS[cfg.weights.transport].needs_cuda and not torch.cuda.is_available():
+        raise ConfigError(f"weights.transport={cfg.weights.transport}: needs a CUDA device shared by the trainer and "
+                          "rollout; this machine has none (use shm or broadcast)")
     critic = cfg.algorithm.uses_critic
     left_out = left_out_stages(cfg)
     for stage, reason in left_out.items():

@@ -37,6 +37,7 @@ from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.weights.shm_store import weights_root
+from stream_rlhf.weights.transport import TRANSPORTS
 
 
 def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_language: bool,
@@ -102,7 +103,7 @@ SHARED_STORES = (
 def _same_host(cfg: RLJobConfig, stages: dict[str, StageSpec]) -> list[tuple[str, str, str]]:
     """The stage pairs that meet through one host's /dev/shm weight store."""
     pairs = [pair for pair in SHARED_STORES if pair[0] in stages and pair[1] in stages]
-    if cfg.weights.transport != "broadcast":
+    if TRANSPORTS[cfg.weights.transport].one_host:
         pairs.append(("rollout", "actor_train", f"weights.transport={cfg.weights.transport} is one host's "
                                                 "(broadcast crosses hosts)"))
     return pairs
@@ -124,16 +125,17 @@ def _weights_across_hosts(cfg: RLJobConfig) -> tuple[RLJobConfig, str]:
     hosts of `ray.node_hosts`, and the plan's line saying so ('' when nothing changed)."""
     pins = cfg.ray.stage_resources
     same_nodes = pins.get("rollout") and pins.get("rollout") == pins.get("actor_train")
-    if cfg.launcher != "ray" or not cfg.ray.node_hosts or same_nodes or cfg.weights.transport == "broadcast":
+    transport = cfg.weights.transport
+    if cfg.launcher != "ray" or not cfg.ray.node_hosts or same_nodes or not TRANSPORTS[transport].one_host:
         return cfg, ""
     why = "rollout and actor_train may run on different hosts (ray.node_hosts, not pinned to the same nodes)"
-    if cfg.weights.transport == "cuda_ipc":
-        raise ConfigError(f"weights.transport=cuda_ipc: {why}; use broadcast")
+    if TRANSPORTS[transport].needs_cuda:  # one GPU's: asked for on purpose, not replaced behind the user's back
+        raise ConfigError(f"weights.transport={transport}: {why}; use broadcast")
     if cfg.restarts.get("rollout", 0):
         raise ConfigError(f"restarts.rollout={cfg.restarts['rollout']}: {why}, so the weights go by the broadcast "
                           "group, which a restarted rollout cannot rejoin")
     return replace(cfg, weights=replace(cfg.weights, transport="broadcast")), \
-        f"across hosts: weights.transport shm -> broadcast ({why}; /dev/shm is one host's)"
+        f"across hosts: weights.transport {transport} -> broadcast ({why}; /dev/shm is one host's)"
 
 
 def preview_plan(cfg: RLJobConfig) -> JobPlan:

@@ -73,7 +73,7 @@ class ActorTrain(Stage):
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "actor")
         leader = ctx.group.is_leader
-        self.sender = open_sender(self.job) if leader else None  # rollout's broadcast / CUDA IPC groups; None for shm
+        self.sender = open_sender(self.job) if leader else None  # rollout's weights.transport (weights/transport.py)
         self.checkpoints = TrainerCheckpoints(self.job, "actor", self.engine, ctx.group)
         if (state := self.checkpoints.resume()) is not None:
             self._restore(state)

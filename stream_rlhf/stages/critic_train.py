@@ -27,7 +27,7 @@ from stream_rlhf.samples import response_slices
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
 from stream_rlhf.telemetry.metrics import MetricsWriter
-from stream_rlhf.weights.broadcast import BroadcastSender
+from stream_rlhf.weights.transport import WeightSender
 from stream_rlhf.weights.shm_store import WeightStore
 
 
@@ -37,7 +37,7 @@ class CriticTrain(Stage):
         self.buffer = IterationBuffer(job.config.rollout_batch.minibatches)
         self.version = 0
         self.kl_ctl = kl_controller(job.config.algorithm.kl)
-        self.sender: BroadcastSender | None = None
+        self.sender: WeightSender | None = None
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)

@@ -14,6 +14,8 @@ store, where every rank loads it as before (`engine.refresh`); on the trainer's 
 version is there already and is not written twice. Every rank asks for the same versions (the
 batches' policy versions, a collective); a drain while waiting aborts the step. A restarted
 critic_forward could not rejoin the group, so the plan gives it no restarts (`driver/plan.py`).
+Both ends are the broadcast transport's (`weights/transport.py`: the protocol rollout's use too),
+the only one of the table that crosses hosts.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from __future__ import annotations
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.stage import StageContext, StepAborted
 from stream_rlhf.stages.job_context import JobContext
-from stream_rlhf.stages.weight_sync import group_backend
-from stream_rlhf.weights.address_book import launcher_book, sender_host
-from stream_rlhf.weights.broadcast import BroadcastReceiver, BroadcastSender
+from stream_rlhf.weights.address_book import launcher_book
 from stream_rlhf.weights.group import WeightSyncClosed
 from stream_rlhf.weights.shm_store import WeightStore
+from stream_rlhf.weights.transport import TRANSPORTS, Link, WeightReceiver, WeightSender
 
 GROUP = "critic_forward-0"
 """The critic's group (critic_forward has one instance); rollout's groups are `rollout-<i>`."""
+ACROSS_HOSTS = TRANSPORTS["broadcast"]
+CRITIC = "critic"
+"""The store (and link) of the critic's versions."""
 
 
 def critic_forward_ranks(job: JobContext) -> int:
@@ -41,32 +45,28 @@ def crosses_hosts() -> bool:
     return launcher_book() is not None
 
 
-def open_critic_sender(job: JobContext) -> BroadcastSender | None:
-    book = launcher_book()
-    if book is None:
+def open_critic_sender(job: JobContext) -> WeightSender | None:
+    if not crosses_hosts():
         return None
-    cfg = job.config.weights
-    return BroadcastSender(book, {GROUP: 1 + critic_forward_ranks(job)}, group_backend(), cfg.bucket_mb << 20,
-                           cfg.timeout_s, rank_names={GROUP: ["critic_train (critic sender)", *(
-                               f"critic_forward rank {r}" for r in range(critic_forward_ranks(job)))]},
-                           host=sender_host(book))
+    ranks = critic_forward_ranks(job)
+    names = ["critic_train (critic sender)", *(f"critic_forward rank {r}" for r in range(ranks))]
+    return ACROSS_HOSTS.open_sender(Link.of(job.weights_root, CRITIC, job.config.weights), {GROUP: 1 + ranks},
+                                   rank_names={GROUP: names})
 
 
 class CriticRelay:
     """A critic_forward rank's receiver; see the module docstring."""
 
-    def __init__(self, receiver: BroadcastReceiver):
+    def __init__(self, receiver: WeightReceiver):
         self.receiver = receiver
         self.received = 0
 
     @classmethod
     def join(cls, job: JobContext, group: RankGroup) -> CriticRelay | None:
-        book = launcher_book()
-        if book is None:
+        if not crosses_hosts():
             return None
-        world_size = 1 + critic_forward_ranks(job)
-        return cls(BroadcastReceiver.join(book, GROUP, 1 + group.rank, world_size, group_backend(),
-                                          job.config.weights.timeout_s, device=group.device))
+        link = Link.of(job.weights_root, CRITIC, job.config.weights)
+        return cls(ACROSS_HOSTS.join(link, GROUP, 1 + group.rank, 1 + critic_forward_ranks(job), group.device))
 
     def fetch(self, min_version: int, store: WeightStore, ctx: StageContext) -> None:
         """Receive a critic of version >= `min_version` unless one was received already; the
@@ -74,11 +74,14 @@ class CriticRelay:
         if self.received >= min_version:
             return
         try:
-            version, named = self.receiver.receive(min_version, stop=ctx.stopping)
+            received = self.receiver.receive(min_version, stop=ctx.stopping)
         except (WeightSyncClosed, RuntimeError) as exc:
             if ctx.stopping.is_set():
                 raise StepAborted(f"stopping while waiting for critic version {min_version}") from exc
             raise
+        if received is None:
+            raise RuntimeError(f"critic version >= {min_version}: the critic's transport had none to give")
+        version, named = received
         self.received = version
         if ctx.group.is_leader and store.latest_version() < version:
             store.publish({name: tensor.clone() for name, tensor in named}, version)  # views of one buffer

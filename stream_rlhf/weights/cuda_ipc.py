@@ -172,10 +172,12 @@ class CudaIpcReceiver:
         store, address = rendezvous(address, 1, 2, timeout_s, [SENDER_NAME, f"{name} receiver"], name)
         return cls(store, name, address, device)
 
-    def receive(self, min_version: int = 0) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    def receive(self, min_version: int = 0,
+                stop: threading.Event | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """The newest weights with a version >= `min_version`, waiting for them (as long as the
         sender is alive): (version, [(name, tensor)]), views into this receiver's buffers that the
-        next receive() overwrites."""
+        next receive() overwrites. Once `stop` is set before the sender replied, raises
+        WeightSyncClosed (the receiver is then out of step with its sender: close it)."""
         where = f"cuda-ipc receiver {self.name!r} at {self.address}"
         if self._store is None:
             raise RuntimeError(f"{where}: receive after close()")
@@ -183,7 +185,7 @@ class CudaIpcReceiver:
         request, store = self._requests, self._store
         try:
             store.set(f"request/{request}", str(min_version))
-            wait_for_keys(store, [f"reply/{request}"], where)
+            wait_for_keys(store, [f"reply/{request}"], where, stop=stop)
             reply = json.loads(store.get(f"reply/{request}"))
             if self._layout is None:
                 self._layout = BucketLayout.from_json(store.get("layout").decode())

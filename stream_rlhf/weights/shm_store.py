@@ -2,7 +2,9 @@
 
     store = WeightStore(root, "actor")
     store.publish(model, version=3)              # trainer, after an iteration's optimizer steps
-    loaded = store.refresh(model, loaded)        # rollout / forward, between mini-batches
+    loaded = store.refresh(model, loaded)        # forward stages, between mini-batches
+
+    ShmSender(store) / ShmReceiver(store)        # the `shm` transport's ends (`transport.py`)
 
 Each version is one safetensors file under `root/<model>/` (root lies in /dev/shm, i.e. memory);
 `LATEST` names the newest and is replaced atomically, so a reader sees a complete version or the
@@ -23,7 +25,8 @@ import fcntl
 import json
 import os
 import struct
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -120,12 +123,16 @@ class WeightStore:
     def load_state(self, version: int) -> dict[str, Tensor]:
         """`version` as a state dict on the CPU, the tied names it stored once restored (FileNotFoundError
         once it has left the window)."""
-        path = self.path(version)
-        with trace.span("weights load", "weights", version=version, model=self.folder.name, transport="shm"), \
-                reading(path), safe_open(str(path), framework="pt") as f:
-            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no iteration
-            dropped = {name: kept for name, kept in (f.metadata() or {}).items() if kept in state}
+        with trace.span("weights load", "weights", version=version, model=self.folder.name, transport="shm"):
+            state, metadata = self._read(version)
+        dropped = {name: kept for name, kept in metadata.items() if kept in state}
         return state | {name: state[kept] for name, kept in dropped.items()}
+
+    def _read(self, version: int) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """The tensors `version` stores (tied ones once) and its metadata."""
+        path = self.path(version)
+        with reading(path), safe_open(str(path), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}  # noqa: SIM118 - no iteration
 
     def path(self, version: int) -> Path:
         """The file of `version` (a reader that opens it after `keep` newer versions finds it gone)."""
@@ -142,6 +149,48 @@ class WeightStore:
         if self.latest_version() > loaded_version:
             return self.load_into(model)
         return loaded_version
+
+
+class ShmSender:
+    """The `shm` transport's trainer end (`transport.py`): each version into the store, unless the
+    store holds it already (the trainer's own publish, for its forwards, comes first: written once)."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+
+    def publish(self, named: Iterable[tuple[str, Tensor]], version: int) -> None:
+        if self.store.latest_version() < version:
+            self.store.publish(dict(named), version)
+
+    def close(self) -> None:
+        """Nothing to stop: the versions stay in the store for its readers."""
+
+
+class ShmReceiver:
+    """The `shm` transport's receiver end (`transport.py`): reads the store's newest version."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+
+    def receive(self, min_version: int = 0,
+                stop: threading.Event | None = None) -> tuple[int, list[tuple[str, Tensor]]] | None:
+        """The store's newest version as (version, [(name, tensor)]) on the CPU if it is >= `min_version`,
+        else None; nothing here waits (`stop` is for the protocol's sake). Tied tensors come once, as
+        the broadcast transport sends them: loading one loads both, with no second copy."""
+        while (version := self.store.latest_version()) >= min_version:
+            try:
+                with trace.span("weights receive", "weights", version=version, model=self.store.folder.name,
+                                transport="shm"):
+                    return version, list(self.store._read(version)[0].items())
+            except FileNotFoundError:  # left the window since LATEST named it: a newer one is there
+                continue
+        return None
+
+    def close(self) -> None:
+        """Nothing held between receives."""
+
+    def __repr__(self) -> str:
+        return f"ShmReceiver({self.store.folder})"
 
 
 @contextmanager
