@@ -55,13 +55,13 @@ import numpy as np
 import torch
 import zmq
 
-from stream_rlhf.broker.payload import shm
 from stream_rlhf.broker.control.messages import Deliver, Handle, decode, encode
-from stream_rlhf.broker.payload.transport import ShmTransport
-from stream_rlhf.stage import Batch, Output, Stage
 from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
+from stream_rlhf.broker.payload import shm
+from stream_rlhf.broker.payload.transport import ShmTransport
 from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.launch.spec import StageSpec
+from stream_rlhf.stage import Batch, Output, Stage
 
 TOPIC = "bench"
 PAYLOAD_BYTES = 64_000_000

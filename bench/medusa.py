@@ -54,9 +54,9 @@ from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.config import load_config
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
+from stream_rlhf.driver.warm_start import warm_start
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.medusa import MedusaHeads, load_heads
-from stream_rlhf.driver.warm_start import warm_start
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.seeding import seeded_generator
 

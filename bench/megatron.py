@@ -30,6 +30,7 @@ cp_logprob_gather_bytes, cp_hidden_gather_bytes, cp_ratio, hidden.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -37,8 +38,6 @@ import resource
 import sys
 import tempfile
 import time
-
-import importlib.util
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != BENCH]  # this file would shadow megatron-core

@@ -65,11 +65,17 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline import assert_nothing_left, mean_iteration_s, progress, run_logged, shm_entries  # bench/, beside this script
+from pipeline import (  # bench/, beside this script
+    assert_nothing_left,
+    mean_iteration_s,
+    progress,
+    run_logged,
+    shm_entries,
+)
 
 from stream_rlhf.config import ConfigError, load_config
-from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.driver.dataflow import left_out_stages
+from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.telemetry.memory import CUDA_PEAK
 
 REPO = Path(__file__).resolve().parents[1]

@@ -41,14 +41,13 @@ import json
 from pathlib import Path
 
 from stream_rlhf.config import load_config
+from stream_rlhf.driver.dataflow import OFF_BOARD, ROLLOUT_SIDE
+from stream_rlhf.driver.plan import preview_plan
 from stream_rlhf.planner.calibrate import Profile, profile_from_trace
-from stream_rlhf.driver.dataflow import OFF_BOARD
 from stream_rlhf.planner.job_analytic import job_analytic_profile
 from stream_rlhf.planner.job_prediction import planned_on_rollout_cores
 from stream_rlhf.planner.simulator import simulate
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.driver.dataflow import ROLLOUT_SIDE
-from stream_rlhf.driver.plan import preview_plan
 from stream_rlhf.telemetry.trace_figures import STEADY_SKIP
 
 

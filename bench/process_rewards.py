@@ -44,8 +44,8 @@ def prm_folder(iterations: int) -> tuple[Path, float]:
     held-out step accuracy."""
     sys.path.insert(0, str(REPO))
     from stream_rlhf.config import load_config
-    from stream_rlhf.models.prm import train_tiny_prm
     from stream_rlhf.driver.warm_start import warm_start
+    from stream_rlhf.models.prm import train_tiny_prm
     from stream_rlhf.rl.config import RLJobConfig
 
     cfg = load_config(RLJobConfig, CONFIG, [f"iterations={iterations}"])

@@ -74,8 +74,8 @@ SETTLE_S = 0.05
 
 def tiny_config() -> Qwen2Config:
     from stream_rlhf.models.checkpoint import build_tiny
-    from stream_rlhf.models.tokenizer import build_tokenizer
     from stream_rlhf.models.model_config import TinyModelConfig
+    from stream_rlhf.models.tokenizer import build_tokenizer
 
     return build_tiny(TinyModelConfig(), build_tokenizer(), seed=0).config
 

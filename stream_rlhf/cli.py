@@ -116,8 +116,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(JobConfig, args.config, args.set)
         job = LocalJob(cfg.topology, cfg.broker, cfg.stages, cfg.admission())
         return _supervise(job, cfg.name, cfg.timeout_s, _BrokerProgress(job))
-    from stream_rlhf.rl.config import RLJobConfig
     from stream_rlhf.driver.run import RLRun
+    from stream_rlhf.rl.config import RLJobConfig
 
     cfg = load_config(RLJobConfig, args.config, args.set)
     if args.resume:  # a run folder named on the command line: runs_dir and name follow from it
@@ -227,11 +227,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _predict(args: argparse.Namespace, flow: Dataflow) -> dict[str, object]:
     """Print the simulator's prediction (and with --search the best plans); their JSON keys."""
-    from stream_rlhf.planner.job_prediction import (analytic_costs, buildable_groups, buildable_with_rollout,
-                                                    describe, describe_device, job_profile, plan_dict)
+    from stream_rlhf.driver.dataflow import device_groups
+    from stream_rlhf.planner.job_prediction import (
+        analytic_costs,
+        buildable_groups,
+        buildable_with_rollout,
+        describe,
+        describe_device,
+        job_profile,
+        plan_dict,
+    )
     from stream_rlhf.planner.search import predict, search, within_memory
     from stream_rlhf.rl.config import RLJobConfig
-    from stream_rlhf.driver.dataflow import device_groups
 
     if is_dataflow_config(args.config):
         raise ConfigError("plan --profile / --search / --device: predictions are for RL job configs")
@@ -289,8 +296,8 @@ def _plan(args: argparse.Namespace, prepare: bool) -> JobPlan:
     if is_dataflow_config(args.config):
         cfg = load_config(JobConfig, args.config, args.set)
         return JobPlan(cfg.name, Dataflow(cfg.topology, cfg.broker, cfg.stages, cfg.admission()))
-    from stream_rlhf.rl.config import RLJobConfig
     from stream_rlhf.driver.plan import preview_plan
+    from stream_rlhf.rl.config import RLJobConfig
 
     cfg = load_config(RLJobConfig, args.config, args.set)
     if prepare:

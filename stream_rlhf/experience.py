@@ -17,8 +17,8 @@ from torch import Tensor
 
 from stream_rlhf.algos.config import KLConfig
 from stream_rlhf.algos.kl import kl_estimate
-from stream_rlhf.stage import Batch
 from stream_rlhf.samples import Rollout, SampleImages, pad_right, unragged
+from stream_rlhf.stage import Batch
 
 
 @dataclass

@@ -20,10 +20,10 @@ from typing import Annotated
 from msgspec import Meta
 
 from stream_rlhf.broker.control.admission import OverlapAdmission
-from stream_rlhf.stage import Stage
 from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.config import ConfigError, check_fields, import_dotted
 from stream_rlhf.launch.spec import StageSpec
+from stream_rlhf.stage import Stage
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ import torch
 
 from stream_rlhf.broker import sockets
 from stream_rlhf.broker.control.messages import FieldSpec, Handle, Location
-from stream_rlhf.broker.payload.transport import FRAME_BYTES, ShmTransport
 from stream_rlhf.broker.payload.server import PayloadError
+from stream_rlhf.broker.payload.transport import FRAME_BYTES, ShmTransport
 from stream_rlhf.config import ConfigError, build
-from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.driver.plan import preview_plan
+from stream_rlhf.rl.config import RLJobConfig
 from tests.rl_tiny import tiny_job
 
 

@@ -6,7 +6,6 @@ import pytest
 
 from stream_rlhf.broker.control.admission import OverlapAdmission
 from stream_rlhf.broker.control.core import BrokerCore
-from stream_rlhf.broker.runtime.host import StageHost
 from stream_rlhf.broker.control.messages import (
     SCHEMA_VERSION,
     Ack,
@@ -22,10 +21,11 @@ from stream_rlhf.broker.control.messages import (
     Release,
     Request,
 )
-from stream_rlhf.broker.payload.memory_transport import MemoryTransport
-from stream_rlhf.stage import Output, Stage
 from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
+from stream_rlhf.broker.payload.memory_transport import MemoryTransport
+from stream_rlhf.broker.runtime.host import StageHost
 from stream_rlhf.config import ConfigError
+from stream_rlhf.stage import Output, Stage
 
 TOPOLOGY = Topology({
     "prompts": TopicConfig(producers=["src"], consumers=["rollout"]),

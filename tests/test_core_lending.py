@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from stream_rlhf.config import build
 from stream_rlhf.backends.core_board import CoreBoard, CoreLending
 from stream_rlhf.backends.core_lending import ThreadGovernor, govern
-from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.config import build
 from stream_rlhf.driver.dataflow import compile_job
+from stream_rlhf.rl.config import RLJobConfig
 from tests.rl_tiny import tiny_job
 
 

@@ -16,8 +16,8 @@ import pytest
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job
 from tests.test_rank_groups import kill_a_follower_and_finish
-from tests.test_rl_job import leftover_shm, start_run
 from tests.test_rl_device_groups import assert_same_samples
+from tests.test_rl_job import leftover_shm, start_run
 from tests.test_rl_process_rewards import run
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
+from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.broker.control.messages import Handle
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.stage import Batch, DeviceState, Stage

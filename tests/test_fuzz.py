@@ -42,8 +42,8 @@ from stream_rlhf.broker.control.messages import (
     decode,
     encode,
 )
-from stream_rlhf.broker.payload.shm import host_id
 from stream_rlhf.broker.control.topology import BrokerConfig
+from stream_rlhf.broker.payload.shm import host_id
 from tests.broker_process import broker_process, raw_dealer
 from tests.test_messages import MESSAGES
 

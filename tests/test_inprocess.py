@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from stream_rlhf.broker.runtime.inprocess import InProcessBus
-from stream_rlhf.stage import Batch, Output, Stage
 from stream_rlhf.config import load_config
 from stream_rlhf.demo.stages import PromptSource, ToyForward, ToyRollout, ToyTrainer
 from stream_rlhf.job import JobConfig
+from stream_rlhf.stage import Batch, Output, Stage
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

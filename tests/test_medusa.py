@@ -15,16 +15,15 @@ from stream_rlhf.backends.speculation import Speculation
 from stream_rlhf.backends.speculative import generate_speculative
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.broker.runtime.inprocess import InProcessBus
-from stream_rlhf.config import build
+from stream_rlhf.config import build, import_dotted
 from stream_rlhf.data.arithmetic import problems
-from stream_rlhf.config import import_dotted
 from stream_rlhf.data.tokenizer import load_tokenizer
+from stream_rlhf.driver.dataflow import compile_job
+from stream_rlhf.driver.warm_start import warm_start
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.medusa import MedusaHeads, has_heads, load_heads, save_heads
 from stream_rlhf.models.packing import packed_hidden_states
-from stream_rlhf.driver.warm_start import warm_start
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job

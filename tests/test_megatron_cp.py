@@ -25,9 +25,18 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install -e '.[megatron]'")
 
-from tests.test_megatron_engine import (_assert_one_step_each, _finish, _max_diff, _models,  # noqa: E402
-                                        _one_step_each, _run_ranks, _shared_experience, _train_once, _value_loss,
-                                        _vlm_experience)
+from tests.test_megatron_engine import (  # noqa: E402
+    _assert_one_step_each,
+    _finish,
+    _max_diff,
+    _models,
+    _one_step_each,
+    _run_ranks,
+    _shared_experience,
+    _train_once,
+    _value_loss,
+    _vlm_experience,
+)
 
 LAYOUTS = [(2, 1, 1), (4, 1, 1), (4, 2, 1), (4, 1, 2)]  # (ranks, tp, pp) at cp 2: dp = ranks / (tp x pp x cp)
 

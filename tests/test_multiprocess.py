@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stream_rlhf.broker.payload import shm
 from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
+from stream_rlhf.broker.payload import shm
 from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.launch.spec import StageFailed, StageSpec
 from tests.stages import read_records

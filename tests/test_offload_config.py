@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from stream_rlhf.config import ConfigError, build
+from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.weights.offload_config import OffloadPolicy
 from tests.rl_tiny import tiny_job
 

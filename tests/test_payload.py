@@ -10,11 +10,11 @@ import pytest
 import torch
 import zmq
 
-from stream_rlhf.broker.payload import shm
 from stream_rlhf.broker.control.messages import Handle, Publish, decode, encode
+from stream_rlhf.broker.payload import shm
 from stream_rlhf.broker.payload.memory_transport import MemoryTransport
-from stream_rlhf.broker.payload.transport import ShmTransport
 from stream_rlhf.broker.payload.server import PayloadError
+from stream_rlhf.broker.payload.transport import ShmTransport
 from tests.waiting import wait_for
 
 LARGE = 40_000  # float32 elements: past the small-payload slot size, so a segment of its own

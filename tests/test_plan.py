@@ -10,11 +10,11 @@ import pytest
 
 from stream_rlhf.cli import main
 from stream_rlhf.config import ConfigError, build, load_config
+from stream_rlhf.driver.plan import preview_plan
 from stream_rlhf.launch.launcher import make_launcher
 from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.launch.ray_config import RayConfig
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.driver.plan import preview_plan
 from tests.rl_tiny import VISION, tiny_job, write_job
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,9 +10,9 @@ import pytest
 
 from stream_rlhf.cli import main
 from stream_rlhf.config import build
+from stream_rlhf.driver.plan import preview_plan
 from stream_rlhf.launch.spec import StageFailed
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.driver.plan import preview_plan
 from tests.rl_tiny import tiny_job, write_job
 
 FORWARDS = {"forwards": ["ref_forward", "reward_forward", "critic_forward"]}

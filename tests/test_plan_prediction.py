@@ -13,11 +13,11 @@ import pytest
 
 from stream_rlhf.cli import main
 from stream_rlhf.config import load_config
+from stream_rlhf.driver.dataflow import ROLLOUT_SIDE, on_rollout_cores
+from stream_rlhf.driver.plan import preview_plan
 from stream_rlhf.planner.graph import SimGraph, SimStage
 from stream_rlhf.planner.simulator import simulate, trace_event
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.driver.dataflow import ROLLOUT_SIDE, on_rollout_cores
-from stream_rlhf.driver.plan import preview_plan
 from stream_rlhf.telemetry.trace_merge import topic_sources
 from tests.rl_tiny import tiny_job, write_job
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from stream_rlhf.config import load_config
+from stream_rlhf.driver.plan import preview_plan
 from stream_rlhf.planner.calibrate import Profile
 from stream_rlhf.planner.graph import SimGraph, SimStage
 from stream_rlhf.planner.job_prediction import buildable_groups
@@ -14,7 +15,6 @@ from stream_rlhf.planner.memory import memory_profile, stage_of_process
 from stream_rlhf.planner.search import device_group_candidates, predict, search, within_memory
 from stream_rlhf.planner.simulator import simulate
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.driver.plan import preview_plan
 from tests.rl_tiny import tiny_job, write_job
 
 PSS = {"broker": 170.0, "prompts-0": 320.0, "rollout-0": 300.0, "ref_forward-0": 290.0,

@@ -15,6 +15,7 @@ from stream_rlhf.algos.config import KLConfig
 from stream_rlhf.algos.process_rewards import place_step_rewards, step_ends, step_spans
 from stream_rlhf.config import ConfigError, build
 from stream_rlhf.data.arithmetic import final_reward, problems, reward, step_reward
+from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import build_tiny, save_checkpoint
 from stream_rlhf.models.model_config import TinyModelConfig
 from stream_rlhf.models.prm import corrupted_steps, load_prm, train_tiny_prm
@@ -22,9 +23,8 @@ from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.reward_parts_config import ProcessRewardConfig
 from stream_rlhf.rl.task_data import check_prompts
-from stream_rlhf.experience import Experience
-from stream_rlhf.stages.process_reward import ProcessScorer, check_process_reward, separator_id
 from stream_rlhf.samples import Rollout, pad_right
+from stream_rlhf.stages.process_reward import ProcessScorer, check_process_reward, separator_id
 
 STEP_RULE = "stream_rlhf.data.arithmetic:step_reward"
 

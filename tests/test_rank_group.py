@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from stream_rlhf.broker.control.messages import GroupBatch, GroupSetup, GroupStop, Handle
-from stream_rlhf.distributed import RankGroup, RankSpec
 from stream_rlhf.config import ConfigError
+from stream_rlhf.distributed import RankGroup, RankSpec
 from stream_rlhf.launch.spec import StageSpec
 
 

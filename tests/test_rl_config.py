@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from stream_rlhf.config import ConfigError, build, load_config
-from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.driver.dataflow import compile_job
+from stream_rlhf.rl.config import RLJobConfig
 from tests.rl_tiny import VISION, tiny_job, write_job
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -11,12 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from stream_rlhf.broker.runtime.inprocess import InProcessBus
-from stream_rlhf.config import build
-from stream_rlhf.config import import_dotted
-from stream_rlhf.driver.warm_start import warm_start
+from stream_rlhf.config import build, import_dotted
 from stream_rlhf.driver import dataflow
-from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.driver.dataflow import compile_job
+from stream_rlhf.driver.warm_start import warm_start
+from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job
 

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 
 from stream_rlhf.broker.runtime.inprocess import InProcessBus
-from stream_rlhf.config import build
-from stream_rlhf.config import import_dotted
-from stream_rlhf.models.tokenizer import build_tokenizer
-from stream_rlhf.driver.warm_start import warm_start
-from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.config import build, import_dotted
 from stream_rlhf.driver.dataflow import compile_job
+from stream_rlhf.driver.warm_start import warm_start
+from stream_rlhf.models.tokenizer import build_tokenizer
+from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.task_data import resolve_data
 from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_details

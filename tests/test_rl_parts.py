@@ -8,16 +8,16 @@ from transformers import Qwen2ForSequenceClassification
 
 from stream_rlhf.algos.config import KLConfig
 from stream_rlhf.broker.control.messages import Handle
-from stream_rlhf.stage import Batch
 from stream_rlhf.config import build
+from stream_rlhf.experience import Experience, IterationBuffer
 from stream_rlhf.models.checkpoint import build_tiny
 from stream_rlhf.models.model_config import TinyModelConfig
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.experience import Experience, IterationBuffer
+from stream_rlhf.samples import Rollout, ragged, unragged
+from stream_rlhf.stage import Batch
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.reward_forward import Scorer
-from stream_rlhf.samples import Rollout, ragged, unragged
 from stream_rlhf.weights.shm_store import WeightStore
 from tests.rl_tiny import tiny_job
 from tests.tiny_models import tiny_qwen2_config

@@ -13,8 +13,8 @@ import pytest
 from transformers import AutoModelForSequenceClassification
 
 from stream_rlhf.config import build
-from stream_rlhf.models.prm import train_tiny_prm
 from stream_rlhf.driver.warm_start import warm_start
+from stream_rlhf.models.prm import train_tiny_prm
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job, write_job

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from stream_rlhf.broker.control.messages import Handle
-from stream_rlhf.stage import Batch
 from stream_rlhf.config import ConfigError, build
+from stream_rlhf.experience import Experience
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.experience import Experience
 from stream_rlhf.samples import Rollout, ragged
+from stream_rlhf.stage import Batch
 from stream_rlhf.telemetry.sample_log import IMAGE_PATHS, SAMPLES_FILE, SampleLog, SampleLogConfig, logged_indices
 from tests.rl_tiny import tiny_job
 

@@ -12,9 +12,9 @@ import zmq
 from stream_rlhf.broker import sockets
 from stream_rlhf.broker.control.client import ControlClient, HandshakeError
 from stream_rlhf.broker.control.messages import SCHEMA_VERSION, Error, Handle, Hello, Publish, Release, decode, encode
+from stream_rlhf.broker.control.topology import BrokerConfig, CurveConfig, needs_curve
 from stream_rlhf.broker.runtime.runner import StageRunner
 from stream_rlhf.stage import Stage
-from stream_rlhf.broker.control.topology import BrokerConfig, CurveConfig, needs_curve
 from tests.broker_process import broker_process, raw_dealer, stats_once
 
 pytestmark = pytest.mark.slow

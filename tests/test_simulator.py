@@ -7,8 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from stream_rlhf.planner.calibrate import (Profile, base_cost, exclusive_costs, fit_alone_speedup, fit_contention,
-                                           profile_from_trace)
+from stream_rlhf.planner.calibrate import (
+    Profile,
+    base_cost,
+    exclusive_costs,
+    fit_alone_speedup,
+    fit_contention,
+    profile_from_trace,
+)
 from stream_rlhf.planner.graph import SimGraph, SimStage
 from stream_rlhf.planner.search import search
 from stream_rlhf.planner.simulator import simulate

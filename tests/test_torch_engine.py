@@ -20,8 +20,8 @@ from stream_rlhf.algos.losses import policy_loss, value_loss
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.distributed import RankGroup, RankSpec
-from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.experience import Experience
+from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.samples import response_slices
 from stream_rlhf.weights.shm_store import WeightStore
 from tests.tiny_models import tiny_qwen2_config

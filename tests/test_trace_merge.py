@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
+from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.broker.runtime.inprocess import InProcessBus
 from stream_rlhf.stage import Output, Stage
-from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.trace import TraceRecorder
 from stream_rlhf.telemetry.trace_merge import merge_trace, topic_sources

@@ -31,15 +31,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision, autocast
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.distributed import RankGroup
-from stream_rlhf.backends.core_lending import govern
+from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.samples import SampleImages
-from stream_rlhf.experience import Experience
 from stream_rlhf.weights.shm_store import WeightStore
 
 

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.precision import autocast
 from stream_rlhf.backends.rollout_engine import Generated
-from stream_rlhf.backends.torch_rollout import SamplingParams, generate
-from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.speculation import Speculation
+from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stage import Batch, StageContext

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from stream_rlhf.distributed import RankGroup
-from stream_rlhf.samples import SampleImages
 from stream_rlhf.experience import Experience
+from stream_rlhf.samples import SampleImages
 from stream_rlhf.weights.offload_config import OffloadTarget
 
 Offloadable = OffloadTarget

@@ -28,7 +28,6 @@ from zmq.auth.thread import ThreadAuthenticator
 from stream_rlhf.broker.control.topology import needs_curve
 from stream_rlhf.config import ConfigError
 
-
 ENVELOPE_BYTES = 256
 """What CURVE adds to a frame on the wire (33 bytes today), with room to spare."""
 KEY_FILES = ("broker.key", "broker.key_secret", "client.key", "client.key_secret")

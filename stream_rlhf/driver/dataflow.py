@@ -38,13 +38,13 @@ from pathlib import Path
 
 import torch
 
+from stream_rlhf.backends.core_board import CoreLending
 from stream_rlhf.broker.control.admission import OverlapAdmission, PhaseAdmission
 from stream_rlhf.broker.control.topology import TopicConfig, Topology
 from stream_rlhf.config import ConfigError
-from stream_rlhf.backends.core_board import CoreLending
+from stream_rlhf.launch.placement import RankPlacement, preflight, stage_ranks
 from stream_rlhf.launch.plan import Dataflow
 from stream_rlhf.launch.spec import StageSpec
-from stream_rlhf.launch.placement import RankPlacement, preflight, stage_ranks
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.stage_kinds import STAGE_KINDS, stages_where

@@ -24,11 +24,11 @@ from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.task_data import open_prompts
-from stream_rlhf.stages.images import samples_of
+from stream_rlhf.samples import Rollout, SampleImages
 from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stages.images import samples_of
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.reward_forward import Scorer
-from stream_rlhf.samples import Rollout, SampleImages
 
 
 def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[str, Any]:

@@ -29,12 +29,12 @@ import torch
 
 from stream_rlhf.broker.sockets import CurveKeys
 from stream_rlhf.config import ConfigError
+from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.launch.placement import machine_cores
 from stream_rlhf.launch.plan import Dataflow, JobPlan
 from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.weights.shm_store import weights_root
 from stream_rlhf.weights.transport import TRANSPORTS
@@ -141,8 +141,8 @@ def _weights_across_hosts(cfg: RLJobConfig) -> tuple[RLJobConfig, str]:
 def preview_plan(cfg: RLJobConfig) -> JobPlan:
     """The plan the driver would compile for `cfg`, from where it puts the dataset and the warm
     start, without making them."""
-    from stream_rlhf.models.checkpoint import is_vision_language
     from stream_rlhf.driver.warm_start import warm_start_folder
+    from stream_rlhf.models.checkpoint import is_vision_language
     from stream_rlhf.rl.task_data import data_files
 
     cfg, unwritten = data_files(cfg)

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from stream_rlhf.config import ConfigError
+from stream_rlhf.driver.dataflow import ROLLOUT_SIDE, check_placement
+from stream_rlhf.driver.plan import compile_plan
+from stream_rlhf.driver.resume import Resumed, prepare_resume, read_record, record_start
 from stream_rlhf.launch.launcher import Launcher, make_launcher
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.driver.dataflow import ROLLOUT_SIDE, check_placement
-from stream_rlhf.driver.plan import compile_plan
-from stream_rlhf.driver.resume import Resumed, prepare_resume, read_record, record_start
 from stream_rlhf.stages.trainer_checkpoint import checkpoint_parts, checkpoint_store
 from stream_rlhf.telemetry.memory import MemorySampler, describe, device_peaks
 from stream_rlhf.telemetry.metrics import MetricsWriter, read_metrics
@@ -89,9 +89,9 @@ class RLRun:
         """The job's processes' memory, sampled during `progress` (local launcher only)."""
 
     def prepare(self) -> Launcher:
-        from stream_rlhf.models.checkpoint import is_vision_language
-        from stream_rlhf.driver.warm_start import warm_start
         from stream_rlhf.driver.evaluate import evaluate
+        from stream_rlhf.driver.warm_start import warm_start
+        from stream_rlhf.models.checkpoint import is_vision_language
         from stream_rlhf.rl.task_data import resolve_data
 
         check_placement(self.cfg)  # cores and devices of this machine, before anything costly

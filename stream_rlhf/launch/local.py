@@ -33,8 +33,8 @@ from typing import Any
 from stream_rlhf.broker.control.topology import BrokerConfig, Topology
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.launcher import BrokerClient, Watch, stop_grace_s
-from stream_rlhf.launch.rank import run_device_group, run_stage
 from stream_rlhf.launch.process_start import FORK_SERVER, fork_server_pid, in_child, launcher_state, start_context
+from stream_rlhf.launch.rank import run_device_group, run_stage
 from stream_rlhf.launch.spec import StageFailed, StageSpec, take_restart
 from stream_rlhf.telemetry import trace
 

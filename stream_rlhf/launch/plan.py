@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from stream_rlhf.broker.control.admission import OverlapAdmission, PhaseAdmission
-from stream_rlhf.broker.sockets import CurveKeys
 from stream_rlhf.broker.control.topology import BrokerConfig, Topology
+from stream_rlhf.broker.sockets import CurveKeys
 from stream_rlhf.launch.placement import machine_cores
 from stream_rlhf.launch.ray_config import RayConfig
 from stream_rlhf.launch.spec import StageSpec

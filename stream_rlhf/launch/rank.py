@@ -22,18 +22,17 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
-from stream_rlhf.stage import Batch
-from stream_rlhf.config import ConfigError
-from stream_rlhf.config import import_dotted
+from stream_rlhf.config import ConfigError, import_dotted
 from stream_rlhf.launch.spec import StageSpec
+from stream_rlhf.stage import Batch
 from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.device_turns import DeviceTurns
 from stream_rlhf.weights.turn_order import TurnOrder
 
 if TYPE_CHECKING:
-    from stream_rlhf.distributed import RankGroup
     from stream_rlhf.backends.core_lending import ThreadGovernor
+    from stream_rlhf.distributed import RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +42,11 @@ def run_stage(stage_name: str, instance_id: str, spec: StageSpec, address: str, 
     """Build the stage from its spec and run rank `rank` of the instance until it stops: rank 0
     attached to the broker at `address`, the others following it (`init_method`: the group's
     rendezvous URL, with `spec.ranks` > 1)."""
-    from stream_rlhf.broker.runtime.group_follower import GroupFollower
-    from stream_rlhf.broker.payload.transport import ShmTransport
-    from stream_rlhf.distributed import RankGroup, RankSpec
-    from stream_rlhf.broker.runtime.runner import StageRunner
     from stream_rlhf.backends.core_lending import ThreadGovernor
+    from stream_rlhf.broker.payload.transport import ShmTransport
+    from stream_rlhf.broker.runtime.group_follower import GroupFollower
+    from stream_rlhf.broker.runtime.runner import StageRunner
+    from stream_rlhf.distributed import RankGroup, RankSpec
 
     if not 0 <= rank < spec.ranks:
         raise ConfigError(f"rank={rank}: {instance_id} has ranks 0..{spec.ranks - 1}")
@@ -98,10 +97,10 @@ def run_device_group(group_name: str, index: int, members: dict[str, StageSpec],
     own, and every rank takes its turns in rank 0's order (`weights/turn_order.py`). Returns once
     every member stopped; the first member that failed stops the others at once and its error is
     raised."""
-    from stream_rlhf.broker.runtime.group_follower import GroupFollower
     from stream_rlhf.broker.payload.transport import ShmTransport
-    from stream_rlhf.distributed import RankGroup, RankSpec
+    from stream_rlhf.broker.runtime.group_follower import GroupFollower
     from stream_rlhf.broker.runtime.runner import StageRunner
+    from stream_rlhf.distributed import RankGroup, RankSpec
 
     first = next(iter(members.values()))
     _pin(first, rank)

@@ -44,11 +44,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from stream_rlhf.config import import_dotted
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.launch.run_files import FileChange, FolderMirror, apply_changes
-from stream_rlhf.config import import_dotted
 from stream_rlhf.launch.spec import StageSpec
-from stream_rlhf.resume.store import FOLDER as CHECKPOINTS, recorded_store
+from stream_rlhf.resume.store import FOLDER as CHECKPOINTS
+from stream_rlhf.resume.store import recorded_store
 from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.trace_clocks import HostClocks, measure_offset
 

@@ -10,15 +10,13 @@ neither pulls in the machinery that starts processes.
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from msgspec import Meta
 
-from stream_rlhf.config import ConfigError, check_fields
 from stream_rlhf.backends.core_board import CoreLending
+from stream_rlhf.config import ConfigError, check_fields
 from stream_rlhf.weights.offload_config import OffloadPolicy
 
 RESTART_BACKOFF_S = 0.5

@@ -32,9 +32,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from stream_rlhf.driver.dataflow import ROLLOUT_SIDE
 from stream_rlhf.planner.calibrate import Profile
 from stream_rlhf.planner.devices import DeviceFigures
-from stream_rlhf.driver.dataflow import ROLLOUT_SIDE
 from stream_rlhf.rl.stage_kinds import STAGE_KINDS
 
 ADAM_BYTES = 28

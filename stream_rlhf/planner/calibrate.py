@@ -47,10 +47,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from stream_rlhf.driver.dataflow import OFF_BOARD
 from stream_rlhf.planner.graph import SimGraph, SimStage
 from stream_rlhf.planner.memory import NOT_SAMPLED, MemoryProfile
 from stream_rlhf.planner.simulator import contended_fractions
-from stream_rlhf.driver.dataflow import OFF_BOARD
 from stream_rlhf.telemetry.trace_figures import TRAINER, is_leader_step, steady_window
 
 ROLLOUT = "rollout"

@@ -27,23 +27,29 @@ from __future__ import annotations
 import json
 import logging
 import shlex
-from dataclasses import replace
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from stream_rlhf.config import ConfigError, load_config
+from stream_rlhf.driver.dataflow import ROLLOUT_SIDE, lends_idle_cores, on_rollout_cores
 from stream_rlhf.launch.plan import Dataflow
 from stream_rlhf.planner.calibrate import Profile, profile_from_trace
 from stream_rlhf.planner.devices import DeviceFigures, device_figures
 from stream_rlhf.planner.job_analytic import job_analytic_profile
 from stream_rlhf.planner.memory import BROKER, memory_profile, stage_of_process
 from stream_rlhf.planner.rank_search import search_ranks
-from stream_rlhf.planner.search import (Moved, Plan, device_group_candidates, groups_set, with_rollout_candidates,
-                                        with_rollout_set)
+from stream_rlhf.planner.search import (
+    Moved,
+    Plan,
+    device_group_candidates,
+    groups_set,
+    with_rollout_candidates,
+    with_rollout_set,
+)
 from stream_rlhf.planner.simulator import Prediction
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.driver.dataflow import ROLLOUT_SIDE, lends_idle_cores, on_rollout_cores
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import logging
+import math
 import os
 import platform
 import time

@@ -34,13 +34,13 @@ from stream_rlhf.algos.losses import entropy_loss, kl_loss, policy_loss
 from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.data.tokenizer import load_tokenizer
-from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
-from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.experience import Experience, IterationBuffer
-from stream_rlhf.stages.images import ImageInputs
-from stream_rlhf.seeding import seeded_generator
-from stream_rlhf.stages.job_context import JobContext, stage_counts
+from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.samples import response_slices
+from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
+from stream_rlhf.stages.images import ImageInputs
+from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
 from stream_rlhf.stages.weight_sync import open_sender

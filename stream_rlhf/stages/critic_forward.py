@@ -8,14 +8,13 @@ another host than critic_train each version comes by a broadcast group (`critic_
 from __future__ import annotations
 
 from stream_rlhf.backends.engines import build_train_engine
-from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StepAborted, StageContext
+from stream_rlhf.samples import Rollout, ragged, response_slices
+from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext, StepAborted
 from stream_rlhf.stages.critic_weights import CriticRelay
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
-from stream_rlhf.samples import Rollout, ragged, response_slices
 from stream_rlhf.stages.topics import topic_output
 from stream_rlhf.weights.shm_store import WeightStore
-
 
 CRITIC_POLL_S = 0.005
 

@@ -16,19 +16,19 @@ from torch import Tensor
 from stream_rlhf.algos.losses import value_loss
 from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.engines import build_train_engine
-from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
-from stream_rlhf.rl.reward_parts_config import policy_version_at
-from stream_rlhf.stages.critic_weights import crosses_hosts, open_critic_sender
 from stream_rlhf.experience import Experience, IterationBuffer
-from stream_rlhf.stages.images import ImageInputs
-from stream_rlhf.seeding import seeded_generator
-from stream_rlhf.stages.job_context import JobContext, stage_counts
+from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.samples import response_slices
+from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
+from stream_rlhf.stages.critic_weights import crosses_hosts, open_critic_sender
+from stream_rlhf.stages.images import ImageInputs
+from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
 from stream_rlhf.telemetry.metrics import MetricsWriter
-from stream_rlhf.weights.transport import WeightSender
 from stream_rlhf.weights.shm_store import WeightStore
+from stream_rlhf.weights.transport import WeightSender
 
 
 class CriticTrain(Stage):

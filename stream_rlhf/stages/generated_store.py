@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from stream_rlhf.stage import Output
 from stream_rlhf.resume.store import FOLDER, CheckpointStore
+from stream_rlhf.stage import Output
 
 NAME = re.compile(r"(\d+)-(\d+)-(\d+)\.pt")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from stream_rlhf.stage import StageContext
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.stage import StageContext
 from stream_rlhf.telemetry.stage_counts import StageCounts
 
 

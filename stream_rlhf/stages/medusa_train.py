@@ -24,8 +24,8 @@ from pathlib import Path
 from stream_rlhf.algos.medusa import heads_loss
 from stream_rlhf.backends.medusa_engine import MedusaTrainEngine
 from stream_rlhf.experience import Experience, IterationBuffer
-from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.trainer_checkpoint import ENGINE, STATE, checkpoint_store
 from stream_rlhf.stages.training import MetricMeans, minibatch_indices

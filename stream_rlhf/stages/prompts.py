@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig
 
-from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.data.tokenizer import load_tokenizer
 from stream_rlhf.rl.task_data import open_prompts
+from stream_rlhf.samples import ragged
+from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.images import image_batch_fields
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.prompt_cursor import PromptCursors
-from stream_rlhf.samples import ragged
 from stream_rlhf.stages.topics import topic_output
 from stream_rlhf.telemetry.sample_log import IMAGE_PATHS
 from stream_rlhf.telemetry.stage_counts import StageCounts

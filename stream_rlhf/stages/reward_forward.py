@@ -15,10 +15,10 @@ import torch
 from stream_rlhf.backends.forward_engine import RewardModelEngine
 from stream_rlhf.config import import_dotted
 from stream_rlhf.data.tokenizer import load_tokenizer
+from stream_rlhf.samples import Rollout, ragged
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.process_reward import ProcessScorer
-from stream_rlhf.samples import Rollout, ragged
 from stream_rlhf.stages.topics import topic_output
 
 RewardFunction = Callable[[str, str, str], float]

@@ -18,13 +18,13 @@ import torch
 
 from stream_rlhf.backends.rollout_engine import ROLLOUT_ENGINES, RolloutEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams
-from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.config import import_dotted
 from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
+from stream_rlhf.samples import Rollout, ragged, unragged
+from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
-from stream_rlhf.samples import Rollout, ragged, unragged
 from stream_rlhf.stages.topics import topic_output
 from stream_rlhf.stages.weight_sync import RolloutWeights
 

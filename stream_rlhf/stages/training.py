@@ -14,8 +14,8 @@ from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS
 from stream_rlhf.algos.config import KLConfig
 from stream_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from stream_rlhf.algos.masked import masked_whiten
-from stream_rlhf.stage import Batch
 from stream_rlhf.experience import Experience
+from stream_rlhf.stage import Batch
 from stream_rlhf.stages.job_context import JobContext
 
 

@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # the config half of this file is read before any model: no t
     from torch import Tensor
     from transformers import PreTrainedTokenizerBase
 
-    from stream_rlhf.stage import Batch
     from stream_rlhf.experience import Experience
+    from stream_rlhf.stage import Batch
 
 SAMPLES_FILE = "samples.jsonl"
 IMAGE_PATHS = "image_paths"

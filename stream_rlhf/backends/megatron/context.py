@@ -23,12 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region  # noqa: E402
 from torch import Tensor
 
 from stream_rlhf.kernels.cp_gather import cp_gather, sequence_order, shard
-
-from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region  # noqa: E402
 
 LAYOUT = "load_balanced"
 

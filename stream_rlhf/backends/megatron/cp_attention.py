@@ -19,16 +19,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch import Tensor
-
-from stream_rlhf.backends.megatron.context import LAYOUT
-from stream_rlhf.kernels.cp_gather import sequence_order
-
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from torch import Tensor
+
+from stream_rlhf.backends.megatron.context import LAYOUT
+from stream_rlhf.kernels.cp_gather import sequence_order
 
 
 class CPDotProductAttention(DotProductAttention):

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
@@ -49,14 +51,11 @@ from stream_rlhf.backends.megatron.state import Layout, export_hf_state, load_hf
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.distributed import RankGroup
+from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.vision_language import scatter_image_features
-from stream_rlhf.experience import Experience
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.weights.shm_store import WeightStore
-
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
 
 class MegatronTrainEngine:

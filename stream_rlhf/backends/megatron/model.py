@@ -35,6 +35,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
 from stream_rlhf.backends.megatron.cp_attention import with_cp_attention  # noqa: E402
 
 ARCHITECTURES: dict[str, Architecture] = {"qwen2": QWEN2, "llama": LLAMA, "qwen2_vl_text": QWEN2_VL,

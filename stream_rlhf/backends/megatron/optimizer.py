@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as CoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
+from torch import Tensor, nn
+
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.distributed import RankGroup
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from torch import Tensor, nn
 
-from megatron.core import parallel_state as ps
 from stream_rlhf.backends.megatron.model import Parallel
 from stream_rlhf.backends.megatron.weights import Architecture, Dims, Entry, stage_entries, to_hf, to_megatron
 

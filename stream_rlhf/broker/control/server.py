@@ -27,13 +27,13 @@ import msgspec
 import zmq
 
 from stream_rlhf.broker import sockets
-from stream_rlhf.broker.payload import shm
-from stream_rlhf.broker.control.admission import Admission
 from stream_rlhf.broker.connwatch import ConnectionWatch
+from stream_rlhf.broker.control.admission import Admission
 from stream_rlhf.broker.control.core import BrokerCore
 from stream_rlhf.broker.control.messages import Heartbeat, Message, MessageRejected, decode
-from stream_rlhf.broker.payload.shm import host_id
 from stream_rlhf.broker.control.topology import CONTROL_STAGE, BrokerConfig, Topology
+from stream_rlhf.broker.payload import shm
+from stream_rlhf.broker.payload.shm import host_id
 from stream_rlhf.telemetry import trace
 
 log = logging.getLogger(__name__)

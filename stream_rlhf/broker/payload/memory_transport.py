@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from stream_rlhf.broker.control.messages import FieldSpec, Handle, Location
-from stream_rlhf.broker.payload.transport import Tensors, dtype_name
 from stream_rlhf.broker.payload.server import PayloadError
+from stream_rlhf.broker.payload.transport import Tensors, dtype_name
 
 
 class MemoryTransport:

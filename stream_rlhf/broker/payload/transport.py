@@ -43,7 +43,6 @@ import torch
 import zmq
 
 from stream_rlhf.broker import sockets
-from stream_rlhf.broker.payload import shm
 from stream_rlhf.broker.control.messages import (
     FetchRequest,
     FieldAt,
@@ -53,6 +52,7 @@ from stream_rlhf.broker.control.messages import (
     decode_fetch_reply,
     encode,
 )
+from stream_rlhf.broker.payload import shm
 from stream_rlhf.broker.payload.server import GOODBYE, PayloadError, PayloadServer
 from stream_rlhf.broker.payload.shm import host_id
 from stream_rlhf.telemetry import trace

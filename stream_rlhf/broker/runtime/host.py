@@ -41,8 +41,8 @@ from stream_rlhf.broker.control.messages import (
     Release,
     Request,
 )
-from stream_rlhf.broker.payload.transport import PayloadTransport
 from stream_rlhf.broker.payload.server import PayloadError
+from stream_rlhf.broker.payload.transport import PayloadTransport
 from stream_rlhf.stage import Batch, Output, Stage, StepAborted
 from stream_rlhf.telemetry import trace
 

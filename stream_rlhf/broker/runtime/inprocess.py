@@ -15,7 +15,6 @@ from collections import deque
 
 from stream_rlhf.broker.control.admission import Admission
 from stream_rlhf.broker.control.core import BrokerCore
-from stream_rlhf.broker.runtime.host import StageHost
 from stream_rlhf.broker.control.messages import (
     SCHEMA_VERSION,
     Ack,
@@ -29,9 +28,10 @@ from stream_rlhf.broker.control.messages import (
     Release,
     Request,
 )
-from stream_rlhf.broker.payload.memory_transport import MemoryTransport
-from stream_rlhf.stage import Stage, StageContext
 from stream_rlhf.broker.control.topology import BrokerConfig, Topology
+from stream_rlhf.broker.payload.memory_transport import MemoryTransport
+from stream_rlhf.broker.runtime.host import StageHost
+from stream_rlhf.stage import Stage, StageContext
 
 log = logging.getLogger(__name__)
 

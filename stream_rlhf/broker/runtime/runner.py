@@ -40,7 +40,6 @@ import zmq
 
 from stream_rlhf.broker import sockets
 from stream_rlhf.broker.control.client import HandshakeError
-from stream_rlhf.broker.runtime.host import StageHost
 from stream_rlhf.broker.control.messages import (
     SCHEMA_VERSION,
     Ack,
@@ -64,9 +63,10 @@ from stream_rlhf.broker.control.messages import (
     Stats,
     decode,
 )
-from stream_rlhf.broker.payload.transport import PayloadTransport, ShmTransport
-from stream_rlhf.distributed import RankGroup
 from stream_rlhf.broker.payload.shm import host_id
+from stream_rlhf.broker.payload.transport import PayloadTransport, ShmTransport
+from stream_rlhf.broker.runtime.host import StageHost
+from stream_rlhf.distributed import RankGroup
 from stream_rlhf.stage import Batch, Stage, StageContext, StepAborted
 from stream_rlhf.telemetry import trace
 
