@@ -196,7 +196,8 @@ def run_job(prefix: str, settings: Settings, sinks: int, phases: list[Phase]) ->
     config = BrokerConfig(address="tcp://127.0.0.1:*", shm_prefix=prefix, queue_capacity=QUEUE_CAPACITY)
     job = LocalJob(topology, config, {
         "source": StageSpec(class_path(Source), kwargs={"reports": reports, "turn": turn, **timing}),
-        "sink": StageSpec(class_path(Sink), instances=sinks, prefetch=PREFETCH, kwargs={"reports": reports, "turn": turn}),
+        "sink": StageSpec(class_path(Sink), instances=sinks, prefetch=PREFETCH,
+                          kwargs={"reports": reports, "turn": turn}),
     })
     try:
         job.start()

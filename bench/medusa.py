@@ -82,7 +82,8 @@ def train(quick: bool) -> RLJobConfig:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     with log_path.open("w") as log:
-        code = subprocess.run(command, check=False, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
+        code = subprocess.run(command, check=False, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=900).returncode
     if code != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
         raise RuntimeError(f"{' '.join(command)}: exit code {code}; the end of {log_path}:\n{tail}")

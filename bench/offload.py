@@ -17,10 +17,10 @@ The device groups (`placement.device_groups`): `forwards` hosts the forward stag
 (ref_forward and critic_forward; actor_forward too where the job has one, in sync) and the reward
 stage (a rule here: no model to offload, one process less), `trainers` hosts actor_train and
 critic_train; both on the train side's cores (the config's `with_rollout`, critic_forward and
-critic_train on rollout's, would split each group: a group is one process). Offload (`placement.stages.<stage>.offload`, when: step): a
-forward's params, a trainer's params, grads and optimizer state. On a CPU device nothing moves (the
-device is host memory): there the saving is the processes a group merges, each of which carries
-the torch runtime.
+critic_train on rollout's, would split each group: a group is one process). Offload
+(`placement.stages.<stage>.offload`, when: step): a forward's params, a trainer's params, grads and
+optimizer state. On a CPU device nothing moves (the device is host memory): there the saving is the
+processes a group merges, each of which carries the torch runtime.
 
 Figures, from each run's summary.json (`memory`: `telemetry/memory.py`) and metrics.jsonl:
 

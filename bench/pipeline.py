@@ -409,7 +409,8 @@ def main() -> None:
         overhead = trace_overhead(settings, prefix)
         print(f"sync iteration s, trace off {overhead['iteration_s_trace_off']:.4f}, on "
               f"{overhead['iteration_s_trace_on']:.4f}: tracing costs {100 * overhead['trace_overhead']:+.2f}% "
-              f"(mean of {TRACE_PAIRS} runs each, {settings.iterations} iterations, the first {settings.skip} left out; "
+              f"(mean of {TRACE_PAIRS} runs each, {settings.iterations} iterations, "
+              f"the first {settings.skip} left out; "
               f"load average {overhead['load_1min_before']} before, {overhead['load_1min_after']} after)")
         if args.json:
             print(json.dumps(overhead))

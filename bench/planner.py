@@ -107,7 +107,7 @@ def main() -> None:
     table: dict[str, dict[str, dict[str, float]]] = {}
     for source, profile in profiles.items():
         row = table.setdefault(label(runs[source][1]), {})
-        for target, (_, summary, devices) in runs.items():
+        for _target, (_, summary, devices) in runs.items():
             predicted, measured = predict(profile, summary, devices, lending), measured_iteration_s(summary)
             row[label(summary)] = {"predicted_s": round(predicted, 4), "measured_s": round(measured, 4),
                                    "error": round(predicted / measured - 1, 4)}

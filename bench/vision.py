@@ -69,7 +69,8 @@ def run_column(column: str, iterations: int, prefix: str) -> dict:
                  f"broker.shm_prefix={prefix}", *WORKLOAD]
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     with log_path.open("w") as log:
-        code = subprocess.run(command, check=False, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S).returncode
+        code = subprocess.run(command, check=False, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=RUN_TIMEOUT_S).returncode
     if code != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
         raise RuntimeError(f"{' '.join(command)}: exit code {code}; the end of {log_path}:\n{tail}")

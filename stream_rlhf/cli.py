@@ -355,8 +355,8 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "broker": cmd_broker, "stage": cmd_stage, "stats": cmd_stats, "keys": cmd_keys,
-            "view": cmd_view}
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "broker": cmd_broker, "stage": cmd_stage, "stats": cmd_stats,
+            "keys": cmd_keys, "view": cmd_view}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -173,7 +173,8 @@ def import_dotted(path: str, key: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # an ImportError, or whatever the module raises as it imports
-        raise ConfigError(f"{key}={path!r}: module {module_name} does not import ({type(exc).__name__}: {exc})") from None
+        raise ConfigError(f"{key}={path!r}: module {module_name} does not import "
+                          f"({type(exc).__name__}: {exc})") from None
     if not hasattr(module, name):
         raise ConfigError(f"{key}={path!r}: module {module_name} has no {name}")
     return getattr(module, name)

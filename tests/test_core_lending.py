@@ -120,5 +120,6 @@ def test_a_separated_cpu_placement_lends_idle_cores_between_the_two_sides(tmp_pa
     for change in ({"lend_idle_cores": False}, {"mode": "colocated"}):
         off = tiny_job(tmp_path, "off", placement={**data["placement"], **change})
         assert all(spec.lending is None for spec in compile_job(build(RLJobConfig, off), "c", "w").stages.values())
-    grouped = tiny_job(tmp_path, "g", placement={**data["placement"], "stages": {"actor_train": {"ranks": 1, "cores": [0, 1]}}})
+    grouped = tiny_job(tmp_path, "g",
+                       placement={**data["placement"], "stages": {"actor_train": {"ranks": 1, "cores": [0, 1]}}})
     assert compile_job(build(RLJobConfig, grouped), "c", "w").stages["actor_train"].lending is None  # its own cores

@@ -51,7 +51,8 @@ def test_logprobs_and_values_read_from_the_rows_equal_the_packed_forwards():
     inputs = {"input_ids": batch.ids, "position_ids": batch.positions[0], "attention_mask": ~batch.mask}
     with torch.no_grad():
         hidden = lm.get_decoder()(**inputs).last_hidden_state  # (R, C, H)
-        logp, entropy = token_logprobs(hidden, lm.lm_head.weight, batch, shared.sequences, 0.7, True, ContextSplit(1, 0))
+        logp, entropy = token_logprobs(hidden, lm.lm_head.weight, batch, shared.sequences, 0.7, True,
+                                       ContextSplit(1, 0))
         expected, expected_entropy = sequence_logprobs(lm, shared.sequences, 0.7, True, prompt_lens=shared.prompt_lens)
     assert [len(t) for t in logp] == [len(s) - 1 for s in shared.sequences]
     assert max((a - b).abs().max().item() for a, b in zip(logp + entropy, expected + expected_entropy)) < 1e-6

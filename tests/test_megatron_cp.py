@@ -98,8 +98,9 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
     engine = MegatronTrainEngine(_models()["critic"], group, parallel=parallel)
     reference = TorchTrainEngine(_models()["critic"], RankGroup.single())
     found["critic.values"] = _max_diff(engine.forward_values(exp.sequences), reference.forward_values(exp.sequences))
-    found["critic.shared.values"] = _max_diff(engine.forward_values(shared.sequences, prompt_lens=shared.prompt_lens),
-                                              reference.forward_values(shared.sequences, prompt_lens=shared.prompt_lens))
+    found["critic.shared.values"] = _max_diff(
+        engine.forward_values(shared.sequences, prompt_lens=shared.prompt_lens),
+        reference.forward_values(shared.sequences, prompt_lens=shared.prompt_lens))
     engine = MegatronTrainEngine(_models()["vlm"], group, parallel=parallel)
     reference = TorchTrainEngine(_models()["vlm"], RankGroup.single())
     found["vlm.logprobs"] = _max_diff(engine.forward_logprobs(vlm_sequences, 0.7, images=vlm_images),
@@ -129,8 +130,9 @@ def test_megatron_engine_at_cp2_matches_the_torch_engine(tmp_path, world, tp, pp
     found = _run_ranks(tmp_path, _rank_main, world, tp, pp)
     assert found["longest"] % 4 and found["vlm_longest"] % 4 and found["rows_width"] % 4  # rows that need padding...
     assert found["padded_width"] % 4 == 0  # ...and the engine padded them to a multiple of 2 x cp
-    for key in ("qwen2.logprobs", "qwen2.shared.logprobs", "qwen2.tiny.logprobs", "critic.values", "critic.shared.values",
-                "vlm.logprobs", "vlm_critic.values") + (("qwen2.entropy", "qwen2.shared.entropy") if pp == 1 else ()):
+    keys = ("qwen2.logprobs", "qwen2.shared.logprobs", "qwen2.tiny.logprobs", "critic.values", "critic.shared.values",
+            "vlm.logprobs", "vlm_critic.values")
+    for key in keys + (("qwen2.entropy", "qwen2.shared.entropy") if pp == 1 else ()):
         assert found[key] < 1e-5, key
     for name in ("qwen2", "critic", "tiny"):
         assert found[f"{name}.train.moved"] > 1e-3, name  # training moved the weights: the comparison means something

@@ -82,7 +82,8 @@ def _vlm_experience():
 
     g = torch.Generator().manual_seed(4)
     model = _models()["vlm"].eval()
-    samples = [make_sample(g, [3, 4], [(2, 4, 4)]), make_sample(g, [5], []), make_sample(g, [2, 2, 3], [(2, 4, 8), (2, 4, 4)])]
+    samples = [make_sample(g, [3, 4], [(2, 4, 4)]), make_sample(g, [5], []),
+               make_sample(g, [2, 2, 3], [(2, 4, 8), (2, 4, 4)])]
     return [s.input_ids for s in samples], [encode(model, s) for s in samples]
 
 
@@ -251,7 +252,7 @@ def _train_once(group, parallel, optimizer, cases) -> dict[str, float]:
         reference = TorchTrainEngine(_models()[name], RankGroup.single(), optimizer)
         layers = [m for n, m in engine.model.named_modules() if n.rsplit(".", 1)[-1].isdigit() and ".layers." in n]
         calls = []
-        hooks = [layer.register_forward_hook(lambda *_: calls.append(1)) for layer in layers]
+        hooks = [layer.register_forward_hook(lambda *_, calls=calls: calls.append(1)) for layer in layers]
         mine = engine.train_step(part, loss_of(engine), per_sample)
         for hook in hooks:
             hook.remove()

@@ -37,7 +37,8 @@ def test_a_job_trains_its_actor_on_megatron_with_tp_2(tmp_path):
     for stage in ("actor_train", "ref_forward"):
         assert re.search(rf"{stage}-0 rank 1 of 2 \(pid \d+\) follows its leader on cpu", text), stage
     summary = json.loads((tmp_path / "megatron" / "summary.json").read_text())
-    assert summary["samples_trained"] == summary["samples_generated"] == 3 * 2 * 8 * 2  # iterations x mini-batches x prompts x samples
+    # iterations x mini-batches x prompts x samples
+    assert summary["samples_trained"] == summary["samples_generated"] == 3 * 2 * 8 * 2
     assert summary["samples_dropped"] == 0
     records = read_metrics(tmp_path / "megatron" / "metrics.jsonl")
     assert [r["iteration"] for r in records] == [0, 1, 2]

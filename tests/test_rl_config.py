@@ -37,7 +37,8 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
         ({"model.warm_start.batch_size": 0}, "model.warm_start.batch_size=0: must be >= 1"),
         ({"rollout.temperature": float("nan")}, "rollout.temperature=nan: must be a finite number"),
         ({"placement.stages": {"rollout": {"ranks": 2}}},
-         "placement.stages.rollout.ranks=2: only ref_forward, actor_forward, critic_forward, actor_train, critic_train"),
+         "placement.stages.rollout.ranks=2: "
+         "only ref_forward, actor_forward, critic_forward, actor_train, critic_train"),
         ({"placement.stages": {"trainer": {"ranks": 2}}}, "placement.stages.trainer: 'trainer' is not a stage"),
         ({"placement.stages": {"actor_train": {"ranks": 0}}}, "placement.stages.actor_train.ranks=0: must be >= 1"),
         ({"placement.stages": {"actor_train": {"ranks": 2, "devices": [0]}}},
@@ -178,7 +179,8 @@ def test_multimodal_dataflow_shares_one_features_handle(tmp_path):
 
 
 def test_sync_schedule_adds_barriers_and_room_for_an_iteration(tmp_path):
-    cfg = build(RLJobConfig, tiny_job(tmp_path, "s", schedule="sync", overlap_depth=0, **{"rollout_batch.minibatches": 12}))
+    cfg = build(RLJobConfig,
+                tiny_job(tmp_path, "s", schedule="sync", overlap_depth=0, **{"rollout_batch.minibatches": 12}))
     flow = compile_job(cfg, "checkpoint", "weights")
     assert flow.admission.barrier_topics == {"rollout", "experience"}
     assert flow.broker.queue_capacity >= 12

@@ -58,7 +58,10 @@ def test_reward_function_and_reward_model_combine(tmp_path):
                                                              "function_weight": 1.0, "model_path": str(tmp_path / "rm"),
                                                              "model_weight": 0.5}))
     scorer = Scorer(JobContext(cfg, str(checkpoint), ""))
-    encode = lambda text: torch.tensor(tokenizer.encode(text, add_special_tokens=False))
+
+    def encode(text):
+        return torch.tensor(tokenizer.encode(text, add_special_tokens=False))
+
     prompts, responses = [encode("2+3="), encode("10+5=")], [encode("5"), encode("14")]
     rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, responses)], torch.tensor([4, 5]),
                       [torch.zeros(1), torch.zeros(2)], torch.tensor([0, 1]))

@@ -122,7 +122,9 @@ def test_load_state_gives_back_the_names_a_tied_tensor_was_stored_once_under(tmp
     state = store.load_state(1)
     assert sorted(state) == ["lm_head.weight", "model.embed_tokens.weight", "norm.weight"]
     assert torch.equal(state["lm_head.weight"], embed) and torch.equal(state["model.embed_tokens.weight"], embed)
-    store.publish({"model.embed_tokens.weight": embed + 1, "lm_head.weight": embed + 1, "norm.weight": torch.ones(2)}, 2)
-    store.publish({"model.embed_tokens.weight": embed + 2, "lm_head.weight": embed + 2, "norm.weight": torch.ones(2)}, 3)
+    store.publish({"model.embed_tokens.weight": embed + 1, "lm_head.weight": embed + 1,
+                   "norm.weight": torch.ones(2)}, 2)
+    store.publish({"model.embed_tokens.weight": embed + 2, "lm_head.weight": embed + 2,
+                   "norm.weight": torch.ones(2)}, 3)
     with pytest.raises(FileNotFoundError):
         store.load_state(1)  # left the window (keep 2)

@@ -84,7 +84,9 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
                 reloaded.load(Path(out + ".checkpoint"))
                 again = reloaded.export_weights()
                 assert again.keys() == weights.keys() and all(torch.equal(again[k], weights[k]) for k in weights)
-            _assert_resumes_exactly(engine, lambda: TorchTrainEngine(_model(), group, OptimizerConfig(lr=1e-3, max_grad_norm=0.5)),
+            _assert_resumes_exactly(engine,
+                                    lambda: TorchTrainEngine(_model(), group,
+                                                             OptimizerConfig(lr=1e-3, max_grad_norm=0.5)),
                                     Path(out + ".state"), exp, advantages)
             weights = engine.export_weights()
             if group.is_leader:

@@ -85,7 +85,8 @@ def batch(checkpoint) -> tuple[list[torch.Tensor], list[SampleImages]]:
         prompts.append(encode_prompt(tokenizer, text, [p.num_tokens for p in patched], vision_ids))
         grid = torch.stack([p.grid_thw for p in patched]) if patched else torch.zeros((0, 3), dtype=torch.long)
         features = encode_images(tower, torch.cat([p.pixel_values for p in patched]), grid) if patched else []
-        images.append(SampleImages(torch.cat(features) if features else torch.zeros((0, config.text_config.hidden_size)), grid))
+        images.append(SampleImages(
+            torch.cat(features) if features else torch.zeros((0, config.text_config.hidden_size)), grid))
     return prompts, images
 
 

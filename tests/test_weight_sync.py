@@ -135,7 +135,8 @@ def test_sender_names_the_rank_that_never_joined(tmp_path):
     the sender waits for ranks that join later is what the tests above rely on)."""
     trainer = BroadcastSender(tmp_path, {"rollout-0": 2}, "gloo", BUCKET_BYTES, timeout_s=1.5,
                               rank_names={"rollout-0": ["trainer", "rollout-0 vLLM worker 0"]})
-    message = r"group 'rollout-0' at 127\.0\.0\.1:\d+: rank\(s\) 1 \(rollout-0 vLLM worker 0\) did not join within 1\.5s"
+    message = (r"group 'rollout-0' at 127\.0\.0\.1:\d+: "
+               r"rank\(s\) 1 \(rollout-0 vLLM worker 0\) did not join within 1\.5s")
     with pytest.raises(WeightSyncTimeout, match=message):
         wait_for(trainer.check, 120, "the sender to give up on rank 1")
     with pytest.raises(WeightSyncTimeout, match=message):

@@ -23,7 +23,8 @@ Wire = list[tuple[str, str, tuple[int, ...], bytes]]  # (name, dtype, shape, raw
 
 
 def to_wire(named: list[tuple[str, torch.Tensor]]) -> Wire:
-    return [(name, dtype_name(t.dtype), tuple(t.shape), t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return [(name, dtype_name(t.dtype), tuple(t.shape),
+             t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
             for name, t in named]
 
 

@@ -39,7 +39,8 @@ class Speculation:
     def __init__(self, job: JobContext, model: nn.Module, log: logging.LoggerAdapter):
         self.cfg = job.config.rollout.medusa
         self.log = log
-        self.heads = load_rollout_heads(job.checkpoint, model, self.cfg.heads).eval().to(next(model.parameters()).device)
+        self.heads = load_rollout_heads(job.checkpoint, model, self.cfg.heads).eval().to(
+            next(model.parameters()).device)
         self.store = WeightStore(job.weights_root, "medusa")
         self.heads_version = 0
         self.heads_backbone = 0
@@ -61,7 +62,8 @@ class Speculation:
         if speculative:
             with torch.inference_mode():
                 gen, stats = generate_speculative(model, self.heads, prompts, params, generator)
-            info.update(spec_steps=stats.verify_steps, spec_row_steps=stats.row_steps, spec_accepted=stats.drafts_accepted)
+            info.update(spec_steps=stats.verify_steps, spec_row_steps=stats.row_steps,
+                        spec_accepted=stats.drafts_accepted)
         else:
             gen = generate(model, prompts, params, generator)
         tokens = sum(len(r) for r in gen.response_ids)

@@ -69,7 +69,8 @@ class ImageSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.min_pixels < self.factor**2:
-            raise ValueError(f"min_pixels={self.min_pixels}: must be >= (patch_size * merge_size)**2 = {self.factor**2}")
+            raise ValueError(f"min_pixels={self.min_pixels}: "
+                             f"must be >= (patch_size * merge_size)**2 = {self.factor**2}")
         if self.max_pixels < self.min_pixels:
             raise ValueError(f"max_pixels={self.max_pixels}: must be >= min_pixels={self.min_pixels}")
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:

@@ -82,7 +82,8 @@ def encode_prompt(
     text itself encodes to a vision token."""
     segments = text.split(IMAGE_MARKER)
     if len(segments) - 1 != len(image_token_counts):
-        raise ValueError(f"prompt has {len(segments) - 1} {IMAGE_MARKER} markers for {len(image_token_counts)} image(s)")
+        raise ValueError(f"prompt has {len(segments) - 1} {IMAGE_MARKER} markers "
+                         f"for {len(image_token_counts)} image(s)")
     if vision_token_ids is None and image_token_counts:
         raise ValueError("prompt has images but the model takes none (no vision tower)")
     start, pad, end = vision_token_ids or (None, None, None)
@@ -284,7 +285,8 @@ class PromptDataset:
             return DataError(source, "schema", 'key "images" must be a list of non-empty path strings')
         markers = prompt.count(IMAGE_MARKER)
         if markers != len(names):
-            return DataError(source, "image tokens", f"prompt has {markers} {IMAGE_MARKER} markers for {len(names)} image(s)")
+            return DataError(source, "image tokens",
+                             f"prompt has {markers} {IMAGE_MARKER} markers for {len(names)} image(s)")
         if names and self.spec is None:
             return DataError(source, "image tokens", "prompt has images but the model takes none (no vision tower)")
         if len(names) > self.max_images_per_prompt:

@@ -99,7 +99,8 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
     forwards = [f for f in ("ref_forward", "reward_forward", "actor_forward", "critic_forward") if f not in left_out]
     checkpointed = ["actor_train"] + (["critic_train"] if critic else [])  # a checkpoint holds each one's part
     trainers = checkpointed + (["medusa_train"] if cfg.rollout.medusa.enabled and cfg.rollout.medusa.companion else [])
-    parts = {"ref_forward": "ref_logp", "reward_forward": "reward", "actor_forward": "old_logp", "critic_forward": "values"}
+    parts = {"ref_forward": "ref_logp", "reward_forward": "reward", "actor_forward": "old_logp",
+             "critic_forward": "values"}
     prefetch = vision_language and cfg.vision.prefetch
     topics = {**{parts[f]: TopicConfig(producers=[f]) for f in forwards}}
     if not vision_language:

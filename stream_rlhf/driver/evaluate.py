@@ -49,11 +49,13 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     result: dict[str, Any] = {"prompts": len(items), "skipped": dict(dataset.skipped) if dataset else {},
                               "skipped_examples": list(dataset.skipped_examples) if dataset else []}
     for name, temperature in (("reward", cfg.rollout.temperature), ("greedy_reward", 0.0)):
-        params = SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids, tokenizer.pad_token_id)
+        params = SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids,
+                                tokenizer.pad_token_id)
         scores = []
         for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
             prompts = [prompt for prompt, _, _ in chunk]
-            gen = generate(model, prompts, params, seeded_generator(cfg.seed, "eval", index * batch_size), images=images)
+            gen = generate(model, prompts, params, seeded_generator(cfg.seed, "eval", index * batch_size),
+                           images=images)
             rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
                               torch.tensor([len(p) for p in prompts]), gen.response_logp, torch.zeros(len(chunk)))
             scores.append(scorer.score(rollout, [answer for _, answer, _ in chunk]))

@@ -213,7 +213,8 @@ class RLRun:
             "eval_greedy_reward_before": self.before["greedy_reward"],
             "eval_greedy_reward_after": after["greedy_reward"],
             "iterations": train["iterations"],
-            "tokens_per_s": round(sum(r.get("tokens", 0) for r in steady) / max(sum(r["iteration_s"] for r in steady), 1e-9), 1),
+            "tokens_per_s": round(sum(r.get("tokens", 0) for r in steady)
+                                  / max(sum(r["iteration_s"] for r in steady), 1e-9), 1),
             "iteration_s": round(sum(r["iteration_s"] for r in steady) / max(len(steady), 1), 3),
             "samples_generated": generated,
             "samples_trained": train["samples_trained"],
@@ -245,7 +246,8 @@ class RLRun:
         if self.vision_language:
             summary["images_seen"] = counts.get("prompts", {}).get("images_seen", 0)
             summary["images_encoded"] = sum(c.get("images_encoded", 0) for c in counts.values())
-            summary["images_encoded_by_stage"] = {s: c["images_encoded"] for s, c in counts.items() if "images_encoded" in c}
+            summary["images_encoded_by_stage"] = {s: c["images_encoded"] for s, c in counts.items()
+                                                  if "images_encoded" in c}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print_summary({**summary, "memory": describe(memory) if memory else None})  # one row, not one a process
         return summary

@@ -6,7 +6,8 @@ Entry points (differentiable; fp32 outputs):
     reference_logprobs_from_logits(...), reference_logprobs_from_hidden(...)   # naive eager versions
 
 Backend choice (`dispatch`): Triton on CUDA when triton imports, else torch; `force_backend` and
-env `STREAM_RLHF_KERNELS=auto|triton|torch` override it. The Triton kernels live in `stream_rlhf/kernels/triton_logprob.py`.
+env `STREAM_RLHF_KERNELS=auto|triton|torch` override it. The Triton kernels live in
+`stream_rlhf/kernels/triton_logprob.py`.
 """
 
 from stream_rlhf.kernels.dispatch import backend_for, force_backend

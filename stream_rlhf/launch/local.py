@@ -262,7 +262,8 @@ class LocalJob(BrokerClient):
         if backoff_s is None:
             return False
         log.warning("%s exited with %s: restarting it%s in %.1fs (%d restart(s) left for %s)", process_name,
-                    self.processes[process_name].exitcode, f" with every rank of {instance_id}" if spec.ranks > 1 else "",
+                    self.processes[process_name].exitcode,
+                    f" with every rank of {instance_id}" if spec.ranks > 1 else "",
                     backoff_s, self.restarts_left[stage_name], stage_name)
         for rank in range(spec.ranks):  # the survivors of a group wait on the dead rank
             _end(self.processes.pop(rank_process_name(instance_id, rank)), grace_s=5.0)

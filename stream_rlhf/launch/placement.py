@@ -159,7 +159,8 @@ def stage_ranks(placement: PlacementConfig, stage: str, rollout_side: bool, uses
         per_rank = [cores] * own.ranks
     else:
         if own.ranks > len(cores):
-            raise ConfigError(f"{key}.ranks={own.ranks}: more ranks than its cores {cores} (one core at least per rank)")
+            raise ConfigError(f"{key}.ranks={own.ranks}: more ranks than its cores {cores} "
+                              "(one core at least per rank)")
         share = len(cores) // own.ranks
         per_rank = [cores[r * share:(r + 1) * share] for r in range(own.ranks)]
         devices = None
@@ -223,7 +224,7 @@ def _check_device_groups(groups: dict[str, list[str]], stages: dict[str, StagePl
         if len(members) < 2:
             raise ConfigError(f"{key}={members}: a device group hosts two stages or more")
         placed = {m: stages.get(m, StagePlacement()) for m in members}
-        for member, own in placed.items():
+        for member, _own in placed.items():
             if member in seen:
                 raise ConfigError(f"{key}: {member} is in device group {seen[member]} already")
             seen[member] = name
@@ -246,7 +247,8 @@ def check_groups_on_one_side(groups: dict[str, list[str]], with_rollout: list[st
         moved = [m for m in members if m in with_rollout]
         if moved and len(moved) < len(members):
             raise ConfigError(f"with_rollout={with_rollout}: {', '.join(moved)} of device_groups.{name} would run on "
-                              f"rollout's cores, {', '.join(m for m in members if m not in moved)} on the train side's, "
+                              f"rollout's cores, {', '.join(m for m in members if m not in moved)} "
+                              "on the train side's, "
                               "but a group's stages share one process: name all of its stages or none")
 
 

@@ -108,7 +108,8 @@ class RayJob(BrokerClient):
                 try:
                     ray.init(address=settings.address)
                 except (ConnectionError, ValueError, RuntimeError) as exc:
-                    raise ConfigError(f"ray.address={settings.address!r}: cannot join that Ray cluster: {exc}") from None
+                    raise ConfigError(f"ray.address={settings.address!r}: "
+                                      f"cannot join that Ray cluster: {exc}") from None
         if threading.current_thread() is threading.main_thread():
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)

@@ -72,7 +72,8 @@ def _build_tiny_vision_language(cfg: TinyModelConfig, tokenizer: PreTrainedToken
         raise ValueError("build_tiny: the tokenizer has no image tokens (build it with build_tokenizer(vision=True))")
     # M-RoPE splits each head's rotary frequencies between (time, height, width): 1/4, 3/8, 3/8 as in Qwen2-VL
     quarter = cfg.head_dim // 8
-    mrope_section = [quarter, (cfg.head_dim // 2 - quarter) // 2, cfg.head_dim // 2 - quarter - (cfg.head_dim // 2 - quarter) // 2]
+    mrope_section = [quarter, (cfg.head_dim // 2 - quarter) // 2,
+                     cfg.head_dim // 2 - quarter - (cfg.head_dim // 2 - quarter) // 2]
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                "pad_token_id": tokenizer.pad_token_id}
     config = Qwen2VLConfig(

@@ -78,7 +78,8 @@ def save_heads(heads: MedusaHeads, checkpoint: str | Path) -> None:
     save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, tmp)
     os.replace(tmp, folder / WEIGHTS_FILE)
     write_text_atomically(folder / CONFIG_FILE, json.dumps({"hidden_size": heads.hidden_size,
-                                                            "vocab_size": heads.vocab_size, "num_heads": heads.num_heads}))
+                                                            "vocab_size": heads.vocab_size,
+                                                            "num_heads": heads.num_heads}))
 
 
 def load_heads(checkpoint: str | Path) -> MedusaHeads:

@@ -12,10 +12,10 @@ vision-language PPO job the reward function's process, 276 MB, against 290-450 M
 others). The broker runs no stage and loads less of torch (~170 MB), so it is kept as measured,
 not used as the runtime; so is the local launcher's fork server (`launch/process_start.py`), whose
 pages the stage processes it forked share (with it the runtime of a stage process is ~90 MB, the
-server ~330 MB: calibrate on a run made the same way as the runs it predicts). A stage's own part is its processes' PSS less one runtime each. A device
-group's process carries one runtime plus its members' own parts. Calibrated with a process per
-stage, the forwards and the trainers in two groups predicted against runs so grouped (their
-processes' peaks summed; the job's peak instant):
+server ~330 MB: calibrate on a run made the same way as the runs it predicts). A stage's own part
+is its processes' PSS less one runtime each. A device group's process carries one runtime plus its
+members' own parts. Calibrated with a process per stage, the forwards and the trainers in two groups
+predicted against runs so grouped (their processes' peaks summed; the job's peak instant):
     text_ppo, 8 iterations, 8 -> 5 processes   1,546 MB   1,575 and 1,530; 1,532 and 1,496
     the vision-language PPO job, 9 -> 6        2,027 MB   2,071; 1,998
 

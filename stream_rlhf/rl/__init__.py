@@ -1,1 +1,2 @@
-"""RL jobs: the config users write, its compilation into broker topics and stage processes, and the driver that warm-starts, evaluates and summarises a run."""
+"""RL jobs: the config users write, its compilation into broker topics and stage processes, and the
+driver that warm-starts, evaluates and summarises a run."""

@@ -37,5 +37,5 @@ class ActorForward(Stage):
         rollout = Rollout.from_tensors(batch.tensors)
         logp = self.engine.forward_logprobs(rollout.sequences, self.job.config.rollout.temperature,
                                             images=self.images.of(batch.tensors), prompt_lens=rollout.prompt_lens)
-        return [topic_output("old_logp", ragged("old_logp", response_slices(logp, rollout.prompt_lens)), batch.num_samples,
-                       metadata={"proximal_version": self.version})]
+        return [topic_output("old_logp", ragged("old_logp", response_slices(logp, rollout.prompt_lens)),
+                             batch.num_samples, metadata={"proximal_version": self.version})]

@@ -144,7 +144,8 @@ class ActorTrain(Stage):
             self._publish()
             self.ctx.send_control("weights_ready", self.version)
         now = time.time()
-        record.update(iteration_s=round(now - self.last_done, 3), policy_version=self.version, wall_s=round(now - self.started, 3))
+        record.update(iteration_s=round(now - self.last_done, 3), policy_version=self.version,
+                      wall_s=round(now - self.started, 3))
         record["tokens_per_s"] = round(record.get("tokens", 0) / max(record["iteration_s"], 1e-9), 1)
         self.last_done = now
         if self.metrics is not None:

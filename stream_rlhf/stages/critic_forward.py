@@ -52,5 +52,6 @@ class CriticForward(Stage):
         self.version = self.engine.refresh(self.weights, self.version)
         rollout = Rollout.from_tensors(batch.tensors)
         values = self.engine.forward_values(rollout.sequences, self.images.of(batch.tensors), rollout.prompt_lens)
-        return [topic_output("values", ragged("values", response_slices(values, rollout.prompt_lens)), batch.num_samples)]
+        return [topic_output("values", ragged("values", response_slices(values, rollout.prompt_lens)),
+                             batch.num_samples)]
 

@@ -27,4 +27,5 @@ class RefForward(Stage):
         rollout = Rollout.from_tensors(batch.tensors)
         logp = self.engine.forward_logprobs(rollout.sequences, self.job.config.rollout.temperature,
                                             images=self.images.of(batch.tensors), prompt_lens=rollout.prompt_lens)
-        return [topic_output("ref_logp", ragged("ref_logp", response_slices(logp, rollout.prompt_lens)), batch.num_samples)]
+        return [topic_output("ref_logp", ragged("ref_logp", response_slices(logp, rollout.prompt_lens)),
+                             batch.num_samples)]

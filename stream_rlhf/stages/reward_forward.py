@@ -30,7 +30,8 @@ class Scorer:
     def __init__(self, job: JobContext):
         self.cfg = job.config.reward
         self.tokenizer = load_tokenizer(job.checkpoint)
-        self.function: RewardFunction | None = import_dotted(self.cfg.function, "reward.function") if self.cfg.function else None
+        self.function: RewardFunction | None = (
+            import_dotted(self.cfg.function, "reward.function") if self.cfg.function else None)
         self.reward_model = RewardModelEngine(self.cfg.model_path) if self.cfg.model_path else None
 
     def score(self, rollout: Rollout, references: list[str]) -> torch.Tensor:

@@ -44,7 +44,8 @@ class RolloutStage(Stage):
         self.counts = stage_counts(self.job, ctx)
         self.weights = RolloutWeights(self.job, ctx.instance_id)
         images = ImageInputs(self.job, self.counts, ctx.group.device)
-        self.engine: RolloutEngine = import_dotted(ROLLOUT_ENGINES[cfg.backend], "rollout.backend")(self.job, self.weights, images, ctx)
+        engine_class = import_dotted(ROLLOUT_ENGINES[cfg.backend], "rollout.backend")
+        self.engine: RolloutEngine = engine_class(self.job, self.weights, images, ctx)
         self.generated = GeneratedStore(self.job.run_dir) if self.job.config.checkpoint.keep_generated else None
 
     def on_weights(self, version: int) -> None:
@@ -70,7 +71,8 @@ class RolloutStage(Stage):
         if self.job.vision_language:
             del tensors["group_ids"]  # the image handle the broker joins with this one carries them
         output = topic_output("rollout", tensors, len(prompts), batch.iteration, batch.minibatch, out.policy_version,
-                              metadata={"references": batch.metadata["references"], "finished": finished, **out.metadata})
+                              metadata={"references": batch.metadata["references"], "finished": finished,
+                                        **out.metadata})
         if self.generated is not None:
             self.generated.save(output)
         self.counts.add(generated=len(prompts))

@@ -82,7 +82,8 @@ class TopicSchema:
                 raise TopicSchemaError(f"{where}: {tuple(value.shape)} values for lengths summing to {int(lens.sum())}")
 
 
-IMAGE_FIELDS = (Field("image_grid_thw", "free", INT, optional=True), Field("prompt_images", "ragged", INT, optional=True))
+IMAGE_FIELDS = (Field("image_grid_thw", "free", INT, optional=True),
+                Field("prompt_images", "ragged", INT, optional=True))
 PROMPT = (Field("prompt_ids", "ragged", INT), Field("group_ids", "per_sample", INT))
 TOPICS = {schema.topic: schema for schema in (
     TopicSchema("prompts", (*PROMPT, *IMAGE_FIELDS, Field("pixel_values", "free", FLOAT, optional=True))),

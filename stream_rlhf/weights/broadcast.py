@@ -133,7 +133,8 @@ class BroadcastReceiver:
     def join(cls, folder: Path | str, name: str, rank: int, world_size: int, backend: Backend, timeout_s: float,
              device: torch.device | str = "cpu") -> BroadcastReceiver:
         """Wait (up to `timeout_s`) for group `name`'s sender to publish its address in `folder` (an
-        address book, `address_book.py`: a folder or `tcp://HOST:PORT`), then join the group as `rank` (1 .. world_size-1)."""
+        address book, `address_book.py`: a folder or `tcp://HOST:PORT`), then join the group as `rank`
+        (1 .. world_size-1)."""
         if not 1 <= rank < world_size:
             raise ValueError(f"weight-sync group {name!r}: receiver rank={rank}: must be in [1, {world_size})")
         if backend == "nccl" and torch.device(device).type != "cuda":

@@ -61,7 +61,8 @@ class BucketLayout:
             sizes[-1] = fill
         names = [entry.name for entry in entries]
         if len(set(names)) != len(names):
-            raise ValueError(f"BucketLayout.of: duplicate tensor names {sorted({n for n in names if names.count(n) > 1})}")
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"BucketLayout.of: duplicate tensor names {duplicates}")
         return cls(tuple(entries), tuple(sizes))
 
     @property

@@ -231,7 +231,8 @@ def offload_summary(counts: dict[str, dict[str, float]], policies: dict[str, Off
                         "offloads": int(moved.get("offloads", 0)), "onloads": int(moved.get("onloads", 0)),
                         "offload_mb": round(moved.get("offload_bytes", 0) / 2**20, 1),
                         "onload_mb": round(moved.get("onload_bytes", 0) / 2**20, 1),
-                        "offload_s": round(moved.get("offload_s", 0), 3), "onload_s": round(moved.get("onload_s", 0), 3),
+                        "offload_s": round(moved.get("offload_s", 0), 3),
+                        "onload_s": round(moved.get("onload_s", 0), 3),
                         **({"prefetches": int(moved.get("prefetches", 0)),
                             "onload_hidden_s": round(moved.get("onload_hidden_s", 0), 3)} if policy.prefetch else {})}
     return block or None

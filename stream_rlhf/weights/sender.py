@@ -135,7 +135,8 @@ class ServingThreads:
             self._failures.setdefault(name, exc)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread by check()
             if not self.stop.is_set():  # errors while closing are the closing's doing
-                failure = RuntimeError(f"{self.what} group {name!r}: serving thread failed: {type(exc).__name__}: {exc}")
+                failure = RuntimeError(f"{self.what} group {name!r}: serving thread failed: "
+                                       f"{type(exc).__name__}: {exc}")
                 failure.__cause__ = exc
                 self._failures.setdefault(name, failure)
 

@@ -57,7 +57,8 @@ class WeightStore:
         self.folder = Path(root) / model_name
         self.keep = keep
 
-    def publish(self, model: nn.Module | dict[str, Tensor], version: int, metadata: dict[str, str] | None = None) -> None:
+    def publish(self, model: nn.Module | dict[str, Tensor], version: int,
+                metadata: dict[str, str] | None = None) -> None:
         """Publish `model`'s weights (or a state dict, e.g. a train engine's `export_weights`) as
         `version` (versions must increase), with optional string metadata that readers get from
         `metadata(version)`."""

@@ -88,7 +88,8 @@ class MegatronTrainEngine:
         del hf_state
         self.optimizer = MegatronOptimizer(self.model, optimizer) if optimizer is not None else None
         self.model.train(optimizer is not None)
-        self._step_outputs: tuple[list[Tensor], Batch, Tensor] | None = None  # in train_step: (sequences, batch, output)
+        # in train_step: (sequences, batch, output)
+        self._step_outputs: tuple[list[Tensor], Batch, Tensor] | None = None
         self._host = HostCopies()  # what offload moved to host memory (CUDA)
 
     # ---- forward -----------------------------------------------------------------------------
@@ -234,7 +235,8 @@ class MegatronTrainEngine:
         names = _broadcast_names(sorted(metrics), int(first_writer.item()))
         means = [n for n in names if not n.endswith("_max")]
         tops = [n for n in names if n.endswith("_max")]
-        summed = torch.tensor([metrics[n] * tokens / max(total, 1.0) if writer else 0.0 for n in means], dtype=torch.float64)
+        summed = torch.tensor([metrics[n] * tokens / max(total, 1.0) if writer else 0.0 for n in means],
+                              dtype=torch.float64)
         dist.all_reduce(summed)
         top = torch.tensor([metrics[n] if writer else -float("inf") for n in tops], dtype=torch.float64)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
@@ -342,7 +344,10 @@ def _broadcast_names(names: list[str], source: int) -> list[str]:
     frame = "\n".join(names).encode() if dist.get_rank() == source else b""
     size = torch.tensor([len(frame)], dtype=torch.int64)
     dist.broadcast(size, src=source)
-    data = torch.frombuffer(bytearray(frame), dtype=torch.uint8) if frame else torch.empty(int(size.item()), dtype=torch.uint8)
+    if frame:
+        data = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    else:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.broadcast(data, src=source)
     text = data.numpy().tobytes().decode()
     return text.split("\n") if text else []

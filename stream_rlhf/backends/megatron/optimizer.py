@@ -38,7 +38,8 @@ class MegatronOptimizer:
         self.optimizer = get_megatron_optimizer(
             CoreOptimizerConfig(optimizer="adam", lr=config.lr, min_lr=config.lr, weight_decay=config.weight_decay,
                                 adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=config.max_grad_norm,
-                                use_distributed_optimizer=distributed, bf16=False, fp16=False, params_dtype=torch.float32),
+                                use_distributed_optimizer=distributed, bf16=False, fp16=False,
+                                params_dtype=torch.float32),
             [self.ddp])
 
     def zero_grad(self) -> None:

@@ -69,8 +69,8 @@ def layer_entries(arch: Architecture, hf_index: int, local_index: int) -> list[E
         Entry(f"{mg}.mlp.linear_fc2.weight", (f"{hf}.mlp.down_proj.weight",), "row"),
     ]
     if arch.qkv_bias:
-        entries.append(Entry(f"{mg}.self_attention.linear_qkv.bias", tuple(f"{hf}.self_attn.{p}_proj.bias" for p in "qkv"),
-                             "qkv"))
+        entries.append(Entry(f"{mg}.self_attention.linear_qkv.bias",
+                             tuple(f"{hf}.self_attn.{p}_proj.bias" for p in "qkv"), "qkv"))
     return entries
 
 

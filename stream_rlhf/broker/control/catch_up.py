@@ -76,4 +76,5 @@ class CatchUp:
 
     def describe(self) -> str:
         """`critic_train lacks 1 of 2` for each stage behind: what it lacks now of all it lacked."""
-        return ", ".join(f"{stage} lacks {len(ids)} of {self.lacked[stage]}" for stage, ids in sorted(self.lacks.items()))
+        return ", ".join(f"{stage} lacks {len(ids)} of {self.lacked[stage]}"
+                         for stage, ids in sorted(self.lacks.items()))

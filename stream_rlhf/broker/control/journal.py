@@ -18,7 +18,6 @@ import logging
 import os
 import struct
 from pathlib import Path
-from typing import Union
 
 import msgspec
 
@@ -39,7 +38,7 @@ class Acked(msgspec.Struct, tag="A", frozen=True):
     consumer: str
 
 
-Record = Union[Published, Acked]
+Record = Published | Acked
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
 

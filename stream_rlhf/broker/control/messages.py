@@ -34,7 +34,7 @@ malformed one, so no handler ever sees, say, a pid that `os.kill` cannot take.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -54,7 +54,7 @@ Version = Annotated[int, Meta(ge=-1, le=1 << 40)]
 Pid = Annotated[int, Meta(ge=0, le=PID_MAX)]
 Names = Annotated[list[Name], Meta(max_length=1 << 16)]
 
-MetadataValue = Union[int, float, str, bool, None, list[int | float | str | bool]]
+MetadataValue = int | float | str | bool | None | list[int | float | str | bool]
 """Per-handle values (per-sample lists such as reference answers): bounded by the frame size alone."""
 RunnerState = Literal["running", "draining", "stopped"]
 ControlOp = Literal["weights_ready", "pause", "resume", "drain", "shutdown", "stats"]
@@ -201,9 +201,9 @@ class Error(msgspec.Struct, tag="error", frozen=True):
     code: Name = ""
 
 
-Message = Union[
-    Hello, Ready, Publish, Request, Deliver, Ack, Nack, Release, Heartbeat, Control, Stats, Error
-]
+Message = (
+    Hello | Ready | Publish | Request | Deliver | Ack | Nack | Release | Heartbeat | Control | Stats | Error
+)
 
 
 class FieldAt(msgspec.Struct, frozen=True):
@@ -255,7 +255,7 @@ class GroupStop(msgspec.Struct, tag="group_stop", frozen=True):
     reason: Text = ""
 
 
-GroupMessage = Union[GroupSetup, GroupBatch, GroupWeights, GroupStop]
+GroupMessage = GroupSetup | GroupBatch | GroupWeights | GroupStop
 
 
 class MessageRejected(ValueError):

@@ -56,7 +56,8 @@ class PayloadServer:
         self.counters = counters
         self._ratelog = RateLimitedLog(log)
         self._watch = ConnectionWatch(self._socket, f"payload server {self.endpoint}", REQUEST_BYTES,
-                                      "payload_server.REQUEST_BYTES", self._ratelog, counters, "payload.connections_dropped")
+                                      "payload_server.REQUEST_BYTES", self._ratelog, counters,
+                                      "payload.connections_dropped")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="payload-server", daemon=True)
         self._thread.start()

@@ -202,7 +202,8 @@ class ShmTransport:
         fields = {}
         for name, tensor, raw, field_offset in layout:
             if raw.numel():
-                target = torch.frombuffer(segment.mapping, dtype=torch.uint8, count=raw.numel(), offset=base + field_offset)
+                target = torch.frombuffer(segment.mapping, dtype=torch.uint8, count=raw.numel(),
+                                          offset=base + field_offset)
                 target.copy_(raw)
             fields[name] = FieldSpec(
                 dtype=dtype_name(tensor.dtype),

@@ -231,7 +231,8 @@ class StageRunner:
         if time.monotonic() - self._drain_started <= self.drain_timeout_s:
             return False
         if unconfirmed:
-            self.log.warning("%s: stopping with %d publish(es) the broker never confirmed", self.instance_id, unconfirmed)
+            self.log.warning("%s: stopping with %d publish(es) the broker never confirmed", self.instance_id,
+                             unconfirmed)
         return True
 
     def request_stop(self) -> None:
@@ -342,7 +343,8 @@ class StageRunner:
             now = time.monotonic()
             if now >= next_beat:
                 beats += 1
-                state = "draining" if self.state is RunnerState.STOPPED else self.state.value  # "stopped" is said once, last
+                # "stopped" is said once, last
+                state = "draining" if self.state is RunnerState.STOPPED else self.state.value
                 self._to_broker(self._encoder.encode(Heartbeat(state, self._inbox.qsize())))
                 if beats % 10 == 0:
                     counters = {**self.host.counters, **self.transport.counters}
