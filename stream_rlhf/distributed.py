@@ -6,7 +6,7 @@
     mine = group.shard(len(samples))     # this rank's contiguous slice of a mini-batch
     outputs = group.gather_ragged(local) # every rank's (L_i,) tensors, in rank order
 
-Only the leader is a broker client (`runner.py`); it shares each delivered handle with the other
+Only the leader is a broker client (`broker/runtime/runner.py`); it shares each delivered handle with the other
 ranks, which fetch its payload themselves (`group_follower.py`). CPU tensors travel over gloo,
 CUDA tensors over NCCL: a CUDA group is initialised with both backends. A group of one rank
 (`RankGroup.single`) has no process group, and every collective returns at once.

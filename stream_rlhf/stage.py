@@ -7,8 +7,9 @@
 A stage that consumes topics gets one `Batch` per delivered handle. A *source* (a stage with no
 input topics, e.g. the prompt dataset) is called with `batch=None` whenever every output topic has
 credit, and returns None once it is exhausted. Outputs inherit iteration, minibatch and
-policy_version from the input batch unless they set them. The runner (`runner.py`, processes and
-sockets) and the in-process bus (`inprocess.py`, tests) call stages through this same interface.
+policy_version from the input batch unless they set them. The runner (`broker/runtime/runner.py`,
+processes and sockets) and the in-process bus (`broker/runtime/inprocess.py`, tests) call stages
+through this same interface.
 """
 
 from __future__ import annotations

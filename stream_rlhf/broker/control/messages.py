@@ -15,7 +15,7 @@ Control plane (stage <-> broker, one MessagePack frame per message):
       | <------------ Control(op)     |   weights_ready(version), pause, resume, drain, shutdown
       | Stats(counters) <-----------> |
 
-Rank group (a stage instance's leader -> its other ranks, over torch.distributed, `rank_group.py`):
+Rank group (a stage instance's leader -> its other ranks, over torch.distributed, `stream_rlhf/distributed.py`):
 GroupSetup once after the handshake, then GroupBatch per delivered handle, GroupWeights per
 weights_ready, GroupStop last.
 
@@ -296,7 +296,7 @@ def decode_fetch_reply(frame: bytes | memoryview) -> FetchReply:
 
 
 def decode_group(frame: bytes | memoryview) -> GroupMessage:
-    """Decode what a stage instance's leader shared with its other ranks (`rank_group.py`)."""
+    """Decode what a stage instance's leader shared with its other ranks (`stream_rlhf/distributed.py`)."""
     try:
         return _group_decoder.decode(frame)
     except (msgspec.MsgspecError, ValueError) as exc:

@@ -1,5 +1,5 @@
 """In-process payloads for stages run without sockets (tests, `inprocess.py`): the PayloadTransport
-of `payload.py` over a dict shared by every stage of one process."""
+of `transport.py` over a dict shared by every stage of one process."""
 
 from __future__ import annotations
 

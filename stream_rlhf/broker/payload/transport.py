@@ -21,7 +21,7 @@ Same host or other host is decided by the host id each FieldSpec's location carr
 clients and the fetch sockets its clients (`sockets.curve_server` / `curve_client`); without one
 it binds loopback only.
 
-The payload server (`payload_server.py`) reads requests of at most REQUEST_BYTES: libzmq closes the
+The payload server (`server.py`) reads requests of at most REQUEST_BYTES: libzmq closes the
 connection of a peer that sends a larger frame, and the server counts those (`connwatch.py`; a
 consumer says goodbye with a FetchRequest without fields before it closes). A fetch socket takes
 frames of at most FRAME_BYTES, and each must be as long as its field. The counters are the

@@ -8,7 +8,7 @@ Threads:
     stage thread  (the caller of run()) calls the stage through a StageHost; it sends by writing
                   encoded frames to an inproc pipe that the io thread forwards to the broker
 
-A stage instance of several ranks (`rank_group.py`) runs this on its leader only: after the
+A stage instance of several ranks (`stream_rlhf/distributed.py`) runs this on its leader only: after the
 handshake it shares GroupSetup with the other ranks, then every handle it fetches (GroupBatch,
 then a barrier, so that the others have fetched it before it is acked), every weights_ready
 (GroupWeights), and GroupStop when it stops (`group_follower.py` is the other ranks' side).
