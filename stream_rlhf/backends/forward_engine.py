@@ -38,7 +38,6 @@ class RewardModelEngine:
 
     def __init__(self, path: str | Path):
         self.model = load_reward_model(path)
-        self.device = torch.device("cpu")
 
     def scores(self, sequences: list[Tensor]) -> Tensor:
         """(N,) float32: the model's scalar for each whole sequence (prompt + response)."""
@@ -56,7 +55,6 @@ class ProcessRewardEngine:
     def __init__(self, path: str | Path, pad_token_id: int):
         self.model = load_prm(path)
         self.pad_token_id = pad_token_id
-        self.device = torch.device("cpu")
 
     def step_scores(self, sequences: list[Tensor], end_positions: list[Tensor]) -> list[Tensor]:
         """Per sequence (S_i,): sigmoid(logit) at each of its steps' end positions (indices into the
@@ -73,7 +71,6 @@ class VisionTowerEngine:
 
     def __init__(self, checkpoint: str | Path, device: torch.device | str):
         self.model = load_vision_tower(checkpoint).to(device)
-        self.device = torch.device(device)
 
     def image_features(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
         """One (tokens_i, H) tensor per image, on the engine's device: the merged features the
