@@ -89,13 +89,16 @@ def test_each_distinct_file_is_decoded_once_and_kept_by_its_content(tmp_path):
 
 
 def test_run_exits_2_naming_the_line_of_a_garbage_png_before_the_warm_start(tmp_path, capsys):
+    """With no warm-start step and the line not in the eval file, nothing before the stages would
+    sample it: before, the run started and the prompt source met it (or never did)."""
     _image(tmp_path / "images/1.png")
     _garbage_png(tmp_path / "images/bad.png")
     train = _jsonl(tmp_path, ["images/1.png", "images/bad.png"])
     (tmp_path / "eval.jsonl").write_text(train.read_text().splitlines()[0] + "\n")
     path = write_job(tmp_path / "job.yaml", tiny_job(tmp_path, "bad", **VISION))
     code = cli.main(["run", str(path), f"--set=model.warm_start.cache_dir={tmp_path / 'warm'}",
-                     f"--set=task.data_dir={tmp_path / 'cache'}", f"--set=data.train={train}",
+                     "--set=model.warm_start.steps=0", f"--set=task.data_dir={tmp_path / 'cache'}",
+                     f"--set=data.train={train}",
                      f"--set=data.eval={tmp_path / 'eval.jsonl'}"])
     err = capsys.readouterr().err
     assert code == 2, err[-2000:]
