@@ -9,19 +9,22 @@ bytes, so it is kept in `cache_dir/image_check.json` by the SHA-256 of the conte
 dataset is decoded once, and later builds (the warm start, the evaluation, the prompt source, the
 next run) only hash the files. The size is then checked against the vision tower's `spec`, which
 is not part of the key. Lost updates between processes that write the cache at once only cost a
-second decode; an unreadable cache file is started afresh.
+second decode; an unreadable cache file is started afresh, and one that cannot be written is
+warned about (the check itself still holds).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
 from stream_rlhf.atomic_file import write_text_atomically
 from stream_rlhf.data.images import ImageError, ImageSpec, check_size, decode_image
 
+log = logging.getLogger("stream_rlhf")
 CACHE_FILE = "image_check.json"
 """In the cache folder: content SHA-256 -> {"size": [width, height]} or {"kind": ..., "reason": ...}."""
 
@@ -50,7 +53,10 @@ def bad_images(paths: Iterable[Path], spec: ImageSpec, cache_dir: Path | None) -
         except ImageError as error:
             bad[path] = error
     if found and cache_file is not None:
-        write_text_atomically(cache_file, json.dumps({**_read_cache(cache_file), **found}))
+        try:
+            write_text_atomically(cache_file, json.dumps({**_read_cache(cache_file), **found}))
+        except OSError as error:  # a cache: the next build decodes again
+            log.warning("image check: cannot write its cache %s (%s)", cache_file, error.strerror or error)
     return bad
 
 
