@@ -4,10 +4,14 @@
 
 `cfg.architecture` picks the family, `cfg.vision` its vision-language member:
 
-| architecture | text (vision None) | vision-language |
-|---|---|---|
-| qwen2 | Qwen2ForCausalLM (QKV bias) | Qwen2VLForConditionalGeneration (M-RoPE) |
-| qwen3 | Qwen3ForCausalLM (no QKV bias, RMSNorm on each head's q and k) | Qwen3VLForConditionalGeneration (interleaved M-RoPE, a learned position grid in the vision tower, deepstack features added to the first decoder layers' hidden states) |
+    architecture   text (vision None)        vision-language
+    qwen2          Qwen2ForCausalLM          Qwen2VLForConditionalGeneration
+    qwen3          Qwen3ForCausalLM          Qwen3VLForConditionalGeneration
+
+Qwen3 is Qwen2 without the QKV bias and with an RMSNorm on each head's queries and keys; Qwen3-VL
+adds to that interleaved M-RoPE, a learned position grid in the vision tower, and deepstack: the
+outputs of some vision blocks, merged like the last one's, are added to the hidden states of the
+first decoder layers at the image tokens.
 
 The vocabulary is the project's tokenizer's; a vision-language model needs its image tokens
 (`build_tokenizer(vision=True)`).
