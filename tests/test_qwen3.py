@@ -129,3 +129,16 @@ def test_sampler_and_trainer_log_probs_agree(kind, request):
     recomputed = trainer.forward_logprobs(sequences, 0.7, images=images)
     for prompt, behaviour, again in zip(prompts, gen.response_logp, recomputed):
         torch.testing.assert_close(behaviour, again[len(prompt) - 1:], atol=ATOL, rtol=0)
+
+
+def test_a_batch_of_text_prompts_runs_through_a_qwen3_vl_without_features_of_its_width(qwen3_vl):
+    """A mini-batch without any image hands on features of width 0 (`stages/images.py`)."""
+    policy = load_policy(qwen3_vl).eval()
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    images = [SampleImages(torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long))] * 2
+    gen = generate(policy, prompts, SamplingParams(temperature=0, max_new_tokens=3), images=images)
+    assert [len(r) for r in gen.response_ids] == [3, 3]
+    with pytest.raises(ValueError, match=r"image features of width 5: the model takes 384 \(hidden size x \(1 \+ 2"):
+        one = torch.tensor([START, IMAGE, END])
+        generate(policy, [one], SamplingParams(max_new_tokens=1),
+                 images=[SampleImages(torch.zeros(1, 5), torch.tensor([[1, 2, 2]]))])

@@ -162,10 +162,12 @@ def language_model_inputs(model: nn.Module, input_ids: Tensor, features: Tensor)
     """What a VLM's language model takes besides positions and mask, for input_ids (..., L) and
     image features (N, W): `inputs_embeds` (..., L, H) with the merged features at the image
     tokens, and for Qwen3-VL `visual_pos_masks` (..., L) and `deepstack_visual_embeds` (D of (N, H))."""
-    levels = deepstack_levels(model.config)
-    if features.shape[-1] != image_feature_width(model.config):
-        raise ValueError(f"image features of width {features.shape[-1]}: the model takes "
-                         f"{image_feature_width(model.config)} (hidden size x (1 + {levels} deepstack levels))")
+    levels, width = deepstack_levels(model.config), image_feature_width(model.config)
+    if len(features) == 0:  # text prompts only: their stage may not know the width
+        features = features.new_zeros((0, width))
+    elif features.shape[-1] != width:
+        raise ValueError(f"image features of width {features.shape[-1]}: the model takes {width} "
+                         f"(hidden size x (1 + {levels} deepstack levels))")
     merged, *deepstack = features.chunk(1 + levels, dim=-1)  # each (N, H)
     inputs: dict[str, Tensor | list[Tensor]] = {"inputs_embeds": embed_with_images(model, input_ids, merged)}
     if levels:
