@@ -46,7 +46,7 @@ def build_tiny(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: i
 
 
 def is_vision_language(path: str | Path) -> bool:
-    """True for a checkpoint with a vision tower (Qwen2-VL, Qwen2.5-VL)."""
+    """True for a checkpoint with a vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
     return hasattr(AutoConfig.from_pretrained(str(path)), "vision_config")
 
 
