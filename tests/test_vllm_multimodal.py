@@ -171,12 +171,15 @@ def test_updates_load_the_language_model_under_the_trainers_names(engine, checkp
     assert logprob_error(v2, prompts, images, gen) < 1e-4
 
 
-def test_tiny_multimodal_ppo_on_vllm(tmp_path):
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+def test_tiny_multimodal_ppo_on_vllm(tmp_path, architecture):
     """The tiny vision-language job with rollout through vLLM, from its warm start (a checkpoint
-    folder vLLM loads as it is)."""
+    folder vLLM loads as it is); Qwen3-VL with deepstack features after vision block 0."""
+    deepstack = {"model.tiny.vision.depth": 2} if architecture == "qwen3" else {}
     config = write_job(tmp_path / "vllm_mm.yaml", tiny_job(
-        tmp_path, "vllm_mm", overlap_depth=1, broker={"shm_prefix": "t_vllm_mm"},
-        **{**VISION, "rollout.backend": "vllm", "rollout.vllm.python": vllm_python()},
+        tmp_path, "vllm_mm", overlap_depth=1, broker={"shm_prefix": f"t_vllm_mm_{architecture}"},
+        **{**VISION, "rollout.backend": "vllm", "rollout.vllm.python": vllm_python(),
+           "model.tiny.architecture": architecture, **deepstack},
     ))
     summary = run(tmp_path, config)
     assert_every_sample_trained(summary, 2, 16)
