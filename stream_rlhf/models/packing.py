@@ -283,7 +283,8 @@ def packed_forward(
     packed = packed_layout(sequences, capacity, images, prompt_lens)
     device = next(model.parameters()).device
     inputs = _model_inputs(model, packed, sequences, images, device)
-    if images is not None and hasattr(model, "get_output_embeddings"):  # a whole VLM, not its critic
+    lm_head = getattr(model, "get_output_embeddings", lambda: None)()
+    if images is not None and lm_head is not None:  # a whole VLM, not its critic
         return unpack(decoder_logits(model, **inputs), packed)  # (R, C, V)
     return unpack(model(**inputs).logits, packed)  # (R, C, ...)
 

@@ -187,9 +187,9 @@ class VisionLanguageCritic(nn.Module):
     """A VLM checkpoint's language model with a scalar head per token: the critic of a VLM policy.
 
     Takes `input_ids` or `inputs_embeds` (image features already scattered in; Qwen3-VL's deepstack
-    features beside them) with M-RoPE
-    position ids (3, B, L) and returns `.logits` (B, L, 1), like AutoModelForTokenClassification
-    does for a text checkpoint. `config` is the VLM's (image token, merge size for M-RoPE).
+    features beside them) with M-RoPE position ids (3, B, L) and returns `.logits` (B, L, 1), like
+    AutoModelForTokenClassification does for a text checkpoint. `config` is the VLM's (image token,
+    merge size for M-RoPE).
     """
 
     def __init__(self, config: PretrainedConfig, language_model: nn.Module):
