@@ -17,6 +17,7 @@ from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.cli import main
+from stream_rlhf.config import ConfigError, load_config
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.models.checkpoint import build_tiny, load_critic, load_policy
 from stream_rlhf.models.model_config import TinyModelConfig, TinyVisionConfig
@@ -27,6 +28,7 @@ from stream_rlhf.models.vision_language import (
     image_feature_width,
     load_vision_tower,
 )
+from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.samples import SampleImages
 from tests.bench_run import REPO
 
@@ -142,3 +144,12 @@ def test_a_batch_of_text_prompts_runs_through_a_qwen3_vl_without_features_of_its
         one = torch.tensor([START, IMAGE, END])
         generate(policy, [one], SamplingParams(max_new_tokens=1),
                  images=[SampleImages(torch.zeros(1, 5), torch.tensor([[1, 2, 2]]))])
+
+
+def test_megatron_refuses_a_tiny_qwen3_vl_naming_the_reason():
+    sets = ["model.tiny.architecture=qwen3", "placement.stages={actor_train: {backend: megatron}}"]
+    with pytest.raises(ConfigError, match=r"placement\.stages\.actor_train\.backend=megatron: model\.tiny is "
+                                          r"Qwen3-VL, whose deepstack image features"):
+        load_config(RLJobConfig, REPO / "configs/mllm_ppo.yaml", sets)
+    text = load_config(RLJobConfig, REPO / "configs/text_ppo.yaml", sets)  # Qwen3 text maps
+    assert text.placement.of("actor_train").backend == "megatron"
