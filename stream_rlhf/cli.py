@@ -16,6 +16,9 @@
     stream-rlhf stats ADDR                         the broker's counters
     stream-rlhf keys DIR                           CURVE keys for a broker bound beyond loopback
     stream-rlhf view RUN_DIR [--serve [--port P]]  RUN_DIR/view.html: the logged samples, token by token
+    stream-rlhf init-model CONFIG FOLDER           a random-initialised model of CONFIG's model.tiny
+                                                   (e.g. --set model.tiny.architecture=qwen3: Qwen3-VL)
+                                                   with the project's tokenizer: a folder for model.path
 """
 
 from __future__ import annotations
@@ -98,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     view.add_argument("run_dir")
     view.add_argument("--serve", action="store_true", help="then serve RUN_DIR on 127.0.0.1 until Ctrl-C")
     view.add_argument("--port", type=int, default=None, help="with --serve: the port (default 8765; 0: any free one)")
+    init = sub.add_parser("init-model", help="write a random-initialised model of CONFIG's model.tiny into FOLDER")
+    init.add_argument("config", help="a job's YAML file: its model.tiny and model.seed are read")
+    init.add_argument("folder", help="where the checkpoint goes (a folder model.path takes); must not exist")
+    init.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key, e.g. --set model.tiny.architecture=qwen3 (repeatable)")
     args = parser.parse_args(argv)
     setup_logging()
     try:
@@ -360,8 +368,24 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from stream_rlhf.models.checkpoint import build_tiny, save_checkpoint
+    from stream_rlhf.models.tokenizer import build_tokenizer
+    from stream_rlhf.rl.config import RLJobConfig
+
+    cfg = load_config(RLJobConfig, args.config, args.set)
+    if Path(args.folder).exists():
+        raise ConfigError(f"init-model {args.folder}: already exists (name a new folder)")
+    tokenizer = build_tokenizer(vision=cfg.model.tiny.vision is not None)
+    model = build_tiny(cfg.model.tiny, tokenizer, cfg.model.seed)
+    save_checkpoint(model, tokenizer, args.folder)
+    size = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.folder}: {type(model).__name__}, {size / 1e6:.2f}M parameters, random weights")
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "broker": cmd_broker, "stage": cmd_stage, "stats": cmd_stats,
-            "keys": cmd_keys, "view": cmd_view}
+            "keys": cmd_keys, "view": cmd_view, "init-model": cmd_init_model}
 
 if __name__ == "__main__":
     sys.exit(main())

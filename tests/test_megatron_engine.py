@@ -3,7 +3,8 @@
 Each layout (ranks, tp, pp) runs in fresh spawned processes (megatron's parallel state is per
 process), checks itself against a one-rank `TorchTrainEngine` built from the same Hugging Face
 models, and writes what it measured for the test to assert:
-- HF -> megatron -> HF is bit-identical (Qwen2 with tied embeddings and qkv bias, Llama untied,
+- HF -> megatron -> HF is bit-identical (Qwen2 with tied embeddings and qkv bias, Qwen3 with its
+  per-head query and key norms, Llama untied,
   a Qwen2 critic with its value head, a Qwen2.5-VL whose frozen vision tower stays out of megatron,
   and the Qwen2.5-VL critic: its language model and value head);
 - forward log-probs and values equal the torch engine's to 1e-5 (fp32), both engines packing the
@@ -34,10 +35,16 @@ LAYOUTS = [(1, 1, 1), (2, 2, 1), (2, 1, 2), (2, 1, 1)]  # (ranks, tp, pp); the l
 
 
 def _models():
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen2ForTokenClassification
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen2ForTokenClassification,
+        Qwen3ForCausalLM,
+    )
 
     from stream_rlhf.models.vision_language import VisionLanguageCritic
-    from tests.tiny_models import tiny_qwen2_5_vl, tiny_qwen2_config
+    from tests.tiny_models import tiny_qwen2_5_vl, tiny_qwen2_config, tiny_qwen3_config
 
     heads = {"num_attention_heads": 4, "num_key_value_heads": 2}  # tp 2 splits both
     torch.manual_seed(0)
@@ -55,7 +62,13 @@ def _models():
     vlm_critic = VisionLanguageCritic(vlm.config, vlm.model.language_model)  # the VLM's own language model
     torch.manual_seed(4)
     torch.nn.init.normal_(vlm_critic.score.weight, std=0.1)  # not the zero head a new critic gets: values vary
-    return {"qwen2": qwen2, "llama": llama, "critic": critic, "vlm": vlm, "vlm_critic": vlm_critic}
+    torch.manual_seed(5)
+    qwen3 = Qwen3ForCausalLM(tiny_qwen3_config(VOCAB, **heads))
+    with torch.no_grad():  # norms that are not all ones: the mapping of q_norm and k_norm shows
+        for layer in qwen3.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return {"qwen2": qwen2, "qwen3": qwen3, "llama": llama, "critic": critic, "vlm": vlm, "vlm_critic": vlm_critic}
 
 
 def _shared_experience():
@@ -165,7 +178,7 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
     exp = _experience()
     shared = _shared_experience()
     vlm_sequences, vlm_images = _vlm_experience()
-    for name in ("qwen2", "llama", "critic", "vlm", "vlm_critic"):
+    for name in ("qwen2", "qwen3", "llama", "critic", "vlm", "vlm_critic"):
         original = _models()[name].state_dict()
         engine = MegatronTrainEngine(_models()[name], group, parallel=parallel)
         exported = engine.export_weights()
@@ -305,10 +318,11 @@ def _assert_packed(found: dict) -> None:
 @pytest.mark.parametrize("world,tp,pp", LAYOUTS, ids=[f"ranks{w}-tp{t}-pp{p}" for w, t, p in LAYOUTS])
 def test_megatron_engine_matches_the_torch_engine(tmp_path, world, tp, pp):
     found = _run_ranks(tmp_path, _rank_main, world, tp, pp)
-    for name in ("qwen2", "llama", "critic", "vlm", "vlm_critic"):
+    for name in ("qwen2", "qwen3", "llama", "critic", "vlm", "vlm_critic"):
         assert found[f"{name}.round_trip"] is True, name
-    assert found["qwen2.logprobs"] < 1e-5 and found["llama.logprobs"] < 1e-5 and found["vlm.logprobs"] < 1e-5
-    assert found["qwen2.shared.logprobs"] < 1e-5 and found["llama.shared.logprobs"] < 1e-5
+    for name in ("qwen2", "qwen3", "llama"):
+        assert found[f"{name}.logprobs"] < 1e-5 and found[f"{name}.shared.logprobs"] < 1e-5, name
+    assert found["vlm.logprobs"] < 1e-5
     assert found["critic.values"] < 1e-5 and found["critic.shared.values"] < 1e-5 and found["vlm_critic.values"] < 1e-5
     _assert_packed(found)
     for name in ("qwen2", "critic"):

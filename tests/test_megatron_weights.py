@@ -11,12 +11,13 @@ import torch
 
 from stream_rlhf.backends.megatron.arch_llama import LLAMA
 from stream_rlhf.backends.megatron.arch_qwen2 import QWEN2
+from stream_rlhf.backends.megatron.arch_qwen3 import QWEN3
 from stream_rlhf.backends.megatron.config import MegatronConfig, check_parallel
-from stream_rlhf.backends.megatron.weights import Dims, stage_entries, to_hf, to_megatron
+from stream_rlhf.backends.megatron.weights import Architecture, Dims, stage_entries, to_hf, to_megatron
 from stream_rlhf.config import ConfigError
 
 
-def _hf_state(qkv_bias: bool, critic: bool) -> dict[str, torch.Tensor]:
+def _hf_state(arch: Architecture, critic: bool) -> dict[str, torch.Tensor]:
     """A 4-layer model's tensors: 4 heads, 2 key/value groups, head_dim 8, hidden 32, vocab 37."""
     g = torch.Generator().manual_seed(0)
     shapes = {"model.embed_tokens.weight": (37, 32), "model.norm.weight": (32,), "lm_head.weight": (37, 32)}
@@ -27,7 +28,9 @@ def _hf_state(qkv_bias: bool, critic: bool) -> dict[str, torch.Tensor]:
                        f"{p}.self_attn.v_proj.weight": (16, 32), f"{p}.self_attn.o_proj.weight": (32, 32),
                        f"{p}.mlp.gate_proj.weight": (48, 32), f"{p}.mlp.up_proj.weight": (48, 32),
                        f"{p}.mlp.down_proj.weight": (32, 48)})
-        if qkv_bias:
+        if arch.qk_norm:
+            shapes.update({f"{p}.self_attn.q_norm.weight": (8,), f"{p}.self_attn.k_norm.weight": (8,)})
+        if arch.qkv_bias:
             shapes.update({f"{p}.self_attn.q_proj.bias": (32,), f"{p}.self_attn.k_proj.bias": (16,),
                            f"{p}.self_attn.v_proj.bias": (16,)})
     if critic:
@@ -35,11 +38,11 @@ def _hf_state(qkv_bias: bool, critic: bool) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
 
 
-@pytest.mark.parametrize("arch", [QWEN2, LLAMA], ids=["qwen2", "llama"])
+@pytest.mark.parametrize("arch", [QWEN2, QWEN3, LLAMA], ids=["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4)])
 @pytest.mark.parametrize("tied,critic", [(True, False), (False, False), (False, True)])
 def test_split_and_merge_give_back_every_hf_tensor_bit_for_bit(arch, tp, pp, tied, critic):
-    hf = _hf_state(arch.qkv_bias, critic)
+    hf = _hf_state(arch, critic)
     dims = Dims(heads=4, kv_heads=2, head_dim=8, vocab=37, padded_vocab=-(-37 // tp) * tp)
     back: dict[str, torch.Tensor] = {}
     for stage in range(pp):

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.models.packing import sequence_logprobs
-from tests.tiny_models import tiny_qwen2_config
+from tests.tiny_models import tiny_qwen2_config, tiny_qwen3_config
 
 VOCAB = 48
 PAD = 0
 
 
-@pytest.fixture(scope="module")
-def lm() -> Qwen2ForCausalLM:
+@pytest.fixture(scope="module", params=[tiny_qwen2_config, tiny_qwen3_config], ids=["qwen2", "qwen3"])
+def lm(request) -> PreTrainedModel:
     torch.manual_seed(0)
-    config = tiny_qwen2_config(VOCAB)
-    return Qwen2ForCausalLM(config).eval()
+    return AutoModelForCausalLM.from_config(request.param(VOCAB)).eval()
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Vision-language models fed precomputed image features give what the full model gives from pixels.
 
 Every comparison is against the plain Hugging Face forward `model(input_ids, pixel_values=...,
-image_grid_thw=..., mm_token_type_ids=...)`, for tiny Qwen2-VL and Qwen2.5-VL models, in fp32:
+image_grid_thw=..., mm_token_type_ids=...)`, for tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL (deepstack) models, in fp32:
 logits, log-probs and values to atol 1e-5; behaviour log-probs of generation (KV cache, left
 padding) to atol 1e-4, as for text models in test_torch_rollout.py.
 """
@@ -24,7 +24,9 @@ from stream_rlhf.models.vision_language import (
     VisionLanguageCritic,
     embed_with_images,
     encode_images,
+    image_feature_width,
     is_vision_language_model,
+    language_model_inputs,
     load_vision_tower,
     mrope_positions,
     vision_tower,
@@ -50,13 +52,18 @@ LAYOUTS = [
 ]
 
 
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
 def build_model(kind: str) -> torch.nn.Module:
-    if kind == "qwen2_vl":
-        return build_tiny(TinyModelConfig(vision=TinyVisionConfig()), TOKENIZER, seed=0)
-    return tiny_qwen2_5_vl()
+    if kind == "qwen2_5_vl":
+        return tiny_qwen2_5_vl()
+    architecture = "qwen3" if kind == "qwen3_vl" else "qwen2"
+    vision = TinyVisionConfig(depth=3)  # Qwen3-VL: deepstack features after blocks 0 and 1
+    return build_tiny(TinyModelConfig(architecture=architecture, vision=vision), TOKENIZER, seed=0)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=KINDS)
 def vlm(request) -> torch.nn.Module:
     return build_model(request.param).eval()
 
@@ -99,8 +106,7 @@ def samples() -> list[Sample]:
 def encode(model: torch.nn.Module, sample: Sample) -> SampleImages:
     """What the vision stage would send: the sample's image features, concatenated in token order."""
     if not len(sample.grid_thw):
-        hidden = vision_tower(model).merger.mlp[-1].out_features  # the language model's hidden size
-        return SampleImages(torch.zeros(0, hidden), sample.grid_thw)
+        return SampleImages(torch.zeros(0, image_feature_width(model.config)), sample.grid_thw)
     return SampleImages(torch.cat(encode_images(model, sample.pixel_values, sample.grid_thw)), sample.grid_thw)
 
 
@@ -109,8 +115,13 @@ def test_encode_images_equals_model_image_features(vlm, samples):
     features = encode_images(vlm, sample.pixel_values, sample.grid_thw)
     tower_only = encode_images(vision_tower(vlm), sample.pixel_values, sample.grid_thw)
     with torch.no_grad():
-        expected = vlm.get_image_features(sample.pixel_values, sample.grid_thw).pooler_output
-    assert [f.shape[0] for f in features] == [6, 8] and not features[0].requires_grad
+        output = vlm.get_image_features(sample.pixel_values, sample.grid_thw)
+    # per image: the merged features, then Qwen3-VL's deepstack features (one per level) beside them
+    deepstack = getattr(output, "deepstack_features", None) or []
+    expected = [torch.cat(per_image, dim=-1) for per_image in zip(output.pooler_output, *deepstack)]
+    assert len(deepstack) == (2 if "Qwen3" in type(vlm).__name__ else 0)
+    assert [f.shape for f in features] == [(6, image_feature_width(vlm.config)), (8, image_feature_width(vlm.config))]
+    assert not features[0].requires_grad
     for got, tower, want in zip(features, tower_only, expected):
         assert torch.equal(got, want) and torch.equal(tower, want)
     assert is_vision_language_model(vlm) and not is_vision_language_model(vision_tower(vlm))
@@ -170,7 +181,7 @@ def test_sequence_logprobs_equal_full_model(vlm, samples, temperature):
             torch.testing.assert_close(ent, -(full.exp() * full).sum(-1), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_gradients_reach_language_model_only(kind, samples):
     model = build_model(kind)
     images = [encode(model, s) for s in samples]
@@ -239,7 +250,7 @@ def test_generate_with_decode_attention_samples_what_sdpa_samples(vlm, prompts):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_vision_language_critic(kind, samples, tmp_path):
     model = build_model(kind).eval()
     model.save_pretrained(tmp_path / "ckpt")
@@ -247,7 +258,7 @@ def test_vision_language_critic(kind, samples, tmp_path):
     assert isinstance(critic, VisionLanguageCritic) and is_vision_language_model(critic)
     assert not any("visual" in name for name in critic.state_dict())
     tower = load_vision_tower(tmp_path / "ckpt")
-    images = [encode(tower, s) for s in samples]
+    images = [encode(tower if len(s.grid_thw) else model, s) for s in samples]  # the tower alone has no LM width
     for got, want in zip(images, [encode(model, s) for s in samples]):
         assert torch.equal(got.features, want.features)
     sequences = [s.input_ids for s in samples]
@@ -262,7 +273,7 @@ def test_vision_language_critic(kind, samples, tmp_path):
         for sample, sample_images, values in zip(samples, images, trained):
             # unpacked: one sequence alone, and the full VLM's hidden states from pixels through the same head
             alone = trainer(
-                inputs_embeds=embed_with_images(trainer, sample.input_ids, sample_images.features)[None],
+                **language_model_inputs(trainer, sample.input_ids[None], sample_images.features),
                 position_ids=mrope_positions(sample.input_ids, sample.grid_thw, trainer.config)[:, None],
             ).logits[0]
             assert values.shape == (sample.input_ids.numel(), 1)

@@ -1,6 +1,6 @@
-"""The vLLM rollout backend with a vision-language model (tiny Qwen2-VL, CPU build): image features
-as image embeddings, log-prob parity with our forward with 0, 1 and 2 images per prompt, weight
-updates, and a tiny end-to-end job.
+"""The vLLM rollout backend with a vision-language model (tiny Qwen2-VL and Qwen3-VL, CPU build):
+image features as image embeddings (Qwen3-VL's with its deepstack features beside them), log-prob
+parity with our forward with 0, 1 and 2 images per prompt, weight updates, and tiny end-to-end jobs.
 
 vLLM's CPU environment has no torchvision, so its Qwen2-VL module imports only with the shim
 `stream_rlhf/backends/vllm_shim/`: the client puts it on the engine's PYTHONPATH by itself, and
@@ -30,7 +30,7 @@ from stream_rlhf.models.checkpoint import build_tiny, load_policy, save_checkpoi
 from stream_rlhf.models.model_config import TinyModelConfig, TinyVisionConfig
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.models.tokenizer import build_tokenizer
-from stream_rlhf.models.vision_language import encode_images, load_vision_tower
+from stream_rlhf.models.vision_language import encode_images, image_feature_width, load_vision_tower
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.stages.weight_sync import trained_parameters
 from stream_rlhf.telemetry.stage_counts import read_stage_counts
@@ -46,13 +46,15 @@ PROMPTS = [("12+7=", 0), ("<image>how many?", 1), ("<image>and<image>same?", 2),
 """(text, images): every <image> is one image."""
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny_vl")
-    vision = TinyVisionConfig(depth=1, embed_dim=32, num_heads=1, mlp_ratio=2, patch_size=8, temporal_patch_size=2,
-                              spatial_merge_size=2)
-    cfg = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=32, max_position_embeddings=128, vision=vision)
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def checkpoint(tmp_path_factory, request) -> Path:
+    folder = tmp_path_factory.mktemp(f"tiny_vl_{request.param}")
+    depth = 2 if request.param == "qwen3" else 1  # Qwen3-VL: deepstack features after block 0
+    vision = TinyVisionConfig(depth=depth, embed_dim=32, num_heads=1, mlp_ratio=2, patch_size=8,
+                              temporal_patch_size=2, spatial_merge_size=2)
+    cfg = TinyModelConfig(architecture=request.param, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+                          vision=vision)
     tokenizer = build_tokenizer(vision=True)
     save_checkpoint(build_tiny(cfg, tokenizer, seed=0), tokenizer, folder)
     return folder
@@ -86,7 +88,7 @@ def batch(checkpoint) -> tuple[list[torch.Tensor], list[SampleImages]]:
         grid = torch.stack([p.grid_thw for p in patched]) if patched else torch.zeros((0, 3), dtype=torch.long)
         features = encode_images(tower, torch.cat([p.pixel_values for p in patched]), grid) if patched else []
         images.append(SampleImages(
-            torch.cat(features) if features else torch.zeros((0, config.text_config.hidden_size)), grid))
+            torch.cat(features) if features else torch.zeros((0, image_feature_width(config))), grid))
     return prompts, images
 
 
@@ -169,12 +171,15 @@ def test_updates_load_the_language_model_under_the_trainers_names(engine, checkp
     assert logprob_error(v2, prompts, images, gen) < 1e-4
 
 
-def test_tiny_multimodal_ppo_on_vllm(tmp_path):
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+def test_tiny_multimodal_ppo_on_vllm(tmp_path, architecture):
     """The tiny vision-language job with rollout through vLLM, from its warm start (a checkpoint
-    folder vLLM loads as it is)."""
+    folder vLLM loads as it is); Qwen3-VL with deepstack features after vision block 0."""
+    deepstack = {"model.tiny.vision.depth": 2} if architecture == "qwen3" else {}
     config = write_job(tmp_path / "vllm_mm.yaml", tiny_job(
-        tmp_path, "vllm_mm", overlap_depth=1, broker={"shm_prefix": "t_vllm_mm"},
-        **{**VISION, "rollout.backend": "vllm", "rollout.vllm.python": vllm_python()},
+        tmp_path, "vllm_mm", overlap_depth=1, broker={"shm_prefix": f"t_vllm_mm_{architecture}"},
+        **{**VISION, "rollout.backend": "vllm", "rollout.vllm.python": vllm_python(),
+           "model.tiny.architecture": architecture, **deepstack},
     ))
     summary = run(tmp_path, config)
     assert_every_sample_trained(summary, 2, 16)

@@ -1,23 +1,31 @@
-"""The tiny Qwen2 and Qwen2.5-VL models the tests build (no hub: from config objects)."""
+"""The tiny Qwen2, Qwen3 and Qwen2.5-VL models the tests build (no hub: from config objects)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen3Config
 
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
 
 
-def tiny_qwen2_config(vocab_size: int, **extra: Any) -> Qwen2Config:
-    """2 layers, hidden 64, head_dim 32 (the smallest vLLM serves); `extra` adds or overrides keys."""
-    settings: dict[str, Any] = {
+def _tiny_text_settings(vocab_size: int) -> dict[str, Any]:
+    return {
         "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 128,
         "tie_word_embeddings": True,
     }
-    return Qwen2Config(**{**settings, **extra})
+
+
+def tiny_qwen2_config(vocab_size: int, **extra: Any) -> Qwen2Config:
+    """2 layers, hidden 64, head_dim 32 (the smallest vLLM serves); `extra` adds or overrides keys."""
+    return Qwen2Config(**{**_tiny_text_settings(vocab_size), **extra})
+
+
+def tiny_qwen3_config(vocab_size: int, **extra: Any) -> Qwen3Config:
+    """`tiny_qwen2_config`'s sizes as a Qwen3 (no QKV bias, per-head query and key norms)."""
+    return Qwen3Config(**{**_tiny_text_settings(vocab_size), **extra})
 
 
 def tiny_qwen2_5_vl() -> Qwen2_5_VLForConditionalGeneration:

@@ -18,8 +18,9 @@ it equals what a later forward pass recomputes with `sequence_logprobs(..., temp
 (both go through `stream_rlhf.kernels.logprob`).
 With temperature 0 (greedy) it is the log-prob under the untempered distribution.
 
-Vision-language models (`images=`, one `SampleImages` per prompt): the prefill is fed left-padded
-`inputs_embeds` (the precomputed image features at the image tokens) and left-padded M-RoPE
+Vision-language models (`images=`, one `SampleImages` per prompt): the prefill runs the language
+model on left-padded `inputs_embeds` (the precomputed image features at the image tokens, with
+Qwen3-VL's deepstack features for its first layers) and left-padded M-RoPE
 positions (3, B, P); each row's decode steps continue at (its largest prompt position + 1), +1 per
 step, on all three axes, as Hugging Face's `rope_deltas` do. The image token itself is never
 sampled (its logit is masked for sampling only; the behaviour log-probs still use the full
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 
 from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
 from stream_rlhf.kernels.logprob import logprobs_from_logits
-from stream_rlhf.models.vision_language import check_sample_images, embed_with_images, mrope_positions
+from stream_rlhf.models.vision_language import check_sample_images, language_model_inputs, mrope_positions
 from stream_rlhf.samples import SampleImages
 
 
@@ -130,8 +131,9 @@ def distinct_prompts(prompts: list[Tensor]) -> tuple[list[Tensor], Tensor | None
 def _image_prefill(
     model: nn.Module, prompts: list[Tensor], images: list[SampleImages], input_ids: Tensor, attention: Tensor
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """Prefill inputs (inputs_embeds (B, P, H), M-RoPE position_ids (3, B, P)) of left-padded prompts,
-    and each row's first decode position (B, 1): its largest prompt position + 1."""
+    """Prefill inputs of left-padded prompts for the language model (`language_model_inputs`:
+    inputs_embeds (B, P, H), Qwen3-VL's deepstack features; M-RoPE position_ids (3, B, P)), and
+    each row's first decode position (B, 1): its largest prompt position + 1."""
     if len(images) != len(prompts):
         raise ValueError(f"images: {len(images)} entries for {len(prompts)} prompts: must be one per prompt")
     config = model.config
@@ -142,11 +144,11 @@ def _image_prefill(
         position_ids[:, i, width - prompt.numel() :] = mrope_positions(prompt.cpu(), sample.grid_thw, config)
     if bool(((input_ids == config.image_token_id) & (attention == 0)).any()):
         raise ValueError(f"pad_token_id={config.image_token_id}: must not be the image token")
-    features = torch.cat([sample.features for sample in images]).to(input_ids.device)  # (N, H), prompt order
-    inputs_embeds = embed_with_images(model, input_ids, features)  # (B, P, H)
+    features = torch.cat([sample.features for sample in images]).to(input_ids.device)  # (N, W), prompt order
+    inputs = language_model_inputs(model, input_ids, features)
     next_position = position_ids.amax(dim=(0, 2))[:, None] + 1  # (B, 1)
     device = input_ids.device
-    return {"inputs_embeds": inputs_embeds, "position_ids": position_ids.to(device)}, next_position.to(device)
+    return {**inputs, "position_ids": position_ids.to(device)}, next_position.to(device)
 
 
 @torch.inference_mode()
@@ -180,7 +182,12 @@ def generate(
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
     cache = PreallocatedCache(input_ids.shape[1] + params.max_new_tokens)
     run = {**cache_argument(model, cache), "use_cache": True}
-    logits = model(**prefill, attention_mask=attention, **run, logits_to_keep=1).logits[:, -1].float()  # (U, V)
+    if images is None:
+        logits = model(**prefill, attention_mask=attention, **run, logits_to_keep=1).logits[:, -1].float()  # (U, V)
+    else:  # through the language model, which takes Qwen3-VL's deepstack features (the VLM's forward does not)
+        decoder = model.get_decoder()
+        hidden = decoder(**prefill, attention_mask=attention, **cache_argument(decoder, cache), use_cache=True)
+        logits = model.get_output_embeddings()(hidden.last_hidden_state[:, -1]).float()  # (U, V)
     if copies is not None:  # one row per prompt from here on
         cache.batch_select_indices(copies)
         logits, attention, next_position = logits[copies], attention[copies], next_position[copies]

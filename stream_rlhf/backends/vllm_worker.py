@@ -54,8 +54,9 @@ def with_tied_head(named: Iterable[tuple[str, Tensor]], tied: bool) -> list[tupl
     head = next((tensor for name, tensor in items if name == "lm_head.weight"), None)
     if head is None and embed is not None:
         items.append(("lm_head.weight", embed))
-    elif embed is None and head is not None:
-        items.append((EMBED_NAMES[0], head))
+    elif embed is None and head is not None:  # under the model's own name: Qwen3-VL's vLLM maps no bare `model.`
+        vision_language = any(name.startswith("model.language_model.") for name, _ in items)
+        items.append((EMBED_NAMES[1] if vision_language else EMBED_NAMES[0], head))
     return items
 
 

@@ -26,16 +26,12 @@ from transformers import (
     AutoModelForTokenClassification,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen2VLConfig,
-    Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
 )
 from transformers.utils import logging as hf_logging
 
 from stream_rlhf.models.model_config import TinyModelConfig
-from stream_rlhf.models.tokenizer import VISION_TOKENS
+from stream_rlhf.models.tiny_architectures import tiny_model
 from stream_rlhf.models.vision_language import VisionLanguageCritic, load_vision_language_critic
 
 if TYPE_CHECKING:  # the job's config, read by load_job_critic only
@@ -43,74 +39,14 @@ if TYPE_CHECKING:  # the job's config, read by load_job_critic only
 
 
 def build_tiny(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
-    """A random-initialised Qwen2-architecture causal LM sized by `cfg`, or with `cfg.vision` a
-    Qwen2-VL-architecture model (the tokenizer must then hold `VISION_TOKENS`)."""
+    """A random-initialised model of `cfg.architecture` sized by `cfg` (`tiny_architectures.py`);
+    with `cfg.vision` a vision-language one (the tokenizer must then hold `VISION_TOKENS`)."""
     torch.manual_seed(seed)
-    if cfg.vision is not None:
-        return _build_tiny_vision_language(cfg, tokenizer)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return Qwen2ForCausalLM(config)
-
-
-def _build_tiny_vision_language(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    vision = cfg.vision
-    start, image, end = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
-    if image == tokenizer.unk_token_id:
-        raise ValueError("build_tiny: the tokenizer has no image tokens (build it with build_tokenizer(vision=True))")
-    # M-RoPE splits each head's rotary frequencies between (time, height, width): 1/4, 3/8, 3/8 as in Qwen2-VL
-    quarter = cfg.head_dim // 8
-    mrope_section = [quarter, (cfg.head_dim // 2 - quarter) // 2,
-                     cfg.head_dim // 2 - quarter - (cfg.head_dim // 2 - quarter) // 2]
-    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-               "pad_token_id": tokenizer.pad_token_id}
-    config = Qwen2VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size,
-            "num_hidden_layers": cfg.num_hidden_layers,
-            "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_key_value_heads,
-            "head_dim": cfg.head_dim,
-            "max_position_embeddings": cfg.max_position_embeddings,
-            "rope_parameters": {"rope_type": "default", "mrope_section": mrope_section, "rope_theta": 10000.0},
-            **special,
-        },
-        vision_config={
-            "depth": vision.depth,
-            "embed_dim": vision.embed_dim,
-            "hidden_size": cfg.hidden_size,
-            "num_heads": vision.num_heads,
-            "mlp_ratio": vision.mlp_ratio,
-            "patch_size": vision.patch_size,
-            "temporal_patch_size": vision.temporal_patch_size,
-            "spatial_merge_size": vision.spatial_merge_size,
-        },
-        image_token_id=image,
-        vision_start_token_id=start,
-        vision_end_token_id=end,
-        video_token_id=tokenizer.unk_token_id,  # no video: a token the tokenizer never emits for text
-        tie_word_embeddings=True,
-        **special,
-    )
-    return Qwen2VLForConditionalGeneration(config)
+    return tiny_model(cfg, tokenizer)
 
 
 def is_vision_language(path: str | Path) -> bool:
-    """True for a checkpoint with a vision tower (Qwen2-VL, Qwen2.5-VL)."""
+    """True for a checkpoint with a vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
     return hasattr(AutoConfig.from_pretrained(str(path)), "vision_config")
 
 

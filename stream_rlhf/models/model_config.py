@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import Meta
 
@@ -15,8 +15,10 @@ from stream_rlhf.config import ConfigError, check_fields
 
 @dataclass(frozen=True)
 class TinyVisionConfig:
-    """The vision tower of a tiny Qwen2-VL-architecture model (a ViT over patch_size pixel patches;
-    every spatial_merge_size x spatial_merge_size patches become one image token of the LM)."""
+    """The vision tower of a tiny Qwen2-VL- or Qwen3-VL-architecture model (a ViT over patch_size
+    pixel patches; every spatial_merge_size x spatial_merge_size patches become one image token of
+    the LM). A Qwen3-VL tower also hands the language model deepstack features from each of its
+    blocks but the last (at most 3; `tiny_architectures.py`)."""
 
     depth: Annotated[int, Meta(ge=1)] = 2
     """Transformer blocks of the vision tower."""
@@ -43,9 +45,13 @@ class TinyVisionConfig:
 
 @dataclass(frozen=True)
 class TinyModelConfig:
-    """A random-initialised Qwen2-architecture model (vocabulary from the project's tokenizer); with
-    `vision` set, a Qwen2-VL-architecture vision-language model."""
+    """A random-initialised Qwen2- or Qwen3-architecture model (vocabulary from the project's
+    tokenizer); with `vision` set, its vision-language member (Qwen2-VL, Qwen3-VL)."""
 
+    architecture: Literal["qwen2", "qwen3"] = "qwen2"
+    """The Hugging Face architecture: qwen2 (Qwen2, or Qwen2-VL with `vision`) or qwen3 (Qwen3: no
+    QKV bias, RMSNorm on each head's queries and keys; Qwen3-VL with `vision`: deepstack features
+    added to the first decoder layers). See docs/models.md for the backends that run each."""
     hidden_size: Annotated[int, Meta(ge=1)] = 128
     """Width of the decoder's hidden states (the embedding size)."""
     intermediate_size: Annotated[int, Meta(ge=1)] = 384

@@ -13,8 +13,9 @@ give the same logits as separate forwards. Padding only fills the tail of each r
 
 Vision-language models (`images=`, one `SampleImages` per sequence): each row is fed as
 `inputs_embeds` (token embeddings with each sequence's precomputed image features at its image
-tokens) with M-RoPE position ids (3, R, C) (each sequence's own, placed at its span; 0 on padding)
-and the same block-diagonal mask; the vision tower is never run. Features are constants (no grad).
+tokens; Qwen3-VL's deepstack features beside them) with M-RoPE position ids (3, R, C) (each
+sequence's own, placed at its span; 0 on padding) and the same block-diagonal mask; the vision
+tower is never run. Features are constants (no grad).
 
 Shared prompts (`pack_shared`, `prompt_lens=`): the samples of one prompt (GRPO's groups) hold
 the prompt once, [prompt, response_1, response_2, ...] in a row, each response attending to the
@@ -31,7 +32,12 @@ import torch
 from torch import Tensor, nn
 
 from stream_rlhf.kernels.logprob import logprobs_from_hidden
-from stream_rlhf.models.vision_language import check_sample_images, embed_with_images, mrope_positions
+from stream_rlhf.models.vision_language import (
+    check_sample_images,
+    decoder_logits,
+    language_model_inputs,
+    mrope_positions,
+)
 from stream_rlhf.samples import SampleImages
 
 WIDER_ROW_SAVING = 0.125
@@ -220,7 +226,7 @@ def unpack(values: Tensor, packed: Packed) -> list[Tensor]:
 def vision_inputs(packed: Packed, sequences: list[Tensor], images: list[SampleImages],
                   config) -> tuple[Tensor, Tensor]:
     """A vision-language model's packed inputs besides the tokens: M-RoPE positions (3, R, C), each
-    sequence's own at its span (0 on padding), and the (N, H) image features in row-major order of
+    sequence's own at its span (0 on padding), and the (N, W) image features in row-major order of
     the packed image tokens. `config`: the VLM's."""
     if len(images) != len(sequences):
         raise ValueError(f"images: {len(images)} entries for {len(sequences)} sequences: must be one per sequence")
@@ -231,14 +237,15 @@ def vision_inputs(packed: Packed, sequences: list[Tensor], images: list[SampleIm
         position_ids[:, row, start : start + length] = mrope_positions(seq.cpu(), sample.grid_thw, config)
     # features in row-major order of the packed image tokens: by row, then by start within the row
     order = sorted(range(len(sequences)), key=lambda i: packed.spans[i][:2])
-    return position_ids, torch.cat([images[i].features for i in order])  # (N, H)
+    return position_ids, torch.cat([images[i].features for i in order])  # (N, W)
 
 
 def _model_inputs(
     model: nn.Module, packed: Packed, sequences: list[Tensor], images: list[SampleImages] | None, device: torch.device
-) -> dict[str, Tensor]:
+) -> dict[str, Tensor | list[Tensor]]:
     """Keyword inputs of a packed forward: input_ids and (R, C) positions for a text model;
-    inputs_embeds (R, C, H) with the image features scattered in and (3, R, C) M-RoPE positions with images."""
+    `language_model_inputs` (inputs_embeds (R, C, H) with the image features scattered in) and
+    (3, R, C) M-RoPE positions with images."""
     mask = packed.attention_mask.to(device)
     if images is None:
         return {
@@ -247,9 +254,8 @@ def _model_inputs(
             "attention_mask": mask,
         }
     position_ids, features = vision_inputs(packed, sequences, images, model.config)
-    features = features.to(device)
-    inputs_embeds = embed_with_images(model, packed.input_ids.to(device), features)  # (R, C, H)
-    return {"inputs_embeds": inputs_embeds, "position_ids": position_ids.to(device), "attention_mask": mask}
+    inputs = language_model_inputs(model, packed.input_ids.to(device), features.to(device))
+    return {**inputs, "position_ids": position_ids.to(device), "attention_mask": mask}
 
 
 def packed_layout(sequences: list[Tensor], capacity: int | None, images: list[SampleImages] | None,
@@ -276,8 +282,11 @@ def packed_forward(
     """
     packed = packed_layout(sequences, capacity, images, prompt_lens)
     device = next(model.parameters()).device
-    logits = model(**_model_inputs(model, packed, sequences, images, device)).logits  # (R, C, ...)
-    return unpack(logits, packed)
+    inputs = _model_inputs(model, packed, sequences, images, device)
+    lm_head = getattr(model, "get_output_embeddings", lambda: None)()
+    if images is not None and lm_head is not None:  # a whole VLM, not its critic
+        return unpack(decoder_logits(model, **inputs), packed)  # (R, C, V)
+    return unpack(model(**inputs).logits, packed)  # (R, C, ...)
 
 
 def packed_hidden_states(

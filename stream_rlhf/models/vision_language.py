@@ -1,7 +1,7 @@
-"""Vision-language models (Qwen2-VL, Qwen2.5-VL) fed precomputed image features instead of pixels.
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) fed precomputed image features instead of pixels.
 
     tower = load_vision_tower(path)                              # vision stage: the frozen ViT only
-    feats = encode_images(tower, pixel_values, grid_thw)         # one (tokens_i, H) per image
+    feats = encode_images(tower, pixel_values, grid_thw)         # one (tokens_i, W) per image
     images = SampleImages(torch.cat(feats), grid_thw)            # one per sequence, wire-friendly
     logits = packed_forward(policy, sequences, images=[images])  # every other stage (packing.py)
 
@@ -14,7 +14,11 @@ Glossary:
     image tokens    the `config.image_token_id` tokens of a sequence; one image is one contiguous
                     run of them (Qwen processors wrap each in `<|vision_start|>` ... `<|vision_end|>`),
                     t * (h / merge) * (w / merge) tokens for grid_thw (t, h, w) in patches.
-    image features  the vision tower's merged output: one row of the LM's hidden size per image token.
+    image features  the vision tower's merged output: one row per image token, of width W = H (the
+                    LM's hidden size) or, for Qwen3-VL, H * (1 + D): the merged output followed by
+                    the D deepstack features that are added to the hidden states after decoder
+                    layers 0..D-1 at the image tokens (the layout vLLM's Qwen3-VL takes as image
+                    embeddings). `language_model_inputs` splits them again.
     M-RoPE          Qwen2-VL's rotary positions (3, L): (time, height, width) per token; text tokens
                     use the same value thrice, image tokens their grid coordinates.
 """
@@ -52,9 +56,19 @@ def load_vision_tower(path: str | Path) -> nn.Module:
     return vision_tower(model).eval().requires_grad_(False)
 
 
+def deepstack_levels(config: PretrainedConfig) -> int:
+    """D: the deepstack features a VLM's vision tower hands the language model (0 before Qwen3-VL)."""
+    return len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
+
+
+def image_feature_width(config: PretrainedConfig) -> int:
+    """W: the width of a VLM's image feature rows, H * (1 + D) (see the glossary)."""
+    return config.get_text_config().hidden_size * (1 + deepstack_levels(config))
+
+
 @torch.no_grad()
 def encode_images(model: nn.Module, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
-    """Image features, one (tokens_i, H) tensor per image, on the tower's device; no grad.
+    """Image features, one (tokens_i, W) tensor per image, on the tower's device; no grad.
 
     `model` is a full VLM or just its vision tower (`load_vision_tower`); `pixel_values` are the
     processor's flattened patches (sum_i t_i * h_i * w_i, C * temporal_patch * patch**2) and
@@ -66,8 +80,9 @@ def encode_images(model: nn.Module, pixel_values: Tensor, grid_thw: Tensor) -> l
     device = next(tower.parameters()).device
     grid_thw = grid_thw.to(device=device, dtype=torch.long)
     merged = tower(pixel_values.to(device=device, dtype=next(tower.parameters()).dtype), grid_thw=grid_thw)
+    features = torch.cat([merged.pooler_output, *(getattr(merged, "deepstack_features", None) or [])], dim=-1)
     sizes = (grid_thw.prod(-1) // tower.spatial_merge_size**2).tolist()
-    return list(torch.split(merged.pooler_output, sizes))  # each (tokens_i, H)
+    return list(torch.split(features, sizes))  # each (tokens_i, W)
 
 
 def image_token_count(grid_thw: Tensor, config: PretrainedConfig) -> list[int]:
@@ -143,12 +158,38 @@ def embed_with_images(model: nn.Module, input_ids: Tensor, features: Tensor) -> 
     return scatter_image_features(embeds, input_ids.to(embed.weight.device), features, model.config.image_token_id)
 
 
+def language_model_inputs(model: nn.Module, input_ids: Tensor, features: Tensor) -> dict[str, Tensor | list[Tensor]]:
+    """What a VLM's language model takes besides positions and mask, for input_ids (..., L) and
+    image features (N, W): `inputs_embeds` (..., L, H) with the merged features at the image
+    tokens, and for Qwen3-VL `visual_pos_masks` (..., L) and `deepstack_visual_embeds` (D of (N, H))."""
+    levels, width = deepstack_levels(model.config), image_feature_width(model.config)
+    if len(features) == 0:  # text prompts only: their stage may not know the width
+        features = features.new_zeros((0, width))
+    elif features.shape[-1] != width:
+        raise ValueError(f"image features of width {features.shape[-1]}: the model takes {width} "
+                         f"(hidden size x (1 + {levels} deepstack levels))")
+    merged, *deepstack = features.chunk(1 + levels, dim=-1)  # each (N, H)
+    inputs: dict[str, Tensor | list[Tensor]] = {"inputs_embeds": embed_with_images(model, input_ids, merged)}
+    if levels:
+        device = inputs["inputs_embeds"].device
+        inputs["visual_pos_masks"] = input_ids.to(device) == model.config.image_token_id
+        inputs["deepstack_visual_embeds"] = [f.detach().to(device) for f in deepstack]
+    return inputs
+
+
+def decoder_logits(model: nn.Module, **inputs: object) -> Tensor:
+    """A VLM's logits through its language model and LM head: Qwen3-VL's own forward takes no
+    precomputed deepstack features, its language model does."""
+    return model.get_output_embeddings()(model.get_decoder()(**inputs).last_hidden_state)
+
+
 class VisionLanguageCritic(nn.Module):
     """A VLM checkpoint's language model with a scalar head per token: the critic of a VLM policy.
 
-    Takes `input_ids` or `inputs_embeds` (image features already scattered in) with M-RoPE
-    position ids (3, B, L) and returns `.logits` (B, L, 1), like AutoModelForTokenClassification
-    does for a text checkpoint. `config` is the VLM's (image token, merge size for M-RoPE).
+    Takes `input_ids` or `inputs_embeds` (image features already scattered in; Qwen3-VL's deepstack
+    features beside them) with M-RoPE position ids (3, B, L) and returns `.logits` (B, L, 1), like
+    AutoModelForTokenClassification does for a text checkpoint. `config` is the VLM's (image token,
+    merge size for M-RoPE).
     """
 
     def __init__(self, config: PretrainedConfig, language_model: nn.Module):
@@ -170,13 +211,17 @@ class VisionLanguageCritic(nn.Module):
         inputs_embeds: Tensor | None = None,
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
+        **deepstack: Tensor | list[Tensor],
     ) -> TokenClassifierOutput:
+        """`deepstack`: Qwen3-VL's `visual_pos_masks` and `deepstack_visual_embeds`
+        (`language_model_inputs`)."""
         hidden = self.language_model(
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=False,
+            **deepstack,
         ).last_hidden_state  # (B, L, H)
         return TokenClassifierOutput(logits=self.score(hidden))  # (B, L, 1)
 

@@ -180,7 +180,7 @@ class RLJobConfig:
             raise ConfigError("rollout.medusa.enabled=true: speculative rollout is text-only for now")
         if self.task.name == "shapes" and self.model.path is None and self.model.tiny.vision is None:
             raise ConfigError("task.name=shapes: asks about images, needs a vision-language model "
-                              "(model.tiny.vision, or a Qwen2-VL model.path)")
+                              "(model.tiny.vision, or a Qwen2-VL / Qwen3-VL model.path)")
         if self.weights.update == "in_flight" and self.rollout.backend != "vllm":
             raise ConfigError("weights.update=in_flight: needs rollout.backend=vllm (the torch backend updates "
                               "between mini-batches)")
@@ -292,6 +292,9 @@ class RLJobConfig:
                               "(megatron's own bf16 is not wired in); use precision fp32 or backend torch")
         if self.model.path is None:
             tiny = self.model.tiny
+            if tiny.architecture == "qwen3" and tiny.vision is not None:
+                raise ConfigError(f"{key}.backend=megatron: model.tiny is Qwen3-VL, whose deepstack image features "
+                                  "megatron-core's GPTModel takes no input for; use backend torch")
             check_model(own.megatron, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_hidden_layers,
                         f"{key}.megatron")
 

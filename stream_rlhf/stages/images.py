@@ -6,8 +6,9 @@ The prompt source decodes and patches the images of a mini-batch once; its handl
     image_grid_thw      (n, 3) long      each image's patch grid
     prompt_images       ragged long      per sample: indices of its images, in prompt order
 
-and the vision stage replaces `pixel_values` with `image_features` (T, H), the vision tower's
-output (one row per image token), and `image_tokens` (n,), the rows of each image. Rollout, the
+and the vision stage replaces `pixel_values` with `image_features` (T, W), the vision tower's
+output (one row per image token; Qwen3-VL's with its deepstack features beside it,
+`models/vision_language.py`), and `image_tokens` (n,), the rows of each image. Rollout, the
 forwards and the trainers read that handle (`ImageInputs.of`) and never run the vision tower. With
 `vision.prefetch: false` they get the prompt source's handle instead and run the tower themselves,
 counting each call.

@@ -7,9 +7,10 @@
 The model is megatron's local layer spec (no transformer-engine): RMSNorm, rotary positions (M-RoPE
 for every model, so that packed rows' positions restart per sequence: `mrope_section`),
 grouped-query attention (under cp > 1 our own core attention, `cp_attention.py`), SwiGLU, a fused
-QKV (with Qwen2's bias) and fused gate/up. Its last pipeline stage returns the final-norm hidden
-states (the fused log-prob kernel reads the output layer's weight itself: logits are never formed)
-or, for a critic, per-position values from a value head in place of the output layer.
+QKV (with Qwen2's bias; Qwen3's per-head query and key norms after it) and fused gate/up. Its last
+pipeline stage returns the final-norm hidden states (the fused log-prob kernel reads the output
+layer's weight itself: logits are never formed) or, for a critic, per-position values from a value
+head in place of the output layer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 from stream_rlhf.backends.megatron.arch_llama import LLAMA
 from stream_rlhf.backends.megatron.arch_qwen2 import QWEN2
 from stream_rlhf.backends.megatron.arch_qwen2_vl import QWEN2_VL, QWEN2_VL_CRITIC
+from stream_rlhf.backends.megatron.arch_qwen3 import QWEN3
 from stream_rlhf.backends.megatron.config import MegatronConfig
 from stream_rlhf.backends.megatron.shim import apply_shims, seed_model_parallel
 from stream_rlhf.backends.megatron.weights import Architecture, Dims
@@ -38,9 +40,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from stream_rlhf.backends.megatron.cp_attention import with_cp_attention  # noqa: E402
 
-ARCHITECTURES: dict[str, Architecture] = {"qwen2": QWEN2, "llama": LLAMA, "qwen2_vl_text": QWEN2_VL,
-                                          "qwen2_5_vl_text": QWEN2_VL}
+ARCHITECTURES: dict[str, Architecture] = {"qwen2": QWEN2, "qwen3": QWEN3, "llama": LLAMA,
+                                          "qwen2_vl_text": QWEN2_VL, "qwen2_5_vl_text": QWEN2_VL}
 """HF language-model `model_type` -> its weight mapping."""
+NOT_MAPPED: dict[str, str] = {
+    "qwen3_vl_text": "Qwen3-VL adds deepstack image features to the hidden states of its first decoder layers, "
+                     "which megatron-core's GPTModel takes no input for (use the torch backend)",
+}
+"""HF language-model `model_type`s known not to map, and why."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,8 @@ def architecture(hf_config, critic: bool = False) -> Architecture:
     """The weight mapping of `hf_config`'s language model; a vision-language critic's own (its
     language model is not under `model.`)."""
     kind = text_config(hf_config).model_type
+    if kind in NOT_MAPPED:
+        raise ValueError(f"megatron backend: model_type {kind!r} is not mapped: {NOT_MAPPED[kind]}")
     if kind not in ARCHITECTURES:
         raise ValueError(f"megatron backend: model_type {kind!r} has no weight mapping "
                          f"(mapped: {', '.join(ARCHITECTURES)})")
@@ -138,6 +147,7 @@ def transformer_config(hf_config, parallel: MegatronConfig) -> TransformerConfig
         num_query_groups=cfg.num_key_value_heads, kv_channels=dims(hf_config, 1).head_dim,
         ffn_hidden_size=cfg.intermediate_size, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
         context_parallel_size=parallel.cp, use_cpu_initialization=True, bias_dropout_fusion=False,
@@ -156,7 +166,7 @@ class MegatronGPT(GPTModel):
     def __init__(self, config: TransformerConfig, hf_config, critic: bool, pre_process: bool, post_process: bool):
         cfg = text_config(hf_config)
         tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not critic
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=architecture(hf_config).qk_norm)
         super().__init__(config, with_cp_attention(spec) if config.context_parallel_size > 1 else spec,
                          vocab_size=dims(hf_config, config.tensor_model_parallel_size).padded_vocab,
                          max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process,

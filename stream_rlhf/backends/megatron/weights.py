@@ -6,14 +6,15 @@ each is split over tensor-parallel ranks and pipeline stages.
     hf = to_hf(entry, [shard of every tp rank], dims)                     # {hf name: full tensor}
 
 Split kinds (megatron's local layer spec, no transformer-engine):
-  replicated   norms, the critic's value head: every tp rank holds it whole
+  replicated   norms (Qwen3's per-head q and k norms too), the critic's value head: every tp rank
+               holds it whole
   vocab        embedding / output layer: rows padded to `padded_vocab`, split over tp ranks
   row          attention output and MLP down projection: split along the input dimension
   qkv          q, k, v fused per key/value group: [q of the group's heads; k; v] per group, the
                groups split over tp ranks (weights and Qwen2's biases alike)
   gate_up      MLP gate and up fused: each tp rank holds [its gate rows; its up rows]
 Layers are numbered locally on each pipeline stage (`decoder.layers.0` is the stage's first).
-The architecture files (`arch_qwen2.py`, `arch_llama.py`) say which HF names exist.
+The architecture files (`arch_qwen2.py`, `arch_qwen3.py`, `arch_llama.py`) say which HF names exist.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Architecture:
 
     name: str
     qkv_bias: bool
+    qk_norm: bool = False
+    """An RMSNorm over each head's queries and keys after their projections (Qwen3)."""
     layer_prefix: str = "model.layers"
     embed: str = "model.embed_tokens.weight"
     final_norm: str = "model.norm.weight"
@@ -68,6 +71,9 @@ def layer_entries(arch: Architecture, hf_index: int, local_index: int) -> list[E
         Entry(f"{mg}.mlp.linear_fc1.weight", (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), "gate_up"),
         Entry(f"{mg}.mlp.linear_fc2.weight", (f"{hf}.mlp.down_proj.weight",), "row"),
     ]
+    if arch.qk_norm:
+        entries += [Entry(f"{mg}.self_attention.{p}_layernorm.weight", (f"{hf}.self_attn.{p}_norm.weight",),
+                          "replicated") for p in "qk"]
     if arch.qkv_bias:
         entries.append(Entry(f"{mg}.self_attention.linear_qkv.bias",
                              tuple(f"{hf}.self_attn.{p}_proj.bias" for p in "qkv"), "qkv"))
