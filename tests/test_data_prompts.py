@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 
 from stream_rlhf.data.images import ImageSpec
-from stream_rlhf.data.prompts_jsonl import DataError, PromptDataset, encode_prompt
+from stream_rlhf.data.chat_template import encode_prompt
+from stream_rlhf.data.prompts_jsonl import DataError, PromptDataset
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
 
 TOKENIZER = build_tokenizer(vision=True)
@@ -87,11 +88,11 @@ def test_relative_and_absolute_paths(tmp_path):
 BAD_LINES = [
     ('{"prompt": "<image>x", "images": ["images/1.png"], "answer": "1"', "json", "not valid JSON"),
     ('[1, 2]', "schema", "expected a JSON object, got list"),
-    ({"prompt": "<image>x", "images": ["images/1.png"]}, "schema", 'missing key "answer"'),
-    ({"prompt": "<image>x", "image": ["images/1.png"], "answer": "1"}, "schema", 'unknown key "image"'),
-    ({"prompt": "x", "answer": 2}, "schema", 'key "answer" must be a string, got int'),
-    ({"prompt": "x", "images": "images/1.png", "answer": "1"}, "schema", 'key "images" must be a list'),
-    ({"prompt": "", "answer": "1"}, "schema", 'key "prompt" is empty'),
+    ({"prompt": "<image>x", "images": ["images/1.png"]}, "schema", 'missing field "answer" (data.fields.reference'),
+    ({"prompt": "<image>x", "image": ["images/1.png"], "answer": "1"}, "image tokens", "1 <image> markers for 0 image"),
+    ({"prompt": "x", "answer": [2]}, "schema", 'field "answer" (the reference) must be a string or a number, got list'),
+    ({"prompt": "x", "images": "images/1.png", "answer": "1"}, "schema", 'field "images" must be a list'),
+    ({"prompt": "", "answer": "1"}, "schema", 'field "prompt" is empty'),
     ({"prompt": "<image><image>x", "images": ["images/1.png"], "answer": "1"}, "image tokens",
      "prompt has 2 <image> markers for 1 image(s)"),
     ({"prompt": "<image>x<|image_pad|>", "images": ["images/1.png"], "answer": "1"}, "image tokens",
@@ -151,7 +152,7 @@ def test_all_bad(tmp_path):
                              {"prompt": "<image>", "images": ["images/cut.png"], "answer": "1"}])
     data = _dataset(path, on_bad="skip")  # bad JSON and a missing file are found at once, a corrupt image when sampled
     assert data.skipped == {"json": 1, "missing image": 1}
-    with pytest.raises(DataError, match=r"no usable lines in .*train.jsonl \(3 skipped: 1 corrupt image, 1 json, "
+    with pytest.raises(DataError, match=r"no usable rows in .*train.jsonl \(3 skipped: 1 corrupt image, 1 json, "
                                         r"1 missing image\)"):
         data.next_sample()
     path = _write(tmp_path, ["{", "[]"])
@@ -162,7 +163,7 @@ def test_all_bad(tmp_path):
 def test_empty_and_missing_file(tmp_path):
     for text in ("", "\n  \n"):
         (tmp_path / "empty.jsonl").write_text(text)
-        with pytest.raises(DataError, match="empty.jsonl: no lines"):
+        with pytest.raises(DataError, match="empty.jsonl: no rows"):
             _dataset(tmp_path / "empty.jsonl")
     with pytest.raises(DataError, match="nope.jsonl: cannot be read"):
         _dataset(tmp_path / "nope.jsonl")
