@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.chat_template import encode_prompt
+from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.prompts_jsonl import DataError, PromptDataset
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
 
@@ -156,7 +156,7 @@ def test_all_bad(tmp_path):
                                         r"1 missing image\)"):
         data.next_sample()
     path = _write(tmp_path, ["{", "[]"])
-    with pytest.raises(DataError, match=r"no usable lines .*\(2 skipped: 1 json, 1 schema\)"):
+    with pytest.raises(DataError, match=r"no usable rows .*\(2 skipped: 1 json, 1 schema\)"):
         _dataset(path, on_bad="skip")
 
 

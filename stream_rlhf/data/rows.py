@@ -14,6 +14,7 @@ that cannot be read at all raises a DataError of kind "file".
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,17 @@ def read_rows(path: str | Path) -> list[Row]:
     if not rows:
         raise DataError(str(path), "file", "no rows (the dataset is empty)")
     return rows
+
+
+def dataset_sha256(path: str | Path) -> str:
+    """The hex digest of a dataset's content: the file's bytes, or a folder's files (names and
+    bytes, in name order), so a copied dataset keeps its digest."""
+    path, digest = Path(path), hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        digest.update(str(file.relative_to(path)).encode() if path.is_dir() else b"")
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
 
 
 def _jsonl_rows(path: Path) -> list[Row]:

@@ -38,9 +38,10 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     scorer = Scorer(JobContext(cfg, checkpoint, ""))
     dataset = open_prompts(cfg, model.config, tokenizer, "eval")
     if dataset is None:
+        task = cfg.task
         items = [(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)]),
-                  p.answer, [], {}) for p in problems("eval", cfg.task.eval_prompts, cfg.task.seed, cfg.task.max_operand,
-                                                          cfg.task.terms)]
+                  p.answer, [], {})
+                 for p in problems("eval", task.eval_prompts, task.seed, task.max_operand, task.terms)]
     else:
         items = [(s.prompt_ids, s.answer, s.images, s.reward_kwargs) for s in dataset.each_sample()]
     chunks = [items[first:first + batch_size] for first in range(0, len(items), batch_size)]
