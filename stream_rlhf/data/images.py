@@ -108,20 +108,20 @@ class ImageSpec:
         one) for min/max pixels and mean/std; `min_pixels` / `max_pixels` given (not None) win over
         the file's, and without either the defaults are DEFAULT_MIN_PIXELS / DEFAULT_MAX_PIXELS.
         ValueError when the file's patch geometry differs from the vision tower's."""
-        spec = cls.from_vision_config(vision_config, DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+        geometry = {"patch_size": vision_config.patch_size, "temporal_patch_size": vision_config.temporal_patch_size,
+                    "merge_size": vision_config.spatial_merge_size}
         path = None if folder is None else Path(folder) / PREPROCESSOR_CONFIG
         settings = json.loads(path.read_text()) if path is not None and path.is_file() else {}
-        for key, ours in (("patch_size", spec.patch_size), ("temporal_patch_size", spec.temporal_patch_size),
-                          ("merge_size", spec.merge_size)):
+        for key, ours in geometry.items():
             if settings.get(key, ours) != ours:
                 raise ValueError(f"{path}: {key}={settings[key]} but the model's vision tower has {ours}")
         size = settings.get("size") or {}
-        file_min = size.get("shortest_edge", settings.get("min_pixels", spec.min_pixels))
-        file_max = size.get("longest_edge", settings.get("max_pixels", spec.max_pixels))
-        return cls(spec.patch_size, spec.temporal_patch_size, spec.merge_size,
-                   min_pixels if min_pixels is not None else file_min,
-                   max_pixels if max_pixels is not None else file_max,
-                   tuple(settings.get("image_mean", spec.image_mean)), tuple(settings.get("image_std", spec.image_std)))
+        file_min = size.get("shortest_edge", settings.get("min_pixels", DEFAULT_MIN_PIXELS))
+        file_max = size.get("longest_edge", settings.get("max_pixels", DEFAULT_MAX_PIXELS))
+        return cls(**geometry, min_pixels=min_pixels if min_pixels is not None else file_min,
+                   max_pixels=max_pixels if max_pixels is not None else file_max,
+                   image_mean=tuple(settings.get("image_mean", OPENAI_CLIP_MEAN)),
+                   image_std=tuple(settings.get("image_std", OPENAI_CLIP_STD)))
 
 
 @dataclass
