@@ -1,6 +1,7 @@
 """Prompts through a chat template: token for token what `tokenizer.apply_chat_template` gives (with
 each image pad widened as transformers' Qwen2-VL processor widens it), system prompts, the
-end-of-turn and generation_config.json stop tokens, and conversations a setting cannot encode."""
+end-of-turn and generation_config.json stop tokens and sampling settings, and conversations a
+setting cannot encode."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from stream_rlhf.backends.rollout_config import RolloutConfig
+from stream_rlhf.config import ConfigError, build
 from stream_rlhf.data.chat_template import end_of_turn_id, resolve_chat_template
 from stream_rlhf.data.errors import DataError
 from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.prompts_jsonl import PromptDataset
 from stream_rlhf.data.tokenizer import stop_token_ids
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
+from stream_rlhf.rl.config import RLJobConfig
 
 # Qwen2-VL's chat template (its images part; the default system line lower-cased for the tiny alphabet)
 QWEN2_VL_TEMPLATE = (
@@ -157,3 +161,17 @@ def test_stop_tokens_end_of_turn_and_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
     assert stop_token_ids(tokenizer, None, "none", tmp_path) == (eos, 9)
     assert stop_token_ids(tokenizer, ["<|im_end|>"], "auto", tmp_path) == (im_end,)  # rollout.stop: only those
+
+
+def test_generation_config_fills_the_unset_sampling_settings(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.8, "top_k": 20}))
+    assert (RolloutConfig().with_generation_defaults(str(tmp_path)).temperature,
+            RolloutConfig().with_generation_defaults(str(tmp_path)).top_p) == (0.7, 0.8)
+    overridden = RolloutConfig(temperature=1.0).with_generation_defaults(str(tmp_path))
+    assert (overridden.temperature, overridden.top_p) == (1.0, 0.8)
+    plain = RolloutConfig().with_generation_defaults(None)
+    assert (plain.temperature, plain.top_p) == (1.0, 1.0)
+    with pytest.raises(ConfigError, match=r"top_p=0.8: backend=vllm needs top_p 1 .*generation_config.json's"):
+        RolloutConfig(backend="vllm").with_generation_defaults(str(tmp_path))
+    job = build(RLJobConfig, {"name": "x"})
+    assert (job.rollout.temperature, job.rollout.top_p) == (1.0, 1.0)  # resolved when the job config is built

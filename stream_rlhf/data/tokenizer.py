@@ -14,14 +14,12 @@ Building the tiny model's character tokenizer (saved into its folder by the warm
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from stream_rlhf.data.chat_template import NONE, end_of_turn_id, resolve_chat_template
-
-GENERATION_CONFIG = "generation_config.json"
+from stream_rlhf.data.generation_config import read_generation_config
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -51,8 +49,5 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop: list[str] | None, c
 
 def generation_eos_ids(folder: str | Path | None) -> list[int]:
     """`eos_token_id` of `folder`'s generation_config.json (one id or a list); [] without one."""
-    path = None if folder is None else Path(folder) / GENERATION_CONFIG
-    if path is None or not path.is_file():
-        return []
-    eos = json.loads(path.read_text()).get("eos_token_id")
+    eos = read_generation_config(folder).get("eos_token_id")
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
