@@ -69,7 +69,8 @@ class RolloutConfig:
     """The most tokens a response may have; a response that reaches it without a stop token is cut
     there."""
     stop: list[str] | None = None
-    """Tokens that end a response (kept in it); None: the tokenizer's end-of-sequence token."""
+    """Tokens that end a response (kept in it); None: the tokenizer's end-of-sequence token, the
+    chat template's end-of-turn token and the eos ids of the model's generation_config.json."""
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     """Medusa speculative decoding (`rollout.medusa`); off by default."""
     vllm: VllmConfig = field(default_factory=VllmConfig)

@@ -48,14 +48,14 @@ class TaskConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """A prompt dataset in place of the synthetic task's prompts: a JSONL file, a Parquet file
-    (`.parquet`) or a `datasets` folder (`save_to_disk`), each row today's form
+    (`.parquet`) or a `datasets` folder (`save_to_disk`), each row a conversation or a prompt text
+    (docs/data.md has the forms, the image encodings and how `fields` and `chat_template` apply).
 
         {"prompt": "<image>how many red?", "images": ["images/1.png"], "answer": "2"}
+        {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many?"}]}],
+         "images": ["images/1.png"], "answer": "2"}
 
-    or a conversation (`messages` or `prompt` as a list of {role, content} turns, content a string
-    or a list of {type: text | image} parts); docs/data.md has the forms, the image encodings and
-    how `fields` and `chat_template` apply. Relative image paths are relative to the dataset's
-    folder.
+    Relative image paths are relative to the dataset's folder.
     """
 
     train: str | None = None
