@@ -88,7 +88,7 @@ def test_jsonl_parquet_and_datasets_folder_give_the_same_samples(tmp_path):
         dataset = _open(tmp_path / other)
         assert dataset.sources[2] == f"{tmp_path / other}:row 2"
         _same_samples(jsonl, dataset)
-    assert _open(tmp_path / "folder").sample(0).image_paths == ("bytes of images[0]",)
+    assert _open(tmp_path / "folder").sample(0).image_paths == (f"{tmp_path / 'folder'}:row 0 bytes of images[0]",)
 
 
 def test_todays_form_in_parquet_equals_jsonl(tmp_path):

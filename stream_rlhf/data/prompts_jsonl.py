@@ -66,7 +66,8 @@ class PromptSample:
     answer: str
     """The reference the reward function receives."""
     image_paths: tuple[str, ...] = ()
-    """The images' names (files, or "bytes of FIELD" for inline images), in prompt order."""
+    """The images' files, in prompt order ("{source} bytes of FIELD" for an image held in the row:
+    the sample log's viewer shows that name where it has no file to show)."""
     reward_kwargs: dict = field(default_factory=dict)
     """The extra columns `data.fields` names, by keyword of the reward function."""
 
@@ -149,7 +150,7 @@ class PromptDataset:
                 raise DataError(source, error.kind, f"image {image.name}: {error.reason}") from None
         ids = expand_image_pads(list(line.ids), self.image_pad_id, [image.num_tokens for image in images])
         return PromptSample(source, conversation_text(line.row.turns), ids, images, line.row.reference,
-                            tuple(image.name if isinstance(image.source, bytes) else str(image.source)
+                            tuple(f"{source} {image.name}" if isinstance(image.source, bytes) else str(image.source)
                                   for image in line.row.images), dict(line.row.reward_kwargs))
 
     def longest_prompt(self) -> tuple[int, str]:
