@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import Qwen2VLConfig
+from transformers import Qwen2VLConfig, Qwen3VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from stream_rlhf.data.images import ImageError, ImageSpec, check_image_file, image_tokens, load_image
@@ -147,15 +147,17 @@ def _save_processor(folder, **settings) -> Qwen2VLImageProcessorPil:
     return processor
 
 
+@pytest.mark.parametrize("config_class", [Qwen2VLConfig, Qwen3VLConfig])
 @pytest.mark.parametrize("width, height", [(80, 48), (300, 200), (20, 30)])
-def test_model_folder_preprocessor_config_matches_transformers(tmp_path, width, height):
+def test_model_folder_preprocessor_config_matches_transformers(tmp_path, width, height, config_class):
     """Non-default min/max pixels and mean/std read from the folder's preprocessor_config.json give
-    transformers' patches, bit for bit; the image as bytes (a Parquet image column) gives the same."""
+    transformers' patches, bit for bit; the image as bytes (a Parquet image column) gives the same.
+    Qwen3-VL takes Qwen2-VL's image processor (transformers has none of its own)."""
     settings = {"min_pixels": 32 * 32, "max_pixels": 96 * 96, "image_mean": [0.5, 0.4, 0.3],
                 "image_std": [0.2, 0.3, 0.25]}
     _save_processor(tmp_path, **settings)
     processor = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)  # what a user's folder loads as
-    vision = Qwen2VLConfig(vision_config={"patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2})
+    vision = config_class(vision_config={"patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2})
     spec = ImageSpec.from_model_folder(tmp_path, vision.vision_config, None, None)
     assert (spec.min_pixels, spec.max_pixels) == (32 * 32, 96 * 96)
     assert spec.image_mean == (0.5, 0.4, 0.3) and spec.image_std == (0.2, 0.3, 0.25)

@@ -84,7 +84,7 @@ def _in_folder(cfg: RLJobConfig, folder: Path) -> DataConfig:
 
 def open_prompts(cfg: RLJobConfig, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, split: str,
                  seed: int = 0) -> PromptDataset | None:
-    """The JSONL prompts of `split` ("train" or "eval") for the model of `model_config`; None when
+    """The prompt dataset of `split` ("train" or "eval") for the model of `model_config`; None when
     the job's prompts are the in-memory arithmetic task."""
     vision = getattr(model_config, "vision_config", None)
     ids = ((model_config.vision_start_token_id, model_config.image_token_id, model_config.vision_end_token_id)
