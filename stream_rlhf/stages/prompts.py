@@ -5,14 +5,16 @@ the files of the `shapes` task), cycled epoch after epoch in a seeded order. Ima
 and cut into patches here, once per prompt (`stages/images.py` has the handle's image fields).
 Each prompt appears `samples_per_prompt` times in its mini-batch with one group id, so GRPO and
 RLOO find a prompt's samples together; its images are shared by those samples. References (the
-answers the reward checks) and the reward function's extra keyword arguments (`data.fields`)
-travel as handle metadata. Lines the dataset skips
+answers the reward checks) and the reward function's extra keyword arguments (`data.fields`, as
+one JSON text per sample) travel as handle metadata. Lines the dataset skips
 (`data.on_bad_sample: skip`) are counted in `stage_counts/` for the summary. The dataset's
 cursor is recorded at every iteration's start (`prompt_cursor.py`), and a resumed run starts
 at its checkpoint's iteration from there.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 from transformers import AutoConfig
@@ -25,7 +27,7 @@ from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.images import image_batch_fields
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.prompt_cursor import PromptCursors
-from stream_rlhf.stages.topics import topic_output
+from stream_rlhf.stages.topics import REWARD_KWARGS, topic_output
 from stream_rlhf.telemetry.sample_log import IMAGE_PATHS
 from stream_rlhf.telemetry.stage_counts import StageCounts
 
@@ -74,7 +76,7 @@ class PromptSource(Stage):
             "group_ids": torch.arange(first, first + len(prompts)).repeat_interleave(repeat),
         }
         metadata = {"references": [r for r in references for _ in range(repeat)],
-                    "reward_kwargs": [k for k in reward_kwargs for _ in range(repeat)]}
+                    REWARD_KWARGS: [json.dumps(k) for k in reward_kwargs for _ in range(repeat)]}  # wire: scalars
         if self.job.vision_language:
             tensors.update(image_batch_fields(images, [ix for ix in prompt_images for _ in range(repeat)]))
             metadata[IMAGE_PATHS] = [p for p in image_paths for _ in range(repeat)]  # for the sample log

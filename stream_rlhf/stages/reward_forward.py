@@ -9,6 +9,7 @@ A rule-based function has the signature `fn(prompt: str, response: str, referenc
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import torch
@@ -20,9 +21,10 @@ from stream_rlhf.samples import Rollout, ragged
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.process_reward import ProcessScorer
-from stream_rlhf.stages.topics import topic_output
+from stream_rlhf.stages.topics import REWARD_KWARGS, topic_output
 
 RewardFunction = Callable[..., float]
+
 
 
 class Scorer:
@@ -70,7 +72,8 @@ class RewardForward(Stage):
     def step(self, batch: Batch | None) -> list[Output]:
         rollout = Rollout.from_tensors(batch.tensors)
         references = batch.metadata["references"]
-        tensors = {"scores": self.scorer.score(rollout, references, batch.metadata["reward_kwargs"])}
+        reward_kwargs = [json.loads(text) for text in batch.metadata[REWARD_KWARGS]]
+        tensors = {"scores": self.scorer.score(rollout, references, reward_kwargs)}
         if self.process is not None:
             tensors.update(ragged("process_rewards", self.process.rewards(rollout, references)))
         return [topic_output("reward", tensors, batch.num_samples)]

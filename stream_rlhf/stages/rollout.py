@@ -25,7 +25,7 @@ from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
-from stream_rlhf.stages.topics import topic_output
+from stream_rlhf.stages.topics import REWARD_KWARGS, topic_output
 from stream_rlhf.stages.weight_sync import RolloutWeights
 
 
@@ -72,7 +72,7 @@ class RolloutStage(Stage):
             del tensors["group_ids"]  # the image handle the broker joins with this one carries them
         output = topic_output("rollout", tensors, len(prompts), batch.iteration, batch.minibatch, out.policy_version,
                               metadata={"references": batch.metadata["references"],
-                                        "reward_kwargs": batch.metadata["reward_kwargs"], "finished": finished,
+                                        REWARD_KWARGS: batch.metadata[REWARD_KWARGS], "finished": finished,
                                         **out.metadata})
         if self.generated is not None:
             self.generated.save(output)
