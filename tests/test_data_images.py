@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import Qwen2VLConfig
+from transformers import Qwen2VLConfig, Qwen3VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from stream_rlhf.data.images import ImageError, ImageSpec, check_image_file, image_tokens, load_image
@@ -137,3 +137,46 @@ def test_check_image_file_reads_nothing(tmp_path):
         with pytest.raises(ImageError, match=reason) as info:
             check_image_file(path)
         assert info.value.kind == "missing image"
+
+
+def _save_processor(folder, **settings) -> Qwen2VLImageProcessorPil:
+    """transformers' processor with `settings`, saved as `folder`/preprocessor_config.json the way
+    transformers writes it."""
+    processor = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, **settings)
+    processor.save_pretrained(folder)
+    return processor
+
+
+@pytest.mark.parametrize("config_class", [Qwen2VLConfig, Qwen3VLConfig])
+@pytest.mark.parametrize("width, height", [(80, 48), (300, 200), (20, 30)])
+def test_model_folder_preprocessor_config_matches_transformers(tmp_path, width, height, config_class):
+    """Non-default min/max pixels and mean/std read from the folder's preprocessor_config.json give
+    transformers' patches, bit for bit; the image as bytes (a Parquet image column) gives the same.
+    Qwen3-VL takes Qwen2-VL's image processor (transformers has none of its own)."""
+    settings = {"min_pixels": 32 * 32, "max_pixels": 96 * 96, "image_mean": [0.5, 0.4, 0.3],
+                "image_std": [0.2, 0.3, 0.25]}
+    _save_processor(tmp_path, **settings)
+    processor = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)  # what a user's folder loads as
+    vision = config_class(vision_config={"patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2})
+    spec = ImageSpec.from_model_folder(tmp_path, vision.vision_config, None, None)
+    assert (spec.min_pixels, spec.max_pixels) == (32 * 32, 96 * 96)
+    assert spec.image_mean == (0.5, 0.4, 0.3) and spec.image_std == (0.2, 0.3, 0.25)
+    path = tmp_path / "image.png"
+    _random_image(width, height).save(path)
+    ours = load_image(path, spec)
+    reference = processor(images=Image.open(path), return_tensors="pt")
+    assert torch.equal(ours.grid_thw, reference["image_grid_thw"][0])
+    assert torch.equal(ours.pixel_values, reference["pixel_values"])
+    assert torch.equal(load_image(path.read_bytes(), spec).pixel_values, ours.pixel_values)
+
+
+def test_model_folder_config_overrides_and_defaults(tmp_path):
+    vision = Qwen2VLConfig(vision_config={"patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2})
+    no_file = ImageSpec.from_model_folder(tmp_path, vision.vision_config, None, None)
+    assert (no_file.min_pixels, no_file.max_pixels, no_file.image_mean) == (16 * 16, 448 * 448, ImageSpec().image_mean)
+    _save_processor(tmp_path, min_pixels=32 * 32, max_pixels=96 * 96)
+    overridden = ImageSpec.from_model_folder(tmp_path, vision.vision_config, 20 * 20, None)
+    assert (overridden.min_pixels, overridden.max_pixels) == (20 * 20, 96 * 96)
+    other = Qwen2VLConfig(vision_config={"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2})
+    with pytest.raises(ValueError, match="patch_size=8 but the model's vision tower has 14"):
+        ImageSpec.from_model_folder(tmp_path, other.vision_config, 28 * 28, 56 * 56)

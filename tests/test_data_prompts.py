@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from stream_rlhf.data.chat_template import encode_prompt
 from stream_rlhf.data.images import ImageSpec
-from stream_rlhf.data.prompts_jsonl import DataError, PromptDataset, encode_prompt
+from stream_rlhf.data.prompts_jsonl import DataError, PromptDataset
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
 
 TOKENIZER = build_tokenizer(vision=True)
@@ -87,11 +88,11 @@ def test_relative_and_absolute_paths(tmp_path):
 BAD_LINES = [
     ('{"prompt": "<image>x", "images": ["images/1.png"], "answer": "1"', "json", "not valid JSON"),
     ('[1, 2]', "schema", "expected a JSON object, got list"),
-    ({"prompt": "<image>x", "images": ["images/1.png"]}, "schema", 'missing key "answer"'),
-    ({"prompt": "<image>x", "image": ["images/1.png"], "answer": "1"}, "schema", 'unknown key "image"'),
-    ({"prompt": "x", "answer": 2}, "schema", 'key "answer" must be a string, got int'),
-    ({"prompt": "x", "images": "images/1.png", "answer": "1"}, "schema", 'key "images" must be a list'),
-    ({"prompt": "", "answer": "1"}, "schema", 'key "prompt" is empty'),
+    ({"prompt": "<image>x", "images": ["images/1.png"]}, "schema", 'missing field "answer" (data.fields.reference'),
+    ({"prompt": "<image>x", "image": ["images/1.png"], "answer": "1"}, "image tokens", "1 <image> markers for 0 image"),
+    ({"prompt": "x", "answer": [2]}, "schema", 'field "answer" (the reference) must be a string or a number, got list'),
+    ({"prompt": "x", "images": "images/1.png", "answer": "1"}, "schema", 'field "images" must be a list'),
+    ({"prompt": "", "answer": "1"}, "schema", 'field "prompt" is empty'),
     ({"prompt": "<image><image>x", "images": ["images/1.png"], "answer": "1"}, "image tokens",
      "prompt has 2 <image> markers for 1 image(s)"),
     ({"prompt": "<image>x<|image_pad|>", "images": ["images/1.png"], "answer": "1"}, "image tokens",
@@ -149,18 +150,18 @@ def test_all_bad(tmp_path):
     _corrupt_png(tmp_path / "images/cut.png")
     path = _write(tmp_path, ["{", {"prompt": "<image>", "images": ["images/9.png"], "answer": "1"},
                              {"prompt": "<image>", "images": ["images/cut.png"], "answer": "1"}])
-    with pytest.raises(DataError, match=r"no usable lines in .*train.jsonl \(3 skipped: 1 corrupt image, 1 json, "
+    with pytest.raises(DataError, match=r"no usable rows in .*train.jsonl \(3 skipped: 1 corrupt image, 1 json, "
                                         r"1 missing image\)"):
         _dataset(path, on_bad="skip")  # every line is found bad when the file is read
     path = _write(tmp_path, ["{", "[]"])
-    with pytest.raises(DataError, match=r"no usable lines .*\(2 skipped: 1 json, 1 schema\)"):
+    with pytest.raises(DataError, match=r"no usable rows .*\(2 skipped: 1 json, 1 schema\)"):
         _dataset(path, on_bad="skip")
 
 
 def test_empty_and_missing_file(tmp_path):
     for text in ("", "\n  \n"):
         (tmp_path / "empty.jsonl").write_text(text)
-        with pytest.raises(DataError, match="empty.jsonl: no lines"):
+        with pytest.raises(DataError, match="empty.jsonl: no rows"):
             _dataset(tmp_path / "empty.jsonl")
     with pytest.raises(DataError, match="nope.jsonl: cannot be read"):
         _dataset(tmp_path / "nope.jsonl")

@@ -23,8 +23,8 @@ from stream_rlhf.backends.torch_engine import freeze_vision_tower
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_client import SHIM, VllmClient, engine_env
 from stream_rlhf.backends.vllm_rollout import VllmOptions
+from stream_rlhf.data.chat_template import encode_prompt
 from stream_rlhf.data.images import ImageSpec, patchify
-from stream_rlhf.data.prompts_jsonl import encode_prompt
 from stream_rlhf.data.shapes import problems
 from stream_rlhf.models.checkpoint import build_tiny, load_policy, save_checkpoint
 from stream_rlhf.models.model_config import TinyModelConfig, TinyVisionConfig

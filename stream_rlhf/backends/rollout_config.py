@@ -3,13 +3,14 @@ beside the rollout backends (`torch_rollout.py`, `vllm_rollout.py`, `speculative
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal
 
 from msgspec import Meta
 
 from stream_rlhf.backends.vllm_config import VllmConfig
 from stream_rlhf.config import ConfigError, check_fields
+from stream_rlhf.data.generation_config import GENERATION_CONFIG, read_generation_config
 
 
 @dataclass(frozen=True)
@@ -56,17 +57,20 @@ class RolloutConfig:
     instances: Annotated[int, Meta(ge=1)] = 1
     """Rollout instances (data parallel): each takes whole mini-batches from the broker, the
     least-loaded first, and holds a copy of the policy."""
-    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    temperature: Annotated[float, Meta(ge=0)] | None = None
     """Sampling temperature: tokens are drawn from softmax(logits / temperature); 0: greedy. The
-    trainers compute log-probs at this same temperature, so it is part of the objective."""
-    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    trainers compute log-probs at this same temperature, so it is part of the objective. None:
+    `model.path`'s generation_config.json's, else 1 (set when the job config is built)."""
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     """Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p; 1:
-    the whole vocabulary (what backend vllm needs)."""
+    the whole vocabulary (what backend vllm needs). None: `model.path`'s generation_config.json's,
+    else 1 (set when the job config is built)."""
     max_new_tokens: Annotated[int, Meta(ge=1)] = 6
     """The most tokens a response may have; a response that reaches it without a stop token is cut
     there."""
     stop: list[str] | None = None
-    """Tokens that end a response (kept in it); None: the tokenizer's end-of-sequence token."""
+    """Tokens that end a response (kept in it); None: the tokenizer's end-of-sequence token, the
+    chat template's end-of-turn token and the eos ids of the model's generation_config.json."""
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     """Medusa speculative decoding (`rollout.medusa`); off by default."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
@@ -74,10 +78,22 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.backend == "vllm" and self.top_p < 1:
+        if self.backend == "vllm" and self.top_p is not None and self.top_p < 1:
             # vLLM reports log-probs of the top-p-truncated distribution; the pipeline's behaviour
             # log-probs are under the full tempered one (what the forwards recompute)
             raise ConfigError(f"top_p={self.top_p}: backend=vllm needs top_p 1 (its log-probs would be "
                               "of the truncated distribution)")
         if self.backend == "vllm" and self.medusa.enabled:
             raise ConfigError("medusa.enabled=true: Medusa speculative rollout is built on backend=torch")
+
+    def with_generation_defaults(self, model_folder: str | None) -> RolloutConfig:
+        """This config with `temperature` and `top_p` that are None taken from `model_folder`'s
+        generation_config.json, else 1 (top_k, repetition_penalty and the like are not read)."""
+        settings = read_generation_config(model_folder)
+        chosen = {name: settings.get(name, 1.0) if getattr(self, name) is None else getattr(self, name)
+                  for name in ("temperature", "top_p")}
+        try:
+            return replace(self, **chosen)
+        except ConfigError as error:
+            raise ConfigError(f"{error} (unset, it is {model_folder}/{GENERATION_CONFIG}'s: set it in the config)") \
+                from None

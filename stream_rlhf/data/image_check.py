@@ -1,4 +1,4 @@
-"""Every distinct image file of a dataset decoded once when the dataset is built, so that a bad
+"""Every distinct image of a dataset (a file, or inline bytes) decoded once when the dataset is built, so that a bad
 image (a PNG signature over a garbage body, a truncated file, an unsupported size) is found before
 the run, not only if and when its line is sampled.
 
@@ -29,17 +29,18 @@ CACHE_FILE = "image_check.json"
 """In the cache folder: content SHA-256 -> {"size": [width, height]} or {"kind": ..., "reason": ...}."""
 
 
-def bad_images(paths: Iterable[Path], spec: ImageSpec, cache_dir: Path | None) -> dict[Path, ImageError]:
-    """The files among `paths` that `load_image(path, spec)` would refuse, with the ImageError it
-    would raise (missing files are the dataset's own cheap check, before this). `cache_dir` None:
-    no cache, every distinct file is decoded."""
+def bad_images(sources: Iterable[Path | bytes], spec: ImageSpec,
+               cache_dir: Path | None) -> dict[Path | bytes, ImageError]:
+    """The images among `sources` (files, or encoded images as bytes) that `load_image(source, spec)`
+    would refuse, with the ImageError it would raise (missing files are the dataset's own cheap
+    check, before this). `cache_dir` None: no cache, every distinct image is decoded."""
     cache_file = None if cache_dir is None else Path(cache_dir) / CACHE_FILE
     known = _read_cache(cache_file)
     found: dict[str, dict] = {}
     bad = {}
-    for path in dict.fromkeys(paths):
+    for path in dict.fromkeys(sources):
         try:
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            digest = hashlib.sha256(path if isinstance(path, bytes) else path.read_bytes()).hexdigest()
         except OSError as error:
             bad[path] = ImageError(path, "missing image", f"cannot be read ({error.strerror or error})")
             continue
@@ -60,7 +61,7 @@ def bad_images(paths: Iterable[Path], spec: ImageSpec, cache_dir: Path | None) -
     return bad
 
 
-def _decode(path: Path) -> dict:
+def _decode(path: Path | bytes) -> dict:
     try:
         return {"size": list(decode_image(path).size)}
     except ImageError as error:

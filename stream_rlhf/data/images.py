@@ -2,10 +2,16 @@
 processor makes them (PIL decode, smart resize, rescale, normalise, patchify), without its machinery.
 
     spec = ImageSpec.from_vision_config(model.config.vision_config, min_pixels=16 * 16, max_pixels=64 * 64)
+    spec = ImageSpec.from_model_folder(folder, model.config.vision_config, None, None)  # + preprocessor_config.json
     image = load_image("images/000001.png", spec)
     image.pixel_values   # (num_patches, C * temporal_patch_size * patch_size**2) float32
     image.grid_thw       # (3,) long: (1, height // patch_size, width // patch_size)
     image.num_tokens     # image tokens the language model sees: num_patches // merge_size**2
+
+A model folder's `preprocessor_config.json` (Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's) sets min/max
+pixels (`min_pixels` / `max_pixels`, or `size.shortest_edge` / `size.longest_edge`) and mean/std;
+tests/test_data_images.py checks the patches equal transformers' own processor's for such a file.
+`load_image` also takes the encoded image as bytes (Parquet and `datasets` image columns).
 
 Supported images (anything else raises `ImageError` with kind "image size"): both sides at least
 `factor = patch_size * merge_size` pixels and an aspect ratio (long side / short side) of at most
@@ -22,6 +28,8 @@ frame repeated temporal_patch_size times, flattened as (C, T, p, p).
 
 from __future__ import annotations
 
+import io
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,15 +41,21 @@ from PIL import Image
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
+DEFAULT_MIN_PIXELS = 16 * 16
+"""min_pixels when neither `data.min_pixels` nor the model folder's preprocessor_config.json sets it."""
+DEFAULT_MAX_PIXELS = 448 * 448
+"""max_pixels when neither `data.max_pixels` nor the model folder's preprocessor_config.json sets it."""
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
 
 
 class ImageError(ValueError):
     """An image that cannot be used. `kind` is "missing image", "corrupt image" or "image size";
     `reason` is the message without the path."""
 
-    def __init__(self, path: str | Path, kind: str, reason: str) -> None:
+    def __init__(self, path: str | Path | bytes, kind: str, reason: str) -> None:
+        path = f"<{len(path)} bytes>" if isinstance(path, bytes) else str(path)
         super().__init__(f"{path}: {reason}")
-        self.path, self.kind, self.reason = str(path), kind, reason
+        self.path, self.kind, self.reason = path, kind, reason
 
     def __reduce__(self):  # picklable across processes despite the custom __init__
         return type(self), (self.path, self.kind, self.reason)
@@ -87,6 +101,28 @@ class ImageSpec:
         return cls(patch_size=vision_config.patch_size, temporal_patch_size=vision_config.temporal_patch_size,
                    merge_size=vision_config.spatial_merge_size, min_pixels=min_pixels, max_pixels=max_pixels)
 
+    @classmethod
+    def from_model_folder(cls, folder: str | Path | None, vision_config, min_pixels: int | None,
+                          max_pixels: int | None) -> ImageSpec:
+        """The spec of `vision_config` with the folder's `preprocessor_config.json` (when there is
+        one) for min/max pixels and mean/std; `min_pixels` / `max_pixels` given (not None) win over
+        the file's, and without either the defaults are DEFAULT_MIN_PIXELS / DEFAULT_MAX_PIXELS.
+        ValueError when the file's patch geometry differs from the vision tower's."""
+        geometry = {"patch_size": vision_config.patch_size, "temporal_patch_size": vision_config.temporal_patch_size,
+                    "merge_size": vision_config.spatial_merge_size}
+        path = None if folder is None else Path(folder) / PREPROCESSOR_CONFIG
+        settings = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+        for key, ours in geometry.items():
+            if settings.get(key, ours) != ours:
+                raise ValueError(f"{path}: {key}={settings[key]} but the model's vision tower has {ours}")
+        size = settings.get("size") or {}
+        file_min = size.get("shortest_edge", settings.get("min_pixels", DEFAULT_MIN_PIXELS))
+        file_max = size.get("longest_edge", settings.get("max_pixels", DEFAULT_MAX_PIXELS))
+        return cls(**geometry, min_pixels=min_pixels if min_pixels is not None else file_min,
+                   max_pixels=max_pixels if max_pixels is not None else file_max,
+                   image_mean=tuple(settings.get("image_mean", OPENAI_CLIP_MEAN)),
+                   image_std=tuple(settings.get("image_std", OPENAI_CLIP_STD)))
+
 
 @dataclass
 class PatchedImage:
@@ -118,8 +154,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def load_image(path: str | Path, spec: ImageSpec) -> PatchedImage:
-    """Decode, check, resize and patchify the image file at `path` (raises `ImageError`)."""
+def load_image(path: str | Path | bytes, spec: ImageSpec) -> PatchedImage:
+    """Decode, check, resize and patchify the image file at `path`, or the encoded image `path`
+    holds when it is bytes (raises `ImageError`)."""
     image = decode_image(path)
     width, height = image.size
     check_size(path, width, height, spec)
@@ -128,7 +165,7 @@ def load_image(path: str | Path, spec: ImageSpec) -> PatchedImage:
     return patchify(np.asarray(image), spec)
 
 
-def check_size(path: str | Path, width: int, height: int, spec: ImageSpec) -> None:
+def check_size(path: str | Path | bytes, width: int, height: int, spec: ImageSpec) -> None:
     """Raise ImageError "image size" when `load_image` does not support a `width` x `height` image."""
     if min(height, width) < spec.factor:
         raise ImageError(path, "image size", f"size {width}x{height} unsupported: a side is below "
@@ -147,12 +184,12 @@ def check_image_file(path: str | Path) -> None:
         raise ImageError(path, "missing image", "file not found")
 
 
-def image_tokens(path: str | Path, spec: ImageSpec) -> int | None:
+def image_tokens(path: str | Path | bytes, spec: ImageSpec) -> int | None:
     """The image tokens `load_image` would make of the image at `path`, from its header alone
     (no pixels decoded); None when the header cannot be read or the size is unsupported (the
     decode, when the image is used, says why)."""
     try:
-        with Image.open(path) as opened:
+        with Image.open(_openable(path)) as opened:
             width, height = opened.size
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         return None
@@ -162,10 +199,11 @@ def image_tokens(path: str | Path, spec: ImageSpec) -> int | None:
     return new_height * new_width // spec.factor**2
 
 
-def decode_image(path: str | Path) -> Image.Image:
-    """The fully decoded RGB image at `path`; transparency is composited onto white as transformers does."""
+def decode_image(path: str | Path | bytes) -> Image.Image:
+    """The fully decoded RGB image at `path` (or in it, bytes); transparency is composited onto white
+    as transformers does."""
     try:
-        with Image.open(path) as opened:
+        with Image.open(_openable(path)) as opened:
             opened.load()  # a truncated or corrupt file fails here, not later
             image = opened
     except FileNotFoundError:
@@ -180,6 +218,10 @@ def decode_image(path: str | Path) -> Image.Image:
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     return image.convert("RGB")
+
+
+def _openable(path: str | Path | bytes) -> str | Path | io.BytesIO:
+    return io.BytesIO(path) if isinstance(path, bytes) else path
 
 
 def patchify(rgb: np.ndarray, spec: ImageSpec) -> PatchedImage:

@@ -1,56 +1,57 @@
-"""Prompts with images from a JSONL file, for the multimodal prompt source.
+"""The prompt dataset of the multimodal prompt source: the rows of a JSONL file, a Parquet file or a
+`datasets` folder (`rows.py`), each a conversation (`conversation.py`: today's form or the
+conversational one) encoded with the chat template (`chat_template.py`).
 
-One JSON object per line (blank lines are ignored):
+    data = PromptDataset("data/train.parquet", tokenizer, spec, vision_token_ids, on_bad="skip",
+                         max_images_per_prompt=1, seed=0, chat_template=None,
+                         fields={"reference": "solution"}, system_prompt=None)
+    sample = data.next_sample()   # PromptSample: source, prompt, prompt_ids, images, answer, reward_kwargs
 
-    {"prompt": "<image>how many red?", "images": ["images/000001.png"], "answer": "2"}
-
-`prompt` (a non-empty string) and `answer` (a string, the reward's reference) are required;
-`images` (a list of paths) is optional, and no other key is allowed. Relative image paths resolve
-against the folder of the JSONL file. Each `<image>` marker in `prompt` stands for the next image
-of `images`; it becomes `<|vision_start|>`, one `<|image_pad|>` per image token, `<|vision_end|>`.
-The prompt text goes to the model as written (a leading bos where the tokenizer has one, no chat
-template).
-
-    data = PromptDataset("data/train.jsonl", tokenizer, spec, vision_token_ids, on_bad="skip",
-                         max_images_per_prompt=1, seed=0)
-    sample = data.next_sample()   # PromptSample: source, prompt, prompt_ids, images, answer
-
-Lines are read and checked as text when the dataset is built, and every image path must name a
-file then; each distinct image file is decoded then too, once (`image_check.py`, cached by content
-in `image_cache`), so a corrupt or unsupported image makes its lines bad before the run. A bad
-line raises `DataError` ("{file}:{line}: {reason}"), or with on_bad="skip" is counted in
-`skipped` by kind and never tried again. The kinds (all found when the dataset is built):
+Rows are read, checked and their prompts encoded (one placeholder per image) when the dataset is
+built, and every image path must name a file then; each distinct image (a file or inline bytes) is
+decoded then too, once (`image_check.py`, cached by content in `image_cache`), so a corrupt or
+unsupported image makes its rows bad before the run. Each image's placeholder is widened to its
+image tokens when the row is sampled. A bad row raises `DataError` ("{source}: {reason}", the source "file:line" or
+"file:row N"), or with on_bad="skip" is counted in `skipped` by kind and never tried again. The kinds:
 
     json           the line is not valid UTF-8 JSON
-    schema         not an object, a missing / unknown / wrongly typed key
-    missing image  an image file does not exist
-    corrupt image  an image file cannot be decoded (truncated, not an image)
+    schema         not an object, a missing or wrongly shaped field (named in the message), a
+                   conversation the chat template (or its absence) cannot encode
+    missing image  an image file does not exist (found when the dataset is built)
+    corrupt image  an image cannot be decoded (truncated, not an image; found when the dataset is built)
     image size     an image size `load_image` does not support (see images.py)
-    image tokens   <image> markers do not match the images, too many images, or the prompt text
-                   holds a vision special token itself (or the model takes no images)
+    image tokens   images and image places (<image> markers, image parts, the template's
+                   placeholders) differ in number, too many images, or the prompt text holds a
+                   vision special token itself (or the model takes no images)
 
-A whole-file problem (unreadable, empty, no usable line left) is a DataError of kind "file" whose
+A whole-file problem (unreadable, empty, no usable row left) is a DataError of kind "file" whose
 message starts with "{file}: ".
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from stream_rlhf.data.chat_template import (
+    ConversationError,
+    conversation_ids,
+    conversation_text,
+    expand_image_pads,
+    turn_texts,
+)
+from stream_rlhf.data.conversation import PromptRow, parse_row
 from stream_rlhf.data.errors import DataError
 from stream_rlhf.data.image_check import bad_images
 from stream_rlhf.data.images import ImageError, ImageSpec, PatchedImage, check_image_file, image_tokens, load_image
+from stream_rlhf.data.rows import read_rows
 
-IMAGE_MARKER = "<image>"
-KEYS = ("prompt", "images", "answer")
 MAX_SKIPPED_EXAMPLES = 5
 """How many skipped lines keep their message in `PromptDataset.skipped_examples`."""
 
@@ -58,67 +59,37 @@ MAX_SKIPPED_EXAMPLES = 5
 @dataclass
 class PromptSample:
     source: str
-    """Where the prompt comes from: "file:line" (1-based)."""
+    """Where the prompt comes from: "file:line" (JSONL, 1-based) or "file:row N" (0-based)."""
     prompt: str
-    """The prompt text, with its <image> markers."""
+    """The conversation's text, one turn a line, images as <image> markers (today's form: its prompt)."""
     prompt_ids: torch.Tensor
     """(L,) long: the encoded prompt, image pads included."""
     images: list[PatchedImage]
     answer: str
+    """The reference the reward function receives."""
     image_paths: tuple[str, ...] = ()
-    """The files of `images`, in prompt order."""
-
-
-def encode_prompt(
-    tokenizer: PreTrainedTokenizerBase,
-    text: str,
-    image_token_counts: list[int],
-    vision_token_ids: tuple[int, int, int] | None,
-) -> torch.Tensor:
-    """(L,) long ids: bos (if the tokenizer has one), then the text with each <image> marker replaced by
-    vision_start, image_pad * n, vision_end (n = the next of `image_token_counts`).
-
-    `vision_token_ids` is (vision_start, image_pad, vision_end), e.g. a Qwen2-VL config's
-    (vision_start_token_id, image_token_id, vision_end_token_id); None for a text-only model (then no
-    markers). Raises ValueError when the markers and counts differ in number, a count is < 1, or the
-    text itself encodes to a vision token."""
-    segments = text.split(IMAGE_MARKER)
-    if len(segments) - 1 != len(image_token_counts):
-        raise ValueError(f"prompt has {len(segments) - 1} {IMAGE_MARKER} markers "
-                         f"for {len(image_token_counts)} image(s)")
-    if vision_token_ids is None and image_token_counts:
-        raise ValueError("prompt has images but the model takes none (no vision tower)")
-    start, pad, end = vision_token_ids or (None, None, None)
-    ids = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    for i, segment in enumerate(segments):
-        if i > 0:
-            count = image_token_counts[i - 1]
-            if count < 1:
-                raise ValueError(f"image {i} has {count} image tokens, expected >= 1")
-            ids += [start] + [pad] * count + [end]
-        segment_ids = tokenizer.encode(segment, add_special_tokens=False) if segment else []
-        if vision_token_ids is not None and set(segment_ids) & {start, pad, end}:
-            raise ValueError("prompt text contains a vision special token (write images as <image> markers)")
-        ids += segment_ids
-    return torch.tensor(ids, dtype=torch.long)
+    """The images' files, in prompt order ("{source} bytes of FIELD" for an image held in the row:
+    the sample log's viewer shows that name where it has no file to show)."""
+    reward_kwargs: dict = field(default_factory=dict)
+    """The extra columns `data.fields` names, by keyword of the reward function."""
 
 
 @dataclass(frozen=True)
 class _Line:
-    prompt: str
-    image_names: tuple[str, ...]
-    """As written in the file (for messages)."""
-    image_paths: tuple[Path, ...]
-    answer: str
+    row: PromptRow
+    ids: tuple[int, ...]
+    """The prompt ids with one image pad per image (widened when sampled)."""
 
 
 class PromptDataset:
-    """The lines of a JSONL prompt file, served in a seeded shuffled order epoch after epoch.
+    """The rows of a prompt dataset, served in a seeded shuffled order epoch after epoch.
 
-    `spec` and `vision_token_ids` are both None for a text-only model: a line with images is then
-    bad ("image tokens"). `sample(index)` raises DataError for a bad line whatever `on_bad` says;
-    `next_sample()` applies `on_bad`. `image_cache`: the folder of the image decode cache
-    (`image_check.py`; None: none)."""
+    `spec` and `vision_token_ids` are both None for a text-only model: a row with images is then
+    bad ("image tokens"). `chat_template` is the Jinja text (None: the prompt as written,
+    `chat_template.py`); `fields` is `data.fields`; `system_prompt` becomes the first turn of a
+    conversation that has no system turn. `sample(index)` raises DataError for a bad row whatever
+    `on_bad` says; `next_sample()` applies `on_bad`. `image_cache`: the folder of the image decode
+    cache (`image_check.py`; None: none)."""
 
     def __init__(
         self,
@@ -129,6 +100,9 @@ class PromptDataset:
         on_bad: Literal["error", "skip"],
         max_images_per_prompt: int,
         seed: int,
+        chat_template: str | None = None,
+        fields: dict[str, str] | None = None,
+        system_prompt: str | None = None,
         image_cache: Path | None = None,
     ) -> None:
         if on_bad not in ("error", "skip"):
@@ -139,30 +113,25 @@ class PromptDataset:
         if (spec is None) != (vision_token_ids is None):
             raise ValueError("spec and vision_token_ids: give both (a vision-language model) or neither (text)")
         self.vision_token_ids = None if vision_token_ids is None else tuple(vision_token_ids)
+        self.image_pad_id = None if vision_token_ids is None else vision_token_ids[1]
         self.on_bad, self.max_images_per_prompt, self.seed = on_bad, max_images_per_prompt, seed
+        self.chat_template, self.fields, self.system_prompt = chat_template, dict(fields or {}), system_prompt
         self._vision_texts = () if vision_token_ids is None else tuple(
             tokenizer.convert_ids_to_tokens(list(vision_token_ids)))
         self.skipped: dict[str, int] = {}
-        """Bad lines skipped so far, by kind (on_bad="skip")."""
+        """Bad rows skipped so far, by kind (on_bad="skip")."""
         self.skipped_examples: list[str] = []
-        """The messages of the first MAX_SKIPPED_EXAMPLES skipped lines."""
+        """The messages of the first MAX_SKIPPED_EXAMPLES skipped rows."""
         self.epoch = 0
-        """Completed passes over the file by `next_sample`."""
+        """Completed passes over the dataset by `next_sample`."""
         self._bad: set[int] = set()
-        try:
-            raw_lines = Path(path).read_bytes().split(b"\n")
-        except OSError as error:
-            raise DataError(self.file, "file", f"cannot be read ({error.strerror or error})") from None
-        folder = Path(path).parent
-        self.sources: list[str] = []
-        """ "file:line" of each non-blank line; `sample(index)` indexes this list."""
-        self._lines: list[_Line | DataError] = []
-        for number, raw in enumerate(raw_lines, start=1):
-            if raw.strip():
-                self.sources.append(f"{self.file}:{number}")
-                self._lines.append(self._parse(self.sources[-1], raw, folder))
-        if not self._lines:
-            raise DataError(self.file, "file", "no lines (the file is empty)")
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        rows = read_rows(path)
+        self.sources: list[str] = [source for source, _ in rows]
+        """The source of each row ("file:line" or "file:row N"); `sample(index)` indexes this list."""
+        self._lines: list[_Line | DataError] = [
+            record if isinstance(record, DataError) else self._parse(source, record, folder)
+            for source, record in rows]
         if spec is not None:
             self._decode_images(image_cache)
         for index, line in enumerate(self._lines):
@@ -175,36 +144,32 @@ class PromptDataset:
         return len(self._lines)
 
     def sample(self, index: int) -> PromptSample:
-        """Line `index` with its images decoded and its prompt encoded; raises DataError if it is bad."""
+        """Row `index` with its images decoded and its prompt encoded; raises DataError if it is bad."""
         line, source = self._lines[index], self.sources[index]
         if isinstance(line, DataError):
             raise line
         images = []
-        for name, path in zip(line.image_names, line.image_paths):
+        for image in line.row.images:
             try:
-                images.append(load_image(path, self.spec))
+                images.append(load_image(image.source, self.spec))
             except ImageError as error:
-                raise DataError(source, error.kind, f"image {name}: {error.reason}") from None
-        try:
-            ids = encode_prompt(self.tokenizer, line.prompt, [image.num_tokens for image in images],
-                                self.vision_token_ids)
-        except ValueError as error:
-            raise DataError(source, "image tokens", str(error)) from None
-        return PromptSample(source, line.prompt, ids, images, line.answer, tuple(map(str, line.image_paths)))
+                raise DataError(source, error.kind, f"image {image.name}: {error.reason}") from None
+        ids = expand_image_pads(list(line.ids), self.image_pad_id, [image.num_tokens for image in images])
+        return PromptSample(source, conversation_text(line.row.turns), ids, images, line.row.reference,
+                            tuple(f"{source} {image.name}" if isinstance(image.source, bytes) else str(image.source)
+                                  for image in line.row.images), dict(line.row.reward_kwargs))
 
     def longest_prompt(self) -> tuple[int, str]:
-        """(tokens, source) of the longest prompt among the lines not found bad, images counted from
+        """(tokens, source) of the longest prompt among the rows not found bad, images counted from
         their headers (an image whose header does not read counts as one token: its decode says
-        why when the line is sampled)."""
+        why when the row is sampled)."""
         longest = (0, self.file)
-        bos = 0 if self.tokenizer.bos_token_id is None else 1
         for index, line in enumerate(self._lines):
             if index in self._bad or isinstance(line, DataError):
                 continue
-            text = sum(len(self.tokenizer.encode(segment, add_special_tokens=False))
-                       for segment in line.prompt.split(IMAGE_MARKER) if segment)
-            images = sum(2 + (image_tokens(path, self.spec) or 1) for path in line.image_paths)
-            longest = max(longest, (bos + text + images, self.sources[index]), key=lambda pair: pair[0])
+            images = sum(image_tokens(image.source, self.spec) or 1 for image in line.row.images)
+            tokens = len(line.ids) - len(line.row.images) + images
+            longest = max(longest, (tokens, self.sources[index]), key=lambda pair: pair[0])
         return longest
 
     def next_sample(self) -> PromptSample:
@@ -247,7 +212,7 @@ class PromptDataset:
     def _check_usable(self) -> None:
         if len(self._bad) == len(self._lines):
             summary = ", ".join(f"{count} {kind}" for kind, count in sorted(self.skipped.items()))
-            raise DataError(self.file, "file", f"no usable lines in {self.file} ({len(self._bad)} skipped: {summary})")
+            raise DataError(self.file, "file", f"no usable rows in {self.file} ({len(self._bad)} skipped: {summary})")
 
     def cursor(self) -> dict[str, object]:
         """Where `next_sample` stands: what `seek` takes to continue from here (JSON values)."""
@@ -270,54 +235,44 @@ class PromptDataset:
 
     def _decode_images(self, cache_dir: Path | None) -> None:
         """A line naming an image that does not decode (or has an unsupported size) becomes bad."""
-        bad = bad_images((p for line in self._lines if isinstance(line, _Line) for p in line.image_paths), self.spec,
-                         cache_dir)
+        images = [image for line in self._lines if isinstance(line, _Line) for image in line.row.images]
+        bad = bad_images((image.source for image in images), self.spec, cache_dir)
         for index, line in enumerate(self._lines):
             if not isinstance(line, _Line):
                 continue
-            named = [(name, bad[path]) for name, path in zip(line.image_names, line.image_paths) if path in bad]
+            named = [(image.name, bad[image.source]) for image in line.row.images if image.source in bad]
             if named:
                 name, error = named[0]
                 self._lines[index] = DataError(self.sources[index], error.kind, f"image {name}: {error.reason}")
 
-    def _parse(self, source: str, raw: bytes, folder: Path) -> _Line | DataError:
-        """The line's text checks (JSON, keys, types, markers); a DataError instead of raising."""
+    def _parse(self, source: str, record: dict, folder: Path) -> _Line | DataError:
+        """The row's checks (shape, images, encoding); a DataError instead of raising."""
         try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            return DataError(source, "json", f"not valid JSON ({error})")
-        if not isinstance(record, dict):
-            return DataError(source, "schema", f"expected a JSON object, got {type(record).__name__}")
-        for key in record:
-            if key not in KEYS:
-                return DataError(source, "schema", f'unknown key "{key}" (allowed: {", ".join(KEYS)})')
-        for key in ("prompt", "answer"):
-            if key not in record:
-                return DataError(source, "schema", f'missing key "{key}"')
-            if not isinstance(record[key], str):
-                return DataError(source, "schema", f'key "{key}" must be a string, got {type(record[key]).__name__}')
-        prompt, names = record["prompt"], record.get("images", [])
-        if not prompt:
-            return DataError(source, "schema", 'key "prompt" is empty')
-        if not isinstance(names, list) or not all(isinstance(name, str) and name for name in names):
-            return DataError(source, "schema", 'key "images" must be a list of non-empty path strings')
-        markers = prompt.count(IMAGE_MARKER)
-        if markers != len(names):
-            return DataError(source, "image tokens",
-                             f"prompt has {markers} {IMAGE_MARKER} markers for {len(names)} image(s)")
-        if names and self.spec is None:
+            row = parse_row(source, record, folder, self.fields)
+        except DataError as error:
+            return error
+        turns = row.turns
+        if self.system_prompt is not None and turns[0]["role"] != "system":
+            turns = ({"role": "system", "content": self.system_prompt}, *turns)
+        if row.images and self.spec is None:
             return DataError(source, "image tokens", "prompt has images but the model takes none (no vision tower)")
-        if len(names) > self.max_images_per_prompt:
+        if len(row.images) > self.max_images_per_prompt:
             return DataError(source, "image tokens",
-                             f"too many images: {len(names)} > max_images_per_prompt={self.max_images_per_prompt}")
-        for text in self._vision_texts:
-            if text in prompt:
-                return DataError(source, "image tokens", f"prompt text contains the special token {text} "
-                                 "(write images as <image> markers)")
-        paths = tuple(Path(name) if Path(name).is_absolute() else folder / name for name in names)
-        for name, path in zip(names, paths):
-            try:
-                check_image_file(path)
-            except ImageError as error:
-                return DataError(source, error.kind, f"image {name}: {error.reason}")
-        return _Line(prompt, tuple(names), paths, record["answer"])
+                             f"too many images: {len(row.images)} > max_images_per_prompt={self.max_images_per_prompt}")
+        for special in self._vision_texts:
+            if any(special in text for text in turn_texts(turns)):
+                return DataError(source, "image tokens", f"prompt text contains the special token {special} "
+                                 "(write images as <image> markers or image parts)")
+        for image in row.images:
+            if isinstance(image.source, Path):
+                try:
+                    check_image_file(image.source)
+                except ImageError as error:
+                    return DataError(source, error.kind, f"image {image.name}: {error.reason}")
+        try:
+            ids = conversation_ids(self.tokenizer, self.chat_template, turns, self.vision_token_ids)
+        except ConversationError as error:
+            return DataError(source, "schema", str(error))
+        except ValueError as error:  # images and their places disagree
+            return DataError(source, "image tokens", str(error))
+        return _Line(row, tuple(ids))

@@ -1,11 +1,11 @@
-"""Config of where prompts come from: the synthetic task (`task`: arithmetic, shapes) or a JSONL
-dataset (`data`), beside the code that makes and reads them (`arithmetic.py`, `shapes.py`,
-`prompts_jsonl.py`)."""
+"""Config of where prompts come from: the synthetic task (`task`: arithmetic, shapes) or a dataset
+(`data`: JSONL, Parquet, a `datasets` folder), beside the code that makes and reads them
+(`arithmetic.py`, `shapes.py`, `prompts_jsonl.py`)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from msgspec import Meta
@@ -48,15 +48,15 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """A JSONL prompt dataset in place of the synthetic task's prompts.
-
-    One object per line:
+    """A prompt dataset in place of the synthetic task's prompts: a JSONL file, a Parquet file
+    (`.parquet`) or a `datasets` folder (`save_to_disk`), each row a conversation or a prompt text
+    (docs/data.md has the forms, the image encodings and how `fields` and `chat_template` apply).
 
         {"prompt": "<image>how many red?", "images": ["images/1.png"], "answer": "2"}
+        {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many?"}]}],
+         "images": ["images/1.png"], "answer": "2"}
 
-    Relative image paths are relative to the JSONL file; each `<image>` marker in the prompt takes
-    the next image (`images` may be absent for text-only lines). `answer` is the reference the
-    reward function receives.
+    Relative image paths are relative to the dataset's folder.
     """
 
     train: str | None = None
@@ -64,15 +64,27 @@ class DataConfig:
     eval: str | None = None
     """The held-out prompts of the before/after evaluation; required with `train`."""
     on_bad_sample: Literal["error", "skip"] = "error"
-    """error: a bad line (unreadable JSON, missing or corrupt image, unsupported image size, image
-    markers that do not match the images) stops the run naming file and line. skip: it is left
-    out, counted by reason and reported in the summary."""
-    min_pixels: Annotated[int, Meta(ge=1)] = 16 * 16
-    """Images are resized (keeping their aspect ratio) to at least this many pixels..."""
-    max_pixels: int = 448 * 448
-    """...and at most this many, with sides rounded to the vision tower's patch grid."""
+    """error: a bad row (unreadable JSON, a missing or wrongly shaped field, a missing or corrupt
+    image, an unsupported image size, images that do not match their places) stops the run naming
+    file, row and field. skip: it is left out, counted by reason and reported in the summary."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """Columns by role: `reference` names the reward's reference (default `answer`; a dotted name
+    reaches into a struct: `reward_model.ground_truth`); every other entry `NAME: COLUMN` passes
+    the column to the reward function as keyword argument NAME."""
+    chat_template: str = "auto"
+    """How a conversation becomes the prompt: auto (the tokenizer's chat template when it has one,
+    else none), none (the text as written after a bos; a conversation must be one user turn), or
+    the path of a Jinja template file. The prompt ends with the template's generation prompt."""
+    system_prompt: str | None = None
+    """A system turn put first in every conversation that has none (needs a chat template)."""
+    min_pixels: Annotated[int, Meta(ge=1)] | None = None
+    """Images are resized (keeping their aspect ratio) to at least this many pixels...; None: the
+    model folder's preprocessor_config.json, else 16 * 16."""
+    max_pixels: int | None = None
+    """...and at most this many, with sides rounded to the vision tower's patch grid; None: the
+    model folder's preprocessor_config.json, else 448 * 448."""
     max_images_per_prompt: Annotated[int, Meta(ge=1)] = 4
-    """A line with more images than this is a bad sample (see `on_bad_sample`); vLLM sizes its
+    """A row with more images than this is a bad sample (see `on_bad_sample`); vLLM sizes its
     multimodal inputs by it."""
 
     def __post_init__(self) -> None:
@@ -81,7 +93,14 @@ class DataConfig:
             raise ConfigError(f"train={self.train!r}, eval={self.eval!r}: give both or neither")
         for name in ("train", "eval"):
             path = getattr(self, name)
-            if path is not None and not os.path.isfile(path):
-                raise ConfigError(f"{name}={path!r}: no such file")
-        if self.min_pixels > self.max_pixels:
+            if path is not None and not os.path.exists(path):
+                raise ConfigError(f"{name}={path!r}: no such file or folder")
+        if self.chat_template not in ("auto", "none") and not os.path.isfile(self.chat_template):
+            raise ConfigError(f"chat_template={self.chat_template!r}: auto, none or a template file (no such file)")
+        for name, column in self.fields.items():
+            if not name.isidentifier() or not column or "" in column.split("."):
+                raise ConfigError(f"fields.{name}={column!r}: need a keyword name and a (dotted) column name")
+        if self.system_prompt is not None and self.chat_template == "none":
+            raise ConfigError("system_prompt: needs a chat template (chat_template=none)")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ConfigError(f"min_pixels={self.min_pixels}, max_pixels={self.max_pixels}: need 1 <= min <= max")

@@ -38,14 +38,15 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     scorer = Scorer(JobContext(cfg, checkpoint, ""))
     dataset = open_prompts(cfg, model.config, tokenizer, "eval")
     if dataset is None:
+        task = cfg.task
         items = [(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)]),
-                  p.answer, []) for p in problems("eval", cfg.task.eval_prompts, cfg.task.seed, cfg.task.max_operand,
-                                                          cfg.task.terms)]
+                  p.answer, [], {})
+                 for p in problems("eval", task.eval_prompts, task.seed, task.max_operand, task.terms)]
     else:
-        items = [(s.prompt_ids, s.answer, s.images) for s in dataset.each_sample()]
+        items = [(s.prompt_ids, s.answer, s.images, s.reward_kwargs) for s in dataset.each_sample()]
     chunks = [items[first:first + batch_size] for first in range(0, len(items), batch_size)]
     chunk_images = [_features(model, chunk) for chunk in chunks]  # encoded once, for both temperatures
-    stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop)
+    stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop, cfg.data.chat_template, checkpoint)
     result: dict[str, Any] = {"prompts": len(items), "skipped": dict(dataset.skipped) if dataset else {},
                               "skipped_examples": list(dataset.skipped_examples) if dataset else []}
     for name, temperature in (("reward", cfg.rollout.temperature), ("greedy_reward", 0.0)):
@@ -53,12 +54,12 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
                                 tokenizer.pad_token_id)
         scores = []
         for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
-            prompts = [prompt for prompt, _, _ in chunk]
+            prompts = [prompt for prompt, *_ in chunk]
             gen = generate(model, prompts, params, seeded_generator(cfg.seed, "eval", index * batch_size),
                            images=images)
             rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
                               torch.tensor([len(p) for p in prompts]), gen.response_logp, torch.zeros(len(chunk)))
-            scores.append(scorer.score(rollout, [answer for _, answer, _ in chunk]))
+            scores.append(scorer.score(rollout, [item[1] for item in chunk], [item[3] for item in chunk]))
         result[name] = round(torch.cat(scores).mean().item(), 4)
     return result
 
@@ -67,10 +68,10 @@ def _features(model: torch.nn.Module, chunk: list) -> list[SampleImages] | None:
     """Each prompt's image features (None for a text model)."""
     if not is_vision_language_model(model):
         return None
-    images = [image for _, _, own in chunk for image in own]
+    images = [image for _, _, own, _ in chunk for image in own]
     grid = torch.stack([im.grid_thw for im in images]) if images else torch.zeros((0, 3), dtype=torch.long)
     pixel_values = torch.cat([im.pixel_values for im in images]) if images else torch.zeros(0)
     per_image = encode_images(model, pixel_values, grid)
-    counts = [len(own) for _, _, own in chunk]
+    counts = [len(own) for _, _, own, _ in chunk]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     return samples_of(per_image, grid, [torch.arange(start, start + n) for start, n in zip(starts, counts)])

@@ -26,6 +26,9 @@ import torch
 from stream_rlhf.algos.medusa import heads_loss
 from stream_rlhf.cache_folder import build_once
 from stream_rlhf.data.arithmetic import problems
+from stream_rlhf.data.images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from stream_rlhf.data.rows import dataset_sha256
+from stream_rlhf.data.task_config import DataConfig
 from stream_rlhf.data.tokenizer import load_tokenizer
 from stream_rlhf.models.checkpoint import build_tiny, load_policy, save_checkpoint
 from stream_rlhf.models.medusa import MedusaHeads, heads_folder, save_heads
@@ -76,8 +79,14 @@ def _cache_folder(cfg: RLJobConfig) -> tuple[Path, dict]:
         if cfg.task.terms != 2:  # (left out at 2, so the warm starts cached before terms existed stay valid)
             settings["task"]["terms"] = cfg.task.terms
     if cfg.data.train is not None:  # its content, not its path or time: a copied cache stays valid elsewhere
-        settings["data"] = {"train_sha256": hashlib.sha256(Path(cfg.data.train).read_bytes()).hexdigest(),
-                            "min_pixels": cfg.data.min_pixels, "max_pixels": cfg.data.max_pixels}
+        data = cfg.data
+        settings["data"] = {"train_sha256": dataset_sha256(data.train),
+                            "min_pixels": data.min_pixels or DEFAULT_MIN_PIXELS,  # a tiny model's folder has no
+                            "max_pixels": data.max_pixels or DEFAULT_MAX_PIXELS}  # preprocessor_config.json
+        defaults = DataConfig()
+        changed = {name: getattr(data, name) for name in ("fields", "chat_template", "system_prompt")
+                   if getattr(data, name) != getattr(defaults, name)}
+        settings["data"].update(changed)  # (only when set, so the entries cached before they existed stay valid)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cfg.model.warm_start.cache_dir) / f"tiny-{key}", settings
 

@@ -159,6 +159,8 @@ class RLJobConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        # sampling settings left unset come from the model folder, the same in every process
+        object.__setattr__(self, "rollout", self.rollout.with_generation_defaults(self.model.path))
         if not self.name or "/" in self.name:
             raise ConfigError(f"name={self.name!r}: a non-empty folder name")
         if self.schedule == "sync" and self.overlap_depth != 0:

@@ -1,4 +1,5 @@
-"""Where an RL job's prompts come from: the synthetic task's, or a JSONL dataset (`data.train`).
+"""Where an RL job's prompts come from: the synthetic task's, or a dataset (`data.train`: JSONL,
+Parquet or a `datasets` folder; `data/prompts_jsonl.py`).
 
     cfg = resolve_data(cfg)                      # shapes: writes (once) and points data.* at its files;
                                                  # then check_prompts(cfg)
@@ -31,6 +32,7 @@ from stream_rlhf.cache_folder import build_once
 from stream_rlhf.config import ConfigError
 from stream_rlhf.data import shapes
 from stream_rlhf.data.arithmetic import problems
+from stream_rlhf.data.chat_template import resolve_chat_template
 from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.prompts_jsonl import PromptDataset
 from stream_rlhf.data.task_config import DataConfig
@@ -83,7 +85,7 @@ def _in_folder(cfg: RLJobConfig, folder: Path) -> DataConfig:
 
 def open_prompts(cfg: RLJobConfig, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, split: str,
                  seed: int = 0) -> PromptDataset | None:
-    """The JSONL prompts of `split` ("train" or "eval") for the model of `model_config`; None when
+    """The prompt dataset of `split` ("train" or "eval") for the model of `model_config`; None when
     the job's prompts are the in-memory arithmetic task."""
     vision = getattr(model_config, "vision_config", None)
     ids = ((model_config.vision_start_token_id, model_config.image_token_id, model_config.vision_end_token_id)
@@ -108,12 +110,16 @@ def _prompt_file(cfg: RLJobConfig, split: str, tokenizer: PreTrainedTokenizerBas
                  vision_token_ids: tuple[int, int, int] | None, seed: int) -> PromptDataset | None:
     """`vision`: a vision config with patch_size, temporal_patch_size, spatial_merge_size (a
     transformers one or `TinyVisionConfig`); None for a text-only model."""
-    path = cfg.data.train if split == "train" else cfg.data.eval
+    path, data = cfg.data.train if split == "train" else cfg.data.eval, cfg.data
     if path is None:
         return None
-    spec = ImageSpec.from_vision_config(vision, cfg.data.min_pixels, cfg.data.max_pixels) if vision else None
-    return PromptDataset(path, tokenizer, spec, vision_token_ids, cfg.data.on_bad_sample,
-                         cfg.data.max_images_per_prompt, seed, image_cache=Path(cfg.task.data_dir))
+    try:  # the model folder's preprocessor_config.json (a tiny model has none)
+        spec = ImageSpec.from_model_folder(cfg.model.path, vision, data.min_pixels, data.max_pixels) if vision else None
+    except ValueError as error:
+        raise ConfigError(f"model.path={cfg.model.path!r}: {error}") from None
+    return PromptDataset(path, tokenizer, spec, vision_token_ids, data.on_bad_sample, data.max_images_per_prompt,
+                         seed, resolve_chat_template(data.chat_template, tokenizer), data.fields, data.system_prompt,
+                         image_cache=Path(cfg.task.data_dir))
 
 
 def check_prompts(cfg: RLJobConfig) -> None:

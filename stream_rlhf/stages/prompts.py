@@ -5,13 +5,16 @@ the files of the `shapes` task), cycled epoch after epoch in a seeded order. Ima
 and cut into patches here, once per prompt (`stages/images.py` has the handle's image fields).
 Each prompt appears `samples_per_prompt` times in its mini-batch with one group id, so GRPO and
 RLOO find a prompt's samples together; its images are shared by those samples. References (the
-answers the reward checks) travel as handle metadata. Lines the dataset skips
+answers the reward checks) and the reward function's extra keyword arguments (`data.fields`, as
+one JSON text per sample) travel as handle metadata. Lines the dataset skips
 (`data.on_bad_sample: skip`) are counted in `stage_counts/` for the summary. The dataset's
 cursor is recorded at every iteration's start (`prompt_cursor.py`), and a resumed run starts
 at its checkpoint's iteration from there.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 from transformers import AutoConfig
@@ -24,7 +27,7 @@ from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.images import image_batch_fields
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.prompt_cursor import PromptCursors
-from stream_rlhf.stages.topics import topic_output
+from stream_rlhf.stages.topics import REWARD_KWARGS, topic_output
 from stream_rlhf.telemetry.sample_log import IMAGE_PATHS
 from stream_rlhf.telemetry.stage_counts import StageCounts
 
@@ -58,11 +61,12 @@ class PromptSource(Stage):
             self.cursors.record(iteration, self.dataset.cursor())
         rb = self.job.config.rollout_batch
         first = (iteration * rb.minibatches + minibatch) * rb.prompts_per_minibatch
-        prompts, references, images, prompt_images, image_paths = [], [], [], [], []
+        prompts, references, reward_kwargs, images, prompt_images, image_paths = [], [], [], [], [], []
         for _ in range(rb.prompts_per_minibatch):
-            ids, reference, own_images, own_paths = self._next_prompt(first + len(prompts))
+            ids, reference, kwargs, own_images, own_paths = self._next_prompt(first + len(prompts))
             prompts.append(ids)
             references.append(reference)
+            reward_kwargs.append(kwargs)
             image_paths.append("\n".join(own_paths))
             prompt_images.append(list(range(len(images), len(images) + len(own_images))))
             images += own_images
@@ -71,7 +75,8 @@ class PromptSource(Stage):
             **ragged("prompt_ids", [p for p in prompts for _ in range(repeat)]),
             "group_ids": torch.arange(first, first + len(prompts)).repeat_interleave(repeat),
         }
-        metadata = {"references": [r for r in references for _ in range(repeat)]}
+        metadata = {"references": [r for r in references for _ in range(repeat)],
+                    REWARD_KWARGS: [json.dumps(k) for k in reward_kwargs for _ in range(repeat)]}  # wire: scalars
         if self.job.vision_language:
             tensors.update(image_batch_fields(images, [ix for ix in prompt_images for _ in range(repeat)]))
             metadata[IMAGE_PATHS] = [p for p in image_paths for _ in range(repeat)]  # for the sample log
@@ -79,14 +84,15 @@ class PromptSource(Stage):
         return [topic_output("prompts", tensors, len(prompts) * repeat, iteration, minibatch, policy_version=0,
                        metadata=metadata)]
 
-    def _next_prompt(self, index: int) -> tuple[torch.Tensor, str, list, tuple[str, ...]]:
-        """(prompt ids, reference, decoded images, their files) of the next prompt."""
+    def _next_prompt(self, index: int) -> tuple[torch.Tensor, str, dict, list, tuple[str, ...]]:
+        """(prompt ids, reference, the reward function's extra keyword arguments, decoded images,
+        their names) of the next prompt."""
         if self.dataset is None:
             problem = self.problems[index]
             ids = [self.tokenizer.bos_token_id, *self.tokenizer.encode(problem.prompt, add_special_tokens=False)]
-            return torch.tensor(ids), problem.answer, [], ()
+            return torch.tensor(ids), problem.answer, {}, [], ()
         sample = self.dataset.next_sample()
-        return sample.prompt_ids, sample.answer, sample.images, sample.image_paths
+        return sample.prompt_ids, sample.answer, sample.reward_kwargs, sample.images, sample.image_paths
 
     def _count(self, images: int) -> None:
         self.counts.add(images_seen=images)

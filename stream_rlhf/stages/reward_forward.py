@@ -2,12 +2,14 @@
 or both, combined as `function_weight * function + model_weight * model`, one score per sample;
 with `reward.process`, also each response's step rewards per token (`process_reward.py`).
 
-A rule-based function has the signature `fn(prompt: str, response: str, reference: str) -> float`;
-the response is decoded without special tokens.
+A rule-based function has the signature `fn(prompt: str, response: str, reference: str, **extra)
+-> float`; the response is decoded without special tokens, and `extra` holds the dataset columns
+`data.fields` names beside the reference (none by default).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import torch
@@ -19,9 +21,10 @@ from stream_rlhf.samples import Rollout, ragged
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.process_reward import ProcessScorer
-from stream_rlhf.stages.topics import topic_output
+from stream_rlhf.stages.topics import REWARD_KWARGS, topic_output
 
-RewardFunction = Callable[[str, str, str], float]
+RewardFunction = Callable[..., float]
+
 
 
 class Scorer:
@@ -34,22 +37,25 @@ class Scorer:
             import_dotted(self.cfg.function, "reward.function") if self.cfg.function else None)
         self.reward_model = RewardModelEngine(self.cfg.model_path) if self.cfg.model_path else None
 
-    def score(self, rollout: Rollout, references: list[str]) -> torch.Tensor:
-        """(N,) scores of the sequences of `rollout`."""
+    def score(self, rollout: Rollout, references: list[str], reward_kwargs: list[dict] | None = None) -> torch.Tensor:
+        """(N,) scores of the sequences of `rollout`; `reward_kwargs`: each sample's extra keyword
+        arguments of the reward function (None: none)."""
         scores = torch.zeros(len(rollout.sequences))
         if self.function is not None:
-            scores += self.cfg.function_weight * self._rule_scores(rollout, references)
+            kwargs = reward_kwargs if reward_kwargs is not None else [{}] * len(references)
+            scores += self.cfg.function_weight * self._rule_scores(rollout, references, kwargs)
         if self.reward_model is not None:
             scores += self.cfg.model_weight * self.reward_model.scores(rollout.sequences)
         return scores
 
-    def _rule_scores(self, rollout: Rollout, references: list[str]) -> torch.Tensor:
+    def _rule_scores(self, rollout: Rollout, references: list[str], reward_kwargs: list[dict]) -> torch.Tensor:
         decode = self.tokenizer.decode
         scores = []
-        for sequence, prompt_len, reference in zip(rollout.sequences, rollout.prompt_lens.tolist(), references):
+        for sequence, prompt_len, reference, kwargs in zip(rollout.sequences, rollout.prompt_lens.tolist(), references,
+                                                           reward_kwargs):
             prompt = decode(sequence[:prompt_len], skip_special_tokens=True)
             response = decode(sequence[prompt_len:], skip_special_tokens=True)
-            scores.append(float(self.function(prompt, response, reference)))
+            scores.append(float(self.function(prompt, response, reference, **kwargs)))
         return torch.tensor(scores)
 
 
@@ -66,7 +72,8 @@ class RewardForward(Stage):
     def step(self, batch: Batch | None) -> list[Output]:
         rollout = Rollout.from_tensors(batch.tensors)
         references = batch.metadata["references"]
-        tensors = {"scores": self.scorer.score(rollout, references)}
+        reward_kwargs = [json.loads(text) for text in batch.metadata[REWARD_KWARGS]]
+        tensors = {"scores": self.scorer.score(rollout, references, reward_kwargs)}
         if self.process is not None:
             tensors.update(ragged("process_rewards", self.process.rewards(rollout, references)))
         return [topic_output("reward", tensors, batch.num_samples)]

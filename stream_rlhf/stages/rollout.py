@@ -25,7 +25,7 @@ from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
-from stream_rlhf.stages.topics import topic_output
+from stream_rlhf.stages.topics import REWARD_KWARGS, topic_output
 from stream_rlhf.stages.weight_sync import RolloutWeights
 
 
@@ -37,7 +37,7 @@ class RolloutStage(Stage):
         super().setup(ctx)
         cfg = self.job.config.rollout
         tokenizer = load_tokenizer(self.job.checkpoint)
-        stop_ids = stop_token_ids(tokenizer, cfg.stop)
+        stop_ids = stop_token_ids(tokenizer, cfg.stop, self.job.config.data.chat_template, self.job.checkpoint)
         self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, stop_ids, tokenizer.pad_token_id)
         # generated = trained + dropped + in flight at stop, in the summary; per process on disk,
         # so a restarted instance adds to the count
@@ -71,7 +71,8 @@ class RolloutStage(Stage):
         if self.job.vision_language:
             del tensors["group_ids"]  # the image handle the broker joins with this one carries them
         output = topic_output("rollout", tensors, len(prompts), batch.iteration, batch.minibatch, out.policy_version,
-                              metadata={"references": batch.metadata["references"], "finished": finished,
+                              metadata={"references": batch.metadata["references"],
+                                        REWARD_KWARGS: batch.metadata[REWARD_KWARGS], "finished": finished,
                                         **out.metadata})
         if self.generated is not None:
             self.generated.save(output)

@@ -25,6 +25,10 @@ from torch import Tensor
 
 from stream_rlhf.stage import Output
 
+REWARD_KWARGS = "reward_kwargs"
+"""Handle metadata (prompts, vision, rollout): each sample's extra keyword arguments of the reward
+function (`data.fields`) as a JSON object's text, since handle metadata holds scalars and lists
+of them."""
 Kind = Literal["per_sample", "ragged", "free"]
 INT = (torch.int64,)
 FLOAT = (torch.float32,)
