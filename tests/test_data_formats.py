@@ -18,9 +18,11 @@ import torch
 from PIL import Image
 
 from stream_rlhf import cli
+from stream_rlhf.data import shapes
 from stream_rlhf.data.errors import DataError
 from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.prompts_jsonl import PromptDataset
+from stream_rlhf.data.shapes_parquet import write_conversations
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
 from tests.rl_tiny import VISION, tiny_job, write_job
 
@@ -168,3 +170,16 @@ def test_the_cli_names_a_bad_parquet_row_before_anything_starts(tmp_path, capsys
             "without an image") in err
     assert not (tmp_path / "cache").exists()
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+
+
+def test_the_shapes_parquet_example_gives_the_shapes_jsonl_samples(tmp_path):
+    """docs/data.md's example dataset: the same prompts, images and answers as the shapes task's JSONL."""
+    shapes.write_split(tmp_path / "jsonl", "eval", 6, seed=3)
+    write_conversations(tmp_path / "parquet", "eval", 6, seed=3)
+    jsonl = PromptDataset(tmp_path / "jsonl/eval.jsonl", TOKENIZER, SPEC, VISION_IDS, "error", 1, 0)
+    parquet = PromptDataset(tmp_path / "parquet/eval.parquet", TOKENIZER, SPEC, VISION_IDS, "error", 1, 0,
+                            fields={"reference": "solution"})
+    for index in range(6):
+        one, two = jsonl.sample(index), parquet.sample(index)
+        assert torch.equal(one.prompt_ids, two.prompt_ids) and one.answer == two.answer
+        assert torch.equal(one.images[0].pixel_values, two.images[0].pixel_values)
