@@ -7,9 +7,10 @@
 
 Only the keys the config leaves to `auto` (`PlacementConfig.auto`: mode, with_rollout,
 device_groups) are chosen; a key given explicitly keeps its value and pins that axis. The
-candidates are the search's (`search.py` `placement_candidates`: device groups x mode x the
-train-side stages on rollout's cores). Each is built as a config (one the config refuses is left
-out, with the reason), checked against this machine's cores and devices
+candidates are the search's (`search.py` `placement_candidates`: mode x the train-side stages on
+rollout's cores, with the config's device groups or, left to auto, none: on the CPU a group
+changes no step's time, its stages take turns on their side's cores already). Each is built as
+a config (one the config refuses is left out, with the reason), checked against this machine's cores and devices
 (`driver/dataflow.py` `check_placement`) and against memory (the models each device set holds:
 a forward's weights, a trainer's weights, gradients and Adam's moments; on the CPU one pool, the
 host's). The simulator predicts each one's iteration time from analytic costs of the workload
@@ -42,7 +43,6 @@ from stream_rlhf.planner.devices import DeviceFigures
 from stream_rlhf.planner.job_analytic import job_analytic_profile, job_workload, model_shape
 from stream_rlhf.planner.search import (
     MODES,
-    device_group_candidates,
     devices_of,
     placement_candidates,
     predict,
@@ -125,7 +125,7 @@ def choose_placement(cfg: RLJobConfig, flow: Dataflow, device: DeviceFigures | N
                                f"({exc}); give the placement keys", (), None, device)
     profile, device = job_analytic_profile(cfg, flow, device, response_tokens=response_tokens)
     modes = MODES if "mode" in decided else (current["mode"],)
-    groups = device_group_candidates(stages) if "device_groups" in decided else [current["device_groups"]]
+    groups = [{}] if "device_groups" in decided else [current["device_groups"]]  # on the CPU: none (docstring)
     moves = with_rollout_candidates(stages) if "with_rollout" in decided else [tuple(current["with_rollout"])]
     candidates = []
     for grouping, mode, moved in placement_candidates(groups, modes, moves):
