@@ -2,7 +2,8 @@
 
     stream-rlhf run CONFIG [--set key=value ...]   broker + every stage as local processes
                            [--resume [RUN_DIR]]    ... continuing a stopped run from its last checkpoint
-    stream-rlhf plan CONFIG [--json]               the job plan: which stage on which node, cores, device
+    stream-rlhf plan CONFIG [--json]               the job plan: which stage on which node, cores, device,
+                                                   and what `placement: auto` chose, why (planner/)
                     [--profile RUN_DIR [--search]] ... its predicted iteration time and memory from a run,
                     [--memory-limit-mb N]          and the fastest schedules, placements and device groups
                                                    predicted within N MB (planner/)
