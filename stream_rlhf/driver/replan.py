@@ -52,10 +52,13 @@ class ReplanWatch:
 
     def _follow(self) -> None:
         after = self.cfg.placement.replan_after
-        while not self._stop.wait(self.every_s):
-            records = read_metrics(self.path)
+        while True:
+            stopping = self._stop.wait(self.every_s)
+            records = read_metrics(self.path)  # once more after the job ended: a short run's last lines
             if len(records) >= after:
                 self.check(records[:after])
+                return
+            if stopping:
                 return
 
     def check(self, records: list[dict[str, Any]]) -> None:
