@@ -30,6 +30,7 @@ fallback (`AUTO_FALLBACK`) and says so.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -108,7 +109,7 @@ def choose_placement(cfg: RLJobConfig, flow: Dataflow, device: DeviceFigures | N
                "device_groups": device_groups(cfg, stages)}
     if not decided:
         return PlacementChoice((), current, None, "every placement key given", (), None, device)
-    fallback = {**current, **{key: AUTO_FALLBACK[key] for key in decided}}
+    fallback = {**current, **{key: copy.deepcopy(AUTO_FALLBACK[key]) for key in decided}}
     if "mode" not in decided and ("with_rollout" not in decided or current["mode"] == "colocated"):
         unused = "given" if "with_rollout" not in decided else "not used when colocated"
         return PlacementChoice(decided, fallback, None, f"nothing to predict: mode is given, with_rollout {unused}, "
