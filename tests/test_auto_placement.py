@@ -19,9 +19,8 @@ MACHINE = DeviceFigures(name="this 2-core VM, one thread (measured once)", peak_
                         bandwidth=2.07e10, layer_overhead_s=4.9e-4, decode_overhead_s=5.3e-4, bytes_per_param=4,
                         link_bandwidth=2.07e10, host_bandwidth=2.07e10, memory_gb=25.0)
 LONG_ANSWERS = ["rollout.stop=[]", "rollout.max_new_tokens=48", "rollout_batch.prompts_per_minibatch=4",
-                "rollout_batch.minibatches=8", "algorithm.ppo_epochs=1", "iterations=20"]
-"""bench/pipeline.py's workload: 48 answer tokens, 8 mini-batches of 4 prompts (20 iterations
-predicted, to keep this quick: the choice is the same at 6 to 45)."""
+                "rollout_batch.minibatches=8", "algorithm.ppo_epochs=1"]
+"""bench/pipeline.py's workload: 48 answer tokens, 8 mini-batches of 4 prompts."""
 CRITIC = ["critic_forward", "critic_train"]
 
 
@@ -45,6 +44,14 @@ def test_short_answers_put_the_critic_with_rollout_long_answers_keep_it_on_the_t
         assert choice.predicted_iteration_s == min(fitting) and len(fitting) == len(choice.candidates)
     assert "answers of 48 tokens" in long.describe() and "the next best" in long.describe()
     assert long.as_dict()["summary"] == long.describe()
+
+
+def test_a_short_run_is_placed_for_the_long_run_s_steady_state():
+    """With the forwards on rollout's cores, text_ppo's rollout side falls behind more every
+    iteration: ahead over 10 iterations, behind over 40; a 10-iteration run is placed as a long one."""
+    short_run = choose_placement(*job("iterations=10"), MACHINE)
+    assert short_run.placement["with_rollout"] == CRITIC
+    assert short_run.as_dict()["candidates"] == choose_placement(*job("iterations=40"), MACHINE).as_dict()["candidates"]
 
 
 def test_an_explicit_key_is_kept_and_only_the_others_are_chosen():

@@ -17,9 +17,9 @@ host's). The simulator predicts each one's iteration time from analytic costs of
 (`job_analytic.py`: the model's size, prompt and answer lengths, rows and mini-batches, the
 trainers' passes) on this machine's figures (`micro_calibration.py`: a timed probe of the job's
 model shape, ~1-5 s, cached per host and shape), under the config's schedule and overlap_depth,
-which auto does not change. The fastest wins; ties go to the earlier candidate (no groups, fewer
-stages moved). The answer length is `rollout.max_new_tokens`: an upper bound when responses stop
-at <eos>; `replan` compares it with what the run measures.
+which auto does not change, over at least `MIN_PREDICTED_ITERATIONS`. The fastest wins; ties go
+to the earlier candidate (no groups, fewer stages moved). The answer length is
+`rollout.max_new_tokens`: an upper bound when responses stop at <eos>; `replan` compares it with what the run measures.
 
 Given a config and the device figures the choice is deterministic (the figures are this
 machine's description: cached, so a later plan or run of the same job reads the same ones).
@@ -52,6 +52,11 @@ from stream_rlhf.planner.search import (
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.stage_kinds import STAGE_KINDS
 
+MIN_PREDICTED_ITERATIONS = 40
+"""Candidates are predicted over the config's iterations, at least this many: a placement that
+overloads one side builds a backlog that slows each iteration more than the last, which a short
+horizon hides (text_ppo's forwards on rollout's cores: predicted best over 10-20 iterations,
+fourth over 45)."""
 TRAINER_BYTES = 16
 """Bytes a trainer holds per weight: weights, gradients and Adam's two moments, fp32."""
 
@@ -133,8 +138,9 @@ def choose_placement(cfg: RLJobConfig, flow: Dataflow, device: DeviceFigures | N
         placement = {"mode": mode, "with_rollout": list(moved),
                      "device_groups": {name: list(members) for name, members in grouping.items()}}
         left_out = _cannot_run(cfg, placement, profile, device)
-        seconds = None if left_out else predict(profile, cfg.iterations, cfg.schedule, cfg.overlap_depth, mode,
-                                                grouping, moved).iteration_s
+        horizon = max(cfg.iterations, MIN_PREDICTED_ITERATIONS)
+        seconds = None if left_out else predict(profile, horizon, cfg.schedule, cfg.overlap_depth, mode, grouping,
+                                                moved).iteration_s
         candidates.append(Candidate(placement, seconds, left_out))
     ranked = sorted((c for c in candidates if c.iteration_s is not None), key=lambda c: round(c.iteration_s, 9))
     if not ranked:
