@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from stream_rlhf.config import ConfigError, load_config, read_yaml
 from stream_rlhf.data.errors import DataError
+from stream_rlhf.driver.preflight import check_broker, check_rl_job
 from stream_rlhf.job import JobConfig
 from stream_rlhf.launch.launcher import Launcher
 from stream_rlhf.launch.local import LocalJob
@@ -115,6 +116,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.resume is not None:
             raise ConfigError(f"--resume: {args.config} is a dataflow config (topics and stages); only RL jobs resume")
         cfg = load_config(JobConfig, args.config, args.set)
+        check_broker(cfg.broker)
         job = LocalJob(cfg.topology, cfg.broker, cfg.stages, cfg.admission())
         return _supervise(job, cfg.name, cfg.timeout_s, _BrokerProgress(job))
     from stream_rlhf.driver.run import RLRun
@@ -301,12 +303,15 @@ def _plan(args: argparse.Namespace, prepare: bool) -> JobPlan:
     `prepare` (the broker by hand: the job's driver), else only located (`plan`, `stage`)."""
     if is_dataflow_config(args.config):
         cfg = load_config(JobConfig, args.config, args.set)
+        if prepare:
+            check_broker(cfg.broker)
         return JobPlan(cfg.name, Dataflow(cfg.topology, cfg.broker, cfg.stages, cfg.admission()))
     from stream_rlhf.driver.plan import preview_plan
     from stream_rlhf.rl.config import RLJobConfig
 
     cfg = load_config(RLJobConfig, args.config, args.set)
     if prepare:
+        check_rl_job(cfg)
         _prepare(cfg)
     return preview_plan(cfg)
 

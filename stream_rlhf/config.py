@@ -36,6 +36,8 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 import yaml
 from msgspec import Meta
 
+from stream_rlhf.strict_yaml import DuplicateKeyError, parse_yaml
+
 T = TypeVar("T")
 _YAML11_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 """A number in exponent notation that YAML 1.1 leaves a string when it has no dot (2e-4)."""
@@ -125,7 +127,8 @@ def _satisfies(meta: Meta, value: Any) -> bool:
 
 
 def load_config(cls: type[T], path: str | Path, overrides: list[str] = ()) -> T:
-    """Read a YAML file, apply `a.b=c` overrides (values parsed as YAML), build `cls`."""
+    """Read a YAML file, apply `a.b=c` overrides (values parsed as YAML), build `cls`. A key given
+    twice in one mapping, in the file or in a value, is a ConfigError (`strict_yaml.py`)."""
     path = Path(path)
     data = read_yaml(path)
     if not isinstance(data, dict):
@@ -143,7 +146,9 @@ def load_config(cls: type[T], path: str | Path, overrides: list[str] = ()) -> T:
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: {part} is not a mapping")
         try:
-            node[parts[-1]] = yaml.safe_load(raw)
+            node[parts[-1]] = parse_yaml(raw)
+        except DuplicateKeyError as exc:
+            raise ConfigError(f"--set {override}: key {exc.key!r} given twice in the value") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {key}: the value {raw!r} is not valid YAML: {exc}") from None
     return build(cls, data)
@@ -151,13 +156,17 @@ def load_config(cls: type[T], path: str | Path, overrides: list[str] = ()) -> T:
 
 def read_yaml(path: str | Path) -> Any:
     """The YAML data of the file at `path` ({} when empty); a missing file or bad YAML is a
-    ConfigError naming the file and, for bad YAML, its line and column."""
+    ConfigError naming the file and, for bad YAML, its line and column (for a key given twice in
+    one mapping: the key and both lines)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
-        return yaml.safe_load(text) or {}
+        return parse_yaml(text) or {}
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{path}:{exc.line}: key {exc.key!r} given twice in one mapping (first at "
+                          f"{path}:{exc.first_line}); remove one of them") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

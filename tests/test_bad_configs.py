@@ -75,6 +75,9 @@ RL_ROWS = [
                                         "process (it may run on cores ["),
     # YAML inside --set
     (("rollout.max_new_tokens=[4",), "--set rollout.max_new_tokens: the value '[4' is not valid YAML"),
+    (("placement.stages={actor_train: {devices: [0]}, actor_train: {}}",),
+     "--set placement.stages={actor_train: {devices: [0]}, actor_train: {}}: key 'actor_train' given twice in "
+     "the value"),
 ]
 
 
@@ -179,6 +182,20 @@ def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys):
     path.write_text("name: bad\nalgorithm: {advantage: gae\n")
     code, err = _run(["run", str(path)], capsys)
     assert code == 2 and f"config error: {path}:3:" in err, err
+
+
+def test_a_key_given_twice_names_the_key_and_both_lines(tmp_path, capsys):
+    """PyYAML alone keeps the last value: the run would do what the user did not read."""
+    path = tmp_path / "job.yaml"
+    path.write_text("name: bad\niterations: 1\nrollout:\n  temperature: 1.0\n  top_p: 0.9\n  temperature: 0.5\n")
+    code, err = _run(["run", str(path)], capsys)
+    assert code == 2, err
+    assert err == (f"config error: {path}:6: key 'temperature' given twice in one mapping (first at {path}:4); "
+                   "remove one of them\n")
+    path.write_text("name: bad\niterations: 1\nbase: &base {top_p: 0.9}\nrollout:\n  <<: *base\n  top_p: 0.5\n"
+                    "iterations: 2\n")  # a merge key may be overridden: the top level's twice is the error
+    code, err = _run(["plan", str(path)], capsys)
+    assert code == 2 and f"{path}:7: key 'iterations' given twice in one mapping (first at {path}:2)" in err, err
 
 
 def test_default_cores_follow_the_machine():

@@ -149,11 +149,9 @@ def test_all_bad(tmp_path):
     _corrupt_png(tmp_path / "images/cut.png")
     path = _write(tmp_path, ["{", {"prompt": "<image>", "images": ["images/9.png"], "answer": "1"},
                              {"prompt": "<image>", "images": ["images/cut.png"], "answer": "1"}])
-    data = _dataset(path, on_bad="skip")  # bad JSON and a missing file are found at once, a corrupt image when sampled
-    assert data.skipped == {"json": 1, "missing image": 1}
     with pytest.raises(DataError, match=r"no usable lines in .*train.jsonl \(3 skipped: 1 corrupt image, 1 json, "
                                         r"1 missing image\)"):
-        data.next_sample()
+        _dataset(path, on_bad="skip")  # every line is found bad when the file is read
     path = _write(tmp_path, ["{", "[]"])
     with pytest.raises(DataError, match=r"no usable lines .*\(2 skipped: 1 json, 1 schema\)"):
         _dataset(path, on_bad="skip")
@@ -198,14 +196,16 @@ def test_text_only_model(tmp_path):
         PromptDataset(path, TOKENIZER, SPEC, None, on_bad="skip", max_images_per_prompt=1, seed=0)
 
 
-def test_a_missing_image_is_found_when_the_file_is_read_a_corrupt_one_when_sampled(tmp_path):
+def test_missing_and_corrupt_images_are_found_when_the_file_is_read(tmp_path):
     _image(tmp_path / "images/1.png")
     _corrupt_png(tmp_path / "images/cut.png")
     missing = _write(tmp_path, [_good(1), {"prompt": "<image>", "images": ["images/gone.png"], "answer": "1"}])
     with pytest.raises(DataError, match=r"train.jsonl:2: image images/gone.png: file not found"):
         _dataset(missing)  # no line sampled yet
     corrupt = _write(tmp_path, [_good(1), {"prompt": "<image>", "images": ["images/cut.png"], "answer": "1"}])
-    assert _dataset(corrupt).skipped == {}  # images are decoded lazily
+    with pytest.raises(DataError, match=r"train.jsonl:2: image images/cut.png: cannot be decoded"):
+        _dataset(corrupt)
+    assert _dataset(corrupt, on_bad="skip").skipped == {"corrupt image": 1}
 
 
 def test_training_counts_a_corrupt_image_by_the_same_rule_as_eval(tmp_path):
@@ -223,12 +223,8 @@ def test_training_counts_a_corrupt_image_by_the_same_rule_as_eval(tmp_path):
     assert training.skipped == evaluation.skipped == {"corrupt image": 1}
     assert training.skipped_examples == evaluation.skipped_examples
     assert training.skipped_examples[0].startswith(f"{path}:2: image images/cut.png: cannot be decoded")
-    training, message = _dataset(path), f"{path}:2: image images/cut.png: cannot be decoded"
-    with pytest.raises(DataError, match=message):
-        for _ in range(4):  # one epoch: the corrupt line among them
-            training.next_sample()
-    with pytest.raises(DataError, match=message):
-        list(_dataset(path).each_sample())
+    with pytest.raises(DataError, match=f"{path}:2: image images/cut.png: cannot be decoded"):
+        _dataset(path)  # error mode: when the dataset is built, for training and evaluation alike
 
 
 def test_longest_prompt_counts_image_tokens_from_headers(tmp_path):

@@ -18,7 +18,7 @@ def test_a_dataset_sought_to_a_cursor_continues_as_the_original(tmp_path):
         (tmp_path / "images").mkdir(exist_ok=True)
         Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / f"images/{i}.png")
     lines = [_good(i) for i in range(5)]
-    lines.insert(2, _good(9))  # its image is corrupt: found bad only when sampled
+    lines.insert(2, _good(9))  # its image is corrupt: found bad when the dataset is built
     (tmp_path / "images/9.png").write_bytes(b"not a png")
     path = _write(tmp_path, lines)
     original = _dataset(path, on_bad="skip", seed=4)

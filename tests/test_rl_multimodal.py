@@ -141,9 +141,10 @@ def test_multimodal_run_writes_image_counts_in_its_summary(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_bad_line_met_during_rl_stops_the_run_naming_file_and_line(tmp_path):
-    """No warm start reads the data first (model.path): the prompt source meets the bad line, its
-    stage fails, and the run stops with the line in its message instead of a silently dead stage."""
+def test_a_corrupt_image_stops_the_run_before_the_stages_even_with_no_warm_start(tmp_path):
+    """No warm start reads the data first (model.path): the dataset's build in the driver decodes
+    every image (`data/image_check.py`), so the run stops with the line in its message before any
+    stage starts (before, the prompt source met the line and its stage failed, if it ever sampled it)."""
     cfg = resolve_data(build(RLJobConfig, tiny_job(tmp_path, "source", **VISION)))
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(warm_start(cfg), checkpoint)
@@ -160,9 +161,9 @@ def test_a_bad_line_met_during_rl_stops_the_run_naming_file_and_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "stream_rlhf.cli", "run", str(config)],
                             check=False, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
-    assert result.returncode == 1, output[-3000:]
-    assert "train.jsonl:4: image images/corrupt.png: cannot be decoded" in output, output[-3000:]
-    assert "prompts-0" in output
+    assert result.returncode == 2, output[-3000:]
+    assert f"data error: {folder / 'train.jsonl'}:4: image images/corrupt.png: cannot be decoded" in result.stderr
+    assert "prompts-0" not in output and not (tmp_path / "bad" / "stage_counts").exists()
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_bad")]
 
 

@@ -1,13 +1,17 @@
-"""The trace of a tiny RL run (`stream-rlhf run`, real broker and stage processes): trace.json is
-valid Trace Event JSON (the format's rules, `tests/trace_rules.py`), every stage rank has a named
-track, mini-batches are followed by flow arrows from the prompt source to training, and
-summary.json's figures (and trace_metrics.jsonl's per iteration) are the ones trace.json gives
-again. Where Perfetto's trace processor can run (`PERFETTO_TRACE_PROCESSOR`: the path of a
-`trace_processor_shell`, with the `perfetto` package installed; neither can be had offline here),
-it loads trace.json and its step slices give summary.json's busy fractions again."""
+"""The trace of a tiny RL run (`stream-rlhf run`, real broker and stage processes): trace.json is valid
+Trace Event JSON (the format's rules, `tests/trace_rules.py`), every stage rank has a named track,
+mini-batches are followed by flow arrows from the prompt source to training, and summary.json's
+figures (and trace_metrics.jsonl's per iteration) are the ones trace.json gives again. A real viewer
+opens it: speedscope (npm, in .tools/ by scripts/setup_browser.sh) in headless Chromium lists a
+track for every stage instance and, on actor_train's, the step slices of every trained mini-batch
+(read from the viewer's page, not from our parser). Where Perfetto's trace processor can run
+(`PERFETTO_TRACE_PROCESSOR`: the path of a `trace_processor_shell`, with the `perfetto` package
+installed; neither can be had offline here), it loads trace.json and its step slices give
+summary.json's busy fractions again."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -27,6 +31,14 @@ pytestmark = pytest.mark.slow
 
 
 TRACE_PROCESSOR = os.environ.get("PERFETTO_TRACE_PROCESSOR", "")
+ROOT = Path(__file__).resolve().parent.parent
+SPEEDSCOPE = ROOT / ".tools" / "node_modules" / "speedscope" / "dist" / "release" / "index.html"
+CHROMIUM = Path("/usr/bin/chromium")
+WEBGL = ["--headless", "--no-sandbox", "--use-angle=swiftshader", "--enable-unsafe-swiftshader",
+         "--disable-background-networking", "--disable-component-update", "--no-first-run"]
+"""speedscope draws with WebGL: Chromium's software renderer (SwiftShader) gives it one headless."""
+SCREENSHOT = os.environ.get("TRACE_SCREENSHOT")
+"""Where to keep speedscope's screenshot of actor_train's track (to look at it); a temporary file otherwise."""
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +119,57 @@ def test_perfettos_trace_processor_loads_the_trace_and_gives_its_busy_fractions(
     expected = json.loads((run_dir / "summary.json").read_text())["trace"]["busy"]
     assert set(busy) == set(expected)
     assert all(abs(busy[stage] - expected[stage]) <= 0.05 for stage in expected), (busy, expected)
+
+
+@pytest.mark.skipif(not SPEEDSCOPE.is_file() or not CHROMIUM.is_file(), reason="speedscope (npm) in .tools/ and "
+                    "/usr/bin/chromium are needed: scripts/setup_browser.sh installs both")
+def test_speedscope_shows_every_stage_track_and_the_trained_steps(traced_run, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    run_dir, text = traced_run
+    instances = set(re.findall(r"instance (\S+) of stage \S+ joined", text))
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=WEBGL)
+        page = browser.new_page(viewport={"width": 1400, "height": 4000})  # every sandwich row in view
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(_speedscope_url(run_dir / "trace.json", tmp_path))
+        tracks = _tracks(page)
+        assert {re.sub(r" \(pid \d+\), rank 0 \(tid 0\)$", "", track) for track in tracks} >= instances
+        page.get_by_text(next(t for t in tracks if t.startswith("actor_train-0 "))).click()
+        page.get_by_text("Sandwich").click()
+        page.locator("td", has_text="{").first.wait_for()  # the table's rows: slice names with their args
+        slices = _sandwich_names(page)
+        page.get_by_text("Time Order").click()
+        page.set_viewport_size({"width": 1400, "height": 700})
+        page.screenshot(path=SCREENSHOT or str(tmp_path / "speedscope.png"))
+        browser.close()
+    assert errors == []
+    steps = [json.loads("{" + name.partition(" {")[2]) for name in slices if name.startswith("actor_train experience")]
+    trained = {(step["iteration"], step["minibatch"]) for step in steps}
+    assert trained == {(i, m) for i in range(3) for m in range(2)}, slices
+    assert all(step["stage"] == "actor_train" for step in steps)
+
+
+def _speedscope_url(trace: Path, folder: Path) -> str:
+    """What speedscope's own command line opens: its page, told to load a script that hands it the
+    file (`speedscope.loadFileFromBase64`)."""
+    script = folder / "profile.js"
+    content = base64.b64encode(trace.read_bytes()).decode()
+    script.write_text(f"speedscope.loadFileFromBase64({json.dumps(trace.name)}, {json.dumps(content)})")
+    return f"{SPEEDSCOPE.as_uri()}#localProfilePath={script}"
+
+
+def _tracks(page) -> list[str]:
+    """The profiles speedscope made of the trace (one per thread with slices), from its profile
+    list: the toolbar's "name (1/N)" opens it."""
+    page.get_by_text(re.compile(r"\(1/\d+\)$")).click()
+    rows = page.locator("tr").all_inner_texts()
+    return [row.split("\t")[1] for row in rows if re.match(r"\d+\t", row)]
+
+
+def _sandwich_names(page) -> list[str]:
+    """The symbol names of speedscope's sandwich table (each distinct slice name of the track): its
+    rows start with a total weight "1.15s (37%)" (the profile list's, still in the page, with a number)."""
+    rows = [row.split("\t") for row in page.locator("tr").all_inner_texts()]
+    return [cells[-1].strip() for cells in rows if len(cells) == 3 and cells[0].strip().endswith("%)")]

@@ -122,15 +122,20 @@ def load_image(path: str | Path, spec: ImageSpec) -> PatchedImage:
     """Decode, check, resize and patchify the image file at `path` (raises `ImageError`)."""
     image = decode_image(path)
     width, height = image.size
+    check_size(path, width, height, spec)
+    new_height, new_width = smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
+    image = image.resize((new_width, new_height), resample=Image.Resampling.BICUBIC)
+    return patchify(np.asarray(image), spec)
+
+
+def check_size(path: str | Path, width: int, height: int, spec: ImageSpec) -> None:
+    """Raise ImageError "image size" when `load_image` does not support a `width` x `height` image."""
     if min(height, width) < spec.factor:
         raise ImageError(path, "image size", f"size {width}x{height} unsupported: a side is below "
                          f"patch_size * merge_size = {spec.factor} pixels")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ImageError(path, "image size", f"size {width}x{height} unsupported: aspect ratio "
                          f"{max(height, width) / min(height, width):.0f} > {MAX_ASPECT_RATIO}")
-    new_height, new_width = smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
-    image = image.resize((new_width, new_height), resample=Image.Resampling.BICUBIC)
-    return patchify(np.asarray(image), spec)
 
 
 def check_image_file(path: str | Path) -> None:

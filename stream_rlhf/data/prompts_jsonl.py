@@ -16,13 +16,14 @@ template).
     sample = data.next_sample()   # PromptSample: source, prompt, prompt_ids, images, answer
 
 Lines are read and checked as text when the dataset is built, and every image path must name a
-file then; images are decoded only when a line is sampled (`longest_prompt()` reads image headers
-only). A bad line raises `DataError` ("{file}:{line}: {reason}"), or with on_bad="skip" is
-counted in `skipped` by kind and never tried again. The kinds:
+file then; each distinct image file is decoded then too, once (`image_check.py`, cached by content
+in `image_cache`), so a corrupt or unsupported image makes its lines bad before the run. A bad
+line raises `DataError` ("{file}:{line}: {reason}"), or with on_bad="skip" is counted in
+`skipped` by kind and never tried again. The kinds (all found when the dataset is built):
 
     json           the line is not valid UTF-8 JSON
     schema         not an object, a missing / unknown / wrongly typed key
-    missing image  an image file does not exist (found when the dataset is built)
+    missing image  an image file does not exist
     corrupt image  an image file cannot be decoded (truncated, not an image)
     image size     an image size `load_image` does not support (see images.py)
     image tokens   <image> markers do not match the images, too many images, or the prompt text
@@ -45,6 +46,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from stream_rlhf.data.errors import DataError
+from stream_rlhf.data.image_check import bad_images
 from stream_rlhf.data.images import ImageError, ImageSpec, PatchedImage, check_image_file, image_tokens, load_image
 
 IMAGE_MARKER = "<image>"
@@ -115,7 +117,8 @@ class PromptDataset:
 
     `spec` and `vision_token_ids` are both None for a text-only model: a line with images is then
     bad ("image tokens"). `sample(index)` raises DataError for a bad line whatever `on_bad` says;
-    `next_sample()` applies `on_bad`."""
+    `next_sample()` applies `on_bad`. `image_cache`: the folder of the image decode cache
+    (`image_check.py`; None: none)."""
 
     def __init__(
         self,
@@ -126,6 +129,7 @@ class PromptDataset:
         on_bad: Literal["error", "skip"],
         max_images_per_prompt: int,
         seed: int,
+        image_cache: Path | None = None,
     ) -> None:
         if on_bad not in ("error", "skip"):
             raise ValueError(f"on_bad={on_bad!r}: must be 'error' or 'skip'")
@@ -159,6 +163,8 @@ class PromptDataset:
                 self._lines.append(self._parse(self.sources[-1], raw, folder))
         if not self._lines:
             raise DataError(self.file, "file", "no lines (the file is empty)")
+        if spec is not None:
+            self._decode_images(image_cache)
         for index, line in enumerate(self._lines):
             if isinstance(line, DataError):
                 self._reject(index, line)
@@ -261,6 +267,18 @@ class PromptDataset:
         order = list(range(len(self._lines)))
         random.Random(f"{self.seed}/{epoch}").shuffle(order)
         return order
+
+    def _decode_images(self, cache_dir: Path | None) -> None:
+        """A line naming an image that does not decode (or has an unsupported size) becomes bad."""
+        bad = bad_images((p for line in self._lines if isinstance(line, _Line) for p in line.image_paths), self.spec,
+                         cache_dir)
+        for index, line in enumerate(self._lines):
+            if not isinstance(line, _Line):
+                continue
+            named = [(name, bad[path]) for name, path in zip(line.image_names, line.image_paths) if path in bad]
+            if named:
+                name, error = named[0]
+                self._lines[index] = DataError(self.sources[index], error.kind, f"image {name}: {error.reason}")
 
     def _parse(self, source: str, raw: bytes, folder: Path) -> _Line | DataError:
         """The line's text checks (JSON, keys, types, markers); a DataError instead of raising."""

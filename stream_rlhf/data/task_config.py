@@ -37,7 +37,8 @@ class TaskConfig:
     """Seed of the generated prompts (the train split, the held-out split and the warm start's
     examples each derive their own from it)."""
     data_dir: str = "runs/.cache"
-    """shapes: where the generated dataset is kept (a folder per task setting, reused by later runs)."""
+    """shapes: where the generated dataset is kept (a folder per task setting, reused by later runs);
+    any dataset: where the outcome of each image's decode is kept, by content (`image_check.json`)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

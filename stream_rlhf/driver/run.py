@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from stream_rlhf.config import ConfigError
 from stream_rlhf.driver.dataflow import ROLLOUT_SIDE, check_placement
 from stream_rlhf.driver.plan import auto_placed, compile_plan
+from stream_rlhf.driver.preflight import check_rl_job
 from stream_rlhf.driver.replan import ReplanWatch
 from stream_rlhf.driver.resume import Resumed, prepare_resume, read_record, record_start
 from stream_rlhf.launch.launcher import Launcher, make_launcher
@@ -105,6 +106,7 @@ class RLRun:
         from stream_rlhf.models.checkpoint import is_vision_language
         from stream_rlhf.rl.task_data import resolve_data
 
+        check_rl_job(self.cfg)  # paths, keys and addresses the config names, before anything starts
         check_placement(self.cfg)  # cores and devices of this machine, before anything costly
         if self.cfg.rollout.backend == "vllm":
             from stream_rlhf.backends.vllm_client import check_engine_python

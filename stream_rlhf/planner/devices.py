@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Annotated
 
-import yaml
 from msgspec import Meta
 
 from stream_rlhf.config import ConfigError, build, check_fields
+from stream_rlhf.strict_yaml import parse_yaml
 
 GB = 1e9
 
@@ -94,7 +94,7 @@ def device_figures(spec: str) -> DeviceFigures:
         if key == "name" or key not in values or not text:
             raise ConfigError(f"--device {spec}: {override!r} is not key=value of "
                               f"{', '.join(k for k in values if k != 'name')}")
-        values[key] = yaml.safe_load(text)
+        values[key] = parse_yaml(text)
     values["name"] = name + "".join(f",{o}" for o in overrides)
     try:
         return build(DeviceFigures, values, "device")

@@ -9,8 +9,9 @@ time and read from there like any user dataset, so the same loader (and its bad-
 serves both. `arithmetic` prompts are made in memory and need no dataset.
 
 `check_prompts` runs in the driver before the warm start, with the model's tokenizer (the tiny
-model's is built, a `model.path` one is read) and no image decoded: every line of the prompt files
-parses and names image files that exist (a DataError naming file:line, or with
+model's is built, a `model.path` one is read): every line of the prompt files parses and names
+image files that exist and decode (each distinct file once, cached in `task.data_dir`:
+`data/image_check.py`) at a supported size (a DataError naming file:line, or with
 `data.on_bad_sample: skip` counted as in training), the longest prompt plus
 `rollout.max_new_tokens` fits the model's positions (a ConfigError naming both keys), and a
 process reward's step separator is one token of the tokenizer (a PRM's vocabulary the policy's).
@@ -112,11 +113,11 @@ def _prompt_file(cfg: RLJobConfig, split: str, tokenizer: PreTrainedTokenizerBas
         return None
     spec = ImageSpec.from_vision_config(vision, cfg.data.min_pixels, cfg.data.max_pixels) if vision else None
     return PromptDataset(path, tokenizer, spec, vision_token_ids, cfg.data.on_bad_sample,
-                         cfg.data.max_images_per_prompt, seed)
+                         cfg.data.max_images_per_prompt, seed, image_cache=Path(cfg.task.data_dir))
 
 
 def check_prompts(cfg: RLJobConfig) -> None:
-    """Every prompt line parses and names image files that exist (DataError naming file:line, or
+    """Every prompt line parses and names image files that exist and decode (DataError naming file:line, or
     counted under `data.on_bad_sample: skip`), and the longest prompt + `rollout.max_new_tokens`
     fits the model's positions (ConfigError naming both keys and the numbers)."""
     model = _model_view(cfg)

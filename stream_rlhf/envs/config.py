@@ -1,0 +1,50 @@
+"""Config of the environment of multi-turn / tool-using episodes (`env`), beside the code that
+runs it (`stepper.py`, `episode.py`).
+
+    env:
+      factory: stream_rlhf.envs.calculator:Calculator   # one environment per episode
+      options: {latency_s: 0.05}                         # keyword arguments of the factory
+      max_turns: 4
+      max_episode_tokens: 256
+      step_timeout_s: 10
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from msgspec import Meta
+
+from stream_rlhf.config import ConfigError, check_fields, import_dotted
+from stream_rlhf.envs.environment import Environment
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The environment every episode of the job runs in, and the engine's limits on episodes."""
+
+    factory: str
+    """Dotted path "package.module:name" of a class or function that makes one environment
+    (`reset` and `step`, sync or async: see envs/environment.py) from `options`."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of `factory`."""
+    max_turns: Annotated[int, Meta(ge=1)] = 4
+    """Policy turns per episode; the episode ends (reason max_turns) after the last."""
+    max_episode_tokens: Annotated[int, Meta(ge=1)] = 512
+    """Prompt, policy and observation tokens of one episode; it ends (reason max_episode_tokens)
+    when a turn reaches the limit."""
+    step_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    """Seconds one reset or step may take; past it the episode fails with reason "timeout"."""
+    workers: Annotated[int, Meta(ge=1)] = 16
+    """Threads that run sync environments' calls; at least the episodes in flight, so that one
+    slow tool never waits for another."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not callable(import_dotted(self.factory, "env.factory")):
+            raise ConfigError(f"env.factory={self.factory!r}: not callable (expected a class or function)")
+
+    def make(self) -> Environment:
+        """A fresh environment for one episode."""
+        return import_dotted(self.factory, "env.factory")(**self.options)

@@ -1,0 +1,66 @@
+"""The interface of an environment: what a user implements, in plain Python, for multi-turn and
+tool-using episodes.
+
+    class Calculator:                                   # sync, or `async def` for both methods
+        def reset(self, start: EpisodeStart) -> None: ...
+        def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+            return Turn(Observation("=1368 "), reward=0.0, done=False)
+
+One environment object serves one episode: `env.factory` (a dotted path, as `reward.function`)
+makes a fresh one per episode, `reset` gives it the dataset sample, and each `step` gets one policy
+turn, both as text (decoded without special tokens) and as the token ids the policy generated
+(never re-tokenised). The returned `Turn` says what to append (an `Observation`: text, and images
+for a vision-language policy), the turn's reward, and whether the episode is over. Turn and token
+limits are the engine's (`env.max_turns`, `env.max_episode_tokens`), not the environment's.
+
+Glossary: an *episode* is one prompt and every turn after it; a *turn* is one policy response
+(ending at a stop token) and the environment's answer to it; an *observation* is the part the
+environment appends, which carries no loss and no log-probs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class EpisodeStart:
+    """The dataset sample an episode starts from."""
+
+    prompt: str
+    reference: str
+    images: tuple[str, ...] = ()
+    """Paths of the prompt's images, in the order of its image markers."""
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    """The sample's extra columns (as `data.fields` maps them), by name."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What an environment appends after a policy turn: text, and images for a vision-language
+    policy (paths, encoded by the vision stage)."""
+
+    text: str
+    images: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The result of one `step`: the observation to append (None: nothing), the turn's reward
+    (placed on the turn's last policy token) and whether the episode is over."""
+
+    observation: Observation | None
+    reward: float = 0.0
+    done: bool = False
+
+
+class Environment(Protocol):
+    """One episode's environment; both methods may be `async def`."""
+
+    def reset(self, start: EpisodeStart) -> None | Awaitable[None]:
+        """Start the episode from a dataset sample."""
+
+    def step(self, text: str, token_ids: Sequence[int]) -> Turn | Awaitable[Turn]:
+        """Answer one policy turn (`text` decoded without special tokens, `token_ids` as generated)."""

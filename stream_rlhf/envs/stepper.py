@@ -1,0 +1,162 @@
+"""Environment calls run outside the decode loop, so a tool that takes 50 ms never stalls the
+sampler: while one episode waits, the others keep generating.
+
+    stepper = EnvStepper(step_timeout_s=30.0, workers=16)
+    stepper.reset(episode_id, env, start)                   # returns at once
+    stepper.step(episode_id, env, text, token_ids)          # returns at once
+    for outcome in stepper.poll():                          # or stepper.wait(0.05)
+        outcome.turn or outcome.failure                     # exactly one of them is set
+
+One asyncio loop in a daemon thread awaits every call: `async def` methods directly, plain ones in a
+thread pool of `workers` threads. Each call is bounded by `step_timeout_s`. An environment that
+raises, runs past the timeout, or returns something other than what `environment.py` promises
+ends its episode with a `Failure` whose reason ("raised", "timeout", "malformed") the caller
+counts; it never reaches the caller as an exception. A sync call past its timeout cannot be
+stopped: its thread stays busy until the call returns (its result is then dropped), so `workers`
+should cover the episodes in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from stream_rlhf.envs.environment import Environment, EpisodeStart, Observation, Turn
+
+FailureReason = Literal["raised", "timeout", "malformed"]
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: FailureReason
+    message: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of one call: `turn` for a step that worked (None after a reset that worked), or
+    `failure`; `seconds` is how long the call took (the tool time the pipeline hides)."""
+
+    key: Hashable
+    turn: Turn | None
+    failure: Failure | None
+    seconds: float
+
+
+class EnvStepper:
+    """Runs environment calls concurrently, off the caller's thread; results come back by `poll`."""
+
+    def __init__(self, step_timeout_s: float, workers: int) -> None:
+        self.step_timeout_s = step_timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="env-call")
+        self._thread = threading.Thread(target=self._loop.run_forever, name="env-stepper", daemon=True)
+        self._thread.start()
+        self._results: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self.in_flight = 0
+        """Calls submitted and not yet returned by poll/wait."""
+
+    def reset(self, key: Hashable, env: Environment, start: EpisodeStart) -> None:
+        """Call `env.reset(start)` in the background; its `Outcome` (turn None) carries `key`."""
+        self._submit(key, env.reset, (start,), _check_reset)
+
+    def step(self, key: Hashable, env: Environment, text: str, token_ids: Sequence[int]) -> None:
+        """Call `env.step(text, token_ids)` in the background; its `Outcome` carries `key`."""
+        self._submit(key, env.step, (text, token_ids), _check_turn)
+
+    def _submit(self, key: Hashable, method: Callable[..., Any], args: tuple[Any, ...],
+                check: Callable[[Any], str | None]) -> None:
+        self.in_flight += 1
+        asyncio.run_coroutine_threadsafe(self._call(key, method, args, check), self._loop)
+
+    def poll(self) -> list[Outcome]:
+        """The outcomes that have arrived, without waiting."""
+        outcomes = []
+        while True:
+            try:
+                outcomes.append(self._results.get_nowait())
+            except queue.Empty:
+                break
+        self.in_flight -= len(outcomes)
+        return outcomes
+
+    def wait(self, timeout_s: float) -> list[Outcome]:
+        """At least one outcome if one arrives within `timeout_s`, plus any others already there."""
+        try:
+            first = self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+        self.in_flight -= 1
+        return [first, *self.poll()]
+
+    def close(self) -> None:
+        """Stop the loop; calls still running are abandoned (their results dropped)."""
+        asyncio.run_coroutine_threadsafe(self._cancel_calls(), self._loop).result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _cancel_calls(self) -> None:
+        calls = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in calls:
+            task.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+
+    async def _call(self, key: Hashable, method: Callable[..., Any], args: tuple[Any, ...],
+                    check: Callable[[Any], str | None]) -> None:
+        start = time.monotonic()
+        try:
+            result = await asyncio.wait_for(self._run(method, args), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            failure = Failure("timeout", f"{_name(method)} ran past env.step_timeout_s={self.step_timeout_s}")
+            outcome = Outcome(key, None, failure, time.monotonic() - start)
+        except Exception as exc:  # whatever the user's environment raises ends only its episode
+            failure = Failure("raised", f"{_name(method)} raised {type(exc).__name__}: {exc}")
+            outcome = Outcome(key, None, failure, time.monotonic() - start)
+        else:
+            problem = check(result)
+            failure = Failure("malformed", f"{_name(method)}: {problem}") if problem else None
+            turn = result if isinstance(result, Turn) and failure is None else None
+            outcome = Outcome(key, turn, failure, time.monotonic() - start)
+        self._results.put(outcome)
+
+    async def _run(self, method: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        if inspect.iscoroutinefunction(method):
+            return await method(*args)
+        result = await self._loop.run_in_executor(self._executor, method, *args)
+        return await result if inspect.isawaitable(result) else result
+
+
+def _name(method: Callable[..., Any]) -> str:
+    return getattr(method, "__qualname__", repr(method))
+
+
+def _check_reset(result: Any) -> str | None:
+    return None if result is None else f"reset returned {type(result).__name__}, expected None"
+
+
+def _check_turn(result: Any) -> str | None:
+    """What is wrong with a step's result, or None when it is a well-formed Turn."""
+    if not isinstance(result, Turn):
+        return f"returned {type(result).__name__} {result!r:.80}, expected envs.environment.Turn"
+    observation = result.observation
+    if observation is not None:
+        if not isinstance(observation, Observation) or not isinstance(observation.text, str):
+            return f"observation={observation!r:.80}: expected Observation(text: str, images: tuple[str, ...])"
+        if not all(isinstance(image, str) for image in observation.images):
+            return f"observation.images={observation.images!r:.80}: expected paths (str)"
+    reward = result.reward
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        return f"reward={result.reward!r}: expected a finite number"
+    if not isinstance(result.done, bool):
+        return f"done={result.done!r}: expected a bool"
+    return None
