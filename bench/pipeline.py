@@ -1,12 +1,22 @@
 """Pipeline benchmark: the same PPO job under the sync and stream schedules, side by side.
 
 Each schedule is one `stream-rlhf run configs/text_ppo.yaml` subprocess with the WORKLOAD
-overrides below, placement `separated` (prompts + rollout on core 0, every forward and trainer
-stage on core 1), the run's trace on (the default) and a name of its own (runs/bench_pipeline_<column>/):
+overrides below, its placement pinned (PLACEMENT: `separated`, prompts + rollout on core 0, every
+forward and trainer stage on core 1, no device groups: the config's `placement: auto` would choose
+per workload, and the benchmark's meaning must not drift with it), the run's trace on (the
+default) and a name of its own (runs/bench_pipeline_<column>/):
 
     sync      schedule=sync   overlap_depth=0   generate all, then forward all, then train
     stream0   schedule=stream overlap_depth=0   mini-batches flow on as they are generated
     stream1   schedule=stream overlap_depth=1   and rollout of iteration i+1 overlaps training of i
+    auto1     stream1 with the config's shipped `placement: auto` (cores still pinned): what a user
+              of the config gets; its run's summary.json says what auto chose
+              (`placement.auto.placement`), shown under the table
+
+--placements adds a stream1 column for each static `placement.with_rollout` the planner's search
+tries (`planner/search.py` `with_rollout_candidates`: none, critic_train, the critic's two
+stages, the forwards, the forwards and critic_train), and prints auto1's tokens/s against the best
+of them (the issue's check: >= 95%).
 
 Figures, per schedule, over the steady-state window: from the end of iteration SKIP-1's
 training to the end of the last iteration's. The first SKIP = 2 iterations are left out: the
@@ -56,13 +66,15 @@ batches:
         weights; this warm start is its own cache entry (runs/.cache), built in about a second on a
         fresh machine instead of the config's 400 SFT steps (one to two minutes on 2 cores).
 
-Every knob that sets the timing is pinned here, so a change of the config's defaults does not
-change the benchmark; the model architecture and the task are the config's.
+Every knob that sets the timing is pinned here (auto1's placement apart), so a change of the
+config's defaults does not change the benchmark; the model architecture and the task are the
+config's.
 
 Run from the repository root:
 
-    .venv/bin/python bench/pipeline.py            # full run (~3 minutes): the table
-    .venv/bin/python bench/pipeline.py --quick    # smoke run (~1.5 minutes): 4 iterations each
+    .venv/bin/python bench/pipeline.py            # full run (~4 minutes): the table
+    .venv/bin/python bench/pipeline.py --placements   # and 5 static placements (~9 minutes)
+    .venv/bin/python bench/pipeline.py --quick    # smoke run (~2 minutes): 4 iterations each
     .venv/bin/python bench/pipeline.py --json     # the table, then one JSON object as the last line
     .venv/bin/python bench/pipeline.py --trace-overhead   # what tracing costs (~5 minutes; see below)
 
@@ -95,18 +107,22 @@ from process_tree import process_table, tree  # bench/, beside this script
 
 from stream_rlhf.broker.payload import shm
 from stream_rlhf.driver.dataflow import ROLLOUT_SIDE
+from stream_rlhf.planner.search import with_rollout_candidates
 from stream_rlhf.telemetry.trace_figures import trace_figures
 from stream_rlhf.weights.shm_store import SHM_ROOT
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/text_ppo.yaml"
 RUNS_DIR = REPO / "runs"
-SCHEDULES = {"sync": ("sync", 0), "stream0": ("stream", 0), "stream1": ("stream", 1)}
+SCHEDULES = {"sync": ("sync", 0), "stream0": ("stream", 0), "stream1": ("stream", 1), "auto1": ("stream", 1)}
 """Column -> (schedule, overlap_depth)."""
+STATIC = with_rollout_candidates(["ref_forward", "reward_forward", "critic_forward", "actor_train", "critic_train"])
+"""--placements: the with_rollout the search tries for this job's train-side stages (stream1: no
+actor_forward)."""
+CORES = ["placement.rollout_cores=[0]", "placement.train_cores=[1]"]
+PLACEMENT = ["placement.mode=separated", "placement.with_rollout=[]", "placement.device_groups={}"]
+"""The schedule columns' placement, every key auto would choose pinned."""
 WORKLOAD = [
-    "placement.mode=separated",
-    "placement.rollout_cores=[0]",
-    "placement.train_cores=[1]",
     "rollout.stop=[]",
     "rollout.max_new_tokens=48",
     "rollout_batch.prompts_per_minibatch=4",
@@ -119,6 +135,8 @@ WORKLOAD = [
 ]
 TARGET = 1.5
 """stream1 / sync tokens/s expected on a 2-core CPU machine."""
+AUTO_TARGET = 0.95
+"""--placements: auto1 / the best static placement's stream1, tokens/s, expected at least."""
 RUN_TIMEOUT_S = 600.0
 TRACE_PAIRS = 2
 """--trace-overhead: runs with the trace off and on, each."""
@@ -149,13 +167,13 @@ QUICK = Settings(name="quick_", iterations=4)
 def run_schedule(column: str, settings: Settings, prefix: str, trace: bool = True, suffix: str = "") -> Path:
     """One `stream-rlhf run` subprocess (`trace`: with its trace; `suffix`: added to the run's
     name); returns its run folder. Fails when the run does, or when it left anything in /dev/shm."""
-    schedule, depth = SCHEDULES[column]
+    schedule, depth = SCHEDULES[column.split("_")[0]]
     name = f"bench_pipeline_{settings.name}{column}{suffix}"
     log_path = RUNS_DIR / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     overrides = [
         f"name={name}", f"schedule={schedule}", f"overlap_depth={depth}", f"iterations={settings.iterations}",
-        f"trace={str(trace).lower()}", f"broker.shm_prefix={prefix}", *WORKLOAD,
+        f"trace={str(trace).lower()}", f"broker.shm_prefix={prefix}", *CORES, *WORKLOAD, *placement_of(column),
     ]
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     before = shm_entries()
@@ -170,6 +188,18 @@ def run_schedule(column: str, settings: Settings, prefix: str, trace: bool = Tru
     assert_nothing_left(before, prefix, name)
     (RUNS_DIR / name / "cpu_samples.json").write_text(json.dumps(sampler.samples))
     return RUNS_DIR / name
+
+
+def placement_of(column: str) -> list[str]:
+    """The placement `--set`s of a column: none for auto1 (the config's `placement: auto`),
+    PLACEMENT's with the column's with_rollout for a --placements column (stream1_<i>: STATIC[i]),
+    PLACEMENT for the others."""
+    if column == "auto1":
+        return []
+    if column.startswith("stream1_"):
+        moved = STATIC[int(column.split("_")[1])]
+        return [*PLACEMENT[:1], f"placement.with_rollout=[{', '.join(moved)}]", *PLACEMENT[2:]]
+    return PLACEMENT
 
 
 def run_logged(command: list[str], log_path: Path, env: dict[str, str] | None = None,
@@ -300,6 +330,8 @@ def analyse(run_dir: Path, skip: int) -> dict:
         "max_staleness": summary["max_staleness"],
         "samples_dropped": summary["samples_dropped"],
         "job_s": summary["job_s"],
+        "with_rollout": summary["placement"]["running"]["with_rollout"],
+        "auto": summary["placement"]["auto"],
     }
 
 
@@ -363,6 +395,7 @@ def format_table(results: dict[str, dict], settings: Settings) -> str:
     ratio = results["stream1"]["tokens_per_s"] / sync["tokens_per_s"]
     notes = [
         f"stream1 / sync tokens/s: {ratio:.2f} (target >= {TARGET}: {'PASS' if ratio >= TARGET else 'MISS'})",
+        *placement_notes(results),
         (f"steady state: iterations {settings.skip}..{settings.iterations - 1} of {settings.iterations} "
          f"(the first {settings.skip} left out: start-up, warm-up, pipeline fill)"),
         "tokens/s: prompt + response tokens of the global batch / iteration time (HybridFlow)",
@@ -370,9 +403,28 @@ def format_table(results: dict[str, dict], settings: Settings) -> str:
          "1 - (merged busy time of the rollout side + of the train side) / (2 * window)"),
         ("CPU, cores: mean over the window, used by the run's processes, by everything else on the machine, and "
          "stolen by the hypervisor; other work or steal makes the figures noisy"),
-        f"workload: {CONFIG} with {' '.join(WORKLOAD)}",
+        f"workload: {CONFIG} with {' '.join([*CORES, *WORKLOAD])}; placement (but auto1): {' '.join(PLACEMENT)}",
     ]
     return "\n".join([*lines, "", *notes])
+
+
+def placement_notes(results: dict[str, dict]) -> list[str]:
+    """What auto1 ran and how it compares: with sync, stream1 and (--placements) the best static
+    with_rollout."""
+    auto = results["auto1"]
+    choice = auto["auto"] or {}
+    sync, stream1 = results["sync"]["tokens_per_s"], results["stream1"]["tokens_per_s"]
+    notes = [f"auto1: placement auto ran with_rollout={auto['with_rollout']} (predicted "
+             f"{choice.get('predicted_iteration_s')} s per iteration); tokens/s / sync "
+             f"{auto['tokens_per_s'] / sync:.2f}, / stream1 {auto['tokens_per_s'] / stream1:.2f}"]
+    static = {column: r for column, r in results.items() if column.startswith("stream1_")}
+    if static:
+        best = max(static, key=lambda column: static[column]["tokens_per_s"])
+        share = auto["tokens_per_s"] / static[best]["tokens_per_s"]
+        notes += [", ".join(f"{column}: with_rollout={r['with_rollout']}" for column, r in static.items()),
+                  f"auto1 / best static ({best}) tokens/s: {share:.2f} (target >= {AUTO_TARGET}: "
+                  f"{'PASS' if share >= AUTO_TARGET else 'MISS'})"]
+    return notes
 
 
 def figures(results: dict[str, dict]) -> dict[str, float]:
@@ -381,8 +433,12 @@ def figures(results: dict[str, dict]) -> dict[str, float]:
     out: dict[str, float] = {}
     for column, r in results.items():
         out[f"{column}_tokens_per_s"] = round(r["tokens_per_s"], 1)
-    for column in ("stream0", "stream1"):
+    for column in ("stream0", "stream1", "auto1"):
         out[f"{column}_over_sync"] = round(results[column]["tokens_per_s"] / sync, 3)
+    out["auto1_over_stream1"] = round(results["auto1"]["tokens_per_s"] / results["stream1"]["tokens_per_s"], 3)
+    static = [r["tokens_per_s"] for column, r in results.items() if column.startswith("stream1_")]
+    if static:
+        out["auto1_over_best_static"] = round(results["auto1"]["tokens_per_s"] / max(static), 3)
     for column, r in results.items():
         out[f"bubble_ratio_{column}"] = round(r["bubble_ratio"], 3)
     for column, r in results.items():
@@ -400,6 +456,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK.iterations} iterations per schedule")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    parser.add_argument("--placements", action="store_true",
+                        help="also stream1 under every static with_rollout the search tries (module docstring)")
     parser.add_argument("--trace-overhead", action="store_true",
                         help="instead of the schedules: sync with the trace off and on (module docstring)")
     args = parser.parse_args()
@@ -416,7 +474,7 @@ def main() -> None:
             print(json.dumps(overhead))
         return
     results = {}
-    for column in SCHEDULES:
+    for column in [*SCHEDULES, *(f"stream1_{i}" for i in range(len(STATIC)) if args.placements)]:
         started = time.monotonic()
         progress(f"{column}: {settings.iterations} iterations (runs/bench_pipeline_{settings.name}{column}.log)")
         results[column] = analyse(run_schedule(column, settings, prefix), settings.skip)

@@ -2,7 +2,8 @@
 
     stream-rlhf run CONFIG [--set key=value ...]   broker + every stage as local processes
                            [--resume [RUN_DIR]]    ... continuing a stopped run from its last checkpoint
-    stream-rlhf plan CONFIG [--json]               the job plan: which stage on which node, cores, device
+    stream-rlhf plan CONFIG [--json]               the job plan: which stage on which node, cores, device,
+                                                   and what `placement: auto` chose, why (planner/)
                     [--profile RUN_DIR [--search]] ... its predicted iteration time and memory from a run,
                     [--memory-limit-mb N]          and the fastest schedules, placements and device groups
                                                    predicted within N MB (planner/)
@@ -229,15 +230,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(plan.describe())
     out = plan.as_dict()
     if args.profile is not None or args.search or args.device is not None:
-        out.update(_predict(args, plan.flow))
+        out.update(_predict(args, plan))
     if args.json:
         print(json.dumps(out))
     return 0
 
 
-def _predict(args: argparse.Namespace, flow: Dataflow) -> dict[str, object]:
-    """Print the simulator's prediction (and with --search the best plans); their JSON keys."""
+def _predict(args: argparse.Namespace, plan: JobPlan) -> dict[str, object]:
+    """Print the simulator's prediction of the config as planned (the placement auto chose) and
+    with --search the best plans; their JSON keys."""
     from stream_rlhf.driver.dataflow import device_groups
+    from stream_rlhf.planner.auto_placement import with_placement
     from stream_rlhf.planner.job_prediction import (
         analytic_costs,
         buildable_groups,
@@ -257,6 +260,9 @@ def _predict(args: argparse.Namespace, flow: Dataflow) -> dict[str, object]:
     if args.profile is not None and (args.device or args.prompt_tokens or args.response_tokens):
         raise ConfigError("--device, --prompt-tokens, --response-tokens: for analytic costs, not with --profile")
     cfg = load_config(RLJobConfig, args.config, args.set)
+    if (auto := plan.placement_auto) is not None:
+        cfg = with_placement(cfg, {key: auto["placement"][key] for key in auto["decided"]})
+    flow = plan.flow
     stages = set(flow.stages)
     groups = buildable_groups(args.config, args.set, stages) if args.search else []
     moved = buildable_with_rollout(args.config, args.set, stages) if args.search else []

@@ -140,6 +140,8 @@ def load_config(cls: type[T], path: str | Path, overrides: list[str] = ()) -> T:
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
+            if node.get(part) == "auto":  # a section written `auto` (placement: auto) is its defaults, with keys set
+                node[part] = {}
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: {part} is not a mapping")

@@ -103,7 +103,7 @@ def _section(key: str, cls: type) -> list[str]:
     hints = typing.get_type_hints(cls)
     described = field_descriptions(cls)
     constraints = declared_constraints(cls)
-    for f in dataclasses.fields(cls):
+    for f in (f for f in dataclasses.fields(cls) if f.init):  # init=False: worked out, not a key
         meta = constraints.get(f.name)
         constraint = constraint_text(meta, _default(f)) if meta is not None else ""
         nested, suffix = _nested(hints[f.name])
@@ -122,7 +122,8 @@ def _nested(hint: Any) -> tuple[type | None, str]:
         return hint, ""
     if origin in (Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
-        return _nested(inner[0]) if len(inner) == 1 else (None, "")
+        sections = [a for a in inner if dataclasses.is_dataclass(a)]  # `X | Literal["auto"]`: X's section
+        return _nested(inner[0]) if len(inner) == 1 else _nested(sections[0]) if len(sections) == 1 else (None, "")
     if origin is dict and dataclasses.is_dataclass(args[1]):
         return args[1], ".<name>"
     return None, ""

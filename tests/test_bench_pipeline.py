@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 KEYS = {
     "sync_tokens_per_s", "stream0_tokens_per_s", "stream1_tokens_per_s", "stream1_over_sync",
-    "bubble_ratio_sync", "bubble_ratio_stream1",
+    "bubble_ratio_sync", "bubble_ratio_stream1", "auto1_tokens_per_s", "auto1_over_sync", "auto1_over_stream1",
 }
 
 

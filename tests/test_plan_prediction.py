@@ -62,7 +62,8 @@ def write_trace(graph: SimGraph, run_dir: Path) -> float:
 @pytest.fixture
 def config(tmp_path) -> Path:
     return write_job(tmp_path / "job.yaml", tiny_job(tmp_path, "planned", schedule="stream", overlap_depth=1,
-                                                     iterations=6, **{"placement.mode": "separated"}))
+                                                     iterations=6, **{"placement.mode": "separated",
+                                                                      "placement.with_rollout": []}))
 
 
 def test_a_profile_of_the_same_schedule_predicts_its_own_figures(config, tmp_path, capsys):

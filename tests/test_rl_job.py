@@ -50,7 +50,8 @@ def wait_for_iterations(process: subprocess.Popen, log: Path, metrics: Path, ite
 
 
 def test_tiny_ppo_run_writes_a_consistent_summary(tmp_path):
-    process, log = start_run(tmp_path, "e2e", "overlap_depth=1", "iterations=3", "placement.mode=separated")
+    process, log = start_run(tmp_path, "e2e", "overlap_depth=1", "iterations=3", "placement.mode=separated",
+                             "placement.with_rollout=auto", "placement.replan_after=2")
     assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
     run_dir = tmp_path / "e2e"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -80,6 +81,17 @@ def test_tiny_ppo_run_writes_a_consistent_summary(tmp_path):
     pss = [p["peak_pss_mb"] for p in memory["per_process"].values()]
     assert max(pss) <= memory["peak_pss_mb"] <= sum(pss) and min(pss) > 0
     assert "peak PSS" in log.read_text()  # its line in the log and the table
+    # placement auto chose with_rollout (mode was given), the plan and the summary say so and why
+    auto = summary["placement"]["auto"]
+    assert auto["decided"] == ["with_rollout", "device_groups"] and auto["placement"]["mode"] == "separated"
+    assert plan["placement_auto"] == auto and summary["placement"]["running"]["with_rollout"] == auto["placement"][
+        "with_rollout"]
+    assert auto["predicted_iteration_s"] > 0 and "answers of 4 tokens" in auto["why"]
+    assert auto["summary"] in log.read_text()
+    replan = summary["placement"]["replan"]  # after 2 iterations: measured against predicted
+    assert replan["after_iterations"] == 2 and replan["measured_iteration_s"] > 0
+    assert 0 < replan["response_tokens"]["measured"] <= 4 == replan["response_tokens"]["planned"]
+    assert "placement re-plan after 2 iterations" in log.read_text()
 
 
 def test_killed_stage_stops_the_run_with_a_clear_message_and_no_orphans(tmp_path):

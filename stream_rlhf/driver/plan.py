@@ -1,7 +1,13 @@
 """An RL job's plan (`launch/plan.py`), compiled once, in the driver.
 
-    plan = compile_plan(cfg, checkpoint, weights_root, vision_language)  # after the driver's warm start
+    cfg, choice = auto_placed(cfg, checkpoint, weights_root, vision_language)   # `placement: auto`'s keys
+    plan = compile_plan(cfg, checkpoint, weights_root, vision_language,
+                        placement_auto=choice.as_dict())  # after the driver's warm start
     plan = preview_plan(cfg)      # `stream-rlhf plan` and `stage`: nothing written, trained or started
+
+`auto_placed` chooses the placement keys the config leaves to `auto` (`planner/auto_placement.py`,
+imported where it is used: the planner builds on the driver's dataflow) from the dataflow of the
+config's fallback placement; the plan records the choice (`placement_auto`).
 
 `preview_plan` finds the dataset and the warm-start checkpoint where the driver puts them without
 making either: `stream-rlhf plan` says whether they are there yet, `stream-rlhf stage` refuses to
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,12 +46,16 @@ from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.weights.shm_store import weights_root
 from stream_rlhf.weights.transport import TRANSPORTS
 
+if TYPE_CHECKING:
+    from stream_rlhf.planner.auto_placement import PlacementChoice
+
 
 def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_language: bool,
                  resume: ResumePoint | None = None, checkpoint_ready: bool = True,
-                 dataset_ready: bool = True, dataset: dict[str, str] | None = None) -> JobPlan:
+                 dataset_ready: bool = True, dataset: dict[str, str] | None = None,
+                 placement_auto: dict[str, Any] | None = None) -> JobPlan:
     """The plan of `cfg` (its data already resolved, or `dataset`: the files still to write)
-    starting from `checkpoint`."""
+    starting from `checkpoint`; `placement_auto`: what auto chose (`auto_placed`), recorded."""
     cfg, weights_check = _weights_across_hosts(cfg)
     flow = compile_job(cfg, checkpoint, weights, vision_language, resume)
     if dataset is None and cfg.data.train is not None:
@@ -62,7 +73,8 @@ def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_languag
                       f"{cfg.ray.start_timeout_s:g} (checked when the placement group is made); {pinning}")
     plan = JobPlan(cfg.name, flow, cfg.launcher, cfg.ray, checkpoint, checkpoint_ready, dataset, dataset_ready,
                    checks, run_dir=str(Path(cfg.run_dir).resolve()), weights_root=weights,
-                   relocate="stream_rlhf.driver.plan:on_host", same_host=_same_host(cfg, flow.stages))
+                   relocate="stream_rlhf.driver.plan:on_host", same_host=_same_host(cfg, flow.stages),
+                   placement_auto=placement_auto)
     if not plan.spans_hosts:
         return plan
     curve = cfg.broker.curve
@@ -75,6 +87,17 @@ def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_languag
         checks.append(critic_check)
     return replace(plan, flow=flow, keys=CurveKeys.read(curve.key_dir) if curve else CurveKeys.generate(),
                    checks=checks)
+
+
+def auto_placed(cfg: RLJobConfig, checkpoint: str, weights: str,
+                vision_language: bool) -> tuple[RLJobConfig, PlacementChoice | None]:
+    """`cfg` with the placement keys it leaves to `auto` chosen, and the choice (None: it leaves none)."""
+    if not cfg.placement.auto:
+        return cfg, None
+    from stream_rlhf.planner.auto_placement import choose_placement, with_placement
+
+    choice = choose_placement(cfg, compile_job(cfg, checkpoint, weights, vision_language))
+    return with_placement(cfg, choice.chosen), choice
 
 
 def on_host(spec: StageSpec, run_dir: str, weights_root: str | None) -> StageSpec:
@@ -152,5 +175,7 @@ def preview_plan(cfg: RLJobConfig) -> JobPlan:
     vision = is_vision_language(folder) if ready else cfg.model.tiny.vision is not None
     if unwritten is not None and cfg.model.path is None:  # its cache key hashes the written files too
         folder = folder.parent / "tiny-<its key, once the prompt files are written>"
-    return compile_plan(cfg, str(folder), str(weights_root(cfg.broker.shm_prefix, cfg.name)), vision,
-                        checkpoint_ready=ready, dataset_ready=unwritten is None, dataset=unwritten)
+    weights = str(weights_root(cfg.broker.shm_prefix, cfg.name))
+    cfg, choice = auto_placed(cfg, str(folder), weights, vision)
+    return compile_plan(cfg, str(folder), weights, vision, checkpoint_ready=ready, dataset_ready=unwritten is None,
+                        dataset=unwritten, placement_auto=choice.as_dict() if choice else None)

@@ -14,6 +14,9 @@ stopped, and generated again by the run that resumed from it). Dataset lines lef
 first messages in lines_skipped_examples.
 A vision-language run adds images_seen (images in the generated samples) and images_encoded
 (vision tower runs over images, summed over every stage that ran it).
+`placement`: the placement the job ran (`running`), what `placement: auto` chose and why (`auto`,
+null when every key was given) and the re-plan after the first iterations (`replan`,
+`driver/replan.py`; null when it did not run).
 `memory`: the peak memory of the job's processes (the broker and every rank process), sampled
 while they ran (`telemetry/memory.py`); local launcher only (a Ray job's actors are Ray's to
 measure: `memory` is null there).
@@ -26,14 +29,15 @@ import logging
 import shutil
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stream_rlhf.config import ConfigError
 from stream_rlhf.driver.dataflow import ROLLOUT_SIDE, check_placement
-from stream_rlhf.driver.plan import compile_plan
+from stream_rlhf.driver.plan import auto_placed, compile_plan
 from stream_rlhf.driver.preflight import check_rl_job
+from stream_rlhf.driver.replan import ReplanWatch
 from stream_rlhf.driver.resume import Resumed, prepare_resume, read_record, record_start
 from stream_rlhf.launch.launcher import Launcher, make_launcher
 from stream_rlhf.launch.plan import JobPlan
@@ -49,6 +53,9 @@ from stream_rlhf.telemetry.trace_figures import TraceFigures, iteration_figures,
 from stream_rlhf.telemetry.trace_merge import merge_trace, topic_sources
 from stream_rlhf.weights.device_turns import offload_summary
 from stream_rlhf.weights.shm_store import weights_root
+
+if TYPE_CHECKING:
+    from stream_rlhf.planner.auto_placement import PlacementChoice
 
 log = logging.getLogger("stream_rlhf")
 TRACE_METRICS = "trace_metrics.jsonl"
@@ -88,6 +95,10 @@ class RLRun:
         """From trace.json, once `cleanup` merged it (None: no trace, or no steady-state window)."""
         self.memory: MemorySampler | None = None
         """The job's processes' memory, sampled during `progress` (local launcher only)."""
+        self.placement_choice: PlacementChoice | None = None
+        """What `placement: auto` chose (`prepare`); None: every placement key was given."""
+        self.replan: ReplanWatch | None = None
+        """The re-plan after the first iterations (`progress`), when auto predicted the placement."""
 
     def prepare(self) -> Launcher:
         from stream_rlhf.driver.evaluate import evaluate
@@ -131,8 +142,14 @@ class RLRun:
         else:
             self.before = self.resumed.eval_before
         log.info("eval before RL: reward %.3f (greedy %.3f)", self.before["reward"], self.before["greedy_reward"])
+        self.cfg, self.placement_choice = auto_placed(self.cfg, self.checkpoint, str(self.weights),
+                                                      self.vision_language)
+        choice = self.placement_choice
+        if choice is not None:
+            log.info("%s", choice.describe())
         self.plan = compile_plan(self.cfg, self.checkpoint, str(self.weights), self.vision_language,
-                                 self.resumed.point if self.resumed else None)
+                                 self.resumed.point if self.resumed else None,
+                                 placement_auto=choice.as_dict() if choice is not None else None)
         self.left_out = self.plan.flow.left_out
         log.info("job plan:\n%s", self.plan.describe())
         (self.run_dir / PLAN).write_text(json.dumps(self.plan.as_dict(), indent=2))
@@ -148,8 +165,12 @@ class RLRun:
         if isinstance(self.job, LocalJob):
             self.memory = MemorySampler(self.job.pids)
             self.memory.start()
+        choice = self.placement_choice
+        metrics = self.run_dir / "metrics.jsonl"
+        if choice is not None and choice.predicted_iteration_s is not None and self.cfg.placement.replan_after:
+            self.replan = ReplanWatch(self.cfg, self.plan.flow, choice, metrics)
         try:
-            with IterationProgress(self.run_dir / "metrics.jsonl", self.cfg.iterations):
+            with IterationProgress(metrics, self.cfg.iterations), self.replan or nullcontext():
                 yield
         finally:
             if self.memory is not None:
@@ -240,6 +261,12 @@ class RLRun:
         evals = {"eval": "reward", "eval greedy": "greedy_reward"}
         summary["plots"] = [str(path) for path in write_plots(self.run_dir, {
             label: {0: self.before[key], train["iterations"]: after[key]} for label, key in evals.items()})]
+        placement = self.cfg.placement
+        summary["placement"] = {
+            "running": {"mode": placement.mode, "with_rollout": placement.with_rollout,
+                        "device_groups": self.plan.flow.device_groups},
+            "auto": self.placement_choice.as_dict() if self.placement_choice else None,
+            "replan": self.replan.result if self.replan else None}
         summary["offload"] = offload_summary(counts, {n: s.offload for n, s in self.plan.flow.stages.items()})
         memory = self.memory.summary(device_peaks(self.run_dir, self.plan.flow.stages)) if self.memory else None
         summary["memory"] = memory

@@ -1,6 +1,7 @@
 """Placement: which cores and devices each stage's ranks run on, checked against this machine.
 
-    placement:
+    placement:                       # `placement: auto` (the default): the driver picks mode,
+                                     # with_rollout and device_groups (planner/auto_placement.py)
       mode: separated                # rollout on rollout_cores, the rest on train_cores (CPU)
       device: auto                   # cuda when this machine has a GPU, else cpu
       stages:
@@ -13,6 +14,12 @@
     ranks = {"actor_train": stage_ranks(placement, "actor_train", rollout_side=False, uses_device=True)}
     preflight(placement, ranks)      # before any process starts: cores, GPUs, device indices
 
+`mode`, `with_rollout` and `device_groups` default to `auto`: the driver chooses them for the
+workload before the stages start (`planner/auto_placement.py`); a key given explicitly is kept.
+Until then (and for code that builds a config without the driver) an `auto` key reads as its
+static fallback (`AUTO_FALLBACK`: separated, nothing with rollout, no groups), and `auto` lists
+the keys still to choose.
+
 Cores left out follow the machine: `rollout_cores` and `train_cores` default to halves of the
 cores this process may run on (`os.sched_getaffinity`), both the one core of a one-core machine
 (`split_cores`). Config checks that need no machine run when the config is built; `preflight`
@@ -22,9 +29,10 @@ does not exist, more ranks than cores or devices, CUDA on a machine without it).
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from msgspec import Meta
@@ -69,6 +77,11 @@ class StagePlacement:
             raise ConfigError(f"devices={self.devices}: device indices are >= 0")
 
 
+AUTO = "auto"
+AUTO_FALLBACK: dict[str, Any] = {"mode": "separated", "with_rollout": [], "device_groups": {}}
+"""What a key left to `auto` reads as until the driver chose it (module docstring)."""
+
+
 @dataclass(frozen=True)
 class PlacementConfig:
     """Which cores and devices each stage runs on.
@@ -80,9 +93,10 @@ class PlacementConfig:
     their Python.
     """
 
-    mode: Literal["separated", "colocated"] = "separated"
+    mode: Literal["auto", "separated", "colocated"] = AUTO
     """`separated`: rollout's side and the train side on cores of their own, running at once;
-    `colocated`: every stage on every core, taking turns (see above)."""
+    `colocated`: every stage on every core, taking turns (see above); `auto`: the driver picks
+    (planner/auto_placement.py)."""
     rollout_cores: list[int] | None = None
     """None: the first half of the cores this process may run on (at least one; `split_cores`)."""
     train_cores: list[int] | None = None
@@ -94,20 +108,35 @@ class PlacementConfig:
     """Where the torch stages keep their models: `auto` is cuda when this machine has a GPU."""
     stages: dict[str, StagePlacement] = field(default_factory=dict)
     """Per-stage ranks, cores and devices (stages not named: one rank on the mode's cores)."""
-    device_groups: dict[str, list[str]] = field(default_factory=dict)
-    """Group name -> stages that share one process per rank and its device, taking turns (in rank 0's
-    order when they have several ranks): a member offloads what its policy says when another takes
+    device_groups: dict[str, list[str]] | Literal["auto"] = AUTO
+    """`auto`: the driver picks (none on the CPU, where a group saves no time). Group name -> stages
+    that share one process per rank and its device, taking turns (in rank 0's order when they have
+    several ranks): a member offloads what its policy says when another takes
     the device (`weights/device_turns.py`)."""
     lend_idle_cores: bool = True
     """separated, on the CPU: a side with no step running lends its cores to the other side's
     running stage (`core_lending.py`); false: each side keeps to its own cores."""
-    with_rollout: list[str] = field(default_factory=list)
+    with_rollout: list[str] | Literal["auto"] = AUTO
     """separated: stages that run on the rollout side's cores, beside prompts and rollout (which
-    are there always), e.g. a PPO job's critic_forward and critic_train: rollout alone leaves its
-    cores idle most of the time while the train side's are shared by two trainers. Not used when
-    colocated."""
+    are there always), e.g. a PPO job's critic_forward and critic_train when answers are short
+    (rollout alone leaves its cores idle while two trainers share the train side's). Not used
+    when colocated. `auto`: the driver picks from the workload's costs (planner/auto_placement.py)."""
+    replan_after: Annotated[int, Meta(ge=0)] = 5
+    """After this many trained iterations the driver compares the measured iteration time and
+    answer length with the placement's prediction and says (log, summary.json `placement.replan`)
+    when another placement is predicted faster by `replan_margin`; 0: never."""
+    replan_margin: Annotated[float, Meta(gt=0)] = 0.1
+    """How much faster (a fraction of the iteration time) another placement must be predicted for
+    the re-plan to name it."""
+    auto: tuple[str, ...] = field(init=False, default=())
+    """The keys given as `auto` and not chosen yet (each reads as `AUTO_FALLBACK`'s value meanwhile)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        left = tuple(key for key in AUTO_FALLBACK if getattr(self, key) == AUTO)
+        object.__setattr__(self, "auto", left)
+        for key in left:
+            object.__setattr__(self, key, copy.copy(AUTO_FALLBACK[key]))
         for name in ("rollout_cores", "train_cores", "broker_cores"):
             _check_core_list(name, getattr(self, name))
         for stage, own in self.stages.items():

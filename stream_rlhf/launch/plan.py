@@ -116,6 +116,10 @@ class JobPlan:
     same_host: list[tuple[str, str, str]] = field(default_factory=list)
     """(stage, stage, why): pairs whose ranks must share a host (the launcher refuses a placement
     that splits them, naming the pair and why)."""
+    placement_auto: dict[str, Any] | None = None
+    """What `placement: auto` chose for the keys the config left to it, why, and the predicted
+    iteration time (`planner/auto_placement.py` `PlacementChoice.as_dict`, with its `summary`
+    line); None: every placement key was given."""
 
     @property
     def spans_hosts(self) -> bool:
@@ -180,6 +184,8 @@ class JobPlan:
                        "curve": self.flow.broker.curve is not None or self.keys is not None},
             "topics": topics, "ranks": ranks, "stages_left_out": dict(self.flow.left_out), "checks": list(self.checks),
         }
+        if self.placement_auto is not None:
+            out["placement_auto"] = self.placement_auto
         if self.launcher == "ray":
             out["ray"] = {"address": self.ray.address or "local instance", "strategy": self.ray.strategy,
                           "bundles": len(ranks), "spans_hosts": self.spans_hosts, "node_hosts": self.ray.node_hosts}
@@ -197,6 +203,8 @@ class JobPlan:
         if self.dataset:
             lines.append("  prompts: " + ", ".join(f"{k} {v}" for k, v in self.dataset.items())
                          + ("" if self.dataset_ready else " (not written yet: the driver writes them once)"))
+        if self.placement_auto is not None:
+            lines.append(f"  {self.placement_auto['summary']}")
         lines.append(f"  {'process':<22} {'node':<24} {'device':<8} {'cores':<10} {'threads':>7} {'cpus':>6}")
         for r in data["ranks"]:
             cores = "all" if r["cores"] is None else ",".join(map(str, r["cores"]))

@@ -170,14 +170,22 @@ def search(profile: Profile, iterations: int, max_overlap_depth: int = 2, modes:
     candidates += [("stream", depth) for depth in range(max_overlap_depth + 1)]
     tried = device_group_candidates(profile.step_s) if groups is None else groups
     moves = with_rollout_candidates(profile.step_s) if with_rollout is None else with_rollout
-    placements = [(grouping, mode, moved) for grouping in tried for mode in modes
-                  for moved in (moves if mode == "separated" else [()]) if mode == "colocated" or fits(grouping, moved)]
     plans = [Plan(schedule, depth, mode, predict(profile, iterations, schedule, depth, mode, grouping, moved), grouping,
                   with_rollout=moved)
-             for grouping, mode, moved in placements for schedule, depth in candidates]
+             for grouping, mode, moved in placement_candidates(tried, modes, moves) for schedule, depth in candidates]
     order = {id(plan): position for position, plan in enumerate(plans)}
     return sorted(plans, key=lambda plan: (round(plan.prediction.iteration_s, 9), plan.overlap_depth,
                                            order[id(plan)]))
+
+
+def placement_candidates(groups: Sequence[Groups], modes: Sequence[Mode],
+                         with_rollout: Sequence[Moved]) -> list[tuple[Groups, Mode, Moved]]:
+    """(device groups, mode, stages on rollout's cores) of every placement tried, in the order ties
+    go by: each grouping, each mode, separated with each `with_rollout` that leaves the groups
+    whole (`fits`), colocated with none."""
+    return [(grouping, mode, moved) for grouping in groups for mode in modes
+            for moved in (with_rollout if mode == "separated" else [()])
+            if mode == "colocated" or fits(grouping, moved)]
 
 
 def within_memory(plans: list[Plan], limit_mb: float | None) -> tuple[list[Plan], int]:

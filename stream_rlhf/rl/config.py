@@ -38,7 +38,7 @@ from stream_rlhf.backends.rollout_config import RolloutConfig
 from stream_rlhf.broker.control.topology import BrokerConfig
 from stream_rlhf.config import ConfigError, check_fields
 from stream_rlhf.data.task_config import DataConfig, TaskConfig
-from stream_rlhf.launch.placement import PlacementConfig, StagePlacement, device_group_of
+from stream_rlhf.launch.placement import AUTO, PlacementConfig, StagePlacement, device_group_of
 from stream_rlhf.launch.ray_config import RayConfig
 from stream_rlhf.models.model_config import ModelConfig, VisionConfig
 from stream_rlhf.resume.config import CheckpointConfig
@@ -119,8 +119,10 @@ class RLJobConfig:
     """The actor's (policy's) optimizer."""
     critic: CriticConfig = field(default_factory=lambda: CRITIC_OPTIMIZER)
     """The critic's optimizer, initialisation and warm-up (gae only)."""
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    """Which cores and devices each stage's ranks run on, and which stages share a device."""
+    placement: PlacementConfig | Literal["auto"] = field(default_factory=PlacementConfig)
+    """Which cores and devices each stage's ranks run on, and which stages share a device;
+    `auto` (the same as leaving it out): every key at its default, mode, with_rollout and
+    device_groups chosen by the driver for the workload (`planner/auto_placement.py`)."""
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How rollout gets each new policy version from actor_train."""
     broker: BrokerConfig = field(default_factory=BrokerConfig)
@@ -161,6 +163,8 @@ class RLJobConfig:
         check_fields(self)
         # sampling settings left unset come from the model folder, the same in every process
         object.__setattr__(self, "rollout", self.rollout.with_generation_defaults(self.model.path))
+        if self.placement == AUTO:
+            object.__setattr__(self, "placement", PlacementConfig())
         if not self.name or "/" in self.name:
             raise ConfigError(f"name={self.name!r}: a non-empty folder name")
         if self.schedule == "sync" and self.overlap_depth != 0:
