@@ -118,15 +118,17 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
 
 def _assert_resumes_exactly(engine: TorchTrainEngine, fresh, path: Path, exp: Experience,
                             advantages: torch.Tensor) -> None:
-    """`engine`'s saved state loaded into a `fresh()` engine trains one more step to the very same
+    """`engine`'s state snapshot, written only after `engine` trained one more step (as the
+    background writer does), loaded into a `fresh()` engine trains that step to the very same
     weights as `engine` itself."""
-    if (snapshot := engine.snapshot_state()) is not None:
+    snapshot = engine.snapshot_state()
+    engine.train_step(exp, _loss(engine), {"advantages": advantages})  # training goes on meanwhile
+    if snapshot is not None:
         torch.save(snapshot, path)
     engine.group.barrier()  # the leader has written it
     resumed = fresh()
     resumed.load_state(path)
-    for e in (engine, resumed):
-        e.train_step(exp, _loss(e), {"advantages": advantages})
+    resumed.train_step(exp, _loss(resumed), {"advantages": advantages})
     a, b = engine.export_weights(), resumed.export_weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -212,10 +212,12 @@ class TorchTrainEngine:
         """Everything training resumes from, as a host copy training no longer changes
         (`host_snapshot.py`): the full weights, the optimizer's state (full tensors, gathered from
         every rank's shard) and the torch RNG. Every rank calls it; the leader gets it, the others None."""
-        weights = self.export_weights()
+        # unsharded, the live tensors go to `host_snapshot` as they are (from a GPU: straight into
+        # pinned memory); sharded, each full tensor is gathered onto the host one at a time
+        weights = self.export_weights() if self.sharded else self.model.state_dict(keep_vars=True)
         optimizer = None
         if self.optimizer is not None:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            options = StateDictOptions(full_state_dict=True, cpu_offload=self.sharded)
             optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         if not self.group.is_leader:
             return None
