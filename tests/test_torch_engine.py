@@ -261,6 +261,22 @@ def test_offload_round_trip_on_cuda_keeps_training_exact():
         assert torch.equal(round_trip[name], plain[name]), name
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="snapshots a CUDA engine's state into pinned host memory "
+                    "(backends/host_snapshot.py); runs under -m gpu on a machine with CUDA")
+def test_a_cuda_engine_snapshot_is_in_pinned_host_memory_and_resumes_training_exactly(tmp_path):
+    exp = _experience()
+    advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
+    engine = TorchTrainEngine(_model(), RankGroup.single("cuda:0"), OptimizerConfig(lr=1e-2))
+    engine.train_step(exp, _loss(engine), {"advantages": advantages})
+    snapshot = engine.snapshot_state()
+    moments = [v for s in snapshot["optimizer"]["state"].values() for v in s.values() if v.dim() > 0]
+    assert moments and all(t.device.type == "cpu" and t.is_pinned() for t in [*snapshot["model"].values(), *moments])
+    _assert_resumes_exactly(engine, lambda: TorchTrainEngine(_model(), RankGroup.single("cuda:0"),
+                                                             OptimizerConfig(lr=1e-2)),
+                            tmp_path / "state.pt", exp, advantages)
+
+
 def test_bf16_precision_computes_in_bf16_and_keeps_weights_and_log_probs_fp32():
     exp = _experience()
     advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
