@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from stream_rlhf.backends.host_snapshot import host_snapshot
+from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.distributed import RankGroup
@@ -64,7 +64,8 @@ def test_a_snapshot_keeps_the_state_it_was_taken_from_while_training_goes_on():
     model(torch.ones(1, 4)).sum().backward()
     optimizer.step()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "tied": [model.weight, model.weight]}
-    snapshot = host_snapshot(state)
+    snapshots = HostSnapshots()
+    snapshot = snapshots.take(state)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     moment = optimizer.state_dict()["state"][0]["exp_avg"].clone()
     model(torch.ones(1, 4)).sum().backward()
@@ -75,6 +76,10 @@ def test_a_snapshot_keeps_the_state_it_was_taken_from_while_training_goes_on():
     assert torch.equal(snapshot["optimizer"]["state"][0]["exp_avg"], moment)
     assert snapshot["tied"][0] is snapshot["tied"][1]  # one tensor stays one
     assert snapshot["optimizer"]["param_groups"][0]["lr"] == 0.1
+    again = snapshots.take(state)  # the next snapshot fills the same host buffers with the new state
+    assert again["model"]["weight"].data_ptr() == snapshot["model"]["weight"].data_ptr()
+    assert torch.equal(again["model"]["weight"], model.weight)
+    assert not torch.equal(again["model"]["weight"], expected["weight"])
 
 
 def test_an_engine_snapshot_shares_no_storage_with_the_live_model(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from stream_rlhf.backends.host_snapshot import host_snapshot
+from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.medusa import MedusaHeads, load_rollout_heads, save_heads
@@ -39,6 +39,7 @@ class MedusaTrainEngine:
         self.backbone = load_policy(checkpoint).eval().requires_grad_(False).to(self.device)
         self.heads = load_rollout_heads(checkpoint, self.backbone, num_heads).train().to(self.device)
         self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=lr, weight_decay=0.0)
+        self._snapshots = HostSnapshots()  # host copies of the state checkpoints write
 
     def refresh(self, store: WeightStore, held: int) -> int:
         """Load the newest policy version of `store` into the backbone if newer than `held`; the
@@ -61,7 +62,7 @@ class MedusaTrainEngine:
 
     def snapshot_state(self) -> dict:
         """Heads and optimizer state, as a host copy training no longer changes (`host_snapshot.py`)."""
-        return host_snapshot({"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict()})
+        return self._snapshots.take({"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict()})
 
     def load_state(self, path: Path) -> None:
         """A saved `snapshot_state` (`torch.save`), onto this engine's device."""

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from stream_rlhf.backends.core_lending import govern
-from stream_rlhf.backends.host_snapshot import host_snapshot
+from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision, autocast
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
@@ -94,6 +94,7 @@ class TorchTrainEngine:
             self.trainable, lr=optimizer.lr, weight_decay=optimizer.weight_decay)
         self.model.train(optimizer is not None)
         self._host_buffers: dict[tuple, Tensor] = {}  # pinned host copies of what offload moved (CUDA)
+        self._snapshots = HostSnapshots()  # host copies of the state checkpoints write
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -212,7 +213,7 @@ class TorchTrainEngine:
         """Everything training resumes from, as a host copy training no longer changes
         (`host_snapshot.py`): the full weights, the optimizer's state (full tensors, gathered from
         every rank's shard) and the torch RNG. Every rank calls it; the leader gets it, the others None."""
-        # unsharded, the live tensors go to `host_snapshot` as they are (from a GPU: straight into
+        # unsharded, the live tensors go to the snapshot as they are (from a GPU: straight into
         # pinned memory); sharded, each full tensor is gathered onto the host one at a time
         weights = self.export_weights() if self.sharded else self.model.state_dict(keep_vars=True)
         optimizer = None
@@ -221,7 +222,7 @@ class TorchTrainEngine:
             optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         if not self.group.is_leader:
             return None
-        return host_snapshot({"model": weights, "optimizer": optimizer, "rng": torch.get_rng_state()})
+        return self._snapshots.take({"model": weights, "optimizer": optimizer, "rng": torch.get_rng_state()})
 
     def load_state(self, path: Path) -> None:
         """A saved `snapshot_state` (`torch.save`), into this engine: each rank keeps its shard of the weights and
