@@ -63,7 +63,7 @@ def test_medusa_engine_trains_the_heads_and_resumes_them_exactly(tmp_path, check
     metrics = engine.train_step(_experience(), heads_loss)
     assert {"loss", "head0_loss", "head0_acc", "head1_loss", "head1_acc"} <= set(metrics)
     assert any(not torch.equal(before[k], v) for k, v in engine.heads.state_dict().items())
-    engine.save_state(tmp_path / "medusa.pt")
+    torch.save(engine.snapshot_state(), tmp_path / "medusa.pt")
     resumed = MedusaTrainEngine(checkpoint, num_heads=2, lr=1e-2, device="cpu")
     resumed.load_state(tmp_path / "medusa.pt")
     # the next step is the same from the saved state (heads and AdamW moments) as from the live one

@@ -220,12 +220,14 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
         found[f"{name}.train.weights"] = max((a[k] - b[k]).abs().max().item() for k in b)
         found[f"{name}.train.moved"] = max((b[k] - _models()[name].state_dict()[k]).abs().max().item() for k in b)
         state = Path(out + f".{name}.state")
-        engine.save_state(state)
+        snapshot = engine.snapshot_state()
+        engine.train_step(exp, loss_of(engine), {key: targets})  # training goes on before the write
+        if snapshot is not None:
+            torch.save(snapshot, state)
         group.barrier()  # the leader wrote it
         resumed = MegatronTrainEngine(_models()[name], group, optimizer, parallel)
         resumed.load_state(state)
-        for e in (engine, resumed):
-            e.train_step(exp, loss_of(e), {key: targets})
+        resumed.train_step(exp, loss_of(resumed), {key: targets})
         a, b = engine.export_weights(), resumed.export_weights()
         found[f"{name}.resumes_exactly"] = all(torch.equal(a[k], b[k]) for k in a)
     found.update(_one_step_each(group, parallel, shared, vlm_sequences, vlm_images))

@@ -118,14 +118,17 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
 
 def _assert_resumes_exactly(engine: TorchTrainEngine, fresh, path: Path, exp: Experience,
                             advantages: torch.Tensor) -> None:
-    """`engine`'s saved state loaded into a `fresh()` engine trains one more step to the very same
+    """`engine`'s state snapshot, written only after `engine` trained one more step (as the
+    background writer does), loaded into a `fresh()` engine trains that step to the very same
     weights as `engine` itself."""
-    engine.save_state(path)
+    snapshot = engine.snapshot_state()
+    engine.train_step(exp, _loss(engine), {"advantages": advantages})  # training goes on meanwhile
+    if snapshot is not None:
+        torch.save(snapshot, path)
     engine.group.barrier()  # the leader has written it
     resumed = fresh()
     resumed.load_state(path)
-    for e in (engine, resumed):
-        e.train_step(exp, _loss(e), {"advantages": advantages})
+    resumed.train_step(exp, _loss(resumed), {"advantages": advantages})
     a, b = engine.export_weights(), resumed.export_weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -256,6 +259,22 @@ def test_offload_round_trip_on_cuda_keeps_training_exact():
     plain, round_trip = trained(False), trained(True)
     for name in plain:
         assert torch.equal(round_trip[name], plain[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="snapshots a CUDA engine's state into pinned host memory "
+                    "(backends/host_snapshot.py); runs under -m gpu on a machine with CUDA")
+def test_a_cuda_engine_snapshot_is_in_pinned_host_memory_and_resumes_training_exactly(tmp_path):
+    exp = _experience()
+    advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
+    engine = TorchTrainEngine(_model(), RankGroup.single("cuda:0"), OptimizerConfig(lr=1e-2))
+    engine.train_step(exp, _loss(engine), {"advantages": advantages})
+    snapshot = engine.snapshot_state()
+    moments = [v for s in snapshot["optimizer"]["state"].values() for v in s.values() if v.dim() > 0]
+    assert moments and all(t.device.type == "cpu" and t.is_pinned() for t in [*snapshot["model"].values(), *moments])
+    _assert_resumes_exactly(engine, lambda: TorchTrainEngine(_model(), RankGroup.single("cuda:0"),
+                                                             OptimizerConfig(lr=1e-2)),
+                            tmp_path / "state.pt", exp, advantages)
 
 
 def test_bf16_precision_computes_in_bf16_and_keeps_weights_and_log_probs_fp32():

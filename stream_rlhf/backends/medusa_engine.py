@@ -5,7 +5,8 @@ backward and the step, and the frozen copy of the policy whose last hidden state
     version = engine.refresh(actor_store, version)     # the newest actor weights into the backbone
     metrics = engine.train_step(part, heads_loss)      # one AdamW step of the heads: loss + loss_fn's metrics
     engine.publish(medusa_store, n, metadata)          # the heads for rollout's speculation
-    engine.save_state(path); engine.load_state(path)   # heads and optimizer (run checkpoints)
+    torch.save(engine.snapshot_state(), path)          # heads and optimizer (run checkpoints)
+    engine.load_state(path)
     engine.save(folder)                                # the heads into a checkpoint folder
 
 The heads start from the checkpoint's (or from the LM head when it has none: `load_rollout_heads`);
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.medusa import MedusaHeads, load_rollout_heads, save_heads
@@ -37,6 +39,7 @@ class MedusaTrainEngine:
         self.backbone = load_policy(checkpoint).eval().requires_grad_(False).to(self.device)
         self.heads = load_rollout_heads(checkpoint, self.backbone, num_heads).train().to(self.device)
         self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=lr, weight_decay=0.0)
+        self._snapshots = HostSnapshots()  # host copies of the state checkpoints write
 
     def refresh(self, store: WeightStore, held: int) -> int:
         """Load the newest policy version of `store` into the backbone if newer than `held`; the
@@ -57,12 +60,12 @@ class MedusaTrainEngine:
         """The heads as `version` of `store`."""
         store.publish(self.heads, version, metadata)
 
-    def save_state(self, path: Path) -> None:
-        """Heads and optimizer state in one file."""
-        torch.save({"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict()}, path)
+    def snapshot_state(self) -> dict:
+        """Heads and optimizer state, as a host copy training no longer changes (`host_snapshot.py`)."""
+        return self._snapshots.take({"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict()})
 
     def load_state(self, path: Path) -> None:
-        """What `save_state` wrote, onto this engine's device."""
+        """A saved `snapshot_state` (`torch.save`), onto this engine's device."""
         saved = torch.load(path, map_location=self.device, weights_only=True)
         self.heads.load_state_dict(saved["heads"])
         self.optimizer.load_state_dict(saved["optimizer"])

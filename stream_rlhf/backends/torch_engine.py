@@ -32,6 +32,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from stream_rlhf.backends.core_lending import govern
+from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision, autocast
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
@@ -93,6 +94,7 @@ class TorchTrainEngine:
             self.trainable, lr=optimizer.lr, weight_decay=optimizer.weight_decay)
         self.model.train(optimizer is not None)
         self._host_buffers: dict[tuple, Tensor] = {}  # pinned host copies of what offload moved (CUDA)
+        self._snapshots = HostSnapshots()  # host copies of the state checkpoints write
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -202,25 +204,28 @@ class TorchTrainEngine:
 
     def save(self, folder: Path, tokenizer: object) -> None:
         """The weights as a Hugging Face checkpoint folder (gathered on every rank, written by the
-        leader). `save_state` keeps what training resumes from."""
+        leader). `snapshot_state` keeps what training resumes from."""
         state = self.export_weights()
         if self.group.is_leader:
             save_checkpoint(self.model, tokenizer, folder, state_dict=state)
 
-    def save_state(self, path: Path) -> None:
-        """Everything training resumes from, in one file: the full weights, the optimizer's state
-        (full tensors, gathered from every rank's shard) and the torch RNG. Every rank calls it;
-        the leader writes."""
-        weights = self.export_weights()
+    def snapshot_state(self) -> dict | None:
+        """Everything training resumes from, as a host copy training no longer changes
+        (`host_snapshot.py`): the full weights, the optimizer's state (full tensors, gathered from
+        every rank's shard) and the torch RNG. Every rank calls it; the leader gets it, the others None."""
+        # unsharded, the live tensors go to the snapshot as they are (from a GPU: straight into
+        # pinned memory); sharded, each full tensor is gathered onto the host one at a time
+        weights = self.export_weights() if self.sharded else self.model.state_dict(keep_vars=True)
         optimizer = None
         if self.optimizer is not None:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            options = StateDictOptions(full_state_dict=True, cpu_offload=self.sharded)
             optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        if self.group.is_leader:
-            torch.save({"model": weights, "optimizer": optimizer, "rng": torch.get_rng_state()}, path)
+        if not self.group.is_leader:
+            return None
+        return self._snapshots.take({"model": weights, "optimizer": optimizer, "rng": torch.get_rng_state()})
 
     def load_state(self, path: Path) -> None:
-        """What `save_state` wrote, into this engine: each rank keeps its shard of the weights and
+        """A saved `snapshot_state` (`torch.save`), into this engine: each rank keeps its shard of the weights and
         of the optimizer's state."""
         state = torch.load(path, map_location="cpu", weights_only=True)
         options = StateDictOptions(full_state_dict=True)

@@ -77,11 +77,13 @@ class TrainEngine(Protocol):
     def load(self, folder: Path) -> None:
         """The weights of a checkpoint folder `save` wrote, each rank its share."""
 
-    def save_state(self, path: Path) -> None:
-        """Weights, optimizer state and RNG in one file (every rank calls it, the leader writes)."""
+    def snapshot_state(self) -> dict | None:
+        """Weights, optimizer state and RNG as one host copy that training no longer changes: what
+        a checkpoint writes (`torch.save`), in the background while training goes on. Every rank
+        calls it (gathers inside); the leader gets it, the others None."""
 
     def load_state(self, path: Path) -> None:
-        """What `save_state` wrote, each rank its share."""
+        """A saved `snapshot_state`, each rank its share."""
 
     def offload(self, what: set[Offloadable]) -> int:
         """Move `what` off the device to host memory (pinned on CUDA); the bytes moved (0 on a

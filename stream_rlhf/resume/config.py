@@ -23,6 +23,11 @@ class CheckpointConfig:
     keep_generated: bool = True
     """Keep rollout's outputs on disk until a checkpoint covers them, so that a resumed run trains
     what the stopped one generated instead of generating it again (`stages/generated_store.py`)."""
+    background: bool = True
+    """Write a checkpoint in the background: training stops only for a snapshot of the trainers'
+    state (a host copy), then goes on while a thread writes, checksums and publishes it; a save
+    waits for the write before it, and a stop for the last (`resume/background_writer.py`).
+    false: training waits for the whole write."""
     recoveries: Annotated[int, Meta(ge=0)] = 2
     """How often a run whose stage failed (a crash the launcher could not restart, e.g. a trainer)
     resumes itself from its newest checkpoint before it fails for good."""

@@ -12,7 +12,7 @@ found (a corrupt one skipped with a warning), old ones pruned.
         prompt_cursor.jsonl     where the prompt source's dataset stood at each iteration's start
 
     store = CheckpointStore(run_dir / "checkpoints", keep=2)
-    store.write_part(10, "actor", lambda folder: engine.save_state(folder / "engine.pt"))
+    store.write_part(10, "actor", lambda folder: torch.save(snapshot, folder / "engine.pt"))
     point = store.latest(["actor", "critic"])        # newest complete and intact, or None
 
 A part is written into a temporary folder beside its place and renamed there once its manifest

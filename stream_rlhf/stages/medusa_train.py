@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 from stream_rlhf.algos.medusa import heads_loss
 from stream_rlhf.backends.medusa_engine import MedusaTrainEngine
 from stream_rlhf.experience import Experience, IterationBuffer
+from stream_rlhf.resume.background_writer import BackgroundWriter
 from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.job_context import JobContext
-from stream_rlhf.stages.trainer_checkpoint import ENGINE, STATE, checkpoint_store
+from stream_rlhf.stages.trainer_checkpoint import ENGINE, STATE, checkpoint_store, save_part
 from stream_rlhf.stages.training import MetricMeans, minibatch_indices
 from stream_rlhf.telemetry.metrics import MetricsWriter
 from stream_rlhf.weights.shm_store import WeightStore
@@ -52,6 +52,7 @@ class MedusaTrain(Stage):
         self.store = WeightStore(self.job.weights_root, "medusa")
         self.metrics = MetricsWriter(self.job.run_dir, "medusa", "medusa_metrics.jsonl")
         self.checkpoints = checkpoint_store(self.job.run_dir, self.job.config)
+        self.writer = BackgroundWriter(self.job.config.checkpoint.background, "medusa checkpoint writer")
         if self.job.resume is not None:
             self._resume(ctx)
 
@@ -79,12 +80,9 @@ class MedusaTrain(Stage):
                             "skipped_iterations": self.skipped_iterations,
                             "train_s": round(time.monotonic() - started, 3), **means.means()})
         if cfg.checkpoint.due(iteration + 1, cfg.iterations):
-            self.checkpoints.write_part(iteration + 1, PART, self._save)
-
-    def _save(self, folder: Path) -> None:
-        self.engine.save_state(folder / ENGINE)
-        (folder / STATE).write_text(json.dumps({"published": self.published, "backbone_version": self.backbone_version,
-                                                "skipped_iterations": self.skipped_iterations}))
+            state = {"published": self.published, "backbone_version": self.backbone_version,
+                     "skipped_iterations": self.skipped_iterations}
+            save_part(self.writer, self.checkpoints, PART, iteration + 1, self.engine.snapshot_state, state)
 
     def _resume(self, ctx: StageContext) -> None:
         """The newest medusa part at or before the resumed checkpoint, published for rollout."""
@@ -101,6 +99,9 @@ class MedusaTrain(Stage):
         ctx.log.info("resumed the Medusa heads of %s (backbone version %d)", folder, state["backbone_version"])
 
     def close(self) -> None:
-        """The heads go into the run's checkpoint folder (actor_train wrote it before the stop)."""
+        """The pending checkpoint write lands; the heads go into the run's checkpoint folder
+        (actor_train wrote it before the stop)."""
+        if hasattr(self, "writer"):
+            self.writer.wait()
         if hasattr(self, "engine"):
             self.engine.save(self.job.run_dir / "checkpoint")

@@ -8,20 +8,26 @@
 
 A trainer's part of a checkpoint (`resume/store.py`) is its engine's state (`engine.pt`: full
 weights, optimizer state, RNG) and `state.json` (the policy version, the KL coefficient, its
-counters). Every rank of a group takes part in a save (the engine gathers its shards); the
-leader writes, then deletes checkpoints older than `checkpoint.keep` complete ones and rollout's
-kept outputs (`generated_store.py`) of the iterations those covered.
+counters). Every rank of a group takes part in a save's snapshot (the engine gathers its shards
+into host memory); then training goes on while the leader writes it in a background thread
+(`resume/background_writer.py`; `checkpoint.background: false` writes it before going on), and
+deletes checkpoints older than `checkpoint.keep` complete ones and rollout's kept outputs
+(`generated_store.py`) of the iterations those covered. A save waits for the write before it; a
+stop waits for the last.
 """
 
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from stream_rlhf.backends.train_engine import TrainEngine
 from stream_rlhf.distributed import RankGroup
+from stream_rlhf.resume.background_writer import BackgroundWriter, write_delay
 from stream_rlhf.resume.store import FOLDER, CheckpointStore
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.generated_store import prune_checkpoints
@@ -41,14 +47,41 @@ def checkpoint_store(run_dir: Path, cfg: RLJobConfig) -> CheckpointStore:
     return CheckpointStore(run_dir / FOLDER, cfg.checkpoint.keep)
 
 
+def save_part(writer: BackgroundWriter, store: CheckpointStore, part: str, version: int,
+              snapshot: Callable[[], dict | None], state: dict[str, Any],
+              after: Callable[[], None] | None = None) -> None:
+    """`part` of checkpoint `version`: once the write before it is done (its snapshot freed),
+    `snapshot()` now (every rank of a group takes part), then `writer` writes what it gave (the
+    leader; the others get None) as ENGINE beside `state` as STATE, and calls `after`."""
+    writer.wait()
+    with trace.span("checkpoint snapshot", "checkpoint", version=version, part=part):
+        taken = snapshot()
+    if taken is None:
+        return
+    record = json.dumps({**state, "version": version}, indent=1)
+
+    def fill(folder: Path) -> None:
+        torch.save(taken, folder / ENGINE)
+        (folder / STATE).write_text(record)
+        write_delay()
+
+    def write() -> None:
+        store.write_part(version, part, fill)
+        if after is not None:
+            after()
+
+    writer.submit(version, write)
+
+
 class TrainerCheckpoints:
     def __init__(self, job: JobContext, part: str, engine: TrainEngine, group: RankGroup):
         self.job, self.part, self.engine, self.group = job, part, engine, group
         self.store = checkpoint_store(job.run_dir, job.config)
         self.saved = -1
-        """The newest version this process saved (or resumed from)."""
+        """The newest version this process saved (or resumed from; its write may still be under way)."""
         self.in_iteration = False
         """An iteration's optimizer steps began and its version is not complete yet."""
+        self.writer = BackgroundWriter(job.config.checkpoint.background, f"{part} checkpoint writer")
 
     def resume(self) -> dict[str, Any] | None:
         """Load this trainer's part of the checkpoint the run resumes from into the engine; its
@@ -71,24 +104,19 @@ class TrainerCheckpoints:
             self.save(version, state)
 
     def save(self, version: int, state: dict[str, Any]) -> None:
-        """This trainer's part of checkpoint `version` (a collective over the group's ranks)."""
-        if not self.group.is_leader:
-            self.engine.save_state(Path(os.devnull))  # gathers the shards; only the leader writes
-            self.saved = version
-            return
-
-        def write(folder: Path) -> None:
-            self.engine.save_state(folder / ENGINE)
-            (folder / STATE).write_text(json.dumps({**state, "version": version}, indent=1))
-
-        with trace.span("checkpoint save", "checkpoint", version=version, part=self.part):
-            self.store.write_part(version, self.part, write)
-        prune_checkpoints(self.store, checkpoint_parts(self.job.config), self.job.run_dir)
+        """This trainer's part of checkpoint `version` (a collective over the group's ranks): a
+        snapshot of the engine's state now, written by the leader in the background
+        (`checkpoint.background`) while training goes on."""
+        parts = checkpoint_parts(self.job.config)
+        save_part(self.writer, self.store, self.part, version, self.engine.snapshot_state, state,
+                  after=lambda: prune_checkpoints(self.store, parts, self.job.run_dir))
         self.saved = version
 
     def save_at_stop(self, version: int, state: dict[str, Any]) -> None:
         """At a stop (drain): the state not saved yet, unless a failure cut an iteration short
         (its weights are between two versions), and for a group of ranks only when they stopped
-        together (a save is a collective; after a failure the other ranks may be gone)."""
+        together (a save is a collective; after a failure the other ranks may be gone). Returns
+        once every write is on disk."""
         if version > self.saved and version > 0 and not self.in_iteration and self.group.stopped_together:
             self.save(version, state)
+        self.writer.wait()

@@ -40,6 +40,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.backends.megatron.arch_qwen2_vl import VISION_PREFIX
 from stream_rlhf.backends.megatron.batch import Batch, packed_batch, token_logprobs, token_values
 from stream_rlhf.backends.megatron.config import MegatronConfig, check_parallel
@@ -91,6 +92,7 @@ class MegatronTrainEngine:
         # in train_step: (sequences, batch, output)
         self._step_outputs: tuple[list[Tensor], Batch, Tensor] | None = None
         self._host = HostCopies()  # what offload moved to host memory (CUDA)
+        self._snapshots = HostSnapshots()  # host copies of the state checkpoints write
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -283,14 +285,15 @@ class MegatronTrainEngine:
             state[self.layout.arch.lm_head] = state[self.layout.arch.embed]
         return state
 
-    def save_state(self, path: Path) -> None:
-        """The full weights (HF names), every rank's optimizer shard and the RNG in one file;
-        the leader writes."""
+    def snapshot_state(self) -> dict | None:
+        """The full weights (HF names), every rank's optimizer shard and the RNG, as a host copy
+        training no longer changes (`host_snapshot.py`); every rank calls it, the leader gets it."""
         weights = self.export_weights()
         shards = self.optimizer.gather_state(self.group) if self.optimizer is not None else None
-        if self.group.is_leader:
-            torch.save({"model": weights, "optimizer": shards, "rng": torch.get_rng_state(),
-                        "layout": self._layout_key()}, path)
+        if not self.group.is_leader:
+            return None
+        return self._snapshots.take({"model": weights, "optimizer": shards, "rng": torch.get_rng_state(),
+                                    "layout": self._layout_key()})
 
     def load_state(self, path: Path) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
