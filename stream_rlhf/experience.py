@@ -121,14 +121,14 @@ class Experience:
         return torch.nn.functional.pad(out, (0, self.mask.shape[1] - out.shape[1]))
 
     def to(self, device: torch.device) -> Experience:
-        """The same samples with every tensor on `device` (image features move when fed)."""
+        """The same samples with every tensor on `device` (`to_device`; image features move when fed)."""
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, Tensor):
-                moved[f.name] = value.to(device)
+                moved[f.name] = to_device(value, device)
             elif f.name == "sequences":
-                moved[f.name] = [s.to(device) for s in value]
+                moved[f.name] = [to_device(s, device) for s in value]
             else:
                 moved[f.name] = value
         return Experience(**moved)
@@ -180,3 +180,11 @@ class IterationBuffer:
         for iteration in older:
             del self.pending[iteration]
         return self.take(newest), len(older)
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """`tensor` on `device`. Host to CUDA: staged through pinned memory and copied without blocking
+    the host (the copy is ordered before the kernels that read it, on the same stream)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
