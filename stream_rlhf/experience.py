@@ -17,6 +17,7 @@ from torch import Tensor
 
 from stream_rlhf.algos.config import KLConfig
 from stream_rlhf.algos.kl import kl_estimate
+from stream_rlhf.device_copy import to_device
 from stream_rlhf.samples import Rollout, SampleImages, pad_right, unragged
 from stream_rlhf.stage import Batch
 
@@ -120,12 +121,15 @@ class Experience:
         out = pad_right(per_sample, 0.0)
         return torch.nn.functional.pad(out, (0, self.mask.shape[1] - out.shape[1]))
 
-    def to(self, device: torch.device) -> Experience:
-        """The same samples with every tensor on `device` (`to_device`; image features move when fed)."""
+    def to(self, device: torch.device, keep_on_host: tuple[str, ...] = ()) -> Experience:
+        """The same samples with every tensor on `device` (`to_device`; image features move when
+        fed), except the fields named in `keep_on_host`."""
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, Tensor):
+            if f.name in keep_on_host:
+                moved[f.name] = value
+            elif isinstance(value, Tensor):
                 moved[f.name] = to_device(value, device)
             elif f.name == "sequences":
                 moved[f.name] = [to_device(s, device) for s in value]
@@ -181,10 +185,3 @@ class IterationBuffer:
             del self.pending[iteration]
         return self.take(newest), len(older)
 
-
-def to_device(tensor: Tensor, device: torch.device) -> Tensor:
-    """`tensor` on `device`. Host to CUDA: staged through pinned memory and copied without blocking
-    the host (the copy is ordered before the kernels that read it, on the same stream)."""
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)

@@ -36,12 +36,17 @@ from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision, autocast, resolve_precision
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
+from stream_rlhf.device_copy import to_device
 from stream_rlhf.distributed import RankGroup
-from stream_rlhf.experience import Experience, to_device
+from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.weights.shm_store import WeightStore
+
+HOST_FIELDS = ("sequences", "prompt_lens")
+"""What a train step leaves on the host: the packing reads the tokens and lengths there (slices, shared
+prompts) and moves each packed tensor once, so nothing in the step waits for the device to read them."""
 
 
 class ModelForward(nn.Module):
@@ -76,8 +81,8 @@ class TorchTrainEngine:
                  precision: Precision = "fp32"):
         """`precision` bf16 (or auto on CUDA): every forward under bf16 autocast (`backends/precision.py`)."""
         self.group = group
-        self.precision = resolve_precision(precision, self.device)
         self.device = group.device
+        self.precision = resolve_precision(precision, self.device)
         self.model = model.to(self.device)
         govern(self.model)  # core lending, when the launcher turned it on for this stage
         freeze_vision_tower(self.model)
@@ -145,7 +150,7 @@ class TorchTrainEngine:
             raise RuntimeError("train_step: this engine was built without an optimizer (forward only)")
         index = torch.arange(part.num_samples)[self.group.shard(part.num_samples)]
         mine = part.select(index)  # on the host
-        local = mine.to(self.device)
+        local = mine.to(self.device, keep_on_host=HOST_FIELDS)
         local_per_sample = {name: to_device(t[index], self.device) for name, t in per_sample.items()}
         loss, metrics = loss_fn(local, local_per_sample)
         self.optimizer.zero_grad()

@@ -48,7 +48,7 @@ def specialisation_key(kernel_name: str, args: dict[str, Any], meta: dict[str, A
 
 def launch(kernel: Any, grid: Sequence[int], args: dict[str, Any], meta: dict[str, Any]) -> None:
     """kernel[grid](**args, **meta), recorded; the first launch of a key is traced as its compile."""
-    name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+    name = kernel.fn.__name__  # a JITFunction, or an InterpretedFunction under TRITON_INTERPRET=1
     key = specialisation_key(name, args, meta)
     if key in _seen:
         kernel[tuple(grid)](**args, **meta)
