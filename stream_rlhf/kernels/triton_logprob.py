@@ -25,6 +25,11 @@ tile is owned by one program (deterministic, no atomics), at the cost of recompu
 twice: `_hidden_bwd_dhidden_kernel` (one program per BLOCK_T rows, loops over V) and
 `_hidden_bwd_dweight_kernel` (one program per BLOCK_V vocabulary rows, loops over T).
 
+Every launch goes through `specialisations.launch`, which records the specialisation Triton
+compiles for it; the token count T of the hidden-state kernels is `do_not_specialize` and their
+token tile fixed, so one compile per variant serves every length (`backends/kernel_warm_up.py`
+launches them at engine setup).
+
 Accumulation is fp32 everywhere. tl.dot runs on the input dtype (bf16 tensor cores), except that
 fp32 inputs use input_precision="ieee" (no TF32) and, under TRITON_INTERPRET=1, operands are
 upcast to fp32 because the interpreter's bf16 tl.dot returns garbage (triton 3.9).
