@@ -58,16 +58,16 @@ def test_token_count_is_not_part_of_a_specialisation():
 
 
 def test_every_length_runs_the_specialisations_of_the_first(triton_backend):
-    """Forward and backward at 1, 5, 16, 37 and 100 tokens: the lengths after the first add no key."""
+    """Forward and backward at 1, 16 and 37 tokens: the lengths after the first add no key."""
     counts = []
-    for T in (1, 5, 16, 37, 100):
+    for T in (1, 16, 37):
         hidden, weight, labels = _hidden_inputs(T)
         hidden.requires_grad_(True)
         weight.requires_grad_(True)
         logp, ent = logprob.logprobs_from_hidden(hidden, weight, labels, 0.7, with_entropy=True)
         (logp.sum() + ent.sum()).backward()
         counts.append(len(specialisations()))
-    assert counts[1:] == counts[:1] * 4
+    assert counts[1:] == counts[:1] * 2
 
 
 def test_fixed_token_tile_gives_the_log_probs_of_a_tile_fitted_to_the_length(triton_backend):
@@ -95,6 +95,7 @@ def _experience(n: int, seed: int) -> Experience:
                       scores=torch.rand(n, generator=g), group_ids=torch.arange(n), policy_versions=torch.zeros(n))
 
 
+@pytest.mark.slow  # a model's training steps through the Triton interpreter: ~8 s on a quiet core
 def test_warm_up_covers_the_steps_of_a_trainer_and_is_a_trace_span(triton_backend, monkeypatch, tmp_path):
     """Warm-up: the forward and, with and without the entropy's gradient, the two backward kernels
     (5 specialisations); then steps of varying lengths and entropy bonuses add none."""

@@ -71,11 +71,11 @@ def test_precision_auto_is_bf16_on_cuda_and_fp32_on_the_cpu():
 
 
 def test_train_step_gives_the_plain_steps_weights_and_losses_bit_for_bit():
-    """Three steps through the engine against the same steps written out with `.item()` per value."""
+    """Two steps through the engine against the same steps written out with `.item()` per value."""
     engine, plain = _engine(), _engine()
     optimizer = torch.optim.AdamW(plain.trainable, lr=1e-2, weight_decay=0.0)  # what the engine builds on the CPU
-    for step in range(3):
-        exp = _experience(5, seed=step)
+    for step in range(2):
+        exp = _experience(4, seed=step)
         advantages = torch.randn(exp.mask.shape, generator=torch.Generator().manual_seed(step))
         got = engine.train_step(exp, _actor_loss(engine, True), {"advantages": advantages})
         loss, metrics = _actor_loss(plain, True)(exp, {"advantages": advantages})
@@ -142,7 +142,7 @@ def _device_reads(engine: TorchTrainEngine, exp: Experience, loss_fn) -> Counter
 
 def test_a_train_step_reads_device_values_once_however_many_metrics_and_samples():
     engine = _engine()
-    for n, extra in ((3, False), (8, True)):
+    for n, extra in ((2, False), (5, True)):
         reads = _device_reads(engine, _experience(n, seed=n), _actor_loss(engine, extra))
         assert reads == {"losses.py:host_metrics": 1}
 
@@ -151,7 +151,7 @@ def test_a_train_step_reads_device_values_once_however_many_metrics_and_samples(
         float(metrics["clipfrac"])  # what the losses did per metric before: the count sees it
         return loss, metrics
 
-    assert _device_reads(engine, _experience(3, seed=0), reads_a_metric) == {
+    assert _device_reads(engine, _experience(2, seed=0), reads_a_metric) == {
         "losses.py:host_metrics": 1, "test_train_step_device.py:reads_a_metric": 1}
 
 
