@@ -32,6 +32,10 @@ ceiling near 1; on a memory-bound GPU the ratio is near 1 and the ceiling near K
     .venv/bin/python bench/medusa.py --quick    # smoke run: 3 RL iterations, 20-step warm starts, 2 mini-batches
     .venv/bin/python bench/medusa.py --json     # the table, then one JSON object as the last line
     .venv/bin/python bench/medusa.py --device cuda   # train as above, decode and time on the GPU
+    python3 bench/medusa.py --device cuda --model 358M   # Qwen2-0.5B's layer shapes, trained on the GPU too
+
+`--model 358M` (issue 32) sets the policy to Qwen2-0.5B's layer shapes (`bench/vs_trl.py`'s
+MODEL_358M); with `--device cuda` the training run's stages run on cuda:0 as well (`placement.device`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import DynamicCache
+from vs_trl import MODEL_358M  # bench/, beside this script
 
 from stream_rlhf.backends.kv_cache import cache_argument
 from stream_rlhf.backends.speculative import generate_speculative
@@ -74,11 +79,17 @@ QUICK = ["iterations=3", "model.warm_start.steps=20", "rollout.medusa.warm_start
 """--quick: a smoke run (its own warm-start cache entry, built in seconds)."""
 
 
-def train(quick: bool) -> RLJobConfig:
-    """The companion-training PPO run; returns its config."""
-    overrides = [f"name={NAME}", "rollout.medusa.enabled=true", f"broker.shm_prefix=bm{uuid.uuid4().hex[:6]}"]
-    overrides += QUICK if quick else []
-    log_path = REPO / "runs" / f"{NAME}.log"
+MODELS = {"tiny": [], "358M": MODEL_358M}
+"""--model: `model.tiny` overrides of the policy."""
+
+
+def train(quick: bool, model: str, device: str, iterations: int) -> RLJobConfig:
+    """The companion-training PPO run (`iterations` > 0: that many, else the config's); returns its config."""
+    name = NAME if model == "tiny" else f"{NAME}_{model}"
+    overrides = [f"name={name}", "rollout.medusa.enabled=true", f"broker.shm_prefix=bm{uuid.uuid4().hex[:6]}"]
+    overrides += (QUICK if quick else []) + MODELS[model] + ([f"placement.device={device}"] if model != "tiny" else [])
+    overrides += [f"iterations={iterations}"] if iterations > 0 else []
+    log_path = REPO / "runs" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     with log_path.open("w") as log:
@@ -182,11 +193,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 RL iterations, tiny warm starts")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
-    parser.add_argument("--device", default="cpu", help="where the three columns decode (training stays on CPU)")
+    parser.add_argument("--device", default="cpu", help="where the three columns decode (training stays on "
+                        "the CPU for the tiny model)")
+    parser.add_argument("--model", choices=tuple(MODELS), default="tiny", help="the policy's size")
+    parser.add_argument("--iterations", type=int, default=0, help="RL iterations of the training run (default: "
+                        "the config's)")
     args = parser.parse_args()
     device = torch.device(args.device)
     print("training (PPO with companion Medusa training)...", file=sys.stderr, flush=True)
-    cfg = train(args.quick)
+    cfg = train(args.quick, args.model, args.device, args.iterations)
     checkpoint = Path(cfg.run_dir) / "checkpoint"
     model = load_policy(checkpoint).eval().to(device)
     medusa = {"stale": load_heads(warm_start(cfg)).eval().to(device),

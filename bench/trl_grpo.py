@@ -1,7 +1,8 @@
 """TRL's side of bench/vs_trl.py: GRPOTrainer on a stream-rlhf checkpoint and the arithmetic task.
 
     .venv-trl/bin/python bench/trl_grpo.py --checkpoint runs/.cache/<warm start> --steps 20 \
-        --prompts 16 --samples 4 --max-new-tokens 5 --lr 2e-4 --out /tmp/trl.json [--min-new-tokens 48]
+        --prompts 16 --samples 4 --max-new-tokens 5 --lr 2e-4 --out /tmp/trl.json [--min-new-tokens 48] \
+        [--device cuda]
 
 Runs in TRL's own environment (see bench/vs_trl.py for the one-line setup); it imports only
 `stream_rlhf.data.arithmetic` from this repository (put on sys.path here), for the same prompts
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--min-new-tokens", type=int, default=0, help="> 0: fixed-length answers (EOS suppressed)")
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast); default fp32")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: use_cpu=False")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -75,7 +77,8 @@ def main() -> None:
         steps_per_generation=1, num_iterations=1, gradient_accumulation_steps=1,
         max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, beta=0.0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, shuffle_dataset=False,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=args.device == "cpu",
+        shuffle_dataset=False,
         generation_kwargs=generation, disable_tqdm=True, dataloader_num_workers=0, bf16=args.bf16,
     )
     clock = StepClock()

@@ -12,8 +12,11 @@ optimizer step per step, no KL (TRL's default beta=0), temperature 1, learning r
                                                                  TRL: min_new_tokens=48)
     12M fixed48 bf16   the same, bf16 mixed precision on both sides (ours: `precision: bf16`;
                        TRL: `bf16=True`, autocast)
+    90M fixed64        hidden 1024, 8 layers (90.2M parameters)  64 tokens, fp32    (GPU rows, issue 32:
+    358M fixed64 bf16  Qwen2-0.5B's layer shapes (358M)          64 tokens, bf16     --device cuda)
 
-Every other row computes in fp32 on both sides. (TRL's GRPOConfig defaults to bf16 mixed
+Every other row computes in fp32 on both sides (`precision=fp32` set on ours: its default, `auto`,
+is bf16 on CUDA). (TRL's GRPOConfig defaults to bf16 mixed
 precision, on the CPU too: rows measured before 2026-11-26 ran TRL in bf16 against our fp32.)
 
 Figures per side, over the steps after the first SKIP (start-up, first compilation of shapes):
@@ -36,6 +39,11 @@ Run from the repository root (our side runs in this interpreter's environment):
     .venv/bin/python bench/vs_trl.py                 # the four rows (~7 minutes once warm-started)
     .venv/bin/python bench/vs_trl.py --rows 0.4M_eos --steps 10
     .venv/bin/python bench/vs_trl.py --trl-python PATH   # TRL in another environment
+    python3 bench/vs_trl.py --device cuda --trl-python python3   # the GPU rows, both sides on cuda:0
+
+`--device cuda` runs every stage of ours on cuda:0 (`placement.device=cuda`) and TRL with
+`use_cpu=False`; its default rows are the two GPU rows. On a GPU machine without TRL, carry its
+wheels (trl, datasets, accelerate and what they need) in .whl/ (`scripts/gpu_checks.sh` installs them).
 
 Without a Python that imports trl it says how to make one and exits with code 2. Target on a
 2-core CPU machine: ours / TRL tokens/s >= 1.0 in every row.
@@ -65,6 +73,11 @@ MODEL_12M = ["model.tiny.hidden_size=512", "model.tiny.intermediate_size=1376", 
 SHAPE = ["rollout_batch.prompts_per_minibatch=16", "rollout_batch.minibatches=1", "rollout_batch.samples_per_prompt=4",
          "algorithm.ppo_epochs=1", "algorithm.train_minibatches=1", "algorithm.kl.coef=0", "actor.lr=2.0e-4",
          "rollout.temperature=1.0", "rollout.top_p=1.0"]
+MODEL_90M = ["model.tiny.hidden_size=1024", "model.tiny.intermediate_size=2304", "model.tiny.num_hidden_layers=8",
+             "model.tiny.num_attention_heads=16", "model.tiny.num_key_value_heads=16", "model.tiny.head_dim=64"]
+MODEL_358M = ["model.tiny.hidden_size=896", "model.tiny.intermediate_size=4864", "model.tiny.num_hidden_layers=24",
+              "model.tiny.num_attention_heads=14", "model.tiny.num_key_value_heads=2", "model.tiny.head_dim=64"]
+"""Qwen2-0.5B's layer shapes with the project's own small vocabulary (bench/weight_sync.py has its full config)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +97,11 @@ ROWS = {
     "12M_eos": Row("12M_eos", MODEL_12M, 5, False),
     "12M_fixed48": Row("12M_fixed48", MODEL_12M, 48, True),
     "12M_fixed48_bf16": Row("12M_fixed48_bf16", MODEL_12M, 48, True, bf16=True),
+    "90M_fixed64": Row("90M_fixed64", MODEL_90M, 64, True),
+    "358M_fixed64_bf16": Row("358M_fixed64_bf16", MODEL_358M, 64, True, bf16=True),
 }
+DEFAULT_ROWS = {"cpu": ["0.4M_eos", "12M_eos", "12M_fixed48", "12M_fixed48_bf16"],
+                "cuda": ["90M_fixed64", "358M_fixed64_bf16"]}
 
 
 class PeakMemory:
@@ -136,12 +153,12 @@ def run_watched(command: list[str], log_path: Path, timeout_s: float) -> float:
     return peak
 
 
-def run_ours(row: Row, steps: int) -> tuple[dict, str]:
+def run_ours(row: Row, steps: int, device: str) -> tuple[dict, str]:
     """Our side of `row`: its figures and the warm-started checkpoint it started from."""
-    name = f"bench_vs_trl_{row.name}"
+    name = f"bench_vs_trl_{row.name}" + ("_cuda" if device == "cuda" else "")
     overrides = [f"name={name}", f"iterations={steps}", f"rollout.max_new_tokens={row.max_new_tokens}",
-                 *(["rollout.stop=[]"] if row.fixed else []), *(["precision=bf16"] if row.bf16 else []),
-                 *SHAPE, *row.model]
+                 *(["rollout.stop=[]"] if row.fixed else []), f"precision={'bf16' if row.bf16 else 'fp32'}",
+                 *([f"placement.device={device}"] if device != "cpu" else []), *SHAPE, *row.model]
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     peak = run_watched(command, REPO / "runs" / f"{name}.log", 1800)
     run_dir = REPO / "runs" / name
@@ -152,10 +169,10 @@ def run_ours(row: Row, steps: int) -> tuple[dict, str]:
     return figures, checkpoint
 
 
-def run_trl(trl_python: str, row: Row, steps: int, checkpoint: str) -> dict:
+def run_trl(trl_python: str, row: Row, steps: int, checkpoint: str, device: str) -> dict:
     out = REPO / "runs" / f"bench_vs_trl_{row.name}_trl.json"
     command = [trl_python, "bench/trl_grpo.py", "--checkpoint", checkpoint, "--steps", str(steps),
-               "--max-new-tokens", str(row.max_new_tokens), "--out", str(out),
+               "--max-new-tokens", str(row.max_new_tokens), "--out", str(out), "--device", device,
                *(["--min-new-tokens", str(row.max_new_tokens)] if row.fixed else []), *(["--bf16"] if row.bf16 else [])]
     peak = run_watched(command, REPO / "runs" / f"bench_vs_trl_{row.name}_trl.log", 1800)
     r = json.loads(out.read_text())
@@ -192,6 +209,13 @@ def format_row(name: str, ours: dict, trl: dict) -> list[str]:
     return lines
 
 
+def torch_device_name() -> str:
+    """The CUDA device both sides run on, as torch names it."""
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
 def trl_python_or_exit(path: str) -> str:
     probe = subprocess.run([path, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True,
                            check=False) if Path(path).exists() or "/" not in path else None
@@ -204,21 +228,27 @@ def trl_python_or_exit(path: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides run")
+    parser.add_argument("--rows", default="", help=f"comma-separated, of {', '.join(ROWS)} (default: the "
+                        "device's rows: " + "; ".join(f"{d}: {', '.join(r)}" for d, r in DEFAULT_ROWS.items()) + ")")
     parser.add_argument("--steps", type=int, default=0, help="steps per side (default: 30, 12 for fixed48)")
     parser.add_argument("--json", action="store_true", help="last line: every figure as JSON")
     args = parser.parse_args()
-    rows = [ROWS[name] for name in args.rows.split(",")]
+    names = args.rows.split(",") if args.rows else DEFAULT_ROWS[args.device]
+    if unknown := [name for name in names if name not in ROWS]:
+        parser.error(f"--rows: unknown {', '.join(unknown)} (rows: {', '.join(ROWS)})")
+    rows = [ROWS[name] for name in names]
     version = trl_python_or_exit(args.trl_python)
     when = time.strftime("%Y-%m-%d %H:%M")
-    print(f"TRL {version} ({args.trl_python}) against stream-rlhf, {os.cpu_count()} CPUs, {when}", flush=True)
+    where = f"{os.cpu_count()} CPUs" if args.device == "cpu" else f"{torch_device_name()}, {os.cpu_count()} CPUs"
+    print(f"TRL {version} ({args.trl_python}) against stream-rlhf on {where}, {when}", flush=True)
     results = {}
     for row in rows:
         steps = args.steps or (12 if row.fixed else 30)
         print(f"{row.name}: stream-rlhf, {steps} steps ...", file=sys.stderr, flush=True)
-        ours, checkpoint = run_ours(row, steps)
+        ours, checkpoint = run_ours(row, steps, args.device)
         print(f"{row.name}: TRL, {steps} steps ...", file=sys.stderr, flush=True)
-        trl = run_trl(args.trl_python, row, steps, checkpoint)
+        trl = run_trl(args.trl_python, row, steps, checkpoint, args.device)
         results[row.name] = {"ours": ours, "trl": trl, "ratio": ours["tokens_per_s"] / trl["tokens_per_s"]}
         print("\n".join(format_row(row.name, ours, trl)), flush=True)
     if args.json:

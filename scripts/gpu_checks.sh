@@ -3,7 +3,7 @@
 # root, with a Python that has this project's dependencies (`pip install -e ".[test]"`, no -c).
 #
 #     scripts/gpu_checks.sh OUT_DIR [PART ...]     PART: tests megatron sampler offload kernels weights medusa
-#                                                  jobs pipeline (default: all)
+#                                                  jobs pipeline speed (default: all but speed)
 #
 #   tests     pytest -m gpu, Triton compiled for the device (TRITON_INTERPRET=0): kernels vs
 #             references, CUDA IPC weight sync, engine offload round trip, whole jobs on cuda:0
@@ -23,6 +23,12 @@
 #   medusa    bench/medusa.py --device cuda: speculative decoding columns timed on the GPU
 #   jobs      stream-rlhf run text_grpo and mllm_ppo (the main job) with every torch stage on cuda
 #   pipeline  bench/pipeline.py: stream vs sync schedules, stages on cuda
+#   speed     issue 32's GPU checks in at most 8 minutes (warm starts carried; each command has its own
+#             time limit, and a command cut off leaves its log): bench/vs_trl.py --device cuda (the 90M
+#             fp32 and 358M bf16 rows, 64 fixed answer tokens, TRL with use_cpu=False: carry TRL's
+#             wheels in .whl/ or set TRL_PYTHON), bench/medusa.py --device cuda --model 358M, and the
+#             main job with every stage on cuda:0 and an empty Triton cache: its first and median
+#             iteration, and the slowest after the second against the median
 #
 # Each part writes OUT_DIR/<part>.log (and its --json figures as the log's last line); one failing
 # part does not stop the others; the exit status is the number of parts that failed.
@@ -57,6 +63,25 @@ megatron_groups() {  # every model stage on megatron, the forwards and the train
     cat runs/gpu_megatron_groups/summary.json
 }
 
+iteration_times() {  # the trainer's iteration_s of run $1: first, median, slowest after the second / median
+    "$python" -c 'import json, statistics, sys
+times = [json.loads(line)["iteration_s"] for line in open(sys.argv[1])]
+median = statistics.median(times)
+print(json.dumps({"iterations": len(times), "first_s": times[0], "median_s": median,
+                  "worst_after_second_over_median": round(max(times[2:], default=0) / median, 3), "all_s": times}))' \
+        "runs/$1/metrics.jsonl"
+}
+
+speed_checks() {  # issue 32: 240 + 150 + 90 s at most
+    local failed=0
+    timeout 240 "$python" bench/vs_trl.py --device cuda --trl-python "${TRL_PYTHON:-$python}" --json || failed=1
+    timeout 150 "$python" bench/medusa.py --device cuda --model 358M --iterations 10 --json || failed=1
+    TRITON_CACHE_DIR=$(mktemp -d) timeout 90 "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml \
+        --set placement.device=cuda --set name=gpu_speed_main --set iterations=12 || failed=1
+    iteration_times gpu_speed_main || failed=1
+    return $failed
+}
+
 if compgen -G ".whl/*.whl" > /dev/null; then
     if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl; then
@@ -82,7 +107,9 @@ run_part() {
         jobs) "$python" -m stream_rlhf.cli run configs/text_grpo.yaml --set placement.device=cuda &&
               "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda ;;
         pipeline) "$python" bench/pipeline.py --json ;;
-        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline" >&2; return 2 ;;
+        speed) speed_checks ;;
+        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed" >&2
+           return 2 ;;
     esac
 }
 

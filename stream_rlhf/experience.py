@@ -17,6 +17,7 @@ from torch import Tensor
 
 from stream_rlhf.algos.config import KLConfig
 from stream_rlhf.algos.kl import kl_estimate
+from stream_rlhf.device_copy import to_device
 from stream_rlhf.samples import Rollout, SampleImages, pad_right, unragged
 from stream_rlhf.stage import Batch
 
@@ -120,15 +121,18 @@ class Experience:
         out = pad_right(per_sample, 0.0)
         return torch.nn.functional.pad(out, (0, self.mask.shape[1] - out.shape[1]))
 
-    def to(self, device: torch.device) -> Experience:
-        """The same samples with every tensor on `device` (image features move when fed)."""
+    def to(self, device: torch.device, keep_on_host: tuple[str, ...] = ()) -> Experience:
+        """The same samples with every tensor on `device` (`to_device`; image features move when
+        fed), except the fields named in `keep_on_host`."""
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, Tensor):
-                moved[f.name] = value.to(device)
+            if f.name in keep_on_host:
+                moved[f.name] = value
+            elif isinstance(value, Tensor):
+                moved[f.name] = to_device(value, device)
             elif f.name == "sequences":
-                moved[f.name] = [s.to(device) for s in value]
+                moved[f.name] = [to_device(s, device) for s in value]
             else:
                 moved[f.name] = value
         return Experience(**moved)
@@ -180,3 +184,4 @@ class IterationBuffer:
         for iteration in older:
             del self.pending[iteration]
         return self.take(newest), len(older)
+

@@ -13,7 +13,7 @@ import torch
 
 from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC, gae, grpo, reinforce_pp, rloo
 from stream_rlhf.algos.kl import AdaptiveKLController, FixedKLController, kl_estimate
-from stream_rlhf.algos.losses import entropy_loss, kl_loss, policy_loss, value_loss
+from stream_rlhf.algos.losses import entropy_loss, host_metrics, kl_loss, policy_loss, value_loss
 from stream_rlhf.algos.masked import masked_mean, masked_whiten
 
 
@@ -216,6 +216,7 @@ def test_kl_loss_is_the_masked_mean_of_the_estimate():
     logp = torch.tensor([[-1.0, -2.0, 0.0]], requires_grad=True)
     ref_logp = torch.tensor([[-2.0, -1.0, -5.0]])
     loss, metrics = kl_loss(logp, ref_logp, torch.tensor([[1, 1, 0]]), "k3")
+    metrics = host_metrics(metrics)
     # (0.3678794 + 0.7182818) / 2 = 0.5430806; the masked third token (k3 = e^-5 + 4) does not count
     close(loss, 0.5430806)
     assert metrics == {"kl": pytest.approx(0.5430806)}
@@ -245,6 +246,7 @@ def policy_inputs() -> tuple[torch.Tensor, torch.Tensor]:
 def test_policy_loss_clipping_by_hand():
     logp, old_logp = policy_inputs()
     loss, metrics = policy_loss(logp, old_logp, POLICY_ADVANTAGES, POLICY_MASK, clip_low=0.2, clip_high=0.28)
+    metrics = host_metrics(metrics)
     close(loss, -0.295)  # (-2.2 - 1.28 + 0.8 + 1.5) / 4 = -1.18 / 4
     assert metrics["clipfrac"] == pytest.approx(0.5)  # t1, t2 of 4
     assert metrics["ratio_max"] == pytest.approx(1.5)  # t4's 10 is masked out
@@ -277,6 +279,7 @@ def test_policy_loss_truncated_importance_weights():
     loss, metrics = policy_loss(
         logp, old_logp, POLICY_ADVANTAGES, POLICY_MASK, 0.2, 0.28, behavior_logp=behavior_logp, is_cap=3.0
     )
+    metrics = host_metrics(metrics)
     # capped at 3: w = [0.5, 2, 3, 1]; (-2.2*0.5 - 1.28*2 + 0.8*3 + 1.5*1) / 4 = (-1.1 - 2.56 + 2.4 + 1.5) / 4 = 0.06
     close(loss, 0.06)
     assert metrics["is_weight_mean"] == pytest.approx(1.625)  # (0.5 + 2 + 3 + 1) / 4
@@ -287,6 +290,7 @@ def test_policy_loss_truncated_importance_weights():
     loss, metrics = policy_loss(
         logp, old_logp, POLICY_ADVANTAGES, POLICY_MASK, 0.2, 0.28, behavior_logp=behavior_logp, is_cap=None
     )
+    metrics = host_metrics(metrics)
     # uncapped: (-1.1 - 2.56 + 0.8*4 + 1.5) / 4 = 1.04 / 4 = 0.26
     close(loss, 0.26)
     assert metrics["is_weight_mean"] == pytest.approx(1.875)  # (0.5 + 2 + 4 + 1) / 4
@@ -297,9 +301,11 @@ def test_losses_with_empty_mask_are_zero_not_nan():
     logp, old_logp = policy_inputs()
     empty = torch.zeros(1, 5)
     loss, metrics = policy_loss(logp, old_logp, POLICY_ADVANTAGES, empty, 0.2, 0.28, behavior_logp=old_logp, is_cap=2)
+    metrics = host_metrics(metrics)
     assert loss.item() == 0.0
     assert all(math.isfinite(v) for v in metrics.values())
     loss, metrics = value_loss(torch.ones(1, 5), torch.zeros(1, 5), torch.zeros(1, 5), empty, 0.2)
+    metrics = host_metrics(metrics)
     assert loss.item() == 0.0 and all(math.isfinite(v) for v in metrics.values())
 
 
@@ -315,6 +321,7 @@ def test_value_loss_clipping_by_hand():
     old_values = torch.tensor([[0.9, 1.0, 1.0, 0.0]])
     returns = torch.tensor([[1.5, 1.0, 3.0, 0.0]])
     loss, metrics = value_loss(values, old_values, returns, torch.tensor([[1, 1, 1, 0]]), clip_eps=0.2)
+    metrics = host_metrics(metrics)
     close(loss, 0.7483333)  # 0.5 * (0.25 + 1.0 + 3.24) / 3 = 0.5 * 4.49 / 3
     assert metrics["value_clipfrac"] == pytest.approx(1 / 3)  # t2
     assert metrics["value_mse"] == pytest.approx(0.75)  # (0.25 + 1 + 1) / 3
@@ -325,5 +332,6 @@ def test_value_loss_clipping_by_hand():
 
 def test_entropy_loss_is_a_bonus():
     loss, metrics = entropy_loss(torch.tensor([[1.0, 2.0, 9.0]]), torch.tensor([[1, 1, 0]]))
+    metrics = host_metrics(metrics)
     close(loss, -1.5)  # -(1 + 2) / 2
     assert metrics == {"entropy": pytest.approx(1.5)}

@@ -64,7 +64,7 @@ RL_ROWS = [
     (("task.max_operand=0",), "task.max_operand=0: must be >= 1"),
     (("data.max_pixels=1", "data.min_pixels=4"), "data.min_pixels=4, max_pixels=1: need 1 <= min <= max"),
     (("broker.queue_capacity=0",), "broker.queue_capacity=0: must be >= 1"),
-    (("precision=fp16",), "precision='fp16': must be one of 'fp32', 'bf16'"),
+    (("precision=fp16",), "precision='fp16': must be one of 'auto', 'fp32', 'bf16'"),
     (("precision=bf16", "placement.stages={actor_train: {backend: megatron}}"),
      "precision=bf16: placement.stages.actor_train.backend=megatron computes in fp32 only"),
     (("placement.rollout_cores=[-1]",), "placement.rollout_cores=[-1]: core numbers are >= 0"),

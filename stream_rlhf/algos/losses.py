@@ -1,7 +1,9 @@
 """Actor and critic losses for PPO-style updates: pure functions returning `(loss, metrics)`.
 
-Every loss is a token mean over `mask` (`masked_mean`) and every metric a python float over the
-valid tokens. Inputs are `(B, T)` per-token tensors. Only `logp`, `values` and `entropy` carry
+Every loss is a token mean over `mask` (`masked_mean`) and every metric a detached 0-dim tensor
+over the valid tokens, on the loss's device: reading a value to the host waits for the device, so
+the train engine reads all of a step's metrics at once (`host_metrics`: one read per optimizer step).
+Inputs are `(B, T)` per-token tensors. Only `logp`, `values` and `entropy` carry
 gradient; old log-probs, behavior log-probs, reference log-probs, advantages and returns are
 detached here.
 
@@ -13,6 +15,7 @@ versions older than `old_logp` (decoupled PPO corrects for the gap with an impor
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -31,7 +34,7 @@ def policy_loss(
     clip_high: float,
     behavior_logp: Tensor | None = None,
     is_cap: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate, optionally decoupled from the behavior policy.
 
     ratio = exp(logp - old_logp) (log-ratio clamped to [-20, 20]); per token
@@ -52,27 +55,28 @@ def policy_loss(
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
 
-    metrics: dict[str, float] = {}
+    metrics: dict[str, Tensor] = {}
     if behavior_logp is not None:
         raw_weight = torch.exp((old_logp - behavior_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
         weight = raw_weight if is_cap is None else raw_weight.clamp(max=is_cap)
         per_token = per_token * weight
-        metrics["is_weight_mean"] = masked_mean(weight, mask).item()
+        metrics["is_weight_mean"] = masked_mean(weight, mask).detach()
         metrics["is_truncated_frac"] = (
-            0.0 if is_cap is None else masked_mean((raw_weight > is_cap).float(), mask).item()
+            torch.zeros((), device=mask.device) if is_cap is None
+            else masked_mean((raw_weight > is_cap).float(), mask).detach()
         )
 
     loss = masked_mean(per_token, mask)
     with torch.no_grad():
-        metrics["clipfrac"] = masked_mean((clipped < unclipped).float(), mask).item()
-        metrics["approx_kl"] = masked_mean(ratio - 1 - log_ratio, mask).item()
-        metrics["ratio_max"] = torch.where(mask.bool(), ratio, 0.0).max().item()
+        metrics["clipfrac"] = masked_mean((clipped < unclipped).float(), mask)
+        metrics["approx_kl"] = masked_mean(ratio - 1 - log_ratio, mask)
+        metrics["ratio_max"] = torch.where(mask.bool(), ratio, 0.0).max()
     return loss, metrics
 
 
 def value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_eps: float
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss: per token 0.5 * max((v - R)^2, (clip(v, old_v - eps, old_v + eps) - R)^2).
 
     Metrics: `value_clipfrac` (fraction of tokens where the clipped term is the larger, so the token
@@ -86,23 +90,31 @@ def value_loss(
     loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask)
     with torch.no_grad():
         metrics = {
-            "value_clipfrac": masked_mean((clipped_error > unclipped_error).float(), mask).item(),
-            "value_mse": masked_mean(unclipped_error, mask).item(),
+            "value_clipfrac": masked_mean((clipped_error > unclipped_error).float(), mask),
+            "value_mse": masked_mean(unclipped_error, mask),
         }
     return loss, metrics
 
 
 def kl_loss(
     logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: Literal["k1", "k2", "k3"]
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """KL(pi || ref) penalty as a loss: token mean of `kl_estimate(logp, ref_logp, kind)`, see
     `kl_estimate` for the kinds. Metrics: `kl` (the loss value)."""
     loss = masked_mean(kl_estimate(logp, ref_logp.detach(), kind), mask)
-    return loss, {"kl": loss.item()}
+    return loss, {"kl": loss.detach()}
 
 
-def entropy_loss(entropy: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+def entropy_loss(entropy: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """Negative token-mean entropy, so that `total = pg + coef * entropy_loss` adds an entropy bonus.
     entropy: (B, T) per-token entropy of the policy. Metrics: `entropy` (the mean entropy)."""
     loss = -masked_mean(entropy, mask)
-    return loss, {"entropy": -loss.item()}
+    return loss, {"entropy": -loss.detach()}
+
+
+def host_metrics(metrics: Mapping[str, Tensor | float]) -> dict[str, float]:
+    """Every metric as a python float, the tensors among them read to the host in one copy (one
+    wait for the device, however many metrics); same values as `.item()` of each."""
+    names = [name for name, value in metrics.items() if isinstance(value, Tensor)]
+    read = dict(zip(names, torch.stack([metrics[n].detach().reshape(()) for n in names]).tolist())) if names else {}
+    return {name: read[name] if name in read else float(value) for name, value in metrics.items()}

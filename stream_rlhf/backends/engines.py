@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from stream_rlhf.backends.kernel_warm_up import warm_up_logprob_kernels
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
@@ -35,7 +36,9 @@ if TYPE_CHECKING:  # the job's config, read here: the launcher's package is abov
 
 def _torch(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None, own: StagePlacement,
            stage: str, seed: int, precision: Precision) -> TrainEngine:
-    return TorchTrainEngine(model, group, optimizer, precision)
+    engine = TorchTrainEngine(model, group, optimizer, precision)
+    warm_up_logprob_kernels(engine, trains=optimizer is not None)  # compiles here, not in the first steps
+    return engine
 
 
 def _megatron(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None, own: StagePlacement,

@@ -3,7 +3,8 @@
     with autocast(device, "bf16"):
         logits = model(...)
 
-fp32    every forward and backward in float32 (the default).
+auto    bf16 on a CUDA device, fp32 elsewhere (the default): `resolve_precision`.
+fp32    every forward and backward in float32 (the CPU's default).
 bf16    mixed precision: forward passes run under `torch.autocast` with bfloat16 (matmuls in bf16;
         norms, softmax and reductions as autocast keeps them), while weights, gradients and the
         optimizer state stay fp32 and the log-probs and entropies of the LM head are computed in
@@ -20,9 +21,16 @@ from typing import Literal
 
 import torch
 
-Precision = Literal["fp32", "bf16"]
+Precision = Literal["auto", "fp32", "bf16"]
+
+
+def resolve_precision(precision: Precision, device: torch.device) -> Literal["fp32", "bf16"]:
+    """`auto` -> bf16 on CUDA (tensor cores), fp32 on the CPU; fp32 and bf16 as asked."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
 
 
 def autocast(device: torch.device, precision: Precision) -> AbstractContextManager:
-    """Mixed precision on `device` for `precision` bf16; a context that changes nothing for fp32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    """Mixed precision on `device` where `precision` resolves to bf16; a context that changes nothing for fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=resolve_precision(precision, device) == "bf16")

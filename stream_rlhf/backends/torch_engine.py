@@ -31,17 +31,23 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from stream_rlhf.algos.losses import host_metrics
 from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
-from stream_rlhf.backends.precision import Precision, autocast
+from stream_rlhf.backends.precision import Precision, autocast, resolve_precision
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
+from stream_rlhf.device_copy import to_device
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.weights.shm_store import WeightStore
+
+HOST_FIELDS = ("sequences", "prompt_lens")
+"""What a train step leaves on the host: the packing reads the tokens and lengths there (slices, shared
+prompts) and moves each packed tensor once, so nothing in the step waits for the device to read them."""
 
 
 class ModelForward(nn.Module):
@@ -74,10 +80,10 @@ class ModelForward(nn.Module):
 class TorchTrainEngine:
     def __init__(self, model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None = None,
                  precision: Precision = "fp32"):
-        """`precision` bf16: every forward under bf16 autocast (`backends/precision.py`)."""
+        """`precision` bf16 (or auto on CUDA): every forward under bf16 autocast (`backends/precision.py`)."""
         self.group = group
-        self.precision = precision
         self.device = group.device
+        self.precision = resolve_precision(precision, self.device)
         self.model = model.to(self.device)
         govern(self.model)  # core lending, when the launcher turned it on for this stage
         freeze_vision_tower(self.model)
@@ -90,8 +96,9 @@ class TorchTrainEngine:
             fully_shard(self.forward_module, mesh=mesh)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # sharded ones, if sharded
         self.max_grad_norm = optimizer.max_grad_norm if optimizer else 0.0
-        self.optimizer = None if optimizer is None else torch.optim.AdamW(
-            self.trainable, lr=optimizer.lr, weight_decay=optimizer.weight_decay)
+        self.optimizer = None if optimizer is None else torch.optim.AdamW(  # fused: one kernel per step on CUDA
+            self.trainable, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
+            fused=True if self.device.type == "cuda" else None)
         self.model.train(optimizer is not None)
         self._host_buffers: dict[tuple, Tensor] = {}  # pinned host copies of what offload moved (CUDA)
         self._snapshots = HostSnapshots()  # host copies of the state checkpoints write
@@ -139,27 +146,34 @@ class TorchTrainEngine:
     # ---- training ----------------------------------------------------------------------------
 
     def train_step(self, part: Experience, loss_fn: LossFn, per_sample: dict[str, Tensor]) -> dict[str, float]:
+        """One optimizer step that waits for the device once, to read its metrics (`host_metrics`);
+        the step's samples go to the device from pinned memory without blocking (`to_device`)."""
         if self.optimizer is None:
             raise RuntimeError("train_step: this engine was built without an optimizer (forward only)")
         index = torch.arange(part.num_samples)[self.group.shard(part.num_samples)]
-        local = part.select(index).to(self.device)
-        local_per_sample = {name: t[index].to(self.device) for name, t in per_sample.items()}
-        tokens = float(local.mask.sum().item())
-        total = self.group.sum([tokens])[0]
+        mine = part.select(index)  # on the host
+        local = mine.to(self.device, keep_on_host=HOST_FIELDS)
+        local_per_sample = {name: to_device(t[index], self.device) for name, t in per_sample.items()}
         loss, metrics = loss_fn(local, local_per_sample)
         self.optimizer.zero_grad()
-        (loss * (tokens * self.group.world_size / max(total, 1.0))).backward()  # 1.0 on one rank
+        if self.group.distributed:  # each rank's loss scaled by its share of the step's tokens
+            tokens = float(mine.mask.sum())  # a host tensor: no wait for the device
+            total = self.group.sum([tokens])[0]
+            (loss * (tokens * self.group.world_size / max(total, 1.0))).backward()
+        else:
+            loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
-        metrics = {**metrics, "loss": loss.item()}
-        return {**self._token_weighted(metrics, tokens, total), "grad_norm": grad_norm.item()}
+        read = host_metrics({**metrics, "loss": loss.detach(), "grad_norm": grad_norm})
+        grad_norm_value = read.pop("grad_norm")
+        if self.group.distributed:
+            read = self._token_weighted(read, tokens, total)
+        return {**read, "grad_norm": grad_norm_value}
 
     def _token_weighted(self, metrics: dict[str, float], tokens: float, total: float) -> dict[str, float]:
         """Each metric over every rank's tokens: token-weighted means, and maxima for `*_max`."""
-        if not self.group.distributed:
-            return metrics
         names = sorted(metrics)
         means = [n for n in names if not n.endswith("_max")]
         summed = self.group.sum([metrics[n] * tokens / max(total, 1.0) for n in means])

@@ -27,8 +27,9 @@ from stream_rlhf.samples import SampleImages
 from stream_rlhf.weights.offload_config import OffloadTarget
 
 Offloadable = OffloadTarget
-LossFn = Callable[[Experience, dict[str, Tensor]], tuple[Tensor, dict[str, float]]]
-"""(this rank's samples, their per-sample tensors) -> (token-mean loss, metrics)."""
+LossFn = Callable[[Experience, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+"""(this rank's samples, their per-sample tensors) -> (token-mean loss, metrics as 0-dim tensors the
+engine reads to the host at once, `algos.losses.host_metrics`)."""
 
 
 class TrainEngine(Protocol):

@@ -25,6 +25,11 @@ tile is owned by one program (deterministic, no atomics), at the cost of recompu
 twice: `_hidden_bwd_dhidden_kernel` (one program per BLOCK_T rows, loops over V) and
 `_hidden_bwd_dweight_kernel` (one program per BLOCK_V vocabulary rows, loops over T).
 
+Every launch goes through `specialisations.launch`, which records the specialisation Triton
+compiles for it; the token count T of the hidden-state kernels is `do_not_specialize` and their
+token tile fixed, so one compile per variant serves every length (`backends/kernel_warm_up.py`
+launches them at engine setup).
+
 Accumulation is fp32 everywhere. tl.dot runs on the input dtype (bf16 tensor cores), except that
 fp32 inputs use input_precision="ieee" (no TF32) and, under TRITON_INTERPRET=1, operands are
 upcast to fp32 because the interpreter's bf16 tl.dot returns garbage (triton 3.9).
@@ -38,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from stream_rlhf.kernels.specialisations import UNSPECIALISED, launch
 
 # Read once: the interpreter cannot run bf16 tl.dot, so operands are upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -114,7 +121,9 @@ def logits_forward(
     if T == 0:
         return logp, ent, lse, ez
     block_v = min(block_v, triton.next_power_of_2(V))
-    _logits_fwd_kernel[(T,)](logits, labels, logp, ent, lse, ez, V, logits.stride(0), inv_temp, BLOCK_V=block_v)
+    args = {"logits_ptr": logits, "labels_ptr": labels, "logp_ptr": logp, "ent_ptr": ent, "lse_ptr": lse,
+            "ez_ptr": ez, "V": V, "stride_t": logits.stride(0), "inv_temp": inv_temp}
+    launch(_logits_fwd_kernel, (T,), args, {"BLOCK_V": block_v})
     return logp, ent, lse, ez
 
 
@@ -128,12 +137,14 @@ def logits_backward(
     if T == 0:
         return dlogits
     block_v = min(block_v, triton.next_power_of_2(V))
-    _logits_bwd_kernel[(T,)](
-        logits, labels, lse, ez,
-        g_logp if g_logp is not None else lse, g_ent if g_ent is not None else lse, dlogits,
-        V, logits.stride(0), dlogits.stride(0), inv_temp,
-        HAS_G_LOGP=g_logp is not None, HAS_G_ENT=g_ent is not None, BLOCK_V=block_v,
-    )  # fmt: skip
+    args = {
+        "logits_ptr": logits, "labels_ptr": labels, "lse_ptr": lse, "ez_ptr": ez,
+        "g_logp_ptr": g_logp if g_logp is not None else lse, "g_ent_ptr": g_ent if g_ent is not None else lse,
+        "dlogits_ptr": dlogits, "V": V, "stride_t": logits.stride(0), "stride_dt": dlogits.stride(0),
+        "inv_temp": inv_temp,
+    }  # fmt: skip
+    meta = {"HAS_G_LOGP": g_logp is not None, "HAS_G_ENT": g_ent is not None, "BLOCK_V": block_v}
+    launch(_logits_bwd_kernel, (T,), args, meta)
     return dlogits
 
 
@@ -167,7 +178,7 @@ def _logits_tile(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALISED)
 def _hidden_fwd_kernel(
     h_ptr, w_ptr, labels_ptr, logp_ptr, ent_ptr, lse_ptr, ez_ptr,
     T, V, H, inv_temp,
@@ -227,7 +238,7 @@ def _load_row_stats(labels_ptr, lse_ptr, ez_ptr, g_logp_ptr, g_ent_ptr, rows, ro
     return labels, lse, ez, g_logp, g_ent
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALISED)
 def _hidden_bwd_dhidden_kernel(
     h_ptr, w_ptr, labels_ptr, lse_ptr, ez_ptr, g_logp_ptr, g_ent_ptr, dh_ptr,
     T, V, H, inv_temp,
@@ -258,7 +269,7 @@ def _hidden_bwd_dhidden_kernel(
             tl.store(dh_tile, dh, mask=dh_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALISED)
 def _hidden_bwd_dweight_kernel(
     h_ptr, w_ptr, labels_ptr, lse_ptr, ez_ptr, g_logp_ptr, g_ent_ptr, dw_ptr,
     T, V, H, inv_temp,
@@ -296,10 +307,11 @@ def _dot_mode(t: Tensor) -> tuple[bool, str]:
     return _INTERPRET, "ieee" if _INTERPRET else "tf32"
 
 
-def _blocks(T: int, V: int, H: int, block_t: int, block_v: int, block_k: int) -> tuple[int, int, int]:
-    """Shrink tiles to the problem, keeping every tl.dot dimension >= 16."""
+def _blocks(V: int, H: int, block_t: int, block_v: int, block_k: int) -> tuple[int, int, int]:
+    """Shrink the vocabulary and hidden tiles to the model, keeping every tl.dot dimension >= 16. The
+    token tile stays `block_t` whatever T is: T only masks rows, so one compile serves every length."""
     return (
-        max(16, min(block_t, triton.next_power_of_2(T))),
+        max(16, block_t),
         max(16, min(block_v, triton.next_power_of_2(V))),
         max(16, min(block_k, triton.next_power_of_2(H))),
     )
@@ -314,12 +326,12 @@ def hidden_forward(
     logp, ent, lse, ez = (torch.empty(T, device=hidden.device, dtype=torch.float32) for _ in range(4))
     if T == 0:
         return logp, ent, lse, ez
-    bt, bv, bk = _blocks(T, V, H, block_t, block_v, block_k)
+    bt, bv, bk = _blocks(V, H, block_t, block_v, block_k)
     upcast, precision = _dot_mode(hidden)
-    _hidden_fwd_kernel[(triton.cdiv(T, bt),)](
-        hidden, weight, labels, logp, ent, lse, ez, T, V, H, inv_temp,
-        BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, UPCAST=upcast, PRECISION=precision,
-    )  # fmt: skip
+    args = {"h_ptr": hidden, "w_ptr": weight, "labels_ptr": labels, "logp_ptr": logp, "ent_ptr": ent,
+            "lse_ptr": lse, "ez_ptr": ez, "T": T, "V": V, "H": H, "inv_temp": inv_temp}
+    meta = {"BLOCK_T": bt, "BLOCK_V": bv, "BLOCK_K": bk, "UPCAST": upcast, "PRECISION": precision}
+    launch(_hidden_fwd_kernel, (triton.cdiv(T, bt),), args, meta)
     return logp, ent, lse, ez
 
 
@@ -331,12 +343,13 @@ def hidden_backward(
 ) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
     """(dhidden (T, H), dweight (V, H)) in the inputs' dtype; None where not needed."""
     (T, H), V = hidden.shape, weight.shape[0]
-    bt, bv, bk = _blocks(T, V, H, block_t, block_v, block_k)
+    bt, bv, bk = _blocks(V, H, block_t, block_v, block_k)
     upcast, precision = _dot_mode(hidden)
-    args = (
-        hidden, weight, labels, lse, ez,
-        g_logp if g_logp is not None else lse, g_ent if g_ent is not None else lse,
-    )  # fmt: skip
+    args = {
+        "h_ptr": hidden, "w_ptr": weight, "labels_ptr": labels, "lse_ptr": lse, "ez_ptr": ez,
+        "g_logp_ptr": g_logp if g_logp is not None else lse, "g_ent_ptr": g_ent if g_ent is not None else lse,
+    }  # fmt: skip
+    sizes = {"T": T, "V": V, "H": H, "inv_temp": inv_temp}
     meta = {
         "HAS_G_LOGP": g_logp is not None, "HAS_G_ENT": g_ent is not None,
         "BLOCK_T": bt, "BLOCK_V": bv, "BLOCK_K": bk, "UPCAST": upcast, "PRECISION": precision,
@@ -345,11 +358,11 @@ def hidden_backward(
     if need_dhidden:
         dh32 = torch.zeros(T, H, device=hidden.device, dtype=torch.float32)
         if T > 0:
-            _hidden_bwd_dhidden_kernel[(triton.cdiv(T, bt),)](*args, dh32, T, V, H, inv_temp, **meta)
+            launch(_hidden_bwd_dhidden_kernel, (triton.cdiv(T, bt),), {**args, "dh_ptr": dh32, **sizes}, meta)
         dhidden = dh32.to(hidden.dtype)
     if need_dweight:
         dw32 = torch.zeros(V, H, device=weight.device, dtype=torch.float32)
         if T > 0:
-            _hidden_bwd_dweight_kernel[(triton.cdiv(V, bv),)](*args, dw32, T, V, H, inv_temp, **meta)
+            launch(_hidden_bwd_dweight_kernel, (triton.cdiv(V, bv),), {**args, "dw_ptr": dw32, **sizes}, meta)
         dweight = dw32.to(weight.dtype)
     return dhidden, dweight

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from stream_rlhf.device_copy import to_device
 from stream_rlhf.kernels.logprob import logprobs_from_hidden
 from stream_rlhf.models.vision_language import (
     check_sample_images,
@@ -246,16 +247,16 @@ def _model_inputs(
     """Keyword inputs of a packed forward: input_ids and (R, C) positions for a text model;
     `language_model_inputs` (inputs_embeds (R, C, H) with the image features scattered in) and
     (3, R, C) M-RoPE positions with images."""
-    mask = packed.attention_mask.to(device)
+    mask = to_device(packed.attention_mask, device)
     if images is None:
         return {
-            "input_ids": packed.input_ids.to(device),
-            "position_ids": packed.position_ids.to(device),
+            "input_ids": to_device(packed.input_ids, device),
+            "position_ids": to_device(packed.position_ids, device),
             "attention_mask": mask,
         }
     position_ids, features = vision_inputs(packed, sequences, images, model.config)
-    inputs = language_model_inputs(model, packed.input_ids.to(device), features.to(device))
-    return {**inputs, "position_ids": position_ids.to(device), "attention_mask": mask}
+    inputs = language_model_inputs(model, to_device(packed.input_ids, device), to_device(features, device))
+    return {**inputs, "position_ids": to_device(position_ids, device), "attention_mask": mask}
 
 
 def packed_layout(sequences: list[Tensor], capacity: int | None, images: list[SampleImages] | None,
@@ -304,12 +305,14 @@ def next_token_pairs(packed: Packed, sequences: list[Tensor], vocab: int,
     """What a packed forward's log-probs are of: flat positions (row * C + column) (P,) and the
     next tokens they predict (P,), each pair once, and `inverse` (M,) taking them back to every
     sequence's (L_i - 1,) in input order (None when nothing is shared: P = M, in that order)."""
-    positions = torch.cat([index[:-1] for index in packed.token_index]).to(device)  # (M,): position t predicts t + 1
-    labels = torch.cat([seq[1:] for seq in sequences]).to(device=device, dtype=torch.long)  # (M,)
-    if not packed.shares_prefixes:
-        return positions, labels, None
-    pairs, inverse = torch.unique(positions * vocab + labels, return_inverse=True)  # each pair once
-    return pairs // vocab, pairs % vocab, inverse
+    positions = torch.cat([index[:-1] for index in packed.token_index])  # (M,): position t predicts t + 1
+    labels = torch.cat([seq[1:] for seq in sequences]).long()  # (M,)
+    if packed.shares_prefixes:  # where the sequences are (the host, for a train step): no wait for the device
+        pairs, inverse = torch.unique(positions * vocab + labels, return_inverse=True)  # each pair once
+        positions, labels, inverse = pairs // vocab, pairs % vocab, to_device(inverse, device)
+    else:
+        inverse = None
+    return to_device(positions, device), to_device(labels, device), inverse
 
 
 def sequence_logprobs(

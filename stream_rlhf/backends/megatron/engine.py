@@ -40,6 +40,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from stream_rlhf.algos.losses import host_metrics
 from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.backends.megatron.arch_qwen2_vl import VISION_PREFIX
 from stream_rlhf.backends.megatron.batch import Batch, packed_batch, token_logprobs, token_values
@@ -217,7 +218,7 @@ class MegatronTrainEngine:
                 value, metrics = loss_fn(local, local_per_sample)
             finally:
                 self._step_outputs = None
-            return value * scale, {"metrics": {**metrics, "loss": value.item()}}
+            return value * scale, {"metrics": host_metrics({**metrics, "loss": value.detach()})}
 
         self.optimizer.zero_grad()
         outputs = self._schedule(batch, loss, False)

@@ -1,0 +1,54 @@
+"""Compile the fused log-prob kernels at stage setup, not inside the first training steps.
+
+    added = warm_up_logprob_kernels(engine, trains=True)   # the specialisations it compiled
+
+On CUDA each new specialisation of a Triton kernel compiles on its first launch: seconds, which
+landed inside actor_train steps (issue 32: 7.8 and 9.7 s steps). The token count no longer
+specialises the kernels (`kernels/specialisations.py`), so what a stage's steps launch is known at
+setup: the hidden-state forward, and for a trainer its two backward kernels with the gradient of
+the log-probs alone (no entropy bonus) and with the entropy's too. This runs them once through the
+engine's own forward (same dtype under autocast, same LM head), on one short sequence, and records
+it as a "kernel warm-up" span in the trace. A no-op where the kernels would not run Triton (the
+CPU, unless forced) or the model has no LM head (a critic).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stream_rlhf.backends.torch_engine import TorchTrainEngine
+from stream_rlhf.kernels.dispatch import backend_for
+from stream_rlhf.kernels.specialisations import specialisations
+from stream_rlhf.telemetry import trace
+
+WARM_UP_TOKENS = 16
+"""Length of the sequence the warm-up runs (the kernels' compiled code does not depend on it)."""
+
+
+def _plain_tokens(model: torch.nn.Module, count: int) -> torch.Tensor:
+    """`count` token ids that are no special token of the model's config (image, video, ...)."""
+    special = {v for k, v in vars(model.config).items() if k.endswith("token_id") and isinstance(v, int)}
+    return torch.tensor([t for t in range(count + len(special)) if t not in special][:count])
+
+
+def warm_up_logprob_kernels(engine: TorchTrainEngine, trains: bool) -> int:
+    """Launch every kernel variant the engine's steps will launch; returns how many were new."""
+    get_head = getattr(engine.model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if head is None or backend_for(head.weight) != "triton":
+        return 0
+    before = len(specialisations())
+    started = trace.now_ns()
+    sequence = _plain_tokens(engine.model, WARM_UP_TOKENS)
+    if trains:
+        for with_entropy_gradient in (False, True):
+            logp, entropy = engine.logprobs([sequence], 1.0, with_entropy=True)
+            loss = logp[0].sum() + (entropy[0].sum() if with_entropy_gradient else 0.0)
+            loss.backward()
+        engine.optimizer.zero_grad()  # nothing of the warm-up reaches a step
+    else:
+        with torch.inference_mode():
+            engine.logprobs([sequence], 1.0)
+    added = len(specialisations()) - before
+    trace.complete("kernel warm-up", "compile", started, trace.now_ns(), specialisations=added, trains=trains)
+    return added
