@@ -7,7 +7,8 @@
 The prompts are the arithmetic task's eval split or every line of `data.eval` (with
 `data.on_bad_sample: skip`, bad lines are counted in "skipped" by reason, the first messages kept
 in "skipped_examples"). A vision-language
-model encodes each eval image once, with its own vision tower.
+model encodes each eval image once, with its own vision tower. Decoding is eager, static or
+graphed as `rollout.decode` says (the same tokens in every mode).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 import torch
 
 from stream_rlhf.backends.decode_attention import use_decode_attention
-from stream_rlhf.backends.torch_rollout import SamplingParams, generate
+from stream_rlhf.backends.static_decode import static_decoder
+from stream_rlhf.backends.static_sampler import sample
+from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
 from stream_rlhf.models.checkpoint import load_policy
@@ -35,6 +38,7 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     tokenizer = load_tokenizer(checkpoint)
     model = load_policy(checkpoint).eval()
     use_decode_attention(model)
+    static = static_decoder(cfg.rollout.decode, next(model.parameters()).device, model)
     scorer = Scorer(JobContext(cfg, checkpoint, ""))
     dataset = open_prompts(cfg, model.config, tokenizer, "eval")
     if dataset is None:
@@ -54,8 +58,8 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
         scores = []
         for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
             prompts = [prompt for prompt, _, _ in chunk]
-            gen = generate(model, prompts, params, seeded_generator(cfg.seed, "eval", index * batch_size),
-                           images=images)
+            gen = sample(model, prompts, params, seeded_generator(cfg.seed, "eval", index * batch_size), images,
+                         static)
             rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
                               torch.tensor([len(p) for p in prompts]), gen.response_logp, torch.zeros(len(chunk)))
             scores.append(scorer.score(rollout, [answer for _, answer, _ in chunk]))
