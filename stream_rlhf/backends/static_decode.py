@@ -81,6 +81,11 @@ class StaticDecoder:
         """Graphs captured so far; constant once every bucket in use has been seen."""
         self.memory_pool = torch.cuda.graph_pool_handle() if graphs else None
 
+    @property
+    def mode(self) -> str:
+        """`rollout.decode`'s name of what this decoder does: static or graphs."""
+        return "graphs" if self.graphs else "static"
+
     def cache(self, rows: int, positions: int, device: torch.device) -> SlotCache:
         """The (reset) slot cache of the bucket holding `rows` rows of `positions` positions."""
         key = (slot_bucket(rows), capacity_bucket(positions))

@@ -2,11 +2,11 @@
 (at the rollout temperature: the quantity RL maximises) and of greedy ones.
 
     evaluate(cfg, checkpoint)  -> {"reward": 0.42, "greedy_reward": 0.55, "prompts": 256, "skipped": {},
-                                   "skipped_examples": []}
+                                   "skipped_examples": [], "response_tokens": 1432, "decode": "eager"}
 
 The prompts are the arithmetic task's eval split or every line of `data.eval` (with
 `data.on_bad_sample: skip`, bad lines are counted in "skipped" by reason, the first messages kept
-in "skipped_examples"). A vision-language
+in "skipped_examples"; "response_tokens" counts the tokens sampled, both temperatures). A vision-language
 model encodes each eval image once, with its own vision tower. Decoding is eager, static or
 graphed as `rollout.decode` says (the same tokens in every mode).
 """
@@ -51,7 +51,8 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     chunk_images = [_features(model, chunk) for chunk in chunks]  # encoded once, for both temperatures
     stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop)
     result: dict[str, Any] = {"prompts": len(items), "skipped": dict(dataset.skipped) if dataset else {},
-                              "skipped_examples": list(dataset.skipped_examples) if dataset else []}
+                              "skipped_examples": list(dataset.skipped_examples) if dataset else [],
+                              "response_tokens": 0, "decode": "eager" if static is None else static.mode}
     for name, temperature in (("reward", cfg.rollout.temperature), ("greedy_reward", 0.0)):
         params = SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids,
                                 tokenizer.pad_token_id)
@@ -62,6 +63,7 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
                          static)
             rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
                               torch.tensor([len(p) for p in prompts]), gen.response_logp, torch.zeros(len(chunk)))
+            result["response_tokens"] += sum(len(response) for response in gen.response_ids)
             scores.append(scorer.score(rollout, [answer for _, answer, _ in chunk]))
         result[name] = round(torch.cat(scores).mean().item(), 4)
     return result
