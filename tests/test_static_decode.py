@@ -16,8 +16,13 @@ from stream_rlhf.backends.speculative_static import generate_speculative_static
 from stream_rlhf.backends.static_decode import StaticDecoder, capacity_bucket, slot_bucket, static_decoder
 from stream_rlhf.backends.static_sampler import generate_static
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
-from stream_rlhf.config import ConfigError
+from stream_rlhf.config import ConfigError, build
+from stream_rlhf.driver.evaluate import evaluate
+from stream_rlhf.models.checkpoint import build_tiny, save_checkpoint
 from stream_rlhf.models.medusa import MedusaHeads
+from stream_rlhf.models.model_config import TinyModelConfig
+from stream_rlhf.models.tokenizer import build_tokenizer
+from stream_rlhf.rl.config import RLJobConfig
 from tests.tiny_models import tiny_qwen2_config
 
 VOCAB = 48
@@ -127,3 +132,16 @@ def test_buckets_and_modes():
     assert static_decoder("static", cpu, model).mode == "static"
     with pytest.raises(ConfigError, match="rollout.decode=graphs: CUDA graphs need a CUDA device"):
         static_decoder("graphs", cpu, model)
+
+
+def test_eval_decodes_the_same_responses_static_and_eager(tmp_path):
+    tokenizer = build_tokenizer()
+    save_checkpoint(build_tiny(TinyModelConfig(), tokenizer, seed=0), tokenizer, tmp_path)
+    results = {}
+    for mode in ("eager", "static"):
+        cfg = build(RLJobConfig, {"name": "eval_decode", "rollout": {"decode": mode, "max_new_tokens": 6},
+                                  "task": {"eval_prompts": 24}})
+        results[mode] = evaluate(cfg, str(tmp_path), batch_size=16)
+    assert results["static"].pop("decode") == "static" and results["eager"].pop("decode") == "eager"
+    assert results["static"] == results["eager"]
+    assert 0 < results["eager"]["response_tokens"] < 2 * 24 * 6  # some responses stopped early

@@ -122,7 +122,8 @@ class StaticDecoder:
                 forward(cache, tokens, positions)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
+        # thread_local: another thread of the process (a weight receiver) may use CUDA meanwhile
+        with torch.cuda.graph(graph, pool=self.memory_pool, capture_error_mode="thread_local"):
             outputs = forward(cache, tokens, positions)
         return CapturedStep(graph, tokens, positions, outputs)
 

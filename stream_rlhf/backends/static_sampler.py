@@ -22,8 +22,14 @@ from torch import Tensor, nn
 from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
 from stream_rlhf.backends.slot_cache import SlotCache
 from stream_rlhf.backends.static_decode import StaticDecoder, slot_bucket
-from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, distinct_prompts, generate, left_pad, \
-    sample_tokens
+from stream_rlhf.backends.torch_rollout import (
+    Generation,
+    SamplingParams,
+    distinct_prompts,
+    generate,
+    left_pad,
+    sample_tokens,
+)
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.samples import SampleImages
 
