@@ -82,21 +82,20 @@ class SlotCache(Cache):
         self.columns.zero_()
         self.valid.zero_()
 
-    def allocated_like(self, layers: list[DynamicLayer]) -> bool:
-        """Whether the buffers exist with the layer count, shapes and dtypes of `layers`' keys and
-        values; if not, they are (re)allocated (and the graphs over the old ones dropped)."""
+    def allocate_like(self, layers: list[DynamicLayer]) -> None:
+        """Buffers with the layer count, heads, head size and dtype of `layers`' keys and values,
+        unless they are already so (new buffers drop the graphs captured over the old ones)."""
         def shape(t: Tensor) -> tuple:
             return (t.shape[1], t.shape[3], t.dtype)
 
         wanted = [(shape(layer.keys), shape(layer.values)) for layer in layers]
         if [(shape(layer.keys), shape(layer.values)) for layer in self.layers] == wanted:
-            return True
+            return
         device = self.columns.device
         self.layers = [SlotLayer(self, *(torch.zeros((self.slots, heads, self.capacity, dim), dtype=dtype,
                                                      device=device) for heads, dim, dtype in pair))
                        for pair in wanted]
         self.graphs.clear()
-        return False
 
     def join(self, slots: Tensor, prefill: Cache, rows: Tensor, prefill_mask: Tensor) -> None:
         """Rows `rows` (J,) of a prefill's cache (any DynamicCache of width W) enter slots `slots`
@@ -104,7 +103,7 @@ class SlotCache(Cache):
         width = prefill_mask.shape[1]
         if width > self.capacity:
             raise ValueError(f"join: a prefill of {width} positions into a cache of capacity {self.capacity}")
-        self.allocated_like(prefill.layers)
+        self.allocate_like(prefill.layers)
         for mine, theirs in zip(self.layers, prefill.layers):
             mine.keys[slots, :, :width] = theirs.keys[rows, :, :width]
             mine.values[slots, :, :width] = theirs.values[rows, :, :width]
@@ -116,7 +115,7 @@ class SlotCache(Cache):
         """Slots `slots` (J,) of `other` (same capacity) into this cache's slots 0..J-1."""
         if other.capacity != self.capacity:
             raise ValueError(f"take: capacity {other.capacity} into {self.capacity}")
-        self.allocated_like(other.layers)
+        self.allocate_like(other.layers)
         count = len(slots)
         for mine, theirs in zip(self.layers, other.layers):
             mine.keys[:count], mine.values[:count] = theirs.keys[slots], theirs.values[slots]

@@ -19,14 +19,14 @@ from torch import Tensor, nn
 from stream_rlhf.backends.kv_cache import cache_argument
 from stream_rlhf.backends.slot_cache import SlotCache
 from stream_rlhf.backends.speculative import SpeculationStats, _check_heads, _draft, _verify
-from stream_rlhf.backends.static_decode import StaticDecoder
+from stream_rlhf.backends.static_decode import StaticDecoder, StepForward
 from stream_rlhf.backends.static_sampler import compacted, prefill_into, slot_inputs
 from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, sample_tokens
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.models.medusa import MedusaHeads
 
 
-def _verify_forward(model: nn.Module) -> object:
+def _verify_forward(model: nn.Module) -> StepForward:
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
 
     def forward(cache: SlotCache, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
 from stream_rlhf.backends.slot_cache import SlotCache
-from stream_rlhf.backends.static_decode import StaticDecoder, slot_bucket
+from stream_rlhf.backends.static_decode import StaticDecoder, StepForward, slot_bucket
 from stream_rlhf.backends.torch_rollout import (
     Generation,
     SamplingParams,
@@ -80,7 +80,7 @@ def compacted(static: StaticDecoder, cache: SlotCache, slots: Tensor) -> tuple[S
     return smaller, torch.arange(len(slots), device=slots.device)
 
 
-def _sampler_forward(model: nn.Module) -> object:
+def _sampler_forward(model: nn.Module) -> StepForward:
     decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
 
     def forward(cache: SlotCache, tokens: Tensor, positions: Tensor) -> tuple[Tensor]:
