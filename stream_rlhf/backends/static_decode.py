@@ -41,7 +41,8 @@ from stream_rlhf.config import ConfigError
 MIN_CAPACITY = 64
 """The smallest length bucket: positions per slot."""
 CPU_AUTO = "eager"
-"""What `auto` means on the CPU, where no graph is captured: the faster of eager and static there."""
+"""What `auto` means on the CPU, where no graph is captured: static measured as fast as eager within
+noise (bench/decode.py), and eager drops a finished row at once."""
 WARMUP_RUNS = 2
 """Runs of a step on a side stream before its capture (CUDA's lazy initialisations happen outside the graph)."""
 
