@@ -12,7 +12,9 @@
 #             (forward, training with the distributed optimizer, offload), every number in the log;
 #             then text_ppo on cuda with both trainers on megatron (tp 1): its summary (time, memory);
 #             then 10 iterations of it with the forwards and the trainers on megatron in two device groups
-#   sampler   tests/test_sampler_cuda.py: decode attention and KV cache on cuda:0 vs the CPU and eager
+#   sampler   tests/test_sampler_cuda.py: decode attention and KV cache on cuda:0 vs the CPU and eager;
+#             tests/test_static_decode_cuda.py: decode steps as CUDA graphs vs static and eager, captures;
+#             then bench/decode.py --device cuda: eager, static and graphs tokens/s (plain and Medusa)
 #   offload   offload policies and device groups on cuda:0: DeviceTurns and the torch engine's round
 #             trip (tests), then bench/offload.py --device cuda on the main job (6 iterations a
 #             column): every stage its own process, the forwards and the trainers in two device
@@ -47,6 +49,7 @@ mkdir -p "$out"
 python=${PYTHON:-python3}
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 own_parts=(--ignore=tests/test_megatron_cuda.py --ignore=tests/test_sampler_cuda.py  # run by their parts
+           --ignore=tests/test_static_decode_cuda.py
            --ignore=tests/test_device_turns.py)
 offload_jobs() {
     "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_device_turns.py tests/test_torch_engine.py &&
@@ -99,7 +102,8 @@ run_part() {
                   "$python" -m stream_rlhf.cli run configs/text_ppo.yaml --set placement.device=cuda --set name=gpu_megatron \
                       --set "placement.stages={actor_train: {backend: megatron}, critic_train: {backend: megatron}}" &&
                   cat runs/gpu_megatron/summary.json && megatron_groups ;;
-        sampler) "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_sampler_cuda.py ;;
+        sampler) "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_sampler_cuda.py \
+                     tests/test_static_decode_cuda.py && "$python" bench/decode.py --device cuda --json ;;
         offload) offload_jobs ;;
         kernels) "$python" bench/kernels.py --json ;;
         weights) "$python" bench/weight_sync.py --json ;;

@@ -72,6 +72,8 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
         ({"rollout.backend": "vllm", "rollout.medusa.enabled": True},
          "rollout.medusa.enabled=true: Medusa speculative rollout is built on backend=torch"),
         ({"rollout.backend": "sglang"}, "rollout.backend='sglang': must be one of"),
+        ({"rollout.decode": "graphs", "placement.device": "cpu"}, "rollout.decode=graphs: CUDA graphs need"),
+        ({"rollout.decode": "compiled"}, "rollout.decode='compiled': must be one of"),
         ({"rollout.vllm.python": "/no/python"}, "rollout.vllm.python='/no/python': not an executable file"),
         ({"weights.update": "in_flight"}, "weights.update=in_flight: needs rollout.backend=vllm"),
         ({"weights.transport": "nccl"}, "weights.transport='nccl': must be one of"),

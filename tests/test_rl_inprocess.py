@@ -132,3 +132,21 @@ def assert_same_training(kept: list[dict], left: list[dict]) -> None:
         assert b["reward"] == a["reward"] and b["tokens"] == a["tokens"]
         for key in ("loss", "approx_kl", "clipfrac", "entropy"):
             assert b[key] == pytest.approx(a[key], abs=1e-6), key
+
+
+@pytest.mark.parametrize("medusa", [False, True])
+def test_static_decoding_samples_and_trains_as_eager(tmp_path, medusa):
+    """`rollout.decode: static` through the rollout engine (plain, and Medusa's speculation): the
+    same samples and rewards as eager decoding, and bitwise the same weights after an iteration."""
+    torch.set_num_threads(1)
+    speculation = {"rollout.medusa.enabled": True, "rollout.medusa.warm_start_steps": 5} if medusa else {}
+    runs = {mode: run_inprocess(tmp_path, mode, schedule="sync", overlap_depth=0, iterations=1,
+                                **{"rollout.decode": mode}, **speculation)
+            for mode in ("eager", "static")}
+    (eager_cfg, eager), (static_cfg, static) = runs["eager"], runs["static"]
+    assert [(r["reward"], r["tokens"]) for r in static] == [(r["reward"], r["tokens"]) for r in eager]
+    assert not medusa or [r["speculative_minibatches"] for r in static] == [2]  # both mini-batches speculated
+    eager_weights = load_file(Path(eager_cfg.run_dir) / "checkpoint" / "model.safetensors")
+    static_weights = load_file(Path(static_cfg.run_dir) / "checkpoint" / "model.safetensors")
+    for key, value in eager_weights.items():
+        torch.testing.assert_close(static_weights[key], value, rtol=0, atol=0, msg=key)

@@ -71,6 +71,11 @@ class RolloutConfig:
     stop: list[str] | None = None
     """Tokens that end a response (kept in it); None: the tokenizer's end-of-sequence token, the
     chat template's end-of-turn token and the eos ids of the model's generation_config.json."""
+    decode: Literal["auto", "eager", "static", "graphs"] = "auto"
+    """How the torch sampler (plain, Medusa and eval) runs its decode steps: `eager` over a batch
+    that shrinks as rows finish; `static` over KV caches preallocated per batch and length bucket;
+    `graphs` the same with each step a CUDA graph captured per bucket and replayed (CUDA only);
+    `auto`: graphs on CUDA, eager on the CPU (faster there). Same tokens in every mode."""
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     """Medusa speculative decoding (`rollout.medusa`); off by default."""
     vllm: VllmConfig = field(default_factory=VllmConfig)

@@ -24,7 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from stream_rlhf.backends.speculative import generate_speculative
-from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, generate
+from stream_rlhf.backends.speculative_static import generate_speculative_static
+from stream_rlhf.backends.static_decode import StaticDecoder
+from stream_rlhf.backends.static_sampler import sample
+from stream_rlhf.backends.torch_rollout import Generation, SamplingParams
 from stream_rlhf.models.medusa import load_rollout_heads
 from stream_rlhf.weights.shm_store import WeightStore
 
@@ -36,9 +39,12 @@ SMOOTHING = 0.3
 
 
 class Speculation:
-    def __init__(self, job: JobContext, model: nn.Module, log: logging.LoggerAdapter):
+    def __init__(self, job: JobContext, model: nn.Module, log: logging.LoggerAdapter,
+                 static: StaticDecoder | None = None):
         self.cfg = job.config.rollout.medusa
         self.log = log
+        self.static = static
+        """Static caches (and CUDA graphs) for both modes (`rollout.decode`); None: eager."""
         self.heads = load_rollout_heads(job.checkpoint, model, self.cfg.heads).eval().to(
             next(model.parameters()).device)
         self.store = WeightStore(job.weights_root, "medusa")
@@ -61,11 +67,15 @@ class Speculation:
         info: dict[str, int | str] = {"medusa_lag": lag, "decoding": "speculative" if speculative else "plain"}
         if speculative:
             with torch.inference_mode():
-                gen, stats = generate_speculative(model, self.heads, prompts, params, generator)
+                if self.static is None:
+                    gen, stats = generate_speculative(model, self.heads, prompts, params, generator)
+                else:
+                    gen, stats = generate_speculative_static(model, self.heads, self.static, prompts, params,
+                                                             generator)
             info.update(spec_steps=stats.verify_steps, spec_row_steps=stats.row_steps,
                         spec_accepted=stats.drafts_accepted)
         else:
-            gen = generate(model, prompts, params, generator)
+            gen = sample(model, prompts, params, generator, static=self.static)
         tokens = sum(len(r) for r in gen.response_ids)
         if lag <= self.cfg.max_lag:
             self._time(speculative, (time.perf_counter() - started) / max(tokens, 1))

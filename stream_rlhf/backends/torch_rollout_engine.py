@@ -1,6 +1,7 @@
 """The rollout stage's torch engine (`rollout.backend: torch`): our KV-cache sampler over the
 policy model in the rollout process, on its rank's device; speculative with Medusa heads when
-`rollout.medusa` is enabled (`speculation.py`).
+`rollout.medusa` is enabled (`speculation.py`); over static caches and CUDA graphs as
+`rollout.decode` says (`static_decode.py`).
 
     engine = TorchRolloutEngine(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
@@ -21,7 +22,9 @@ from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.precision import autocast
 from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.speculation import Speculation
-from stream_rlhf.backends.torch_rollout import SamplingParams, generate
+from stream_rlhf.backends.static_decode import static_decoder
+from stream_rlhf.backends.static_sampler import sample
+from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stage import Batch, StageContext
@@ -43,8 +46,9 @@ class TorchRolloutEngine:
         govern(self.model)  # core lending, when the launcher turned it on for this stage
         self.policy_version = 0
         weights.join_model(self.model)
+        self.static = static_decoder(job.config.rollout.decode, self.device, self.model, ctx.log)
         medusa = job.config.rollout.medusa.enabled
-        self.speculation = Speculation(job, self.model, ctx.log) if medusa else None
+        self.speculation = Speculation(job, self.model, ctx.log, self.static) if medusa else None
 
     def generate(self, batch: Batch, prompts: list[Tensor], params: SamplingParams) -> Generated:
         self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
@@ -54,7 +58,7 @@ class TorchRolloutEngine:
             if self.speculation is not None:
                 gen, info = self.speculation.generate(self.model, prompts, params, generator, self.policy_version)
                 return Generated(gen, self.policy_version, info)
-            gen = generate(self.model, prompts, params, generator, images=self.images.of(batch.tensors))
+            gen = sample(self.model, prompts, params, generator, self.images.of(batch.tensors), self.static)
         return Generated(gen, self.policy_version)
 
     def close(self) -> None:

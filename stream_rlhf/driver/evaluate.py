@@ -2,12 +2,13 @@
 (at the rollout temperature: the quantity RL maximises) and of greedy ones.
 
     evaluate(cfg, checkpoint)  -> {"reward": 0.42, "greedy_reward": 0.55, "prompts": 256, "skipped": {},
-                                   "skipped_examples": []}
+                                   "skipped_examples": [], "response_tokens": 1432, "decode": "eager"}
 
 The prompts are the arithmetic task's eval split or every line of `data.eval` (with
 `data.on_bad_sample: skip`, bad lines are counted in "skipped" by reason, the first messages kept
-in "skipped_examples"). A vision-language
-model encodes each eval image once, with its own vision tower.
+in "skipped_examples"; "response_tokens" counts the tokens sampled, both temperatures). A vision-language
+model encodes each eval image once, with its own vision tower. Decoding is eager, static or
+graphed as `rollout.decode` says (the same tokens in every mode).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 import torch
 
 from stream_rlhf.backends.decode_attention import use_decode_attention
-from stream_rlhf.backends.torch_rollout import SamplingParams, generate
+from stream_rlhf.backends.static_decode import static_decoder
+from stream_rlhf.backends.static_sampler import sample
+from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.data.arithmetic import problems
 from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
 from stream_rlhf.models.checkpoint import load_policy
@@ -35,6 +38,7 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     tokenizer = load_tokenizer(checkpoint)
     model = load_policy(checkpoint).eval()
     use_decode_attention(model)
+    static = static_decoder(cfg.rollout.decode, next(model.parameters()).device, model)
     scorer = Scorer(JobContext(cfg, checkpoint, ""))
     dataset = open_prompts(cfg, model.config, tokenizer, "eval")
     if dataset is None:
@@ -48,17 +52,19 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     chunk_images = [_features(model, chunk) for chunk in chunks]  # encoded once, for both temperatures
     stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop, cfg.data.chat_template, checkpoint)
     result: dict[str, Any] = {"prompts": len(items), "skipped": dict(dataset.skipped) if dataset else {},
-                              "skipped_examples": list(dataset.skipped_examples) if dataset else []}
+                              "skipped_examples": list(dataset.skipped_examples) if dataset else [],
+                              "response_tokens": 0, "decode": "eager" if static is None else static.mode}
     for name, temperature in (("reward", cfg.rollout.temperature), ("greedy_reward", 0.0)):
         params = SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids,
                                 tokenizer.pad_token_id)
         scores = []
         for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
             prompts = [prompt for prompt, *_ in chunk]
-            gen = generate(model, prompts, params, seeded_generator(cfg.seed, "eval", index * batch_size),
-                           images=images)
+            gen = sample(model, prompts, params, seeded_generator(cfg.seed, "eval", index * batch_size), images,
+                         static)
             rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
                               torch.tensor([len(p) for p in prompts]), gen.response_logp, torch.zeros(len(chunk)))
+            result["response_tokens"] += sum(len(response) for response in gen.response_ids)
             scores.append(scorer.score(rollout, [item[1] for item in chunk], [item[3] for item in chunk]))
         result[name] = round(torch.cat(scores).mean().item(), 4)
     return result

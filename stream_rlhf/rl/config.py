@@ -185,6 +185,8 @@ class RLJobConfig:
 
         if self.rollout.medusa.enabled and (self.model.tiny.vision is not None or self.task.name == "shapes"):
             raise ConfigError("rollout.medusa.enabled=true: speculative rollout is text-only for now")
+        if self.rollout.decode == "graphs" and self.placement.device == "cpu":
+            raise ConfigError("rollout.decode=graphs: CUDA graphs need placement.device cuda (or auto on a GPU)")
         if self.task.name == "shapes" and self.model.path is None and self.model.tiny.vision is None:
             raise ConfigError("task.name=shapes: asks about images, needs a vision-language model "
                               "(model.tiny.vision, or a Qwen2-VL / Qwen3-VL model.path)")
