@@ -54,7 +54,14 @@ import torch
 from torch import Tensor, nn
 
 from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
-from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, left_pad, sample_tokens, sampling_probs
+from stream_rlhf.backends.torch_rollout import (
+    Generation,
+    SamplingParams,
+    generation_of,
+    left_pad,
+    sample_tokens,
+    sampling_probs,
+)
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.models.medusa import MedusaHeads
 
@@ -139,6 +146,28 @@ def _verify(
     return n, torch.multinomial(residual, 1, generator=generator).squeeze(-1)
 
 
+def emit_accepted(
+    logits: Tensor, drafts: Tensor, n: Tensor, z: Tensor, temperature: float, stop_ids: Tensor, n_tokens: Tensor,
+    rows: Tensor, out_ids: Tensor, out_logp: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Write one verify step's tokens into the (B, max_new + 1) buffers (the last column takes the
+    writes that are cut): each row's n accepted drafts and
+    z, cut after a stop token and at the length limit. logits (R, k+1, V), drafts (R, k), n and z (R,),
+    n_tokens (R,) tokens each row has so far, rows (R,) its row in the buffers. Returns how many
+    tokens each row keeps (R,) and whether it stopped on a stop token (R,)."""
+    k, max_new = drafts.shape[1], out_ids.shape[1] - 1
+    offsets = torch.arange(k + 1, device=logits.device)  # (k+1,)
+    emitted = torch.cat([drafts, z[:, None]], dim=1).scatter(1, n[:, None], z[:, None])  # (R, k+1)
+    emitted_logp = logprobs_from_logits(logits, emitted, temperature)[0]  # (R, k+1)
+    is_stop = (offsets <= n[:, None]) & torch.isin(emitted, stop_ids)  # (R, k+1)
+    first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), k + 1)  # (R,)
+    keep = torch.minimum(torch.minimum(n, first_stop) + 1, max_new - n_tokens)  # (R,)
+    columns = torch.where(offsets < keep[:, None], n_tokens[:, None] + offsets, max_new)  # (R, k+1)
+    out_ids[rows[:, None], columns] = emitted
+    out_logp[rows[:, None], columns] = emitted_logp
+    return keep, first_stop < keep
+
+
 @torch.inference_mode()
 def generate_speculative(
     model: nn.Module,
@@ -210,15 +239,8 @@ def generate_speculative(
         logits = lm_head(out).float()  # (R, k+1, V): logits[:, j] is the distribution of feed[:, j + 1]
         n, z = _verify(logits, drafts, q, params, generator)  # (R,), (R,)
 
-        emitted = torch.cat([drafts, z[:, None]], dim=1).scatter(1, n[:, None], z[:, None])  # (R, k+1)
-        emitted_logp = logprobs_from_logits(logits, emitted, temperature)[0]  # (R, k+1)
-        is_stop = (slots <= n[:, None]) & torch.isin(emitted, stop_ids)  # (R, k+1)
-        first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), k + 1)  # (R,)
-        keep = torch.minimum(torch.minimum(n, first_stop) + 1, max_new - n_tokens)  # (R,)
-        columns = torch.where(slots < keep[:, None], n_tokens[:, None] + slots, max_new)  # (R, k+1)
-        out_ids[rows[:, None], columns] = emitted
-        out_logp[rows[:, None], columns] = emitted_logp
-        stopped |= first_stop < keep
+        keep, stops = emit_accepted(logits, drafts, n, z, temperature, stop_ids, n_tokens, rows, out_ids, out_logp)
+        stopped |= stops
         n_tokens += keep
         finished = stopped | (n_tokens >= max_new)
 
@@ -237,10 +259,4 @@ def generate_speculative(
 
     lengths_list = lengths.tolist()
     stats.tokens, stats.drafts_accepted = sum(lengths_list), int(accepted)
-    out_ids, out_logp = out_ids.cpu(), out_logp.cpu()
-    generation = Generation(
-        response_ids=[out_ids[i, :length].clone() for i, length in enumerate(lengths_list)],
-        response_logp=[out_logp[i, :length].clone() for i, length in enumerate(lengths_list)],
-        finish_reasons=["stop" if s else "length" for s in stopped_by_prompt.tolist()],
-    )
-    return generation, stats
+    return generation_of(out_ids, out_logp, lengths_list, stopped_by_prompt), stats

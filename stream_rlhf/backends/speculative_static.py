@@ -18,10 +18,10 @@ from torch import Tensor, nn
 
 from stream_rlhf.backends.kv_cache import cache_argument
 from stream_rlhf.backends.slot_cache import SlotCache
-from stream_rlhf.backends.speculative import SpeculationStats, _check_heads, _draft, _verify
+from stream_rlhf.backends.speculative import SpeculationStats, _check_heads, _draft, _verify, emit_accepted
 from stream_rlhf.backends.static_decode import StaticDecoder, StepForward
 from stream_rlhf.backends.static_sampler import compacted, prefill_into, slot_inputs
-from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, sample_tokens
+from stream_rlhf.backends.torch_rollout import Generation, SamplingParams, generation_of, sample_tokens
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.models.medusa import MedusaHeads
 
@@ -100,15 +100,8 @@ def generate_speculative_static(
         out, logits = all_hidden[slots], all_logits[slots]  # (R, k+1, H), (R, k+1, V)
         n, z = _verify(logits, drafts, q, params, generator)  # (R,), (R,)
 
-        emitted = torch.cat([drafts, z[:, None]], dim=1).scatter(1, n[:, None], z[:, None])  # (R, k+1)
-        emitted_logp = logprobs_from_logits(logits, emitted, temperature)[0]  # (R, k+1)
-        is_stop = (offsets <= n[:, None]) & torch.isin(emitted, stop_ids)  # (R, k+1)
-        first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), k + 1)  # (R,)
-        keep = torch.minimum(torch.minimum(n, first_stop) + 1, max_new - n_tokens)  # (R,)
-        columns = torch.where(offsets < keep[:, None], n_tokens[:, None] + offsets, max_new)  # (R, k+1)
-        out_ids[rows[:, None], columns] = emitted
-        out_logp[rows[:, None], columns] = emitted_logp
-        stopped |= first_stop < keep
+        keep, stops = emit_accepted(logits, drafts, n, z, temperature, stop_ids, n_tokens, rows, out_ids, out_logp)
+        stopped |= stops
         n_tokens += keep
         finished = stopped | (n_tokens >= max_new)
 
@@ -126,10 +119,5 @@ def generate_speculative_static(
 
     lengths_list = lengths.tolist()
     stats.tokens, stats.drafts_accepted = sum(lengths_list), int(accepted)
-    out_ids, out_logp = out_ids.cpu(), out_logp.cpu()
-    generation = Generation(
-        response_ids=[out_ids[i, :length].clone() for i, length in enumerate(lengths_list)],
-        response_logp=[out_logp[i, :length].clone() for i, length in enumerate(lengths_list)],
-        finish_reasons=["stop" if s else "length" for s in stopped_by_prompt.tolist()],
-    )
-    return generation, stats
+    return generation_of(out_ids, out_logp, lengths_list, stopped_by_prompt), stats
+

@@ -27,6 +27,7 @@ from stream_rlhf.backends.torch_rollout import (
     SamplingParams,
     distinct_prompts,
     generate,
+    generation_of,
     left_pad,
     sample_tokens,
 )
@@ -137,10 +138,4 @@ def generate_static(model: nn.Module, static: StaticDecoder, prompts: list[Tenso
         cache.commit(kept)
         next_position = next_position + 1
 
-    out_ids, out_logp = out_ids.cpu(), out_logp.cpu()
-    lengths_list = lengths.tolist()
-    return Generation(
-        response_ids=[out_ids[i, :n].clone() for i, n in enumerate(lengths_list)],
-        response_logp=[out_logp[i, :n].clone() for i, n in enumerate(lengths_list)],
-        finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
-    )
+    return generation_of(out_ids, out_logp, lengths.tolist(), stopped)

@@ -222,11 +222,16 @@ def generate(
         ).logits[:, -1].float()
         next_position = next_position + 1
 
+    return generation_of(out_ids, out_logp, lengths.tolist(), stopped)
+
+
+def generation_of(out_ids: Tensor, out_logp: Tensor, lengths: list[int], stopped: Tensor) -> Generation:
+    """The Generation held in (B, max_new) token and log-prob buffers: row i's first lengths[i]
+    entries, finished by a stop token where `stopped` (B,), else by the length limit."""
     out_ids, out_logp = out_ids.cpu(), out_logp.cpu()
-    lengths_list = lengths.tolist()
     return Generation(
-        response_ids=[out_ids[i, :n].clone() for i, n in enumerate(lengths_list)],
-        response_logp=[out_logp[i, :n].clone() for i, n in enumerate(lengths_list)],
+        response_ids=[out_ids[i, :n].clone() for i, n in enumerate(lengths)],
+        response_logp=[out_logp[i, :n].clone() for i, n in enumerate(lengths)],
         finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
     )
 

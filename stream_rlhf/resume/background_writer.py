@@ -11,6 +11,9 @@ the next `submit` or `wait` (nothing is lost silently). With `background=False` 
 inside `submit`, as it always did.
 
 What is written must no longer change: the caller takes a snapshot first (`host_snapshot.py`).
+The write is mostly the kernel copying bytes into files, so its thread may run on every core of
+the machine, not only the cores the stage is pinned to (`placement`): on a machine whose cores
+are split between rollout and training, an idle moment of either side takes the write.
 The thread is not a daemon, so a process that ends without a drain still finishes its write; one
 that is killed leaves a staging folder that no reader picks (`store.py`).
 
@@ -70,8 +73,19 @@ class BackgroundWriter:
             raise RuntimeError(f"{self.name}: a background checkpoint write failed") from error
 
     def _run(self, version: int, write: Callable[[], None]) -> None:
+        _float_over_every_core()
         try:
             with trace.span("checkpoint write", "checkpoint", version=version, background=1):
                 write()
         except BaseException as error:  # handed to the training thread at its next submit or wait
             self._error = error
+
+
+def _float_over_every_core() -> None:
+    """Let the calling thread (only it: pid 0 is the thread on Linux) run on every core this
+    machine lets the process have."""
+    if hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except OSError:  # a cpuset narrower than the machine: keep the stage's cores
+            pass
