@@ -124,3 +124,11 @@ def test_placement_auto_is_the_default_and_takes_keys_set_over_it(tmp_path):
     assert load_config(RLJobConfig, config).placement.auto == ("mode", "with_rollout", "device_groups")
     with pytest.raises(ConfigError, match=r"placement.with_rollout='soon': expected a list"):
         load_config(RLJobConfig, config, ["placement.with_rollout=soon"])
+
+
+def test_ray_stage_resources_keep_the_fallback():
+    """Stages pinned to nodes by ray.stage_resources are not moved to rollout's cores."""
+    cfg, flow = job("launcher=ray", "ray.stage_resources={critic_train: {train_node: 1}}")
+    choice = choose_placement(cfg, flow, MACHINE)
+    assert choice.placement == {"mode": "separated", "with_rollout": [], "device_groups": {}}
+    assert choice.predicted_iteration_s is None and "ray.stage_resources" in choice.describe()

@@ -23,7 +23,9 @@ from tests.rl_tiny import tiny_job, write_job
 
 pytestmark = pytest.mark.slow
 
-ITERATIONS, PER_ITERATION = 6, 2 * 8
+ITERATIONS, PER_ITERATION = 10, 2 * 8
+"""Enough that a SIGTERM at HELD_VERSION stops the run before its end: training goes on during the
+held write until the next save waits for it."""
 PARTS = ["actor", "critic"]
 """PPO: both trainers write their parts in the background."""
 HELD_VERSION = 4

@@ -80,7 +80,7 @@ def test_tiny_run_writes_a_valid_trace_and_its_figures(traced_run):
     names = {(e["cat"], e["name"]) for e in events if e["ph"] == "X"}
     assert {("payload", "fetch"), ("payload", "publish"), ("wait", "idle"), ("stage", "setup"),
             ("weights", "weights publish"), ("weights", "weights load")} <= names
-    assert ("checkpoint", "checkpoint save") in names  # the run's final checkpoint
+    assert ("checkpoint", "checkpoint write") in names  # the run's final checkpoint
     counters = {e["name"] for e in events if e["ph"] == "C"}
     assert {"queue prompts>rollout", "queue experience>actor_train", "staleness"} <= counters
 

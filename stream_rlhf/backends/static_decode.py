@@ -22,7 +22,7 @@ each bucket would add minutes of warm-up and recompiles for no measured gain at 
 
 Modes (`rollout.decode`): `eager` (the shrinking-batch sampler of `torch_rollout.py`, no bucket),
 `static` (these caches, steps run eagerly), `graphs` (CUDA only), `auto`: graphs on CUDA,
-`CPU_AUTO` on the CPU (measured: bench/medusa.py --decode, docs/backends.md). A model with
+`CPU_AUTO` on the CPU (measured: bench/decode.py, docs/backends.md). A model with
 sliding-window layers decodes eagerly (the static mask is a full-attention one).
 """
 

@@ -24,8 +24,8 @@ to the earlier candidate (no groups, fewer stages moved). The answer length is
 Given a config and the device figures the choice is deterministic (the figures are this
 machine's description: cached, so a later plan or run of the same job reads the same ones).
 Not chosen: ranks and rollout instances (one device per side on the CPU: the rank axis has one
-point), and anything on CUDA, where the figures would be the CPU's: there auto keeps the
-fallback (`AUTO_FALLBACK`) and says so.
+point), anything on CUDA, where the figures would be the CPU's, and a Ray job whose
+`ray.stage_resources` pin stages to nodes: there auto keeps the fallback (`AUTO_FALLBACK`) and says so.
 """
 
 from __future__ import annotations
@@ -123,6 +123,10 @@ def choose_placement(cfg: RLJobConfig, flow: Dataflow, device: DeviceFigures | N
     if cfg.placement.resolved_device() == "cuda":
         why = ("on CUDA the analytic figures would be this machine's CPU's: the fallback is kept "
                "(`stream-rlhf plan --search --device h100,count=N` compares placements on a GPU preset)")
+        return PlacementChoice(decided, fallback, None, why, (), None, device)
+    if cfg.launcher == "ray" and cfg.ray.stage_resources:
+        why = ("the fallback is kept: ray.stage_resources places stages on nodes, which moving a stage to "
+               "rollout's cores would contradict; give the placement keys")
         return PlacementChoice(decided, fallback, None, why, (), None, device)
     try:
         work = job_workload(cfg, response_tokens=response_tokens)
