@@ -29,9 +29,8 @@ from stream_rlhf.backends.torch_rollout import (
     generate,
     generation_of,
     left_pad,
-    sample_tokens,
+    sample_into,
 )
-from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.samples import SampleImages
 
 
@@ -116,10 +115,7 @@ def generate_static(model: nn.Module, static: StaticDecoder, prompts: list[Tenso
     rows = torch.arange(batch, device=device)  # (R,) the prompts of the rows still decoding
     slots = rows.clone()  # (R,) their slots
     for step in range(max_new):  # logits: (R, V)
-        token = sample_tokens(logits, params, generator)  # (R,)
-        out_ids[rows, step] = token
-        out_logp[rows, step] = logprobs_from_logits(logits, token, params.temperature)[0]
-        stop = torch.isin(token, stop_ids)  # (R,)
+        token, stop = sample_into(logits, params, generator, stop_ids, out_ids, out_logp, rows, step)
         if step == max_new - 1:
             stopped[rows] = stop
             break

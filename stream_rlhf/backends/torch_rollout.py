@@ -199,11 +199,7 @@ def generate(
     stopped = torch.zeros(batch, dtype=torch.bool, device=device)
     rows = torch.arange(batch, device=device)  # (R,) the prompts of the rows still decoding
     for step in range(max_new):  # logits: (R, V)
-        allowed = logits if banned is None else logits.index_fill(-1, torch.tensor([banned], device=device), -math.inf)
-        token = sample_tokens(allowed, params, generator)  # (R,)
-        out_ids[rows, step] = token
-        out_logp[rows, step] = logprobs_from_logits(logits, token, params.temperature)[0]
-        stop = torch.isin(token, stop_ids)  # (R,)
+        token, stop = sample_into(logits, params, generator, stop_ids, out_ids, out_logp, rows, step, banned)
         if step == max_new - 1:
             stopped[rows] = stop
             break
@@ -223,6 +219,22 @@ def generate(
         next_position = next_position + 1
 
     return generation_of(out_ids, out_logp, lengths.tolist(), stopped)
+
+
+def sample_into(logits: Tensor, params: SamplingParams, generator: torch.Generator | None, stop_ids: Tensor,
+                out_ids: Tensor, out_logp: Tensor, rows: Tensor, step: int,
+                banned: int | None = None) -> tuple[Tensor, Tensor]:
+    """Sample one token per decoding row from logits (R, V) (never `banned`), write it and its
+    log-prob at column `step` of rows `rows` of the (B, max_new) buffers; the tokens (R,) and
+    whether each is a stop token (R,)."""
+    if banned is not None:
+        allowed = logits.index_fill(-1, torch.tensor([banned], device=logits.device), -math.inf)
+    else:
+        allowed = logits
+    token = sample_tokens(allowed, params, generator)  # (R,)
+    out_ids[rows, step] = token
+    out_logp[rows, step] = logprobs_from_logits(logits, token, params.temperature)[0]
+    return token, torch.isin(token, stop_ids)
 
 
 def generation_of(out_ids: Tensor, out_logp: Tensor, lengths: list[int], stopped: Tensor) -> Generation:

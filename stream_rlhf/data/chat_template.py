@@ -18,6 +18,7 @@ ChatML), which rollout adds to its stop tokens.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from stream_rlhf.data.conversation import IMAGE_MARKER
 
+log = logging.getLogger("stream_rlhf")
 NONE, AUTO = "none", "auto"
 
 
@@ -125,7 +127,9 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, template: str | None) -> 
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
     try:
         text = tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False)
-    except TemplateError:
+    except TemplateError as error:  # a template for prompts only: responses end at the other stop tokens
+        log.warning("the chat template cannot write an assistant turn (%s): rollout does not stop at an "
+                    "end-of-turn token; set rollout.stop to name one", error)
         return None
     after = text[text.rfind(marker) + len(marker):]
     ids = tokenizer.encode(after, add_special_tokens=False)
