@@ -38,6 +38,7 @@ from stream_rlhf.backends.rollout_config import RolloutConfig
 from stream_rlhf.broker.control.topology import BrokerConfig
 from stream_rlhf.config import ConfigError, check_fields
 from stream_rlhf.data.task_config import DataConfig, TaskConfig
+from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.launch.placement import AUTO, PlacementConfig, StagePlacement, device_group_of
 from stream_rlhf.launch.ray_config import RayConfig
 from stream_rlhf.models.model_config import ModelConfig, VisionConfig
@@ -115,6 +116,9 @@ class RLJobConfig:
     """Generation: backend, instances, sampling, speculative decoding."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """What scores a response: a rule function, a reward model, process rewards."""
+    env: EnvConfig | None = None
+    """Multi-turn / tool-using episodes: the environment each sample runs in and the engine's
+    limits on episodes (`envs/config.py`, docs/environments.md); None: one response per prompt."""
     actor: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The actor's (policy's) optimizer."""
     critic: CriticConfig = field(default_factory=lambda: CRITIC_OPTIMIZER)
