@@ -3,6 +3,8 @@
     engine = VllmClient(checkpoint, VllmOptions(max_model_len=64), python=".venv-vllm/bin/python")
     gen = engine.generate(prompts, params, seeds)          # a VllmGeneration, as torch_rollout's
     gen = engine.generate(prompts, params, seeds, images=images)   # a VLM: one SampleImages per prompt
+    engine.submit_turns(ids, contexts, params, seeds, budgets)   # multi-turn: one request per turn
+    ids, gen, cached = engine.poll_turns(0.02)             # the turns that ended
     engine.join_weights("broadcast", link, "rollout-0", world_size=2)   # the trainer's transport
     engine.update(3, wire.RECEIVE, 3)                      # receive version >= 3 through it, load it
     engine.close()
@@ -167,6 +169,38 @@ class VllmClient:
         self._send(update)
         return 1
 
+    def submit_turns(self, request_ids: list[str], contexts: list[torch.Tensor], params: SamplingParams,
+                     seeds: list[int], max_new_tokens: list[int],
+                     images: list[SampleImages | None] | None = None) -> None:
+        """Start one request per policy turn (its episode's context (L,), its budget); the engine
+        generates them while it waits for the next request (`vllm_turns.py`). A vision-language
+        model takes each turn's prompt images (None: a turn without)."""
+        flat = torch.cat(contexts).to(torch.int32).numpy() if contexts else np.empty(0, "<i4")
+        self._request(wire.SubmitTurns(
+            list(request_ids), flat.astype("<i4").tobytes(), [len(c) for c in contexts], list(seeds),
+            list(max_new_tokens), params.temperature, params.top_p, list(params.stop_token_ids),
+            None if images is None else [NO_IMAGES if i is None else _prompt_images(i) for i in images],
+        ), "submit_turns")
+
+    def poll_turns(self, timeout_s: float,
+                   stopping: threading.Event | None = None) -> tuple[list[str], VllmGeneration, list[int]]:
+        """The turns that ended (request ids, responses, context tokens of each found in the prefix
+        cache), waiting up to about `timeout_s` for one (an engine step may overrun it); at once
+        when none runs.
+        Raises GenerateAbandoned within POLL_S once `stopping` is set."""
+        self._send(wire.PollTurns(timeout_s))
+        while (reply := self._receive("poll_turns", timeout_s=None, poll_s=POLL_S)) is None:
+            if stopping is not None and stopping.is_set():
+                self._abandoned = True
+                raise GenerateAbandoned("poll of multi-turn requests abandoned: the rollout is stopping")
+        if not isinstance(reply, wire.TurnsDone):
+            raise VllmEngineError(f"poll_turns: expected TurnsDone, got {type(reply).__name__}")
+        return list(reply.request_ids), _generation(reply.generated), list(reply.cached_tokens)
+
+    def abort_turns(self, request_ids: list[str]) -> None:
+        """Drop these turns in the engine, running or ended and not yet polled."""
+        self._request(wire.AbortTurns(list(request_ids)), "abort_turns")
+
     def join_weights(self, transport: str, link: Link, group: str, world_size: int) -> None:
         """Have the engine's workers join the trainer's `transport` (`weights/transport.py`) as
         ranks 1 .. world_size - 1 of `group`; each `wire.receive_update` then loads a version from it."""
@@ -245,6 +279,10 @@ class VllmClient:
         self._socket.close(linger=0)
         self._context.term()
         self._ipc_path.unlink(missing_ok=True)
+
+
+NO_IMAGES = wire.PromptImages(b"", 0, 0, [])
+"""A turn without images in a vision-language model's SubmitTurns."""
 
 
 def _prompt_images(images: SampleImages) -> wire.PromptImages:

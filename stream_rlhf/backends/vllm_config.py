@@ -36,6 +36,10 @@ class VllmConfig:
     """No CUDA graphs or torch.compile: the engine starts in seconds instead of tens of seconds."""
     max_num_seqs: Annotated[int, Meta(ge=1)] = 256
     """Sequences decoded together by continuous batching."""
+    block_size: Annotated[int, Meta(ge=1)] | None = None
+    """KV cache block size in tokens; None: vLLM's (16 on CUDA, 128 on CPU, where it must be a
+    multiple of 32). The prefix cache reuses whole blocks only, so a multi-turn episode's later
+    turns find its earlier context cached only in full blocks: smaller blocks help short episodes."""
     sleep: bool = False
     """Release the KV cache and offload the weights after each iteration's last mini-batch and wake
     (weights, then KV cache) for the next: for colocated CUDA placements. A no-op on CPU."""

@@ -10,6 +10,12 @@
       | <------------ Generated ------------- |
       | ---- Update / Call / Sleep / WakeUp -> |
       | <------------- Done ----------------- |
+      | ----------- SubmitTurns ------------> |  multi-turn episodes: requests added, the
+      | <------------- Done ----------------- |  engine steps them between requests
+      | ------------ PollTurns --------------> |  waits up to its timeout for turns to end
+      | <------------ TurnsDone ------------- |
+      | ----------- AbortTurns -------------> |
+      | <------------- Done ----------------- |
       | ------------- Close ----------------> |  engine shut down, process exits
       | <------------- Done ----------------- |
       any request can be answered by Failed(traceback) instead.
@@ -17,6 +23,10 @@
 Token ids and log-probs travel as flat little-endian int32 / float32 bytes plus per-sample
 lengths; a vision-language model's prompts carry their image features the same way
 (`PromptImages`), and a text model's carry none (the field is left out of the message).
+Multi-turn episodes (`vllm_turns.py`) send each policy turn as a request of its own
+(SubmitTurns, named by the client's request ids); the engine process steps them whenever no
+message is waiting, so generation goes on while the client is busy with tools, and PollTurns
+collects the turns that ended. Update is allowed between them.
 `Update.method` names a `WeightSyncExtension` method of the workers (`vllm_worker.py`) and `args`
 are plain values (names, numbers, JSON): weights never travel through this socket. The workers
 join the trainer's weight transport once (`Call(JOIN, ...)`), and each weight update is then
@@ -52,6 +62,36 @@ class Generate(msgspec.Struct, tag="generate", frozen=True, omit_defaults=True):
     stop_token_ids: list[int]
     images: list[PromptImages] | None = None
     """One per prompt for a vision-language model; None (not sent) for a text model."""
+
+
+class SubmitTurns(msgspec.Struct, tag="submit_turns", frozen=True, omit_defaults=True):
+    """Start one request per policy turn; answered by Done at once (the engine does not wait for them)."""
+
+    request_ids: list[str]
+    prompt_ids: bytes
+    """int32 token ids of every turn's context (the episode so far), concatenated."""
+    prompt_lens: list[int]
+    seeds: list[int]
+    max_new_tokens: list[int]
+    """Each turn's budget."""
+    temperature: float
+    top_p: float
+    stop_token_ids: list[int]
+    images: list[PromptImages] | None = None
+    """One per turn for a vision-language model (its episode's prompt images); None for a text model."""
+
+
+class PollTurns(msgspec.Struct, tag="poll_turns", frozen=True):
+    """Answered by TurnsDone as soon as a turn has ended, or after `timeout_s` (at the next engine
+    step's end), or at once when no turn runs."""
+
+    timeout_s: float
+
+
+class AbortTurns(msgspec.Struct, tag="abort_turns", frozen=True):
+    """Drop these turns, running or ended and not yet collected; answered by Done."""
+
+    request_ids: list[str]
 
 
 JOIN = "srl_join"
@@ -106,6 +146,15 @@ class Generated(msgspec.Struct, tag="generated", frozen=True):
     finish_reasons: list[str]
 
 
+class TurnsDone(msgspec.Struct, tag="turns_done", frozen=True):
+    """The turns that ended since the last PollTurns, in `generated`'s order."""
+
+    request_ids: list[str]
+    generated: Generated
+    cached_tokens: list[int]
+    """Context tokens of each turn found in the prefix cache (not computed again)."""
+
+
 class Done(msgspec.Struct, tag="done", frozen=True):
     version: int
     """The weight version the engine holds now."""
@@ -115,8 +164,8 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     message: str
 
 
-Request = Generate | Update | Call | Sleep | WakeUp | Close
-Reply = Ready | Generated | Done | Failed
+Request = Generate | Update | Call | Sleep | WakeUp | Close | SubmitTurns | PollTurns | AbortTurns
+Reply = Ready | Generated | Done | Failed | TurnsDone
 request_decoder = msgspec.msgpack.Decoder(Request)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 encoder = msgspec.msgpack.Encoder()

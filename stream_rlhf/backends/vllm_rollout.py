@@ -5,6 +5,8 @@
     gen = engine.generate(prompts, params, seeds, images=images)   # a VLM: one `SampleImages` per prompt
     engine.call("srl_join", "shm", link.to_json(), "rollout-0", 2)   # the trainer's weight transport
     engine.update(3, "srl_receive", 3)                  # the newest version >= 3 through it
+    engine.submit_turns(["s0.2.1"], [context], params, [seed], [32])   # multi-turn: returns at once
+    engine.step_turns(); ids, gen, cached = engine.take_turns()        # the turns that ended
     engine.close()
 
 This runs in the engine process (`vllm_server.py`, started by `vllm_client.py`), which may use
@@ -80,6 +82,9 @@ class VllmOptions:
     seed: int = 0
     max_images_per_prompt: int = 4
     """Vision-language checkpoints: images a prompt may hold (vLLM's limit_mm_per_prompt)."""
+    block_size: int | None = None
+    """KV cache block size in tokens; None: vLLM's (16 on CUDA, 128 on CPU). The prefix cache
+    reuses whole blocks only."""
 
 
 @dataclass
@@ -109,6 +114,7 @@ class VllmRollout:
             tensor_parallel_size=options.tensor_parallel_size,
             gpu_memory_utilization=options.gpu_memory_utilization,
             enable_prefix_caching=options.prefix_caching,
+            block_size=options.block_size,
             max_num_seqs=options.max_num_seqs,
             seed=options.seed,
             worker_extension_cls=WORKER_EXTENSION,
@@ -126,6 +132,10 @@ class VllmRollout:
         self.said_no_sleep = False
         self.engine.set_weight_version("0")
         self._request_ids = count()
+        self.turns_running: set[str] = set()
+        """Multi-turn episodes: the request ids of turns submitted and not ended."""
+        self.turns_ended: dict[str, Any] = {}
+        """Turns ended and not yet taken, by request id (vLLM's RequestOutput)."""
 
     def generate(
         self,
@@ -138,14 +148,14 @@ class VllmRollout:
         """Sample one response per prompt (P_i,) with per-prompt `seeds`; `between_steps` is
         called after every engine step (an in-flight weight update goes there). A vision-language
         checkpoint takes `images`, one per prompt (None: no prompt has images)."""
-        from vllm import SamplingParams as VllmSamplingParams
-
         if len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts: must be one per prompt")
         if images is not None and len(images) != len(prompts):
             raise ValueError(f"images: {len(images)} for {len(prompts)} prompts: must be one per prompt")
         if images is not None and self.image_token_id is None:
             raise ValueError("images given to the engine of a text-only checkpoint")
+        if self.turns_running:
+            raise ValueError(f"generate while {len(self.turns_running)} multi-turn requests run: abort them first")
         if not prompts:
             return _generation([])
         # vLLM's own rendering of each prompt (token ids, image placeholders and embeddings)
@@ -154,18 +164,7 @@ class VllmRollout:
         ids = []
         for engine_input, seed in zip(inputs, seeds):
             request_id = f"r{next(self._request_ids)}"
-            sampling = VllmSamplingParams(
-                temperature=params.temperature,
-                top_p=params.top_p,
-                max_tokens=params.max_new_tokens,
-                stop_token_ids=list(params.stop_token_ids),
-                ignore_eos=True,  # stop at `stop_token_ids` only, exactly as the torch backend
-                logprobs=0,  # the sampled token's
-                seed=seed,
-                detokenize=False,
-                logit_bias=self.no_image_tokens,
-            )
-            self.engine.add_request(request_id, engine_input, sampling)
+            self.engine.add_request(request_id, engine_input, self._sampling(params, seed, params.max_new_tokens))
             ids.append(request_id)
         finished: dict[str, Any] = {}
         while self.engine.has_unfinished_requests():
@@ -175,6 +174,57 @@ class VllmRollout:
             if between_steps is not None:
                 between_steps()
         return _generation([finished[i] for i in ids])
+
+    def submit_turns(self, request_ids: list[str], contexts: list[Tensor], params: SamplingParams, seeds: list[int],
+                     max_new_tokens: list[int], images: list[SampleImages] | None = None) -> None:
+        """Add one request per policy turn (context (L,) each: its episode so far) and return at
+        once; `step_turns` advances them. With prefix caching on, a turn's context finds the
+        blocks of its episode's earlier turns cached."""
+        if images is not None and self.image_token_id is None:
+            raise ValueError("images given to the engine of a text-only checkpoint")
+        inputs = self.engine.renderer.render_cmpl(
+            [self._prompt(context, None if images is None else images[i]) for i, context in enumerate(contexts)])
+        for request_id, engine_input, seed, budget in zip(request_ids, inputs, seeds, max_new_tokens, strict=True):
+            self.engine.add_request(request_id, engine_input, self._sampling(params, seed, budget))
+            self.turns_running.add(request_id)
+
+    def step_turns(self) -> None:
+        """One engine step; the turns that end are kept for `take_turns`."""
+        for output in self.engine.step():
+            if output.finished and output.request_id in self.turns_running:
+                self.turns_running.discard(output.request_id)
+                self.turns_ended[output.request_id] = output
+
+    def take_turns(self) -> tuple[list[str], VllmGeneration, list[int]]:
+        """The turns that ended since the last call: their request ids, responses, and the
+        context tokens of each that the prefix cache held."""
+        ended, self.turns_ended = self.turns_ended, {}
+        outputs = list(ended.values())
+        return list(ended), _generation([o.outputs[0] for o in outputs]), [o.num_cached_tokens or 0 for o in outputs]
+
+    def abort_turns(self, request_ids: list[str]) -> None:
+        """Drop these turns, running or ended and not yet taken."""
+        running = [i for i in request_ids if i in self.turns_running]
+        self.engine.abort_request(running)
+        self.turns_running.difference_update(running)
+        for request_id in request_ids:
+            self.turns_ended.pop(request_id, None)
+
+    def _sampling(self, params: SamplingParams, seed: int, max_new_tokens: int) -> Any:
+        """vLLM's sampling params for one request."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        return VllmSamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,  # stop at `stop_token_ids` only, exactly as the torch backend
+            logprobs=0,  # the sampled token's
+            seed=seed,
+            detokenize=False,
+            logit_bias=self.no_image_tokens,
+        )
 
     def _prompt(self, prompt: Tensor, images: SampleImages | None) -> dict[str, Any]:
         """vLLM's prompt: the token ids, and for a prompt with images one placeholder per image

@@ -2,6 +2,7 @@
 
     engine = VllmRolloutEngine(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
+    sampler = engine.turn_sampler(batch, params)    # multi-turn episodes (vllm_turns.py)
     engine.close()
 
 Weight updates (`weights.update`):
@@ -10,7 +11,9 @@ Weight updates (`weights.update`):
     in_flight   also while a mini-batch generates: the update is applied between engine steps,
                 requests keep their KV cache, and `token_versions` records which version sampled
                 each token. The handle's policy_version is the oldest version in it, so the
-                staleness bound holds for every token.
+                staleness bound holds for every token. Multi-turn episodes take an update
+                at a turn boundary instead: new turns wait for the running ones to end
+                (each turn is sampled by one version), and prefix caching stays on.
 With `rollout.vllm.sleep`, the engine sleeps after an iteration's last mini-batch (releasing its
 KV cache and weights while training runs on the same device) and wakes for the next one,
 weights first, then the new version, then the KV cache (a no-op on CPU, where vLLM has no sleep
@@ -34,6 +37,7 @@ from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_client import GenerateAbandoned, VllmClient
 from stream_rlhf.backends.vllm_protocol import Update
 from stream_rlhf.backends.vllm_rollout import VllmOptions
+from stream_rlhf.backends.vllm_turns import VllmTurnSampler
 from stream_rlhf.models.checkpoint import max_positions
 from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stage import Batch, StageContext, StepAborted
@@ -52,11 +56,14 @@ def engine_options(job: JobContext, max_model_len: int) -> VllmOptions:
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=cfg.tensor_parallel_size,
         enforce_eager=cfg.enforce_eager,
-        prefix_caching=job.config.weights.update == "drain",
+        # in-flight updates between engine steps would leave stale cached blocks in use; multi-turn
+        # episodes take them only at turn boundaries, with nothing running (vllm_turns.py)
+        prefix_caching=job.config.weights.update == "drain" or job.config.env is not None,
         max_num_seqs=cfg.max_num_seqs,
         cpu_cores=None if torch.cuda.is_available() else sorted(os.sched_getaffinity(0)),
         seed=job.config.seed,
         max_images_per_prompt=job.config.data.max_images_per_prompt,
+        block_size=cfg.block_size,
     )
 
 
@@ -67,20 +74,15 @@ class VllmRolloutEngine:
         self.weights = weights
         self.images = images
         cfg = job.config.rollout.vllm
-        self.engine = VllmClient(job.checkpoint, engine_options(job, max_positions(job.checkpoint)),
-                                 python=cfg.python, start_timeout_s=cfg.start_timeout_s)
+        self.options = engine_options(job, max_positions(job.checkpoint))
+        self.engine = VllmClient(job.checkpoint, self.options, python=cfg.python, start_timeout_s=cfg.start_timeout_s)
         weights.join_engine(self.engine)
         self.in_flight = job.config.weights.update == "in_flight"
         self.sleeping = False
 
     def generate(self, batch: Batch, prompts: list[Tensor], params: SamplingParams) -> Generated:
         """The responses, stamped with the oldest policy version that sampled a token of them."""
-        update = self.weights.engine_update(self.engine.version)
-        if self.sleeping:
-            self.engine.wake_up(update)
-            self.sleeping = False
-        elif update is not None:
-            self.engine.update(update.version, update.method, *update.args)
+        self._refresh()
         generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch)
         seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
         try:
@@ -88,11 +90,32 @@ class VllmRolloutEngine:
                                        images=self.images.of(batch.tensors), stopping=self.stopping)
         except GenerateAbandoned as exc:
             raise StepAborted(str(exc)) from None
+        self._after(batch)
+        oldest = min((int(v.min()) for v in gen.token_versions if len(v)), default=self.engine.version)
+        return Generated(gen, oldest, token_versions=gen.token_versions if self.in_flight else None)
+
+    def turn_sampler(self, batch: Batch, params: SamplingParams) -> VllmTurnSampler:
+        """The sampler of a mini-batch's multi-turn episodes (`vllm_turns.py`), with the newest
+        weights loaded first; in-flight updates land at turn boundaries."""
+        self._refresh()
+        return VllmTurnSampler(self.engine, params, (self.job.config.seed, "rollout", batch.iteration, batch.minibatch),
+                               self.options.max_model_len, self._in_flight_update if self.in_flight else None,
+                               self.stopping, on_close=lambda: self._after(batch))
+
+    def _refresh(self) -> None:
+        """Before a mini-batch: wake the engine if it sleeps, and load the newest version."""
+        update = self.weights.engine_update(self.engine.version)
+        if self.sleeping:
+            self.engine.wake_up(update)
+            self.sleeping = False
+        elif update is not None:
+            self.engine.update(update.version, update.method, *update.args)
+
+    def _after(self, batch: Batch) -> None:
+        """After a mini-batch: sleep after the iteration's last one (`rollout.vllm.sleep`)."""
         if self.job.config.rollout.vllm.sleep and batch.minibatch == self.job.config.rollout_batch.minibatches - 1:
             self.engine.sleep()
             self.sleeping = True
-        oldest = min((int(v.min()) for v in gen.token_versions if len(v)), default=self.engine.version)
-        return Generated(gen, oldest, token_versions=gen.token_versions if self.in_flight else None)
 
     def _in_flight_update(self) -> Update | None:
         return self.weights.engine_update(self.engine.version)

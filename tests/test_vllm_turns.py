@@ -1,0 +1,265 @@
+"""The vLLM TurnSampler (`backends/vllm_turns.py`) against a real vLLM engine (CPU build), driven
+by a scripted environment: staggered episodes, fixed observation ids after each turn, a few
+advances of "tool" wait between turns. Each policy token's behaviour log-prob equals our
+full-sequence forward's, masks and rewards are the script's, an episode samples the same tokens
+whatever the schedule, in-flight updates land at turn boundaries, close aborts what runs."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.backends.vllm_client import VllmClient
+from stream_rlhf.backends.vllm_protocol import Update, receive_update
+from stream_rlhf.backends.vllm_rollout import VllmOptions
+from stream_rlhf.backends.vllm_turns import VllmTurnSampler
+from stream_rlhf.envs.episode import Episode
+from stream_rlhf.envs.turns import TurnDone, TurnRequest
+from stream_rlhf.models.checkpoint import build_tiny, load_policy
+from stream_rlhf.models.model_config import TinyModelConfig
+from stream_rlhf.models.packing import sequence_logprobs
+from stream_rlhf.models.tokenizer import build_tokenizer
+from stream_rlhf.weights.shm_store import WeightStore
+from stream_rlhf.weights.transport import Link, groups_folder
+from tests.vllm_env import vllm_python
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+PROMPTS = ["12+7=", "3+4=", "55+1=", "9+90=", "1+1=", "70+8="]
+MAX_MODEL_LEN = 128
+MAX_NEW_TOKENS = 6
+
+
+@dataclass(frozen=True)
+class Script:
+    """One scripted episode: when its first turn starts, how many turns it has, how many advances
+    its tool takes after each turn."""
+
+    start_at: int
+    turns: int
+    tool_advances: int
+
+
+def observation(key: int, turn: int) -> list[int]:
+    """The fixed ids the script appends after turn `turn` of episode `key`."""
+    return build_tokenizer().encode(f" ={key * 7 + turn}; ")
+
+
+def reward(key: int, turn: int) -> float:
+    return key + turn / 10
+
+
+STAGGERED = [Script(start_at=2 * k, turns=2 + k % 2, tool_advances=k % 3) for k in range(len(PROMPTS))]
+"""Episodes starting one after another, 2 or 3 turns each, tools of 0 to 2 advances."""
+TOGETHER = [Script(start_at=0, turns=s.turns, tool_advances=2 - s.tool_advances) for s in STAGGERED]
+"""The same episodes all started at once, with other tool waits."""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_tokenizer()
+    cfg = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=32, max_position_embeddings=MAX_MODEL_LEN)
+    build_tiny(cfg, tokenizer, seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    # prefix caching on (the default) with 32-token blocks (the CPU's smallest; its default 128
+    # is longer than these episodes): later turns find their episode's earlier blocks cached
+    client = VllmClient(str(checkpoint), VllmOptions(max_model_len=MAX_MODEL_LEN, cpu_cores=[0], block_size=32),
+                        python=vllm_python(), start_timeout_s=300)
+    yield client
+    client.close()
+    assert client.process.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[torch.Tensor]:
+    tokenizer = build_tokenizer()
+    return [torch.tensor(tokenizer.encode(p)) for p in PROMPTS]
+
+
+def params(temperature: float = 1.0, stop: tuple[int, ...] | None = None) -> SamplingParams:
+    tokenizer = build_tokenizer()
+    return SamplingParams(temperature, 1.0, MAX_NEW_TOKENS, (tokenizer.eos_token_id,) if stop is None else stop,
+                          tokenizer.pad_token_id)
+
+
+def sampler(engine: VllmClient, temperature: float = 1.0, stop: tuple[int, ...] | None = None,
+            **kwargs) -> VllmTurnSampler:
+    return VllmTurnSampler(engine, params(temperature, stop), (0, "rollout", 1, 0), MAX_MODEL_LEN, **kwargs)
+
+
+def run_episodes(turns: VllmTurnSampler, prompts: list[torch.Tensor], scripts: list[Script],
+                 max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[list[Episode], list[TurnDone]]:
+    """The scripted environment's episodes through `turns`, as an episode loop runs them."""
+    episodes = [Episode(p.tolist()) for p in prompts]
+    due = {key: script.start_at for key, script in enumerate(scripts)}  # key -> advance its next turn starts at
+    dones, step = [], 0
+    while due or turns.busy:
+        for key in [k for k, at in due.items() if at <= step]:
+            del due[key]
+            context = torch.tensor(episodes[key].prompt_ids + episodes[key].token_ids)
+            turns.start(TurnRequest(key, context, None, max_new_tokens))
+        for done in turns.advance():
+            episode, script = episodes[done.key], scripts[done.key]
+            episode.add_policy_turn(done.ids.tolist(), done.logps.tolist(), done.policy_version)
+            episode.set_turn_reward(reward(done.key, episode.turns - 1))
+            if episode.turns < script.turns:
+                episode.add_observation(observation(done.key, episode.turns - 1))
+                due[done.key] = step + 1 + script.tool_advances
+            else:
+                turns.release(done.key)
+            dones.append(done)
+        step += 1
+        assert step < 100_000, "the episodes never ended"
+    turns.close()
+    return episodes, dones
+
+
+def turn_spans(episode: Episode) -> list[tuple[int, int]]:
+    """(start, end) in token_ids of each policy turn, from its loss mask."""
+    spans, start = [], None
+    for i, policy in enumerate(episode.loss_mask + [0]):
+        if policy and start is None:
+            start = i
+        elif not policy and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def logprob_errors(model: torch.nn.Module, episode: Episode) -> list[float]:
+    """Per policy turn: max |behaviour log-prob - our full-sequence forward's|."""
+    with torch.no_grad():
+        (ours,), _ = sequence_logprobs(model, [torch.tensor(episode.prompt_ids + episode.token_ids)], 1.0)
+    ours = ours[len(episode.prompt_ids) - 1:]  # ours[r]: log p(token_ids[r] | what precedes it)
+    behaviour = torch.tensor(episode.behavior_logp)
+    return [(ours[a:b] - behaviour[a:b]).abs().max().item() for a, b in turn_spans(episode)]
+
+
+def test_turns_match_the_script_and_our_forward(engine, checkpoint, prompts):
+    episodes, dones = run_episodes(sampler(engine), prompts, STAGGERED)
+    eos = build_tokenizer().eos_token_id
+    for done in dones:
+        assert 1 <= len(done.ids) <= MAX_NEW_TOKENS and len(done.logps) == len(done.ids)
+        assert (done.finish_reason == "stop") == (done.ids[-1].item() == eos)
+        assert done.policy_version == 0
+    model = load_policy(checkpoint).eval()
+    for key, (episode, script) in enumerate(zip(episodes, STAGGERED)):
+        spans = turn_spans(episode)
+        assert len(spans) == episode.turns == script.turns
+        # the script's layout: each turn's tokens (mask 1), then its observation (mask 0) but after the last
+        mask, rewards = [], []
+        for turn, (a, b) in enumerate(spans):
+            observed = observation(key, turn) if turn < script.turns - 1 else []
+            mask += [True] * (b - a) + [False] * len(observed)
+            rewards += [0.0] * (b - a - 1) + [reward(key, turn)] + [0.0] * len(observed)
+            assert episode.token_ids[b:b + len(observed)] == observed
+        tensors = episode.response_tensors()
+        assert tensors["loss_mask"].tolist() == mask
+        assert tensors["token_rewards"].tolist() == pytest.approx(rewards)
+        assert max(logprob_errors(model, episode)) < 1e-4, key
+
+
+def test_an_episode_samples_the_same_whatever_the_schedule(engine, prompts):
+    staggered, _ = run_episodes(sampler(engine), prompts, STAGGERED)
+    together, _ = run_episodes(sampler(engine), prompts, TOGETHER)
+    for a, b in zip(staggered, together):
+        assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+        assert torch.allclose(torch.tensor(a.behavior_logp), torch.tensor(b.behavior_logp), atol=1e-5)
+    other_seed, _ = run_episodes(VllmTurnSampler(engine, params(), (1, "rollout", 1, 0), MAX_MODEL_LEN),
+                                 prompts, STAGGERED)
+    assert [e.token_ids for e in other_seed] != [e.token_ids for e in staggered]
+
+
+def test_greedy_turns_match_our_forward(engine, checkpoint, prompts):
+    episodes, _ = run_episodes(sampler(engine, temperature=0.0), prompts, STAGGERED)
+    model = load_policy(checkpoint).eval()
+    assert max(max(logprob_errors(model, e)) for e in episodes) < 1e-4
+
+
+def test_later_turns_find_their_episode_in_the_prefix_cache(engine, checkpoint):
+    tokenizer = build_tokenizer()
+    # 37 tokens each (one whole block), no two alike from the first: only an episode's own turns share blocks
+    prompts = [torch.tensor(tokenizer.encode(f"{k} the quick brown fox jumps over {k}+7=")) for k in range(4)]
+    first = sampler(engine)
+    run_episodes(first, prompts, [Script(start_at=k, turns=1, tool_advances=0) for k in range(4)])
+    assert first.cached_tokens == 0 and first.context_tokens == sum(len(p) for p in prompts)
+    two = sampler(engine)
+    episodes, _ = run_episodes(two, prompts, [Script(start_at=k, turns=2, tool_advances=k) for k in range(4)])
+    # each turn finds the prompt's block cached: turn 0 from `first`, turn 1 from turn 0
+    assert two.cached_tokens >= 4 * (32 + 32)
+    model = load_policy(checkpoint).eval()
+    assert max(max(logprob_errors(model, e)) for e in episodes) < 1e-4
+
+
+def test_close_aborts_the_running_turns(engine, prompts):
+    turns = VllmTurnSampler(engine, params(stop=()), (0, "rollout", 2, 0), MAX_MODEL_LEN)
+    for key, prompt in enumerate(prompts):
+        turns.start(TurnRequest(key, prompt, None, 100 - 10 * key))
+    ended = turns.advance()  # the engine goes on with the others (running, or ended and not yet polled)
+    assert turns.busy == (len(ended) < len(prompts))
+    turns.close()
+    assert not turns.busy
+    # nothing left in the engine: no turn to answer a poll, and generate (which refuses to run
+    # beside multi-turn requests) runs
+    request_ids, _, _ = engine.poll_turns(0.0)
+    assert request_ids == []
+    gen = engine.generate(prompts, params(), seeds=list(range(len(prompts))))
+    assert len(gen.response_ids) == len(prompts)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sampler(engine).start(TurnRequest(0, prompts[0], None, MAX_MODEL_LEN))
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    model = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    return model
+
+
+def test_in_flight_updates_land_at_turn_boundaries(engine, checkpoint, prompts, tmp_path):
+    """An update offered while turns run waits for them to end: every turn is sampled by one
+    version, the one it reports (run last: it leaves the engine on other weights)."""
+    old = perturbed(load_policy(checkpoint).eval(), seed=1)
+    new = perturbed(old, seed=2)
+    store = WeightStore(tmp_path, "actor", keep=3)
+    store.publish(old, version=1)
+    engine.join_weights("shm", Link(str(tmp_path), "actor", str(groups_folder(tmp_path)), "gloo", 1 << 16, 60.0),
+                        "rollout-0", 2)
+    engine.update(1, "srl_receive", 1)
+    published = []
+
+    def pending_update() -> Update | None:
+        """Version 2 once an episode has started its second turn, offered while turns run."""
+        if not published and max(turns.turns_started.values(), default=0) >= 2 and turns.running:
+            store.publish(new, version=2)
+            published.append(len(turns.running))
+        return receive_update(2) if published and engine.version < 2 else None
+
+    # no stop token, long turns: the update is offered while turns are still running in the engine
+    turns = sampler(engine, stop=(), pending_update=pending_update)
+    scripts = [Script(start_at=k, turns=2, tool_advances=1) for k in range(len(prompts))]
+    episodes, dones = run_episodes(turns, prompts, scripts, max_new_tokens=48)
+    assert published and published[0] >= 1  # offered while turns ran: they ended first
+    assert engine.version == 2
+    assert {d.policy_version for d in dones} == {1, 2}
+    for episode in episodes:
+        spans = turn_spans(episode)
+        versions = [episode.policy_versions[a] for a, _ in spans]
+        assert versions == sorted(versions)  # a later turn never had older weights
+        assert all(set(episode.policy_versions[a:b]) == {v} for (a, b), v in zip(spans, versions))
+        errors = {v: logprob_errors(model, episode) for v, model in ((1, old), (2, new))}
+        # each turn's log-probs are its version's: no update landed inside a turn
+        assert all(errors[v][turn] < 1e-4 for turn, v in enumerate(versions)), (versions, errors)
