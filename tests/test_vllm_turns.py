@@ -24,6 +24,7 @@ from stream_rlhf.models.checkpoint import build_tiny, load_policy
 from stream_rlhf.models.model_config import TinyModelConfig
 from stream_rlhf.models.packing import sequence_logprobs
 from stream_rlhf.models.tokenizer import build_tokenizer
+from stream_rlhf.samples import SampleImages
 from stream_rlhf.weights.shm_store import WeightStore
 from stream_rlhf.weights.transport import Link, groups_folder
 from tests.vllm_env import vllm_python
@@ -99,8 +100,10 @@ def sampler(engine: VllmClient, temperature: float = 1.0, stop: tuple[int, ...] 
 
 
 def run_episodes(turns: VllmTurnSampler, prompts: list[torch.Tensor], scripts: list[Script],
-                 max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[list[Episode], list[TurnDone]]:
-    """The scripted environment's episodes through `turns`, as an episode loop runs them."""
+                 max_new_tokens: int = MAX_NEW_TOKENS,
+                 images: list[SampleImages] | None = None) -> tuple[list[Episode], list[TurnDone]]:
+    """The scripted environment's episodes through `turns`, as an episode loop runs them (a
+    vision-language model's with each prompt's `images` on every turn)."""
     episodes = [Episode(p.tolist()) for p in prompts]
     due = {key: script.start_at for key, script in enumerate(scripts)}  # key -> advance its next turn starts at
     dones, step = [], 0
@@ -108,7 +111,7 @@ def run_episodes(turns: VllmTurnSampler, prompts: list[torch.Tensor], scripts: l
         for key in [k for k, at in due.items() if at <= step]:
             del due[key]
             context = torch.tensor(episodes[key].prompt_ids + episodes[key].token_ids)
-            turns.start(TurnRequest(key, context, None, max_new_tokens))
+            turns.start(TurnRequest(key, context, None if images is None else images[key], max_new_tokens))
         for done in turns.advance():
             episode, script = episodes[done.key], scripts[done.key]
             episode.add_policy_turn(done.ids.tolist(), done.logps.tolist(), done.policy_version)

@@ -122,7 +122,7 @@ class VllmTurnSampler:
                 del self.running[request_id]
 
     def close(self) -> None:
-        """Abort every turn left; idempotent."""
+        """Abort every turn left, then `on_close`; idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -130,7 +130,7 @@ class VllmTurnSampler:
         if self.running and not self.abandoned:
             self.engine.abort_turns(list(self.running))
             self.running.clear()
-        if self.on_close is not None:
+        if self.on_close is not None and not self.abandoned:  # an abandoned engine is killed, not put to sleep
             self.on_close()
 
     def _submit(self) -> None:
