@@ -44,6 +44,7 @@ from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
 from stream_rlhf.stages.weight_sync import open_sender
+from stream_rlhf.telemetry.episodes import episode_metrics
 from stream_rlhf.telemetry.metrics import MetricsWriter
 from stream_rlhf.telemetry.sample_log import SampleLog
 from stream_rlhf.weights.shm_store import WeightStore
@@ -138,6 +139,8 @@ class ActorTrain(Stage):
             record.update(self._warmup_record(exp) if warmup else self._update(exp, fresh))
         if self.job.config.rollout.medusa.enabled:
             record.update(_decoding_metrics(batches))
+        if self.job.config.env is not None:
+            record.update(episode_metrics(batches))  # turns_per_episode, tool_calls, tool_s, tool_hidden_frac
         self.iteration += 1
         if not warmup:
             self.version += 1
