@@ -25,6 +25,7 @@ from stream_rlhf.telemetry.episodes import (
     episode_summary,
     record_episodes,
 )
+from stream_rlhf.telemetry.progress import describe
 from stream_rlhf.telemetry.sample_log import LOSS_MASK, SAMPLES_FILE, SampleLog, SampleLogConfig, turn_spans
 from stream_rlhf.telemetry.stage_counts import StageCounts, read_stage_counts
 from stream_rlhf.telemetry.trace_merge import merge_trace
@@ -160,3 +161,10 @@ def test_the_sample_log_records_turn_spans_from_the_loss_mask(tmp_path):
 
 def test_a_single_turn_sample_has_no_turns(tmp_path):
     assert [line["turns"] for line in _log(tmp_path, _episode_batch(None))] == [None, None, None]
+
+
+def test_the_progress_line_shows_turns_only_for_episodes():
+    single = {"iteration": 0, "reward": 0.5, "kl": 0.01, "tokens_per_s": 100.0}
+    assert "turns" not in describe(single)
+    line = describe(single | {"turns_per_episode": 2.5, "tool_hidden_frac": 0.42})
+    assert line.endswith("2.50 turns/ep  tool hidden 42%")
