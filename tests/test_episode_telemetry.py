@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from stream_rlhf.broker.control.messages import Handle
+from stream_rlhf.envs.episode import Episode
+from stream_rlhf.envs.episode_loop import EpisodeResult
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.samples import Rollout, ragged
@@ -43,16 +45,30 @@ def no_trace_left_running():
 
 
 def _stats(turns: list[int], ended: list[str], hidden_s: float) -> EpisodeStats:
-    """One tool call after every turn but the last, each 0.05 s, waits laid out one after another."""
+    """One tool call after every turn but the last, each 0.05 s, waits laid out one after another
+    (so tool_wall_s = tool_s)."""
     calls = [t - 1 for t in turns]
     waits = [(key, T0 + 0.1 * n, 0.05) for n, key in enumerate(k for k, c in enumerate(calls) for _ in range(c))]
     return EpisodeStats(turns=turns, tool_calls=calls, tool_s=[0.05 * c for c in calls], ended=ended,
-                        tool_waits=waits, tool_hidden_s=hidden_s)
+                        tool_waits=waits, tool_wall_s=0.05 * sum(calls), tool_hidden_s=hidden_s)
 
 
 def _handle_batch(minibatch: int, stats: EpisodeStats | None) -> Batch:
     metadata = {} if stats is None else {EPISODES: stats.encode()}
     return Batch(Handle(f"h{minibatch}", "experience", 0, minibatch, 0, 3, metadata=metadata), {})
+
+
+def test_stats_of_an_episode_loop_result():
+    done, failed = Episode(prompt_ids=[1, 2]), Episode(prompt_ids=[3])
+    done.add_policy_turn([40, 41], logps=[-0.1, -0.2], policy_version=0)
+    done.add_observation([50])
+    done.add_policy_turn([42], logps=[-0.3], policy_version=1)
+    failed.add_policy_turn([43], logps=[-0.4], policy_version=0)
+    result = EpisodeResult([done, failed], ["done", "failed:raised"], [1, 1], [0.05, 0.02],
+                           tool_waits=[(0, T0, 0.05), (1, T0, 0.02)], tool_hidden_s=0.03, tool_wall_s=0.05)
+    stats = EpisodeStats.decode(EpisodeStats.of(result).encode())
+    assert stats == EpisodeStats(turns=[2, 1], tool_calls=[1, 1], tool_s=[0.05, 0.02], ended=["done", "failed:raised"],
+                                 tool_waits=[(0, T0, 0.05), (1, T0, 0.02)], tool_wall_s=0.05, tool_hidden_s=0.03)
 
 
 def test_the_metadata_round_trips_and_a_single_turn_handle_adds_nothing(tmp_path):
@@ -77,7 +93,8 @@ def test_counts_from_two_instances_give_the_summary(tmp_path):
     episodes = summary["episodes"]
     assert episodes["count"] == 6 and episodes["turns_per_episode"] == round(14 / 6, 4)
     assert episodes["ended"] == {"done": 2, "max_turns": 1}
-    assert episodes["tool_s"] == pytest.approx(0.4) and episodes["tool_hidden_s"] == pytest.approx(0.25)
+    assert episodes["tool_s"] == episodes["tool_wall_s"] == pytest.approx(0.4)
+    assert episodes["tool_hidden_s"] == pytest.approx(0.25)
     assert episodes["tool_hidden_frac"] == pytest.approx(0.625)
 
 
@@ -115,6 +132,10 @@ def test_iteration_metrics_from_the_minibatches_metadata():
     assert record == {"turns_per_episode": 2.0, "tool_calls": 6, "tool_s": pytest.approx(0.3),
                       "tool_hidden_frac": pytest.approx(0.5), "episodes_failed": 2}
     assert episode_metrics([_handle_batch(0, None)]) == {}
+    # calls of several episodes overlap: the fraction is of the wall-clock seconds, not of tool_s
+    overlapping = msgspec.structs.replace(_stats([3, 3], ["done", "done"], 0.04), tool_wall_s=0.05)
+    record = episode_metrics([_handle_batch(0, overlapping)])
+    assert record["tool_s"] == pytest.approx(0.2) and record["tool_hidden_frac"] == pytest.approx(0.8)
 
 
 @pytest.mark.parametrize(("mask", "spans"), [
