@@ -5,13 +5,14 @@ runs/<name>/samples.jsonl, for the per-sample viewer (`stream-rlhf view`, `viewe
     log.write(batches, exp, advantages, kl, trainer_version)     # once per trained iteration
 
 One JSON object a line (`SampleRecord` fields): iteration, minibatch, sample (its index in the
-mini-batch), policy_version (that generated it), staleness (trainer version minus that), reward,
-prompt (text; a run of image tokens shows as <image>), response (text), tokens (each response
-token decoded on its own), logprob (behaviour log-prob per token), advantage (per token), kl (per
-token, vs the reference; null when the job has no reference), images (the prompt's image
-files; empty for text) and turns (a multi-turn episode's response as [start, end, kind] token
-spans, kind "policy" or "observation", from the handle's `loss_mask`; null for one response).
-At most `per_minibatch` lines per mini-batch, spread evenly over it, so the file holds at most
+mini-batch), policy_version (that generated it), staleness (trainer version minus that), reward
+(an episode's: its return, score + turn rewards), prompt (text; a run of image tokens shows as
+<image>), response (text; an episode's observations included), tokens (each response token
+decoded on its own), logprob (behaviour log-prob per token), advantage (per token), kl (per
+token, vs the reference; null when the job has no reference), images (the prompt's image files;
+empty for text) and turns (a multi-turn episode's response as [start, end, kind] token spans,
+kind "policy" or "observation", from the handle's `loss_mask`; null for one response). At most
+`per_minibatch` lines per mini-batch, spread evenly over it, so the file holds at most
 per_minibatch * rollout_batch.minibatches lines per iteration: opening the log cuts what it holds
 from `start_version` on (a resumed run continues from its checkpoint; a fresh one starts empty).
 """
@@ -132,7 +133,7 @@ class SampleLog:
         return SampleRecord(
             iteration=batch.iteration, minibatch=batch.minibatch, sample=index,
             policy_version=batch.policy_version, staleness=version - batch.policy_version,
-            reward=round(float(exp.scores[n]), DIGITS),
+            reward=round(float(exp.sample_returns()[n]), DIGITS),
             prompt=self._prompt_text(sequence[:prompt_len]),
             response=self.tokenizer.decode(response, skip_special_tokens=True),
             tokens=self.tokenizer.batch_decode([[token] for token in response]),
