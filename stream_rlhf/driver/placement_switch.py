@@ -73,9 +73,11 @@ class PlannedSwitch:
     replan: dict[str, Any]
     """The re-plan's figures that led to the switch."""
 
-    def describe(self, iteration: int | str) -> str:
-        return (f"placement: switching at iteration {iteration} from {_short(self.from_placement)} to "
-                f"{_short(self.to_placement)} (predicted {self.predicted_to_s} s/iter vs {self.predicted_from_s})")
+    def describe(self, iteration: int | None = None) -> str:
+        """The log line of the switch at `iteration` (None: when it is decided, before the drain)."""
+        at = "at the next iteration boundary" if iteration is None else f"at iteration {iteration}"
+        return (f"placement: switching {at} from {_short(self.from_placement)} to {_short(self.to_placement)} "
+                f"(predicted {self.predicted_to_s} s/iter vs {self.predicted_from_s})")
 
 
 def decide(cfg: RLJobConfig, drift: dict[str, Any], records: list[dict[str, Any]], done: int,

@@ -44,7 +44,7 @@ FORCE_SWITCH_VARIABLE = "STREAM_RLHF_REPLAN_FORCE_SWITCH"
 
 class ReplanWatch:
     def __init__(self, cfg: RLJobConfig, flow: Dataflow, choice: PlacementChoice, metrics_path: Path | None,
-                 may_switch: bool = False, on_switch: Callable[[], None] | None = None, every_s: float = 1.0):
+                 may_switch: bool = False, on_switch: Callable[[], None] | None = None, every_s: float = 0.25):
         self.cfg, self.flow, self.choice = cfg, flow, choice
         self.path = metrics_path
         self.may_switch = may_switch
@@ -96,7 +96,7 @@ class ReplanWatch:
             log.warning("%s; not switched: %s", text, decision.why)
             return
         self.switch = planned_switch(self.choice, self.result)
-        log.warning("%s; %s: draining the stages at the next iteration boundary to resume with it (%s)", text,
-                    self.switch.describe("the drain's checkpoint"), decision.why)
+        log.warning("%s; %s: draining the stages, to resume from the checkpoint they leave (%s)", text,
+                    self.switch.describe(), decision.why)
         if self.on_switch is not None:
             self.on_switch()
