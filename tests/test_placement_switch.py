@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from stream_rlhf.config import ConfigError, load_config
-from stream_rlhf.driver.placement_switch import decide, placements_used, planned_switch, switched_config
+from stream_rlhf.driver.placement_switch import (
+    decide,
+    placements_used,
+    planned_switch,
+    restart_estimate,
+    switched_config,
+)
 from stream_rlhf.driver.replan import FORCE_SWITCH_VARIABLE, ReplanWatch
 from stream_rlhf.driver.resume import read_switches, record_start
 from stream_rlhf.planner.auto_placement import choose_placement, replan, with_placement
@@ -46,30 +52,37 @@ def drift(planned) -> dict:
 def test_a_faster_placement_is_switched_to_only_under_switch_once_and_with_iterations_left(planned, drift):
     cfg = planned[0]
     assert drift["better"] is not None
-    assert decide(cfg, drift, records(), done=5, switched_before=False).switch
-    warn = decide(with_placement(cfg, {"replan": "warn"}), drift, records(), done=5, switched_before=False)
+    assert decide(cfg, drift, done=5, restart_s=1.0, switched_before=False).switch
+    warn = decide(with_placement(cfg, {"replan": "warn"}), drift, done=5, restart_s=1.0, switched_before=False)
     assert not warn.switch and "placement.replan=warn" in warn.why
-    again = decide(cfg, drift, records(), done=5, switched_before=True)
+    again = decide(cfg, drift, done=5, restart_s=1.0, switched_before=True)
     assert not again.switch and "switched placement already" in again.why
-    late = decide(cfg, drift, records(), done=39, switched_before=False)
+    late = decide(cfg, drift, done=39, restart_s=1.0, switched_before=False)
     assert not late.switch and "1 of iterations=40 left" in late.why
-    assert not decide(cfg, {**drift, "better": None}, records(), done=5, switched_before=False).switch
+    assert not decide(cfg, {**drift, "better": None}, done=5, restart_s=1.0, switched_before=False).switch
 
 
 def test_a_switch_must_pay_for_its_restart(planned, drift):
     """The gain: predicted seconds saved per iteration, scaled to the measured iteration time, over
-    the iterations left; the restart: the first iteration's excess over the others."""
+    the iterations left; the restart: the job's start-up before its first iteration."""
     cfg = planned[0]
     saved_per_iteration = (drift["running_predicted_now_s"] - drift["better"]["predicted_iteration_s"]) \
         * drift["measured_iteration_s"] / drift["running_predicted_now_s"]
     left = 10
     gain = saved_per_iteration * left
-    done = 40 - left
-    pays = decide(cfg, drift, records(first_s=0.5 + gain * 0.9), done, switched_before=False)
+    pays = decide(cfg, drift, 40 - left, restart_s=gain * 0.9, switched_before=False)
     assert pays.switch and f"predicted gain {gain:.1f} s over the {left} iterations left" in pays.why
-    costly = decide(cfg, drift, records(first_s=0.5 + gain * 1.1), done, switched_before=False)
+    costly = decide(cfg, drift, 40 - left, restart_s=gain * 1.1, switched_before=False)
     assert not costly.switch and "does not pay for a restart" in costly.why
-    assert decide(cfg, drift, records(first_s=0.5 + gain * 1.1), done, switched_before=False, forced=True).switch
+    assert decide(cfg, drift, 40 - left, restart_s=gain * 1.1, switched_before=False, forced=True).switch
+
+
+def test_the_restart_is_costed_from_the_job_s_start_up():
+    """Seen: 6 s from the processes' start to the first record, of which one steady iteration
+    (0.5 s) is not start-up; not seen: the first iteration's excess over the others."""
+    assert restart_estimate(records(), first_record_s=6.0) == pytest.approx(5.5)
+    assert restart_estimate(records(first_s=2.0), first_record_s=None) == pytest.approx(1.5)
+    assert restart_estimate(records(count=1), first_record_s=None) == pytest.approx(2.0)
 
 
 def test_the_watch_drains_the_job_once_and_plans_the_switch(planned, monkeypatch):

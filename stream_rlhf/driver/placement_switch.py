@@ -1,6 +1,7 @@
 """The switch to another placement while a job runs (`placement.replan: switch`).
 
-    decision = decide(cfg, drift, records, done=7, switched_before=False)   # ReplanWatch, after the re-plan
+    restart_s = restart_estimate(records, first_record_s=6.1)                # ReplanWatch, after the re-plan
+    decision = decide(cfg, drift, done=7, restart_s=restart_s, switched_before=False)
     switch = planned_switch(choice, drift)       # when decision.switch; then the watch drains the stages
     ... the stages drain; the trainers checkpoint the iteration they reached ...
     cfg = switched_config(cfg, run_dir, switch, point)   # the driver: logged, recorded, the next leg's config
@@ -20,8 +21,10 @@ When (`decide`): the re-plan named a faster placement (`planner/auto_placement.p
 at least `MIN_ITERATIONS_LEFT` iterations are left, and the gain predicted over them outweighs
 a restart. The gain is the predicted seconds saved per iteration, scaled to this run's measured
 iteration time (measured / predicted for the running placement), times the iterations left. The
-restart's cost is estimated as what the first iteration took beyond the others: process start-up
-and model builds, which a restart pays again.
+restart's cost is estimated from this job's own start (`restart_estimate`): the seconds from its
+processes' start to its first trained iteration, less a steady iteration. That is process
+start-up, model builds and first compiles, which a restart pays again (the resumed leg skips the
+warm start and the eval before).
 
 `summary.json` (`placement`, `driver/run.py`) lists the placements used and the switches, from
 `checkpoints/run.json` (`driver/resume.py` append_switch), so a run resumed after its switch still
@@ -31,6 +34,7 @@ says so.
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,10 +84,20 @@ class PlannedSwitch:
                 f"(predicted {self.predicted_to_s} s/iter vs {self.predicted_from_s})")
 
 
-def decide(cfg: RLJobConfig, drift: dict[str, Any], records: list[dict[str, Any]], done: int,
-           switched_before: bool, forced: bool = False) -> Decision:
-    """Whether the re-plan's `drift` (`auto_placement.replan`, from metrics.jsonl's `records`)
-    switches the job now, `done` iterations trained; module docstring. `forced`: a named
+def restart_estimate(records: list[dict[str, Any]], first_record_s: float | None) -> float:
+    """Seconds a restart of the job costs, from metrics.jsonl's first `records` and
+    `first_record_s`, the seconds from the processes' start to the first record (None: not seen,
+    then the first iteration's excess over the others)."""
+    measured = statistics.fmean(r["iteration_s"] for r in records[1:] or records)
+    if first_record_s is not None:
+        return max(0.0, first_record_s - measured)
+    return max(0.0, records[0]["iteration_s"] - measured) if len(records) > 1 else measured
+
+
+def decide(cfg: RLJobConfig, drift: dict[str, Any], done: int, restart_s: float, switched_before: bool,
+           forced: bool = False) -> Decision:
+    """Whether the re-plan's `drift` (`auto_placement.replan`) switches the job now, `done`
+    iterations trained, a restart costing `restart_s`; module docstring. `forced`: a named
     placement is switched to whatever the gain (a test seam, `driver/replan.py`)."""
     better = drift["better"]
     if better is None:
@@ -98,9 +112,8 @@ def decide(cfg: RLJobConfig, drift: dict[str, Any], records: list[dict[str, Any]
     measured = drift["measured_iteration_s"]
     scale = measured / drift["running_predicted_now_s"]
     gain_s = (drift["running_predicted_now_s"] - better["predicted_iteration_s"]) * scale * left
-    restart_s = max(0.0, records[0]["iteration_s"] - measured) if len(records) > 1 else measured
     figures = (f"predicted gain {gain_s:.1f} s over the {left} iterations left, a restart ~{restart_s:.1f} s "
-               "(the first iteration's start-up)")
+               "(this job's start-up)")
     if forced:
         return Decision(True, f"forced by the test hook; {figures}")
     if gain_s <= restart_s:

@@ -26,11 +26,12 @@ import logging
 import os
 import statistics
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stream_rlhf.driver.placement_switch import PlannedSwitch, decide, planned_switch
+from stream_rlhf.driver.placement_switch import PlannedSwitch, decide, planned_switch, restart_estimate
 from stream_rlhf.launch.plan import Dataflow
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.telemetry.metrics import read_metrics
@@ -54,10 +55,17 @@ class ReplanWatch:
         self.every_s = every_s
         self.result: dict[str, Any] | None = None
         self.switch: PlannedSwitch | None = None
+        self.first_record_s: float | None = None
+        """Seconds from the watch's start (the processes') to the first record it saw: the job's start-up."""
+        self._started = time.monotonic()
+        self._records_before = 0
+        """Records metrics.jsonl held when the watch started (a resumed run's, up to its checkpoint)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, daemon=True)
 
     def __enter__(self) -> ReplanWatch:
+        self._started = time.monotonic()
+        self._records_before = len(read_metrics(self.path))
         self._thread.start()
         return self
 
@@ -70,6 +78,8 @@ class ReplanWatch:
         while True:
             stopping = self._stop.wait(self.every_s)
             records = read_metrics(self.path)  # once more after the job ended: a short run's last lines
+            if len(records) > self._records_before and self.first_record_s is None:
+                self.first_record_s = time.monotonic() - self._started
             if len(records) >= after:
                 self.check(records[:after], done=len(records) if not stopping else self.cfg.iterations)
                 return
@@ -86,7 +96,8 @@ class ReplanWatch:
         self.result = replan(self.cfg, self.flow, self.choice,
                              statistics.fmean(r["response_len"] for r in measured),
                              statistics.fmean(r["iteration_s"] for r in measured), len(records), force=forced)
-        decision = decide(self.cfg, self.result, records, done, not self.may_switch, forced)
+        decision = decide(self.cfg, self.result, done, restart_estimate(records, self.first_record_s),
+                          not self.may_switch, forced)
         self.result["switch"] = {"switched": decision.switch, "why": decision.why}
         text = describe_replan(self.result)
         if self.result["better"] is None:
