@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from stream_rlhf.backends.decode_attention import use_decode_attention
-from stream_rlhf.backends.episode_sampler import TorchTurnSampler
+from stream_rlhf.backends.episode_sampler import TorchTurnSampler, step_width
 from stream_rlhf.backends.static_decode import StaticDecoder
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.backends.torch_rollout_engine import TorchRolloutEngine
@@ -59,16 +59,24 @@ def sampler(model, slots: int, params: SamplingParams, seed: int = 0, capacity: 
 
 def run_episodes(turns: TorchTurnSampler, prompts: list[torch.Tensor], images: list[SampleImages | None],
                  observations: list[torch.Tensor], waits: list[int], n_turns: int, max_new: int,
+                 late: dict[int, int] | None = None,
                  ) -> tuple[list[torch.Tensor], list[dict[int, float]], list[TurnDone]]:
-    """A scripted environment: after each turn of episode k it waits waits[k] advances, appends
-    observations[k] and starts the next turn, n_turns turns in all. Returns the final sequences,
-    each episode's behaviour log-prob by sequence index, and every TurnDone."""
+    """A scripted environment: episode k starts after late[k] advances (0 by default); after each
+    of its turns it waits waits[k] advances, appends observations[k] and starts the next turn,
+    n_turns turns in all. Returns the final sequences, each episode's behaviour log-prob by
+    sequence index, and every TurnDone."""
     contexts = [p.clone() for p in prompts]
     logps: list[dict[int, float]] = [{} for _ in prompts]
-    count, waiting, done = [0] * len(prompts), {}, []
-    for key, context in enumerate(contexts):
-        turns.start(TurnRequest(key, context, images[key], max_new))
-    while turns.busy or waiting:
+    count, done = [0] * len(prompts), []
+    starting = {key: (late or {}).get(key, 0) for key in range(len(prompts))}
+    waiting: dict[int, int] = {}
+    while turns.busy or waiting or starting:
+        for key in sorted(starting):
+            if starting[key] > 0:
+                starting[key] -= 1
+                continue
+            del starting[key]
+            turns.start(TurnRequest(key, contexts[key], images[key], max_new))
         for turn in turns.advance():
             done.append(turn)
             key, start = turn.key, contexts[turn.key].numel()
@@ -147,16 +155,44 @@ def test_vision_language_turns_record_the_full_forward_logps(kind):
     vlm = build_model(kind).eval()
     g = torch.Generator().manual_seed(3)
     samples = [make_sample(g, [2, 3], [(1, 4, 4)]), make_sample(g, [5, 1, 2], [(1, 4, 6), (1, 8, 4)]),
-               make_sample(g, [4], [])]
+               make_sample(g, [4], []), make_sample(g, [1, 2, 2], [(1, 4, 4), (1, 4, 4)])]
     images = [encode(vlm, s) for s in samples]
-    observations = [torch.randint(*TEXT_IDS, (n,), generator=g) for n in (3, 1, 5)]
+    observations = [torch.randint(*TEXT_IDS, (n,), generator=g) for n in (3, 1, 5, 2)]
     params = SamplingParams(temperature=0.7, max_new_tokens=5, stop_token_ids=(TEXT_IDS[0] + 1,))
-    turns = sampler(vlm, 3, params)
+    turns = sampler(vlm, 4, params)
+    # episode 3 starts while the others decode: its prompt is fed 3 ids a step, its images split across steps
     contexts, logps, _ = run_episodes(turns, [s.input_ids for s in samples], images, observations,
-                                      waits=[2, 0, 4], n_turns=3, max_new=5)
+                                      waits=[2, 0, 4, 1], n_turns=3, max_new=5, late={3: 2})
     for context, sample in zip(contexts, samples):
         assert not (context[sample.input_ids.numel():] == IMAGE).any()
     assert_logps_equal_forward(vlm, contexts, logps, 0.7, images)
+
+
+@pytest.mark.parametrize(("free_positions", "steps"), [(0, 4), (64, 1)])
+def test_a_long_join_beside_decoding_episodes_feeds_a_few_ids_per_step(lm, prompts, free_positions, steps):
+    """3 episodes decode, a 12-id context joins: 3 ids per step (the widest step at most half
+    padding: 4 slots x 3 positions for 6 real ids), its one token in the 4th step; in one step when
+    4 x 12 positions are free (a GPU's)."""
+    params = SamplingParams(temperature=0.7, max_new_tokens=20)
+    turns = sampler(lm, 4, params, capacity=32)
+    turns.free_positions = free_positions
+    for key in range(3):
+        turns.start(TurnRequest(key, prompts[key], None, 20))
+    turns.advance()
+    joining = torch.cat([prompts[3], prompts[3][:3]])  # 12 ids
+    turns.start(TurnRequest(3, joining, None, 1))
+    for step in range(1, steps + 1):
+        done = turns.advance()
+        assert [t.key for t in done] == ([3] if step == steps else [])
+    assert_logps_equal_forward(lm, [torch.cat([joining, done[0].ids])], [{12: done[0].logps.item()}], 0.7)
+
+
+def test_step_width_keeps_padding_at_most_half_the_step():
+    assert step_width([1, 1, 1, 1], slots=4, free_positions=0) == 1
+    assert step_width([9, 6, 3, 1], slots=4, free_positions=0) == 9  # 19 ids in 36 positions
+    assert step_width([100, 10, 10, 10], slots=4, free_positions=0) == 30  # 60 ids in 120 positions
+    assert step_width([12], slots=64, free_positions=0) == 1
+    assert step_width([12, 1], slots=64, free_positions=1024) == 12
 
 
 def test_release_frees_the_slot_for_a_new_episode(lm, prompts):

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.decode_attention import use_decode_attention
-from stream_rlhf.backends.episode_sampler import TorchTurnSampler
+from stream_rlhf.backends.episode_sampler import CUDA_FREE_POSITIONS, TorchTurnSampler
 from stream_rlhf.backends.precision import autocast
 from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.speculation import Speculation
@@ -78,7 +78,8 @@ class TorchRolloutEngine:
             capacity = max(capacity, env.max_episode_tokens)
         precision = self.job.config.precision
         return TorchTurnSampler(self.model, batch.num_samples, capacity, params, generator, self.policy_version,
-                                self.static, precision=lambda: autocast(self.device, precision))
+                                self.static, precision=lambda: autocast(self.device, precision),
+                                free_positions=CUDA_FREE_POSITIONS if self.device.type == "cuda" else 0)
 
     def close(self) -> None:
         """Nothing outside this process to release."""
