@@ -68,7 +68,8 @@ class TorchRolloutEngine:
         """The TurnSampler of `batch`'s multi-turn episodes (`envs/turns.py`), a slot each: the newest
         policy version, loaded now, samples every turn, drawing from the mini-batch's generator as
         `generate` does. A slot holds env.max_episode_tokens positions, at least the longest prompt
-        and params.max_new_tokens; Medusa heads are not used for turns."""
+        and params.max_new_tokens; Medusa heads are not used for turns. One sampler at a time, and
+        no `generate` while it is open: with a static decoder they share its bucket's cache."""
         self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
         generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch,
                                      device=self.device)
