@@ -211,6 +211,7 @@ class RLJobConfig:
         self._check_keys_the_algorithm_ignores()
         self._check_launcher()
         self._check_critic()
+        self._check_reward_and_env()
 
     def _check_launcher(self) -> None:
         if self.launcher != "ray" and self.ray != RayConfig():
@@ -220,18 +221,39 @@ class RLJobConfig:
                 raise ConfigError(f"ray.stage_resources.{stage}: not a stage ({', '.join(STAGE_KINDS)}) or broker")
 
     def _check_critic(self) -> None:
-        """critic.init and critic.warmup_iterations need what they read; an actor learning faster
-        than its critic is allowed but warned about (seed 004 saw PPO diverge with it)."""
+        """critic.init and critic.warmup_iterations need what they read (a warm-up: a run that cannot
+        resume, so no placement switch); an actor learning faster than its critic is allowed but
+        warned about (seed 004 saw PPO diverge with it)."""
         if not self.algorithm.uses_critic:
             return
         if self.critic.init == "reward_model" and self.reward.model_path is None:
             raise ConfigError("critic.init=reward_model: needs reward.model_path (the checkpoint to start from)")
+        if self.critic.warmup_iterations and self.placement.replan == "switch":
+            raise ConfigError(f"placement.replan=switch: a switch resumes the job from a checkpoint, which a run "
+                              f"with critic.warmup_iterations={self.critic.warmup_iterations} cannot yet; use warn")
         if self.critic.warmup_iterations >= self.iterations:
             raise ConfigError(f"critic.warmup_iterations={self.critic.warmup_iterations}: leaves none of the "
                               f"iterations={self.iterations} to the actor")
         if self.actor.lr > self.critic.lr:
             log.warning("actor.lr=%g is above critic.lr=%g: PPO tends to diverge when the policy moves faster "
                         "than its value estimates follow", self.actor.lr, self.critic.lr)
+
+    def _check_reward_and_env(self) -> None:
+        """A job needs a reward: a function, a model, or an env's turn rewards. An env's episodes
+        are multi-turn, which speculative rollout and process rewards do not handle yet."""
+        reward = self.reward
+        if reward.function is None and reward.model_path is None and self.env is None:
+            raise ConfigError("reward.function=None, reward.model_path=None: a reward function or a model_path is "
+                              "needed (or an env, whose turn rewards are then the reward)")
+        if self.env is None:
+            return
+        if self.rollout.medusa.enabled:
+            raise ConfigError(f"rollout.medusa.enabled=true: speculative rollout is single-turn for now, "
+                              f"env.factory={self.env.factory!r} runs multi-turn episodes")
+        if reward.process is not None:
+            raise ConfigError(f"reward.process: process rewards cut single-turn responses into steps, "
+                              f"env.factory={self.env.factory!r} runs multi-turn episodes (reward each turn "
+                              "from the env's Turn.reward instead)")
 
     def _check_stage_placements(self) -> None:
         for stage in self.placement.with_rollout:
