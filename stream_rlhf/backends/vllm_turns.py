@@ -47,6 +47,8 @@ _SAMPLERS = count()
 
 
 class VllmTurnSampler:
+    """A mini-batch's policy turns as vLLM requests; see the module docstring."""
+
     def __init__(self, engine: VllmClient, params: SamplingParams, seed_parts: tuple[int | str, ...],
                  max_model_len: int, pending_update: Callable[[], Update | None] | None = None,
                  stopping: threading.Event | None = None, on_close: Callable[[], None] | None = None):
@@ -129,7 +131,7 @@ class VllmTurnSampler:
         self.queued.clear()
         if self.running and not self.abandoned:
             self.engine.abort_turns(list(self.running))
-            self.running.clear()
+        self.running.clear()
         if self.on_close is not None and not self.abandoned:  # an abandoned engine is killed, not put to sleep
             self.on_close()
 
