@@ -31,8 +31,8 @@ from stream_rlhf.cache_folder import build_once
 from stream_rlhf.data import shapes, shapes_dialogue, tool_sums
 from stream_rlhf.data.demonstration import IGNORE, Segment, answer_only, demonstration_rows
 from stream_rlhf.data.images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
-from stream_rlhf.data.rows import dataset_sha256
 from stream_rlhf.data.prompts_jsonl import PromptSample
+from stream_rlhf.data.rows import dataset_sha256
 from stream_rlhf.data.task_config import DataConfig, TaskConfig
 from stream_rlhf.data.text_tasks import problems
 from stream_rlhf.data.tokenizer import load_tokenizer
