@@ -172,9 +172,6 @@ class RLJobConfig:
             object.__setattr__(self, "placement", PlacementConfig())
         if not self.name or "/" in self.name:
             raise ConfigError(f"name={self.name!r}: a non-empty folder name")
-        if self.reward.function is None and self.reward.model_path is None and self.env is None:
-            raise ConfigError("reward.function=None: a reward function, a reward.model_path or an env (whose turn "
-                              "rewards are the reward) is needed")
         if self.schedule == "sync" and self.overlap_depth != 0:
             raise ConfigError(f"overlap_depth={self.overlap_depth}: schedule=sync is on-policy, needs 0")
         grouped = self.algorithm.advantage in ("grpo", "rloo")

@@ -91,8 +91,7 @@ class RewardConfig:
     on each response's last token; `process` adds step rewards (`reward_parts_config.py`)."""
 
     function: str | None = "stream_rlhf.data.arithmetic:reward"
-    """Dotted path "package.module:name" of a rule-based reward; None for none (then a
-    `model_path`, or an `env` whose turn rewards are the reward, is needed)."""
+    """Dotted path "package.module:name" of a rule-based reward; None for none."""
     function_weight: float = 1.0
     """What the rule-based reward's score is multiplied by in the sum."""
     model_path: str | None = None
@@ -103,6 +102,8 @@ class RewardConfig:
     """Process rewards at the steps of a response (a rule function or a PRM); None: outcome only."""
 
     def __post_init__(self) -> None:
+        if self.function is None and self.model_path is None:
+            raise ConfigError("function=None: a reward function or a model_path is needed")
         if self.function is not None and not callable(import_dotted(self.function, "function")):
             raise ConfigError(f"function={self.function!r}: not callable (expected fn(prompt, response, reference))")
         if self.model_path is not None and not os.path.isfile(os.path.join(self.model_path, "config.json")):
