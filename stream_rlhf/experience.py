@@ -4,8 +4,12 @@
     rewards = exp.token_rewards(kl_coef, cfg.kl) # (N, R): score on the last token, step rewards, KL penalty
     part = exp.select(indices)                   # the samples of one optimizer step
 
-Per-token tensors are right-padded to (N, R) with `mask` marking the response tokens; the
-sequences themselves stay ragged (they are packed again for each forward pass).
+Per-token tensors are right-padded to (N, R) with `mask` marking the tokens the losses train on:
+every response token of a single-turn sample; only the policy's tokens of an episode (the rollout
+handle's `loss_mask`: observation tokens are 0, like padding). Every loss, the KL, the advantage
+estimators, whitening and the metrics read per-token values only where `mask` is set, so whatever
+sits at an observation position (log-probs, values) is never used. The sequences themselves stay
+ragged (they are packed again for each forward pass).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import Tensor
 from stream_rlhf.algos.config import KLConfig
 from stream_rlhf.algos.kl import kl_estimate
 from stream_rlhf.device_copy import to_device
+from stream_rlhf.envs.episode import OBSERVATION_VERSION
 from stream_rlhf.samples import Rollout, SampleImages, pad_right, unragged
 from stream_rlhf.stage import Batch
 
@@ -29,7 +34,7 @@ class Experience:
     prompt_lens: Tensor
     """(N,)"""
     mask: Tensor
-    """(N, R) 1.0 on response tokens."""
+    """(N, R) 1.0 on the tokens trained on: response tokens, observation tokens of an episode left out."""
     behavior_logp: Tensor
     """(N, R) under the policy that sampled them."""
     old_logp: Tensor | None
@@ -49,17 +54,29 @@ class Experience:
     """Each sample's image features (vision-language models)."""
     process_rewards: Tensor | None = None
     """(N, R) weighted step rewards at each step's end token (`reward.process`); None without."""
+    env_rewards: Tensor | None = None
+    """(N, R) an episode's per-turn rewards on each turn's last policy token (`env`); None without."""
+    token_versions: Tensor | None = None
+    """(N, R) long: the policy version that sampled each token, -1 on observations and padding;
+    None when the rollout handle has none (single-turn without in-flight weight updates)."""
 
     @classmethod
     def from_batches(cls, batches: list[Batch], images: list[list[SampleImages] | None] | None = None) -> Experience:
         """The experience of `batches`; `images` holds each batch's per-sample image features."""
         sequences, prompt_lens, behavior, old, ref, values, scores, groups, versions, process = ([] for _ in range(10))
+        masks, env, token_versions = [], [], []
         for batch in batches:
             t = batch.tensors
             rollout = Rollout.from_tensors(t)
             sequences += rollout.sequences
             prompt_lens.append(rollout.prompt_lens)
             behavior += rollout.behavior_logp
+            ones = "loss_mask" not in t  # single-turn: every response token is trained on
+            masks += [torch.ones(len(b)) for b in rollout.behavior_logp] if ones else unragged(t, "loss_mask")
+            if "env_rewards" in t:
+                env += unragged(t, "env_rewards")
+            if "token_versions" in t:
+                token_versions += unragged(t, "token_versions")
             if "old_logp" in t:
                 old += unragged(t, "old_logp")
             if "ref_logp" in t:
@@ -74,7 +91,7 @@ class Experience:
         return cls(
             sequences=sequences,
             prompt_lens=torch.cat(prompt_lens),
-            mask=pad_right([torch.ones(len(b)) for b in behavior], 0.0),
+            mask=pad_right([m.float() for m in masks], 0.0),
             behavior_logp=pad_right(behavior, 0.0),
             old_logp=pad_right(old, 0.0) if old else None,
             ref_logp=pad_right(ref, 0.0) if ref else None,
@@ -84,6 +101,9 @@ class Experience:
             policy_versions=torch.cat(versions),
             images=[im for per_batch in images for im in per_batch] if images and images[0] is not None else None,
             process_rewards=pad_right(process, 0.0) if process else None,
+            env_rewards=pad_right(env, 0.0) if env else None,
+            token_versions=pad_right([v.long() for v in token_versions], OBSERVATION_VERSION) if token_versions
+            else None,
         )
 
     @property
@@ -101,20 +121,31 @@ class Experience:
         if self.ref_logp is None:
             return torch.zeros_like(self.mask)
         actor = self.behavior_logp if self.old_logp is None else self.old_logp
-        return kl_estimate(actor, self.ref_logp, kind) * self.mask
+        return torch.where(self.mask.bool(), kl_estimate(actor, self.ref_logp, kind), 0.0)
 
     def token_rewards(self, kl_coef: float, kl: KLConfig) -> Tensor:
-        """(N, R): the score on each response's last token, plus the step rewards at their steps'
-        end tokens (`reward.process`), minus kl_coef * KL per token when the KL penalty goes in the
-        reward."""
-        last = self.mask.sum(dim=1).long() - 1  # (N,)
+        """(N, R): the score on each sample's last trained token (an episode's last policy token),
+        plus the step rewards at their steps' end tokens (`reward.process`) and an episode's turn
+        rewards at its turns' last tokens (`env_rewards`), minus kl_coef * KL per token when the KL
+        penalty goes in the reward. A sample without a trained token gets none of them."""
+        valid = self.mask.bool()
+        last = last_valid(valid)  # (N,)
+        rows = torch.nonzero(last >= 0).flatten()
         rewards = torch.zeros_like(self.mask)
-        rewards[torch.arange(self.num_samples), last] = self.scores
-        if self.process_rewards is not None:
-            rewards = rewards + self.process_rewards * self.mask
+        rewards[rows, last[rows]] = self.scores[rows]
+        for per_token in (self.process_rewards, self.env_rewards):
+            if per_token is not None:
+                rewards = rewards + torch.where(valid, per_token, 0.0)
         if kl.placement == "reward":
             rewards = rewards - kl_coef * self.kl(kl.kind)
         return rewards
+
+    def sample_returns(self) -> Tensor:
+        """(N,) each sample's reward as a metric: its score, plus an episode's turn rewards (the
+        episode's return: score + sum of env_rewards)."""
+        if self.env_rewards is None:
+            return self.scores
+        return self.scores + self.env_rewards.sum(dim=1)
 
     def padded(self, per_sample: list[Tensor]) -> Tensor:
         """(N, R) from per-sample response values, padded to this experience's width."""
@@ -149,6 +180,13 @@ class Experience:
             else:
                 picked[f.name] = value[index]
         return Experience(**picked)
+
+
+def last_valid(valid: Tensor) -> Tensor:
+    """(N,) long: the position of each row's last True of `valid` (N, R); -1 for a row without one."""
+    positions = torch.arange(1, valid.shape[1] + 1, device=valid.device)  # 1-based; 0 = none
+    ends = torch.where(valid, positions, 0)
+    return torch.cat([torch.zeros_like(ends[:, :1]), ends], dim=1).amax(dim=1) - 1
 
 
 class IterationBuffer:

@@ -14,6 +14,7 @@ from stream_rlhf.broker.control.topology import TopicConfig
 from stream_rlhf.cli import main
 from stream_rlhf.config import ConfigError, build, declared_constraints
 from stream_rlhf.config_reference import REGENERATE, field_descriptions, render, sections
+from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.job import JobConfig
 from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.planner.devices import PRESETS, DeviceFigures
@@ -66,6 +67,7 @@ def _example(cls: type, tmp_path: Path) -> object:
         TopicConfig: lambda: TopicConfig(producers=["a"], consumers=["b"]),
         StageSpec: lambda: StageSpec("m:C"),
         ProcessRewardConfig: lambda: ProcessRewardConfig(function="stream_rlhf.data.arithmetic:step_reward"),
+        EnvConfig: lambda: EnvConfig(factory="stream_rlhf.envs.calculator:Calculator"),
         DeviceFigures: lambda: PRESETS["h100"],
     }
     return examples[cls]() if cls in examples else cls()

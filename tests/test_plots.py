@@ -31,7 +31,8 @@ def test_every_figure_is_drawn_from_the_metrics(tmp_path):
     writer = MetricsWriter(tmp_path, "actor")
     for i in range(4):
         writer.write({"iteration": i, "reward": 0.1 * i, "kl": 0.01, "entropy": 2.0 - i / 10, "response_len": 3.5,
-                      "tokens_per_s": 100.0 + i, "staleness_mean": 0.5, "staleness_max": 1})
+                      "tokens_per_s": 100.0 + i, "staleness_mean": 0.5, "staleness_max": 1, "turns_per_episode": 2.5,
+                      "tool_hidden_frac": 0.1 * i})
     paths = write_plots(tmp_path, {"eval": {0: 0.0, 4: 0.5}})
     assert [p.name for p in paths] == [f"{stem}.png" for stem, _, _ in PLOTS]
     for path in paths:

@@ -17,6 +17,7 @@ from stream_rlhf.rl.config import RLJobConfig
 from tests.rl_tiny import VISION, tiny_job, write_job
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+ENV = {"factory": "stream_rlhf.envs.calculator:Calculator"}
 
 
 @pytest.mark.parametrize(
@@ -80,12 +81,24 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
         ({"weights.bucket_mb": 0}, "weights.bucket_mb=0: must be >= 1"),
         ({"weights.transport": "broadcast", "restarts": {"rollout": 1}},
          "restarts.rollout=1: a restarted instance cannot rejoin its weights.transport=broadcast group"),
+        ({"reward.function": None}, "reward.function=None, reward.model_path=None: a reward function or a model_path "
+                                    "is needed (or an env"),
+        ({"env": ENV, "rollout.medusa.enabled": True},
+         "rollout.medusa.enabled=true: speculative rollout is single-turn for now, env.factory="),
+        ({"env": ENV, "reward.process": {"function": "stream_rlhf.data.arithmetic:step_reward"}},
+         "reward.process: process rewards cut single-turn responses into steps, env.factory="),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, override, message):
     with pytest.raises(ConfigError) as err:
         build(RLJobConfig, tiny_job(tmp_path, "bad", **override))
     assert message in str(err.value)
+
+
+def test_an_env_job_may_leave_the_reward_function_out(tmp_path):
+    """Its episodes' turn rewards are the reward; the score is then 0."""
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "env", **{"env": ENV, "reward.function": None}))
+    assert cfg.reward.function is None and cfg.env.factory == ENV["factory"]
 
 
 @pytest.mark.slow

@@ -38,12 +38,22 @@ def test_the_outputs_the_stages_build_match_their_schemas():
     (lambda t: t.update(sequences_lens=torch.tensor([4, 3])),
      "field 'sequences'_lens: torch.int64 \\(2,\\), expected int32"),
     (lambda t: t.update(group_ids=[0, 0]), "field 'group_ids': a list, not a tensor"),
+    (lambda t: t.update(ragged("loss_mask", [torch.ones(2), torch.ones(1)])),  # an episode's mask is bool
+     "field 'loss_mask': dtype torch.float32, expected torch.bool"),
+    (lambda t: t.update(ragged("env_rewards", [torch.zeros(2)])), r"field 'env_rewards'_lens: torch.int32 \(1,\)"),
 ])
 def test_a_bad_output_fails_at_publish_naming_topic_and_field(change, message):
     tensors = _rollout()
     change(tensors)
     with pytest.raises(TopicSchemaError, match=message):
         topic_output("rollout", tensors, 2)
+
+
+def test_an_episode_handle_carries_its_masks_rewards_and_versions():
+    tensors = {**_rollout(), **ragged("loss_mask", [torch.tensor([True, False]), torch.tensor([True])]),
+               **ragged("env_rewards", [torch.tensor([0.0, 0.0]), torch.tensor([1.0])]),
+               **ragged("token_versions", [torch.tensor([3, -1]).int(), torch.tensor([4]).int()])}
+    topic_output("rollout", tensors, 2)
 
 
 def test_an_unknown_topic_is_named():

@@ -1,6 +1,7 @@
 """view.html in a real headless Chromium (Debian's, driven by Playwright; scripts/setup_browser.sh
 installs both): it renders every good sample, the colouring switch changes the tokens' computed
-colours, the order filter reorders the cards, and the corrupt lines are reported. A missing browser
+colours, the order filter reorders the cards, the corrupt lines are reported, and a multi-turn
+sample shows its turns (policy tokens coloured, observations shaded). A missing browser
 fails the test, naming the setup script; it never skips."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stream_rlhf.viewer.page import write_page
-from tests.test_viewer_page import BAD_LINES, write_samples
+from tests.test_viewer_page import BAD_LINES, write_episode_samples, write_samples
 
 pytestmark = pytest.mark.slow  # a real Chromium process (scripts/setup_browser.sh installs it before the full suite)
 CHROMIUM = Path("/usr/bin/chromium")
@@ -35,9 +36,9 @@ def browser():
         chromium.close()
 
 
-@pytest.fixture
-def page(browser, tmp_path):
-    good = write_samples(tmp_path)
+@pytest.fixture(params=[write_samples])
+def page(browser, tmp_path, request):
+    good = request.param(tmp_path)
     tab = browser.new_page(viewport={"width": 1100, "height": 900})
     errors = []
     tab.on("pageerror", lambda error: errors.append(str(error)))
@@ -95,6 +96,33 @@ def test_filters_reorder_the_cards(page):
     assert _card_rewards(page) == sorted(logged, key=lambda reward: -mean_kl[reward])
     page.select_option("#iteration", "1")
     assert sorted(_card_rewards(page)) == sorted(r.reward for r in page.good if r.iteration == 1)
+
+
+@pytest.mark.parametrize("page", [write_episode_samples], indirect=True)
+def test_a_multi_turn_sample_shows_its_turns(page, tmp_path):
+    episode, single = page.good
+    turns = page.eval_on_selector_all(".sample:nth-child(1) .turn", """turns => turns.map(t => ({
+        classes: t.className, start: +t.dataset.start, end: +t.dataset.end,
+        label: t.querySelector(".turn-label").textContent, tokens: t.querySelectorAll(".token").length,
+        background: getComputedStyle(t).backgroundColor,
+        colours: [...t.querySelectorAll(".token")].map(s => getComputedStyle(s).backgroundColor)}))""")
+    assert [(t["classes"], t["start"], t["end"], t["label"]) for t in turns] == [
+        ("turn policy", 0, 6, "turn 1"), ("turn observation", 6, 9, "observation"), ("turn policy", 9, 14, "turn 2")]
+    assert [t["tokens"] for t in turns] == [6, 3, 5]
+    policy, observation = turns[0], turns[1]
+    assert observation["background"] != policy["background"] == "rgba(0, 0, 0, 0)"  # the observation is shaded
+    assert set(observation["colours"]) == {"rgba(0, 0, 0, 0)"}  # its tokens are not coloured
+    assert len(set(policy["colours"])) > 1  # the policy tokens are, by log-prob
+    assert page.locator(".sample:nth-child(1) .token.observation").count() == 3
+    meta = page.inner_text(".sample:nth-child(1) .meta")
+    assert "2 turns" in meta and "mean KL 0.0636" in meta  # over the 11 policy tokens alone
+    # the single-turn sample is drawn as before: no turn blocks, every token coloured
+    assert page.locator(".sample:nth-child(2) .turn").count() == 0
+    assert page.locator(".sample:nth-child(2) .response > .token").count() == len(single.tokens)
+    assert "turn" not in page.inner_text(".sample:nth-child(2) .meta")
+    page.check('input[name="colour"][value="kl"]')  # the scale leaves out the observation tokens
+    assert page.inner_text("#legend-high") == "+0.130"  # token 13's KL, the largest on a policy token
+    page.screenshot(path=SCREENSHOT or str(tmp_path / "view_turns.png"), full_page=True)
 
 
 def _rgb(css: str) -> tuple[int, int, int]:

@@ -48,6 +48,25 @@ def write_samples(run_dir: Path) -> list[SampleRecord]:
     return good
 
 
+def write_episode_samples(run_dir: Path) -> list[SampleRecord]:
+    """A run folder with a multi-turn sample (policy turn, tool observation, policy turn; a large
+    KL logged on the observation, which carries no loss) and a single-turn one; returns both."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokens = ["calc", ":", " 123", "+", "456", "<eos>", "=", " 579", "\n", "The", " sum", " is", " 579", "<eos>"]
+    policy = [1] * 6 + [0] * 3 + [1] * 5
+    episode = SampleRecord(
+        iteration=0, minibatch=0, sample=0, policy_version=0, staleness=0, reward=1.0, prompt="123+456=?",
+        response="calc: 123+456= 579\nThe sum is 579", tokens=tokens,
+        logprob=[-0.1, -0.2, -1.5, -0.05, -0.3, -0.01, 0.0, 0.0, 0.0, -0.2, -0.4, -0.1, -2.0, -0.02],
+        advantage=[0.8 * p for p in policy], kl=[0.01 * i if p else 0.9 for i, p in enumerate(policy)], images=[],
+        turns=[(0, 6, "policy"), (6, 9, "observation"), (9, 14, "policy")])
+    single = SampleRecord(
+        iteration=0, minibatch=0, sample=1, policy_version=0, staleness=0, reward=0.0, prompt="2+2=?", response="4",
+        tokens=["4", "<eos>"], logprob=[-0.7, -0.01], advantage=[-0.3, -0.3], kl=[0.02, 0.0], images=[])
+    (run_dir / SAMPLES_FILE).write_text("".join(json.dumps(asdict(r)) + "\n" for r in (episode, single)))
+    return [episode, single]
+
+
 def test_bad_lines_are_skipped_with_line_and_reason(tmp_path):
     good = write_samples(tmp_path)
     logged, skipped = read_samples(tmp_path / SAMPLES_FILE)
@@ -64,6 +83,24 @@ def test_per_token_lists_must_match_the_tokens(tmp_path):
     (tmp_path / SAMPLES_FILE).write_text(json.dumps(record) + "\n")
     logged, skipped = read_samples(tmp_path / SAMPLES_FILE)
     assert logged == [] and skipped[0].reason == "`advantage` has 1 values for 4 tokens"
+
+
+def test_turns_are_read_and_bad_turns_skipped(tmp_path):
+    episode, single = write_episode_samples(tmp_path)
+    logged, skipped = read_samples(tmp_path / SAMPLES_FILE)
+    assert [s.record for s in logged] == [episode, single] and skipped == []
+    assert page_data(tmp_path)["samples"][0]["turns"] == [(0, 6, "policy"), (6, 9, "observation"), (9, 14, "policy")]
+    bad = {"gap": [[0, 6, "policy"], [7, 14, "observation"]], "short": [[0, 6, "policy"], [6, 9, "observation"]],
+           "kind": [[0, 6, "policy"], [6, 14, "tool"]], "empty": [[0, 0, "policy"], [0, 14, "policy"]]}
+    lines = [json.dumps(asdict(episode) | {"turns": turns}) for turns in bad.values()]
+    (tmp_path / SAMPLES_FILE).write_text("\n".join(lines) + "\n")
+    logged, skipped = read_samples(tmp_path / SAMPLES_FILE)
+    assert logged == [] and [s.reason for s in skipped] == [
+        '`turns` span [7, 14, "observation"]: expected a non-empty span from token 6, kind policy or observation',
+        "`turns` cover 9 of 14 tokens",
+        '`turns` span [6, 14, "tool"]: expected a non-empty span from token 6, kind policy or observation',
+        '`turns` span [0, 0, "policy"]: expected a non-empty span from token 0, kind policy or observation',
+    ]
 
 
 def test_page_data_thumbnails_and_plots(tmp_path):

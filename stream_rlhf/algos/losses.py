@@ -5,7 +5,9 @@ over the valid tokens, on the loss's device: reading a value to the host waits f
 the train engine reads all of a step's metrics at once (`host_metrics`: one read per optimizer step).
 Inputs are `(B, T)` per-token tensors. Only `logp`, `values` and `entropy` carry
 gradient; old log-probs, behavior log-probs, reference log-probs, advantages and returns are
-detached here.
+detached here. Inputs at masked-out positions (padding, an episode's observation tokens) never
+reach a loss, a metric or a gradient, even NaN or inf: each function replaces them by 0 before any
+arithmetic (`where_valid`), so the gradient there is exactly 0.
 
 Log-probs, three policies: `logp` is the policy being trained; `old_logp` the proximal policy, the
 same weights before this update (the actor forward's log-probs), which anchors the PPO clip;
@@ -22,7 +24,7 @@ import torch
 from torch import Tensor
 
 from stream_rlhf.algos.kl import MAX_LOG_RATIO, kl_estimate
-from stream_rlhf.algos.masked import masked_mean
+from stream_rlhf.algos.masked import masked_mean, where_valid
 
 
 def policy_loss(
@@ -47,8 +49,7 @@ def policy_loss(
     `ratio_max`; with `behavior_logp` also `is_weight_mean` (mean of the applied, truncated weight)
     and `is_truncated_frac` (fraction of tokens whose weight was cut to is_cap).
     """
-    old_logp = old_logp.detach()
-    advantages = advantages.detach()
+    logp, old_logp, advantages = (where_valid(x, mask) for x in (logp, old_logp.detach(), advantages.detach()))
     log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
@@ -57,7 +58,8 @@ def policy_loss(
 
     metrics: dict[str, Tensor] = {}
     if behavior_logp is not None:
-        raw_weight = torch.exp((old_logp - behavior_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        behavior_logp = where_valid(behavior_logp.detach(), mask)
+        raw_weight = torch.exp((old_logp - behavior_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
         weight = raw_weight if is_cap is None else raw_weight.clamp(max=is_cap)
         per_token = per_token * weight
         metrics["is_weight_mean"] = masked_mean(weight, mask).detach()
@@ -82,8 +84,7 @@ def value_loss(
     Metrics: `value_clipfrac` (fraction of tokens where the clipped term is the larger, so the token
     gives no gradient), `value_mse` (mean of the unclipped (v - R)^2).
     """
-    old_values = old_values.detach()
-    returns = returns.detach()
+    values, old_values, returns = (where_valid(x, mask) for x in (values, old_values.detach(), returns.detach()))
     clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     unclipped_error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
@@ -101,14 +102,14 @@ def kl_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL(pi || ref) penalty as a loss: token mean of `kl_estimate(logp, ref_logp, kind)`, see
     `kl_estimate` for the kinds. Metrics: `kl` (the loss value)."""
-    loss = masked_mean(kl_estimate(logp, ref_logp.detach(), kind), mask)
+    loss = masked_mean(kl_estimate(where_valid(logp, mask), where_valid(ref_logp.detach(), mask), kind), mask)
     return loss, {"kl": loss.detach()}
 
 
 def entropy_loss(entropy: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """Negative token-mean entropy, so that `total = pg + coef * entropy_loss` adds an entropy bonus.
     entropy: (B, T) per-token entropy of the policy. Metrics: `entropy` (the mean entropy)."""
-    loss = -masked_mean(entropy, mask)
+    loss = -masked_mean(where_valid(entropy, mask), mask)
     return loss, {"entropy": -loss.detach()}
 
 

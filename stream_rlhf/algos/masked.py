@@ -10,6 +10,13 @@ import torch
 from torch import Tensor
 
 
+def where_valid(x: Tensor, mask: Tensor) -> Tensor:
+    """`x` where `mask` is set, 0 elsewhere: a loss's inputs made safe before any arithmetic, so
+    that whatever sits at a masked-out position (NaN, inf) reaches no value and no gradient
+    (the gradient of `x` there is exactly 0)."""
+    return torch.where(mask.bool(), x, 0.0)
+
+
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of `x` over positions where `mask` is set, over all of them (`dim=None`, a scalar) or
     along `dim` (that dimension reduced). x, mask: same shape, e.g. `(B, T)`. Empty -> 0."""

@@ -2,6 +2,7 @@
 
     engine = ROLLOUT_ENGINES[cfg.rollout.backend] -> import_dotted(...)(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)     # Generated: responses, version, metadata
+    sampler = engine.turn_sampler(batch, params)      # multi-turn episodes (envs/turns.py)
     engine.close()
 
 Each engine keeps its own weights current before it generates (`stages/weight_sync.py`:
@@ -19,6 +20,7 @@ from typing import Protocol
 from torch import Tensor
 
 from stream_rlhf.backends.torch_rollout import Generation, SamplingParams
+from stream_rlhf.envs.turns import TurnSampler
 from stream_rlhf.stage import Batch
 
 ROLLOUT_ENGINES = {
@@ -45,6 +47,10 @@ class Generated:
 class RolloutEngine(Protocol):
     def generate(self, batch: Batch, prompts: list[Tensor], params: SamplingParams) -> Generated:
         """Sample one response per prompt of `batch`, with the newest weights it can load first."""
+
+    def turn_sampler(self, batch: Batch, params: SamplingParams) -> TurnSampler:
+        """A sampler of policy turns for the episodes of `batch` (`env` jobs: `envs/episode_loop.py`),
+        with the newest weights it can load first; closed by the caller at the end of the mini-batch."""
 
     def close(self) -> None:
         """Release the engine (its process, its device memory)."""

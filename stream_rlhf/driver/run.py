@@ -44,6 +44,7 @@ from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.trainer_checkpoint import checkpoint_parts, checkpoint_store
+from stream_rlhf.telemetry.episodes import episode_summary
 from stream_rlhf.telemetry.memory import MemorySampler, describe, device_peaks
 from stream_rlhf.telemetry.metrics import MetricsWriter, read_metrics
 from stream_rlhf.telemetry.progress import IterationProgress, print_summary
@@ -277,6 +278,8 @@ class RLRun:
             summary["images_encoded"] = sum(c.get("images_encoded", 0) for c in counts.values())
             summary["images_encoded_by_stage"] = {s: c["images_encoded"] for s, c in counts.items()
                                                   if "images_encoded" in c}
+        if self.cfg.env is not None:
+            summary.update(episode_summary(counts.get("rollout", {})))  # episodes block, episodes_failed
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print_summary({**summary, "memory": describe(memory) if memory else None})  # one row, not one a process
         return summary

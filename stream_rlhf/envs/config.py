@@ -7,12 +7,13 @@ runs it (`stepper.py`, `episode.py`).
       max_turns: 4
       max_episode_tokens: 256
       step_timeout_s: 10
+      schedule: stream                                   # or lockstep (the baseline)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
@@ -36,6 +37,11 @@ class EnvConfig:
     when a turn reaches the limit."""
     step_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     """Seconds one reset or step may take; past it the episode fails with reason "timeout"."""
+    schedule: Literal["stream", "lockstep"] = "stream"
+    """`stream`: an episode's next turn starts as soon as its environment answers, so rollout decodes
+    for the others while one waits for its tool; `lockstep`: every episode of a mini-batch starts
+    turn k together, after the slowest call of turn k-1 (a synchronous engine: the baseline of
+    bench/agentic.py)."""
     workers: Annotated[int, Meta(ge=1)] = 16
     """Threads that run sync environments' calls; at least the episodes in flight, so that one
     slow tool never waits for another."""

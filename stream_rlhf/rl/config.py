@@ -212,6 +212,7 @@ class RLJobConfig:
         self._check_keys_the_algorithm_ignores()
         self._check_launcher()
         self._check_critic()
+        self._check_reward_and_env()
 
     def _check_launcher(self) -> None:
         if self.launcher != "ray" and self.ray != RayConfig():
@@ -233,6 +234,23 @@ class RLJobConfig:
         if self.actor.lr > self.critic.lr:
             log.warning("actor.lr=%g is above critic.lr=%g: PPO tends to diverge when the policy moves faster "
                         "than its value estimates follow", self.actor.lr, self.critic.lr)
+
+    def _check_reward_and_env(self) -> None:
+        """A job needs a reward: a function, a model, or an env's turn rewards. An env's episodes
+        are multi-turn, which speculative rollout and process rewards do not handle yet."""
+        reward = self.reward
+        if reward.function is None and reward.model_path is None and self.env is None:
+            raise ConfigError("reward.function=None, reward.model_path=None: a reward function or a model_path is "
+                              "needed (or an env, whose turn rewards are then the reward)")
+        if self.env is None:
+            return
+        if self.rollout.medusa.enabled:
+            raise ConfigError(f"rollout.medusa.enabled=true: speculative rollout is single-turn for now, "
+                              f"env.factory={self.env.factory!r} runs multi-turn episodes")
+        if reward.process is not None:
+            raise ConfigError(f"reward.process: process rewards cut single-turn responses into steps, "
+                              f"env.factory={self.env.factory!r} runs multi-turn episodes (reward each turn "
+                              "from the env's Turn.reward instead)")
 
     def _check_stage_placements(self) -> None:
         for stage in self.placement.with_rollout:

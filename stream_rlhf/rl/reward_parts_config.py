@@ -88,22 +88,24 @@ def policy_version_at(iteration: int, warmup_iterations: int) -> int:
 @dataclass(frozen=True)
 class RewardConfig:
     """Score = function_weight * function(prompt, response, reference) + model_weight * reward model,
-    on each response's last token; `process` adds step rewards (`reward_parts_config.py`)."""
+    on each response's last token (an episode's last policy token; its turn rewards come from the
+    `env`); `process` adds step rewards (`reward_parts_config.py`)."""
 
     function: str | None = "stream_rlhf.data.arithmetic:reward"
-    """Dotted path "package.module:name" of a rule-based reward; None for none."""
+    """Dotted path "package.module:name" of a rule-based reward; None for none (then `model_path`
+    or an `env`, whose turn rewards are the reward, is needed). With an `env` it scores the whole
+    episode: `response` is every token after the prompt, observations included."""
     function_weight: float = 1.0
     """What the rule-based reward's score is multiplied by in the sum."""
     model_path: str | None = None
-    """A Hugging Face sequence-classification checkpoint with one label (the scalar head)."""
+    """A Hugging Face sequence-classification checkpoint with one label (the scalar head); it reads
+    the whole sequence (an episode's observations included)."""
     model_weight: float = 1.0
     """What the reward model's score is multiplied by in the sum."""
     process: ProcessRewardConfig | None = None
     """Process rewards at the steps of a response (a rule function or a PRM); None: outcome only."""
 
     def __post_init__(self) -> None:
-        if self.function is None and self.model_path is None:
-            raise ConfigError("function=None: a reward function or a model_path is needed")
         if self.function is not None and not callable(import_dotted(self.function, "function")):
             raise ConfigError(f"function={self.function!r}: not callable (expected fn(prompt, response, reference))")
         if self.model_path is not None and not os.path.isfile(os.path.join(self.model_path, "config.json")):

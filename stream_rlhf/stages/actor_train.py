@@ -44,6 +44,7 @@ from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
 from stream_rlhf.stages.weight_sync import open_sender
+from stream_rlhf.telemetry.episodes import episode_metrics
 from stream_rlhf.telemetry.metrics import MetricsWriter
 from stream_rlhf.telemetry.sample_log import SampleLog
 from stream_rlhf.weights.shm_store import WeightStore
@@ -138,6 +139,8 @@ class ActorTrain(Stage):
             record.update(self._warmup_record(exp) if warmup else self._update(exp, fresh))
         if self.job.config.rollout.medusa.enabled:
             record.update(_decoding_metrics(batches))
+        if self.job.config.env is not None:
+            record.update(episode_metrics(batches))  # turns_per_episode, tool_calls, tool_s, tool_hidden_frac
         self.iteration += 1
         if not warmup:
             self.version += 1
@@ -166,10 +169,15 @@ class ActorTrain(Stage):
 
     @staticmethod
     def _reward_metrics(exp: Experience) -> dict[str, float]:
-        """The mean outcome reward and, with process rewards, the mean of each sample's weighted sum."""
-        record = {"reward": round(exp.scores.mean().item(), 4)}
+        """The mean reward (outcome score; an episode's return: score + its turn rewards), with
+        process rewards the mean of each sample's weighted sum, with an env the mean score and
+        turn-reward sum apart."""
+        record = {"reward": round(exp.sample_returns().mean().item(), 4)}
         if exp.process_rewards is not None:
             record["process_reward"] = round(exp.process_rewards.sum(1).mean().item(), 4)
+        if exp.env_rewards is not None:
+            record["score"] = round(exp.scores.mean().item(), 4)
+            record["env_reward"] = round(exp.env_rewards.sum(1).mean().item(), 4)
         return record
 
     def _update(self, exp: Experience, batches: list[Batch]) -> dict[str, float]:
@@ -192,19 +200,33 @@ class ActorTrain(Stage):
         self.kl_ctl.update(kl_mean, exp.num_samples)
         self.trained += exp.num_samples
         staleness = (self.version - exp.policy_versions).float()
+        response_lens = torch.tensor([len(s) for s in exp.sequences]) - exp.prompt_lens  # (N,)
         return {
             **means.means(),
             **self._reward_metrics(exp),
+            **self._token_metrics(exp),
             "kl": round(kl_mean, 5),
             "kl_coef": round(self.kl_ctl.coef, 5),
             "staleness_mean": round(staleness.mean().item(), 3),
             "staleness_max": int(staleness.max().item()),
             "proximal_recomputed": int(recomputed),
             "proximal_from_step": int(proximal is None),
-            "response_len": round(exp.mask.sum(1).mean().item(), 2),
+            "response_len": round(response_lens.float().mean().item(), 2),
             "samples": exp.num_samples,
             "tokens": exp.num_tokens,
         }
+
+    def _token_metrics(self, exp: Experience) -> dict[str, float]:
+        """With per-token policy versions, the mean staleness over the trained tokens (tokens of one
+        sample may come from several versions); with an env's episodes, the policy tokens per sample
+        (response_len counts observations too)."""
+        record = {}
+        if exp.token_versions is not None:
+            record["staleness_token_mean"] = round(masked_mean(self.version - exp.token_versions.float(),
+                                                               exp.mask).item(), 3)
+        if exp.env_rewards is not None:
+            record["policy_tokens"] = round(exp.mask.sum(1).mean().item(), 2)
+        return record
 
     def _loss(self, part: Experience, per_sample: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
         """The policy loss of one rank's share of an optimizer step (a token mean over `part`)."""

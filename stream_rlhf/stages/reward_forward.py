@@ -5,6 +5,13 @@ with `reward.process`, also each response's step rewards per token (`process_rew
 A rule-based function has the signature `fn(prompt: str, response: str, reference: str, **extra)
 -> float`; the response is decoded without special tokens, and `extra` holds the dataset columns
 `data.fields` names beside the reference (none by default).
+
+With an `env`, the response is the whole episode after the prompt: every policy turn and every
+observation between them, as one text (the reward model likewise reads the whole sequence); its
+score lands on the episode's last policy token. The env's own per-turn rewards do not pass through
+here: they travel in the rollout handle's `env_rewards` and the trainers add them
+(`Experience.token_rewards`). Without a function and a model (allowed only with an env) the
+score is 0.
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ from stream_rlhf.stages.process_reward import ProcessScorer
 from stream_rlhf.stages.topics import REWARD_KWARGS, topic_output
 
 RewardFunction = Callable[..., float]
-
 
 
 class Scorer:

@@ -10,6 +10,7 @@ handle (the vision stage's; `stages/images.py`). With `rollout.medusa` enabled, 
 speculative with Medusa heads where that is faster (`backends/speculation.py`). Every output is kept on disk
 until a checkpoint covers its iteration (`stages/generated_store.py`), and a mini-batch found
 there (a resumed run, a redelivery after a crash) is published again rather than generated.
+With `env`, each sample is a multi-turn episode in that environment (`stages/episodes.py`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from stream_rlhf.backends.rollout_engine import ROLLOUT_ENGINES, RolloutEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.config import import_dotted
 from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
-from stream_rlhf.samples import Rollout, ragged, unragged
+from stream_rlhf.samples import ragged, unragged
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
+from stream_rlhf.stages.episodes import EpisodeRollout
 from stream_rlhf.stages.generated_store import GeneratedStore
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.topics import REWARD_KWARGS, topic_output
 from stream_rlhf.stages.weight_sync import RolloutWeights
+from stream_rlhf.telemetry.episodes import EPISODES, EpisodeStats, record_episodes
 
 
 class RolloutStage(Stage):
@@ -43,9 +46,11 @@ class RolloutStage(Stage):
         # so a restarted instance adds to the count
         self.counts = stage_counts(self.job, ctx)
         self.weights = RolloutWeights(self.job, ctx.instance_id)
-        images = ImageInputs(self.job, self.counts, ctx.group.device)
+        self.images = ImageInputs(self.job, self.counts, ctx.group.device)
         engine_class = import_dotted(ROLLOUT_ENGINES[cfg.backend], "rollout.backend")
-        self.engine: RolloutEngine = engine_class(self.job, self.weights, images, ctx)
+        self.engine: RolloutEngine = engine_class(self.job, self.weights, self.images, ctx)
+        env = self.job.config.env
+        self.episodes = EpisodeRollout(self.job, tokenizer, cfg.max_new_tokens, ctx.log) if env is not None else None
         self.generated = GeneratedStore(self.job.run_dir) if self.job.config.checkpoint.keep_generated else None
 
     def on_weights(self, version: int) -> None:
@@ -56,29 +61,40 @@ class RolloutStage(Stage):
             self.counts.add(replayed=kept.num_samples)  # generated before a stop: trained, not generated again
             return [kept]
         prompts = unragged(batch.tensors, "prompt_ids")
-        out = self.engine.generate(batch, prompts, self.params)
-        gen = out.generation
-        rollout = Rollout(
-            sequences=[torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
-            prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int32),
-            behavior_logp=gen.response_logp,
-            group_ids=batch.tensors["group_ids"],
-        )
-        finished = sum(reason == "stop" for reason in gen.finish_reasons)
-        tensors = rollout.to_tensors()
-        if out.token_versions is not None:
-            tensors.update(ragged("token_versions", out.token_versions))  # (R_i,) version per token
-        if self.job.vision_language:
-            del tensors["group_ids"]  # the image handle the broker joins with this one carries them
-        output = topic_output("rollout", tensors, len(prompts), batch.iteration, batch.minibatch, out.policy_version,
+        if self.episodes is not None:
+            images = self.images.of(batch.tensors)
+            tensors, policy_version, extra = self.episodes.generate(batch, prompts, images, self.engine, self.params)
+            finished = sum(ended == "done" for ended in EpisodeStats.decode(extra[EPISODES]).ended)
+        else:
+            tensors, policy_version, extra, finished = self._generate(batch, prompts)
+        tensors["prompt_lens"] = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+        if not self.job.vision_language:  # else the image handle the broker joins with this one carries them
+            tensors["group_ids"] = batch.tensors["group_ids"]
+        output = topic_output("rollout", tensors, len(prompts), batch.iteration, batch.minibatch, policy_version,
                               metadata={"references": batch.metadata["references"],
                                         REWARD_KWARGS: batch.metadata[REWARD_KWARGS], "finished": finished,
-                                        **out.metadata})
+                                        **extra})
         if self.generated is not None:
             self.generated.save(output)
         self.counts.add(generated=len(prompts))
+        record_episodes(self.counts, output.metadata, batch.iteration, batch.minibatch)
         return [output]
 
+    def _generate(self, batch: Batch, prompts: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, dict, int]:
+        """One response per prompt: the handle's sequences, log-probs (and per-token versions when
+        weights changed during generation), the policy version, the engine's metadata and how
+        many responses ended at a stop token."""
+        out = self.engine.generate(batch, prompts, self.params)
+        gen = out.generation
+        tensors = {**ragged("sequences", [torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)]),
+                   **ragged("behavior_logp", gen.response_logp)}
+        if out.token_versions is not None:
+            tensors.update(ragged("token_versions", out.token_versions))  # (R_i,) version per token
+        finished = sum(reason == "stop" for reason in gen.finish_reasons)
+        return tensors, out.policy_version, out.metadata, finished
+
     def close(self) -> None:
+        if self.episodes is not None:
+            self.episodes.close()
         self.engine.close()
         self.weights.close()

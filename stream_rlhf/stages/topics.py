@@ -32,6 +32,7 @@ of them."""
 Kind = Literal["per_sample", "ragged", "free"]
 INT = (torch.int64,)
 FLOAT = (torch.float32,)
+BOOL = (torch.bool,)
 
 
 class TopicSchemaError(ValueError):
@@ -97,7 +98,9 @@ TOPICS = {schema.topic: schema for schema in (
         Field("sequences", "ragged", INT), Field("behavior_logp", "ragged", FLOAT),
         Field("prompt_lens", "per_sample", (torch.int32,)),
         Field("group_ids", "per_sample", INT, optional=True),  # a VLM's come with the image handle
-        Field("token_versions", "ragged", (torch.int32,), optional=True),  # vLLM with in-flight updates
+        Field("token_versions", "ragged", (torch.int32,), optional=True),  # in-flight updates; env: -1 on observations
+        Field("loss_mask", "ragged", BOOL, optional=True),  # env: True on policy tokens, False on observations
+        Field("env_rewards", "ragged", FLOAT, optional=True),  # env: each turn's reward on its last policy token
     )),
     TopicSchema("ref_logp", (Field("ref_logp", "ragged", FLOAT),)),
     TopicSchema("old_logp", (Field("old_logp", "ragged", FLOAT),)),

@@ -3,8 +3,9 @@
     paths = write_plots(run_dir, eval_points)   # the driver's finish(); summary.json links them
 
 One figure per entry of `PLOTS`: reward (train, and the evaluations before and after RL), KL to
-the reference, entropy, response length, tokens/s and staleness, each against the training
-iteration. A curve whose metric the run never logged is left out, and so is a figure with none.
+the reference, entropy, response length, tokens/s, staleness and, for a multi-turn job (`env:`),
+turns per episode and the fraction of tool time hidden, each against the training iteration. A
+curve whose metric the run never logged is left out, and so is a figure with none.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("response_len", "response length (tokens)", ("response_len",)),
     ("tokens_per_s", "tokens/s (trained)", ("tokens_per_s",)),
     ("staleness", "staleness (policy versions)", ("staleness_mean", "staleness_max")),
+    ("turns", "turns per episode", ("turns_per_episode",)),
+    ("tool_hidden", "tool time hidden (fraction of tool seconds)", ("tool_hidden_frac",)),
 )
 """(file stem, title, the metrics.jsonl keys drawn as its curves)."""
 

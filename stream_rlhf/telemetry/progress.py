@@ -20,9 +20,12 @@ log = logging.getLogger("stream_rlhf")
 
 
 def describe(record: dict[str, Any]) -> str:
-    return (f"reward {record.get('reward', float('nan')):.3f}  kl {record.get('kl', float('nan')):.4f}  "
+    line = (f"reward {record.get('reward', float('nan')):.3f}  kl {record.get('kl', float('nan')):.4f}  "
             f"{record.get('tokens_per_s', 0):.0f} tok/s  staleness {record.get('staleness_mean', 0):.2f}"
             f"/{record.get('staleness_max', 0)}")
+    if "turns_per_episode" in record:  # a multi-turn job (env:)
+        line += f"  {record['turns_per_episode']:.2f} turns/ep  tool hidden {record['tool_hidden_frac']:.0%}"
+    return line
 
 
 class IterationProgress:

@@ -5,14 +5,16 @@ runs/<name>/samples.jsonl, for the per-sample viewer (`stream-rlhf view`, `viewe
     log.write(batches, exp, advantages, kl, trainer_version)     # once per trained iteration
 
 One JSON object a line (`SampleRecord` fields): iteration, minibatch, sample (its index in the
-mini-batch), policy_version (that generated it), staleness (trainer version minus that), reward,
-prompt (text; a run of image tokens shows as <image>), response (text), tokens (each response
-token decoded on its own), logprob (behaviour log-prob per token), advantage (per token), kl (per
-token, vs the reference; null when the job has no reference) and images (the prompt's image
-files; empty for text). At most `per_minibatch` lines per mini-batch, spread evenly over it, so
-the file holds at most per_minibatch * rollout_batch.minibatches lines per iteration: opening the
-log cuts what it holds from `start_version` on (a resumed run continues from its checkpoint; a
-fresh one starts empty).
+mini-batch), policy_version (that generated it), staleness (trainer version minus that), reward
+(an episode's: its return, score + turn rewards), prompt (text; a run of image tokens shows as
+<image>), response (text; an episode's observations included), tokens (each response token
+decoded on its own), logprob (behaviour log-prob per token), advantage (per token), kl (per
+token, vs the reference; null when the job has no reference), images (the prompt's image files;
+empty for text) and turns (a multi-turn episode's response as [start, end, kind] token spans,
+kind "policy" or "observation", from the handle's `loss_mask`; null for one response). At most
+`per_minibatch` lines per mini-batch, spread evenly over it, so the file holds at most
+per_minibatch * rollout_batch.minibatches lines per iteration: opening the log cuts what it holds
+from `start_version` on (a resumed run continues from its checkpoint; a fresh one starts empty).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ IMAGE_PATHS = "image_paths"
 IMAGE_SPAN = re.compile(r"<\|vision_start\|>(?:<\|image_pad\|>)*<\|vision_end\|>")
 DIGITS = 4
 """Decimals kept of every float."""
+LOSS_MASK = "loss_mask"
+"""The ragged (R_i,) bool tensor of a multi-turn job's handles: True on policy tokens."""
+POLICY, OBSERVATION = "policy", "observation"
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,9 @@ class SampleRecord:
     advantage: list[float]
     kl: list[float] | None
     images: list[str]
+    turns: list[tuple[int, int, str]] | None = None
+    """[start, end) spans of the response's tokens, kind "policy" (loss mask 1) or "observation";
+    None for a single-turn sample."""
 
 
 def logged_indices(num_samples: int, per_minibatch: int) -> list[int]:
@@ -80,6 +88,18 @@ def logged_indices(num_samples: int, per_minibatch: int) -> list[int]:
     if count <= 1:
         return list(range(count))
     return sorted({round(j * (num_samples - 1) / (count - 1)) for j in range(count)})
+
+
+def turn_spans(loss_mask: list[bool]) -> list[tuple[int, int, str]]:
+    """The runs of a response's loss mask as [start, end, kind] spans: [T, T, F, T] ->
+    [(0, 2, "policy"), (2, 3, "observation"), (3, 4, "policy")]."""
+    spans: list[tuple[int, int, str]] = []
+    start = 0
+    for i in range(1, len(loss_mask) + 1):
+        if i == len(loss_mask) or loss_mask[i] != loss_mask[start]:
+            spans.append((start, i, POLICY if loss_mask[start] else OBSERVATION))
+            start = i
+    return spans
 
 
 class SampleLog:
@@ -113,7 +133,7 @@ class SampleLog:
         return SampleRecord(
             iteration=batch.iteration, minibatch=batch.minibatch, sample=index,
             policy_version=batch.policy_version, staleness=version - batch.policy_version,
-            reward=round(float(exp.scores[n]), DIGITS),
+            reward=round(float(exp.sample_returns()[n]), DIGITS),
             prompt=self._prompt_text(sequence[:prompt_len]),
             response=self.tokenizer.decode(response, skip_special_tokens=True),
             tokens=self.tokenizer.batch_decode([[token] for token in response]),
@@ -121,6 +141,7 @@ class SampleLog:
             advantage=_rounded(advantage[:width]),
             kl=None if kl is None else _rounded(kl[:width]),
             images=paths.split("\n") if paths else [],
+            turns=_turns(batch, index, width),
         )
 
     def _prompt_text(self, ids: list[int]) -> str:
@@ -129,6 +150,19 @@ class SampleLog:
         for token in {self.tokenizer.bos_token, self.tokenizer.pad_token} - {None}:
             text = text.replace(token, "")
         return text
+
+
+def _turns(batch: Batch, index: int, width: int) -> list[tuple[int, int, str]] | None:
+    """The turn spans of sample `index` of `batch`; None without a loss mask (one response)."""
+    if LOSS_MASK not in batch.tensors:
+        return None
+    lens = batch.tensors[f"{LOSS_MASK}_lens"].tolist()
+    start = sum(lens[:index])
+    mask = batch.tensors[LOSS_MASK][start:start + lens[index]].tolist()
+    if len(mask) != width:
+        raise ValueError(f"sample {index} of mini-batch {batch.iteration}/{batch.minibatch}: "
+                         f"{LOSS_MASK} has {len(mask)} entries for {width} response tokens")
+    return turn_spans(mask)
 
 
 def _rounded(values: Tensor) -> list[float]:

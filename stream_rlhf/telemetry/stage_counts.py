@@ -1,6 +1,7 @@
 """Counters a stage keeps on disk for the run summary: samples generated, images encoded, lines
-skipped. One JSON file per process, rewritten after every step, so a crashed and restarted
-instance adds to the total instead of losing it.
+skipped, seconds spent in tool calls (a count may be a float). One JSON file per process,
+rewritten after every step, so a crashed and restarted instance adds to the total instead of
+losing it.
 
     counts = StageCounts(run_dir, "rollout", ctx.instance_id)
     counts.add(generated=64, images=64)
@@ -22,13 +23,13 @@ class StageCounts:
         the same samples)."""
         self.stage = stage
         self.write = write
-        self.values: dict[str, int] = {}
+        self.values: dict[str, int | float] = {}
         self.details: dict[str, object] = {}
         self.file = Path(run_dir) / FOLDER / f"{instance_id}-{os.getpid()}.json"
         if write:
             self.file.parent.mkdir(parents=True, exist_ok=True)
 
-    def add(self, **counts: int) -> None:
+    def add(self, **counts: int | float) -> None:
         for key, value in counts.items():
             self.values[key] = self.values.get(key, 0) + value
         self._write()
@@ -46,9 +47,9 @@ class StageCounts:
         partial.replace(self.file)  # a reader never sees half a file
 
 
-def read_stage_counts(run_dir: Path) -> dict[str, dict[str, int]]:
+def read_stage_counts(run_dir: Path) -> dict[str, dict[str, int | float]]:
     """Counts summed over every process of each stage."""
-    totals: dict[str, dict[str, int]] = {}
+    totals: dict[str, dict[str, int | float]] = {}
     for path in sorted((Path(run_dir) / FOLDER).glob("*.json")):
         record = json.loads(path.read_text())
         stage = totals.setdefault(record["stage"], {})

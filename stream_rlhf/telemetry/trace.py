@@ -5,6 +5,7 @@
         ...
     trace.complete("rollout prompts", "step", start_ns, trace.now_ns(), iteration=3, minibatch=1)
     trace.counter("queue rollout>ref_forward", depth=4)
+    trace.complete_on("episode 003", "tool wait ep 3", "tool", start_ns, end_ns)   # on a track of its own
 
 Every call is a no-op until `start` (a test running a stage in-process, a run with `trace: false`),
 so library code records its events unconditionally. Each event is one line of Trace Event JSON
@@ -12,7 +13,8 @@ so library code records its events unconditionally. Each event is one line of Tr
 `<folder>/<process>.<thread>.<os pid>.jsonl`, written with one `write` call (line-buffered: a
 process killed mid-run leaves every event it finished but at most one torn last line), except that
 `pid` and `tid` are still names: "rollout-0" and "rank 0", or "rank 0/<thread name>" for an event
-from another thread of the process (a weight sender's serving thread). `trace_merge.py` turns the
+from another thread of the process (a weight sender's serving thread), or "rank 0/<track>" for
+an event `complete_on` puts on a track of its own (an episode's tool waits). `trace_merge.py` turns the
 names into numbered, named tracks and writes runs/<name>/trace.json.
 
 Clock: `time.time_ns()`, the host's wall clock, in whole microseconds since the epoch (`ts`, and
@@ -57,9 +59,10 @@ class TraceRecorder:
         self._main_ident = threading.get_ident()
         self.write({"ph": "M", "name": "thread_name", "args": {"name": thread}})  # its track, even if idle
 
-    def write(self, event: dict[str, Any]) -> None:
+    def write(self, event: dict[str, Any], track: str | None = None) -> None:
+        """`track`: the event goes on "<thread>/<track>" instead of the calling thread's track."""
         event["pid"] = self.process
-        event["tid"] = self._tid()
+        event["tid"] = self._tid() if track is None else f"{self.thread}/{track}"
         self.file.write(json.dumps(event, separators=(",", ":")) + "\n")
 
     def _tid(self) -> str:
@@ -94,10 +97,21 @@ def enabled() -> bool:
 
 def complete(name: str, cat: str, start_ns: int, end_ns: int, **args: Any) -> None:
     """A complete ("X") event from `start_ns` to `end_ns` (both `now_ns()` readings)."""
+    _complete(None, name, cat, start_ns, end_ns, args)
+
+
+def complete_on(track: str, name: str, cat: str, start_ns: int, end_ns: int, **args: Any) -> None:
+    """`complete` on the track "<thread>/<track>" of this process: for slices that overlap the
+    thread's own (an episode's tool calls while the sampler decodes others)."""
+    _complete(track, name, cat, start_ns, end_ns, args)
+
+
+def _complete(track: str | None, name: str, cat: str, start_ns: int, end_ns: int, args: dict[str, Any]) -> None:
     if _recorder is None:
         return
     ts = start_ns // 1000
-    _recorder.write({"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": end_ns // 1000 - ts, "args": args})
+    _recorder.write({"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": end_ns // 1000 - ts, "args": args},
+                    track=track)
 
 
 @contextmanager

@@ -1,6 +1,8 @@
 // view.html: renders the samples of the JSON in #data (stream_rlhf/viewer/page.py) and re-renders
 // them when the iteration, the token colouring or the order changes. Text only ever goes in as
-// textContent.
+// textContent. A multi-turn sample (its `turns`: [start, end, kind] spans) shows one block per
+// turn: policy tokens coloured, observation tokens shaded and left out of the colour scales and
+// the mean KL (they carry no loss).
 "use strict";
 
 const DATA = JSON.parse(document.getElementById("data").textContent);
@@ -14,10 +16,15 @@ const SCALES = {  // colour of a token: [rgb below zero, rgb above zero]
 const state = { iteration: "all", colour: "logprob", order: "logged", shown: PAGE };
 
 const mean = (values) => values.reduce((a, b) => a + b, 0) / Math.max(values.length, 1);
+for (const s of DATA.samples) {  // s.policy[i]: token i carries loss (every token of a single-turn sample)
+  s.policy = s.tokens.map(() => !s.turns);
+  for (const [start, end, kind] of s.turns || []) s.policy.fill(kind === "policy", start, end);
+}
+const policyValues = (s, name) => (s[name] || []).filter((_, i) => s.policy[i]);
 const largest = (name) => DATA.samples.reduce(  // no spread: a long log has too many tokens for one call
-  (top, s) => (s[name] || []).reduce((m, v) => Math.max(m, Math.abs(v)), top), 1e-9);
+  (top, s) => policyValues(s, name).reduce((m, v) => Math.max(m, Math.abs(v)), top), 1e-9);
 const LARGEST = { advantage: largest("advantage"), kl: largest("kl") };
-for (const s of DATA.samples) s.meanKl = s.kl ? mean(s.kl) : null;
+for (const s of DATA.samples) s.meanKl = s.kl ? mean(policyValues(s, "kl")) : null;
 
 function element(tag, className, text) {
   const node = document.createElement(tag);
@@ -58,6 +65,7 @@ function legend() {
 }
 
 function tokenTitle(sample, i) {
+  if (!sample.policy[i]) return `${JSON.stringify(sample.tokens[i])}  observation (no loss)`;
   const lp = sample.logprob[i];
   const kl = sample.kl ? `  KL ${fmt(sample.kl[i], 4)}` : "";
   return `${JSON.stringify(sample.tokens[i])}  log-prob ${fmt(lp)} (p ${fmt(Math.exp(lp))})  ` +
@@ -77,6 +85,10 @@ function card(sample) {
     element("span", "", `mean KL ${fmt(sample.meanKl, 4)}`),
     element("span", "", `${sample.tokens.length} tokens · line ${sample.line}`),
   );
+  if (sample.turns) {
+    const turns = sample.turns.filter(([, , kind]) => kind === "policy").length;
+    meta.append(element("span", "turns", `${turns} turn${turns === 1 ? "" : "s"}`));
+  }
   const prompt = element("div", "prompt row");
   prompt.append(element("span", "label", "prompt"));
   sample.images.forEach((path, i) => {
@@ -93,16 +105,33 @@ function card(sample) {
   prompt.append(element("pre", "", sample.prompt));
   const response = element("div", "row");
   const tokens = element("div", "response");
-  sample.tokens.forEach((token, i) => {
-    const special = /^<\|?[^<>]+\|?>$/.test(token) || token === "";
-    const span = element("span", special ? "token special" : "token", token === "" ? "\u25af" : token);
-    span.style.backgroundColor = tokenColour(sample, i);
-    span.title = tokenTitle(sample, i);
-    tokens.append(span);
-  });
+  if (sample.turns) {
+    tokens.classList.add("episode");
+    let policyTurns = 0;
+    for (const [start, end, kind] of sample.turns) {
+      const turn = element("div", `turn ${kind}`);
+      turn.dataset.start = start;
+      turn.dataset.end = end;
+      turn.append(element("span", "turn-label", kind === "policy" ? `turn ${++policyTurns}` : "observation"));
+      for (let i = start; i < end; i++) turn.append(tokenSpan(sample, i));
+      tokens.append(turn);
+    }
+  } else {
+    sample.tokens.forEach((_, i) => tokens.append(tokenSpan(sample, i)));
+  }
   response.append(element("span", "label", "response"), tokens);
   node.append(meta, prompt, response);
   return node;
+}
+
+function tokenSpan(sample, i) {
+  const token = sample.tokens[i];
+  const special = /^<\|?[^<>]+\|?>$/.test(token) || token === "";
+  const span = element("span", special ? "token special" : "token", token === "" ? "\u25af" : token);
+  if (sample.policy[i]) span.style.backgroundColor = tokenColour(sample, i);
+  else span.classList.add("observation");
+  span.title = tokenTitle(sample, i);
+  return span;
 }
 
 function selected() {

@@ -4,20 +4,23 @@ every bad one counted with its line number and why (the page shows them as skipp
     good, skipped = read_samples(run_dir / SAMPLES_FILE)   # skipped: [SkippedLine(line=7, reason=...)]
 
 A line is bad when it is not JSON, lacks a field or has one of the wrong type (msgspec names
-it: "Expected `int`, got `str` - at `$.iteration`"), or when its per-token lists differ in length
-from `tokens`. A missing file reads as no samples.
+it: "Expected `int`, got `str` - at `$.iteration`"), when its per-token lists differ in length
+from `tokens`, or when its turn spans do not cover the tokens one after another. A missing file
+reads as no samples.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
-from stream_rlhf.telemetry.sample_log import SampleRecord
+from stream_rlhf.telemetry.sample_log import OBSERVATION, POLICY, SampleRecord
 
 PER_TOKEN = ("logprob", "advantage", "kl")
+TURN_KINDS = (POLICY, OBSERVATION)
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ def read_samples(path: Path) -> tuple[list[LoggedSample], list[SkippedLine]]:
         except msgspec.DecodeError as error:
             skipped.append(SkippedLine(number, str(error)))
             continue
-        if (reason := _length_mismatch(record)) is not None:
+        if (reason := _length_mismatch(record) or _bad_turns(record)) is not None:
             skipped.append(SkippedLine(number, reason))
             continue
         good.append(LoggedSample(number, record))
@@ -59,4 +62,19 @@ def _length_mismatch(record: SampleRecord) -> str | None:
         values = getattr(record, name)
         if values is not None and len(values) != len(record.tokens):
             return f"`{name}` has {len(values)} values for {len(record.tokens)} tokens"
+    return None
+
+
+def _bad_turns(record: SampleRecord) -> str | None:
+    """Why `turns` is not a cover of the tokens by consecutive, non-empty spans of a known kind."""
+    if record.turns is None:
+        return None
+    end = 0
+    for start, stop, kind in record.turns:
+        if start != end or stop <= start or kind not in TURN_KINDS:
+            return (f"`turns` span {json.dumps([start, stop, kind])}: expected a non-empty span from token {end}, "
+                    f"kind {' or '.join(TURN_KINDS)}")
+        end = stop
+    if end != len(record.tokens):
+        return f"`turns` cover {end} of {len(record.tokens)} tokens"
     return None
