@@ -6,7 +6,9 @@
 
 The prompts are the in-memory text task's eval split or every line of `data.eval` (with
 `data.on_bad_sample: skip`, bad lines are counted in "skipped" by reason, the first messages kept
-in "skipped_examples"; "response_tokens" counts the tokens sampled, both temperatures). A vision-language
+in "skipped_examples"; "response_tokens" counts the tokens sampled, both temperatures). In an `env`
+job each prompt runs as an episode in the job's environment and scores its summed turn rewards
+(`eval_episodes.py`). A vision-language
 model encodes each eval image once, with its own vision tower. Decoding is eager, static or
 graphed as `rollout.decode` says (the same tokens in every mode).
 """
@@ -23,6 +25,7 @@ from stream_rlhf.backends.static_sampler import sample
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.data.text_tasks import problems
 from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
+from stream_rlhf.driver.eval_episodes import episode_scores
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
 from stream_rlhf.rl.config import RLJobConfig
@@ -44,10 +47,10 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     if dataset is None:
         task = cfg.task
         items = [(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)]),
-                  p.answer, [], {})
+                  p.answer, [], {}, ())
                  for p in problems(task, "eval", task.eval_prompts, task.seed)]
     else:
-        items = [(s.prompt_ids, s.answer, s.images, s.reward_kwargs) for s in dataset.each_sample()]
+        items = [(s.prompt_ids, s.answer, s.images, s.reward_kwargs, s.image_paths) for s in dataset.each_sample()]
     chunks = [items[first:first + batch_size] for first in range(0, len(items), batch_size)]
     chunk_images = [_features(model, chunk) for chunk in chunks]  # encoded once, for both temperatures
     stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop, cfg.data.chat_template, checkpoint)
@@ -59,6 +62,12 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
                                 tokenizer.pad_token_id)
         scores = []
         for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
+            if cfg.env is not None:  # each prompt an episode in the job's environment
+                chunk_scores, tokens = episode_scores(cfg, model, tokenizer, chunk, images, params, static,
+                                                      (cfg.seed, "eval", index * batch_size), scorer.score)
+                result["response_tokens"] += tokens
+                scores.append(chunk_scores)
+                continue
             prompts = [prompt for prompt, *_ in chunk]
             gen = sample(model, prompts, params, seeded_generator(cfg.seed, "eval", index * batch_size), images,
                          static)
@@ -74,10 +83,10 @@ def _features(model: torch.nn.Module, chunk: list) -> list[SampleImages] | None:
     """Each prompt's image features (None for a text model)."""
     if not is_vision_language_model(model):
         return None
-    images = [image for _, _, own, _ in chunk for image in own]
+    images = [image for _, _, own, *_ in chunk for image in own]
     grid = torch.stack([im.grid_thw for im in images]) if images else torch.zeros((0, 3), dtype=torch.long)
     pixel_values = torch.cat([im.pixel_values for im in images]) if images else torch.zeros(0)
     per_image = encode_images(model, pixel_values, grid)
-    counts = [len(own) for _, _, own, _ in chunk]
+    counts = [len(own) for _, _, own, *_ in chunk]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     return samples_of(per_image, grid, [torch.arange(start, start + n) for start, n in zip(starts, counts)])

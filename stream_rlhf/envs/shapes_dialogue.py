@@ -27,6 +27,8 @@ class ShapesDialogue:
     def __init__(self) -> None:
         self.start: EpisodeStart | None = None
         self.squares: Squares = ()
+        self.turns = 0
+        """Policy turns answered so far."""
         self.question: str = ""
         """The question the policy is answering now."""
         self.reference: str = ""
@@ -37,6 +39,7 @@ class ShapesDialogue:
             raise ValueError(f"expected one image per episode, got {len(start.images)}")
         self.start = start
         self.squares = shapes.read_squares(start.images[0])
+        self.turns = 0
         self.question, self.reference = start.prompt, start.reference
 
     def step(self, text: str, token_ids: Sequence[int]) -> Turn:
@@ -44,7 +47,8 @@ class ShapesDialogue:
             raise RuntimeError("step before reset")
         answer = text.strip()
         reward = shapes.reward(self.question, answer, self.reference)
-        if self.question != self.start.prompt or answer not in shapes.COLORS:
+        self.turns += 1
+        if self.turns > 1 or answer not in shapes.COLORS:
             return Turn(None, reward, done=True)
         self.question, self.reference = follow_up(answer), str(count_of(self.squares, answer))
         return Turn(Observation(self.question), reward)
