@@ -43,7 +43,8 @@ def _run_folder(tmp_path, rollout_s: list[float], iteration_s: float):
               for i, seconds in enumerate(rollout_s)]
     events.append({"ph": "X", "cat": "step", "ts": 0, "dur": 9_000_000,  # another rank's share: not counted
                    "args": {"stage": "rollout", "iteration": 1, "rank": 1}})
-    events.append({"ph": "X", "cat": "step", "ts": 0, "dur": 9_000_000, "args": {"stage": "actor_train", "iteration": 1}})
+    events.append({"ph": "X", "cat": "step", "ts": 0, "dur": 9_000_000,  # another stage: not counted
+                   "args": {"stage": "actor_train", "iteration": 1}})
     (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
     (tmp_path / "summary.json").write_text(json.dumps({"samples_trained": 192, "episodes_failed": {"timeout": 1}}))
     return tmp_path

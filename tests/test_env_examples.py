@@ -16,12 +16,13 @@ from stream_rlhf.config import ConfigError, load_config
 from stream_rlhf.data import shapes, shapes_dialogue, tool_sums
 from stream_rlhf.data.demonstration import IGNORE, answer_only, demonstration_rows, observation, policy
 from stream_rlhf.driver.eval_episodes import EvalTurns, episode_scores
+from stream_rlhf.driver.evaluate import evaluate
 from stream_rlhf.driver.warm_start import _cache_folder, _sample_demonstration, _sft_batch
 from stream_rlhf.envs import calculator
 from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
 from stream_rlhf.envs.shapes_dialogue import ShapesDialogue
 from stream_rlhf.envs.turns import TurnRequest
-from stream_rlhf.models.checkpoint import build_tiny
+from stream_rlhf.models.checkpoint import build_tiny, save_checkpoint
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.task_data import open_prompts, resolve_data
@@ -219,3 +220,34 @@ def test_shapes_dialogue_files_and_their_warm_start_demonstrations(tmp_path):
         env.reset(EpisodeStart(sample.prompt, sample.answer, sample.image_paths))
         assert env.step(demonstration[0].text, []) == Turn(Observation(demonstration[1].text), 1.0)
         assert env.step(demonstration[2].text, []) == Turn(None, 1.0, done=True)
+
+
+class AlwaysAsks:
+    """A scripted environment: one follow-up question whatever the answer, then done (reward 0.5
+    per turn), so every episode has two policy turns."""
+
+    def reset(self, start: EpisodeStart) -> None:
+        self.turns = 0
+
+    def step(self, text: str, token_ids: list[int]) -> Turn:
+        self.turns += 1
+        return Turn(Observation("how many?"), 0.5) if self.turns == 1 else Turn(None, 0.5, done=True)
+
+
+@pytest.mark.parametrize("config, sets", [
+    ("text_tool_grpo", []),
+    ("mllm_multiturn_ppo", []),
+    ("mllm_multiturn_ppo", ["env.factory=tests.test_env_examples:AlwaysAsks"]),
+])
+def test_evaluate_scores_episodes(config, sets, tmp_path):
+    """`evaluate` of an env job runs its episodes (a vision-language one with the image's features
+    on every turn)."""
+    cfg = resolve_data(load_config(RLJobConfig, CONFIGS / f"{config}.yaml", [
+        f"task.data_dir={tmp_path}", "task.train_prompts=2", "task.eval_prompts=4", "rollout.max_new_tokens=4", *sets]))
+    tokenizer = build_tokenizer(vision=cfg.model.tiny.vision is not None)
+    save_checkpoint(build_tiny(cfg.model.tiny, tokenizer, seed=0), tokenizer, tmp_path / "policy")
+    result = evaluate(cfg, str(tmp_path / "policy"))
+    assert result["prompts"] == 4 and 0 < result["response_tokens"] <= 2 * 4 * cfg.env.max_turns * 4
+    assert 0.0 <= result["reward"] <= cfg.env.max_turns and 0.0 <= result["greedy_reward"] <= cfg.env.max_turns
+    if sets:  # two turns of every episode, 0.5 each
+        assert result["reward"] == result["greedy_reward"] == 1.0 and result["response_tokens"] >= 2 * 4 * 2
