@@ -146,6 +146,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             code = _supervise(job, run.cfg.name, run.cfg.timeout_s, run.progress(), watch=job.fail_on_dropped_handles)
         finally:
             run.cleanup()
+        if code == 0 and (switched := run.switched(cfg)) is not None:  # the re-plan drained it to switch placement
+            cfg, resume = switched, True
+            continue
         if code == 0:
             run.finish()
             return 0

@@ -111,9 +111,10 @@ def test_replan_names_a_faster_placement_when_the_answers_turn_out_shorter():
     assert same["running_predicted_now_s"] == pytest.approx(choice.predicted_iteration_s, abs=1e-4)
     watch = ReplanWatch(running, flow, choice, metrics_path=None)
     records = [{"iteration": i, "iteration_s": 2.0 if i == 0 else 0.5, "response_len": 3.0} for i in range(5)]
-    watch.check(records)
+    watch.check(records, done=5)
     assert watch.result["measured_iteration_s"] == 0.5  # the first iteration (start-up) left out
     assert watch.result["better"]["with_rollout"] == moved
+    assert watch.result["switch"]["switched"] is False and watch.switch is None  # placement.replan=warn
 
 
 def test_placement_auto_is_the_default_and_takes_keys_set_over_it(tmp_path):

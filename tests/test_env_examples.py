@@ -11,22 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.config import ConfigError, load_config
 from stream_rlhf.data import shapes, shapes_dialogue, tool_sums
 from stream_rlhf.data.demonstration import IGNORE, answer_only, demonstration_rows, observation, policy
-from stream_rlhf.driver.eval_episodes import EvalTurns, episode_scores
 from stream_rlhf.driver.evaluate import evaluate
 from stream_rlhf.driver.warm_start import _cache_folder, _sample_demonstration, _sft_batch
 from stream_rlhf.envs import calculator
 from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
 from stream_rlhf.envs.shapes_dialogue import ShapesDialogue
-from stream_rlhf.envs.turns import TurnRequest
 from stream_rlhf.models.checkpoint import build_tiny, save_checkpoint
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.task_data import open_prompts, resolve_data
-from stream_rlhf.seeding import seeded_generator
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TOKENIZER = build_tokenizer()
@@ -173,33 +169,6 @@ def test_example_configs_build():
         load_config(RLJobConfig, CONFIGS / "text_tool_grpo.yaml", ["env=null"])
     with pytest.raises(ConfigError, match="tool_fraction=0.2: only the tool_sums task has it"):
         load_config(RLJobConfig, CONFIGS / "text_grpo.yaml", ["task.tool_fraction=0.2"])
-
-
-def test_evaluation_runs_each_prompt_as_an_episode():
-    """The evaluation's turn sampler samples what was started, by budget, and the episodes it
-    drives through the calculator score the same for the same seed."""
-    cfg = load_config(RLJobConfig, CONFIGS / "text_tool_grpo.yaml", [])
-    model = build_tiny(cfg.model.tiny, TOKENIZER, seed=0).eval()
-    params = SamplingParams(1.0, 1.0, cfg.rollout.max_new_tokens, (TOKENIZER.eos_token_id,), TOKENIZER.pad_token_id)
-    turns = EvalTurns(model, params, None, lambda call: seeded_generator(0, call))
-    for key, budget in enumerate((2, 5, 2)):
-        turns.start(TurnRequest(key, torch.tensor([1, 5, 6, 7][:2 + key]), None, budget))
-    assert turns.busy
-    done = {d.key: d for d in turns.advance()}
-    assert sorted(done) == [0, 1, 2] and not turns.busy and turns.calls == 2  # one batch per budget
-    assert all(len(d.ids) <= (2, 5, 2)[k] and len(d.logps) == len(d.ids) for k, d in done.items())
-
-    chunk = [(torch.tensor([TOKENIZER.bos_token_id, *TOKENIZER.encode(p.prompt, add_special_tokens=False)]),
-              p.answer, [], {}, ()) for p in tool_sums.problems("eval", 6, seed=0, max_operand=999)]
-
-    def no_reward(rollout, references, kwargs):
-        return torch.zeros(len(references))
-
-    with torch.no_grad():
-        first = episode_scores(cfg, model, TOKENIZER, chunk, None, params, None, (0, "eval"), no_reward)
-        again = episode_scores(cfg, model, TOKENIZER, chunk, None, params, None, (0, "eval"), no_reward)
-    assert first[0].shape == (6,) and torch.equal(first[0], again[0]) and first[1] == again[1] > 0
-    assert all(0.0 <= score <= 1.0 for score in first[0].tolist())
 
 
 def test_shapes_dialogue_files_and_their_warm_start_demonstrations(tmp_path):

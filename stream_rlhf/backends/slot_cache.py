@@ -25,7 +25,8 @@ softmax row is empty.
 Rows joining and leaving (issue 34's multi-turn episodes): `join` writes a prefill into any free
 slots and sets their columns to the prefill's width, whatever the other slots are doing; a row
 leaves by being committed 0 from then on (its slot is free for the next join once its outputs are
-read), and `take` compacts the live slots of a bucket into a smaller one when few are left.
+read; `clear` empties it for a row that is fed from column 0 instead: `episode_sampler.py`), and
+`take` compacts the live slots of a bucket into a smaller one when few are left.
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ class SlotCache(Cache):
             mine.keys[:count], mine.values[:count] = theirs.keys[slots], theirs.values[slots]
         self.valid[:count], self.columns[:count] = other.valid[slots], other.columns[slots]
         self.valid[count:], self.columns[count:] = False, 0
+
+    def clear(self, slots: Tensor) -> None:
+        """Slots `slots` (J,) empty: the next step writes them from column 0 (a new row may join)."""
+        self.valid[slots] = False
+        self.columns[slots] = 0
 
     def begin(self, query_length: int) -> Tensor:
         """Before a step of `query_length` positions per slot: set where the layers write, and the

@@ -5,6 +5,7 @@ policy model in the rollout process, on its rank's device; speculative with Medu
 
     engine = TorchRolloutEngine(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
+    sampler = engine.turn_sampler(batch, params)    # multi-turn episodes: TorchTurnSampler (episode_sampler.py)
 
 Before each mini-batch it loads the newest policy version (`RolloutWeights.refresh_model`): every
 token of the mini-batch is sampled by that version. With `precision: bf16` it samples under bf16
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.decode_attention import use_decode_attention
+from stream_rlhf.backends.episode_sampler import CUDA_FREE_POSITIONS, TorchTurnSampler
 from stream_rlhf.backends.precision import autocast
 from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.speculation import Speculation
@@ -26,6 +28,7 @@ from stream_rlhf.backends.static_decode import static_decoder
 from stream_rlhf.backends.static_sampler import sample
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.models.checkpoint import load_policy
+from stream_rlhf.samples import unragged
 from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stage import Batch, StageContext
 
@@ -60,6 +63,24 @@ class TorchRolloutEngine:
                 return Generated(gen, self.policy_version, info)
             gen = sample(self.model, prompts, params, generator, self.images.of(batch.tensors), self.static)
         return Generated(gen, self.policy_version)
+
+    def turn_sampler(self, batch: Batch, params: SamplingParams) -> TorchTurnSampler:
+        """The TurnSampler of `batch`'s multi-turn episodes (`envs/turns.py`), a slot each: the newest
+        policy version, loaded now, samples every turn, drawing from the mini-batch's generator as
+        `generate` does. A slot holds env.max_episode_tokens positions, at least the longest prompt
+        and params.max_new_tokens; Medusa heads are not used for turns. One sampler at a time, and
+        no `generate` while it is open: with a static decoder they share its bucket's cache."""
+        self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
+        generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch,
+                                     device=self.device)
+        env = self.job.config.env
+        capacity = max(len(p) for p in unragged(batch.tensors, "prompt_ids")) + params.max_new_tokens
+        if env is not None:
+            capacity = max(capacity, env.max_episode_tokens)
+        precision = self.job.config.precision
+        return TorchTurnSampler(self.model, batch.num_samples, capacity, params, generator, self.policy_version,
+                                self.static, precision=lambda: autocast(self.device, precision),
+                                free_positions=CUDA_FREE_POSITIONS if self.device.type == "cuda" else 0)
 
     def close(self) -> None:
         """Nothing outside this process to release."""

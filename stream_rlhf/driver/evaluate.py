@@ -6,11 +6,11 @@
 
 The prompts are the in-memory text task's eval split or every line of `data.eval` (with
 `data.on_bad_sample: skip`, bad lines are counted in "skipped" by reason, the first messages kept
-in "skipped_examples"; "response_tokens" counts the tokens sampled, both temperatures). In an `env`
-job each prompt runs as an episode in the job's environment and scores its summed turn rewards
-(`eval_episodes.py`). A vision-language
+in "skipped_examples"; "response_tokens" counts the tokens sampled, both temperatures). A vision-language
 model encodes each eval image once, with its own vision tower. Decoding is eager, static or
-graphed as `rollout.decode` says (the same tokens in every mode).
+graphed as `rollout.decode` says (the same tokens in every mode). An `env` job runs each prompt as
+an episode in its environment and scores its return (`evaluate_episodes.py`); "response_tokens"
+then counts policy tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from stream_rlhf.backends.static_sampler import sample
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.data.text_tasks import problems
 from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
-from stream_rlhf.driver.eval_episodes import episode_scores
+from stream_rlhf.driver.evaluate_episodes import episode_returns
+from stream_rlhf.envs.environment import EpisodeStart
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
 from stream_rlhf.rl.config import RLJobConfig
@@ -47,10 +48,11 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     if dataset is None:
         task = cfg.task
         items = [(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)]),
-                  p.answer, [], {}, ())
+                  p.answer, [], {}, EpisodeStart(p.prompt, p.answer))
                  for p in problems(task, "eval", task.eval_prompts, task.seed)]
     else:
-        items = [(s.prompt_ids, s.answer, s.images, s.reward_kwargs, s.image_paths) for s in dataset.each_sample()]
+        items = [(s.prompt_ids, s.answer, s.images, s.reward_kwargs,
+                  EpisodeStart(s.prompt, s.answer, s.image_paths, s.reward_kwargs)) for s in dataset.each_sample()]
     chunks = [items[first:first + batch_size] for first in range(0, len(items), batch_size)]
     chunk_images = [_features(model, chunk) for chunk in chunks]  # encoded once, for both temperatures
     stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop, cfg.data.chat_template, checkpoint)
@@ -62,15 +64,15 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
                                 tokenizer.pad_token_id)
         scores = []
         for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
-            if cfg.env is not None:  # each prompt an episode in the job's environment
-                chunk_scores, tokens = episode_scores(cfg, model, tokenizer, chunk, images, params, static,
-                                                      (cfg.seed, "eval", index * batch_size), scorer.score)
-                result["response_tokens"] += tokens
-                scores.append(chunk_scores)
-                continue
             prompts = [prompt for prompt, *_ in chunk]
-            gen = sample(model, prompts, params, seeded_generator(cfg.seed, "eval", index * batch_size), images,
-                         static)
+            generator = seeded_generator(cfg.seed, "eval", index * batch_size)
+            if cfg.env is not None:  # multi-turn: each prompt an episode in the job's environment
+                returns, tokens = episode_returns(cfg, model, scorer, [item[4] for item in chunk], prompts, images,
+                                                  params, generator, static)
+                result["response_tokens"] += tokens
+                scores.append(returns)
+                continue
+            gen = sample(model, prompts, params, generator, images, static)
             rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
                               torch.tensor([len(p) for p in prompts]), gen.response_logp, torch.zeros(len(chunk)))
             result["response_tokens"] += sum(len(response) for response in gen.response_ids)

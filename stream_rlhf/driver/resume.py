@@ -3,14 +3,16 @@ still fits it, and the run folder made ready to continue from it.
 
     record_start(run_dir, cfg, eval_before, start_checkpoint)   # a fresh run, before its stages
     resumed = prepare_resume(run_dir, cfg, weights_root)        # a resumed run, before its stages
+    append_switch(run_dir, {...})                               # a placement switch (`placement_switch.py`)
 
 A fresh run writes `checkpoints/run.json`: its config, the eval before RL and the checkpoint it
-started from, and a list of its resumes. A resumed run picks the newest complete and intact
-checkpoint (`resume/store.py`), refuses a config that changed what the checkpoint's state
-depends on (model, task, training data, batch shape, advantage estimator, seed; a learning rate
-or the iteration count may change), cuts `metrics.jsonl` and `critic_metrics.jsonl` back to the
-checkpoint's iterations, and puts the checkpoint's actor (and critic) weights in the shared-memory
-weight store as the checkpoint's version, so rollout and the forwards start from them.
+started from, a list of its resumes and one of its placement switches. A resumed run picks the
+newest complete and intact checkpoint (`resume/store.py`), refuses a config that changed what
+the checkpoint's state depends on (model, task, training data, batch shape, advantage estimator,
+seed; a learning rate or the iteration count may change), cuts `metrics.jsonl` and
+`critic_metrics.jsonl` back to the checkpoint's iterations, and puts the checkpoint's actor (and
+critic) weights in the shared-memory weight store as the checkpoint's version, so rollout and
+the forwards start from them.
 
 What the stopped run generated after its checkpoint is in rollout's kept outputs
 (`stages/generated_store.py`): the resumed run trains it without generating it again, at the
@@ -47,12 +49,25 @@ FIXED_KEYS = ("model", "task", "data.train", "rollout_batch", "algorithm.advanta
 def record_start(run_dir: Path, cfg: RLJobConfig, eval_before: dict[str, Any], start_checkpoint: str) -> None:
     folder = run_dir / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"config": _plain(cfg), "eval_before": eval_before, "start_checkpoint": start_checkpoint, "resumes": []}
+    record = {"config": _plain(cfg), "eval_before": eval_before, "start_checkpoint": start_checkpoint, "resumes": [],
+              "switches": []}
     (folder / RUN_RECORD).write_text(json.dumps(record, indent=1))
 
 
 def read_record(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / FOLDER / RUN_RECORD).read_text())
+
+
+def read_switches(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's placement switches (`driver/placement_switch.py`), oldest first; none in a run
+    folder written before switches were recorded."""
+    return read_record(run_dir).get("switches", [])
+
+
+def append_switch(run_dir: Path, switch: dict[str, Any]) -> None:
+    record = read_record(run_dir)
+    record["switches"] = [*record.get("switches", []), switch]
+    (run_dir / FOLDER / RUN_RECORD).write_text(json.dumps(record, indent=1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@
     job = run.prepare()        # dataset (cached), warm start (cached), eval before, the plan -> its launcher
     ... supervise the job with run.progress() ...
     run.cleanup()              # always, however the job ended: removes the weight versions
+    cfg = run.switched(cfg)    # after a clean exit: the next leg's config when the re-plan drained to switch
     summary = run.finish()     # after a finished job: eval after, summary.json + table
 
 Sample accounting in the summary is exact: samples_generated = samples_trained + samples_dropped
@@ -15,8 +16,11 @@ first messages in lines_skipped_examples.
 A vision-language run adds images_seen (images in the generated samples) and images_encoded
 (vision tower runs over images, summed over every stage that ran it).
 `placement`: the placement the job ran (`running`), what `placement: auto` chose and why (`auto`,
-null when every key was given) and the re-plan after the first iterations (`replan`,
-`driver/replan.py`; null when it did not run).
+null when every key was given), the re-plan after the first iterations (`replan`,
+`driver/replan.py`; null when it did not run; with its decision under `replan.switch`), the
+placements trained under with the iteration each began at (`used`) and the switches between them
+(`switches`: iteration, from, to, predicted seconds per iteration; `driver/placement_switch.py`).
+After a switch, `auto` and `replan` are the first placement's.
 `memory`: the peak memory of the job's processes (the broker and every rank process), sampled
 while they ran (`telemetry/memory.py`); local launcher only (a Ray job's actors are Ray's to
 measure: `memory` is null there).
@@ -35,10 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 from stream_rlhf.config import ConfigError
 from stream_rlhf.driver.dataflow import ROLLOUT_SIDE, check_placement
+from stream_rlhf.driver.placement_switch import placements_used, switched_config
 from stream_rlhf.driver.plan import auto_placed, compile_plan
 from stream_rlhf.driver.preflight import check_rl_job
 from stream_rlhf.driver.replan import ReplanWatch
-from stream_rlhf.driver.resume import Resumed, prepare_resume, read_record, record_start
+from stream_rlhf.driver.resume import Resumed, prepare_resume, read_record, read_switches, record_start
 from stream_rlhf.launch.launcher import Launcher, make_launcher
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.resume.store import ResumePoint
@@ -169,7 +174,8 @@ class RLRun:
         choice = self.placement_choice
         metrics = self.run_dir / "metrics.jsonl"
         if choice is not None and choice.predicted_iteration_s is not None and self.cfg.placement.replan_after:
-            self.replan = ReplanWatch(self.cfg, self.plan.flow, choice, metrics)
+            self.replan = ReplanWatch(self.cfg, self.plan.flow, choice, metrics,
+                                      may_switch=not read_switches(self.run_dir), on_switch=self.job.ask_shutdown)
         try:
             with IterationProgress(metrics, self.cfg.iterations), self.replan or nullcontext():
                 yield
@@ -201,6 +207,18 @@ class RLRun:
                                if self.resumed else 0)
         for iteration, figures in sorted(iteration_figures(merged.events, ROLLOUT_SIDE).items()):
             writer.write(figures.record(iteration))
+
+    def switched(self, cfg: RLJobConfig) -> RLJobConfig | None:
+        """After the job exited cleanly: when the re-plan drained it to switch placement, `cfg`
+        (the config as loaded) with the new placement, for a run that resumes from the drain's
+        checkpoint; None when no switch was asked for, or the job finished every iteration first."""
+        switch = self.replan.switch if self.replan is not None else None
+        if switch is None:
+            return None
+        if (self.run_dir / "train_summary.json").is_file():
+            log.info("placement: the job finished before the switch to %s", switch.to_placement)
+            return None
+        return switched_config(cfg, self.run_dir, switch, self.latest_checkpoint())
 
     def latest_checkpoint(self) -> ResumePoint | None:
         """The complete, intact checkpoint a resumed run would continue from (every file's checksum
@@ -263,11 +281,16 @@ class RLRun:
         summary["plots"] = [str(path) for path in write_plots(self.run_dir, {
             label: {0: self.before[key], train["iterations"]: after[key]} for label, key in evals.items()})]
         placement = self.cfg.placement
+        running = {"mode": placement.mode, "with_rollout": placement.with_rollout,
+                   "device_groups": self.plan.flow.device_groups}
+        switches = read_switches(self.run_dir)
+        first = switches[0] if switches else {}
         summary["placement"] = {
-            "running": {"mode": placement.mode, "with_rollout": placement.with_rollout,
-                        "device_groups": self.plan.flow.device_groups},
-            "auto": self.placement_choice.as_dict() if self.placement_choice else None,
-            "replan": self.replan.result if self.replan else None}
+            "running": running,
+            "auto": first["auto"] if first else self.placement_choice.as_dict() if self.placement_choice else None,
+            "replan": first["replan"] if first else self.replan.result if self.replan else None,
+            "used": placements_used(running, switches),
+            "switches": [{k: s[k] for k in ("iteration", "from", "to", "predicted_iteration_s")} for s in switches]}
         summary["offload"] = offload_summary(counts, {n: s.offload for n, s in self.plan.flow.stages.items()})
         memory = self.memory.summary(device_peaks(self.run_dir, self.plan.flow.stages)) if self.memory else None
         summary["memory"] = memory

@@ -50,6 +50,9 @@ class Launcher(Protocol):
 
     def client(self) -> ControlClient: ...
 
+    def ask_shutdown(self) -> None:
+        """Tell every stage to drain and stop (the job then exits as a finished one would)."""
+
     def fail_on_dropped_handles(self) -> None: ...
 
 

@@ -128,6 +128,12 @@ class PlacementConfig:
     replan_margin: Annotated[float, Meta(gt=0)] = 0.1
     """How much faster (a fraction of the iteration time) another placement must be predicted for
     the re-plan to name it."""
+    replan: Literal["warn", "switch"] = "warn"
+    """What the re-plan does with a faster placement: `warn` names it (log, summary.json);
+    `switch` also moves the running job to it: the stages drain at the next iteration boundary
+    (the trainers checkpoint there) and the job resumes from that checkpoint with the new
+    placement, once a run, when the predicted gain over the iterations left outweighs a restart
+    (`driver/placement_switch.py`)."""
     auto: tuple[str, ...] = field(init=False, default=())
     """The keys given as `auto` and not chosen yet (each reads as `AUTO_FALLBACK`'s value meanwhile)."""
 

@@ -1,0 +1,268 @@
+"""The torch engine's TurnSampler (`envs/turns.py`): the policy turns of a mini-batch's multi-turn
+episodes, decoded together while each episode joins and leaves the batch at its turn boundaries.
+
+    sampler = TorchTurnSampler(model, slots=64, capacity=512, params=params, generator=generator,
+                               policy_version=7)
+    sampler.start(TurnRequest(key=3, context=ids, images=None, max_new_tokens=32))
+    done = sampler.advance()     # one step: at most one sampled token per episode; the turns that ended
+    sampler.release(3)
+
+Each episode owns slot `key` of one `SlotCache` for its lifetime: the slot keeps the KV of every id
+the episode has fed, so a turn feeds only the ids its slot has not seen: its whole prompt on the
+first turn, then the previous turn's last sampled token (sampled, never fed) and the observation.
+`advance` runs ONE step over every slot: each episode in a turn feeds its next ids (a decoding one
+its last token; a joining one up to the step's width Q of its new ids, right-padded: a slot commits
+only its real positions), then one token is sampled for every episode that has fed all it had, in
+key order (`torch_rollout.sample_into`: the generator is drawn from as `generate` draws it, so
+episodes that all start together sample `generate`'s tokens). An episode that samples a stop token
+or its turn's `max_new_tokens`th token ends its turn (a `TurnDone`) and feeds nothing until its
+next turn starts: while it waits for its tool its slot is padding in every step, written past
+and never read, and the others decode on.
+
+Every slot computes Q positions in a step, so Q is chosen per step (`step_width`): the widest at
+which padding is at most half the step, or which fits `free_positions` (a GPU's one-token step
+costs about the same). One episode joining with a long observation beside many decoding ones thus
+feeds it a few ids per step (its first token comes some steps later) instead of making every slot
+compute its length; episodes joining together (the first turns) feed their prompts in one step.
+
+Positions: a text episode's ids sit at 0, 1, 2, ... (its context index); a vision-language
+episode's fed ids take the M-RoPE positions of its whole context (`mrope_positions`: images as
+grids), and each decoded token (max + 1), +1 per token on all three axes, as `generate` does; the
+image features of the fed image tokens come from the request's `images`. The image token is never
+sampled. So a behaviour log-prob equals what a full forward of the finished episode recomputes.
+
+With a `StaticDecoder` (text models), the cache is its bucket's and the one-token steps are its
+CUDA graphs; steps of several positions (turns joining) run eagerly over the same buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
+from stream_rlhf.backends.slot_cache import SlotCache
+from stream_rlhf.backends.static_decode import StaticDecoder, has_sliding_layers
+from stream_rlhf.backends.torch_rollout import SamplingParams, sample_into
+from stream_rlhf.envs.turns import TurnDone, TurnRequest
+from stream_rlhf.models.vision_language import (
+    check_sample_images,
+    is_vision_language_model,
+    language_model_inputs,
+    mrope_positions,
+)
+from stream_rlhf.samples import SampleImages
+
+WASTE = 2
+"""A step computes at most this many positions per id it feeds (`step_width`), unless it is free."""
+CUDA_FREE_POSITIONS = 1024
+"""`free_positions` on a GPU, where a step of 64 slots x 16 positions is latency-bound like a
+one-token step (an estimate, not measured here); 0 on the CPU, where every position costs."""
+
+
+@dataclass
+class _Episode:
+    """What the sampler holds for one episode (its slot is its key)."""
+
+    ids: list[int]
+    """Every id of the episode so far; the first `fed` are in its slot, the rest wait to be fed."""
+    images: SampleImages | None
+    unfed_positions: Tensor
+    """(3, len(ids) - fed) the positions of the ids not fed yet."""
+    fed: int = 0
+    next_position: int = 0
+    """The position of the token sampled next (all three M-RoPE axes)."""
+    images_fed: int = 0
+    """Image tokens among the fed ids."""
+    budget: int = 0
+    """The current turn's max_new_tokens; 0 between turns."""
+    turn_logps: list[float] = field(default_factory=list)
+
+
+def step_width(unfed: list[int], slots: int, free_positions: int) -> int:
+    """How many ids each episode feeds in a step over `slots` slots, given the ids each of the
+    stepping episodes has left to feed: the widest step in which padding is at most half the
+    positions (or whose slots x width fit `free_positions`), at least 1."""
+    width = torch.arange(1, max(unfed) + 1)  # (W,)
+    fed = torch.minimum(torch.tensor(unfed)[None, :], width[:, None]).sum(1)  # (W,) real ids at each width
+    # fed / width only falls as the width grows: the widths that qualify are 1..the answer
+    return max(1, int(((slots * width <= WASTE * fed) | (slots * width <= free_positions)).sum()))
+
+
+class TorchTurnSampler:
+    """Multi-turn episodes' policy turns over one slot cache; see the module docstring."""
+
+    def __init__(self, model: nn.Module, slots: int, capacity: int, params: SamplingParams,
+                 generator: torch.Generator | None, policy_version: int, static: StaticDecoder | None = None,
+                 precision: Callable[[], AbstractContextManager] = nullcontext, free_positions: int = 0):
+        """`slots`: episodes of the mini-batch (keys 0..slots-1); `capacity`: positions per episode
+        (env.max_episode_tokens): a turn starts only if its context and max_new_tokens - 1 more fit;
+        `static`: a text model's steps over its bucket's cache; `precision`: the autocast context
+        every forward runs in; `free_positions`: a step of up to this many positions (slots x
+        width) costs about what a one-token step does (`step_width`)."""
+        if has_sliding_layers(model):
+            raise ValueError("TorchTurnSampler: the model has sliding-window layers; the slot cache masks "
+                             "full attention only")
+        self.model, self.params, self.generator = model, params, generator
+        self.slots, self.capacity, self.policy_version = slots, capacity, policy_version
+        self.precision, self.free_positions = precision, free_positions
+        self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
+        self.device = self.lm_head.weight.device
+        self.vision = is_vision_language_model(model)
+        self.banned = model.config.image_token_id if self.vision else None
+        if self.banned == params.pad_token_id:
+            raise ValueError(f"pad_token_id={params.pad_token_id}: must not be the image token")
+        self.static = static if not self.vision else None  # M-RoPE steps run eagerly
+        self.stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
+        self.episodes: dict[int, _Episode] = {}
+        self.turning: set[int] = set()
+        """The episodes in a turn: each has ids to feed (its new context, or its last sampled token)."""
+        # +1: a step's padding past a slot's end is clamped to the last column, which no episode then holds
+        with torch.inference_mode():
+            if self.static is not None:
+                self.cache = self.static.cache(slots, capacity + 1, self.device)
+            else:
+                self.cache = SlotCache(slots, capacity + 1, self.device)
+            self._allocate()
+
+    def _allocate(self) -> None:
+        """Buffers with the layers, heads, head size and dtype the model's attention writes (under
+        `precision`): one forward of one token shows them."""
+        probe = PreallocatedCache(1)
+        token = torch.full((1, 1), self.params.pad_token_id, dtype=torch.long, device=self.device)
+        positions = torch.zeros((3, 1, 1) if self.vision else (1, 1), dtype=torch.long, device=self.device)
+        with self.precision():
+            self.decoder(input_ids=token, position_ids=positions, **cache_argument(self.decoder, probe), use_cache=True)
+        self.cache.allocate_like(probe.layers)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.turning)
+
+    def start(self, request: TurnRequest) -> None:
+        key, context = request.key, request.context.cpu()
+        if not 0 <= key < self.slots:
+            raise ValueError(f"TurnRequest.key={key}: the sampler holds episodes 0..{self.slots - 1}")
+        if key in self.turning:
+            raise ValueError(f"episode {key}: a turn started while its previous turn has not ended")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"episode {key}: max_new_tokens={request.max_new_tokens}: must be >= 1")
+        needed = context.numel() + request.max_new_tokens - 1  # the turn's last token is not fed
+        if needed > self.capacity:
+            raise ValueError(f"episode {key}: a context of {context.numel()} ids and max_new_tokens="
+                             f"{request.max_new_tokens} need {needed} positions; the sampler holds "
+                             f"{self.capacity} per episode (env.max_episode_tokens)")
+        if self.vision and request.images is not None:
+            check_sample_images(key, context, request.images, self.model.config)
+        elif request.images is not None or (self.vision and bool((context == self.banned).any())):
+            raise ValueError(f"episode {key}: images must come with image tokens and a vision-language model")
+        ids = context.tolist()
+        episode = self.episodes.get(key)
+        if episode is None:
+            if not ids:
+                raise ValueError(f"episode {key}: an empty context")
+            episode = self.episodes[key] = _Episode(ids, request.images, torch.zeros((3, 0), dtype=torch.long))
+        elif ids[:len(episode.ids)] != episode.ids:
+            raise ValueError(f"episode {key}: the context must begin with the episode's ids so far "
+                             f"({len(episode.ids)} ids: its previous context and turn)")
+        episode.ids, episode.images, episode.budget = ids, request.images, request.max_new_tokens
+        if self.vision:  # M-RoPE positions of the whole context (its images as grids)
+            grid = request.images.grid_thw if request.images is not None else torch.zeros((0, 3), dtype=torch.long)
+            episode.unfed_positions = mrope_positions(context, grid, self.model.config)[:, episode.fed:]
+        else:
+            episode.unfed_positions = torch.arange(episode.fed, len(ids)).expand(3, -1)
+        self.turning.add(key)
+
+    def advance(self) -> list[TurnDone]:
+        if not self.busy:
+            return []
+        with torch.inference_mode(), self.precision():
+            keys, logits = self._step(sorted(self.turning))  # (R,) episodes that fed all they had, (R, V)
+            if not keys:
+                return []
+            ids = torch.empty((len(keys), 1), dtype=torch.long, device=self.device)
+            logps = torch.empty((len(keys), 1), device=self.device)
+            rows = torch.arange(len(keys), device=self.device)
+            token, stop = sample_into(logits, self.params, self.generator, self.stop_ids, ids, logps, rows, 0,
+                                      self.banned)
+        done = []
+        for key, sampled, logp, stopped in zip(keys, token.tolist(), logps[:, 0].tolist(), stop.tolist()):
+            episode = self.episodes[key]
+            episode.ids.append(sampled)
+            episode.unfed_positions = torch.full((3, 1), episode.next_position)
+            episode.turn_logps.append(logp)
+            if stopped or len(episode.turn_logps) == episode.budget:
+                done.append(self._end(key, "stop" if stopped else "length"))
+        return done
+
+    def _end(self, key: int, reason: Literal["stop", "length"]) -> TurnDone:
+        episode = self.episodes[key]
+        count = len(episode.turn_logps)
+        turn = TurnDone(key, torch.tensor(episode.ids[-count:], dtype=torch.long),
+                        torch.tensor(episode.turn_logps, dtype=torch.float32), reason, self.policy_version)
+        episode.turn_logps, episode.budget = [], 0
+        self.turning.discard(key)
+        return turn
+
+    def _step(self, keys: list[int]) -> tuple[list[int], Tensor]:
+        """One step over every slot: each listed episode feeds its next unfed ids (`step_width` of
+        them at most). The episodes that fed all they had, and their logits (R, V) at their last id."""
+        episodes = [self.episodes[key] for key in keys]
+        slots = self.cache.slots  # a static bucket may hold more slots than episodes
+        width = step_width([len(e.ids) - e.fed for e in episodes], slots, self.free_positions)
+        tokens = torch.full((slots, width), self.params.pad_token_id, dtype=torch.long)  # (S, Q)
+        positions = torch.zeros((3, slots, width), dtype=torch.long)  # (3, S, Q); padding at 0
+        kept = torch.zeros(slots, dtype=torch.long)  # (S,)
+        features, ready, last = [], [], []
+        for key, episode in zip(keys, episodes):
+            count = min(width, len(episode.ids) - episode.fed)
+            fed = episode.ids[episode.fed:episode.fed + count]
+            tokens[key, :count], positions[:, key, :count] = torch.tensor(fed), episode.unfed_positions[:, :count]
+            kept[key] = count
+            episode.next_position = int(episode.unfed_positions[:, count - 1].max()) + 1
+            episode.fed, episode.unfed_positions = episode.fed + count, episode.unfed_positions[:, count:]
+            images = sum(1 for t in fed if t == self.banned) if self.vision else 0
+            if images:
+                features.append(episode.images.features[episode.images_fed:episode.images_fed + images])
+                episode.images_fed += images
+            if episode.fed == len(episode.ids):
+                ready.append(key)
+                last.append(count - 1)
+        tokens = tokens.to(self.device)
+        positions = (positions if self.vision else positions[0]).to(self.device)  # M-RoPE (3, S, Q) or (S, Q)
+        if features:
+            inputs = language_model_inputs(self.model, tokens, torch.cat(features))
+            hidden = self._forward(self.cache, inputs, positions)[0]  # (S, Q, H)
+        elif self.static is not None and width == 1:
+            hidden = self.static.step(self.cache, "turn", self._token_forward, tokens, positions)[0]
+        else:
+            hidden = self._token_forward(self.cache, tokens, positions)[0]
+        self.cache.commit(kept.to(self.device))
+        if not ready:
+            return [], hidden.new_zeros(0)
+        rows, at = torch.tensor(ready, device=self.device), torch.tensor(last, device=self.device)  # (R,), (R,)
+        return ready, self.lm_head(hidden[rows, at]).float()
+
+    def _token_forward(self, cache: SlotCache, tokens: Tensor, positions: Tensor) -> tuple[Tensor]:
+        return self._forward(cache, {"input_ids": tokens}, positions)
+
+    def _forward(self, cache: SlotCache, inputs: dict, positions: Tensor) -> tuple[Tensor]:
+        """The decoder over every slot: inputs (S, Q), positions (S, Q) or (3, S, Q) -> hidden (S, Q, H)."""
+        mask = cache.begin(positions.shape[-1])  # (S, 1, Q, C)
+        return (self.decoder(**inputs, attention_mask=mask, position_ids=positions,
+                             **cache_argument(self.decoder, cache), use_cache=True).last_hidden_state,)
+
+    def release(self, key: int) -> None:
+        self.turning.discard(key)
+        if self.episodes.pop(key, None) is not None:
+            with torch.inference_mode():
+                self.cache.clear(torch.tensor([key], device=self.device))
+
+    def close(self) -> None:
+        for key in list(self.episodes):
+            self.release(key)

@@ -1,0 +1,50 @@
+"""Evaluation of an `env` job: each held-out prompt runs as an episode in the job's environment
+(`envs/episode_loop.py`, over the torch turn sampler), and its score is its return: the reward
+function's / model's score of the whole response (if the job has one) plus the environment's
+turn rewards.
+
+    returns, tokens = episode_returns(cfg, model, scorer, starts, prompts, images, params, generator, static)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from stream_rlhf.backends.episode_sampler import TorchTurnSampler
+from stream_rlhf.backends.static_decode import StaticDecoder
+from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.envs.environment import EpisodeStart
+from stream_rlhf.envs.episode_handle import episode_tensors
+from stream_rlhf.envs.episode_loop import EpisodeLoop
+from stream_rlhf.envs.stepper import EnvStepper
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.samples import Rollout, SampleImages, unragged
+from stream_rlhf.stages.reward_forward import Scorer
+
+
+@torch.inference_mode()
+def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: list[EpisodeStart],
+                    prompts: list[Tensor], images: list[SampleImages] | None, params: SamplingParams,
+                    generator: torch.Generator, static: StaticDecoder | None) -> tuple[Tensor, int]:
+    """(N,) each episode's return, and the policy tokens sampled."""
+    env = cfg.env
+    if env is None:
+        raise ValueError("episode_returns: the job has no env section")
+    tokenizer = scorer.tokenizer
+    loop = EpisodeLoop(env, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                       lambda text: tokenizer.encode(text, add_special_tokens=False), params.max_new_tokens)
+    capacity = max(max(len(p) for p in prompts) + params.max_new_tokens, env.max_episode_tokens)
+    sampler = TorchTurnSampler(model, len(prompts), capacity, params, generator, 0, static)
+    stepper = EnvStepper(env.step_timeout_s, env.workers)
+    try:
+        result = loop.run(starts, prompts, images, sampler, stepper)
+    finally:
+        sampler.close()
+        stepper.close()
+    tensors = episode_tensors(result.episodes)
+    rollout = Rollout(unragged(tensors, "sequences"), tensors["prompt_lens"], unragged(tensors, "behavior_logp"),
+                      torch.zeros(len(prompts), dtype=torch.long))
+    scores = scorer.score(rollout, [start.reference for start in starts], [dict(start.fields) for start in starts])
+    env_returns = torch.stack([rewards.sum() for rewards in unragged(tensors, "env_rewards")])
+    return scores + env_returns, sum(episode.num_policy_tokens for episode in result.episodes)

@@ -1,0 +1,177 @@
+"""The episode loop over the real torch turn sampler and the real environment stepper: episodes end
+for the right reason with the right tokens, failures end only their episode, limits are the
+engine's, and `stream` lets the other episodes go on while one waits for its tool."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from stream_rlhf.backends.episode_sampler import TorchTurnSampler
+from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.envs.config import EnvConfig
+from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
+from stream_rlhf.envs.episode_handle import episode_tensors
+from stream_rlhf.envs.episode_loop import EpisodeLoop, EpisodeResult
+from stream_rlhf.envs.stepper import EnvStepper
+from stream_rlhf.models.tokenizer import build_tokenizer
+from stream_rlhf.samples import unragged
+from tests.tiny_models import tiny_qwen2_config
+
+TOKENIZER = build_tokenizer()
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(TOKENIZER.eos_token_id,),
+                        pad_token_id=TOKENIZER.pad_token_id)
+CALLS: list[tuple[int, int]] = []
+"""(episode, turn) of every step of the `Ordered` environments, in call order."""
+CALLS_LOCK = threading.Lock()
+OTHERS_DONE = threading.Event()
+
+
+@pytest.fixture(scope="module")
+def lm() -> PreTrainedModel:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_qwen2_config(len(TOKENIZER))).eval()
+
+
+class Scripted:
+    """Answers every turn with `observation`; done after `turns` turns, reward 0.25 per turn."""
+
+    def __init__(self, turns: int = 3, observation: str = "=12", fail: str = "", fail_turn: int = 0):
+        self.turns, self.observation, self.fail, self.fail_turn = turns, observation, fail, fail_turn
+        self.seen = 0
+
+    def reset(self, start: EpisodeStart) -> None:
+        if self.fail == "reset":
+            raise RuntimeError("no such sample")
+
+    async def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+        self.seen += 1
+        if self.seen == self.fail_turn:
+            if self.fail == "raise":
+                raise ValueError("tool crashed")
+            if self.fail == "hang":
+                await asyncio.sleep(60)
+            if self.fail == "malformed":
+                return 3  # type: ignore[return-value]
+        return Turn(Observation(self.observation), reward=0.25, done=self.seen >= self.turns)
+
+
+class Ordered:
+    """Records the order of its calls; the `slow` one waits until the others are done."""
+
+    def __init__(self, key: int, slow: bool = False):
+        self.key, self.slow, self.seen = key, slow, 0
+
+    def reset(self, start: EpisodeStart) -> None:
+        pass
+
+    def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+        self.seen += 1
+        with CALLS_LOCK:
+            CALLS.append((self.key, self.seen))
+        if self.slow and self.seen == 1:
+            assert OTHERS_DONE.wait(timeout=20), "the other episodes did not go on while this one waited"
+        if not self.slow and self.seen == 3:
+            with CALLS_LOCK:
+                if sum(turn == 3 for _, turn in CALLS) == 3:
+                    OTHERS_DONE.set()
+        return Turn(Observation("=1"), done=self.seen >= 3)
+
+
+def scripted(**options: object) -> Scripted:
+    return Scripted(**options)  # type: ignore[arg-type]
+
+
+ORDERED_KEYS = iter(())
+
+
+def ordered(slow_key: int = -1) -> Ordered:
+    key = next(ORDERED_KEYS)
+    return Ordered(key, slow=key == slow_key)
+
+
+def run(lm: PreTrainedModel, factory: str, n: int = 4, seed: int = 0, **env: object) -> EpisodeResult:
+    options = env.pop("options", {})
+    cfg = EnvConfig(factory=f"tests.test_episode_loop:{factory}", options=options, **env)  # type: ignore[arg-type]
+    prompts = [torch.tensor(TOKENIZER.encode(f"<bos>{i}+{i}=", add_special_tokens=False)) for i in range(n)]
+    loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
+                       lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
+    sampler = TorchTurnSampler(lm, n, max(cfg.max_episode_tokens, 16), PARAMS,
+                               torch.Generator().manual_seed(seed), policy_version=7)
+    stepper = EnvStepper(cfg.step_timeout_s, cfg.workers)
+    try:
+        return loop.run([EpisodeStart(f"{i}+{i}=", str(2 * i)) for i in range(n)], prompts, None, sampler, stepper)
+    finally:
+        sampler.close()
+        stepper.close()
+
+
+def test_episodes_alternate_policy_turns_and_observations(lm: PreTrainedModel) -> None:
+    result = run(lm, "scripted", max_episode_tokens=200)
+    observation = TOKENIZER.encode("=12", add_special_tokens=False)
+    assert result.ended == ["done"] * 4
+    assert result.tool_calls == [3] * 4
+    for episode in result.episodes:
+        assert episode.turns == 3
+        assert episode.turn_rewards == [0.25] * 3
+        mask = episode.loss_mask
+        # policy turn, observation, policy turn, observation, policy turn: the observations exactly the tool's ids
+        ends = episode.turn_ends
+        for end in ends[:-1]:
+            assert episode.token_ids[end + 1:end + 1 + len(observation)] == observation
+            assert mask[end + 1:end + 1 + len(observation)] == [0] * len(observation)
+        assert sum(mask) == len(mask) - 2 * len(observation)
+        assert set(v for v, m in zip(episode.policy_versions, mask) if m) == {7}
+        assert ends[-1] == len(episode.token_ids) - 1  # done: the last turn's observation is not appended
+    tensors = episode_tensors(result.episodes)
+    assert [float(r.sum()) for r in unragged(tensors, "env_rewards")] == [0.75] * 4
+
+
+@pytest.mark.parametrize(("fail", "reason", "turns"), [
+    ("raise", "failed:raised", 2), ("hang", "failed:timeout", 2), ("malformed", "failed:malformed", 2),
+    ("reset", "failed:raised", 1),
+])
+def test_a_failing_environment_ends_only_its_episode(lm: PreTrainedModel, fail: str, reason: str, turns: int) -> None:
+    cfg = {"options": {"fail": fail, "fail_turn": 2}, "step_timeout_s": 0.5, "max_episode_tokens": 200}
+    result = run(lm, "scripted", **cfg)
+    assert result.ended == [reason] * 4
+    assert [e.turns for e in result.episodes] == [turns] * 4
+    for episode in result.episodes:  # the failing turn's reward is 0; the ones before keep theirs
+        assert episode.turn_rewards == ([0.25, 0.0] if turns == 2 else [0.0])
+    assert len(result.failures) == 4 and all(f"episode {i}:" in f for i, f in enumerate(result.failures))
+
+
+def test_the_engine_enforces_turn_and_token_limits(lm: PreTrainedModel) -> None:
+    result = run(lm, "scripted", options={"turns": 99}, max_turns=2, max_episode_tokens=200)
+    assert result.ended == ["max_turns"] * 4 and [e.turns for e in result.episodes] == [2] * 4
+    result = run(lm, "scripted", options={"turns": 99, "observation": "=" + "1" * 10}, max_episode_tokens=30)
+    assert result.ended == ["max_episode_tokens"] * 4
+    for episode in result.episodes:
+        assert episode.num_tokens <= 30  # the observation that would pass the limit is not appended
+        assert episode.turn_ends[-1] == len(episode.token_ids) - 1
+
+
+def test_stream_lets_other_episodes_go_on_while_one_waits(lm: PreTrainedModel) -> None:
+    global ORDERED_KEYS
+    CALLS.clear()
+    OTHERS_DONE.clear()
+    ORDERED_KEYS = iter(range(4))
+    result = run(lm, "ordered", options={"slow_key": 0}, schedule="stream", step_timeout_s=30)
+    assert result.ended == ["done"] * 4
+    slow_done = CALLS.index((0, 2))
+    assert {(key, 3) for key in (1, 2, 3)} <= set(CALLS[:slow_done])  # they finished while episode 0 waited
+
+
+def test_lockstep_starts_each_round_together(lm: PreTrainedModel) -> None:
+    global ORDERED_KEYS
+    CALLS.clear()
+    ORDERED_KEYS = iter(range(4))
+    result = run(lm, "ordered", schedule="lockstep")
+    assert result.ended == ["done"] * 4
+    rounds = [turn for _, turn in CALLS]
+    assert rounds == sorted(rounds)  # every turn-1 step before any turn-2 step, and so on
