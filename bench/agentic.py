@@ -12,7 +12,8 @@ same seed and warm start, so the same model and prompts (runs/bench_agentic_<col
                rollout keeps generating for the other episodes while one waits
 
 Both pin the placement (PLACEMENT: `separated`, prompts + rollout on core 0, every other stage on
-core 1) so that the figure does not drift with what `placement: auto` picks.
+core 1) so that the figure does not drift with what `placement: auto` picks, and evaluate on
+THROUGHPUT_EVAL_PROMPTS = 32 held-out prompts only (their eval rewards are no figure here).
 
 Figures per column, over iterations SKIP.. (the first SKIP = 1 left out: start-up):
 
@@ -63,6 +64,8 @@ TARGET = 2.0
 """stream / lockstep episode tokens/s expected."""
 PLACEMENT = ["placement.mode=separated", "placement.with_rollout=[]", "placement.device_groups={}",
              "placement.rollout_cores=[0]", "placement.train_cores=[1]"]
+THROUGHPUT_EVAL_PROMPTS = 32
+"""The throughput columns' evaluations (not part of their figures) are kept short."""
 NO_TOOL = ["env=null", "reward.function=stream_rlhf.data.arithmetic:reward", "task.tool_fraction=0"]
 
 
@@ -96,7 +99,7 @@ def overrides(column: str, settings: Settings, prefix: str, seed: int = 0) -> li
     sets = [f"name={name}", f"seed={seed}", f"broker.shm_prefix={prefix}{column[:2]}{seed}", *settings.warm_start]
     if column in COLUMNS:
         return [*sets, f"iterations={settings.iterations}", f"env.schedule={column}",
-                f"env.options.latency_s={LATENCY_S}", *PLACEMENT]
+                f"env.options.latency_s={LATENCY_S}", f"task.eval_prompts={THROUGHPUT_EVAL_PROMPTS}", *PLACEMENT]
     sets += [f"task.eval_prompts={settings.eval_prompts}", *settings.reward_sets]
     return sets + (NO_TOOL if column == "no_tool" else [])
 

@@ -7,8 +7,8 @@ steps on the task's train split (the arithmetic problems, or the JSONL prompts o
 images included) give a policy that sometimes succeeds. A multi-turn task's demonstrations are
 made of turns (`data/demonstration.py`): tool_sums shows a calculator call, its result and the
 answer on `task.tool_fraction` of them, shapes_dialogue both questions; the policy's turns are
-trained on, the observations between them are input only (no loss), as in RL. A vision-language model trains its vision
-tower here too; RL then keeps it frozen. The result is saved under
+trained on, the observations between them are input only (no loss), as in RL. A
+vision-language model trains its vision tower here too; RL then keeps it frozen. The result is saved under
 `model.warm_start.cache_dir/<hash>/`, where the hash covers the tiny model, the task, the SFT
 settings and the content of `data.train` (not its path: a cache folder copied to another machine
 or checkout is found there): a second run with the same settings loads it in a second. A config
