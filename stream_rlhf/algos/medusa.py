@@ -19,8 +19,9 @@ if TYPE_CHECKING:  # the heads' type only
 
 
 def heads_loss(heads: MedusaHeads, hidden: list[Tensor], sequences: list[Tensor],
-               prompt_lens: list[int]) -> tuple[Tensor, dict[str, float]]:
-    """Cross-entropy of each head on the response tokens it would draft, and its top-1 accuracy.
+               prompt_lens: list[int]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Cross-entropy of each head on the response tokens it would draft, and its top-1 accuracy
+    (0-dim tensors, left on the device: `losses.host_metrics` reads them in one copy).
 
     `hidden` (L_i, H) are the backbone's last hidden states of `sequences` (L_i,). Rollout drafts
     from the hidden state of a kept position t >= P - 1 (P: prompt length), head k predicting token
@@ -39,8 +40,8 @@ def heads_loss(heads: MedusaHeads, hidden: list[Tensor], sequences: list[Tensor]
         logits = heads.projections[k](heads.blocks[k](torch.cat(inputs)))  # (N_k, V)
         target = torch.cat(targets).long().to(logits.device)  # (N_k,)
         losses.append(nn.functional.cross_entropy(logits.float(), target))
-        metrics[f"head{k}_loss"] = losses[-1].item()
-        metrics[f"head{k}_acc"] = (logits.argmax(-1) == target).float().mean().item()
+        metrics[f"head{k}_loss"] = losses[-1].detach()
+        metrics[f"head{k}_acc"] = (logits.argmax(-1) == target).float().mean()
     if not losses:
         return torch.zeros((), requires_grad=True), metrics
     return torch.stack(losses).sum(), metrics

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from stream_rlhf.algos.losses import host_metrics
 from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import load_policy
@@ -28,7 +29,7 @@ from stream_rlhf.models.medusa import MedusaHeads, load_rollout_heads, save_head
 from stream_rlhf.models.packing import packed_hidden_states
 from stream_rlhf.weights.shm_store import WeightStore
 
-HeadsLossFn = Callable[[MedusaHeads, list[Tensor], list[Tensor], list[int]], tuple[Tensor, dict[str, float]]]
+HeadsLossFn = Callable[[MedusaHeads, list[Tensor], list[Tensor], list[int]], tuple[Tensor, dict[str, Tensor]]]
 """(heads, backbone hidden states (L_i, H), sequences (L_i,), prompt lengths) -> (loss, metrics):
 `algos/medusa.py`'s `heads_loss`."""
 
@@ -54,7 +55,7 @@ class MedusaTrainEngine:
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
-        return {"loss": loss.item(), **metrics}
+        return host_metrics({"loss": loss.detach(), **metrics})  # one read of the device per step
 
     def publish(self, store: WeightStore, version: int, metadata: dict[str, str]) -> None:
         """The heads as `version` of `store`."""

@@ -170,7 +170,7 @@ def _train_heads(cfg: RLJobConfig, model, tokenizer) -> MedusaHeads:
         optimizer.step()
         if (step + 1) % 100 == 0 or step + 1 == medusa.warm_start_steps:
             log.info("warm start: Medusa heads step %d/%d, loss %.3f, head0 accuracy %.2f", step + 1,
-                     medusa.warm_start_steps, loss.item(), metrics.get("head0_acc", 0.0))
+                     medusa.warm_start_steps, loss.item(), float(metrics.get("head0_acc", 0.0)))
     return heads.eval()
 
 

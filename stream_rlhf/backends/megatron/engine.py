@@ -201,10 +201,11 @@ class MegatronTrainEngine:
         mine = self._share(part.num_samples)
         index = torch.arange(part.num_samples)[mine]
         empty = len(index) == 0  # fewer samples than replicas: take part in the collectives with a zero loss
-        local = part.select(index if not empty else torch.arange(1)).to(self.device)
+        host = part.select(index if not empty else torch.arange(1))
+        tokens = 0.0 if empty else float(host.mask.sum())  # read before the move: no wait for the device
+        local = host.to(self.device)
         local_per_sample = {name: t[index if not empty else torch.arange(1)].to(self.device)
                             for name, t in per_sample.items()}
-        tokens = 0.0 if empty else float(local.mask.sum().item())
         total = self.group.sum([tokens])[0] / self.parallel.config.model_parallel
         # DDP averages the gradients over dp x cp; megatron's schedule multiplies the loss by cp (each
         # cp rank's backward carries its own positions' part of the replica's loss: `cp_gather`)
