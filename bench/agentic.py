@@ -38,7 +38,7 @@ Each one's summary.json `eval_reward_before` / `eval_reward_after` (held-out pro
 the rollout temperature); the target: tool after > no_tool after, in the mean over the seeds.
 
     .venv/bin/python bench/agentic.py              # stream vs lockstep (~3 minutes on 2 idle cores)
-    .venv/bin/python bench/agentic.py --rewards    # and the rewards, 2 x 2 full runs (~20 minutes)
+    .venv/bin/python bench/agentic.py --rewards    # and the rewards: 2 x 2 full runs (~6 minutes more)
     .venv/bin/python bench/agentic.py --quick --json   # smoke: 3 iterations, a 40-step warm start
 """
 
