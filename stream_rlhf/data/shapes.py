@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import random
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -73,11 +74,16 @@ def problems(split: Split, count: int, seed: int) -> list[Problem]:
     rng = random.Random(f"shapes/{split}/{seed}")
     out = []
     while len(out) < count:
-        cells = rng.sample(range(GRID * GRID), rng.randint(1, MAX_SQUARES))
-        squares = tuple(sorted((cell // GRID, cell % GRID, rng.choice(list(COLORS))) for cell in cells))
-        if _split_of(squares) == split:
+        squares = random_squares(rng)
+        if split_of(squares) == split:
             out.append(_question(rng, squares))
     return out
+
+
+def random_squares(rng: random.Random) -> tuple[tuple[int, int, str], ...]:
+    """1 to MAX_SQUARES squares of random colours in distinct cells, sorted."""
+    cells = rng.sample(range(GRID * GRID), rng.randint(1, MAX_SQUARES))
+    return tuple(sorted((cell // GRID, cell % GRID, rng.choice(list(COLORS))) for cell in cells))
 
 
 def _question(rng: random.Random, squares: tuple[tuple[int, int, str], ...]) -> Problem:
@@ -91,23 +97,41 @@ def _question(rng: random.Random, squares: tuple[tuple[int, int, str], ...]) -> 
     return Problem(f"<image>color at {row + 1} {column + 1}?", color, squares)
 
 
-def _split_of(squares: tuple[tuple[int, int, str], ...]) -> Split:
+def split_of(squares: tuple[tuple[int, int, str], ...]) -> Split:
     key = ",".join(f"{row}{column}{color}" for row, column, color in squares).encode()
     return "eval" if zlib.crc32(key) % EVAL_EVERY == 0 else "train"
 
 
-def write_split(folder: str | Path, split: Split, count: int, seed: int) -> Path:
-    """Write `count` problems of `split` as `folder/{split}.jsonl` with PNGs in `folder/images/`."""
+def write_split(folder: str | Path, split: Split, count: int, seed: int,
+                make: Callable[[Split, int, int], list[Problem]] = problems) -> Path:
+    """Write `count` problems of `split` (made by `make(split, count, seed)`: this task's, or another
+    task's on the same images) as `folder/{split}.jsonl` with PNGs in `folder/images/`."""
     folder = Path(folder)
     (folder / "images").mkdir(parents=True, exist_ok=True)
     lines = []
-    for i, problem in enumerate(problems(split, count, seed)):
+    for i, problem in enumerate(make(split, count, seed)):
         name = f"images/{split}-{i:06d}.png"
         problem.image().save(folder / name, compress_level=1)
         lines.append(json.dumps({"prompt": problem.prompt, "images": [name], "answer": problem.answer}) + "\n")
     path = folder / f"{split}.jsonl"
     path.write_text("".join(lines))
     return path
+
+
+def read_squares(path: str | Path) -> tuple[tuple[int, int, str], ...]:
+    """The squares of an image `Problem.image` drew (each cell's centre pixel: black, or a colour of
+    COLORS), sorted as `Problem.squares`."""
+    pixels = np.asarray(Image.open(path).convert("RGB"))
+    by_rgb = {rgb: name for name, rgb in COLORS.items()}
+    squares = []
+    for row in range(GRID):
+        for column in range(GRID):
+            rgb = tuple(int(v) for v in pixels[row * CELL + CELL // 2, column * CELL + CELL // 2])
+            if rgb in by_rgb:
+                squares.append((row, column, by_rgb[rgb]))
+            elif rgb != (0, 0, 0):
+                raise ValueError(f"{path}: cell ({row}, {column}) has colour {rgb}, not a shapes task colour")
+    return tuple(squares)
 
 
 def reward(prompt: str, response: str, reference: str) -> float:

@@ -1,6 +1,7 @@
-"""Config of where prompts come from: the synthetic task (`task`: arithmetic, shapes) or a dataset
-(`data`: JSONL, Parquet, a `datasets` folder), beside the code that makes and reads them
-(`arithmetic.py`, `shapes.py`, `prompts_jsonl.py`)."""
+"""Config of where prompts come from: the synthetic task (`task`: arithmetic, tool_sums, shapes,
+shapes_dialogue) or a dataset (`data`: JSONL, Parquet, a `datasets` folder), beside the code that
+makes and reads them (`arithmetic.py`, `tool_sums.py`, `shapes.py`, `shapes_dialogue.py`,
+`prompts_jsonl.py`)."""
 
 from __future__ import annotations
 
@@ -19,31 +20,42 @@ class TaskConfig:
 
     arithmetic  "a+b=" prompts made in memory (text models); with `terms` > 2 the multi-step
                 form "12+7+30=" answered with its partial sums "19,49", each a checkable step.
+    tool_sums   sums of 3 or 4 operands up to `max_operand` answered with the sum, for a policy
+                with the calculator tool (`env.factory: stream_rlhf.envs.calculator:Calculator`);
+                the warm start shows the tool on `tool_fraction` of its demonstrations.
     shapes      coloured squares in 32x32 images with questions about them (vision-language
                 models); written once as JSONL + PNG files under `data_dir` and read like `data`.
+    shapes_dialogue  the shapes images with two questions, the second about the colour the first
+                answer named (`env.factory: stream_rlhf.envs.shapes_dialogue:ShapesDialogue`);
+                written and read like shapes; the warm start demonstrates both turns.
     """
 
-    name: Literal["arithmetic", "shapes"] = "arithmetic"
+    name: Literal["arithmetic", "tool_sums", "shapes", "shapes_dialogue"] = "arithmetic"
     """Which synthetic task (see above); with `data.train` set, its prompts replace the task's."""
     max_operand: Annotated[int, Meta(ge=1)] = 99
-    """arithmetic: the largest operand."""
+    """arithmetic, tool_sums: the largest operand."""
     terms: Annotated[int, Meta(ge=2)] = 2
     """arithmetic: operands per prompt; > 2 asks for every partial sum (the multi-step task)."""
+    tool_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.5
+    """tool_sums: the share of warm-start demonstrations that call the calculator and then answer
+    (the others answer directly)."""
     train_prompts: Annotated[int, Meta(ge=1)] = 4096
-    """shapes: prompts written for the train split (RL and the warm start cycle over them)."""
+    """shapes, shapes_dialogue: prompts written for the train split (RL and the warm start cycle over them)."""
     eval_prompts: Annotated[int, Meta(ge=1)] = 256
     """Prompts of the held-out split that the before/after evaluation scores."""
     seed: int = 0
     """Seed of the generated prompts (the train split, the held-out split and the warm start's
     examples each derive their own from it)."""
     data_dir: str = "runs/.cache"
-    """shapes: where the generated dataset is kept (a folder per task setting, reused by later runs);
+    """shapes, shapes_dialogue: where the generated dataset is kept (a folder per task setting, reused by later runs);
     any dataset: where the outcome of each image's decode is kept, by content (`image_check.json`)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.terms != 2 and self.name != "arithmetic":
             raise ConfigError(f"terms={self.terms}: only the arithmetic task has terms")
+        if self.tool_fraction != TaskConfig.tool_fraction and self.name != "tool_sums":
+            raise ConfigError(f"tool_fraction={self.tool_fraction}: only the tool_sums task has it")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
     evaluate(cfg, checkpoint)  -> {"reward": 0.42, "greedy_reward": 0.55, "prompts": 256, "skipped": {},
                                    "skipped_examples": [], "response_tokens": 1432, "decode": "eager"}
 
-The prompts are the arithmetic task's eval split or every line of `data.eval` (with
+The prompts are the in-memory text task's eval split or every line of `data.eval` (with
 `data.on_bad_sample: skip`, bad lines are counted in "skipped" by reason, the first messages kept
 in "skipped_examples"; "response_tokens" counts the tokens sampled, both temperatures). A vision-language
 model encodes each eval image once, with its own vision tower. Decoding is eager, static or
@@ -23,7 +23,7 @@ from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.static_decode import static_decoder
 from stream_rlhf.backends.static_sampler import sample
 from stream_rlhf.backends.torch_rollout import SamplingParams
-from stream_rlhf.data.arithmetic import problems
+from stream_rlhf.data.text_tasks import problems
 from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
 from stream_rlhf.driver.evaluate_episodes import episode_returns
 from stream_rlhf.envs.environment import EpisodeStart
@@ -49,7 +49,7 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
         task = cfg.task
         items = [(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)]),
                   p.answer, [], {}, EpisodeStart(p.prompt, p.answer))
-                 for p in problems("eval", task.eval_prompts, task.seed, task.max_operand, task.terms)]
+                 for p in problems(task, "eval", task.eval_prompts, task.seed)]
     else:
         items = [(s.prompt_ids, s.answer, s.images, s.reward_kwargs,
                   EpisodeStart(s.prompt, s.answer, s.image_paths, s.reward_kwargs)) for s in dataset.each_sample()]

@@ -4,8 +4,11 @@
 
 A random model never earns a reward, so RL would have nothing to reinforce. A few hundred SFT
 steps on the task's train split (the arithmetic problems, or the JSONL prompts of `data.train`,
-images included) give a policy that sometimes succeeds. A vision-language model trains its vision
-tower here too; RL then keeps it frozen. The result is saved under
+images included) give a policy that sometimes succeeds. A multi-turn task's demonstrations are
+made of turns (`data/demonstration.py`): tool_sums shows a calculator call, its result and the
+answer on `task.tool_fraction` of them, shapes_dialogue both questions; the policy's turns are
+trained on, the observations between them are input only (no loss), as in RL. A
+vision-language model trains its vision tower here too; RL then keeps it frozen. The result is saved under
 `model.warm_start.cache_dir/<hash>/`, where the hash covers the tiny model, the task, the SFT
 settings and the content of `data.train` (not its path: a cache folder copied to another machine
 or checkout is found there): a second run with the same settings loads it in a second. A config
@@ -25,10 +28,13 @@ import torch
 
 from stream_rlhf.algos.medusa import heads_loss
 from stream_rlhf.cache_folder import build_once
-from stream_rlhf.data.arithmetic import problems
+from stream_rlhf.data import shapes, shapes_dialogue, tool_sums
+from stream_rlhf.data.demonstration import IGNORE, Segment, answer_only, demonstration_rows
 from stream_rlhf.data.images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from stream_rlhf.data.prompts_jsonl import PromptSample
 from stream_rlhf.data.rows import dataset_sha256
-from stream_rlhf.data.task_config import DataConfig
+from stream_rlhf.data.task_config import DataConfig, TaskConfig
+from stream_rlhf.data.text_tasks import problems
 from stream_rlhf.data.tokenizer import load_tokenizer
 from stream_rlhf.models.checkpoint import build_tiny, load_policy, save_checkpoint
 from stream_rlhf.models.medusa import MedusaHeads, heads_folder, save_heads
@@ -74,6 +80,10 @@ def _cache_folder(cfg: RLJobConfig) -> tuple[Path, dict]:
     if cfg.model.tiny.architecture == "qwen2":  # (left out, so the warm starts cached before it existed stay valid)
         settings["tiny"].pop("architecture")
     settings["task"].pop("eval_prompts")  # evaluation does not change what SFT learns
+    if cfg.task.name != "tool_sums":  # (only tool_sums has it: the entries cached before it existed stay valid)
+        settings["task"].pop("tool_fraction")
+    if cfg.task.name == "tool_sums":
+        settings["task"] = {k: settings["task"][k] for k in ("name", "max_operand", "seed", "tool_fraction")}
     if cfg.task.name == "arithmetic":
         settings["task"] = {k: settings["task"][k] for k in ("name", "max_operand", "seed")}
         if cfg.task.terms != 2:  # (left out at 2, so the warm starts cached before terms existed stay valid)
@@ -98,19 +108,20 @@ def _train(cfg: RLJobConfig):
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
     dataset = open_prompts(cfg, model.config, tokenizer, "train", cfg.task.seed + 1)
     if dataset is None:
-        data = problems("train", sft.steps * sft.batch_size, cfg.task.seed + 1, cfg.task.max_operand,
-                        cfg.task.terms)
+        data = problems(cfg.task, "train", sft.steps * sft.batch_size, cfg.task.seed + 1)
+        demonstrations = _text_demonstrations(cfg.task, data)
     started = time.monotonic()
     log.info("warm start: %d SFT steps of %d examples on a new tiny model", sft.steps, sft.batch_size)
     for step in range(sft.steps):
         if dataset is None:
-            batch = data[step * sft.batch_size:(step + 1) * sft.batch_size]
+            batch = slice(step * sft.batch_size, (step + 1) * sft.batch_size)
             prompts = [torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)])
-                       for p in batch]
-            inputs = _sft_batch(tokenizer, prompts, [p.answer for p in batch])
+                       for p in data[batch]]
+            inputs = _sft_batch(tokenizer, prompts, demonstrations[batch])
         else:
             samples = [dataset.next_sample() for _ in range(sft.batch_size)]
-            inputs = _sft_batch(tokenizer, [s.prompt_ids for s in samples], [s.answer for s in samples])
+            inputs = _sft_batch(tokenizer, [s.prompt_ids for s in samples],
+                                [_sample_demonstration(cfg.task, s) for s in samples])
             inputs.update(_image_inputs(model, inputs["input_ids"], [im for s in samples for im in s.images]))
         loss = model(**inputs).loss
         optimizer.zero_grad()
@@ -145,8 +156,7 @@ def _train_heads(cfg: RLJobConfig, model, tokenizer) -> MedusaHeads:
     batch_size = cfg.model.warm_start.batch_size
     heads = MedusaHeads.from_policy(model, medusa.heads)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=medusa.lr, weight_decay=0.0)
-    data = problems("train", medusa.warm_start_steps * batch_size, cfg.task.seed + 2, cfg.task.max_operand,
-                    cfg.task.terms)
+    data = problems(cfg.task, "train", medusa.warm_start_steps * batch_size, cfg.task.seed + 2)
     for step in range(medusa.warm_start_steps):
         batch = data[step * batch_size:(step + 1) * batch_size]
         prompts = [[tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)] for p in batch]
@@ -164,16 +174,32 @@ def _train_heads(cfg: RLJobConfig, model, tokenizer) -> MedusaHeads:
     return heads.eval()
 
 
-def _sft_batch(tokenizer, prompts: list[torch.Tensor], answers: list[str]) -> dict[str, torch.Tensor]:
-    """Right-padded (B, L) input ids, labels (-100 outside the answer) and attention mask."""
+def _text_demonstrations(task: TaskConfig, data: list) -> list[tuple[Segment, ...]]:
+    """The demonstrations of an in-memory text task's problems (the answer alone, or tool_sums' turns)."""
+    if task.name == "tool_sums":
+        return tool_sums.demonstrations(data, task.tool_fraction, task.seed + 1)
+    return [answer_only(p.answer) for p in data]
+
+
+def _sample_demonstration(task: TaskConfig, sample: PromptSample) -> tuple[Segment, ...]:
+    """The demonstration of a dataset sample: its answer, or both turns of shapes_dialogue (the
+    second question's count read from the sample's image)."""
+    if task.name == "shapes_dialogue":
+        return shapes_dialogue.demonstration(sample.answer, shapes.read_squares(sample.image_paths[0]))
+    return answer_only(sample.answer)
+
+
+def _sft_batch(tokenizer, prompts: list[torch.Tensor],
+               demonstrations: list[tuple[Segment, ...]]) -> dict[str, torch.Tensor]:
+    """Right-padded (B, L) input ids, labels (IGNORE outside the policy's turns) and attention mask."""
     rows, targets = [], []
-    for prompt_ids, answer in zip(prompts, answers):
-        answer_ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
-        rows.append(prompt_ids.tolist() + answer_ids)
-        targets.append([-100] * len(prompt_ids) + answer_ids)
+    for prompt_ids, segments in zip(prompts, demonstrations, strict=True):
+        ids, labels = demonstration_rows(tokenizer, prompt_ids.tolist(), segments)
+        rows.append(ids)
+        targets.append(labels)
     length = max(map(len, rows))
     input_ids = torch.tensor([r + [tokenizer.pad_token_id] * (length - len(r)) for r in rows])  # (B, L)
-    labels = torch.tensor([t + [-100] * (length - len(t)) for t in targets])  # (B, L)
+    labels = torch.tensor([t + [IGNORE] * (length - len(t)) for t in targets])  # (B, L)
     mask = torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in rows])  # (B, L)
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 

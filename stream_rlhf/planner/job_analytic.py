@@ -100,13 +100,13 @@ def job_workload(cfg: RLJobConfig, prompt_tokens: float | None = None,
 
 def arithmetic_prompt_tokens(cfg: RLJobConfig) -> float:
     """The mean tokens of the task's first prompts, with the bos the prompt source adds."""
-    if cfg.data.train is not None or cfg.task.name != "arithmetic":
-        raise ConfigError("--prompt-tokens: needed for prompts other than the arithmetic task's "
+    from stream_rlhf.data.text_tasks import TEXT_TASKS, problems
+
+    if cfg.data.train is not None or cfg.task.name not in TEXT_TASKS:
+        raise ConfigError("--prompt-tokens: needed for prompts other than the in-memory text tasks' "
                           f"(task.name={cfg.task.name}, data.train={cfg.data.train})")
-    from stream_rlhf.data.arithmetic import problems
     from stream_rlhf.models.tokenizer import build_tokenizer
 
-    task = cfg.task
-    prompts = [p.prompt for p in problems("train", PROMPTS_SAMPLED, task.seed, task.max_operand, task.terms)]
+    prompts = [p.prompt for p in problems(cfg.task, "train", PROMPTS_SAMPLED, cfg.task.seed)]
     encoded = build_tokenizer()(prompts, add_special_tokens=False)["input_ids"]
     return 1 + statistics.fmean(map(len, encoded))

@@ -187,12 +187,13 @@ class RLJobConfig:
                 "samples of an iteration"
             )
 
-        if self.rollout.medusa.enabled and (self.model.tiny.vision is not None or self.task.name == "shapes"):
+        image_task = self.task.name in ("shapes", "shapes_dialogue")
+        if self.rollout.medusa.enabled and (self.model.tiny.vision is not None or image_task):
             raise ConfigError("rollout.medusa.enabled=true: speculative rollout is text-only for now")
         if self.rollout.decode == "graphs" and self.placement.device == "cpu":
             raise ConfigError("rollout.decode=graphs: CUDA graphs need placement.device cuda (or auto on a GPU)")
-        if self.task.name == "shapes" and self.model.path is None and self.model.tiny.vision is None:
-            raise ConfigError("task.name=shapes: asks about images, needs a vision-language model "
+        if image_task and self.model.path is None and self.model.tiny.vision is None:
+            raise ConfigError(f"task.name={self.task.name}: asks about images, needs a vision-language model "
                               "(model.tiny.vision, or a Qwen2-VL / Qwen3-VL model.path)")
         if self.weights.update == "in_flight" and self.rollout.backend != "vllm":
             raise ConfigError("weights.update=in_flight: needs rollout.backend=vllm (the torch backend updates "

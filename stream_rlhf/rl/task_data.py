@@ -5,9 +5,10 @@ Parquet or a `datasets` folder; `data/prompts_jsonl.py`).
                                                  # then check_prompts(cfg)
     dataset = open_prompts(cfg, model_config, tokenizer, "train") # a PromptDataset, or None
 
-The `shapes` task is written as JSONL + PNG files under `task.data_dir/shapes-<hash>/` the first
-time and read from there like any user dataset, so the same loader (and its bad-input handling)
-serves both. `arithmetic` prompts are made in memory and need no dataset.
+The `shapes` and `shapes_dialogue` tasks are written as JSONL + PNG files under
+`task.data_dir/<task>-<hash>/` the first time and read from there like any user dataset, so the
+same loader (and its bad-input handling) serves both. `arithmetic` and `tool_sums` prompts are made
+in memory (`data/text_tasks.py`) and need no dataset.
 
 `check_prompts` runs in the driver before the warm start, with the model's tokenizer (the tiny
 model's is built, a `model.path` one is read): every line of the prompt files parses and names
@@ -30,20 +31,23 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from stream_rlhf.cache_folder import build_once
 from stream_rlhf.config import ConfigError
-from stream_rlhf.data import shapes
-from stream_rlhf.data.arithmetic import problems
+from stream_rlhf.data import shapes, shapes_dialogue
 from stream_rlhf.data.chat_template import resolve_chat_template
 from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.prompts_jsonl import PromptDataset
 from stream_rlhf.data.task_config import DataConfig
+from stream_rlhf.data.text_tasks import TEXT_TASKS, problems
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
+
+IMAGE_TASKS = {"shapes": shapes.problems, "shapes_dialogue": shapes_dialogue.problems}
+"""The synthetic tasks written as files, and what makes each one's problems."""
 
 
 def resolve_data(cfg: RLJobConfig) -> RLJobConfig:
     """`cfg` with `data.train` / `data.eval` set to the synthetic task's files when it has some,
     checked by `check_prompts`."""
-    if cfg.data.train is None and cfg.task.name == "shapes":
+    if cfg.data.train is None and cfg.task.name in IMAGE_TASKS:
         cfg = replace(cfg, data=_shapes_files(cfg))
     check_prompts(cfg)
     return cfg
@@ -54,7 +58,7 @@ def data_files(cfg: RLJobConfig) -> tuple[RLJobConfig, dict[str, str] | None]:
     files still to write): what `resolve_data` returns, with nothing written or checked
     (`stream-rlhf plan` and `stage`). Files not written yet leave `data.*` unset (a DataConfig
     names existing files only)."""
-    if cfg.data.train is not None or cfg.task.name != "shapes":
+    if cfg.data.train is not None or cfg.task.name not in IMAGE_TASKS:
         return cfg, None
     folder = _shapes_folder(cfg)
     if not (folder / "eval.jsonl").is_file():
@@ -64,19 +68,20 @@ def data_files(cfg: RLJobConfig) -> tuple[RLJobConfig, dict[str, str] | None]:
 
 def _shapes_files(cfg: RLJobConfig) -> DataConfig:
     task = cfg.task
+    make = IMAGE_TASKS[task.name]
 
     def write(partial: Path) -> None:
-        shapes.write_split(partial, "train", task.train_prompts, task.seed)
-        shapes.write_split(partial, "eval", task.eval_prompts, task.seed)
+        shapes.write_split(partial, "train", task.train_prompts, task.seed, make)
+        shapes.write_split(partial, "eval", task.eval_prompts, task.seed, make)
 
     return _in_folder(cfg, build_once(_shapes_folder(cfg), "eval.jsonl", write))
 
 
 def _shapes_folder(cfg: RLJobConfig) -> Path:
     task = cfg.task
-    settings = {"task": "shapes", "train": task.train_prompts, "eval": task.eval_prompts, "seed": task.seed}
+    settings = {"task": task.name, "train": task.train_prompts, "eval": task.eval_prompts, "seed": task.seed}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(task.data_dir) / f"shapes-{key}"
+    return Path(task.data_dir) / f"{task.name}-{key}"
 
 
 def _in_folder(cfg: RLJobConfig, folder: Path) -> DataConfig:
@@ -131,7 +136,8 @@ def check_prompts(cfg: RLJobConfig) -> None:
         from stream_rlhf.stages.process_reward import check_process_reward
 
         check_process_reward(cfg.reward.process, model.tokenizer)
-    longest = _longest_arithmetic(cfg, model.tokenizer) if cfg.data.train is None else (0, "")
+    in_memory = cfg.data.train is None and cfg.task.name in TEXT_TASKS
+    longest = _longest_text_task(cfg, model.tokenizer) if in_memory else (0, "")
     for split in ("train", "eval"):
         dataset = _prompt_file(cfg, split, model.tokenizer, model.vision, model.vision_token_ids, cfg.seed)
         if dataset is not None:
@@ -160,13 +166,13 @@ def _model_view(cfg: RLJobConfig) -> _ModelView:
                       f"max_position_embeddings (model.path={cfg.model.path!r})", vision, ids)
 
 
-def _longest_arithmetic(cfg: RLJobConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
-    """(tokens, description) of the longest arithmetic prompt the run uses, with its bos (as the
-    prompt source and the evaluation encode them)."""
+def _longest_text_task(cfg: RLJobConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
+    """(tokens, description) of the longest prompt of the in-memory text task the run uses, with
+    its bos (as the prompt source and the evaluation encode them)."""
     count = cfg.iterations * cfg.rollout_batch.minibatches * cfg.rollout_batch.prompts_per_minibatch
     task = cfg.task
-    prompts = {p.prompt for p in problems("train", count, task.seed, task.max_operand, task.terms)}
-    prompts |= {p.prompt for p in problems("eval", task.eval_prompts, task.seed, task.max_operand, task.terms)}
+    prompts = {p.prompt for p in problems(task, "train", count, task.seed)}
+    prompts |= {p.prompt for p in problems(task, "eval", task.eval_prompts, task.seed)}
     encoded = tokenizer(sorted(prompts), add_special_tokens=False)["input_ids"]
     tokens, prompt = max(zip(map(len, encoded), sorted(prompts)))
     return 1 + tokens, f'"{prompt}" of task.max_operand={task.max_operand}'

@@ -1,6 +1,6 @@
 """The prompt source: `iterations * minibatches` mini-batches of prompts for rollout.
 
-Prompts come from the arithmetic task (made in memory) or from a JSONL dataset (`data.train`, or
+Prompts come from a text task made in memory (arithmetic, tool_sums) or from a JSONL dataset (`data.train`, or
 the files of the `shapes` task), cycled epoch after epoch in a seeded order. Images are decoded
 and cut into patches here, once per prompt (`stages/images.py` has the handle's image fields).
 Each prompt appears `samples_per_prompt` times in its mini-batch with one group id, so GRPO and
@@ -19,7 +19,7 @@ import json
 import torch
 from transformers import AutoConfig
 
-from stream_rlhf.data.arithmetic import problems
+from stream_rlhf.data.text_tasks import problems
 from stream_rlhf.data.tokenizer import load_tokenizer
 from stream_rlhf.rl.task_data import open_prompts
 from stream_rlhf.samples import ragged
@@ -47,7 +47,7 @@ class PromptSource(Stage):
         self.dataset = open_prompts(cfg, model_config, self.tokenizer, "train", cfg.seed)
         if self.dataset is None:
             count = cfg.iterations * cfg.rollout_batch.minibatches * cfg.rollout_batch.prompts_per_minibatch
-            self.problems = problems("train", count, cfg.task.seed, cfg.task.max_operand, cfg.task.terms)
+            self.problems = problems(cfg.task, "train", count, cfg.task.seed)
         self.cursors = PromptCursors(self.job.run_dir)
         if self.dataset is not None and self.job.start_version:
             self.dataset.seek(self.cursors.at(self.job.start_version))
