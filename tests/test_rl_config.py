@@ -17,7 +17,7 @@ from stream_rlhf.rl.config import RLJobConfig
 from tests.rl_tiny import VISION, tiny_job, write_job
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-ENV = {"factory": "stream_rlhf.envs.calculator:Calculator"}
+ENV = {"factory": "stream_rlhf.envs.calculator:Calculator", "max_episode_tokens": 32}
 
 
 @pytest.mark.parametrize(
@@ -99,6 +99,15 @@ def test_an_env_job_may_leave_the_reward_function_out(tmp_path):
     """Its episodes' turn rewards are the reward; the score is then 0."""
     cfg = build(RLJobConfig, tiny_job(tmp_path, "env", **{"env": ENV, "reward.function": None}))
     assert cfg.reward.function is None and cfg.env.factory == ENV["factory"]
+
+
+def test_an_episode_must_fit_the_model_positions(tmp_path):
+    too_long = r"env.max_episode_tokens=64: more than model.tiny.max_position_embeddings=32"
+    with pytest.raises(ConfigError, match=too_long):
+        build(RLJobConfig, tiny_job(tmp_path, "env", env={**ENV, "max_episode_tokens": 64}))
+    vllm = {"rollout.backend": "vllm", "rollout.vllm.max_model_len": 48}
+    with pytest.raises(ConfigError, match=r"env.max_episode_tokens=64: more than rollout.vllm.max_model_len=48"):
+        build(RLJobConfig, tiny_job(tmp_path, "env", env={**ENV, "max_episode_tokens": 64}, **vllm))
 
 
 @pytest.mark.slow

@@ -47,12 +47,14 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     dataset = open_prompts(cfg, model.config, tokenizer, "eval")
     if dataset is None:
         task = cfg.task
-        items = [(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)]),
-                  p.answer, [], {}, EpisodeStart(p.prompt, p.answer))
-                 for p in problems(task, "eval", task.eval_prompts, task.seed)]
+        samples = [(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)]),
+                    p.answer, [], {}, ()) for p in problems(task, "eval", task.eval_prompts, task.seed)]
     else:
-        items = [(s.prompt_ids, s.answer, s.images, s.reward_kwargs,
-                  EpisodeStart(s.prompt, s.answer, s.image_paths, s.reward_kwargs)) for s in dataset.each_sample()]
+        samples = [(s.prompt_ids, s.answer, s.images, s.reward_kwargs, s.image_paths) for s in dataset.each_sample()]
+    # an episode starts from the prompt as rollout gives it: its ids decoded without special tokens
+    items = [(ids, answer, images, kwargs,
+              EpisodeStart(tokenizer.decode(ids, skip_special_tokens=True), answer, paths, kwargs))
+             for ids, answer, images, kwargs, paths in samples]
     chunks = [items[first:first + batch_size] for first in range(0, len(items), batch_size)]
     chunk_images = [_features(model, chunk) for chunk in chunks]  # encoded once, for both temperatures
     stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop, cfg.data.chat_template, checkpoint)

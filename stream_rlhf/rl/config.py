@@ -255,6 +255,13 @@ class RLJobConfig:
             raise ConfigError(f"reward.process: process rewards cut single-turn responses into steps, "
                               f"env.factory={self.env.factory!r} runs multi-turn episodes (reward each turn "
                               "from the env's Turn.reward instead)")
+        room = self.rollout.vllm.max_model_len if self.rollout.backend == "vllm" else None
+        key = "rollout.vllm.max_model_len"
+        if room is None and self.model.path is None:
+            room, key = self.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
+        if room is not None and self.env.max_episode_tokens > room:
+            raise ConfigError(f"env.max_episode_tokens={self.env.max_episode_tokens}: more than {key}={room}, "
+                              "the positions an episode's prompt, turns and observations must fit in")
 
     def _check_stage_placements(self) -> None:
         for stage in self.placement.with_rollout:
