@@ -86,11 +86,10 @@ class TorchRolloutEngine:
 
     def encode_images(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
         """An observation's images through the policy's own vision tower (frozen: the same weights
-        as the vision stage's), counted as `images_encoded` of this stage; each image once."""
+        as the vision stage's, in the same precision), counted as `images_encoded` of this stage."""
         if not is_vision_language_model(self.model):
             raise ValueError("the policy is a text model: it takes no images")
-        with autocast(self.device, self.job.config.precision):
-            features = encode_images(self.model, pixel_values, grid_thw)
+        features = encode_images(self.model, pixel_values, grid_thw)  # no autocast, as the vision stage's
         self.images.counts.add(images_encoded=len(grid_thw), encoder_calls=1)
         return features
 
