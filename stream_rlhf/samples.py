@@ -90,3 +90,13 @@ class SampleImages:
             raise ValueError(f"features.shape={tuple(self.features.shape)}: must be (n_tokens, hidden)")
         if self.grid_thw.ndim != 2 or self.grid_thw.shape[1] != 3:
             raise ValueError(f"grid_thw.shape={tuple(self.grid_thw.shape)}: must be (n_images, 3)")
+
+    def followed_by(self, later: SampleImages) -> SampleImages:
+        """These images, then `later`'s (a sequence whose image runs come in that order)."""
+        if not len(later.features):
+            features = self.features
+        elif not len(self.features):  # (0, H) or, from a mini-batch without images, (0, 0)
+            features = later.features
+        else:
+            features = torch.cat([self.features, later.features.to(self.features)])
+        return SampleImages(features, torch.cat([self.grid_thw, later.grid_thw.to(self.grid_thw)]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from stream_rlhf.envs.calculator import Calculator
-from stream_rlhf.envs.environment import Turn
+from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
 
 
 class FlakyCalculator(Calculator):
@@ -16,3 +16,30 @@ class FlakyCalculator(Calculator):
         if self.start is not None and self.start.reference.endswith("3"):
             raise RuntimeError(f"flaky tool: reference {self.start.reference}")
         return await super().step(text, token_ids)
+
+
+class ShowsImage:
+    """A vision-language episode whose first observation shows images: `images` (paths), or the
+    episode's own prompt image again when empty; by <image> markers in the middle of its text
+    (`marker`) or, without markers, each image's run at the text's start. Later observations are
+    text; done after `turns` policy turns, reward 0.5 per turn."""
+
+    def __init__(self, images: list[str] | None = None, marker: bool = False, turns: int = 3):
+        self.images, self.marker, self.turns = list(images or ()), marker, turns
+        self.start: EpisodeStart | None = None
+        self.seen = 0
+
+    def reset(self, start: EpisodeStart) -> None:
+        self.start, self.seen = start, 0
+
+    def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+        if self.start is None:
+            raise RuntimeError("step before reset")
+        self.seen += 1
+        if self.seen >= self.turns:
+            return Turn(None, reward=0.5, done=True)
+        if self.seen > 1:
+            return Turn(Observation(" more?"), reward=0.5)
+        images = tuple(self.images) or self.start.images[:1]
+        words = " see " + "<image>" * len(images) + " now?" if self.marker else " see now?"
+        return Turn(Observation(words, images=images), reward=0.5)

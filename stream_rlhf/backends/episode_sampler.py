@@ -28,8 +28,10 @@ compute its length; episodes joining together (the first turns) feed their promp
 Positions: a text episode's ids sit at 0, 1, 2, ... (its context index); a vision-language
 episode's fed ids take the M-RoPE positions of its whole context (`mrope_positions`: images as
 grids), and each decoded token (max + 1), +1 per token on all three axes, as `generate` does; the
-image features of the fed image tokens come from the request's `images`. The image token is never
-sampled. So a behaviour log-prob equals what a full forward of the finished episode recomputes.
+image features of the fed image tokens come from the request's `images` (the episode's images so
+far: an observation that shows an image brings its features in the next turn's request, and its
+image run takes its grid positions after the text before it). The image token is never sampled.
+So a behaviour log-prob equals what a full forward of the finished episode recomputes.
 
 With a `StaticDecoder` (text models), the cache is its bucket's and the one-token steps are its
 CUDA graphs; steps of several positions (turns joining) run eagerly over the same buffers.

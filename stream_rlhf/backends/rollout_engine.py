@@ -3,6 +3,7 @@
     engine = ROLLOUT_ENGINES[cfg.rollout.backend] -> import_dotted(...)(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)     # Generated: responses, version, metadata
     sampler = engine.turn_sampler(batch, params)      # multi-turn episodes (envs/turns.py)
+    features = engine.encode_images(pixel_values, grid_thw)   # an observation's images (env jobs)
     engine.close()
 
 Each engine keeps its own weights current before it generates (`stages/weight_sync.py`:
@@ -51,6 +52,10 @@ class RolloutEngine(Protocol):
     def turn_sampler(self, batch: Batch, params: SamplingParams) -> TurnSampler:
         """A sampler of policy turns for the episodes of `batch` (`env` jobs: `envs/episode_loop.py`),
         with the newest weights it can load first; closed by the caller at the end of the mini-batch."""
+
+    def encode_images(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
+        """Image features, one (tokens_i, W) per image, of the images an episode's observation shows
+        (`envs/observation_images.py`); ValueError naming the setting when the engine takes none."""
 
     def close(self) -> None:
         """Release the engine (its process, its device memory)."""

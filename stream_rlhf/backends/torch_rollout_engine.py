@@ -6,6 +6,7 @@ policy model in the rollout process, on its rank's device; speculative with Medu
     engine = TorchRolloutEngine(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
     sampler = engine.turn_sampler(batch, params)    # multi-turn episodes: TorchTurnSampler (episode_sampler.py)
+    features = engine.encode_images(pixel_values, grid_thw)   # an observation's images: the policy's own tower
 
 Before each mini-batch it loads the newest policy version (`RolloutWeights.refresh_model`): every
 token of the mini-batch is sampled by that version. With `precision: bf16` it samples under bf16
@@ -28,6 +29,7 @@ from stream_rlhf.backends.static_decode import static_decoder
 from stream_rlhf.backends.static_sampler import sample
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.models.checkpoint import load_policy
+from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
 from stream_rlhf.samples import unragged
 from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stage import Batch, StageContext
@@ -81,6 +83,15 @@ class TorchRolloutEngine:
         return TorchTurnSampler(self.model, batch.num_samples, capacity, params, generator, self.policy_version,
                                 self.static, precision=lambda: autocast(self.device, precision),
                                 free_positions=CUDA_FREE_POSITIONS if self.device.type == "cuda" else 0)
+
+    def encode_images(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
+        """An observation's images through the policy's own vision tower (frozen: the same weights
+        as the vision stage's, in the same precision), counted as `images_encoded` of this stage."""
+        if not is_vision_language_model(self.model):
+            raise ValueError("the policy is a text model: it takes no images")
+        features = encode_images(self.model, pixel_values, grid_thw)  # no autocast, as the vision stage's
+        self.images.counts.add(images_encoded=len(grid_thw), encoder_calls=1)
+        return features
 
     def close(self) -> None:
         """Nothing outside this process to release."""

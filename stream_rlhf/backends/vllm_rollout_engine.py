@@ -102,6 +102,11 @@ class VllmRolloutEngine:
                                self.options.max_model_len, self._in_flight_update if self.in_flight else None,
                                self.stopping, on_close=lambda: self._after(batch))
 
+    def encode_images(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
+        """Refused: images in observations run on rollout.backend=torch only (its rollout process
+        holds the vision tower; this engine's vision tower is in its server process)."""
+        raise ValueError("rollout.backend=vllm takes no images in observations (use rollout.backend=torch)")
+
     def _refresh(self) -> None:
         """Before a mini-batch: wake the engine if it sleeps, and load the newest version."""
         update = self.weights.engine_update(self.engine.version)

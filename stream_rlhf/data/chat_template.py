@@ -81,21 +81,35 @@ def encode_prompt(
     image_token_counts: list[int],
     vision_token_ids: tuple[int, int, int] | None,
 ) -> torch.Tensor:
-    """(L,) long ids: bos (if the tokenizer has one), then the text with each <image> marker replaced by
-    vision_start, image_pad * n, vision_end (n = the next of `image_token_counts`).
+    """(L,) long ids: bos (if the tokenizer has one), then `encode_with_images` of the text.
 
     `vision_token_ids` is (vision_start, image_pad, vision_end), e.g. a Qwen2-VL config's
     (vision_start_token_id, image_token_id, vision_end_token_id); None for a text-only model (then no
     markers). Raises ValueError when the markers and counts differ in number, a count is < 1, or the
     text itself encodes to a vision token."""
+    ids = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    return torch.tensor(ids + encode_with_images(tokenizer, text, image_token_counts, vision_token_ids, "prompt"),
+                        dtype=torch.long)
+
+
+def encode_with_images(
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    image_token_counts: list[int],
+    vision_token_ids: tuple[int, int, int] | None,
+    what: str,
+) -> list[int]:
+    """The ids of `text` with each <image> marker replaced by vision_start, image_pad * n,
+    vision_end (n = the next of `image_token_counts`); no bos (a prompt's or an observation's
+    text, `what` in messages; `encode_prompt` says what raises)."""
     segments = text.split(IMAGE_MARKER)
     if len(segments) - 1 != len(image_token_counts):
-        raise ValueError(f"prompt has {len(segments) - 1} {IMAGE_MARKER} markers "
+        raise ValueError(f"{what} has {len(segments) - 1} {IMAGE_MARKER} markers "
                          f"for {len(image_token_counts)} image(s)")
     if vision_token_ids is None and image_token_counts:
-        raise ValueError("prompt has images but the model takes none (no vision tower)")
+        raise ValueError(f"{what} has images but the model takes none (no vision tower)")
     start, pad, end = vision_token_ids or (None, None, None)
-    ids = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    ids: list[int] = []
     for i, segment in enumerate(segments):
         if i > 0:
             count = image_token_counts[i - 1]
@@ -104,9 +118,9 @@ def encode_prompt(
             ids += [start] + [pad] * count + [end]
         segment_ids = tokenizer.encode(segment, add_special_tokens=False) if segment else []
         if vision_token_ids is not None and set(segment_ids) & {start, pad, end}:
-            raise ValueError("prompt text contains a vision special token (write images as <image> markers)")
+            raise ValueError(f"{what} text contains a vision special token (write images as <image> markers)")
         ids += segment_ids
-    return torch.tensor(ids, dtype=torch.long)
+    return ids
 
 
 def expand_image_pads(ids: list[int], image_pad_id: int | None, token_counts: list[int]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Evaluation of an `env` job: each held-out prompt runs as an episode in the job's environment
 (`envs/episode_loop.py`, over the torch turn sampler), and its score is its return: the reward
 function's / model's score of the whole response (if the job has one) plus the environment's
-turn rewards.
+turn rewards. Observations' images are encoded by the model's own vision tower, as rollout's are.
 
     returns, tokens = episode_returns(cfg, model, scorer, starts, prompts, images, params, generator, static)
 """
@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedTokenizerBase
 
 from stream_rlhf.backends.episode_sampler import TorchTurnSampler
 from stream_rlhf.backends.static_decode import StaticDecoder
 from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.envs.environment import EpisodeStart
 from stream_rlhf.envs.episode_handle import episode_tensors
 from stream_rlhf.envs.episode_loop import EpisodeLoop
+from stream_rlhf.envs.observation_images import ObservationImages
 from stream_rlhf.envs.stepper import EnvStepper
+from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.samples import Rollout, SampleImages, unragged
 from stream_rlhf.stages.reward_forward import Scorer
@@ -38,7 +42,7 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
     sampler = TorchTurnSampler(model, len(prompts), capacity, params, generator, 0, static)
     stepper = EnvStepper(env.step_timeout_s, env.workers)
     try:
-        result = loop.run(starts, prompts, images, sampler, stepper)
+        result = loop.run(starts, prompts, images, sampler, stepper, _observe(cfg, model, tokenizer))
     finally:
         sampler.close()
         stepper.close()
@@ -48,3 +52,13 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
     scores = scorer.score(rollout, [start.reference for start in starts], [dict(start.fields) for start in starts])
     env_returns = torch.stack([rewards.sum() for rewards in unragged(tensors, "env_rewards")])
     return scores + env_returns, sum(episode.num_policy_tokens for episode in result.episodes)
+
+
+def _observe(cfg: RLJobConfig, model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> ObservationImages | None:
+    """Observations' images through `model`'s vision tower (None for a text model)."""
+    if not is_vision_language_model(model):
+        return None
+    config = model.config
+    spec = ImageSpec.from_model_folder(cfg.model.path, config.vision_config, cfg.data.min_pixels, cfg.data.max_pixels)
+    ids = (config.vision_start_token_id, config.image_token_id, config.vision_end_token_id)
+    return ObservationImages(tokenizer, spec, ids, lambda pixel_values, grid: encode_images(model, pixel_values, grid))

@@ -40,7 +40,7 @@ class EpisodeStart:
 @dataclass(frozen=True)
 class Observation:
     """What an environment appends after a policy turn: text, and images for a vision-language
-    policy (paths, encoded by the vision stage)."""
+    policy (paths; see docs/environments.md, "Images in observations")."""
 
     text: str
     images: tuple[str, ...] = ()

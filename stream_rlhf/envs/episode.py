@@ -4,6 +4,7 @@ them, and what the losses need to tell them apart.
     episode = Episode(prompt_ids=[1, 7, 9])
     episode.add_policy_turn([40, 41, 2], logps=[-0.1, -0.3, -0.2], policy_version=3)
     episode.add_observation([50, 51])                 # the environment's answer: loss mask 0
+    episode.add_observation(ids, images)              # ... with images: their SampleImages too
     episode.add_policy_turn([42, 2], logps=[-0.5, -0.1], policy_version=4)
     episode.set_turn_reward(1.0)                      # lands on the last policy turn's last token
     episode.response_tensors()                        # token_ids, loss_mask, behavior_logp, ...
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from stream_rlhf.samples import SampleImages
 
 OBSERVATION_VERSION = -1
 """The policy version recorded on observation tokens (no policy generated them)."""
@@ -40,6 +43,8 @@ class Episode:
     """Index (into token_ids) of each policy turn's last token."""
     turn_rewards: list[float] = field(default_factory=list)
     """One reward per policy turn, placed on its last token."""
+    observation_images: list[SampleImages] = field(default_factory=list)
+    """The encoded images of the observations that had some, in token order (after the prompt's)."""
 
     @property
     def turns(self) -> int:
@@ -66,9 +71,12 @@ class Episode:
         self.turn_ends.append(len(self.token_ids) - 1)
         self.turn_rewards.append(0.0)
 
-    def add_observation(self, ids: list[int]) -> None:
+    def add_observation(self, ids: list[int], images: SampleImages | None = None) -> None:
+        """Append an observation's ids; `images`: the encoded images whose pad runs `ids` holds."""
         if not self.turn_ends:
             raise ValueError("an observation must follow a policy turn")
+        if images is not None:
+            self.observation_images.append(images)
         self.token_ids.extend(ids)
         self.loss_mask.extend([0] * len(ids))
         self.behavior_logp.extend([0.0] * len(ids))

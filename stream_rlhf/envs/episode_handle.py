@@ -13,6 +13,14 @@ turns and observations):
     env_rewards     ragged float32 (R_i,)  each turn's reward on its turn's last policy token, 0 elsewhere
     token_versions  ragged int32   (R_i,)  the policy version that sampled each token; -1 on observations
 
+and, only when some observation of the mini-batch had images (a vision-language policy):
+
+    episode_image_features  ragged float32 (T_i, W)  the features of episode i's observation images,
+                                                     in token order (T_i image tokens; 0 rows: none)
+    episode_image_grid_thw  ragged int64   (n_i, 3)  their grids
+
+which every consumer's `ImageInputs.of` appends to the sample's prompt images (`stages/images.py`).
+
 The forwards see `sequences` as any prompt + response; only the losses tell the tokens apart
 (by `loss_mask`), so log-probs, values and KL at observation positions are computed but never used.
 """
@@ -36,4 +44,18 @@ def episode_tensors(episodes: list[Episode]) -> dict[str, Tensor]:
         **ragged("loss_mask", [r["loss_mask"] for r in responses]),
         **ragged("env_rewards", [r["token_rewards"].float() for r in responses]),
         **ragged("token_versions", [r["policy_versions"].int() for r in responses]),
+        **observation_image_fields(episodes),
     }
+
+
+def observation_image_fields(episodes: list[Episode]) -> dict[str, Tensor]:
+    """The `episode_image_*` fields, or {} when no observation had images."""
+    seen = [images for episode in episodes for images in episode.observation_images]
+    if not seen:
+        return {}
+    width = seen[0].features.shape[-1]
+    features = [torch.cat([im.features.float() for im in e.observation_images]) if e.observation_images
+                else torch.zeros((0, width)) for e in episodes]  # each (T_i, W)
+    grids = [torch.cat([im.grid_thw.long() for im in e.observation_images]) if e.observation_images
+             else torch.zeros((0, 3), dtype=torch.long) for e in episodes]  # each (n_i, 3)
+    return {**ragged("episode_image_features", features), **ragged("episode_image_grid_thw", grids)}

@@ -2,7 +2,7 @@
 `TurnSampler`, environment steps through the `EnvStepper`, the engine's limits and failures.
 
     loop = EpisodeLoop(env_cfg, tokenizer, max_new_tokens=32)
-    result = loop.run(starts, prompts, images, sampler, stepper)
+    result = loop.run(starts, prompts, images, sampler, stepper, observe)   # observe: images in observations
     result.episodes[i], result.ended[i], result.tool_waits, result.tool_hidden_s
 
     dataflow of one episode (each arrow is asynchronous: other episodes go on meanwhile)
@@ -21,6 +21,12 @@ final answer). An episode ends when the environment says done, when a limit is r
 call fails (raised, timeout, malformed): it keeps the turns it has, with reward 0 for the failing
 turn, and `ended` says why ("failed:timeout"). A failed reset still samples the first turn (the
 policy's answer to the prompt), so every episode has at least one policy turn and no sample is lost.
+
+An observation with images (a vision-language policy) goes through `observe`
+(`envs/observation_images.py`: its ids with each image's pad run, and the images' features); the
+episode's images are then its prompt's followed by its observations', in token order, and every
+later turn's request carries them all. Without `observe` (a text policy, an engine that takes no
+such images), or when `observe` raises ValueError, the episode fails as "malformed".
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 from torch import Tensor
 
 from stream_rlhf.envs.config import EnvConfig
-from stream_rlhf.envs.environment import Environment, EpisodeStart
+from stream_rlhf.envs.environment import Environment, EpisodeStart, Observation
 from stream_rlhf.envs.episode import Episode
 from stream_rlhf.envs.stepper import EnvStepper, Outcome
 from stream_rlhf.envs.turns import TurnDone, TurnRequest, TurnSampler
@@ -45,6 +51,9 @@ log = logging.getLogger("stream_rlhf")
 IDLE_WAIT_S = 0.05
 """How long the loop blocks on the environments when the sampler has nothing to decode."""
 Phase = Literal["reset", "turn", "step", "ready", "over"]
+ObserveImages = Callable[[Observation], tuple[list[int], SampleImages]]
+"""An observation with images -> its ids (each image's pad run in place) and its encoded images;
+ValueError for one it cannot take."""
 
 
 @dataclass
@@ -78,10 +87,13 @@ class EpisodeLoop:
         self.max_new_tokens = max_new_tokens
 
     def run(self, starts: list[EpisodeStart], prompts: list[Tensor], images: list[SampleImages] | None,
-            sampler: TurnSampler, stepper: EnvStepper) -> EpisodeResult:
+            sampler: TurnSampler, stepper: EnvStepper, observe: ObserveImages | None = None) -> EpisodeResult:
+        """`images`: each prompt's encoded images (None: a text policy); `observe`: how an
+        observation's images become ids and features (None: observations take no images)."""
         n = len(prompts)
         self.episodes = [Episode(prompt_ids=p.tolist()) for p in prompts]
-        self.prompts, self.images = prompts, images
+        self.prompts, self.observe = prompts, observe
+        self.images = list(images) if images is not None else None  # grows by the observations' images
         self.sampler, self.stepper = sampler, stepper
         self.phase: list[Phase] = ["reset"] * n
         self.env_ok = [True] * n
@@ -168,12 +180,12 @@ class EpisodeLoop:
         if turn.done:
             self._end(i, "done")
             return
-        observation = turn.observation
-        if observation is not None and observation.images:
-            self._fail(i, "malformed", "Observation.images: images in observations are not supported yet")
+        try:
+            ids, images = self._observation_ids(turn.observation)
+        except ValueError as exc:
+            self._fail(i, "malformed", f"Observation.images: {exc}")
             self._end(i, self.result.ended[i])
             return
-        ids = self.encode(observation.text) if observation is not None else []
         limit = "max_turns" if episode.turns >= self.cfg.max_turns else None
         if limit is None and episode.num_tokens + len(ids) >= self.cfg.max_episode_tokens:
             limit = "max_episode_tokens"
@@ -181,8 +193,21 @@ class EpisodeLoop:
             self._end(i, limit)
             return
         if ids:
-            episode.add_observation(ids)
+            episode.add_observation(ids, images)
+        if images is not None and self.images is not None:
+            self.images[i] = self.images[i].followed_by(images)
         self.phase[i] = "ready"
+
+    def _observation_ids(self, observation: Observation | None) -> tuple[list[int], SampleImages | None]:
+        """The ids an observation appends and, when it has images, their encoded images."""
+        if observation is None:
+            return [], None
+        if not observation.images:
+            return self.encode(observation.text), None
+        if self.observe is None or self.images is None:
+            raise ValueError("this rollout takes no images in observations (they need a vision-language "
+                             "policy on rollout.backend=torch)")
+        return self.observe(observation)
 
     def _fail(self, i: int, reason: str, message: str) -> None:
         self.env_ok[i] = False

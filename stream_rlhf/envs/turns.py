@@ -35,7 +35,8 @@ class TurnRequest:
     context: Tensor
     """(L,) long: the episode's ids so far, prompt first."""
     images: SampleImages | None
-    """The prompt's encoded images (the same on every turn of the episode); None for text."""
+    """The episode's encoded images so far, in token order: the prompt's, then those its
+    observations showed (`envs/observation_images.py`); None for text."""
     max_new_tokens: int
     """This turn's budget (rollout.max_new_tokens, less when env.max_episode_tokens is near)."""
 

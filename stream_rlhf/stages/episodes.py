@@ -10,6 +10,12 @@ environment calls run on the `EnvStepper`'s thread, and `envs/episode_loop.py` d
 handle holds, per sample, the prompt and every token after it (policy turns and observations) with
 `loss_mask`, `env_rewards` and `token_versions` (`envs/episode_handle.py`), and the metadata
 "episodes": turns, tool calls, tool seconds and why each episode ended (`telemetry/episodes.py`).
+
+A vision-language job's observations may show images (`envs/observation_images.py`): they are read
+and patched as the dataset's images are (the model folder's preprocessor settings, `data.min_pixels`
+/ `data.max_pixels`) and encoded by the rollout engine's own vision tower (`encode_images`: the
+torch engine holds the whole policy, so a mid-episode image needs no round trip through the vision
+stage, and each image is still encoded once); the handle carries them after the prompt's images.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ import logging
 from typing import Any
 
 from torch import Tensor
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from stream_rlhf.backends.rollout_engine import RolloutEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.envs.environment import EpisodeStart
 from stream_rlhf.envs.episode_handle import episode_tensors
 from stream_rlhf.envs.episode_loop import EpisodeLoop
+from stream_rlhf.envs.observation_images import ObservationImages
 from stream_rlhf.envs.stepper import EnvStepper
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.stage import Batch
@@ -50,6 +58,14 @@ class EpisodeRollout:
         self.log = log
         self.loop = EpisodeLoop(cfg, self._decode, self._encode, max_new_tokens)
         self.stepper = EnvStepper(cfg.step_timeout_s, cfg.workers)
+        self.image_spec: ImageSpec | None = None
+        self.vision_token_ids: tuple[int, int, int] | None = None
+        if job.vision_language:  # as the prompt dataset reads its images (rl/task_data.py)
+            model = AutoConfig.from_pretrained(job.checkpoint)
+            data = job.config.data
+            self.image_spec = ImageSpec.from_model_folder(job.config.model.path, model.vision_config,
+                                                          data.min_pixels, data.max_pixels)
+            self.vision_token_ids = (model.vision_start_token_id, model.image_token_id, model.vision_end_token_id)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -64,7 +80,7 @@ class EpisodeRollout:
         starts = self._starts(batch, prompts)
         sampler = engine.turn_sampler(batch, params)
         try:
-            result = self.loop.run(starts, prompts, images, sampler, self.stepper)
+            result = self.loop.run(starts, prompts, images, sampler, self.stepper, self._observe(engine))
         finally:
             sampler.close()
         for failure in result.failures[:MAX_FAILURES_LOGGED]:
@@ -72,6 +88,12 @@ class EpisodeRollout:
         tensors = episode_tensors(result.episodes)
         versions = [v for episode in result.episodes for v, m in zip(episode.policy_versions, episode.loss_mask) if m]
         return tensors, min(versions), {EPISODES: EpisodeStats.of(result).encode()}
+
+    def _observe(self, engine: RolloutEngine) -> ObservationImages | None:
+        """How observations' images become ids and features (None for a text model)."""
+        if self.image_spec is None or self.vision_token_ids is None:
+            return None
+        return ObservationImages(self.tokenizer, self.image_spec, self.vision_token_ids, engine.encode_images)
 
     def _starts(self, batch: Batch, prompts: list[Tensor]) -> list[EpisodeStart]:
         paths = batch.metadata.get(IMAGE_PATHS) or [""] * len(prompts)

@@ -12,6 +12,11 @@ output (one row per image token; Qwen3-VL's with its deepstack features beside i
 forwards and the trainers read that handle (`ImageInputs.of`) and never run the vision tower. With
 `vision.prefetch: false` they get the prompt source's handle instead and run the tower themselves,
 counting each call.
+
+An `env` job's episodes may add images in their observations: the rollout encodes those (its
+policy holds the vision tower, `envs/observation_images.py`) and its handle carries them as
+`episode_image_features` / `episode_image_grid_thw` (`envs/episode_handle.py`); `ImageInputs.of`
+puts each sample's after its prompt images, so every consumer sees the episode's whole image list.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class ImageInputs:
                                    "(vision.prefetch is on but the vision stage did not run)")
             per_image = self.tower.image_features(tensors["pixel_values"], grid)
             self.counts.add(images_encoded=len(grid), encoder_calls=1)
-        return samples_of(per_image, grid, unragged(tensors, "prompt_images"))
+        return with_observation_images(samples_of(per_image, grid, unragged(tensors, "prompt_images")), tensors)
 
 
 def samples_of(per_image: list[Tensor], grid: Tensor, sample_images: list[Tensor]) -> list[SampleImages]:
@@ -81,3 +86,13 @@ def samples_of(per_image: list[Tensor], grid: Tensor, sample_images: list[Tensor
         features = torch.cat([per_image[i] for i in index]) if index else torch.zeros((0, hidden))
         out.append(SampleImages(features, grid[index]))
     return out
+
+
+def with_observation_images(samples: list[SampleImages], tensors: dict[str, Tensor]) -> list[SampleImages]:
+    """Each sample's prompt images followed by its episode's observation images (when the handle
+    has them: `env` jobs whose observations showed images)."""
+    if "episode_image_features" not in tensors:
+        return samples
+    features, grids = unragged(tensors, "episode_image_features"), unragged(tensors, "episode_image_grid_thw")
+    return [images.followed_by(SampleImages(f, g.long()))
+            for images, f, g in zip(samples, features, grids, strict=True)]

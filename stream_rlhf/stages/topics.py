@@ -101,6 +101,9 @@ TOPICS = {schema.topic: schema for schema in (
         Field("token_versions", "ragged", (torch.int32,), optional=True),  # in-flight updates; env: -1 on observations
         Field("loss_mask", "ragged", BOOL, optional=True),  # env: True on policy tokens, False on observations
         Field("env_rewards", "ragged", FLOAT, optional=True),  # env: each turn's reward on its last policy token
+        # env, a VLM: each episode's observation images after its prompt's (envs/episode_handle.py)
+        Field("episode_image_features", "ragged", FLOAT, optional=True),
+        Field("episode_image_grid_thw", "ragged", INT, optional=True),
     )),
     TopicSchema("ref_logp", (Field("ref_logp", "ragged", FLOAT),)),
     TopicSchema("old_logp", (Field("old_logp", "ragged", FLOAT),)),

@@ -1,0 +1,167 @@
+"""Images in observations (vision-language episodes on the torch rollout backend): the real episode
+loop and torch turn sampler over a tiny Qwen2-VL whose environment shows images in its first
+observation. Every policy token's behaviour log-prob is what the trainer's packed forward of the
+finished episode, with the merged images, recomputes; the rollout handle carries the observation
+images so that `ImageInputs.of` and `Experience` give each episode's whole image list; a text
+policy or rollout.backend=vllm fails such an episode as "malformed"."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from stream_rlhf.backends.episode_sampler import TorchTurnSampler
+from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.backends.vllm_rollout_engine import VllmRolloutEngine
+from stream_rlhf.broker.control.messages import Handle
+from stream_rlhf.config import build
+from stream_rlhf.data.images import ImageSpec, load_image
+from stream_rlhf.envs.config import EnvConfig
+from stream_rlhf.envs.environment import EpisodeStart, Observation
+from stream_rlhf.envs.episode_handle import episode_tensors
+from stream_rlhf.envs.episode_loop import EpisodeLoop, EpisodeResult
+from stream_rlhf.envs.observation_images import ObservationImages
+from stream_rlhf.envs.stepper import EnvStepper
+from stream_rlhf.experience import Experience
+from stream_rlhf.models.packing import sequence_logprobs
+from stream_rlhf.models.vision_language import encode_images
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.samples import SampleImages, ragged
+from stream_rlhf.stage import Batch
+from stream_rlhf.stages.images import ImageInputs
+from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.stages.topics import TOPICS
+from stream_rlhf.telemetry.stage_counts import StageCounts
+from tests.rl_tiny import VISION, tiny_job
+from tests.test_vision_language import END, IMAGE, START, TOKENIZER, build_model, encode, make_sample
+
+ATOL = 1e-5
+TEMPERATURE = 0.7
+PARAMS = SamplingParams(temperature=TEMPERATURE, max_new_tokens=4, stop_token_ids=(TOKENIZER.eos_token_id,),
+                        pad_token_id=TOKENIZER.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def vlm() -> torch.nn.Module:
+    return build_model("qwen2_vl").eval()
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory) -> list[str]:
+    """Two image files: 32x32 (4 image tokens at patch 8, merge 2) and 64x32 (8 tokens)."""
+    folder = tmp_path_factory.mktemp("pictures")
+    g = np.random.default_rng(0)
+    paths = []
+    for name, (height, width) in {"square.png": (32, 32), "wide.png": (32, 64)}.items():
+        Image.fromarray(g.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(folder / name)
+        paths.append(str(folder / name))
+    return paths
+
+
+def spec(vlm: torch.nn.Module) -> ImageSpec:
+    return ImageSpec.from_vision_config(vlm.config.vision_config, min_pixels=256, max_pixels=2048)
+
+
+def run_episodes(vlm: torch.nn.Module, env: dict, observe: ObservationImages | None
+                 ) -> tuple[EpisodeResult, list[torch.Tensor], list[SampleImages]]:
+    """Three episodes (prompt images: one, none, two) in `tests.episode_envs:ShowsImage` with `env`'s
+    options; the result, the prompts and the prompts' encoded images."""
+    g = torch.Generator().manual_seed(4)
+    samples = [make_sample(g, [2, 3], [(1, 4, 4)]), make_sample(g, [4], []),
+               make_sample(g, [1, 2, 2], [(1, 4, 4), (1, 4, 6)])]
+    prompts, images = [s.input_ids for s in samples], [encode(vlm, s) for s in samples]
+    cfg = EnvConfig(factory="tests.episode_envs:ShowsImage", options=env, max_turns=3, max_episode_tokens=96)
+    loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
+                       lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
+    sampler = TorchTurnSampler(vlm, 3, 96, PARAMS, torch.Generator().manual_seed(0), policy_version=2)
+    stepper = EnvStepper(cfg.step_timeout_s, cfg.workers)
+    try:
+        result = loop.run([EpisodeStart("q", "a") for _ in samples], prompts, images, sampler, stepper, observe)
+    finally:
+        sampler.close()
+        stepper.close()
+    return result, prompts, images
+
+
+def observer(vlm: torch.nn.Module) -> ObservationImages:
+    return ObservationImages(TOKENIZER, spec(vlm), (START, IMAGE, END),
+                             lambda pixel_values, grid: encode_images(vlm, pixel_values, grid))
+
+
+@pytest.mark.parametrize("marker", [False, True])
+def test_observation_images_record_the_trainers_log_probs_and_reach_every_consumer(vlm, pictures, marker, tmp_path):
+    result, prompts, prompt_images = run_episodes(vlm, {"images": pictures, "marker": marker}, observer(vlm))
+    assert result.ended == ["done"] * 3, result.failures
+    grids = torch.tensor([[1, 4, 4], [1, 4, 8]])
+    own = [load_image(path, spec(vlm)) for path in pictures]
+    features = torch.cat(encode_images(vlm, torch.cat([im.pixel_values for im in own]), grids))  # (12, H)
+    runs = [START, *[IMAGE] * 4, END, START, *[IMAGE] * 8, END]
+    for episode in result.episodes:
+        first = episode.turn_ends[0] + 1  # the first observation: the images' runs in place, no loss
+        observation = episode.token_ids[first:episode.loss_mask.index(1, first)]
+        at = observation.index(START)
+        assert observation[at:at + len(runs)] == runs and (at > 0) == marker
+        assert episode.policy_versions[first:first + len(observation)] == [-1] * len(observation)
+        assert len(episode.observation_images) == 1
+        torch.testing.assert_close(episode.observation_images[0].features, features)
+        assert torch.equal(episode.observation_images[0].grid_thw, grids)
+
+    # the rollout handle (with the vision handle the broker joins it with) and its readers
+    tensors = episode_tensors(result.episodes)
+    TOPICS["rollout"].check(tensors, 3)
+    per_image = [f for images in prompt_images for f in torch.split(
+        images.features, [t * h * w // 4 for t, h, w in images.grid_thw.tolist()])]
+    vision = {"image_features": torch.cat(per_image), "image_tokens": torch.tensor([len(f) for f in per_image]),
+              "image_grid_thw": torch.cat([images.grid_thw for images in prompt_images]),
+              **ragged("prompt_images", [torch.tensor([0]), torch.zeros(0, dtype=torch.long), torch.tensor([1, 2])])}
+    joined = {**vision, **tensors, "group_ids": torch.arange(3), "scores": torch.zeros(3)}
+    job = JobContext(build(RLJobConfig, tiny_job(tmp_path, "obs", **VISION)), "unused", "unused", vision_language=True)
+    merged = ImageInputs(job, StageCounts(".", "r", "r", write=False)).of(joined)
+    sequences = [torch.tensor(e.prompt_ids + e.token_ids) for e in result.episodes]
+    for images, prompt, sequence in zip(merged, prompt_images, sequences):
+        torch.testing.assert_close(images.features, torch.cat([prompt.features, features]))
+        assert torch.equal(images.grid_thw, torch.cat([prompt.grid_thw, grids]))
+        assert int((sequence == IMAGE).sum()) == len(images.features)
+    handle = Handle("h", "experience", 0, 0, policy_version=2, num_samples=3)
+    experience = Experience.from_batches([Batch(handle, joined)], [merged])
+    assert experience.images is not None and all(a is b for a, b in zip(experience.images, merged))
+
+    # the trainer's forward: packed sequences with the merged images
+    with torch.no_grad():
+        recomputed, _ = sequence_logprobs(vlm, sequences, temperature=TEMPERATURE, images=merged)
+    for episode, prompt, again in zip(result.episodes, prompts, recomputed):
+        policy = torch.tensor(episode.loss_mask, dtype=torch.bool)
+        behaviour = torch.tensor(episode.behavior_logp)[policy]
+        torch.testing.assert_close(behaviour, again[len(prompt) - 1:][policy], atol=ATOL, rtol=0)
+
+
+def test_text_episodes_add_no_image_fields(vlm):
+    result, _, _ = run_episodes(vlm, {"images": [], "turns": 1}, observer(vlm))
+    assert result.ended == ["done"] * 3
+    assert not any(name.startswith("episode_image") for name in episode_tensors(result.episodes))
+
+
+@pytest.mark.parametrize("refusal", ["text policy", "vllm"])
+def test_an_engine_without_observation_images_fails_the_episode_as_malformed(vlm, pictures, refusal):
+    observe = None
+    if refusal == "vllm":
+        engine = VllmRolloutEngine.__new__(VllmRolloutEngine)  # its refusal needs no server
+        observe = ObservationImages(TOKENIZER, spec(vlm), (START, IMAGE, END), engine.encode_images)
+    result, _, _ = run_episodes(vlm, {"images": pictures}, observe)
+    assert result.ended == ["failed:malformed"] * 3
+    assert [e.turns for e in result.episodes] == [1] * 3  # the turn before the observation is kept
+    expected = "rollout.backend=vllm" if refusal == "vllm" else "need a vision-language policy"
+    assert all(expected in failure for failure in result.failures)
+    assert not any(name.startswith("episode_image") for name in episode_tensors(result.episodes))
+
+
+def test_an_observation_text_must_place_every_image_or_none(vlm, pictures):
+    observe = observer(vlm)
+    with pytest.raises(ValueError, match="Observation.text has 1 <image> markers for 2 image"):
+        observe(Observation("a <image> b", images=tuple(pictures)))
+    with pytest.raises(ValueError, match="missing.png: file not found"):
+        observe(Observation("a", images=(str(Path(pictures[0]).parent / "missing.png"),)))
