@@ -3,14 +3,12 @@ JSON line; and (slow, once rollout runs episodes) its smoke run end to end."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
 import pytest
 
 from stream_rlhf.config import load_config
-from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.rl.config import RLJobConfig
 from tests.bench_run import REPO, run_bench_json
 
@@ -71,8 +69,6 @@ def test_figures_table_and_json(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif("schedule" not in {f.name for f in dataclasses.fields(EnvConfig)},
-                    reason="env.schedule (stream | lockstep) comes with the episode loop")
 @pytest.mark.timeout(600)
 def test_bench_agentic_quick_json(tmp_path):
     figures, stdout = run_bench_json("bench/agentic.py", tmp_path, timeout_s=560)

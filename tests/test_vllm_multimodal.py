@@ -73,15 +73,22 @@ def engine(checkpoint):
 def batch(checkpoint) -> tuple[list[torch.Tensor], list[SampleImages]]:
     """PROMPTS as token ids (each image expanded to its image tokens) and their image features:
     32x32 shapes images (4 image tokens) and two of them side by side (8)."""
-    config = load_policy(checkpoint).config
-    spec = ImageSpec.from_vision_config(config.vision_config, min_pixels=32 * 32, max_pixels=64 * 64)
     pictures = [np.asarray(p.image()) for p in problems("train", 6, seed=0)]
     pictures[1::2] = [np.concatenate([p, q], axis=1) for p, q in zip(pictures[1::2], pictures[::2])]  # 32x64
+    return encoded_prompts(checkpoint, PROMPTS, pictures)
+
+
+def encoded_prompts(checkpoint: Path, prompts_and_counts: list[tuple[str, int]],
+                    pictures: list[np.ndarray]) -> tuple[list[torch.Tensor], list[SampleImages]]:
+    """Each (text, image count) as token ids with its images expanded to their image tokens, and
+    their features from the checkpoint's vision tower; the images are `pictures`, in order."""
+    config = load_policy(checkpoint).config
+    spec = ImageSpec.from_vision_config(config.vision_config, min_pixels=32 * 32, max_pixels=64 * 64)
     tower = load_vision_tower(checkpoint)
     tokenizer = build_tokenizer(vision=True)
     vision_ids = (config.vision_start_token_id, config.image_token_id, config.vision_end_token_id)
     prompts, images, used = [], [], 0
-    for text, count in PROMPTS:
+    for text, count in prompts_and_counts:
         patched = [patchify(p, spec) for p in pictures[used:used + count]]
         used += count
         prompts.append(encode_prompt(tokenizer, text, [p.num_tokens for p in patched], vision_ids))

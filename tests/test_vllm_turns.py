@@ -7,7 +7,6 @@ updates land at turn boundaries, close aborts what runs; and a whole env job on 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from stream_rlhf.weights.shm_store import WeightStore
 from stream_rlhf.weights.transport import Link, groups_folder
 from tests.rl_tiny import tiny_job, write_job
 from tests.test_rl_vllm import run
+from tests.test_vllm_rollout import perturbed
 from tests.vllm_env import vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -245,15 +245,6 @@ def test_close_aborts_the_running_turns(engine, prompts):
     assert len(gen.response_ids) == len(prompts)
     with pytest.raises(ValueError, match="max_model_len"):
         sampler(engine).start(TurnRequest(0, prompts[0], None, MAX_MODEL_LEN))
-
-
-def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    model = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    return model
 
 
 def test_in_flight_updates_land_at_turn_boundaries(engine, checkpoint, prompts, tmp_path):

@@ -15,16 +15,14 @@ from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_client import VllmClient
 from stream_rlhf.backends.vllm_rollout import VllmOptions
 from stream_rlhf.backends.vllm_turns import VllmTurnSampler
-from stream_rlhf.data.chat_template import encode_prompt
-from stream_rlhf.data.images import ImageSpec, patchify
 from stream_rlhf.data.shapes import problems
 from stream_rlhf.envs.episode import Episode
 from stream_rlhf.models.checkpoint import build_tiny, load_policy, save_checkpoint
 from stream_rlhf.models.model_config import TinyModelConfig, TinyVisionConfig
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.models.tokenizer import build_tokenizer
-from stream_rlhf.models.vision_language import encode_images, image_feature_width, load_vision_tower
 from stream_rlhf.samples import SampleImages
+from tests.test_vllm_multimodal import encoded_prompts
 from tests.test_vllm_turns import STAGGERED, observation, reward, run_episodes, turn_spans
 from tests.vllm_env import vllm_python
 
@@ -61,22 +59,7 @@ def engine(checkpoint):
 @pytest.fixture(scope="module")
 def batch(checkpoint) -> tuple[list[torch.Tensor], list[SampleImages]]:
     """PROMPTS as token ids (each image expanded to its image tokens) and their image features."""
-    config = load_policy(checkpoint).config
-    spec = ImageSpec.from_vision_config(config.vision_config, min_pixels=32 * 32, max_pixels=64 * 64)
-    pictures = [np.asarray(p.image()) for p in problems("train", 6, seed=0)]
-    tower = load_vision_tower(checkpoint)
-    tokenizer = build_tokenizer(vision=True)
-    vision_ids = (config.vision_start_token_id, config.image_token_id, config.vision_end_token_id)
-    prompts, images, used = [], [], 0
-    for text, count in PROMPTS:
-        patched = [patchify(p, spec) for p in pictures[used:used + count]]
-        used += count
-        prompts.append(encode_prompt(tokenizer, text, [p.num_tokens for p in patched], vision_ids))
-        grid = torch.stack([p.grid_thw for p in patched]) if patched else torch.zeros((0, 3), dtype=torch.long)
-        features = encode_images(tower, torch.cat([p.pixel_values for p in patched]), grid) if patched else []
-        images.append(SampleImages(
-            torch.cat(features) if features else torch.zeros((0, image_feature_width(config))), grid))
-    return prompts, images
+    return encoded_prompts(checkpoint, PROMPTS, [np.asarray(p.image()) for p in problems("train", 6, seed=0)])
 
 
 def logprob_errors(model: torch.nn.Module, episode: Episode, images: SampleImages) -> list[float]:
