@@ -78,7 +78,11 @@ def test_a_tiny_run_logs_bounded_samples_draws_plots_and_tags_tensorboard_by_rol
         assert sample.staleness == sample.iteration - sample.policy_version and 0 <= sample.staleness <= 1
 
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert sorted(summary["plots"]) == sorted(str(run_dir / "plots" / f"{stem}.png") for stem, _, _ in PLOTS)
+    logged_keys = set(read_metrics(run_dir / "metrics.jsonl")[0])  # a single-turn job: no episode figures
+    assert not {"turns_per_episode", "tool_hidden_frac"} & logged_keys
+    drawn = [stem for stem, _, keys in PLOTS if set(keys) & logged_keys]
+    assert sorted(summary["plots"]) == sorted(str(run_dir / "plots" / f"{stem}.png") for stem in drawn)
+    assert len(drawn) == len(PLOTS) - 2
     assert all(Path(path).is_file() for path in summary["plots"])
 
     tags = _tags(run_dir)
@@ -90,5 +94,5 @@ def test_a_tiny_run_logs_bounded_samples_draws_plots_and_tags_tensorboard_by_rol
                           check=False, capture_output=True, text=True, timeout=120)
     assert view.returncode == 0, view.stderr
     data = page_data(run_dir)
-    assert len(data["samples"]) == len(logged) and len(data["plots"]) == len(PLOTS)
+    assert len(data["samples"]) == len(logged) and len(data["plots"]) == len(drawn)
     assert all(s["thumbnails"][0].startswith("data:image/png;base64,") for s in data["samples"])

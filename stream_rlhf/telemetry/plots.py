@@ -27,7 +27,7 @@ PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("tokens_per_s", "tokens/s (trained)", ("tokens_per_s",)),
     ("staleness", "staleness (policy versions)", ("staleness_mean", "staleness_max")),
     ("turns", "turns per episode", ("turns_per_episode",)),
-    ("tool_hidden", "tool time hidden (fraction of tool seconds)", ("tool_hidden_frac",)),
+    ("tool_hidden", "tool wait hidden (fraction of tool wall time)", ("tool_hidden_frac",)),
 )
 """(file stem, title, the metrics.jsonl keys drawn as its curves)."""
 
