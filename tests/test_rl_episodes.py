@@ -60,7 +60,7 @@ def test_an_env_job_whose_rollout_is_killed_finishes_with_every_episode_accounte
 
 
 def test_an_env_job_stopped_and_resumed_trains_every_episode_once(tmp_path):
-    iterations = 4
+    iterations = 8  # the stop after 2 lands well before the end, however fast the machine
     config = _config(tmp_path, "resumed", iterations=iterations, checkpoint={"every": 1, "keep": 1})
     log = tmp_path / "resumed.log"
     _stop_after(_start(config, log), tmp_path / "resumed" / "metrics.jsonl", 2, log)

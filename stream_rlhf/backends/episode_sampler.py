@@ -96,6 +96,12 @@ def step_width(unfed: list[int], slots: int, free_positions: int) -> int:
     return max(1, int(((slots * width <= WASTE * fed) | (slots * width <= free_positions)).sum()))
 
 
+def episode_capacity(prompts: list[Tensor], max_new_tokens: int, max_episode_tokens: int) -> int:
+    """The positions a slot needs for these prompts' episodes: env.max_episode_tokens, at least
+    the longest prompt and one whole turn."""
+    return max(max(len(p) for p in prompts) + max_new_tokens, max_episode_tokens)
+
+
 class TorchTurnSampler:
     """Multi-turn episodes' policy turns over one slot cache; see the module docstring."""
 

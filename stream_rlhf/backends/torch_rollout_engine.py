@@ -21,7 +21,7 @@ from torch import Tensor
 
 from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.decode_attention import use_decode_attention
-from stream_rlhf.backends.episode_sampler import CUDA_FREE_POSITIONS, TorchTurnSampler
+from stream_rlhf.backends.episode_sampler import CUDA_FREE_POSITIONS, TorchTurnSampler, episode_capacity
 from stream_rlhf.backends.precision import autocast
 from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.speculation import Speculation
@@ -76,9 +76,8 @@ class TorchRolloutEngine:
         generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch,
                                      device=self.device)
         env = self.job.config.env
-        capacity = max(len(p) for p in unragged(batch.tensors, "prompt_ids")) + params.max_new_tokens
-        if env is not None:
-            capacity = max(capacity, env.max_episode_tokens)
+        capacity = episode_capacity(unragged(batch.tensors, "prompt_ids"), params.max_new_tokens,
+                                    env.max_episode_tokens if env is not None else 0)
         precision = self.job.config.precision
         return TorchTurnSampler(self.model, batch.num_samples, capacity, params, generator, self.policy_version,
                                 self.static, precision=lambda: autocast(self.device, precision),

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from stream_rlhf.backends.episode_sampler import TorchTurnSampler
+from stream_rlhf.backends.episode_sampler import TorchTurnSampler, episode_capacity
 from stream_rlhf.backends.static_decode import StaticDecoder
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.data.images import ImageSpec
@@ -38,7 +38,7 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
     tokenizer = scorer.tokenizer
     loop = EpisodeLoop(env, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                        lambda text: tokenizer.encode(text, add_special_tokens=False), params.max_new_tokens)
-    capacity = max(max(len(p) for p in prompts) + params.max_new_tokens, env.max_episode_tokens)
+    capacity = episode_capacity(prompts, params.max_new_tokens, env.max_episode_tokens)
     sampler = TorchTurnSampler(model, len(prompts), capacity, params, generator, 0, static)
     stepper = EnvStepper(env.step_timeout_s, env.workers)
     try:

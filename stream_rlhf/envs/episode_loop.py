@@ -92,11 +92,10 @@ class EpisodeLoop:
         observation's images become ids and features (None: observations take no images)."""
         n = len(prompts)
         self.episodes = [Episode(prompt_ids=p.tolist()) for p in prompts]
-        self.prompts, self.observe = prompts, observe
+        self.observe = observe
         self.images = list(images) if images is not None else None  # grows by the observations' images
         self.sampler, self.stepper = sampler, stepper
         self.phase: list[Phase] = ["reset"] * n
-        self.env_ok = [True] * n
         self.result = EpisodeResult(self.episodes, [""] * n, [0] * n, [0.0] * n)
         self.envs: list[Environment | None] = []
         for i, start in enumerate(starts):
@@ -151,7 +150,7 @@ class EpisodeLoop:
         episode = self.episodes[i]
         episode.add_policy_turn(done.ids.tolist(), done.logps.tolist(), done.policy_version)
         env = self.envs[i]
-        if not self.env_ok[i] or env is None:
+        if env is None or self.result.ended[i].startswith("failed:"):  # a failed reset: the first turn only
             self._end(i, self.result.ended[i])
             return
         ids = done.ids.tolist()
@@ -210,7 +209,6 @@ class EpisodeLoop:
         return self.observe(observation)
 
     def _fail(self, i: int, reason: str, message: str) -> None:
-        self.env_ok[i] = False
         self.result.ended[i] = f"failed:{reason}"
         self.result.failures.append(f"episode {i}: {message}")
 

@@ -76,7 +76,8 @@ class EpisodeRollout:
     def generate(self, batch: Batch, prompts: list[Tensor], images: list[SampleImages] | None,
                  engine: RolloutEngine, params: SamplingParams) -> tuple[dict[str, Tensor], int, dict[str, Any]]:
         """The rollout handle's tensors, its policy version (the oldest that sampled a token) and
-        its episode metadata, for the samples of `batch`."""
+        its metadata ("finished": the episodes the environment ended; the episode figures), for
+        the samples of `batch`."""
         starts = self._starts(batch, prompts)
         sampler = engine.turn_sampler(batch, params)
         try:
@@ -87,7 +88,8 @@ class EpisodeRollout:
             self.log.warning("iteration %d mini-batch %d: %s", batch.iteration, batch.minibatch, failure)
         tensors = episode_tensors(result.episodes)
         versions = [v for episode in result.episodes for v, m in zip(episode.policy_versions, episode.loss_mask) if m]
-        return tensors, min(versions), {EPISODES: EpisodeStats.of(result).encode()}
+        finished = sum(ended == "done" for ended in result.ended)
+        return tensors, min(versions), {"finished": finished, EPISODES: EpisodeStats.of(result).encode()}
 
     def _observe(self, engine: RolloutEngine) -> ObservationImages | None:
         """How observations' images become ids and features (None for a text model)."""

@@ -29,7 +29,7 @@ from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.topics import REWARD_KWARGS, topic_output
 from stream_rlhf.stages.weight_sync import RolloutWeights
-from stream_rlhf.telemetry.episodes import EPISODES, EpisodeStats, record_episodes
+from stream_rlhf.telemetry.episodes import record_episodes
 
 
 class RolloutStage(Stage):
@@ -64,34 +64,32 @@ class RolloutStage(Stage):
         if self.episodes is not None:
             images = self.images.of(batch.tensors)
             tensors, policy_version, extra = self.episodes.generate(batch, prompts, images, self.engine, self.params)
-            finished = sum(ended == "done" for ended in EpisodeStats.decode(extra[EPISODES]).ended)
         else:
-            tensors, policy_version, extra, finished = self._generate(batch, prompts)
-        tensors["prompt_lens"] = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+            tensors, policy_version, extra = self._generate(batch, prompts)
         if not self.job.vision_language:  # else the image handle the broker joins with this one carries them
             tensors["group_ids"] = batch.tensors["group_ids"]
         output = topic_output("rollout", tensors, len(prompts), batch.iteration, batch.minibatch, policy_version,
                               metadata={"references": batch.metadata["references"],
-                                        REWARD_KWARGS: batch.metadata[REWARD_KWARGS], "finished": finished,
-                                        **extra})
+                                        REWARD_KWARGS: batch.metadata[REWARD_KWARGS], **extra})
         if self.generated is not None:
             self.generated.save(output)
         self.counts.add(generated=len(prompts))
         record_episodes(self.counts, output.metadata, batch.iteration, batch.minibatch)
         return [output]
 
-    def _generate(self, batch: Batch, prompts: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, dict, int]:
-        """One response per prompt: the handle's sequences, log-probs (and per-token versions when
-        weights changed during generation), the policy version, the engine's metadata and how
-        many responses ended at a stop token."""
+    def _generate(self, batch: Batch, prompts: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, dict]:
+        """One response per prompt: the handle's sequences, prompt lengths and log-probs (and
+        per-token versions when weights changed during generation), the policy version, and the
+        engine's metadata with "finished": how many responses ended at a stop token."""
         out = self.engine.generate(batch, prompts, self.params)
         gen = out.generation
         tensors = {**ragged("sequences", [torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)]),
-                   **ragged("behavior_logp", gen.response_logp)}
+                   **ragged("behavior_logp", gen.response_logp),
+                   "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int32)}
         if out.token_versions is not None:
             tensors.update(ragged("token_versions", out.token_versions))  # (R_i,) version per token
         finished = sum(reason == "stop" for reason in gen.finish_reasons)
-        return tensors, out.policy_version, out.metadata, finished
+        return tensors, out.policy_version, {"finished": finished, **out.metadata}
 
     def close(self) -> None:
         if self.episodes is not None:
