@@ -6,10 +6,15 @@ to 999 with a `calc:` tool) with a tool that sleeps LATENCY_S = 50 ms per call
 same seed and warm start, so the same model and prompts (runs/bench_agentic_<column>/):
 
     lockstep   env.schedule=lockstep: at every turn, each episode of a mini-batch waits for the
-               slowest tool call of the mini-batch before any goes on (a synchronous engine);
-               the baseline
-    stream     env.schedule=stream: an episode goes on as soon as its own call returns, and
-               rollout keeps generating for the other episodes while one waits
+               slowest tool call of the mini-batch before any goes on, and rollout runs one
+               mini-batch at a time (a synchronous engine); the baseline
+    stream1    env.schedule=stream with env.minibatches_in_flight=1: an episode goes on as soon
+               as its own call returns, and rollout keeps generating for the other episodes of
+               its mini-batch while one waits
+    stream     env.schedule=stream as the config ships it (env.minibatches_in_flight): the
+               episodes of several mini-batches in flight on one sampler, so while one
+               mini-batch's episodes wait for their tools the next one's decode, and each
+               mini-batch is published as soon as its own episodes have ended
 
 Both pin the placement (PLACEMENT: `separated`, prompts + rollout on core 0, every other stage on
 core 1) so that the figure does not drift with what `placement: auto` picks, and evaluate on
@@ -19,10 +24,13 @@ Figures per column, over iterations SKIP.. (the first SKIP = 1 left out: start-u
 
     episode tokens/s   prompt + policy + observation tokens of those iterations' episodes
                        (actor_train's metrics.jsonl `tokens`: the packed sequences it trains on)
-                       / the seconds rollout spent producing them (the durations of rollout's
-                       steps of those iterations, trace.json): rollout's own throughput, where
-                       the tool latency lands
-    rollout s / mini-batch, iteration s (mean `iteration_s`), tokens / iteration
+                       / the seconds rollout spent producing them (the union of rollout's steps
+                       of those iterations, trace.json: a second with two mini-batches in flight
+                       counts once): rollout's own throughput, where the tool latency lands
+    rollout busy s / mini-batch   that union / the mini-batches
+    mini-batch s       a mini-batch's step, from its start to its publish (longer than the busy
+                       share when several are in flight)
+    iteration s (mean `iteration_s`), tokens / iteration
     episodes failed    summary.json `episodes_failed` (by reason), which must be empty
 
 speedup = stream / lockstep episode tokens/s (the issue's target: >= 2).
@@ -37,7 +45,7 @@ job without it, seeds 0 and 1, the tool at no latency:
 Each one's summary.json `eval_reward_before` / `eval_reward_after` (held-out prompts, sampled at
 the rollout temperature); the target: tool after > no_tool after, in the mean over the seeds.
 
-    .venv/bin/python bench/agentic.py              # stream vs lockstep (~3 minutes on 2 idle cores)
+    .venv/bin/python bench/agentic.py              # the three columns (~4 minutes on 2 idle cores)
     .venv/bin/python bench/agentic.py --rewards    # and the rewards: 2 x 2 full runs (~6 minutes more)
     .venv/bin/python bench/agentic.py --quick --json   # smoke: 3 iterations, a 40-step warm start
 """
@@ -58,7 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/text_tool_grpo.yaml"
 RUNS_DIR = REPO / "runs"
 BASELINE = "lockstep"
-COLUMNS = ("lockstep", "stream")
+COLUMNS = ("lockstep", "stream1", "stream")
 LATENCY_S = 0.05
 TARGET = 2.0
 """stream / lockstep episode tokens/s expected."""
@@ -93,12 +101,14 @@ QUICK = Settings(name="quick_", iterations=3, skip=1, seeds=(0,), eval_prompts=3
 
 
 def overrides(column: str, settings: Settings, prefix: str, seed: int = 0) -> list[str]:
-    """The `--set`s of one run: a throughput column (lockstep, stream) or a reward column
+    """The `--set`s of one run: a throughput column (COLUMNS) or a reward column
     (tool, no_tool) at `seed`."""
     name = f"bench_agentic_{settings.name}{column}" + (f"_s{seed}" if column in ("tool", "no_tool") else "")
     sets = [f"name={name}", f"seed={seed}", f"broker.shm_prefix={prefix}{column[:2]}{seed}", *settings.warm_start]
     if column in COLUMNS:
-        return [*sets, f"iterations={settings.iterations}", f"env.schedule={column}",
+        schedule = ["env.schedule=lockstep"] if column == "lockstep" else ["env.schedule=stream"]
+        schedule += ["env.minibatches_in_flight=1"] if column == "stream1" else []
+        return [*sets, f"iterations={settings.iterations}", *schedule,
                 f"env.options.latency_s={LATENCY_S}", f"task.eval_prompts={THROUGHPUT_EVAL_PROMPTS}", *PLACEMENT]
     sets += [f"task.eval_prompts={settings.eval_prompts}", *settings.reward_sets]
     return sets + (NO_TOOL if column == "no_tool" else [])
@@ -113,12 +123,21 @@ def run(sets: list[str]) -> Path:
     return RUNS_DIR / name
 
 
-def rollout_steps(events: list[dict], iterations: set[int]) -> list[float]:
-    """The durations (seconds) of rollout's steps of `iterations`, one per mini-batch (every
+def rollout_steps(events: list[dict], iterations: set[int]) -> list[tuple[float, float]]:
+    """(start, end) seconds of rollout's steps of `iterations`, one per mini-batch (every
     instance's, by its leader's event)."""
-    return [e["dur"] / 1e6 for e in events
+    return [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events
             if e.get("ph") == "X" and e.get("cat") == "step" and e["args"].get("stage") == "rollout"
             and e["args"].get("rank", 0) == 0 and e["args"].get("iteration") in iterations]
+
+
+def busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of `spans`: time during which at least one was in progress."""
+    busy, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        busy += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return busy
 
 
 def analyse(run_dir: Path, skip: int) -> dict:
@@ -131,9 +150,10 @@ def analyse(run_dir: Path, skip: int) -> dict:
     steps = rollout_steps(events, iterations)
     if not steps:
         raise RuntimeError(f"{run_dir}/trace.json: no rollout step of iterations {sorted(iterations)}")
-    tokens = sum(r["tokens"] for r in metrics)
+    tokens, busy = sum(r["tokens"] for r in metrics), busy_seconds(steps)
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"episode_tokens_per_s": tokens / sum(steps), "rollout_s_per_minibatch": sum(steps) / len(steps),
+    return {"episode_tokens_per_s": tokens / busy, "rollout_busy_s_per_minibatch": busy / len(steps),
+            "minibatch_s": sum(end - start for start, end in steps) / len(steps),
             "iteration_s": sum(r["iteration_s"] for r in metrics) / len(metrics),
             "tokens_per_iteration": tokens / len(metrics), "episodes_failed": summary.get("episodes_failed", {}),
             "samples_trained": summary["samples_trained"]}
@@ -153,13 +173,14 @@ def format_table(results: dict[str, dict]) -> str:
 
     row("episode tokens/s", ",.0f", lambda r: r["episode_tokens_per_s"])
     row(f"  / {BASELINE}", ".2f", lambda r: r["episode_tokens_per_s"] / base["episode_tokens_per_s"])
-    row("rollout s / mini-batch", ".3f", lambda r: r["rollout_s_per_minibatch"])
+    row("rollout busy s / mini-b.", ".3f", lambda r: r["rollout_busy_s_per_minibatch"])
+    row("mini-batch s", ".3f", lambda r: r["minibatch_s"])
     row("iteration s (mean)", ".3f", lambda r: r["iteration_s"])
     row(f"  / {BASELINE}", ".2f", lambda r: r["iteration_s"] / base["iteration_s"])
     row("tokens / iteration", ",.0f", lambda r: r["tokens_per_iteration"])
     row("samples trained", "d", lambda r: r["samples_trained"])
     row("episodes failed", "d", lambda r: sum(r["episodes_failed"].values()))
-    lines = [f"{label:<24}" + "".join(f"{v:>12}" for v in values) for label, *values in rows]
+    lines = [f"{label:<25}" + "".join(f"{v:>12}" for v in values) for label, *values in rows]
     speedup = results["stream"]["episode_tokens_per_s"] / base["episode_tokens_per_s"]
     return "\n".join([*lines, "", f"speedup (stream / {BASELINE} episode tokens/s): {speedup:.2f} "
                       f"(target >= {TARGET}: {'PASS' if speedup >= TARGET else 'MISS'}); tool latency "

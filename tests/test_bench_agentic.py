@@ -22,23 +22,30 @@ def test_arguments_and_run_settings():
     stream = agentic.overrides("stream", agentic.FULL, "p")
     assert "env.schedule=stream" in stream and "env.options.latency_s=0.05" in stream
     assert "env.schedule=lockstep" in agentic.overrides("lockstep", agentic.FULL, "p")
-    assert [s for s in stream if "schedule" not in s and "name=" not in s and "prefix" not in s] == \
-        [s for s in agentic.overrides("lockstep", agentic.FULL, "p") if "schedule" not in s and "name=" not in s
-         and "prefix" not in s]  # the same job but the schedule
+    assert "env.minibatches_in_flight=1" in agentic.overrides("stream1", agentic.FULL, "p")
+
+    def job(column: str) -> list[str]:
+        return [s for s in agentic.overrides(column, agentic.FULL, "p")
+                if not s.startswith(("env.schedule", "env.minibatches", "name=", "broker.shm"))]
+
+    assert job("stream") == job("stream1") == job("lockstep")  # the same job but the schedule
     for column in ("tool", "no_tool"):  # the reward runs build as they are
         cfg = load_config(RLJobConfig, REPO / agentic.CONFIG, agentic.overrides(column, agentic.QUICK, "p", seed=1))
         assert cfg.seed == 1 and cfg.iterations == 3 and cfg.task.eval_prompts == 32
         assert (cfg.env is None) == (column == "no_tool")
 
 
-def _run_folder(tmp_path, rollout_s: list[float], iteration_s: float):
-    """A run folder with 3 iterations of 2 mini-batches, 1000 tokens each."""
+def _run_folder(tmp_path, rollout_s: list[float], iteration_s: float, overlap: float = 0.0):
+    """A run folder with 3 iterations of 2 mini-batches, 1000 tokens each; each rollout step
+    starts `overlap` of the previous one's seconds before it ends."""
     tmp_path.mkdir()
     (tmp_path / "metrics.jsonl").write_text("".join(
         json.dumps({"iteration": i, "tokens": 1000, "iteration_s": iteration_s}) + "\n" for i in range(3)))
-    events = [{"ph": "X", "cat": "step", "ts": 0, "dur": int(seconds * 1e6),
-               "args": {"stage": "rollout", "iteration": i // 2, "minibatch": i % 2}}
-              for i, seconds in enumerate(rollout_s)]
+    events, start = [], 100.0
+    for i, seconds in enumerate(rollout_s):
+        events.append({"ph": "X", "cat": "step", "ts": int(start * 1e6), "dur": int(seconds * 1e6),
+                       "args": {"stage": "rollout", "iteration": i // 2, "minibatch": i % 2}})
+        start += seconds * (1 - overlap)
     events.append({"ph": "X", "cat": "step", "ts": 0, "dur": 9_000_000,  # another rank's share: not counted
                    "args": {"stage": "rollout", "iteration": 1, "rank": 1}})
     events.append({"ph": "X", "cat": "step", "ts": 0, "dur": 9_000_000,  # another stage: not counted
@@ -51,17 +58,20 @@ def _run_folder(tmp_path, rollout_s: list[float], iteration_s: float):
 def test_figures_table_and_json(tmp_path):
     lockstep = agentic.analyse(_run_folder(tmp_path / "a", [5.0, 5.0, 0.5, 0.5, 0.5, 0.5], 1.0), skip=1)
     assert lockstep["episode_tokens_per_s"] == pytest.approx(2000 / 2.0)  # iterations 1, 2 only
-    assert lockstep["rollout_s_per_minibatch"] == pytest.approx(0.5)
+    assert lockstep["rollout_busy_s_per_minibatch"] == lockstep["minibatch_s"] == pytest.approx(0.5)
     assert lockstep["episodes_failed"] == {"timeout": 1} and lockstep["tokens_per_iteration"] == 1000
-    stream = agentic.analyse(_run_folder(tmp_path / "b", [1.0, 1.0, 0.2, 0.2, 0.2, 0.2], 0.5), skip=1)
-    results = {"lockstep": lockstep, "stream": stream}
+    # steps of 0.4 s, each starting halfway through the one before: 4 of them cover 1.0 s
+    stream = agentic.analyse(_run_folder(tmp_path / "b", [1.0, 1.0, 0.4, 0.4, 0.4, 0.4], 0.5, overlap=0.5), skip=1)
+    assert stream["episode_tokens_per_s"] == pytest.approx(2000 / 1.0)
+    assert stream["minibatch_s"] == pytest.approx(0.4) and stream["rollout_busy_s_per_minibatch"] == pytest.approx(0.25)
+    results = {"lockstep": lockstep, "stream1": lockstep, "stream": stream}
     table = agentic.format_table(results)
-    assert "episode tokens/s" in table and "speedup (stream / lockstep episode tokens/s): 2.50" in table
+    assert "episode tokens/s" in table and "speedup (stream / lockstep episode tokens/s): 2.00" in table
     assert "PASS" in table
     rewards = {"tool": [{"before": 0.2, "after": 0.6}], "no_tool": [{"before": 0.1, "after": 0.2}]}
     assert "tool after > no_tool after: PASS" in agentic.format_rewards(rewards)
     line = agentic.figures(results, rewards)
-    assert line["speedup"] == 2.5 and line["baseline"] == "lockstep"
+    assert line["speedup"] == 2.0 and line["baseline"] == "lockstep"
     assert line["tool_eval_reward_after"] == [0.6] and line["no_tool_eval_reward_before"] == [0.1]
     json.dumps(line)
     with pytest.raises(RuntimeError, match="no iteration past the first 3"):
@@ -74,4 +84,5 @@ def test_bench_agentic_quick_json(tmp_path):
     figures, stdout = run_bench_json("bench/agentic.py", tmp_path, timeout_s=560)
     assert figures["baseline"] == "lockstep" and figures["speedup"] > 0
     assert figures["stream_episodes_failed"] == {} == figures["lockstep_episodes_failed"]
+    assert figures["stream1_episodes_failed"] == {}
     assert "speedup (stream / lockstep" in stdout

@@ -267,7 +267,7 @@ def test_the_torch_engine_samples_turns_as_it_generates(tmp_path):
         batch = Batch(Handle("h", "rollout", 3, 1, policy_version=0, num_samples=2), ragged("prompt_ids", prompts))
         params = SamplingParams(temperature=1.0, max_new_tokens=6)
         gen = engine.generate(batch, prompts, params).generation
-        turns = engine.turn_sampler(batch, params)
+        turns = engine.turn_sampler(batch, params, slots=2, capacity=16)
         for key, prompt in enumerate(prompts):
             turns.start(TurnRequest(key, prompt, None, 6))
         done = {}

@@ -84,6 +84,7 @@ class _Episode:
     budget: int = 0
     """The current turn's max_new_tokens; 0 between turns."""
     turn_logps: list[float] = field(default_factory=list)
+    turn_versions: list[int] = field(default_factory=list)
 
 
 def step_width(unfed: list[int], slots: int, free_positions: int) -> int:
@@ -110,7 +111,9 @@ class TorchTurnSampler:
                  precision: Callable[[], AbstractContextManager] = nullcontext, free_positions: int = 0):
         """`slots`: episodes of the mini-batch (keys 0..slots-1); `capacity`: positions per episode
         (env.max_episode_tokens): a turn starts only if its context and max_new_tokens - 1 more fit;
-        `static`: a text model's steps over its bucket's cache; `precision`: the autocast context
+        `policy_version`: the model's weights' version (set it when they change: each token records
+        the version that sampled it); `static`: a text model's steps over its bucket's cache;
+        `precision`: the autocast context
         every forward runs in; `free_positions`: a step of up to this many positions (slots x
         width) costs about what a one-token step does (`step_width`)."""
         if has_sliding_layers(model):
@@ -204,16 +207,18 @@ class TorchTurnSampler:
             episode.ids.append(sampled)
             episode.unfed_positions = torch.full((3, 1), episode.next_position)
             episode.turn_logps.append(logp)
+            episode.turn_versions.append(self.policy_version)
             if stopped or len(episode.turn_logps) == episode.budget:
                 done.append(self._end(key, "stop" if stopped else "length"))
         return done
 
     def _end(self, key: int, reason: Literal["stop", "length"]) -> TurnDone:
         episode = self.episodes[key]
-        count = len(episode.turn_logps)
+        count, versions = len(episode.turn_logps), episode.turn_versions
         turn = TurnDone(key, torch.tensor(episode.ids[-count:], dtype=torch.long),
-                        torch.tensor(episode.turn_logps, dtype=torch.float32), reason, self.policy_version)
-        episode.turn_logps, episode.budget = [], 0
+                        torch.tensor(episode.turn_logps, dtype=torch.float32), reason, min(versions),
+                        torch.tensor(versions) if len(set(versions)) > 1 else None)
+        episode.turn_logps, episode.turn_versions, episode.budget = [], [], 0
         self.turning.discard(key)
         return turn
 

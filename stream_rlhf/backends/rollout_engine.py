@@ -2,7 +2,8 @@
 
     engine = ROLLOUT_ENGINES[cfg.rollout.backend] -> import_dotted(...)(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)     # Generated: responses, version, metadata
-    sampler = engine.turn_sampler(batch, params)      # multi-turn episodes (envs/turns.py)
+    sampler = engine.turn_sampler(batch, params, slots, capacity)   # multi-turn episodes (envs/turns.py)
+    engine.join_turns(sampler)                        # the next mini-batch's episodes join it
     features = engine.encode_images(pixel_values, grid_thw)   # an observation's images (env jobs)
     engine.close()
 
@@ -49,9 +50,16 @@ class RolloutEngine(Protocol):
     def generate(self, batch: Batch, prompts: list[Tensor], params: SamplingParams) -> Generated:
         """Sample one response per prompt of `batch`, with the newest weights it can load first."""
 
-    def turn_sampler(self, batch: Batch, params: SamplingParams) -> TurnSampler:
-        """A sampler of policy turns for the episodes of `batch` (`env` jobs: `envs/episode_loop.py`),
-        with the newest weights it can load first; closed by the caller at the end of the mini-batch."""
+    def turn_sampler(self, batch: Batch, params: SamplingParams, slots: int, capacity: int) -> TurnSampler:
+        """A sampler of policy turns (`env` jobs: `envs/episode_loop.py`) for `batch`'s episodes, and
+        for those of later mini-batches that `join_turns` while it is open: `slots` episodes at
+        once, `capacity` positions each (the torch engine's slot cache). The newest weights it can
+        load are loaded first; the caller closes it once its episodes have all ended."""
+
+    def join_turns(self, sampler: TurnSampler) -> None:
+        """Before another mini-batch's episodes join the open `sampler`: load the newest weights
+        (every token sampled after records their version). ValueError where the engine takes one
+        mini-batch's episodes at a time (`env.minibatches_in_flight`)."""
 
     def encode_images(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
         """Image features, one (tokens_i, W) per image, of the images an episode's observation shows

@@ -5,12 +5,14 @@ policy model in the rollout process, on its rank's device; speculative with Medu
 
     engine = TorchRolloutEngine(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
-    sampler = engine.turn_sampler(batch, params)    # multi-turn episodes: TorchTurnSampler (episode_sampler.py)
+    sampler = engine.turn_sampler(batch, params, slots, capacity)   # multi-turn episodes: TorchTurnSampler
+    engine.join_turns(sampler)      # another mini-batch's episodes join: the newest weights (episode_sampler.py)
     features = engine.encode_images(pixel_values, grid_thw)   # an observation's images: the policy's own tower
 
 Before each mini-batch it loads the newest policy version (`RolloutWeights.refresh_model`): every
-token of the mini-batch is sampled by that version. With `precision: bf16` it samples under bf16
-autocast (`backends/precision.py`); logits and log-probs stay fp32.
+token of the mini-batch is sampled by that version (episodes of several mini-batches in flight: a
+joining mini-batch loads it, and each token records the version that sampled it). With
+`precision: bf16` it samples under bf16 autocast (`backends/precision.py`); logits and log-probs stay fp32.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import Tensor
 
 from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.decode_attention import use_decode_attention
-from stream_rlhf.backends.episode_sampler import CUDA_FREE_POSITIONS, TorchTurnSampler, episode_capacity
+from stream_rlhf.backends.episode_sampler import CUDA_FREE_POSITIONS, TorchTurnSampler
 from stream_rlhf.backends.precision import autocast
 from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.speculation import Speculation
@@ -30,7 +32,6 @@ from stream_rlhf.backends.static_sampler import sample
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
-from stream_rlhf.samples import unragged
 from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stage import Batch, StageContext
 
@@ -66,22 +67,25 @@ class TorchRolloutEngine:
             gen = sample(self.model, prompts, params, generator, self.images.of(batch.tensors), self.static)
         return Generated(gen, self.policy_version)
 
-    def turn_sampler(self, batch: Batch, params: SamplingParams) -> TorchTurnSampler:
-        """The TurnSampler of `batch`'s multi-turn episodes (`envs/turns.py`), a slot each: the newest
-        policy version, loaded now, samples every turn, drawing from the mini-batch's generator as
-        `generate` does. A slot holds env.max_episode_tokens positions, at least the longest prompt
-        and params.max_new_tokens; Medusa heads are not used for turns. One sampler at a time, and
-        no `generate` while it is open: with a static decoder they share its bucket's cache."""
+    def turn_sampler(self, batch: Batch, params: SamplingParams, slots: int, capacity: int) -> TorchTurnSampler:
+        """The TurnSampler of multi-turn episodes (`envs/turns.py`): `slots` episodes at once, a slot
+        cache of `capacity` positions each. The newest policy version, loaded now, samples every
+        turn until `join_turns` loads a newer one; it draws from `batch`'s generator as `generate`
+        does. Medusa heads are not used for turns. One sampler at a time, and no `generate` while
+        it is open: with a static decoder they share its bucket's cache."""
         self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
         generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch,
                                      device=self.device)
-        env = self.job.config.env
-        capacity = episode_capacity(unragged(batch.tensors, "prompt_ids"), params.max_new_tokens,
-                                    env.max_episode_tokens if env is not None else 0)
         precision = self.job.config.precision
-        return TorchTurnSampler(self.model, batch.num_samples, capacity, params, generator, self.policy_version,
+        return TorchTurnSampler(self.model, slots, capacity, params, generator, self.policy_version,
                                 self.static, precision=lambda: autocast(self.device, precision),
                                 free_positions=CUDA_FREE_POSITIONS if self.device.type == "cuda" else 0)
+
+    def join_turns(self, sampler: TorchTurnSampler) -> None:
+        """The newest weights, loaded between two decode steps: the turns in progress go on with
+        them (the slots keep the KV their earlier tokens made), and every token records its version."""
+        self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
+        sampler.policy_version = self.policy_version
 
     def encode_images(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
         """An observation's images through the policy's own vision tower (frozen: the same weights

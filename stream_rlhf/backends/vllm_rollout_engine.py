@@ -2,7 +2,7 @@
 
     engine = VllmRolloutEngine(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
-    sampler = engine.turn_sampler(batch, params)    # multi-turn episodes (vllm_turns.py)
+    sampler = engine.turn_sampler(batch, params, slots, capacity)   # multi-turn episodes (vllm_turns.py)
     engine.close()
 
 Weight updates (`weights.update`):
@@ -94,13 +94,20 @@ class VllmRolloutEngine:
         oldest = min((int(v.min()) for v in gen.token_versions if len(v)), default=self.engine.version)
         return Generated(gen, oldest, token_versions=gen.token_versions if self.in_flight else None)
 
-    def turn_sampler(self, batch: Batch, params: SamplingParams) -> VllmTurnSampler:
+    def turn_sampler(self, batch: Batch, params: SamplingParams, slots: int, capacity: int) -> VllmTurnSampler:
         """The sampler of a mini-batch's multi-turn episodes (`vllm_turns.py`), with the newest
-        weights loaded first; in-flight updates land at turn boundaries."""
+        weights loaded first; in-flight updates land at turn boundaries. `slots` and `capacity`
+        are the torch engine's (vLLM's own scheduler and rollout.vllm.max_model_len hold these)."""
         self._refresh()
         return VllmTurnSampler(self.engine, params, (self.job.config.seed, "rollout", batch.iteration, batch.minibatch),
                                self.options.max_model_len, self._in_flight_update if self.in_flight else None,
                                self.stopping, on_close=lambda: self._after(batch))
+
+    def join_turns(self, sampler: VllmTurnSampler) -> None:
+        """Refused: this engine runs one mini-batch's episodes at a time (its scheduler batches
+        their turns itself), so `env.minibatches_in_flight` counts as 1 here."""
+        raise ValueError("rollout.backend=vllm runs one mini-batch's episodes at a time "
+                         "(env.minibatches_in_flight applies to rollout.backend=torch)")
 
     def encode_images(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
         """Refused: images in observations run on rollout.backend=torch only (its rollout process

@@ -1,7 +1,7 @@
 """The vLLM engine's TurnSampler (`envs/turns.py`): one vLLM request per policy turn, many in
 flight, so that while one episode waits for its tool vLLM keeps generating for the others.
 
-    sampler = engine.turn_sampler(batch, params)        # VllmRolloutEngine: newest weights first
+    sampler = engine.turn_sampler(batch, params, slots, capacity)   # VllmRolloutEngine: newest weights first
     sampler.start(TurnRequest(key=3, context=ids, images=None, max_new_tokens=32))
     for done in sampler.advance():                      # waits at most ~ADVANCE_S for turns to end
         ...

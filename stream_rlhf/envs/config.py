@@ -8,6 +8,7 @@ runs it (`stepper.py`, `episode.py`).
       max_episode_tokens: 256
       step_timeout_s: 10
       schedule: stream                                   # or lockstep (the baseline)
+      minibatches_in_flight: 2                           # stream: episodes of 2 mini-batches at once
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class EnvConfig:
     for the others while one waits for its tool; `lockstep`: every episode of a mini-batch starts
     turn k together, after the slowest call of turn k-1 (a synchronous engine: the baseline of
     bench/agentic.py)."""
+    minibatches_in_flight: Annotated[int, Meta(ge=1)] = 2
+    """Under `stream`, how many mini-batches' episodes a rollout instance runs at once: while one
+    mini-batch's episodes wait for their tools, the next one's decode in the same batch, and a
+    mini-batch is published as soon as its own episodes end. Each one that joins loads the newest
+    weights (its tokens, and those of turns then in progress, record the version that sampled
+    them). `lockstep`, and rollout.backend=vllm (whose scheduler batches a mini-batch's turns
+    itself), run one at a time."""
     workers: Annotated[int, Meta(ge=1)] = 16
     """Threads that run sync environments' calls; at least the episodes in flight, so that one
     slow tool never waits for another."""

@@ -59,7 +59,10 @@ class Episode:
         """Prompt and response tokens: the length of the packed sequence."""
         return len(self.prompt_ids) + len(self.token_ids)
 
-    def add_policy_turn(self, ids: list[int], logps: list[float], policy_version: int) -> None:
+    def add_policy_turn(self, ids: list[int], logps: list[float], policy_version: int,
+                        versions: list[int] | None = None) -> None:
+        """`versions`: each token's policy version when the policy changed during the turn (else
+        every token is `policy_version`'s)."""
         if not ids:
             raise ValueError("a policy turn needs at least one token")
         if len(logps) != len(ids):
@@ -67,7 +70,9 @@ class Episode:
         self.token_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
         self.behavior_logp.extend(logps)
-        self.policy_versions.extend([policy_version] * len(ids))
+        if versions is not None and len(versions) != len(ids):
+            raise ValueError(f"{len(ids)} token ids but {len(versions)} versions")
+        self.policy_versions.extend(versions if versions is not None else [policy_version] * len(ids))
         self.turn_ends.append(len(self.token_ids) - 1)
         self.turn_rewards.append(0.0)
 

@@ -1,8 +1,14 @@
-"""Runs one mini-batch's episodes: environment resets, policy turns through a rollout engine's
+"""Runs multi-turn episodes: environment resets, policy turns through a rollout engine's
 `TurnSampler`, environment steps through the `EnvStepper`, the engine's limits and failures.
+Episodes come in groups (a mini-batch's), and several groups may be in flight at once, sharing
+the sampler: while one group's episodes wait for their tools, the sampler decodes the others'.
 
-    loop = EpisodeLoop(env_cfg, tokenizer, max_new_tokens=32)
-    result = loop.run(starts, prompts, images, sampler, stepper, observe)   # observe: images in observations
+    loop = EpisodeLoop(env_cfg, decode, encode, max_new_tokens=32)
+    result = loop.run(starts, prompts, images, sampler, stepper, observe)   # one group, to its end
+
+    loop.open(sampler, stepper, observe)            # or groups in flight (the rollout stage's)
+    loop.add("mb 3", starts, prompts, images)       # takes free sampler slots (loop.free_slots)
+    for tag, result in loop.advance(): ...          # some work; the groups whose episodes all ended
     result.episodes[i], result.ended[i], result.tool_waits, result.tool_hidden_s
 
     dataflow of one episode (each arrow is asynchronous: other episodes go on meanwhile)
@@ -12,8 +18,8 @@
 
 `env.schedule: stream` starts an episode's next turn as soon as its environment has answered, so
 the sampler decodes for the other episodes while one waits for its tool. `lockstep` is the
-baseline of a synchronous engine: every live episode's turn k starts together, once the slowest
-environment call of round k-1 has returned.
+baseline of a synchronous engine (one group at a time): every live episode's turn k starts
+together, once the slowest environment call of round k-1 has returned.
 
 Every step of an episode goes through its environment, the last one too (its reward scores the
 final answer). An episode ends when the environment says done, when a limit is reached
@@ -31,9 +37,10 @@ such images), or when `observe` raises ValueError, the episode fails as "malform
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -50,7 +57,7 @@ from stream_rlhf.samples import SampleImages
 log = logging.getLogger("stream_rlhf")
 IDLE_WAIT_S = 0.05
 """How long the loop blocks on the environments when the sampler has nothing to decode."""
-Phase = Literal["reset", "turn", "step", "ready", "over"]
+Phase = Literal["reset", "turn", "step", "ready"]
 ObserveImages = Callable[[Observation], tuple[list[int], SampleImages]]
 """An observation with images -> its ids (each image's pad run in place) and its encoded images;
 ValueError for one it cannot take."""
@@ -58,7 +65,7 @@ ValueError for one it cannot take."""
 
 @dataclass
 class EpisodeResult:
-    """A mini-batch's episodes and what happened in them, in sample order."""
+    """A group's episodes and what happened in them, in sample order."""
 
     episodes: list[Episode]
     ended: list[str]
@@ -70,149 +77,210 @@ class EpisodeResult:
     tool_waits: list[tuple[int, float, float]] = field(default_factory=list)
     """(episode, start unix seconds, seconds) of every environment call."""
     tool_hidden_s: float = 0.0
-    """Seconds during which an environment call was running and the sampler had turns to decode."""
+    """Seconds during which one of the group's environment calls was running and the sampler had
+    turns to decode."""
     tool_wall_s: float = 0.0
-    """Seconds during which an environment call was running."""
+    """Seconds during which one of the group's environment calls was running."""
     failures: list[str] = field(default_factory=list)
     """One line per failed episode: its index and the failure's message."""
 
 
+@dataclass
+class _Group:
+    tag: Hashable
+    result: EpisodeResult
+    live: int
+    """Episodes not over yet."""
+    tools_running: int = 0
+    """Environment calls of this group's episodes in progress."""
+
+
+@dataclass
+class _Live:
+    """One episode in flight: its group, its index there and its sampler slot."""
+
+    group: _Group
+    index: int
+    slot: int
+    env: Environment | None
+    images: SampleImages | None
+    """Its images so far (prompt's, then its observations'); None for a text policy."""
+    phase: Phase = "reset"
+
+
 class EpisodeLoop:
-    """The episodes of a mini-batch, driven to their ends (see the module docstring)."""
+    """Episodes driven to their ends, a group at a time or several (see the module docstring)."""
 
     def __init__(self, cfg: EnvConfig, decode: Callable[[list[int]], str], encode: Callable[[str], list[int]],
                  max_new_tokens: int):
         self.cfg = cfg
         self.decode, self.encode = decode, encode
         self.max_new_tokens = max_new_tokens
+        self.groups: list[_Group] = []
 
     def run(self, starts: list[EpisodeStart], prompts: list[Tensor], images: list[SampleImages] | None,
             sampler: TurnSampler, stepper: EnvStepper, observe: ObserveImages | None = None) -> EpisodeResult:
-        """`images`: each prompt's encoded images (None: a text policy); `observe`: how an
-        observation's images become ids and features (None: observations take no images)."""
-        n = len(prompts)
-        self.episodes = [Episode(prompt_ids=p.tolist()) for p in prompts]
-        self.observe = observe
-        self.images = list(images) if images is not None else None  # grows by the observations' images
-        self.sampler, self.stepper = sampler, stepper
-        self.phase: list[Phase] = ["reset"] * n
-        self.result = EpisodeResult(self.episodes, [""] * n, [0] * n, [0.0] * n)
-        self.envs: list[Environment | None] = []
+        """One group's episodes on slots 0..len(prompts)-1, to their ends. `images`: each prompt's
+        encoded images (None: a text policy); `observe`: how an observation's images become ids and
+        features (None: observations take no images)."""
+        self.open(sampler, stepper, observe, slots=len(prompts))
+        self.add(None, starts, prompts, images)
+        while not (ended := self.advance()):
+            pass
+        return ended[0][1]
+
+    def open(self, sampler: TurnSampler, stepper: EnvStepper, observe: ObserveImages | None, slots: int) -> None:
+        """Start over on `sampler`, whose slots 0..slots-1 are all free."""
+        if self.groups:
+            raise RuntimeError(f"EpisodeLoop.open: {len(self.groups)} group(s) still in flight")
+        self.sampler, self.stepper, self.observe = sampler, stepper, observe
+        self.free: list[int] = list(range(slots))
+        self.live: dict[int, _Live] = {}
+        """Every episode in flight, by its serial number (its key at the stepper)."""
+        self.by_slot: dict[int, int] = {}
+        self.serials = itertools.count()
+
+    @property
+    def free_slots(self) -> int:
+        return len(self.free)
+
+    def add(self, tag: Hashable, starts: list[EpisodeStart], prompts: list[Tensor],
+            images: list[SampleImages] | None) -> None:
+        """A group's episodes join: each takes a free slot and its environment resets."""
+        if len(prompts) > len(self.free):
+            raise ValueError(f"EpisodeLoop.add: {len(prompts)} episodes, {len(self.free)} free slots")
+        group = _Group(tag, EpisodeResult([Episode(prompt_ids=p.tolist()) for p in prompts], [""] * len(prompts),
+                                          [0] * len(prompts), [0.0] * len(prompts)), live=len(prompts))
+        self.groups.append(group)
         for i, start in enumerate(starts):
+            serial, slot = next(self.serials), self.free.pop(0)
+            self.by_slot[slot] = serial
             try:
                 env = self.cfg.make()
             except Exception as exc:  # a factory that raises fails its episode, like a reset that raises
-                self.envs.append(None)
-                self._fail(i, "raised", f"env.factory raised {type(exc).__name__}: {exc}")
-                self.phase[i] = "ready"
+                live = self.live[serial] = _Live(group, i, slot, None, images[i] if images is not None else None)
+                self._fail(live, "raised", f"env.factory raised {type(exc).__name__}: {exc}")
+                live.phase = "ready"
                 continue
-            self.envs.append(env)
-            self.stepper.reset(i, env, start)
-        while any(phase != "over" for phase in self.phase):
-            self._start_ready_turns()
-            tick = time.monotonic()
-            tools_running = self.stepper.in_flight > 0
-            sampling = self.sampler.busy
-            for done in self.sampler.advance():
-                self._on_turn(done)
-            idle = not self.sampler.busy and not self._may_start()
-            outcomes = self.stepper.wait(IDLE_WAIT_S) if idle else self.stepper.poll()
-            for outcome in outcomes:
-                self._on_outcome(outcome)
-            if tools_running:
-                spent = time.monotonic() - tick
-                self.result.tool_wall_s += spent
-                self.result.tool_hidden_s += spent if sampling else 0.0
-        return self.result
+            self.live[serial] = _Live(group, i, slot, env, images[i] if images is not None else None)
+            group.tools_running += 1
+            self.stepper.reset(serial, env, start)
+
+    def advance(self) -> list[tuple[Hashable, EpisodeResult]]:
+        """Start the turns that may start, one step of the sampler, the environments' answers; the
+        groups whose episodes have all ended (in the order they were added), with their results."""
+        self._start_ready_turns()
+        tick = time.monotonic()
+        waiting = [group for group in self.groups if group.tools_running]
+        sampling = self.sampler.busy
+        for done in self.sampler.advance():
+            self._on_turn(done)
+        idle = not self.sampler.busy and not self._may_start()
+        outcomes = self.stepper.wait(IDLE_WAIT_S) if idle else self.stepper.poll()
+        for outcome in outcomes:
+            self._on_outcome(outcome)
+        spent = time.monotonic() - tick
+        for group in waiting:
+            group.result.tool_wall_s += spent
+            group.result.tool_hidden_s += spent if sampling else 0.0
+        ended = [group for group in self.groups if not group.live]
+        self.groups = [group for group in self.groups if group.live]
+        return [(group.tag, group.result) for group in ended]
 
     def _may_start(self) -> bool:
         """Whether an episode's next turn may start now."""
         if self.cfg.schedule == "lockstep" and (self.stepper.in_flight or self.sampler.busy):
             return False  # a round starts once every turn and every environment call of the last one is over
-        return "ready" in self.phase
+        return any(live.phase == "ready" for live in self.live.values())
 
     def _start_ready_turns(self) -> None:
         if not self._may_start():
             return
-        for i, phase in enumerate(self.phase):
-            if phase != "ready":
+        for live in self.live.values():
+            if live.phase != "ready":
                 continue
-            episode = self.episodes[i]
+            episode = live.group.result.episodes[live.index]
             # an observation is appended only below the limit, so only a first turn can find no room
             budget = max(1, min(self.max_new_tokens, self.cfg.max_episode_tokens - episode.num_tokens))
             context = torch.tensor(episode.prompt_ids + episode.token_ids, dtype=torch.long)
-            images = self.images[i] if self.images is not None else None
-            self.sampler.start(TurnRequest(i, context, images, budget))
-            self.phase[i] = "turn"
+            self.sampler.start(TurnRequest(live.slot, context, live.images, budget))
+            live.phase = "turn"
 
     def _on_turn(self, done: TurnDone) -> None:
-        i = done.key
-        episode = self.episodes[i]
-        episode.add_policy_turn(done.ids.tolist(), done.logps.tolist(), done.policy_version)
-        env = self.envs[i]
-        if env is None or self.result.ended[i].startswith("failed:"):  # a failed reset: the first turn only
-            self._end(i, self.result.ended[i])
+        serial = self.by_slot[done.key]
+        live = self.live[serial]
+        result = live.group.result
+        result.episodes[live.index].add_policy_turn(done.ids.tolist(), done.logps.tolist(), done.policy_version,
+                                                    done.versions.tolist() if done.versions is not None else None)
+        if live.env is None or result.ended[live.index].startswith("failed:"):  # a failed reset: the first turn only
+            self._end(serial, result.ended[live.index])
             return
         ids = done.ids.tolist()
-        self.stepper.step(i, env, self.decode(ids), ids)
-        self.result.tool_calls[i] += 1
-        self.phase[i] = "step"
+        self.stepper.step(serial, live.env, self.decode(ids), ids)
+        live.group.tools_running += 1
+        result.tool_calls[live.index] += 1
+        live.phase = "step"
 
     def _on_outcome(self, outcome: Outcome) -> None:
-        i = outcome.key
-        self.result.tool_s[i] += outcome.seconds
-        self.result.tool_waits.append((i, time.time() - outcome.seconds, outcome.seconds))
-        if self.phase[i] == "over":
-            return
+        serial = outcome.key
+        live = self.live[serial]
+        result, i = live.group.result, live.index
+        live.group.tools_running -= 1
+        result.tool_s[i] += outcome.seconds
+        result.tool_waits.append((i, time.time() - outcome.seconds, outcome.seconds))
         if outcome.failure is not None:
-            self._fail(i, outcome.failure.reason, outcome.failure.message)
+            self._fail(live, outcome.failure.reason, outcome.failure.message)
             # a failed reset still samples the first turn; a failed step ends the episode
-            self.phase[i] = "ready" if self.phase[i] == "reset" else "over"
-            if self.phase[i] == "over":
-                self._end(i, self.result.ended[i])
+            if live.phase == "reset":
+                live.phase = "ready"
+            else:
+                self._end(serial, result.ended[i])
             return
-        if self.phase[i] == "reset":
-            self.phase[i] = "ready"
+        if live.phase == "reset":
+            live.phase = "ready"
             return
-        episode, turn = self.episodes[i], outcome.turn
+        episode, turn = result.episodes[i], outcome.turn
         episode.set_turn_reward(float(turn.reward))
         if turn.done:
-            self._end(i, "done")
+            self._end(serial, "done")
             return
         try:
-            ids, images = self._observation_ids(turn.observation)
+            ids, images = self._observation_ids(live, turn.observation)
         except ValueError as exc:
-            self._fail(i, "malformed", f"Observation.images: {exc}")
-            self._end(i, self.result.ended[i])
+            self._fail(live, "malformed", f"Observation.images: {exc}")
+            self._end(serial, result.ended[i])
             return
         limit = "max_turns" if episode.turns >= self.cfg.max_turns else None
         if limit is None and episode.num_tokens + len(ids) >= self.cfg.max_episode_tokens:
             limit = "max_episode_tokens"
         if limit is not None:
-            self._end(i, limit)
+            self._end(serial, limit)
             return
         if ids:
             episode.add_observation(ids, images)
-        if images is not None and self.images is not None:
-            self.images[i] = self.images[i].followed_by(images)
-        self.phase[i] = "ready"
+        if images is not None and live.images is not None:
+            live.images = live.images.followed_by(images)
+        live.phase = "ready"
 
-    def _observation_ids(self, observation: Observation | None) -> tuple[list[int], SampleImages | None]:
+    def _observation_ids(self, live: _Live, observation: Observation | None) -> tuple[list[int], SampleImages | None]:
         """The ids an observation appends and, when it has images, their encoded images."""
         if observation is None:
             return [], None
         if not observation.images:
             return self.encode(observation.text), None
-        if self.observe is None or self.images is None:
+        if self.observe is None or live.images is None:
             raise ValueError("this rollout takes no images in observations (they need a vision-language "
                              "policy on rollout.backend=torch)")
         return self.observe(observation)
 
-    def _fail(self, i: int, reason: str, message: str) -> None:
-        self.result.ended[i] = f"failed:{reason}"
-        self.result.failures.append(f"episode {i}: {message}")
+    def _fail(self, live: _Live, reason: str, message: str) -> None:
+        live.group.result.ended[live.index] = f"failed:{reason}"
+        live.group.result.failures.append(f"episode {live.index}: {message}")
 
-    def _end(self, i: int, why: str) -> None:
-        self.result.ended[i] = why
-        self.phase[i] = "over"
-        self.sampler.release(i)
+    def _end(self, serial: int, why: str) -> None:
+        live = self.live.pop(serial)
+        live.group.result.ended[live.index] = why
+        live.group.live -= 1
+        del self.by_slot[live.slot]
+        self.sampler.release(live.slot)
+        self.free.append(live.slot)

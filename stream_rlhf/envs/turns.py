@@ -1,7 +1,7 @@
 """The seam between the episode loop (`envs/episode_loop.py`) and a rollout engine: the engine
 samples policy turns for many episodes at once, each turn starting when its episode is ready.
 
-    sampler = engine.turn_sampler(batch, params)        # one per mini-batch
+    sampler = engine.turn_sampler(batch, params, slots, capacity)   # one at a time
     sampler.start(TurnRequest(key=3, context=ids, images=None, max_new_tokens=32))
     for done in sampler.advance():                      # some generation work; the turns that ended
         done.key, done.ids, done.logps, done.finish_reason, done.policy_version
@@ -31,7 +31,8 @@ class TurnRequest:
     """Sample one policy turn of episode `key`."""
 
     key: int
-    """The episode: its sample's index in the mini-batch."""
+    """The episode's slot, 0..slots-1: the episode loop gives each episode in flight its own, and
+    a slot released is taken by a later episode."""
     context: Tensor
     """(L,) long: the episode's ids so far, prompt first."""
     images: SampleImages | None
@@ -52,7 +53,10 @@ class TurnDone:
     """(r,) fp32 behaviour log-probs."""
     finish_reason: Literal["stop", "length"]
     policy_version: int
-    """The policy version that sampled the turn."""
+    """The policy version that sampled the turn (the oldest, when `versions` is set)."""
+    versions: Tensor | None = None
+    """(r,) int: the version that sampled each token, when the policy changed during the turn (a
+    torch rollout with several mini-batches in flight loads new weights as the next one joins)."""
 
 
 class TurnSampler(Protocol):

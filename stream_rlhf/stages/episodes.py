@@ -1,12 +1,19 @@
 """The rollout stage's multi-turn side (`env` jobs): a mini-batch's samples run as episodes in the
 configured environment, and come back as the rollout handle's fields.
 
-    episodes = EpisodeRollout(job, tokenizer, max_new_tokens)
-    tensors, policy_version, metadata = episodes.generate(batch, prompts, images, engine, params)
+    episodes = EpisodeRollout(job, tokenizer, params, engine, log)
+    tensors, policy_version, metadata = episodes.generate(batch, prompts, images)   # one mini-batch
+    episodes.begin(batch, prompts, images)          # or several in flight (env.minibatches_in_flight)
+    for batch, tensors, policy_version, metadata in episodes.advance(): ...
     episodes.close()
 
 The episodes' policy turns come from the rollout engine's `turn_sampler` (`envs/turns.py`), the
-environment calls run on the `EnvStepper`'s thread, and `envs/episode_loop.py` drives both. The
+environment calls run on the `EnvStepper`'s thread, and `envs/episode_loop.py` drives both. Under
+`env.schedule: stream` the episodes of up to `env.minibatches_in_flight` mini-batches share one
+sampler (slots for that many mini-batches): while one mini-batch's episodes wait for their tools,
+the sampler decodes the next one's, and each mini-batch is handed back as soon as its own
+episodes have ended. A mini-batch that does not fit (no free slots, or prompts longer than the
+open sampler's slots hold) waits for room; with nothing in flight the sampler is made anew. The
 handle holds, per sample, the prompt and every token after it (policy turns and observations) with
 `loss_mask`, `env_rewards` and `token_versions` (`envs/episode_handle.py`), and the metadata
 "episodes": turns, tool calls, tool seconds and why each episode ended (`telemetry/episodes.py`).
@@ -22,19 +29,23 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
+from stream_rlhf.backends.episode_sampler import episode_capacity
 from stream_rlhf.backends.rollout_engine import RolloutEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.envs.environment import EpisodeStart
 from stream_rlhf.envs.episode_handle import episode_tensors
-from stream_rlhf.envs.episode_loop import EpisodeLoop
+from stream_rlhf.envs.episode_loop import EpisodeLoop, EpisodeResult
 from stream_rlhf.envs.observation_images import ObservationImages
 from stream_rlhf.envs.stepper import EnvStepper
+from stream_rlhf.envs.turns import TurnSampler
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.stage import Batch
 from stream_rlhf.stages.job_context import JobContext
@@ -46,18 +57,35 @@ MAX_FAILURES_LOGGED = 3
 """Failed episodes whose message a mini-batch logs (all are counted, in summary.json)."""
 
 
-class EpisodeRollout:
-    """Runs each mini-batch's episodes; one per rollout instance (its stepper thread lives with it)."""
+@dataclass(frozen=True)
+class _Waiting:
+    """A mini-batch begun whose episodes have not joined the sampler yet."""
 
-    def __init__(self, job: JobContext, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
-                 log: logging.LoggerAdapter):
+    batch: Batch
+    prompts: list[Tensor]
+    images: list[SampleImages] | None
+
+
+class EpisodeRollout:
+    """Runs mini-batches' episodes, several at once under `stream` (env.minibatches_in_flight);
+    one per rollout instance (its stepper thread lives with it)."""
+
+    def __init__(self, job: JobContext, tokenizer: PreTrainedTokenizerBase, params: SamplingParams,
+                 engine: RolloutEngine, log: logging.LoggerAdapter):
         cfg = job.config.env
         if cfg is None:
             raise ValueError("EpisodeRollout: the job has no env section")
-        self.tokenizer = tokenizer
-        self.log = log
-        self.loop = EpisodeLoop(cfg, self._decode, self._encode, max_new_tokens)
+        self.tokenizer, self.params, self.engine, self.log = tokenizer, params, engine, log
+        self.max_episode_tokens = cfg.max_episode_tokens
+        pooled = cfg.schedule == "stream" and job.config.rollout.backend == "torch"
+        self.in_flight = cfg.minibatches_in_flight if pooled else 1
+        """Mini-batches whose episodes run at once (the rollout stage's inputs in flight)."""
+        self.loop = EpisodeLoop(cfg, self._decode, self._encode, params.max_new_tokens)
         self.stepper = EnvStepper(cfg.step_timeout_s, cfg.workers)
+        self.sampler: TurnSampler | None = None
+        self.capacity = 0
+        """Positions per slot of the open sampler."""
+        self.waiting: deque[_Waiting] = deque()
         self.image_spec: ImageSpec | None = None
         self.vision_token_ids: tuple[int, int, int] | None = None
         if job.vision_language:  # as the prompt dataset reads its images (rl/task_data.py)
@@ -73,17 +101,54 @@ class EpisodeRollout:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def generate(self, batch: Batch, prompts: list[Tensor], images: list[SampleImages] | None,
-                 engine: RolloutEngine, params: SamplingParams) -> tuple[dict[str, Tensor], int, dict[str, Any]]:
-        """The rollout handle's tensors, its policy version (the oldest that sampled a token) and
-        its metadata ("finished": the episodes the environment ended; the episode figures), for
-        the samples of `batch`."""
-        starts = self._starts(batch, prompts)
-        sampler = engine.turn_sampler(batch, params)
-        try:
-            result = self.loop.run(starts, prompts, images, sampler, self.stepper, self._observe(engine))
-        finally:
-            sampler.close()
+    @property
+    def busy(self) -> bool:
+        """Whether a mini-batch begun has not ended yet."""
+        return bool(self.waiting or self.loop.groups)
+
+    def generate(self, batch: Batch, prompts: list[Tensor],
+                 images: list[SampleImages] | None) -> tuple[dict[str, Tensor], int, dict[str, Any]]:
+        """`batch`'s episodes, begun and run to their ends: its handle (see `advance`)."""
+        self.begin(batch, prompts, images)
+        while not (ended := self.advance()):
+            pass
+        return ended[0][1:]
+
+    def begin(self, batch: Batch, prompts: list[Tensor], images: list[SampleImages] | None) -> None:
+        """`batch`'s episodes join the sampler now, or once it has room for them."""
+        self.waiting.append(_Waiting(batch, prompts, images))
+        self._admit()
+
+    def advance(self) -> list[tuple[Batch, dict[str, Tensor], int, dict[str, Any]]]:
+        """Some work on the episodes in flight; the mini-batches whose episodes have all ended, each
+        with its handle's tensors, its policy version (the oldest that sampled a token) and its
+        metadata ("finished": the episodes the environment ended; the episode figures)."""
+        ended = [(tag, *self._handle(tag, result)) for tag, result in self.loop.advance()]
+        if not self.loop.groups and self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
+        self._admit()
+        return ended
+
+    def _admit(self) -> None:
+        """Waiting mini-batches join, in order, while the sampler has slots and positions for them;
+        with nothing in flight, a fresh sampler sized for `in_flight` of the first."""
+        while self.waiting:
+            first = self.waiting[0]
+            capacity = episode_capacity(first.prompts, self.params.max_new_tokens, self.max_episode_tokens)
+            if self.sampler is None:
+                slots = len(first.prompts) * self.in_flight
+                self.sampler = self.engine.turn_sampler(first.batch, self.params, slots, capacity)
+                self.capacity = capacity
+                self.loop.open(self.sampler, self.stepper, self._observe(), slots)
+            elif self.loop.free_slots >= len(first.prompts) and capacity <= self.capacity:
+                self.engine.join_turns(self.sampler)
+            else:
+                return
+            self.waiting.popleft()
+            self.loop.add(first.batch, self._starts(first.batch, first.prompts), first.prompts, first.images)
+
+    def _handle(self, batch: Batch, result: EpisodeResult) -> tuple[dict[str, Tensor], int, dict[str, Any]]:
         for failure in result.failures[:MAX_FAILURES_LOGGED]:
             self.log.warning("iteration %d mini-batch %d: %s", batch.iteration, batch.minibatch, failure)
         tensors = episode_tensors(result.episodes)
@@ -91,11 +156,11 @@ class EpisodeRollout:
         finished = sum(ended == "done" for ended in result.ended)
         return tensors, min(versions), {"finished": finished, EPISODES: EpisodeStats.of(result).encode()}
 
-    def _observe(self, engine: RolloutEngine) -> ObservationImages | None:
+    def _observe(self) -> ObservationImages | None:
         """How observations' images become ids and features (None for a text model)."""
         if self.image_spec is None or self.vision_token_ids is None:
             return None
-        return ObservationImages(self.tokenizer, self.image_spec, self.vision_token_ids, engine.encode_images)
+        return ObservationImages(self.tokenizer, self.image_spec, self.vision_token_ids, self.engine.encode_images)
 
     def _starts(self, batch: Batch, prompts: list[Tensor]) -> list[EpisodeStart]:
         paths = batch.metadata.get(IMAGE_PATHS) or [""] * len(prompts)
@@ -105,5 +170,7 @@ class EpisodeRollout:
                                                            batch.metadata[REWARD_KWARGS], paths, strict=True)]
 
     def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
         self.stepper.close()
 

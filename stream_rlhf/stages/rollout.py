@@ -10,7 +10,10 @@ handle (the vision stage's; `stages/images.py`). With `rollout.medusa` enabled, 
 speculative with Medusa heads where that is faster (`backends/speculation.py`). Every output is kept on disk
 until a checkpoint covers its iteration (`stages/generated_store.py`), and a mini-batch found
 there (a resumed run, a redelivery after a crash) is published again rather than generated.
-With `env`, each sample is a multi-turn episode in that environment (`stages/episodes.py`).
+With `env`, each sample is a multi-turn episode in that environment (`stages/episodes.py`); under
+`env.schedule: stream` the stage works on `env.minibatches_in_flight` mini-batches at once
+(`begin` / `advance`: `Stage.inputs_in_flight`), so their episodes decode together while others
+wait for their tools.
 """
 
 from __future__ import annotations
@@ -50,32 +53,64 @@ class RolloutStage(Stage):
         engine_class = import_dotted(ROLLOUT_ENGINES[cfg.backend], "rollout.backend")
         self.engine: RolloutEngine = engine_class(self.job, self.weights, self.images, ctx)
         env = self.job.config.env
-        self.episodes = EpisodeRollout(self.job, tokenizer, cfg.max_new_tokens, ctx.log) if env is not None else None
+        self.episodes = None if env is None else EpisodeRollout(self.job, tokenizer, self.params, self.engine, ctx.log)
         self.generated = GeneratedStore(self.job.run_dir) if self.job.config.checkpoint.keep_generated else None
+        self.replayed: list[tuple[Batch, list[Output]]] = []
+        """Mini-batches begun that the generated store held: handed back by the next `advance`."""
 
     def on_weights(self, version: int) -> None:
         self.weights.announced = max(self.weights.announced, version)
 
+    def inputs_in_flight(self) -> int:
+        """Mini-batches worked on at once: env.minibatches_in_flight for episodes under `stream` on
+        the torch engine (`stages/episodes.py`), else one."""
+        return self.episodes.in_flight if self.episodes is not None else 1
+
     def step(self, batch: Batch | None) -> list[Output]:
-        if self.generated is not None and (kept := self.generated.load(batch.iteration, batch.minibatch)) is not None:
-            self.counts.add(replayed=kept.num_samples)  # generated before a stop: trained, not generated again
+        if (kept := self._kept(batch)) is not None:
             return [kept]
         prompts = unragged(batch.tensors, "prompt_ids")
         if self.episodes is not None:
-            images = self.images.of(batch.tensors)
-            tensors, policy_version, extra = self.episodes.generate(batch, prompts, images, self.engine, self.params)
+            generated = self.episodes.generate(batch, prompts, self.images.of(batch.tensors))
         else:
-            tensors, policy_version, extra = self._generate(batch, prompts)
+            generated = self._generate(batch, prompts)
+        return [self._output(batch, *generated)]
+
+    def begin(self, batch: Batch) -> None:
+        """A mini-batch's episodes join those in flight (inputs_in_flight() > 1)."""
+        if (kept := self._kept(batch)) is not None:
+            self.replayed.append((batch, [kept]))
+            return
+        self.episodes.begin(batch, unragged(batch.tensors, "prompt_ids"), self.images.of(batch.tensors))
+
+    def advance(self) -> list[tuple[Batch, list[Output]]]:
+        """A step of the episodes in flight; the mini-batches that ended, with their outputs."""
+        ended, self.replayed = self.replayed, []
+        if self.episodes.busy:
+            ended += [(batch, [self._output(batch, tensors, version, extra)])
+                      for batch, tensors, version, extra in self.episodes.advance()]
+        return ended
+
+    def _kept(self, batch: Batch) -> Output | None:
+        """The mini-batch's output as generated before a stop, if the generated store holds it."""
+        if self.generated is None or (kept := self.generated.load(batch.iteration, batch.minibatch)) is None:
+            return None
+        self.counts.add(replayed=kept.num_samples)  # generated before a stop: trained, not generated again
+        return kept
+
+    def _output(self, batch: Batch, tensors: dict[str, torch.Tensor], policy_version: int, extra: dict) -> Output:
+        """The rollout handle of `batch`'s samples, kept in the generated store and counted."""
+        samples = len(tensors["prompt_lens"])
         if not self.job.vision_language:  # else the image handle the broker joins with this one carries them
             tensors["group_ids"] = batch.tensors["group_ids"]
-        output = topic_output("rollout", tensors, len(prompts), batch.iteration, batch.minibatch, policy_version,
+        output = topic_output("rollout", tensors, samples, batch.iteration, batch.minibatch, policy_version,
                               metadata={"references": batch.metadata["references"],
                                         REWARD_KWARGS: batch.metadata[REWARD_KWARGS], **extra})
         if self.generated is not None:
             self.generated.save(output)
-        self.counts.add(generated=len(prompts))
+        self.counts.add(generated=samples)
         record_episodes(self.counts, output.metadata, batch.iteration, batch.minibatch)
-        return [output]
+        return output
 
     def _generate(self, batch: Batch, prompts: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, dict]:
         """One response per prompt: the handle's sequences, prompt lengths and log-probs (and
