@@ -51,8 +51,8 @@ def test_an_env_job_whose_rollout_is_killed_finishes_with_every_episode_accounte
     assert "rollout-0 exited with -9: restarting it" in log.read_text()
     summary = _check_accounting(tmp_path / "killed", iterations)
     # the killed instance's episodes in flight were generated again by its successor (redelivery);
-    # a mini-batch it counted but had not published yet is counted twice
-    assert 0 <= summary["samples_generated"] - summary["samples_trained"] <= 16
+    # a mini-batch it counted but had not published yet is counted twice (of the two in flight)
+    assert 0 <= summary["samples_generated"] - summary["samples_trained"] <= 2 * 16
     records = read_metrics(metrics)
     assert all(r["turns_per_episode"] >= 1 and "tool_hidden_frac" in r for r in records)
     samples = [json.loads(line) for line in (tmp_path / "killed" / "samples.jsonl").read_text().splitlines()]
@@ -68,3 +68,21 @@ def test_an_env_job_stopped_and_resumed_trains_every_episode_once(tmp_path):
     summary = _check_accounting(tmp_path / "resumed", iterations)
     assert summary["samples_generated"] == summary["samples_trained"]
     assert summary["samples_discarded_at_resume"] == 0
+
+
+def test_an_env_job_runs_two_minibatches_episodes_at_once(tmp_path):
+    """env.minibatches_in_flight=2 (the default): rollout begins a mini-batch while another's episodes
+    are in flight, publishes each once, and every sample is trained once."""
+    iterations = 3
+    config = _config(tmp_path, "overlap", iterations=iterations, overlap_depth=1,
+                     env={**ENV, "options": {"latency_s": 0.05}})
+    log = tmp_path / "overlap.log"
+    assert _start(config, log).wait(timeout=300) == 0, log.read_text()[-3000:]
+    summary = _check_accounting(tmp_path / "overlap", iterations)
+    assert summary["samples_generated"] == summary["samples_trained"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"], e["args"]["iteration"], e["args"]["minibatch"])
+                   for e in json.loads((tmp_path / "overlap" / "trace.json").read_text())["traceEvents"]
+                   if e.get("ph") == "X" and e.get("cat") == "step" and e["args"].get("stage") == "rollout")
+    assert sorted((i, m) for _, _, i, m in steps) == [(i, m) for i in range(iterations) for m in range(2)]
+    overlapping = [(a[2:], b[2:]) for a, b in zip(steps, steps[1:]) if b[0] < a[1]]
+    assert overlapping, steps  # a mini-batch began before the one before it was published
