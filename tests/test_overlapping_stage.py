@@ -7,6 +7,7 @@ real runners (sockets, shared memory; each in a thread of this process), and thr
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from stream_rlhf.broker.runtime.in_flight import inputs_in_flight
 from stream_rlhf.broker.runtime.inprocess import InProcessBus
 from stream_rlhf.broker.runtime.runner import RunnerState, StageRunner
 from stream_rlhf.stage import Batch, Output, Stage
+from stream_rlhf.telemetry import trace
 from tests.stages import CountingSource
 from tests.waiting import wait_for
 
@@ -152,19 +154,38 @@ def job(prefix: str) -> Iterator[Job]:
         running.stop()
 
 
-def test_two_inputs_in_flight_end_out_of_order_and_every_output_is_published_once(shm_prefix):
+def test_two_inputs_in_flight_end_out_of_order_and_every_output_is_published_once(shm_prefix, tmp_path):
     n = 6
     work, collect = Overlapper(), Collect()
-    with job(shm_prefix) as j:
-        runner = j.start(work, "work")
-        j.start(collect, "collect")
-        j.start(CountingSource(n, minibatches=MINIBATCHES), "source")
-        wait_for(lambda: len(collect.records) >= n, 30, f"{n} outputs on 'done'")
+    trace.start(tmp_path, "test", "main")
+    try:
+        with job(shm_prefix) as j:
+            runner = j.start(work, "work")
+            j.start(collect, "collect")
+            j.start(CountingSource(n, minibatches=MINIBATCHES), "source")
+            wait_for(lambda: len(collect.records) >= n, 30, f"{n} outputs on 'done'")
+    finally:
+        trace.stop()
     assert sorted(collect.records) == expected(n)  # each once, with its input's iteration and mini-batch
     assert work.max_in_flight == 2
     assert work.ended_ids != work.begun_ids and sorted(work.ended_ids) == sorted(work.begun_ids)
     assert work.in_flight_at_weights[0] >= 1  # weights_ready reached on_weights between advances
     assert runner.host.counters["steps"] == n and not j.errors(runner)
+    events = [json.loads(line) for path in tmp_path.glob("*.jsonl") for line in path.read_text().splitlines()]
+    steps = [e for e in events if e.get("name") == "work items"]  # one per input, on its in-flight position's track
+    assert len(steps) == n and {e["tid"] for e in steps} == {"main/input 0", "main/input 1"}
+
+
+def test_inputs_still_in_flight_after_drain_timeout_go_back_to_the_broker(shm_prefix):
+    work = Overlapper(release=threading.Event())  # never ends an input
+    with job(shm_prefix) as j:
+        runner = j.start(work, "work", drain_timeout_s=0.2)
+        j.start(CountingSource(4, minibatches=MINIBATCHES), "source")
+        wait_for(lambda: work.max_in_flight == 2, 30, "2 inputs in flight")
+        runner.request_stop()  # as a first Ctrl-C: drain
+        wait_for(lambda: j.stopped(runner), 30, "work to stop after drain_timeout_s")
+        wait_for(lambda: j.server.core.stats["nacked"] >= 2, 30, "both inputs nacked back")
+    assert not work.ended_ids and runner.host.counters["steps"] == 0 and not j.errors(runner)
 
 
 def test_a_failed_advance_gives_both_inputs_back_to_another_instance(shm_prefix):
