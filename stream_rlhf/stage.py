@@ -4,7 +4,12 @@
         def step(self, batch: Batch | None) -> list[Output] | None:
             return [Output("doubled", {"x": batch.tensors["x"] * 2}, batch.num_samples)]
 
-A stage that consumes topics gets one `Batch` per delivered handle. A *source* (a stage with no
+A stage that consumes topics gets one `Batch` per delivered handle, in one of two ways. By default
+`step(batch)` works on it start to end, and the host acks the input after the step. A stage that
+works on several inputs at once (`inputs_in_flight()` > 1: a rollout whose episodes wait for tools
+while it decodes the next mini-batch) gets each input through `begin(batch)`, also while earlier
+ones are in progress, and is driven by `advance()` calls that return the inputs that ended, each
+with its outputs; the host acks each input as it ends. A *source* (a stage with no
 input topics, e.g. the prompt dataset) is called with `batch=None` whenever every output topic has
 credit, and returns None once it is exhausted. Outputs inherit iteration, minibatch and
 policy_version from the input batch unless they set them. The runner (`broker/runtime/runner.py`,
@@ -109,7 +114,8 @@ class StepAborted(RuntimeError):
 
 
 class Stage:
-    """Base class of stage logic. Override `step`; `setup` and `on_weights` are optional."""
+    """Base class of stage logic. Override `step` (or, for a stage with several inputs in flight,
+    `inputs_in_flight`, `begin` and `advance`); `setup` and `on_weights` are optional."""
 
     def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -117,11 +123,28 @@ class Stage:
     def step(self, batch: Batch | None) -> list[Output] | None:
         raise NotImplementedError(f"{type(self).__name__}.step")
 
+    def inputs_in_flight(self) -> int:
+        """How many delivered inputs the stage works on at once (asked once, after setup). 1, the default:
+        one `step` per input. Above 1 the host hands each input to `begin`, also while earlier ones are still
+        in progress, and calls `advance` until they have all ended; `step` is then not called for inputs.
+        Not supported for an instance of several ranks (`StageContext.group`)."""
+        return 1
+
+    def begin(self, batch: Batch) -> None:
+        """Start work on `batch` (only when inputs_in_flight() > 1); return quickly."""
+        raise NotImplementedError(f"{type(self).__name__}.begin (inputs_in_flight() > 1 needs begin and advance)")
+
+    def advance(self) -> list[tuple[Batch, list[Output]]]:
+        """Some work on the inputs begun (a fraction of a second at most: the host takes new deliveries and
+        controls between calls); returns the inputs that ended, each with its outputs (possibly none)."""
+        raise NotImplementedError(f"{type(self).__name__}.advance (inputs_in_flight() > 1 needs begin and advance)")
+
     def on_weights(self, version: int) -> None:
-        """Weights of `version` are ready (rollout loads them between mini-batches)."""
+        """Weights of `version` are ready (rollout loads them between mini-batches; a stage with several
+        inputs in flight hears of them between `advance` calls)."""
 
     def await_inputs(self, batch: Batch) -> None:
-        """Before the step on `batch`, outside its device turn: wait for what the step needs from
+        """Before the step on `batch` (or its `begin`), outside its device turn: wait for what the step needs from
         other stages beyond the batch (newer weights, say), so that a stage sharing the device is
         not kept from producing them. Nothing by default."""
 

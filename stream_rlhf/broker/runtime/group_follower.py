@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 from stream_rlhf.broker.control.messages import GroupBatch, GroupMessage, GroupSetup, GroupStop, GroupWeights, Handle
 from stream_rlhf.broker.payload.transport import PayloadTransport
+from stream_rlhf.broker.runtime.in_flight import inputs_in_flight
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.stage import Batch, Stage, StageContext
 from stream_rlhf.telemetry import trace
@@ -66,6 +67,7 @@ class GroupFollower:
                 self.stage.setup(StageContext(self.stage_name, self.instance_id, list(setup.inputs),
                                               list(setup.outputs), lambda op, version=-1: None, self.log,
                                               threading.Event(), self.group))
+            inputs_in_flight(self.stage, self.stage_name, self.group.world_size)  # one, or refused
             self._follow()
         finally:
             self.transport.close()

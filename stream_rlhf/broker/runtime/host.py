@@ -1,10 +1,13 @@
 """Runs one stage instance's logic against broker messages, whatever carries them.
 
 `StageHost` turns a Deliver into a Batch (fetching the payload), calls the stage, puts its outputs
-in the payload plane, publishes their handles and acks the input. It keeps the instance's credits,
-its unconfirmed publishes (resent after a reconnect) and the ids it already processed (a
-redelivered handle is acked again, not processed twice). The socket runner (`runner.py`) and the
-in-process bus (`inprocess.py`) both drive a StageHost, so a stage behaves the same in both.
+in the payload plane, publishes their handles and acks the input. The stage works on an input in
+one `step`, or, if it keeps several inputs in flight (`Stage.inputs_in_flight`), from `begin` to
+the `advance` call that returns it ended; an exception there gives every input in flight back.
+It keeps the instance's credits, its unconfirmed publishes (resent after a reconnect) and the ids
+it already processed (a redelivered handle is acked again, not processed twice). The socket
+runner (`runner.py`) and the in-process bus (`inprocess.py`) both drive a StageHost, so a stage
+behaves the same in both.
 
 Output handle ids are derived from the input handle id (or, for sources, from the stage, topic,
 iteration and minibatch): a handle processed twice after a crash publishes the same ids twice,
@@ -17,7 +20,9 @@ and every resend after a (re)handshake wait in `_deferred` until the broker gran
 Each step is traced (`telemetry/trace.py`, a no-op unless the process started a trace): the wait
 before it ("idle": for a delivery, or for a source, for credit), the payload fetch, the step
 itself (named after the stage and its input topic, with iteration, mini-batch, policy version and
-samples) and the publish of its outputs (payload put and credit wait).
+samples; an input in flight from its begin to its end, on the track "input <k>" of its position
+among those in flight, since they overlap) and the publish of its outputs (payload put and credit
+wait).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from stream_rlhf.broker.control.messages import (
 )
 from stream_rlhf.broker.payload.server import PayloadError
 from stream_rlhf.broker.payload.transport import PayloadTransport
+from stream_rlhf.broker.runtime.in_flight import InFlight, InputsInFlight
 from stream_rlhf.stage import Batch, Output, Stage, StepAborted
 from stream_rlhf.telemetry import trace
 
@@ -91,6 +97,7 @@ class StageHost:
         self._epoch = 0  # handshakes so far: credit taken before the last one is void
         self._processed: OrderedDict[str, None] = OrderedDict()
         self._idle_since_ns: int | None = None  # the end of the last step (or of setup): traced waits
+        self.in_flight = InputsInFlight()
         self.counters: dict[str, float] = {
             "steps": 0, "step_s": 0.0, "fetch_s": 0.0, "put_s": 0.0, "published": 0,
             "duplicates_skipped": 0, "credit_wait_s": 0.0, "nacked": 0, "send_failed": 0, "await_s": 0.0,
@@ -154,12 +161,32 @@ class StageHost:
     # ---- called on the stage's thread -------------------------------------------------------
 
     def process(self, deliver: Deliver) -> None:
+        """One `step` on a delivered input, then its outputs published and the input acked."""
+        taken = self._take(deliver)
+        if taken is None:
+            return
+        batch, fetched = taken
+        handle = batch.handle
+        try:
+            with self.step_context(batch):
+                outputs = self.stage.step(batch) or []
+        except Exception as exc:
+            self.send(Nack(handle.id, f"{type(exc).__name__} in {self.stage_name}.step: {exc}", requeue=True))
+            raise
+        self._count_step(fetched, f"{self.stage_name} {handle.topic}", handle.topic, handle.iteration,
+                         handle.minibatch, handle.policy_version, handle.num_samples)
+        self._finish(handle, outputs)
+        self._idle_since_ns = trace.now_ns()
+
+    def _take(self, deliver: Deliver) -> tuple[Batch, int] | None:
+        """A delivered input fetched and awaited (`Stage.await_inputs`): its batch and when work on it
+        may start, or None for a duplicate or a payload that is gone (both answered here)."""
         handle = deliver.handle
         if handle.id in self._processed:
             self.counters["duplicates_skipped"] += 1
             self.send(Ack([handle.id]))
             self._replenish(handle.topic)
-            return
+            return None
         started = trace.now_ns()
         self._trace_idle(started, "delivery")
         try:
@@ -168,7 +195,7 @@ class StageHost:
             self.counters["nacked"] += 1
             self.send(Nack(handle.id, f"payload unavailable: {exc}", requeue=False))
             self._replenish(handle.topic)
-            return
+            return None
         if self.before_step is not None:
             self.before_step(handle)
         fetched = trace.now_ns()
@@ -177,25 +204,106 @@ class StageHost:
         batch = Batch(handle, tensors)
         try:
             self.stage.await_inputs(batch)
-            awaited = trace.now_ns()
-            if awaited - fetched >= IDLE_MIN_NS:  # not part of the step: a wait for another stage
-                self.counters["await_s"] += (awaited - fetched) / 1e9
-                trace.complete("idle", "wait", fetched, awaited, waiting_for="inputs")
-            fetched = awaited
-            with self.step_context(batch):
-                outputs = self.stage.step(batch) or []
         except Exception as exc:
-            self.send(Nack(handle.id, f"{type(exc).__name__} in {self.stage_name}.step: {exc}", requeue=True))
+            self.send(Nack(handle.id, f"{type(exc).__name__} in {self.stage_name}.await_inputs: {exc}",
+                           requeue=True))
             raise
-        self._count_step(fetched, f"{self.stage_name} {handle.topic}", handle.topic, handle.iteration,
-                         handle.minibatch, handle.policy_version, handle.num_samples)
+        awaited = trace.now_ns()
+        if awaited - fetched >= IDLE_MIN_NS:  # not part of the step: a wait for another stage
+            self.counters["await_s"] += (awaited - fetched) / 1e9
+            trace.complete("idle", "wait", fetched, awaited, waiting_for="inputs")
+        return batch, awaited
+
+    def _finish(self, handle: Handle, outputs: list[Output]) -> None:
+        """Publish what the work on input `handle` gave, remember it as processed, ack it."""
         self._publish_all(outputs, handle, lambda topic, k: f"{handle.id}/{topic}/{k}")
         self._processed[handle.id] = None
         if len(self._processed) > DEDUPE_WINDOW:
             self._processed.popitem(last=False)
         self.send(Ack([handle.id]))
         self._replenish(handle.topic)
-        self._idle_since_ns = trace.now_ns()
+
+    # ---- a stage with several inputs in flight (Stage.inputs_in_flight() > 1) ----------------
+
+    def allow_in_flight(self, inputs: int) -> None:
+        """After setup: the stage works on `inputs` delivered inputs at once, so at least that many
+        deliveries may be outstanding (the prefetch is raised to it, the difference asked now)."""
+        self.in_flight.limit = inputs
+        extra = inputs - self.prefetch
+        if extra > 0:
+            self.prefetch = inputs  # what later handshakes ask
+            if self.accepting:
+                for topic in self.inputs:
+                    self.send(Request(topic, extra))
+
+    def take_waiting(self, running: bool) -> None:
+        """Deliveries in `in_flight.waiting` are taken in order while there is room (processed, or
+        begun by a stage with several inputs in flight); when not running they go back to the broker."""
+        waiting = self.in_flight.waiting
+        while waiting and (not running or self.in_flight.has_room()):
+            deliver = waiting.popleft()
+            if not running:
+                self.send(Nack(deliver.handle.id, f"{self.instance_id} is draining", requeue=True))
+            elif self.in_flight.limit > 1:
+                self.begin(deliver)
+            else:
+                self.process(deliver)
+
+    def begin(self, deliver: Deliver) -> None:
+        """Start work on a delivered input (`Stage.begin`); it stays in flight until `advance` sees it end.
+        On an exception every input in flight goes back to the broker (Nack, requeue)."""
+        try:
+            taken = self._take(deliver)
+            if taken is None:
+                return
+            batch, begun = taken
+            self.in_flight.add(batch, begun)
+            self._idle_since_ns = None  # busy until the last input in flight ends
+            with self.step_context(batch):
+                self.stage.begin(batch)
+        except Exception as exc:
+            self.give_back(f"{type(exc).__name__} in {self.stage_name}.begin: {exc}")
+            raise
+
+    def advance(self) -> None:
+        """One `Stage.advance` (inside the step context of the oldest input in flight); each input that
+        ended has its outputs published and is acked, and its step traced from begin to end on the
+        track of its in-flight position. On an exception every input in flight goes back (Nack, requeue)."""
+        started = time.perf_counter()
+        try:
+            with self.step_context(self.in_flight.oldest().batch):
+                ended = self.stage.advance()
+            self.counters["step_s"] += time.perf_counter() - started
+            for batch, outputs in ended:
+                entry = self.in_flight.begun.get(batch.handle.id)
+                if entry is None:
+                    raise RuntimeError(f"{self.stage_name}.advance returned the input {batch.handle.id} (iteration "
+                                       f"{batch.iteration}, mini-batch {batch.minibatch}), which is not in flight")
+                self._end(entry, outputs)
+        except Exception as exc:
+            self.give_back(f"{type(exc).__name__} in {self.stage_name}.advance: {exc}")
+            raise
+        if not self.in_flight:
+            self._idle_since_ns = trace.now_ns()
+
+    def _end(self, entry: InFlight, outputs: list[Output]) -> None:
+        handle = entry.batch.handle
+        self.counters["steps"] += 1
+        trace.complete_on(f"input {entry.slot}", f"{self.stage_name} {handle.topic}", "step", entry.begun_ns,
+                          trace.now_ns(), stage=self.stage_name, topic=handle.topic, iteration=handle.iteration,
+                          minibatch=handle.minibatch, policy_version=handle.policy_version,
+                          samples=handle.num_samples)
+        self._finish(handle, outputs)
+        del self.in_flight.begun[handle.id]
+
+    def give_back(self, reason: str) -> None:
+        """Every input in flight goes back to the broker (Nack, requeue) and is forgotten here."""
+        if self.in_flight:
+            log.warning("%s: %d input(s) in flight given back to the broker: %s", self.instance_id,
+                        len(self.in_flight), reason)
+        for handle_id in self.in_flight.begun:
+            self.send(Nack(handle_id, reason, requeue=True))
+        self.in_flight.begun.clear()
 
     def can_produce(self) -> bool:
         """A source may step when it is not exhausted and every output topic has credit."""

@@ -1,5 +1,7 @@
 """Runs a whole topology in one process, without sockets: the same BrokerCore routes, the same
 StageHost calls each stage, tensors stay in a MemoryTransport. For unit tests of stage logic.
+A stage with several inputs in flight (`Stage.inputs_in_flight()` > 1) is driven one input at a
+time here: begun, then advanced until that input has ended (whatever ends on the way is published).
 
     bus = InProcessBus(topology)
     bus.add("prompts", PromptSource(), instances=1)
@@ -31,6 +33,7 @@ from stream_rlhf.broker.control.messages import (
 from stream_rlhf.broker.control.topology import BrokerConfig, Topology
 from stream_rlhf.broker.payload.memory_transport import MemoryTransport
 from stream_rlhf.broker.runtime.host import StageHost
+from stream_rlhf.broker.runtime.in_flight import inputs_in_flight
 from stream_rlhf.stage import Stage, StageContext
 
 log = logging.getLogger(__name__)
@@ -67,11 +70,12 @@ class InProcessBus:
                 lambda op, version, p=peer: self._control(p, op, version),
                 logging.LoggerAdapter(log, {"stage": host.instance_id}), host.abort,
             ))
+            host.allow_in_flight(inputs_in_flight(host.stage, host.stage_name, ranks=1))
         for _ in range(max_turns):
             progressed = False
             for peer, host in self.hosts.items():
                 if self._deliveries[peer]:
-                    host.process(self._deliveries[peer].popleft())
+                    self._take(host, self._deliveries[peer].popleft())
                     progressed = True
                 elif host.can_produce():
                     host.produce()
@@ -82,6 +86,15 @@ class InProcessBus:
         for host in self.hosts.values():
             host.stage.close()
         return dict(self.core.snapshot())
+
+    def _take(self, host: StageHost, deliver: Deliver) -> None:
+        if host.in_flight.limit == 1:
+            host.process(deliver)
+            return
+        host.begin(deliver)
+        while host.in_flight:
+            host.advance()
+            self._pump()  # the publishes' credit, controls (weights_ready) between advances
 
     def _control(self, peer: bytes, op: ControlOp, version: int) -> None:
         self._to_broker.append((peer, Control(op, "*", version)))

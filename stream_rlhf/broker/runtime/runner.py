@@ -15,7 +15,8 @@ then a barrier, so that the others have fetched it before it is acked), every we
 
 Shutdown is a state machine, and signals only flip the state:
     RUNNING --SIGTERM/SIGINT, Control(drain|shutdown), source exhausted--> DRAINING
-    DRAINING: no new credit; deliveries not yet started are nacked back to the broker; waits for
+    DRAINING: no new credit; deliveries not yet started are nacked back to the broker; inputs in
+              flight (a stage with several, `Stage.inputs_in_flight`) are advanced to their end; waits for
               every publish to be confirmed and (up to drain_timeout_s, or until a shutdown for an
               exhausted source) every payload released
     DRAINING --drained, or a second signal--> STOPPED: final heartbeat says "stopped", so the
@@ -24,6 +25,7 @@ Shutdown is a state machine, and signals only flip the state:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import logging
@@ -56,7 +58,6 @@ from stream_rlhf.broker.control.messages import (
     Hello,
     Message,
     MessageRejected,
-    Nack,
     Ready,
     Release,
     Request,
@@ -66,6 +67,7 @@ from stream_rlhf.broker.control.messages import (
 from stream_rlhf.broker.payload.shm import host_id
 from stream_rlhf.broker.payload.transport import PayloadTransport, ShmTransport
 from stream_rlhf.broker.runtime.host import StageHost
+from stream_rlhf.broker.runtime.in_flight import inputs_in_flight
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.stage import Batch, Stage, StageContext, StepAborted
 from stream_rlhf.telemetry import trace
@@ -158,6 +160,7 @@ class StageRunner:
                                  self._send_control, self.log, self.host.abort, self.group)
                 )
             self._set_up = True
+            self.host.allow_in_flight(inputs_in_flight(self.stage, self.stage_name, self.group.world_size))
             self.host.mark_idle()
             while self.state is not RunnerState.STOPPED:
                 self._turn()
@@ -192,19 +195,23 @@ class StageRunner:
             if self.host.exhausted:
                 self._enter(RunnerState.DRAINING, "source exhausted")
             return
-        try:
-            item = self._inbox.get(timeout=0.05)
-        except queue.Empty:
-            item = None
-        if isinstance(item, Deliver):
-            if self.state is RunnerState.RUNNING:
-                self.host.process(item)
-            else:
-                self._send(Nack(item.handle.id, f"{self.instance_id} is draining", requeue=True))
-        elif isinstance(item, Control):
-            self._on_control(item)
+        if self.host.in_flight:  # never wait on the inbox: the inputs in flight need advancing
+            while not self._inbox.empty():
+                self._on_item(self._inbox.get_nowait())
+            self.host.advance()
+        else:
+            with contextlib.suppress(queue.Empty):
+                self._on_item(self._inbox.get(timeout=0.05))
+        self.host.take_waiting(self.state is RunnerState.RUNNING)
         if self.state is RunnerState.DRAINING and self._drained():
             self._enter(RunnerState.STOPPED, "drained")
+
+    def _on_item(self, item: Deliver | Control | None) -> None:
+        if isinstance(item, Deliver):  # waits for room among the inputs in flight, if the stage has several
+            self.host.in_flight.waiting.append(item)
+            self.host.take_waiting(self.state is RunnerState.RUNNING)
+        elif isinstance(item, Control):
+            self._on_control(item)
 
     def _on_control(self, control: Control) -> None:
         if control.op == "weights_ready":
@@ -221,7 +228,11 @@ class StageRunner:
         """Every publish confirmed and (unless shutting down) every payload released, or
         drain_timeout_s spent. A source that ran out of items waits for its payloads' releases
         without that limit: its consumers may be far behind (an engine still starting), and
-        stopping would take the payloads they have not read yet with it."""
+        stopping would take the payloads they have not read yet with it. Inputs in flight are
+        advanced to their end, or given back to the broker after drain_timeout_s."""
+        if self.host.in_flight and time.monotonic() - self._drain_started <= self.drain_timeout_s:
+            return False
+        self.host.give_back(f"{self.instance_id} stopped draining after {self.drain_timeout_s}s")
         unconfirmed = self.host.unconfirmed()
         held = self.transport.held() if self._wait_for_releases else 0
         if not unconfirmed and not held:
@@ -292,6 +303,8 @@ class StageRunner:
 
     def _shutdown(self) -> None:
         self.state = RunnerState.STOPPED
+        self.host.take_waiting(running=False)  # not begun: given back
+        self.host.give_back(f"{self.instance_id} stopped")  # a stop with inputs in flight
         try:
             self._close_stage()
         finally:
