@@ -1,6 +1,7 @@
 """Several groups of episodes (mini-batches) in flight on one turn sampler: a group added while
 another's episodes wait for their tool decodes meanwhile and comes back as soon as its own
-episodes end, slots are reused, and a weight change during a turn is recorded per token."""
+episodes end, slots are reused, and a weight change during a turn is recorded per token. And the
+lock-step baseline calls a round's environments only once the round's generation is over."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
 from stream_rlhf.envs.episode_loop import EpisodeLoop
 from stream_rlhf.envs.stepper import EnvStepper
-from stream_rlhf.envs.turns import TurnRequest
+from stream_rlhf.envs.turns import TurnDone, TurnRequest
 from stream_rlhf.models.tokenizer import build_tokenizer
 from tests.tiny_models import tiny_qwen2_config
 
@@ -45,6 +46,32 @@ class Gated:
             AT_GATE.append(1)
             assert GATE.wait(timeout=30), "the test never opened the gate"
         return Turn(Observation("=1"), reward=1.0, done=self.seen >= 2)
+
+
+EVENTS: list[str] = []
+""""end" for every turn the sampler ended, "call" for every environment step, in order."""
+
+
+class Logged:
+    """Three turns, each step logged in EVENTS."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def reset(self, start: EpisodeStart) -> None:
+        pass
+
+    def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+        self.seen += 1
+        EVENTS.append("call")
+        return Turn(Observation("=1"), done=self.seen >= 3)
+
+
+class LoggingSampler(TorchTurnSampler):
+    def advance(self) -> list[TurnDone]:
+        done = super().advance()
+        EVENTS.extend("end" for _ in done)
+        return done
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +142,23 @@ def test_a_turn_across_a_weight_change_records_each_tokens_version(lm: PreTraine
     turn = done[0]
     assert turn.policy_version == 5 and turn.versions.tolist() == [5, 5, 5, 6, 6, 6]
     sampler.close()
+
+
+def test_lockstep_calls_a_rounds_environments_once_its_generation_is_over(lm: PreTrainedModel) -> None:
+    EVENTS.clear()
+    cfg = EnvConfig(factory="tests.test_episode_groups:Logged", max_episode_tokens=64, schedule="lockstep")
+    loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
+                       lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
+    # turns of 1 to 4 tokens (a stop token may come at any step): they end at different steps
+    sampler = LoggingSampler(lm, 6, 64, PARAMS, torch.Generator().manual_seed(1), policy_version=0)
+    stepper = EnvStepper(cfg.step_timeout_s, cfg.workers)
+    try:
+        result = loop.run(*group(6, gated=False), None, sampler, stepper)
+    finally:
+        sampler.close()
+        stepper.close()
+    assert result.ended == ["done"] * 6
+    runs = [EVENTS[0]]
+    for event in EVENTS[1:]:  # consecutive runs of the same event
+        runs[-1:] = [runs[-1] + "," + event] if runs[-1].startswith(event) else [runs[-1], event]
+    assert [run.split(",") for run in runs] == [["end"] * 6, ["call"] * 6] * 3  # no call before a round's last end

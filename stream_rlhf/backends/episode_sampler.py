@@ -74,8 +74,9 @@ class _Episode:
     ids: list[int]
     """Every id of the episode so far; the first `fed` are in its slot, the rest wait to be fed."""
     images: SampleImages | None
-    unfed_positions: Tensor
-    """(3, len(ids) - fed) the positions of the ids not fed yet."""
+    unfed_positions: Tensor | None
+    """(3, len(ids) - fed) the positions of the ids not fed yet; None while decoding: the one id
+    not fed is the last sampled token, at `next_position`."""
     fed: int = 0
     next_position: int = 0
     """The position of the token sampled next (all three M-RoPE axes)."""
@@ -205,7 +206,7 @@ class TorchTurnSampler:
         for key, sampled, logp, stopped in zip(keys, token.tolist(), logps[:, 0].tolist(), stop.tolist()):
             episode = self.episodes[key]
             episode.ids.append(sampled)
-            episode.unfed_positions = torch.full((3, 1), episode.next_position)
+            episode.unfed_positions = None
             episode.turn_logps.append(logp)
             episode.turn_versions.append(self.policy_version)
             if stopped or len(episode.turn_logps) == episode.budget:
@@ -231,8 +232,19 @@ class TorchTurnSampler:
         tokens = torch.full((slots, width), self.params.pad_token_id, dtype=torch.long)  # (S, Q)
         positions = torch.zeros((3, slots, width), dtype=torch.long)  # (3, S, Q); padding at 0
         kept = torch.zeros(slots, dtype=torch.long)  # (S,)
-        features, ready, last = [], [], []
+        decoding = [key for key, episode in zip(keys, episodes) if episode.unfed_positions is None]
+        last = dict.fromkeys(decoding, 0)  # the episodes that feed all they have -> their last id's column
+        if decoding:  # one id each, at its next position: set for all at once
+            rows, feeding = torch.tensor(decoding), [self.episodes[key] for key in decoding]
+            tokens[rows, 0] = torch.tensor([episode.ids[-1] for episode in feeding])
+            positions[:, rows, 0] = torch.tensor([episode.next_position for episode in feeding])
+            kept[rows] = 1
+            for episode in feeding:
+                episode.fed, episode.next_position = episode.fed + 1, episode.next_position + 1
+        features = []
         for key, episode in zip(keys, episodes):
+            if key in last:
+                continue
             count = min(width, len(episode.ids) - episode.fed)
             fed = episode.ids[episode.fed:episode.fed + count]
             tokens[key, :count], positions[:, key, :count] = torch.tensor(fed), episode.unfed_positions[:, :count]
@@ -244,8 +256,7 @@ class TorchTurnSampler:
                 features.append(episode.images.features[episode.images_fed:episode.images_fed + images])
                 episode.images_fed += images
             if episode.fed == len(episode.ids):
-                ready.append(key)
-                last.append(count - 1)
+                last[key] = count - 1
         tokens = tokens.to(self.device)
         positions = (positions if self.vision else positions[0]).to(self.device)  # M-RoPE (3, S, Q) or (S, Q)
         if features:
@@ -256,9 +267,11 @@ class TorchTurnSampler:
         else:
             hidden = self._token_forward(self.cache, tokens, positions)[0]
         self.cache.commit(kept.to(self.device))
-        if not ready:
+        if not last:
             return [], hidden.new_zeros(0)
-        rows, at = torch.tensor(ready, device=self.device), torch.tensor(last, device=self.device)  # (R,), (R,)
+        ready = sorted(last)  # key order: the generator draws for them as `generate` does
+        rows = torch.tensor(ready, device=self.device)  # (R,)
+        at = torch.tensor([last[key] for key in ready], device=self.device)  # (R,)
         return ready, self.lm_head(hidden[rows, at]).float()
 
     def _token_forward(self, cache: SlotCache, tokens: Tensor, positions: Tensor) -> tuple[Tensor]:

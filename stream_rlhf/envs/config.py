@@ -39,10 +39,11 @@ class EnvConfig:
     step_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     """Seconds one reset or step may take; past it the episode fails with reason "timeout"."""
     schedule: Literal["stream", "lockstep"] = "stream"
-    """`stream`: an episode's next turn starts as soon as its environment answers, so rollout decodes
-    for the others while one waits for its tool; `lockstep`: every episode of a mini-batch starts
-    turn k together, after the slowest call of turn k-1 (a synchronous engine: the baseline of
-    bench/agentic.py)."""
+    """`stream`: a turn goes to its environment as soon as it ends and the episode's next turn starts
+    as soon as the environment answers, so rollout decodes for the others while one waits for its
+    tool; `lockstep`: a synchronous engine (the baseline of bench/agentic.py): a mini-batch's turn-k
+    environment calls start once all its turn-k generation has ended, and turn k+1 starts for all
+    once the slowest call has returned."""
     minibatches_in_flight: Annotated[int, Meta(ge=1)] = 2
     """Under `stream`, how many mini-batches' episodes a rollout instance runs at once: while one
     mini-batch's episodes wait for their tools, the next one's decode in the same batch, and a

@@ -16,10 +16,12 @@ the sampler: while one group's episodes wait for their tools, the sampler decode
         reset ──> turn 1 ──> step ──> observation ──> turn 2 ──> step ──> ... ──> done / limit / failure
                   (sampler)  (stepper)                (sampler)
 
-`env.schedule: stream` starts an episode's next turn as soon as its environment has answered, so
-the sampler decodes for the other episodes while one waits for its tool. `lockstep` is the
-baseline of a synchronous engine (one group at a time): every live episode's turn k starts
-together, once the slowest environment call of round k-1 has returned.
+`env.schedule: stream` sends a turn to its environment as soon as it ends and starts the episode's
+next turn as soon as the environment has answered, so the sampler decodes for the other episodes
+while one waits for its tool. `lockstep` is the baseline of a synchronous engine (one group at a
+time): round k's environment calls start together once every turn of round k has ended (the
+batch's generation has returned), and every live episode's turn k+1 starts together once the
+slowest of those calls has returned.
 
 Every step of an episode goes through its environment, the last one too (its reward scores the
 final answer). An episode ends when the environment says done, when a limit is reached
@@ -139,6 +141,8 @@ class EpisodeLoop:
         """Every episode in flight, by its serial number (its key at the stepper)."""
         self.by_slot: dict[int, int] = {}
         self.serials = itertools.count()
+        self.held: list[tuple[int, list[int]]] = []
+        """lockstep: (episode, turn ids) of the turns ended whose environment steps wait for the round's last turn."""
 
     @property
     def free_slots(self) -> int:
@@ -175,6 +179,10 @@ class EpisodeLoop:
         sampling = self.sampler.busy
         for done in self.sampler.advance():
             self._on_turn(done)
+        if self.held and not self.sampler.busy:  # lockstep: the round's generation is over
+            for serial, ids in self.held:
+                self._step_env(serial, ids)
+            self.held = []
         idle = not self.sampler.busy and not self._may_start()
         outcomes = self.stepper.wait(IDLE_WAIT_S) if idle else self.stepper.poll()
         for outcome in outcomes:
@@ -189,7 +197,7 @@ class EpisodeLoop:
 
     def _may_start(self) -> bool:
         """Whether an episode's next turn may start now."""
-        if self.cfg.schedule == "lockstep" and (self.stepper.in_flight or self.sampler.busy):
+        if self.cfg.schedule == "lockstep" and (self.stepper.in_flight or self.sampler.busy or self.held):
             return False  # a round starts once every turn and every environment call of the last one is over
         return any(live.phase == "ready" for live in self.live.values())
 
@@ -215,11 +223,18 @@ class EpisodeLoop:
         if live.env is None or result.ended[live.index].startswith("failed:"):  # a failed reset: the first turn only
             self._end(serial, result.ended[live.index])
             return
-        ids = done.ids.tolist()
+        live.phase = "step"
+        if self.cfg.schedule == "lockstep":
+            self.held.append((serial, done.ids.tolist()))
+        else:
+            self._step_env(serial, done.ids.tolist())
+
+    def _step_env(self, serial: int, ids: list[int]) -> None:
+        """The episode's turn `ids` go to its environment."""
+        live = self.live[serial]
         self.stepper.step(serial, live.env, self.decode(ids), ids)
         live.group.tools_running += 1
-        result.tool_calls[live.index] += 1
-        live.phase = "step"
+        live.group.result.tool_calls[live.index] += 1
 
     def _on_outcome(self, outcome: Outcome) -> None:
         serial = outcome.key
