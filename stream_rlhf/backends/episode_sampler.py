@@ -10,7 +10,8 @@ episodes, decoded together while each episode joins and leaves the batch at its 
 Each episode owns slot `key` of one `SlotCache` for its lifetime: the slot keeps the KV of every id
 the episode has fed, so a turn feeds only the ids its slot has not seen: its whole prompt on the
 first turn, then the previous turn's last sampled token (sampled, never fed) and the observation.
-`advance` runs ONE step over every slot: each episode in a turn feeds its next ids (a decoding one
+`advance` runs ONE step over the slots (eager: up to the highest in a turn; free and waiting slots
+below it are padding): each episode in a turn feeds its next ids (a decoding one
 its last token; a joining one up to the step's width Q of its new ids, right-padded: a slot commits
 only its real positions), then one token is sampled for every episode that has fed all it had, in
 key order (`torch_rollout.sample_into`: the generator is drawn from as `generate` draws it, so
@@ -224,10 +225,12 @@ class TorchTurnSampler:
         return turn
 
     def _step(self, keys: list[int]) -> tuple[list[int], Tensor]:
-        """One step over every slot: each listed episode feeds its next unfed ids (`step_width` of
+        """One step over the slots (see `advance`): each listed episode feeds its next unfed ids (`step_width` of
         them at most). The episodes that fed all they had, and their logits (R, V) at their last id."""
         episodes = [self.episodes[key] for key in keys]
-        slots = self.cache.slots  # a static bucket may hold more slots than episodes
+        # eager steps cover slots 0..the highest turning one (the episode loop fills the lowest
+        # free slots first); a static bucket's (its CUDA graphs') cover all, it may hold more than episodes
+        slots = self.cache.slots if self.static is not None else max(keys) + 1
         width = step_width([len(e.ids) - e.fed for e in episodes], slots, self.free_positions)
         tokens = torch.full((slots, width), self.params.pad_token_id, dtype=torch.long)  # (S, Q)
         positions = torch.zeros((3, slots, width), dtype=torch.long)  # (3, S, Q); padding at 0
@@ -278,8 +281,8 @@ class TorchTurnSampler:
         return self._forward(cache, {"input_ids": tokens}, positions)
 
     def _forward(self, cache: SlotCache, inputs: dict, positions: Tensor) -> tuple[Tensor]:
-        """The decoder over every slot: inputs (S, Q), positions (S, Q) or (3, S, Q) -> hidden (S, Q, H)."""
-        mask = cache.begin(positions.shape[-1])  # (S, 1, Q, C)
+        """The decoder over slots 0..S-1: inputs (S, Q), positions (S, Q) or (3, S, Q) -> hidden (S, Q, H)."""
+        mask = cache.begin(positions.shape[-1], positions.shape[-2])  # (S, 1, Q, C)
         return (self.decoder(**inputs, attention_mask=mask, position_ids=positions,
                              **cache_argument(self.decoder, cache), use_cache=True).last_hidden_state,)
 

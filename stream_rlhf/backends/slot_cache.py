@@ -4,6 +4,7 @@ it) reads and writes in place, one slot per decoding row.
     cache = SlotCache(slots=64, capacity=128)
     cache.join(slots, prefill_cache, source_rows, prefill_mask)   # rows enter slots with their prefill
     mask = cache.begin(query_length)                              # (S, 1, Q, C) bool, inside the step
+                                                                  # (begin(q, rows): slots 0..rows-1 only)
     model(tokens, attention_mask=mask, position_ids=positions, **cache_argument(model, cache))
     cache.commit(kept)                                            # (S,) how many written positions each slot keeps
     smaller.take(cache, live_slots)                               # the live slots, compacted into a smaller bucket
@@ -48,13 +49,15 @@ class SlotLayer(DynamicLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: object,
                **kwargs: object) -> tuple[Tensor, Tensor]:
-        """key/value states (S, Hkv, Q, D) into their slots' next Q columns; the whole buffers back."""
-        slots, columns = self.cache.write_at  # (S, 1, 1), (S, 1, Q)
+        """key/value states (R, Hkv, Q, D) into their slots' next Q columns; the buffers of the
+        step's slots (0..R-1, `begin`) back."""
+        slots, columns = self.cache.write_at  # (R, 1, 1), (R, 1, Q)
         heads = torch.arange(key_states.shape[1], device=self.device)[None, :, None]  # (1, Hkv, 1)
         # an index_put: half the time of a scatter on the CPU
         self.keys.index_put_((slots, heads, columns), key_states)
         self.values.index_put_((slots, heads, columns), value_states)
-        return self.keys, self.values
+        rows = self.cache.rows
+        return self.keys[:rows], self.values[:rows]
 
     def get_seq_length(self) -> int:
         return self.cache.capacity
@@ -73,8 +76,11 @@ class SlotCache(Cache):
         self.slots, self.capacity = slots, capacity
         self.columns = torch.zeros(slots, dtype=torch.long, device=device)  # (S,) next column per slot
         self.valid = torch.zeros((slots, capacity), dtype=torch.bool, device=device)  # (S, C)
-        self.write_at = (torch.arange(slots, device=device)[:, None, None], self.columns[:, None, None])
-        """Where the layers write: slot (S, 1, 1) and column (S, 1, Q) indices, set by `begin`."""
+        self.all_slots = torch.arange(slots, device=device)[:, None, None]  # (S, 1, 1)
+        self.rows = slots
+        """The step's slots are 0..rows-1 (`begin`)."""
+        self.write_at = (self.all_slots, self.columns[:, None, None])
+        """Where the layers write: slot (R, 1, 1) and column (R, 1, Q) indices, set by `begin`."""
         self.graphs: dict[tuple, object] = {}
         """Captured steps over these buffers (`static_decode.py`), dropped when the buffers change."""
 
@@ -128,20 +134,23 @@ class SlotCache(Cache):
         self.valid[slots] = False
         self.columns[slots] = 0
 
-    def begin(self, query_length: int) -> Tensor:
-        """Before a step of `query_length` positions per slot: set where the layers write, and the
-        attention mask (S, 1, Q, C) bool (True = attend). No host synchronisation: capturable."""
+    def begin(self, query_length: int, rows: int | None = None) -> Tensor:
+        """Before a step of `query_length` positions over slots 0..rows-1 (default: every slot; the
+        others are neither read nor written): set where the layers write, and the attention mask
+        (R, 1, Q, C) bool (True = attend). No host synchronisation: capturable."""
+        self.rows = self.slots if rows is None else rows
+        columns = self.columns[:self.rows]  # (R,)
         offsets = torch.arange(query_length, device=self.columns.device)  # (Q,)
         # a finished slot may sit near the end: its writes (read by nobody) stay inside the buffers
-        written = (self.columns[:, None] + offsets).clamp(max=self.capacity - 1)  # (S, Q)
-        self.write_at = (self.write_at[0], written[:, None, :])
+        written = (columns[:, None] + offsets).clamp(max=self.capacity - 1)  # (R, Q)
+        self.write_at = (self.all_slots[:self.rows], written[:, None, :])
         position = torch.arange(self.capacity, device=self.columns.device)  # (C,)
-        own = (position >= self.columns[:, None, None]) & (position <= written[:, :, None])  # (S, Q, C)
-        return (self.valid[:, None, :] | own)[:, None]
+        own = (position >= columns[:, None, None]) & (position <= written[:, :, None])  # (R, Q, C)
+        return (self.valid[:self.rows, None, :] | own)[:, None]
 
     def commit(self, kept: Tensor) -> None:
-        """After a step: slot s keeps the first kept[s] (S,) positions it wrote."""
+        """After a step: slot s of the step's keeps the first kept[s] (R,) positions it wrote."""
         position = torch.arange(self.capacity, device=self.columns.device)  # (C,)
-        start = self.columns[:, None]
-        self.valid |= (position >= start) & (position < start + kept[:, None])
-        self.columns += kept
+        start = self.columns[:self.rows, None]
+        self.valid[:self.rows] |= (position >= start) & (position < start + kept[:, None])
+        self.columns[:self.rows] += kept

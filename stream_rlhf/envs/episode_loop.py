@@ -39,6 +39,7 @@ such images), or when `observe` raises ValueError, the episode fails as "malform
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -137,6 +138,7 @@ class EpisodeLoop:
             raise RuntimeError(f"EpisodeLoop.open: {len(self.groups)} group(s) still in flight")
         self.sampler, self.stepper, self.observe = sampler, stepper, observe
         self.free: list[int] = list(range(slots))
+        """A heap: an episode takes the lowest free slot, so the sampler's steps stay short."""
         self.live: dict[int, _Live] = {}
         """Every episode in flight, by its serial number (its key at the stepper)."""
         self.by_slot: dict[int, int] = {}
@@ -157,7 +159,7 @@ class EpisodeLoop:
                                           [0] * len(prompts), [0.0] * len(prompts)), live=len(prompts))
         self.groups.append(group)
         for i, start in enumerate(starts):
-            serial, slot = next(self.serials), self.free.pop(0)
+            serial, slot = next(self.serials), heapq.heappop(self.free)
             self.by_slot[slot] = serial
             try:
                 env = self.cfg.make()
@@ -298,4 +300,4 @@ class EpisodeLoop:
         live.group.live -= 1
         del self.by_slot[live.slot]
         self.sampler.release(live.slot)
-        self.free.append(live.slot)
+        heapq.heappush(self.free, live.slot)
