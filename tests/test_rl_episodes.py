@@ -21,8 +21,8 @@ ENV = {"factory": "tests.episode_envs:FlakyCalculator", "options": {"latency_s":
        "max_episode_tokens": 32}
 
 
-def _config(tmp_path: Path, name: str, **overrides: object) -> Path:
-    data = tiny_job(tmp_path, name, env=ENV, broker={"shm_prefix": f"e_{name}"}, **{"reward.function": None},
+def _config(tmp_path: Path, name: str, env: dict = ENV, **overrides: object) -> Path:
+    data = tiny_job(tmp_path, name, env=env, broker={"shm_prefix": f"e_{name}"}, **{"reward.function": None},
                     **{"algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2}, **overrides)
     return write_job(tmp_path / f"{name}.yaml", data)
 
