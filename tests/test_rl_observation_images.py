@@ -6,6 +6,8 @@ every sample is trained."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.test_rl_multimodal import run_multimodal
@@ -25,3 +27,7 @@ def test_a_vlm_env_job_trains_every_episode_with_its_observation_images(tmp_path
     assert 0 < rollout["images_encoded"] == episodes - rollout.get("episodes_ended.max_episode_tokens", 0)
     assert counts["vision_prefetch"]["images_encoded"] == episodes  # the prompts' images
     assert [r["iteration"] for r in records] == [0, 1] and all(r["samples"] == 16 for r in records)
+    # the sample log lists each episode's images: its prompt's, then its observation's (the same file)
+    samples = [json.loads(line) for line in (tmp_path / "observed" / "samples.jsonl").read_text().splitlines()]
+    shown = [s["images"] for s in samples if len(s["turns"]) > 1]
+    assert shown and all(len(images) == 2 and images[0] == images[1] for images in shown)

@@ -45,6 +45,8 @@ class Episode:
     """One reward per policy turn, placed on its last token."""
     observation_images: list[SampleImages] = field(default_factory=list)
     """The encoded images of the observations that had some, in token order (after the prompt's)."""
+    observation_image_paths: list[str] = field(default_factory=list)
+    """Their files, in the same order (for the sample log)."""
 
     @property
     def turns(self) -> int:
@@ -76,12 +78,15 @@ class Episode:
         self.turn_ends.append(len(self.token_ids) - 1)
         self.turn_rewards.append(0.0)
 
-    def add_observation(self, ids: list[int], images: SampleImages | None = None) -> None:
-        """Append an observation's ids; `images`: the encoded images whose pad runs `ids` holds."""
+    def add_observation(self, ids: list[int], images: SampleImages | None = None,
+                        image_paths: tuple[str, ...] = ()) -> None:
+        """Append an observation's ids; `images`: the encoded images whose pad runs `ids` holds,
+        read from `image_paths`."""
         if not self.turn_ends:
             raise ValueError("an observation must follow a policy turn")
         if images is not None:
             self.observation_images.append(images)
+            self.observation_image_paths.extend(image_paths)
         self.token_ids.extend(ids)
         self.loss_mask.extend([0] * len(ids))
         self.behavior_logp.extend([0.0] * len(ids))

@@ -274,7 +274,7 @@ class EpisodeLoop:
             self._end(serial, limit)
             return
         if ids:
-            episode.add_observation(ids, images)
+            episode.add_observation(ids, images, turn.observation.images if images is not None else ())
         if images is not None and live.images is not None:
             live.images = live.images.followed_by(images)
         live.phase = "ready"

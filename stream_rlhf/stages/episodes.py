@@ -154,7 +154,12 @@ class EpisodeRollout:
         tensors = episode_tensors(result.episodes)
         versions = [v for episode in result.episodes for v, m in zip(episode.policy_versions, episode.loss_mask) if m]
         finished = sum(ended == "done" for ended in result.ended)
-        return tensors, min(versions), {"finished": finished, EPISODES: EpisodeStats.of(result).encode()}
+        metadata = {"finished": finished, EPISODES: EpisodeStats.of(result).encode()}
+        if any(episode.observation_image_paths for episode in result.episodes):  # the prompt's, then the observations'
+            prompt_paths = batch.metadata.get(IMAGE_PATHS) or [""] * len(result.episodes)
+            metadata[IMAGE_PATHS] = ["\n".join([p for p in paths.split("\n") if p] + episode.observation_image_paths)
+                                     for paths, episode in zip(prompt_paths, result.episodes, strict=True)]
+        return tensors, min(versions), metadata
 
     def _observe(self) -> ObservationImages | None:
         """How observations' images become ids and features (None for a text model)."""

@@ -9,9 +9,10 @@ mini-batch), policy_version (that generated it), staleness (trainer version minu
 (an episode's: its return, score + turn rewards), prompt (text; a run of image tokens shows as
 <image>), response (text; an episode's observations included), tokens (each response token
 decoded on its own), logprob (behaviour log-prob per token), advantage (per token), kl (per
-token, vs the reference; null when the job has no reference), images (the prompt's image files;
-empty for text) and turns (a multi-turn episode's response as [start, end, kind] token spans,
-kind "policy" or "observation", from the handle's `loss_mask`; null for one response). At most
+token, vs the reference; null when the job has no reference), images (the prompt's image files,
+then those an episode's observations showed; empty for text) and turns (a multi-turn episode's
+response as [start, end, kind] token spans, kind "policy" or "observation", from the handle's
+`loss_mask`; null for one response). At most
 `per_minibatch` lines per mini-batch, spread evenly over it, so the file holds at most
 per_minibatch * rollout_batch.minibatches lines per iteration: opening the log cuts what it holds
 from `start_version` on (a resumed run continues from its checkpoint; a fresh one starts empty).
