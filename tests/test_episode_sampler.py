@@ -223,6 +223,37 @@ def test_release_frees_the_slot_for_a_new_episode(lm, prompts):
     assert turns.episodes == {} and not bool(turns.cache.valid.any())
 
 
+def test_a_step_covers_only_the_episodes_in_a_turn(lm, prompts):
+    """The episodes in a turn hold the cache's first rows; an episode between turns (waiting for its
+    tool) leaves the step, and its KV goes where its row goes."""
+    params = SamplingParams(temperature=0, max_new_tokens=3)  # greedy: three tokens, no stop
+    turns = sampler(lm, 4, params)
+    for key in (3, 2):  # episodes 3 and 2 first: they take rows 0 and 1
+        turns.start(TurnRequest(key, prompts[key], None, 3))
+    assert [turns.row_of[key] for key in (3, 2)] == [0, 1]
+    first = {}
+    while len(first) < 2:
+        first.update({t.key: t for t in turns.advance()})
+    turns.start(TurnRequest(0, prompts[0], None, 3))
+    turns.advance()
+    assert turns.cache.rows == 1 and turns.row_of[0] == 0  # episodes 2 and 3 wait: not in the step
+    context = torch.cat([prompts[3], first[3].ids, torch.tensor([5, 6])])
+    turns.start(TurnRequest(3, context, None, 3))  # back from its tool beside episode 0
+    assert sorted(turns.row_of[key] for key in turns.turning) == [0, 1]
+    second = {}
+    while turns.busy:
+        second.update({t.key: t for t in turns.advance()})
+    alone = sampler(lm, 1, params)  # the same two turns with no other episode
+    solo = []
+    for request in (TurnRequest(0, prompts[3], None, 3), TurnRequest(0, context, None, 3)):
+        alone.start(request)
+        while alone.busy:
+            solo += alone.advance()
+    assert [t.ids.tolist() for t in solo] == [first[3].ids.tolist(), second[3].ids.tolist()]
+    turns.close()
+    alone.close()
+
+
 def test_errors_name_the_limit(lm, prompts):
     params = SamplingParams(max_new_tokens=4)
     turns = sampler(lm, 2, params, capacity=10)

@@ -7,23 +7,25 @@ episodes, decoded together while each episode joins and leaves the batch at its 
     done = sampler.advance()     # one step: at most one sampled token per episode; the turns that ended
     sampler.release(3)
 
-Each episode owns slot `key` of one `SlotCache` for its lifetime: the slot keeps the KV of every id
-the episode has fed, so a turn feeds only the ids its slot has not seen: its whole prompt on the
-first turn, then the previous turn's last sampled token (sampled, never fed) and the observation.
-`advance` runs ONE step over the slots (eager: up to the highest in a turn; free and waiting slots
-below it are padding): each episode in a turn feeds its next ids (a decoding one
-its last token; a joining one up to the step's width Q of its new ids, right-padded: a slot commits
-only its real positions), then one token is sampled for every episode that has fed all it had, in
-key order (`torch_rollout.sample_into`: the generator is drawn from as `generate` draws it, so
-episodes that all start together sample `generate`'s tokens). An episode that samples a stop token
+Each episode owns a row of one `SlotCache` for its lifetime: the row keeps the KV of every id the
+episode has fed, so a turn feeds only the ids its row has not seen: its whole prompt on the first
+turn, then the previous turn's last sampled token (sampled, never fed) and the observation. The
+episodes in a turn hold the first rows (an episode's row trades places with another's, KV and all,
+when its turn starts or ends: `SlotCache.swap`), and an eager step covers only those rows, so
+the episodes waiting for their tools cost nothing. `advance` runs ONE step: each episode in a turn
+feeds its next ids (a decoding one its last token; a joining one up to the step's width Q of its
+new ids, right-padded: a row commits only its real positions), then one token is sampled for
+every episode that has fed all it had, in key order (`torch_rollout.sample_into`: the generator
+is drawn from as `generate` draws it, so episodes that all start together sample `generate`'s
+tokens). An episode that samples a stop token
 or its turn's `max_new_tokens`th token ends its turn (a `TurnDone`) and feeds nothing until its
-next turn starts: while it waits for its tool its slot is padding in every step, written past
-and never read, and the others decode on.
+next turn starts; the others decode on. (With a `StaticDecoder` an episode's row is its key and a
+step covers every row: a waiting episode's is padding, written past and never read.)
 
-Every slot computes Q positions in a step, so Q is chosen per step (`step_width`): the widest at
+Every row of a step computes Q positions, so Q is chosen per step (`step_width`): the widest at
 which padding is at most half the step, or which fits `free_positions` (a GPU's one-token step
 costs about the same). One episode joining with a long observation beside many decoding ones thus
-feeds it a few ids per step (its first token comes some steps later) instead of making every slot
+feeds it a few ids per step (its first token comes some steps later) instead of making every row
 compute its length; episodes joining together (the first turns) feed their prompts in one step.
 
 Positions: a text episode's ids sit at 0, 1, 2, ... (its context index); a vision-language
@@ -70,10 +72,10 @@ one-token step (an estimate, not measured here); 0 on the CPU, where every posit
 
 @dataclass
 class _Episode:
-    """What the sampler holds for one episode (its slot is its key)."""
+    """What the sampler holds for one episode (its cache row: `TorchTurnSampler.row_of`)."""
 
     ids: list[int]
-    """Every id of the episode so far; the first `fed` are in its slot, the rest wait to be fed."""
+    """Every id of the episode so far; the first `fed` are in its row, the rest wait to be fed."""
     images: SampleImages | None
     unfed_positions: Tensor | None
     """(3, len(ids) - fed) the positions of the ids not fed yet; None while decoding: the one id
@@ -111,7 +113,7 @@ class TorchTurnSampler:
     def __init__(self, model: nn.Module, slots: int, capacity: int, params: SamplingParams,
                  generator: torch.Generator | None, policy_version: int, static: StaticDecoder | None = None,
                  precision: Callable[[], AbstractContextManager] = nullcontext, free_positions: int = 0):
-        """`slots`: episodes of the mini-batch (keys 0..slots-1); `capacity`: positions per episode
+        """`slots`: episodes at once (keys 0..slots-1); `capacity`: positions per episode
         (env.max_episode_tokens): a turn starts only if its context and max_new_tokens - 1 more fit;
         `policy_version`: the model's weights' version (set it when they change: each token records
         the version that sampled it); `static`: a text model's steps over its bucket's cache;
@@ -135,6 +137,12 @@ class TorchTurnSampler:
         self.episodes: dict[int, _Episode] = {}
         self.turning: set[int] = set()
         """The episodes in a turn: each has ids to feed (its new context, or its last sampled token)."""
+        self.compact = self.static is None
+        """Eager steps: the turning episodes hold the cache's first rows and a step covers only
+        them (a static bucket's rows, under its CUDA graphs, stay where they are: row = key)."""
+        self.row_of: dict[int, int] = {}
+        """Each episode's row of the cache."""
+        self.key_at: list[int | None] = [None] * slots
         # +1: a step's padding past a slot's end is clamped to the last column, which no episode then holds
         with torch.inference_mode():
             if self.static is not None:
@@ -180,6 +188,8 @@ class TorchTurnSampler:
             if not ids:
                 raise ValueError(f"episode {key}: an empty context")
             episode = self.episodes[key] = _Episode(ids, request.images, torch.zeros((3, 0), dtype=torch.long))
+            row = self.key_at.index(None) if self.compact else key  # the rows of turning episodes are all taken
+            self.row_of[key], self.key_at[row] = row, key
         elif ids[:len(episode.ids)] != episode.ids:
             raise ValueError(f"episode {key}: the context must begin with the episode's ids so far "
                              f"({len(episode.ids)} ids: its previous context and turn)")
@@ -189,7 +199,26 @@ class TorchTurnSampler:
             episode.unfed_positions = mrope_positions(context, grid, self.model.config)[:, episode.fed:]
         else:
             episode.unfed_positions = torch.arange(episode.fed, len(ids)).expand(3, -1)
+        self._move(key, len(self.turning))  # the row after the turning ones'
         self.turning.add(key)
+
+    def _move(self, key: int, row: int) -> None:
+        """Eager steps: episode `key` trades rows with whatever holds `row`."""
+        mine = self.row_of[key]
+        if not self.compact or mine == row:
+            return
+        other = self.key_at[row]
+        with torch.inference_mode():
+            self.cache.swap(mine, row)
+        self.key_at[mine], self.key_at[row], self.row_of[key] = other, key, row
+        if other is not None:
+            self.row_of[other] = mine
+
+    def _stop_turning(self, key: int) -> None:
+        """The episode leaves the turning ones (and their first rows)."""
+        if key in self.turning:
+            self._move(key, len(self.turning) - 1)
+            self.turning.discard(key)
 
     def advance(self) -> list[TurnDone]:
         if not self.busy:
@@ -221,16 +250,17 @@ class TorchTurnSampler:
                         torch.tensor(episode.turn_logps, dtype=torch.float32), reason, min(versions),
                         torch.tensor(versions) if len(set(versions)) > 1 else None)
         episode.turn_logps, episode.turn_versions, episode.budget = [], [], 0
-        self.turning.discard(key)
+        self._stop_turning(key)
         return turn
 
     def _step(self, keys: list[int]) -> tuple[list[int], Tensor]:
-        """One step over the slots (see `advance`): each listed episode feeds its next unfed ids (`step_width` of
+        """One step (see `advance`): each listed episode feeds its next unfed ids (`step_width` of
         them at most). The episodes that fed all they had, and their logits (R, V) at their last id."""
+        keys = sorted(keys, key=self.row_of.__getitem__)  # row order: image features follow it
         episodes = [self.episodes[key] for key in keys]
-        # eager steps cover slots 0..the highest turning one (the episode loop fills the lowest
-        # free slots first); a static bucket's (its CUDA graphs') cover all, it may hold more than episodes
-        slots = self.cache.slots if self.static is not None else max(keys) + 1
+        # an eager step covers the turning episodes' rows, the first ones; a static bucket's (its
+        # CUDA graphs') all of them: it may hold more rows than episodes
+        slots = len(self.turning) if self.compact else self.cache.slots
         width = step_width([len(e.ids) - e.fed for e in episodes], slots, self.free_positions)
         tokens = torch.full((slots, width), self.params.pad_token_id, dtype=torch.long)  # (S, Q)
         positions = torch.zeros((3, slots, width), dtype=torch.long)  # (3, S, Q); padding at 0
@@ -238,7 +268,7 @@ class TorchTurnSampler:
         decoding = [key for key, episode in zip(keys, episodes) if episode.unfed_positions is None]
         last = dict.fromkeys(decoding, 0)  # the episodes that feed all they have -> their last id's column
         if decoding:  # one id each, at its next position: set for all at once
-            rows, feeding = torch.tensor(decoding), [self.episodes[key] for key in decoding]
+            rows, feeding = torch.tensor([self.row_of[key] for key in decoding]), [self.episodes[k] for k in decoding]
             tokens[rows, 0] = torch.tensor([episode.ids[-1] for episode in feeding])
             positions[:, rows, 0] = torch.tensor([episode.next_position for episode in feeding])
             kept[rows] = 1
@@ -248,10 +278,11 @@ class TorchTurnSampler:
         for key, episode in zip(keys, episodes):
             if key in last:
                 continue
+            row = self.row_of[key]
             count = min(width, len(episode.ids) - episode.fed)
             fed = episode.ids[episode.fed:episode.fed + count]
-            tokens[key, :count], positions[:, key, :count] = torch.tensor(fed), episode.unfed_positions[:, :count]
-            kept[key] = count
+            tokens[row, :count], positions[:, row, :count] = torch.tensor(fed), episode.unfed_positions[:, :count]
+            kept[row] = count
             episode.next_position = int(episode.unfed_positions[:, count - 1].max()) + 1
             episode.fed, episode.unfed_positions = episode.fed + count, episode.unfed_positions[:, count:]
             images = sum(1 for t in fed if t == self.banned) if self.vision else 0
@@ -273,7 +304,7 @@ class TorchTurnSampler:
         if not last:
             return [], hidden.new_zeros(0)
         ready = sorted(last)  # key order: the generator draws for them as `generate` does
-        rows = torch.tensor(ready, device=self.device)  # (R,)
+        rows = torch.tensor([self.row_of[key] for key in ready], device=self.device)  # (R,)
         at = torch.tensor([last[key] for key in ready], device=self.device)  # (R,)
         return ready, self.lm_head(hidden[rows, at]).float()
 
@@ -287,10 +318,12 @@ class TorchTurnSampler:
                              **cache_argument(self.decoder, cache), use_cache=True).last_hidden_state,)
 
     def release(self, key: int) -> None:
-        self.turning.discard(key)
+        self._stop_turning(key)
         if self.episodes.pop(key, None) is not None:
+            row = self.row_of.pop(key)
+            self.key_at[row] = None
             with torch.inference_mode():
-                self.cache.clear(torch.tensor([key], device=self.device))
+                self.cache.clear(torch.tensor([row], device=self.device))
 
     def close(self) -> None:
         for key in list(self.episodes):

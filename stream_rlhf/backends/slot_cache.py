@@ -27,7 +27,9 @@ Rows joining and leaving (issue 34's multi-turn episodes): `join` writes a prefi
 slots and sets their columns to the prefill's width, whatever the other slots are doing; a row
 leaves by being committed 0 from then on (its slot is free for the next join once its outputs are
 read; `clear` empties it for a row that is fed from column 0 instead: `episode_sampler.py`), and
-`take` compacts the live slots of a bucket into a smaller one when few are left.
+`take` compacts the live slots of a bucket into a smaller one when few are left; `swap` lets two
+slots trade places, so the rows a step needs can be kept first and a step cover only them
+(`begin(q, rows)`).
 """
 
 from __future__ import annotations
@@ -133,6 +135,16 @@ class SlotCache(Cache):
         """Slots `slots` (J,) empty: the next step writes them from column 0 (a new row may join)."""
         self.valid[slots] = False
         self.columns[slots] = 0
+
+    def swap(self, a: int, b: int) -> None:
+        """Slots a and b trade places: their keys, values, valid columns and next columns."""
+        pair = torch.tensor([a, b], device=self.columns.device)
+        flipped = pair.flip(0)
+        for layer in self.layers:
+            layer.keys[pair] = layer.keys[flipped]
+            layer.values[pair] = layer.values[flipped]
+        self.valid[pair] = self.valid[flipped]
+        self.columns[pair] = self.columns[flipped]
 
     def begin(self, query_length: int, rows: int | None = None) -> Tensor:
         """Before a step of `query_length` positions over slots 0..rows-1 (default: every slot; the

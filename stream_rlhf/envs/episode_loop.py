@@ -138,7 +138,7 @@ class EpisodeLoop:
             raise RuntimeError(f"EpisodeLoop.open: {len(self.groups)} group(s) still in flight")
         self.sampler, self.stepper, self.observe = sampler, stepper, observe
         self.free: list[int] = list(range(slots))
-        """A heap: an episode takes the lowest free slot, so the sampler's steps stay short."""
+        """A heap: an episode takes the lowest free slot (a group alone: slots 0..n-1 in sample order)."""
         self.live: dict[int, _Live] = {}
         """Every episode in flight, by its serial number (its key at the stepper)."""
         self.by_slot: dict[int, int] = {}
