@@ -138,13 +138,11 @@ class SlotCache(Cache):
 
     def swap(self, a: int, b: int) -> None:
         """Slots a and b trade places: their keys, values, valid columns and next columns."""
-        pair = torch.tensor([a, b], device=self.columns.device)
-        flipped = pair.flip(0)
-        for layer in self.layers:
-            layer.keys[pair] = layer.keys[flipped]
-            layer.values[pair] = layer.values[flipped]
-        self.valid[pair] = self.valid[flipped]
-        self.columns[pair] = self.columns[flipped]
+        buffers = [t for layer in self.layers for t in (layer.keys, layer.values)] + [self.valid, self.columns]
+        for buffer in buffers:  # row copies: cheaper than index_put for two rows
+            row = buffer[a].clone()
+            buffer[a] = buffer[b]
+            buffer[b] = row
 
     def begin(self, query_length: int, rows: int | None = None) -> Tensor:
         """Before a step of `query_length` positions over slots 0..rows-1 (default: every slot; the
