@@ -95,7 +95,7 @@ class Settings:
     """`--set`s of the warm start (none: the config's)."""
 
 
-FULL = Settings(name="", iterations=8, skip=1, seeds=(0, 1), eval_prompts=256)
+FULL = Settings(name="", iterations=16, skip=2, seeds=(0, 1), eval_prompts=256)
 QUICK = Settings(name="quick_", iterations=3, skip=1, seeds=(0,), eval_prompts=32, reward_sets=("iterations=3",),
                  warm_start=("model.warm_start.steps=40",))  # a warm start of its own, built in seconds
 

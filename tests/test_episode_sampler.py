@@ -168,22 +168,25 @@ def test_vision_language_turns_record_the_full_forward_logps(kind):
     assert_logps_equal_forward(vlm, contexts, logps, 0.7, images)
 
 
-@pytest.mark.parametrize(("free_positions", "steps"), [(0, 4), (64, 1)])
-def test_a_long_join_beside_decoding_episodes_feeds_a_few_ids_per_step(lm, prompts, free_positions, steps):
-    """3 episodes decode, a 12-id context joins: 3 ids per step (the widest step at most half
-    padding: 4 slots x 3 positions for 6 real ids), its one token in the 4th step; in one step when
-    4 x 12 positions are free (a GPU's)."""
+@pytest.mark.parametrize("static", [False, True])
+def test_a_long_join_beside_decoding_episodes(lm, prompts, static):
+    """3 episodes decode, a 12-id context joins. Eager: the join is a forward of its own, its
+    whole context in one step, while the decoding episodes' forward stays one position wide. A
+    static bucket (one forward over every row): 3 ids per step (the widest step at most half
+    padding: 4 rows x 3 positions for 6 real ids), its one token in the 4th step."""
     params = SamplingParams(temperature=0.7, max_new_tokens=20)
-    turns = sampler(lm, 4, params, capacity=32)
-    turns.free_positions = free_positions
+    turns = sampler(lm, 4, params, capacity=32, static=StaticDecoder(graphs=False) if static else None)
     for key in range(3):
         turns.start(TurnRequest(key, prompts[key], None, 20))
     turns.advance()
     joining = torch.cat([prompts[3], prompts[3][:3]])  # 12 ids
     turns.start(TurnRequest(3, joining, None, 1))
+    steps = 4 if static else 1
     for step in range(1, steps + 1):
+        lengths = [len(turns.episodes[key].ids) for key in range(3)]
         done = turns.advance()
         assert [t.key for t in done] == ([3] if step == steps else [])
+        assert [len(turns.episodes[key].ids) for key in range(3)] == [n + 1 for n in lengths]  # they decoded on
     assert_logps_equal_forward(lm, [torch.cat([joining, done[0].ids])], [{12: done[0].logps.item()}], 0.7)
 
 
@@ -236,7 +239,7 @@ def test_a_step_covers_only_the_episodes_in_a_turn(lm, prompts):
         first.update({t.key: t for t in turns.advance()})
     turns.start(TurnRequest(0, prompts[0], None, 3))
     turns.advance()
-    assert turns.cache.rows == 1 and turns.row_of[0] == 0  # episodes 2 and 3 wait: not in the step
+    assert turns.cache.rows == slice(0, 1) and turns.row_of[0] == 0  # episodes 2 and 3 wait: not in the step
     context = torch.cat([prompts[3], first[3].ids, torch.tensor([5, 6])])
     turns.start(TurnRequest(3, context, None, 3))  # back from its tool beside episode 0
     assert sorted(turns.row_of[key] for key in turns.turning) == [0, 1]

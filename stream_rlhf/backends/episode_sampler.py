@@ -255,30 +255,57 @@ class TorchTurnSampler:
 
     def _step(self, keys: list[int]) -> tuple[list[int], Tensor]:
         """One step (see `advance`): each listed episode feeds its next unfed ids (`step_width` of
-        them at most). The episodes that fed all they had, and their logits (R, V) at their last id."""
+        them at most). The episodes that fed all they had, in key order, and their logits (R, V)
+        at their last id. Eager: the decoding episodes (one id each) hold the first rows and the
+        joining ones the rows after them, and each group is its own forward, so no decoding row
+        is padded to a join's width; a static bucket's step covers all its rows (its CUDA graphs'),
+        row = key."""
+        if not self.compact:
+            return self._forward_rows(keys, range(self.cache.slots))
+        decoding = [key for key in keys if self.episodes[key].unfed_positions is None]
+        joining = [key for key in keys if self.episodes[key].unfed_positions is not None]
+        self._arrange(len(decoding), joining)
+        parts = [self._forward_rows(group, rows) for group, rows in
+                 ((decoding, range(len(decoding))), (joining, range(len(decoding), len(keys)))) if group]
+        ready = [key for part_ready, _ in parts for key in part_ready]
+        if len(parts) == 1 or not ready:
+            return parts[0] if len(parts) == 1 else ([], torch.empty(0))
+        order = sorted(range(len(ready)), key=ready.__getitem__)  # key order across the two groups
+        logits = torch.cat([part_logits for _, part_logits in parts])[torch.tensor(order, device=self.device)]
+        return [ready[i] for i in order], logits
+
+    def _arrange(self, decoders: int, joining: list[int]) -> None:
+        """The joining episodes to rows decoders.., the decoding ones to the rows before them."""
+        misplaced = [key for key in joining if self.row_of[key] < decoders]  # a decoding one's row is theirs
+        joiners = set(joining)
+        free = [row for row in range(decoders, decoders + len(joining)) if self.key_at[row] not in joiners]
+        for key, row in zip(misplaced, free, strict=True):
+            self._move(key, row)
+
+    def _forward_rows(self, keys: list[int], rows: range) -> tuple[list[int], Tensor]:
+        """One forward over the cache's `rows`, in which `keys` (their episodes' rows among them)
+        feed their next ids; the episodes that fed all they had, in key order, and their logits."""
         keys = sorted(keys, key=self.row_of.__getitem__)  # row order: image features follow it
         episodes = [self.episodes[key] for key in keys]
-        # an eager step covers the turning episodes' rows, the first ones; a static bucket's (its
-        # CUDA graphs') all of them: it may hold more rows than episodes
-        slots = len(self.turning) if self.compact else self.cache.slots
-        width = step_width([len(e.ids) - e.fed for e in episodes], slots, self.free_positions)
-        tokens = torch.full((slots, width), self.params.pad_token_id, dtype=torch.long)  # (S, Q)
-        positions = torch.zeros((3, slots, width), dtype=torch.long)  # (3, S, Q); padding at 0
-        kept = torch.zeros(slots, dtype=torch.long)  # (S,)
+        width = step_width([len(e.ids) - e.fed for e in episodes], len(rows), self.free_positions)
+        tokens = torch.full((len(rows), width), self.params.pad_token_id, dtype=torch.long)  # (S, Q)
+        positions = torch.zeros((3, len(rows), width), dtype=torch.long)  # (3, S, Q); padding at 0
+        kept = torch.zeros(len(rows), dtype=torch.long)  # (S,)
         decoding = [key for key, episode in zip(keys, episodes) if episode.unfed_positions is None]
         last = dict.fromkeys(decoding, 0)  # the episodes that feed all they have -> their last id's column
         if decoding:  # one id each, at its next position: set for all at once
-            rows, feeding = torch.tensor([self.row_of[key] for key in decoding]), [self.episodes[k] for k in decoding]
-            tokens[rows, 0] = torch.tensor([episode.ids[-1] for episode in feeding])
-            positions[:, rows, 0] = torch.tensor([episode.next_position for episode in feeding])
-            kept[rows] = 1
+            feeding = [self.episodes[key] for key in decoding]
+            at = torch.tensor([self.row_of[key] - rows.start for key in decoding])
+            tokens[at, 0] = torch.tensor([episode.ids[-1] for episode in feeding])
+            positions[:, at, 0] = torch.tensor([episode.next_position for episode in feeding])
+            kept[at] = 1
             for episode in feeding:
                 episode.fed, episode.next_position = episode.fed + 1, episode.next_position + 1
         features = []
         for key, episode in zip(keys, episodes):
             if key in last:
                 continue
-            row = self.row_of[key]
+            row = self.row_of[key] - rows.start
             count = min(width, len(episode.ids) - episode.fed)
             fed = episode.ids[episode.fed:episode.fed + count]
             tokens[row, :count], positions[:, row, :count] = torch.tensor(fed), episode.unfed_positions[:, :count]
@@ -295,25 +322,27 @@ class TorchTurnSampler:
         positions = (positions if self.vision else positions[0]).to(self.device)  # M-RoPE (3, S, Q) or (S, Q)
         if features:
             inputs = language_model_inputs(self.model, tokens, torch.cat(features))
-            hidden = self._forward(self.cache, inputs, positions)[0]  # (S, Q, H)
+            hidden = self._forward(self.cache, inputs, positions, rows)[0]  # (S, Q, H)
         elif self.static is not None and width == 1:
             hidden = self.static.step(self.cache, "turn", self._token_forward, tokens, positions)[0]
         else:
-            hidden = self._token_forward(self.cache, tokens, positions)[0]
+            hidden = self._token_forward(self.cache, tokens, positions, rows)[0]
         self.cache.commit(kept.to(self.device))
         if not last:
             return [], hidden.new_zeros(0)
         ready = sorted(last)  # key order: the generator draws for them as `generate` does
-        rows = torch.tensor([self.row_of[key] for key in ready], device=self.device)  # (R,)
-        at = torch.tensor([last[key] for key in ready], device=self.device)  # (R,)
-        return ready, self.lm_head(hidden[rows, at]).float()
+        at = torch.tensor([self.row_of[key] - rows.start for key in ready], device=self.device)  # (R,)
+        column = torch.tensor([last[key] for key in ready], device=self.device)  # (R,)
+        return ready, self.lm_head(hidden[at, column]).float()
 
-    def _token_forward(self, cache: SlotCache, tokens: Tensor, positions: Tensor) -> tuple[Tensor]:
-        return self._forward(cache, {"input_ids": tokens}, positions)
+    def _token_forward(self, cache: SlotCache, tokens: Tensor, positions: Tensor,
+                       rows: range | None = None) -> tuple[Tensor]:
+        return self._forward(cache, {"input_ids": tokens}, positions, rows)
 
-    def _forward(self, cache: SlotCache, inputs: dict, positions: Tensor) -> tuple[Tensor]:
-        """The decoder over slots 0..S-1: inputs (S, Q), positions (S, Q) or (3, S, Q) -> hidden (S, Q, H)."""
-        mask = cache.begin(positions.shape[-1], positions.shape[-2])  # (S, 1, Q, C)
+    def _forward(self, cache: SlotCache, inputs: dict, positions: Tensor, rows: range | None = None) -> tuple[Tensor]:
+        """The decoder over the cache's `rows` (all: None): inputs (S, Q), positions (S, Q) or
+        (3, S, Q) -> hidden (S, Q, H)."""
+        mask = cache.begin(positions.shape[-1], rows)  # (S, 1, Q, C)
         return (self.decoder(**inputs, attention_mask=mask, position_ids=positions,
                              **cache_argument(self.decoder, cache), use_cache=True).last_hidden_state,)
 

@@ -4,7 +4,7 @@ it) reads and writes in place, one slot per decoding row.
     cache = SlotCache(slots=64, capacity=128)
     cache.join(slots, prefill_cache, source_rows, prefill_mask)   # rows enter slots with their prefill
     mask = cache.begin(query_length)                              # (S, 1, Q, C) bool, inside the step
-                                                                  # (begin(q, rows): slots 0..rows-1 only)
+                                                                  # (begin(q, rows=range): those slots only)
     model(tokens, attention_mask=mask, position_ids=positions, **cache_argument(model, cache))
     cache.commit(kept)                                            # (S,) how many written positions each slot keeps
     smaller.take(cache, live_slots)                               # the live slots, compacted into a smaller bucket
@@ -28,8 +28,8 @@ slots and sets their columns to the prefill's width, whatever the other slots ar
 leaves by being committed 0 from then on (its slot is free for the next join once its outputs are
 read; `clear` empties it for a row that is fed from column 0 instead: `episode_sampler.py`), and
 `take` compacts the live slots of a bucket into a smaller one when few are left; `swap` lets two
-slots trade places, so the rows a step needs can be kept first and a step cover only them
-(`begin(q, rows)`).
+slots trade places, so the rows a step needs can be kept together and a step cover only them
+(`begin(q, rows=range(a, b))`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class SlotLayer(DynamicLayer):
         self.keys.index_put_((slots, heads, columns), key_states)
         self.values.index_put_((slots, heads, columns), value_states)
         rows = self.cache.rows
-        return self.keys[:rows], self.values[:rows]
+        return self.keys[rows], self.values[rows]
 
     def get_seq_length(self) -> int:
         return self.cache.capacity
@@ -79,8 +79,8 @@ class SlotCache(Cache):
         self.columns = torch.zeros(slots, dtype=torch.long, device=device)  # (S,) next column per slot
         self.valid = torch.zeros((slots, capacity), dtype=torch.bool, device=device)  # (S, C)
         self.all_slots = torch.arange(slots, device=device)[:, None, None]  # (S, 1, 1)
-        self.rows = slots
-        """The step's slots are 0..rows-1 (`begin`)."""
+        self.rows = slice(0, slots)
+        """The step's slots (`begin`)."""
         self.write_at = (self.all_slots, self.columns[:, None, None])
         """Where the layers write: slot (R, 1, 1) and column (R, 1, Q) indices, set by `begin`."""
         self.graphs: dict[tuple, object] = {}
@@ -144,23 +144,23 @@ class SlotCache(Cache):
             buffer[a] = buffer[b]
             buffer[b] = row
 
-    def begin(self, query_length: int, rows: int | None = None) -> Tensor:
-        """Before a step of `query_length` positions over slots 0..rows-1 (default: every slot; the
+    def begin(self, query_length: int, rows: range | None = None) -> Tensor:
+        """Before a step of `query_length` positions over the slots `rows` (default: every slot; the
         others are neither read nor written): set where the layers write, and the attention mask
         (R, 1, Q, C) bool (True = attend). No host synchronisation: capturable."""
-        self.rows = self.slots if rows is None else rows
-        columns = self.columns[:self.rows]  # (R,)
+        self.rows = slice(0, self.slots) if rows is None else slice(rows.start, rows.stop)
+        columns = self.columns[self.rows]  # (R,)
         offsets = torch.arange(query_length, device=self.columns.device)  # (Q,)
         # a finished slot may sit near the end: its writes (read by nobody) stay inside the buffers
         written = (columns[:, None] + offsets).clamp(max=self.capacity - 1)  # (R, Q)
-        self.write_at = (self.all_slots[:self.rows], written[:, None, :])
+        self.write_at = (self.all_slots[self.rows], written[:, None, :])
         position = torch.arange(self.capacity, device=self.columns.device)  # (C,)
         own = (position >= columns[:, None, None]) & (position <= written[:, :, None])  # (R, Q, C)
-        return (self.valid[:self.rows, None, :] | own)[:, None]
+        return (self.valid[self.rows, None, :] | own)[:, None]
 
     def commit(self, kept: Tensor) -> None:
         """After a step: slot s of the step's keeps the first kept[s] (R,) positions it wrote."""
         position = torch.arange(self.capacity, device=self.columns.device)  # (C,)
-        start = self.columns[:self.rows, None]
-        self.valid[:self.rows] |= (position >= start) & (position < start + kept[:, None])
-        self.columns[:self.rows] += kept
+        start = self.columns[self.rows, None]
+        self.valid[self.rows] |= (position >= start) & (position < start + kept[:, None])
+        self.columns[self.rows] += kept
