@@ -20,7 +20,8 @@ Both pin the placement (PLACEMENT: `separated`, prompts + rollout on core 0, eve
 core 1) so that the figure does not drift with what `placement: auto` picks, and evaluate on
 THROUGHPUT_EVAL_PROMPTS = 32 held-out prompts only (their eval rewards are no figure here).
 
-Figures per column, over iterations SKIP.. (the first SKIP = 1 left out: start-up):
+Figures per column, over iterations 2..15 of 16 (the first 2 left out: start-up; 16, not fewer,
+because single runs on a shared 2-core VM move by 10% or more):
 
     episode tokens/s   prompt + policy + observation tokens of those iterations' episodes
                        (actor_train's metrics.jsonl `tokens`: the packed sequences it trains on)
@@ -45,7 +46,7 @@ job without it, seeds 0 and 1, the tool at no latency:
 Each one's summary.json `eval_reward_before` / `eval_reward_after` (held-out prompts, sampled at
 the rollout temperature); the target: tool after > no_tool after, in the mean over the seeds.
 
-    .venv/bin/python bench/agentic.py              # the three columns (~4 minutes on 2 idle cores)
+    .venv/bin/python bench/agentic.py              # the three columns (~2 minutes on 2 idle cores)
     .venv/bin/python bench/agentic.py --rewards    # and the rewards: 2 x 2 full runs (~6 minutes more)
     .venv/bin/python bench/agentic.py --quick --json   # smoke: 3 iterations, a 40-step warm start
 """
