@@ -143,6 +143,7 @@ class TorchTurnSampler:
         self.row_of: dict[int, int] = {}
         """Each episode's row of the cache."""
         self.key_at: list[int | None] = [None] * slots
+        """The episode in each row (None: free)."""
         # +1: a step's padding past a slot's end is clamped to the last column, which no episode then holds
         with torch.inference_mode():
             if self.static is not None:
