@@ -23,6 +23,7 @@ against lockstep.
     .venv/bin/python bench/agentic_rollout.py            # about half a minute on 2 idle cores
     .venv/bin/python bench/agentic_rollout.py --json     # and one JSON line
     .venv/bin/python bench/agentic_rollout.py --quick    # smoke: 2 mini-batches, 1 round, a 40-step warm start
+    python bench/agentic_rollout.py --device cuda --json # on a GPU (scripts/gpu_checks.sh agentic)
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import torch
 from pipeline import progress  # bench/, beside this script
 
 from stream_rlhf.backends.decode_attention import use_decode_attention
-from stream_rlhf.backends.episode_sampler import TorchTurnSampler, episode_capacity
+from stream_rlhf.backends.episode_sampler import CUDA_FREE_POSITIONS, TorchTurnSampler, episode_capacity
+from stream_rlhf.backends.static_decode import StaticDecoder, static_decoder
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.config import load_config
 from stream_rlhf.data.chat_template import encode_prompt
@@ -80,13 +82,16 @@ def minibatches(cfg: RLJobConfig, tokenizer, count: int) -> list[MiniBatch]:
 
 
 def run_column(env: EnvConfig, model, tokenizer, params: SamplingParams, work: list[MiniBatch],
-               in_flight: int, stepper: EnvStepper) -> tuple[float, int]:
-    """(wall seconds, episode tokens) of `work` in `env` with `in_flight` mini-batches at once."""
+               in_flight: int, stepper: EnvStepper, static: StaticDecoder | None = None) -> tuple[float, int]:
+    """(wall seconds, episode tokens) of `work` in `env` with `in_flight` mini-batches at once, on
+    the model's device (`static`: the engine's decoder there, as `rollout.decode: auto` picks it)."""
     loop = EpisodeLoop(env, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                        lambda text: tokenizer.encode(text, add_special_tokens=False), params.max_new_tokens)
     size = len(work[0][1])
     capacity = max(episode_capacity(prompts, params.max_new_tokens, env.max_episode_tokens) for _, prompts in work)
-    sampler = TorchTurnSampler(model, size * in_flight, capacity, params, torch.Generator().manual_seed(0), 0)
+    device = next(model.parameters()).device
+    sampler = TorchTurnSampler(model, size * in_flight, capacity, params, torch.Generator(device).manual_seed(0), 0,
+                               static, free_positions=CUDA_FREE_POSITIONS if device.type == "cuda" else 0)
     loop.open(sampler, stepper, None, size * in_flight)
     waiting, tokens = deque(work), 0
     started = time.perf_counter()
@@ -100,14 +105,15 @@ def run_column(env: EnvConfig, model, tokenizer, params: SamplingParams, work: l
     return seconds, tokens
 
 
-def measure(quick: bool) -> dict[str, dict]:
+def measure(quick: bool, device: torch.device) -> dict[str, dict]:
     sets = [f"env.options.latency_s={LATENCY_S}", *(QUICK_SETS if quick else [])]
     cfg = load_config(RLJobConfig, REPO / CONFIG, sets)
     count, rounds = (2, 1) if quick else (MINIBATCHES, ROUNDS)
     checkpoint = warm_start(cfg)
     torch.manual_seed(cfg.seed)
-    model = load_policy(str(checkpoint)).eval()
+    model = load_policy(str(checkpoint)).eval().to(device)
     use_decode_attention(model)  # as the rollout engine does
+    static = static_decoder("auto", device, model)  # CUDA graphs on a GPU, eager on the CPU
     tokenizer = load_tokenizer(str(checkpoint))
     stops = stop_token_ids(tokenizer, cfg.rollout.stop, cfg.data.chat_template, str(checkpoint))
     params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stops,
@@ -120,7 +126,7 @@ def measure(quick: bool) -> dict[str, dict]:
             for round_ in range(rounds):
                 for column, (schedule, in_flight) in COLUMNS.items():
                     env = replace(cfg.env, schedule=schedule)
-                    seconds, tokens = run_column(env, model, tokenizer, params, work, in_flight, stepper)
+                    seconds, tokens = run_column(env, model, tokenizer, params, work, in_flight, stepper, static)
                     totals[column][0] += seconds
                     totals[column][1] += tokens
                 progress(f"round {round_ + 1}/{rounds}: " + ", ".join(
@@ -150,9 +156,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     parser.add_argument("--quick", action="store_true", help="smoke: 2 mini-batches, 1 round, a 40-step warm start")
+    parser.add_argument("--device", default="cpu", help="where the policy decodes: cpu (default) or cuda")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as a stage process on its one core
-    results = measure(args.quick)
+    results = measure(args.quick, torch.device(args.device))
     print(format_table(results))
     if args.json:
         base = results[BASELINE]["episode_tokens_per_s"]

@@ -3,7 +3,7 @@
 # root, with a Python that has this project's dependencies (`pip install -e ".[test]"`, no -c).
 #
 #     scripts/gpu_checks.sh OUT_DIR [PART ...]     PART: tests megatron sampler offload kernels weights medusa
-#                                                  jobs pipeline speed (default: all but speed)
+#                                                  jobs pipeline speed agentic (default: all but speed and agentic)
 #
 #   tests     pytest -m gpu, Triton compiled for the device (TRITON_INTERPRET=0): kernels vs
 #             references, CUDA IPC weight sync, engine offload round trip, whole jobs on cuda:0
@@ -31,6 +31,9 @@
 #             wheels in .whl/ or set TRL_PYTHON), bench/medusa.py --device cuda --model 358M, and the
 #             main job with every stage on cuda:0 and an empty Triton cache: its first and median
 #             iteration, and the slowest after the second against the median
+#   agentic   issue 34's episode engine on the GPU: bench/agentic_rollout.py --device cuda (lock-step
+#             against 1, 2 and 4 mini-batches of tool-using episodes in flight, the tool sleeping 50 ms;
+#             the tool job's warm start: carry runs/.cache)
 #
 # Each part writes OUT_DIR/<part>.log (and its --json figures as the log's last line); one failing
 # part does not stop the others; the exit status is the number of parts that failed.
@@ -112,7 +115,8 @@ run_part() {
               "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda ;;
         pipeline) "$python" bench/pipeline.py --json ;;
         speed) speed_checks ;;
-        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed" >&2
+        agentic) "$python" bench/agentic_rollout.py --device cuda --json ;;
+        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed agentic" >&2
            return 2 ;;
     esac
 }
