@@ -225,7 +225,7 @@ class TorchTurnSampler:
         if not self.busy:
             return []
         with torch.inference_mode(), self.precision():
-            keys, logits = self._step(sorted(self.turning))  # (R,) episodes that fed all they had, (R, V)
+            keys, logits = self._step(list(self.turning))  # (R,) episodes that fed all they had, (R, V)
             if not keys:
                 return []
             ids = torch.empty((len(keys), 1), dtype=torch.long, device=self.device)

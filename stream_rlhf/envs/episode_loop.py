@@ -199,7 +199,8 @@ class EpisodeLoop:
 
     def _may_start(self) -> bool:
         """Whether an episode's next turn may start now."""
-        if self.cfg.schedule == "lockstep" and (self.stepper.in_flight or self.sampler.busy or self.held):
+        # (held steps wait only while the sampler is busy: `advance` sends them once it is not)
+        if self.cfg.schedule == "lockstep" and (self.stepper.in_flight or self.sampler.busy):
             return False  # a round starts once every turn and every environment call of the last one is over
         return any(live.phase == "ready" for live in self.live.values())
 
@@ -219,17 +220,17 @@ class EpisodeLoop:
     def _on_turn(self, done: TurnDone) -> None:
         serial = self.by_slot[done.key]
         live = self.live[serial]
-        result = live.group.result
-        result.episodes[live.index].add_policy_turn(done.ids.tolist(), done.logps.tolist(), done.policy_version,
+        result, ids = live.group.result, done.ids.tolist()
+        result.episodes[live.index].add_policy_turn(ids, done.logps.tolist(), done.policy_version,
                                                     done.versions.tolist() if done.versions is not None else None)
         if live.env is None or result.ended[live.index].startswith("failed:"):  # a failed reset: the first turn only
             self._end(serial, result.ended[live.index])
             return
         live.phase = "step"
         if self.cfg.schedule == "lockstep":
-            self.held.append((serial, done.ids.tolist()))
+            self.held.append((serial, ids))
         else:
-            self._step_env(serial, done.ids.tolist())
+            self._step_env(serial, ids)
 
     def _step_env(self, serial: int, ids: list[int]) -> None:
         """The episode's turn `ids` go to its environment."""
