@@ -19,6 +19,8 @@ from stream_rlhf.backends import vllm_protocol as wire
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_client import GenerateAbandoned, VllmClient, VllmEngineError
 from stream_rlhf.backends.vllm_rollout import VllmOptions
+from stream_rlhf.backends.vllm_turns import VllmTurnSampler
+from stream_rlhf.envs.turns import TurnRequest
 from stream_rlhf.models.checkpoint import build_tiny, load_policy
 from stream_rlhf.models.model_config import TinyModelConfig
 from stream_rlhf.models.packing import sequence_logprobs
@@ -242,6 +244,7 @@ OWNER = """
 import sys, time
 from stream_rlhf.backends.vllm_client import VllmClient
 from stream_rlhf.backends.vllm_rollout import VllmOptions
+from stream_rlhf.backends.vllm_turns import VllmTurnSampler
 client = VllmClient(sys.argv[1], VllmOptions(max_model_len=64, cpu_cores=[0]), python=sys.argv[2], start_timeout_s=300)
 print("engine pid", client.process.pid, flush=True)
 time.sleep(600)
@@ -268,3 +271,38 @@ def alive(pid: int) -> bool:
     """Running, not a zombie waiting to be reaped by a parent that is gone."""
     status = Path(f"/proc/{pid}/status")
     return status.exists() and "\nState:\tZ" not in status.read_text()
+
+
+def test_more_prompt_tokens_than_one_engine_step_takes(engine, prompts):
+    """More prompt tokens than vLLM schedules in one step (its max_num_batched_tokens, 2048-4096 on
+    CPU): with chunked prefill a prompt split across steps crashes vLLM's CPU sampler (its seeded
+    generators have no offset to rewind); prompts that do not fit wait for the next step instead."""
+    many = [p for p in prompts for _ in range(12)]  # 288 prompts
+    many = [torch.cat([p] * 5)[:40] for p in many]  # ~11,500 prompt tokens
+    gen = engine.generate(many, params(), seeds=list(range(len(many))))
+    assert len(gen.response_ids) == len(many) and all(1 <= len(ids) <= 5 for ids in gen.response_ids)
+    again = engine.generate(many[:8], params(), seeds=list(range(8)))  # the engine serves on, the same tokens
+    assert all(torch.equal(a, b) for a, b in zip(gen.response_ids[:8], again.response_ids))
+
+
+def test_a_dead_engine_is_an_error_at_the_next_call_not_a_hang(checkpoint, prompts):
+    """The engine process exits (vLLM's engine core died) while a multi-turn episode's turn runs:
+    the next call raises, and closing the turn sampler and the client sends nothing and returns
+    (a send to the socket whose peer is gone blocked for good: a rollout stage hung at its close)."""
+    client = VllmClient(str(checkpoint), VllmOptions(max_model_len=64, cpu_cores=[0]), python=vllm_python(),
+                        start_timeout_s=300)
+    slept = []
+    turns = VllmTurnSampler(client, params(max_new_tokens=40), (0, "rollout", 0, 0), 64,
+                            on_close=lambda: slept.append(1))
+    turns.start(TurnRequest(0, prompts[0], None, 40))
+    turns.advance()
+    os.killpg(client.process.pid, signal.SIGKILL)
+    client.process.wait()
+    with pytest.raises(VllmEngineError, match=r"poll_turns: the vLLM engine process exited with code -9"):
+        while turns.busy:
+            turns.advance()
+    turns.close()
+    assert slept == [], "a dead engine is not put to sleep"
+    with pytest.raises(VllmEngineError, match=r"generate: the vLLM engine process exited with code -9"):
+        client.generate(prompts[:2], params(), seeds=[0, 1])
+    client.close()

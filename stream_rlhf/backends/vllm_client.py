@@ -142,7 +142,7 @@ class VllmClient:
         flat = torch.cat(prompts).to(torch.int32).numpy() if prompts else np.empty(0, "<i4")
         self._send(wire.Generate(flat.astype("<i4").tobytes(), lens, list(seeds), params.temperature,
                                  params.top_p, params.max_new_tokens, list(params.stop_token_ids),
-                                 None if images is None else [_prompt_images(i) for i in images]))
+                                 None if images is None else [_prompt_images(i) for i in images]), "generate")
         pending = self._send_in_flight(in_flight)  # updates sent and not yet answered
         generated: wire.Generated | None = None
         while generated is None or pending:
@@ -166,7 +166,7 @@ class VllmClient:
         update = in_flight() if in_flight is not None else None
         if update is None:
             return 0
-        self._send(update)
+        self._send(update, "update")
         return 1
 
     def submit_turns(self, request_ids: list[str], contexts: list[torch.Tensor], params: SamplingParams,
@@ -188,7 +188,7 @@ class VllmClient:
         cache), waiting up to about `timeout_s` for one (an engine step may overrun it); at once
         when none runs.
         Raises GenerateAbandoned within POLL_S once `stopping` is set."""
-        self._send(wire.PollTurns(timeout_s))
+        self._send(wire.PollTurns(timeout_s), "poll_turns")
         while (reply := self._receive("poll_turns", timeout_s=None, poll_s=POLL_S)) is None:
             if stopping is not None and stopping.is_set():
                 self._abandoned = True
@@ -246,14 +246,30 @@ class VllmClient:
         self.process.wait()
 
     def _request(self, request: wire.Request, what: str, timeout_s: float | None = None) -> None:
-        self._send(request)
+        self._send(request, what)
         reply = self._receive(what, timeout_s)
         if not isinstance(reply, wire.Done):
             raise VllmEngineError(f"{what}: expected Done, got {type(reply).__name__}")
         self.version = reply.version
 
-    def _send(self, request: wire.Request) -> None:
-        self._socket.send(wire.encoder.encode(request))
+    @property
+    def alive(self) -> bool:
+        """Whether the engine process still runs (a call to a dead one raises VllmEngineError)."""
+        return self.process.poll() is None
+
+    def _send(self, request: wire.Request, what: str) -> None:
+        """Send once the socket takes it; raises if the engine process has exited (a send to a
+        socket whose peer is gone would block for good)."""
+        data = wire.encoder.encode(request)
+        self._check_alive(what)
+        while not self._socket.poll(100, zmq.POLLOUT):
+            self._check_alive(what)
+        self._socket.send(data)
+
+    def _check_alive(self, what: str) -> None:
+        code = self.process.poll()
+        if code is not None:
+            raise VllmEngineError(f"{what}: the vLLM engine process exited with code {code} (its log is above)")
 
     def _receive(self, what: str, timeout_s: float | None, poll_s: float | None = None) -> wire.Reply | None:
         """The next reply; None after `poll_s` without one. Raises if the engine process exits,
@@ -261,10 +277,7 @@ class VllmClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         polled = time.monotonic()
         while not self._socket.poll(100 if poll_s is None else int(poll_s * 1000)):
-            code = self.process.poll()
-            if code is not None:
-                raise VllmEngineError(f"{what}: the vLLM engine process exited with code {code} "
-                                      "(its log is above)")
+            self._check_alive(what)
             if poll_s is not None and time.monotonic() - polled >= poll_s:
                 return None
             if deadline is not None and time.monotonic() > deadline:

@@ -99,6 +99,7 @@ class VllmRollout:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, options.cpu_cores))
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(options.kv_cache_gb)))
         from vllm import EngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
 
         vision_language = is_vision_language(checkpoint)
@@ -116,6 +117,10 @@ class VllmRollout:
             enable_prefix_caching=options.prefix_caching,
             block_size=options.block_size,
             max_num_seqs=options.max_num_seqs,
+            # a prompt chunked across steps makes vLLM's CPU sampler rewind the request's seeded
+            # generator, which CPU generators cannot do (the engine core dies): on CPU a prompt that
+            # does not fit a step's token budget waits for the next step instead
+            enable_chunked_prefill=False if current_platform.is_cpu() else None,
             seed=options.seed,
             worker_extension_cls=WORKER_EXTENSION,
             logprobs_mode="processed_logprobs",

@@ -124,15 +124,17 @@ class VllmTurnSampler:
                 del self.running[request_id]
 
     def close(self) -> None:
-        """Abort every turn left, then `on_close`; idempotent."""
+        """Abort every turn left, then `on_close`; idempotent. With the engine abandoned (it is
+        killed, not put to sleep) or dead (it failed the last call) nothing is sent to it."""
         if self.closed:
             return
         self.closed = True
         self.queued.clear()
-        if self.running and not self.abandoned:
+        reachable = not self.abandoned and self.engine.alive
+        if self.running and reachable:
             self.engine.abort_turns(list(self.running))
         self.running.clear()
-        if self.on_close is not None and not self.abandoned:  # an abandoned engine is killed, not put to sleep
+        if self.on_close is not None and reachable:
             self.on_close()
 
     def _submit(self) -> None:
