@@ -49,6 +49,7 @@ the rollout temperature); the target: tool after > no_tool after, in the mean ov
     .venv/bin/python bench/agentic.py              # the three columns (~2 minutes on 2 idle cores)
     .venv/bin/python bench/agentic.py --rewards    # and the rewards: 2 x 2 full runs (~6 minutes more)
     .venv/bin/python bench/agentic.py --quick --json   # smoke: 3 iterations, a 40-step warm start
+    .venv/bin/python bench/agentic.py --vllm .venv-vllm/bin/python   # the columns with rollout on vLLM
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ import json
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline import progress, read_jsonl, run_logged  # bench/, beside this script
@@ -94,6 +95,8 @@ class Settings:
     """--rewards: `--set`s of the reward runs (none: the config's iterations)."""
     warm_start: tuple[str, ...] = ()
     """`--set`s of the warm start (none: the config's)."""
+    rollout: tuple[str, ...] = ()
+    """`--set`s of the throughput columns' rollout engine (none: the config's, the torch sampler)."""
 
 
 FULL = Settings(name="", iterations=16, skip=2, seeds=(0, 1), eval_prompts=256)
@@ -109,7 +112,7 @@ def overrides(column: str, settings: Settings, prefix: str, seed: int = 0) -> li
     if column in COLUMNS:
         schedule = ["env.schedule=lockstep"] if column == "lockstep" else ["env.schedule=stream"]
         schedule += ["env.minibatches_in_flight=1"] if column == "stream1" else []
-        return [*sets, f"iterations={settings.iterations}", *schedule,
+        return [*sets, f"iterations={settings.iterations}", *schedule, *settings.rollout,
                 f"env.options.latency_s={LATENCY_S}", f"task.eval_prompts={THROUGHPUT_EVAL_PROMPTS}", *PLACEMENT]
     sets += [f"task.eval_prompts={settings.eval_prompts}", *settings.reward_sets]
     return sets + (NO_TOOL if column == "no_tool" else [])
@@ -164,7 +167,7 @@ def rewards(summary: dict) -> dict:
     return {"before": summary["eval_reward_before"], "after": summary["eval_reward_after"]}
 
 
-def format_table(results: dict[str, dict]) -> str:
+def format_table(results: dict[str, dict], settings: Settings) -> str:
     """The throughput columns side by side, with their ratios against the baseline."""
     base = results[BASELINE]
     rows: list[tuple[str, ...]] = [("", *results)]
@@ -185,7 +188,8 @@ def format_table(results: dict[str, dict]) -> str:
     speedup = results["stream"]["episode_tokens_per_s"] / base["episode_tokens_per_s"]
     return "\n".join([*lines, "", f"speedup (stream / {BASELINE} episode tokens/s): {speedup:.2f} "
                       f"(target >= {TARGET}: {'PASS' if speedup >= TARGET else 'MISS'}); tool latency "
-                      f"{1000 * LATENCY_S:.0f} ms per call; workload: {CONFIG} with {' '.join(PLACEMENT)}"])
+                      f"{1000 * LATENCY_S:.0f} ms per call; workload: {CONFIG} with "
+                      f"{' '.join([*settings.rollout, *PLACEMENT])}"])
 
 
 def format_rewards(columns: dict[str, list[dict]]) -> str:
@@ -202,9 +206,9 @@ def format_rewards(columns: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def figures(results: dict[str, dict], reward_columns: dict[str, list[dict]]) -> dict:
+def figures(results: dict[str, dict], reward_columns: dict[str, list[dict]], settings: Settings) -> dict:
     """The JSON line."""
-    out: dict = {"baseline": BASELINE, "latency_s": LATENCY_S,
+    out: dict = {"baseline": BASELINE, "latency_s": LATENCY_S, "rollout": "vllm" if settings.rollout else "torch",
                  "speedup": round(results["stream"]["episode_tokens_per_s"]
                                   / results[BASELINE]["episode_tokens_per_s"], 3)}
     for column, r in results.items():
@@ -224,12 +228,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rewards", action="store_true",
                         help="also eval reward with the tool against without it (2 seeds, full runs: slow)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    parser.add_argument("--vllm", metavar="PYTHON",
+                        help="the throughput columns with rollout.backend=vllm, its engine run by PYTHON (a Python "
+                             "with vLLM: .venv-vllm/bin/python here) and 32-token KV blocks")
     return parser.parse_args(argv)
+
+
+def vllm_settings(settings: Settings, python: str) -> Settings:
+    """`settings` with rollout on vLLM (runs bench_agentic_<name>vllm_<column>)."""
+    return replace(settings, name=f"{settings.name}vllm_",
+                   rollout=("rollout.backend=vllm", f"rollout.vllm.python={python}", "rollout.vllm.block_size=32"))
 
 
 def main() -> None:
     args = parse_args()
     settings = QUICK if args.quick else FULL
+    if args.vllm:
+        settings = vllm_settings(settings, args.vllm)
     prefix = f"ba{uuid.uuid4().hex[:6]}"  # this invocation's shared-memory names
     results = {}
     for column in COLUMNS:
@@ -244,12 +259,12 @@ def main() -> None:
             progress(f"{column} seed {seed}")
             run_dir = run(overrides(column, settings, prefix, seed))
             reward_columns.setdefault(column, []).append(rewards(json.loads((run_dir / "summary.json").read_text())))
-    print(format_table(results))
+    print(format_table(results, settings))
     if reward_columns:
         print()
         print(format_rewards(reward_columns))
     if args.json:
-        print(json.dumps(figures(results, reward_columns)))
+        print(json.dumps(figures(results, reward_columns, settings)))
 
 
 if __name__ == "__main__":

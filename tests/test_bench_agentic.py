@@ -29,6 +29,13 @@ def test_arguments_and_run_settings():
                 if not s.startswith(("env.schedule", "env.minibatches", "name=", "broker.shm"))]
 
     assert job("stream") == job("stream1") == job("lockstep")  # the same job but the schedule
+    args = agentic.parse_args(["--vllm", sys.executable])
+    on_vllm = agentic.vllm_settings(agentic.FULL, args.vllm)
+    vllm_stream = agentic.overrides("stream", on_vllm, "p")
+    assert {"rollout.backend=vllm", f"rollout.vllm.python={sys.executable}"} <= set(vllm_stream)
+    assert "name=bench_agentic_vllm_stream" in vllm_stream
+    cfg = load_config(RLJobConfig, REPO / agentic.CONFIG, vllm_stream)
+    assert cfg.rollout.backend == "vllm" and cfg.rollout.vllm.block_size == 32
     for column in ("tool", "no_tool"):  # the reward runs build as they are
         cfg = load_config(RLJobConfig, REPO / agentic.CONFIG, agentic.overrides(column, agentic.QUICK, "p", seed=1))
         assert cfg.seed == 1 and cfg.iterations == 3 and cfg.task.eval_prompts == 32
@@ -65,13 +72,15 @@ def test_figures_table_and_json(tmp_path):
     assert stream["episode_tokens_per_s"] == pytest.approx(2000 / 1.0)
     assert stream["minibatch_s"] == pytest.approx(0.4) and stream["rollout_busy_s_per_minibatch"] == pytest.approx(0.25)
     results = {"lockstep": lockstep, "stream1": lockstep, "stream": stream}
-    table = agentic.format_table(results)
+    table = agentic.format_table(results, agentic.FULL)
     assert "episode tokens/s" in table and "speedup (stream / lockstep episode tokens/s): 2.00" in table
     assert "PASS" in table
     rewards = {"tool": [{"before": 0.2, "after": 0.6}], "no_tool": [{"before": 0.1, "after": 0.2}]}
     assert "tool after > no_tool after: PASS" in agentic.format_rewards(rewards)
-    line = agentic.figures(results, rewards)
-    assert line["speedup"] == 2.0 and line["baseline"] == "lockstep"
+    line = agentic.figures(results, rewards, agentic.FULL)
+    assert line["speedup"] == 2.0 and line["baseline"] == "lockstep" and line["rollout"] == "torch"
+    assert agentic.figures(results, rewards, agentic.vllm_settings(agentic.FULL, "py"))["rollout"] == "vllm"
+    assert "rollout.backend=vllm" in agentic.format_table(results, agentic.vllm_settings(agentic.FULL, "py"))
     assert line["tool_eval_reward_after"] == [0.6] and line["no_tool_eval_reward_before"] == [0.1]
     json.dumps(line)
     with pytest.raises(RuntimeError, match="no iteration past the first 3"):

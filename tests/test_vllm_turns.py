@@ -7,6 +7,7 @@ updates land at turn boundaries, close aborts what runs; and a whole env job on 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,10 +106,11 @@ def sampler(engine: VllmClient, temperature: float = 1.0, stop: tuple[int, ...] 
 
 
 def run_episodes(turns: TurnSampler, prompts: list[torch.Tensor], scripts: list[Script],
-                 max_new_tokens: int = MAX_NEW_TOKENS,
-                 images: list[SampleImages] | None = None) -> tuple[list[Episode], list[TurnDone]]:
+                 max_new_tokens: int = MAX_NEW_TOKENS, images: list[SampleImages] | None = None,
+                 names: list[tuple[int | str, ...]] | None = None) -> tuple[list[Episode], list[TurnDone]]:
     """The scripted environment's episodes through `turns`, as an episode loop runs them (a
-    vision-language model's with each prompt's `images` on every turn)."""
+    vision-language model's with each prompt's `images` on every turn; each request naming its
+    episode by `names`, as a rollout stage's do: TurnRequest.episode)."""
     episodes = [Episode(p.tolist()) for p in prompts]
     due = {key: script.start_at for key, script in enumerate(scripts)}  # key -> advance its next turn starts at
     dones, step = [], 0
@@ -116,13 +118,15 @@ def run_episodes(turns: TurnSampler, prompts: list[torch.Tensor], scripts: list[
         for key in [k for k, at in due.items() if at <= step]:
             del due[key]
             context = torch.tensor(episodes[key].prompt_ids + episodes[key].token_ids)
-            turns.start(TurnRequest(key, context, None if images is None else images[key], max_new_tokens))
+            turns.start(TurnRequest(key, context, None if images is None else images[key], max_new_tokens,
+                                    () if names is None else names[key]))
         for done in turns.advance():
             episode, script = episodes[done.key], scripts[done.key]
             episode.add_policy_turn(done.ids.tolist(), done.logps.tolist(), done.policy_version)
-            episode.set_turn_reward(reward(done.key, episode.turns - 1))
+            index = done.key if names is None else names[done.key][-1]  # the script follows the episode, not its slot
+            episode.set_turn_reward(reward(index, episode.turns - 1))
             if episode.turns < script.turns:
-                episode.add_observation(observation(done.key, episode.turns - 1))
+                episode.add_observation(observation(index, episode.turns - 1))
                 due[done.key] = step + 1 + script.tool_advances
             else:
                 turns.release(done.key)
@@ -187,6 +191,19 @@ def test_an_episode_samples_the_same_whatever_the_schedule(engine, prompts):
     other_seed, _ = run_episodes(VllmTurnSampler(engine, params(), (1, "rollout", 1, 0), MAX_MODEL_LEN),
                                  prompts, STAGGERED)
     assert [e.token_ids for e in other_seed] != [e.token_ids for e in staggered]
+
+
+def test_an_episode_samples_the_same_beside_another_minibatch_in_another_slot(engine, prompts):
+    """env.minibatches_in_flight: two mini-batches' episodes share the sampler. An episode named by
+    its requests (iteration, mini-batch, index) samples the same tokens alone and beside the other
+    mini-batch's episodes in slots of its own; the other mini-batch's seeds are its own."""
+    n = len(prompts)
+    first = [(0, "rollout", 1, 0, k) for k in range(n)]
+    second = [(0, "rollout", 1, 1, k) for k in range(n)]
+    alone, _ = run_episodes(sampler(engine), prompts, STAGGERED, names=first)
+    shared, _ = run_episodes(sampler(engine), prompts * 2, TOGETHER + STAGGERED, names=second + first)
+    assert [e.token_ids for e in shared[n:]] == [e.token_ids for e in alone]
+    assert [e.token_ids for e in shared[:n]] != [e.token_ids for e in alone]
 
 
 def test_greedy_turns_match_our_forward(engine, checkpoint, prompts):
@@ -284,23 +301,32 @@ def test_in_flight_updates_land_at_turn_boundaries(engine, checkpoint, prompts, 
 
 
 @pytest.mark.timeout(600)
-def test_an_env_job_on_vllm_with_in_flight_updates_trains_every_episode(tmp_path):
-    """The calculator env job (a tool that fails for some samples) with rollout on vLLM and
-    in-flight updates: every episode is generated and trained once, failures counted by reason."""
+@pytest.mark.parametrize("update", ["in_flight", "drain"])
+def test_an_env_job_on_vllm_trains_every_episode_with_two_minibatches_in_flight(tmp_path, update):
+    """The calculator env job (a tool that fails for some samples) with rollout on vLLM, weights
+    updated in flight or between mini-batches: rollout begins a mini-batch while another's episodes
+    are in flight (env.minibatches_in_flight: 2, the default), each joining mini-batch loads the
+    newest weights, and every episode is generated and trained once, failures counted by reason."""
     env = {"factory": "tests.episode_envs:FlakyCalculator", "options": {"latency_s": 0.01}, "max_turns": 3,
            "max_episode_tokens": 32}
     iterations = 3
-    config = write_job(tmp_path / "vllm_env.yaml", tiny_job(
-        tmp_path, "vllm_env", iterations=iterations, overlap_depth=1, env=env, broker={"shm_prefix": "t_vllm_env"},
+    name = f"vllm_env_{update}"
+    config = write_job(tmp_path / f"{name}.yaml", tiny_job(
+        tmp_path, name, iterations=iterations, overlap_depth=1, env=env, broker={"shm_prefix": f"t_{name}"},
         **{"reward.function": None, "algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2,
            "rollout.backend": "vllm", "rollout.vllm": {"python": vllm_python(), "block_size": 32},
-           "weights": {"update": "in_flight"}}))
+           "weights": {"update": update}}))
     summary = run(tmp_path, config)
     assert summary["iterations"] == iterations
     assert summary["samples_generated"] == summary["samples_trained"] == iterations * 2 * 16
     assert summary["samples_dropped"] == 0 and summary["max_staleness"] <= 1  # rollout took every version
     assert summary["episodes"]["count"] >= summary["samples_trained"]
     assert summary["episodes_failed"].get("raised", 0) > 0
-    records = read_metrics(tmp_path / "vllm_env" / "metrics.jsonl")
+    records = read_metrics(tmp_path / name / "metrics.jsonl")
     assert [r["iteration"] for r in records] == list(range(iterations))
     assert all(r["turns_per_episode"] >= 1 for r in records)
+    steps = sorted((e["ts"], e["ts"] + e["dur"], e["args"]["iteration"], e["args"]["minibatch"])
+                   for e in json.loads((tmp_path / name / "trace.json").read_text())["traceEvents"]
+                   if e.get("ph") == "X" and e.get("cat") == "step" and e["args"].get("stage") == "rollout")
+    assert sorted((i, m) for _, _, i, m in steps) == [(i, m) for i in range(iterations) for m in range(2)]
+    assert any(b[0] < a[1] for a, b in zip(steps, steps[1:])), steps  # one began before the one before ended

@@ -3,7 +3,7 @@
     engine = ROLLOUT_ENGINES[cfg.rollout.backend] -> import_dotted(...)(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)     # Generated: responses, version, metadata
     sampler = engine.turn_sampler(batch, params, slots, capacity)   # multi-turn episodes (envs/turns.py)
-    engine.join_turns(sampler)                        # the next mini-batch's episodes join it
+    engine.join_turns(sampler, batch)                 # the next mini-batch's episodes join it
     features = engine.encode_images(pixel_values, grid_thw)   # an observation's images (env jobs)
     engine.close()
 
@@ -56,10 +56,9 @@ class RolloutEngine(Protocol):
         once, `capacity` positions each (the torch engine's slot cache). The newest weights it can
         load are loaded first; the caller closes it once its episodes have all ended."""
 
-    def join_turns(self, sampler: TurnSampler) -> None:
-        """Before another mini-batch's episodes join the open `sampler`: load the newest weights
-        (every token sampled after records their version). ValueError where the engine takes one
-        mini-batch's episodes at a time (`env.minibatches_in_flight`)."""
+    def join_turns(self, sampler: TurnSampler, batch: Batch) -> None:
+        """Before `batch`'s episodes join the open `sampler` (`env.minibatches_in_flight`): load the
+        newest weights (every token sampled after records its version)."""
 
     def encode_images(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
         """Image features, one (tokens_i, W) per image, of the images an episode's observation shows

@@ -6,7 +6,7 @@ policy model in the rollout process, on its rank's device; speculative with Medu
     engine = TorchRolloutEngine(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
     sampler = engine.turn_sampler(batch, params, slots, capacity)   # multi-turn episodes: TorchTurnSampler
-    engine.join_turns(sampler)      # another mini-batch's episodes join: the newest weights (episode_sampler.py)
+    engine.join_turns(sampler, batch)   # another mini-batch's episodes join: the newest weights (episode_sampler.py)
     features = engine.encode_images(pixel_values, grid_thw)   # an observation's images: the policy's own tower
 
 Before each mini-batch it loads the newest policy version (`RolloutWeights.refresh_model`): every
@@ -81,9 +81,10 @@ class TorchRolloutEngine:
                                 self.static, precision=lambda: autocast(self.device, precision),
                                 free_positions=CUDA_FREE_POSITIONS if self.device.type == "cuda" else 0)
 
-    def join_turns(self, sampler: TorchTurnSampler) -> None:
-        """The newest weights, loaded between two decode steps: the turns in progress go on with
-        them (the slots keep the KV their earlier tokens made), and every token records its version."""
+    def join_turns(self, sampler: TorchTurnSampler, batch: Batch) -> None:
+        """Before `batch`'s episodes join: the newest weights, loaded between two decode steps. The
+        turns in progress go on with them (the slots keep the KV their earlier tokens made), and
+        every token records its version."""
         self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
         sampler.policy_version = self.policy_version
 

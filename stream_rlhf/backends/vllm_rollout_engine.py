@@ -79,6 +79,8 @@ class VllmRolloutEngine:
         weights.join_engine(self.engine)
         self.in_flight = job.config.weights.update == "in_flight"
         self.sleeping = False
+        self.last_batch: Batch | None = None
+        """The mini-batch whose episodes joined the open turn sampler last."""
 
     def generate(self, batch: Batch, prompts: list[Tensor], params: SamplingParams) -> Generated:
         """The responses, stamped with the oldest policy version that sampled a token of them."""
@@ -95,19 +97,23 @@ class VllmRolloutEngine:
         return Generated(gen, oldest, token_versions=gen.token_versions if self.in_flight else None)
 
     def turn_sampler(self, batch: Batch, params: SamplingParams, slots: int, capacity: int) -> VllmTurnSampler:
-        """The sampler of a mini-batch's multi-turn episodes (`vllm_turns.py`), with the newest
-        weights loaded first; in-flight updates land at turn boundaries. `slots` and `capacity`
-        are the torch engine's (vLLM's own scheduler and rollout.vllm.max_model_len hold these)."""
+        """The sampler of a mini-batch's multi-turn episodes (`vllm_turns.py`), and of those of the
+        mini-batches that `join_turns` while it is open, with the newest weights loaded first;
+        in-flight updates land at turn boundaries. `slots` and `capacity` are the torch engine's
+        (vLLM's own scheduler and rollout.vllm.max_model_len hold these). Once it closes, the
+        engine sleeps if the last mini-batch begun was an iteration's last (`rollout.vllm.sleep`)."""
         self._refresh()
+        self.last_batch = batch
         return VllmTurnSampler(self.engine, params, (self.job.config.seed, "rollout", batch.iteration, batch.minibatch),
                                self.options.max_model_len, self._in_flight_update if self.in_flight else None,
-                               self.stopping, on_close=lambda: self._after(batch))
+                               self.stopping, on_close=lambda: self._after(self.last_batch))
 
-    def join_turns(self, sampler: VllmTurnSampler) -> None:
-        """Refused: this engine runs one mini-batch's episodes at a time (its scheduler batches
-        their turns itself), so `env.minibatches_in_flight` counts as 1 here."""
-        raise ValueError("rollout.backend=vllm runs one mini-batch's episodes at a time "
-                         "(env.minibatches_in_flight applies to rollout.backend=torch)")
+    def join_turns(self, sampler: VllmTurnSampler, batch: Batch) -> None:
+        """`batch`'s episodes join the open sampler: vLLM's scheduler batches their turns with
+        those in flight. The newest weights are loaded at the next turn boundary, before their
+        first turn (new turns wait for the running ones to end meanwhile)."""
+        self.last_batch = batch
+        sampler.join(self.weights.engine_update(self.engine.version))
 
     def encode_images(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
         """Refused: images in observations run on rollout.backend=torch only (its rollout process

@@ -15,14 +15,18 @@ rest (whole KV blocks only: `rollout.vllm.block_size`, 128 tokens on CPU by defa
 the smallest; `cached_tokens` counts the hits). A vision-language model's turns carry their
 episode's prompt image features each time, as `generate` does, placeholders cut the same way.
 
-Seeds: turn t of episode `key` samples with a seed drawn from (job seed, "rollout", iteration,
-mini-batch, key, t): an episode samples the same tokens whatever the order and company of its turns.
+Seeds: turn t of an episode samples with a seed drawn from (TurnRequest.episode, t), in a rollout
+stage (job seed, "rollout", iteration, mini-batch, index in the mini-batch, t); a request that
+names no episode stands for (job seed, "rollout", iteration, mini-batch of the sampler, key). An
+episode samples the same tokens whatever the order and company of its turns, and whichever slot
+it holds when several mini-batches' episodes share the sampler (`join`).
 
-Weight updates: the engine loads the newest version before the mini-batch's first turn
-(`VllmRolloutEngine.turn_sampler`). With `weights.update: in_flight`, `pending_update` is asked
-at every `advance`; once it offers one, new turns are held until the running ones end, then the
-update is loaded and they go. So an update lands at a turn boundary, each turn is sampled by one
-version (its TurnDone.policy_version), and the prefix cache can be reset with nothing running.
+Weight updates: the engine loads the newest version before the first mini-batch's first turn
+(`VllmRolloutEngine.turn_sampler`) and as each later one joins (`join`). With `weights.update:
+in_flight`, `pending_update` is also asked at every `advance`. An update offered either way is
+held: new turns wait until the running ones end, then the update is loaded and they go. So an
+update lands at a turn boundary, each turn is sampled by one version (its
+TurnDone.policy_version), and the prefix cache can be reset with nothing running.
 """
 
 from __future__ import annotations
@@ -67,8 +71,11 @@ class VllmTurnSampler:
         """Turns started and not yet sent: request id, seed, request."""
         self.running: dict[str, int] = {}
         """Turns sent to the engine and not ended: request id -> episode key."""
-        self.turns_started: dict[int, int] = {}
-        """Episode key -> turns started (the next turn's index)."""
+        self.turns_started: dict[tuple[int | str, ...], int] = {}
+        """Episode (TurnRequest.episode) -> turns started (the next turn's index)."""
+        self.named: dict[int, tuple[int | str, ...]] = {}
+        """Slot -> the episode it holds, for those named by their requests (forgotten at `release`)."""
+        self.request_numbers = count()
         self.held_update: Update | None = None
         """An update waiting for the running turns to end; no turn is sent meanwhile."""
         self.closed = False
@@ -85,10 +92,13 @@ class VllmTurnSampler:
             raise ValueError(f"episode {request.key}: {len(request.context)} context + {request.max_new_tokens} new "
                              f"tokens exceed rollout.vllm.max_model_len={self.max_model_len} (keep "
                              "env.max_episode_tokens within it)")
-        turn = self.turns_started.get(request.key, 0)
-        self.turns_started[request.key] = turn + 1
-        seed = int(torch.randint(0, 2**62, (1,), generator=seeded_generator(*self.seed_parts, request.key, turn)))
-        self.queued.append((f"s{self.serial}.{request.key}.{turn}", seed, request))
+        episode = request.episode or (*self.seed_parts, request.key)
+        if request.episode:
+            self.named[request.key] = request.episode
+        turn = self.turns_started.get(episode, 0)
+        self.turns_started[episode] = turn + 1
+        seed = int(torch.randint(0, 2**62, (1,), generator=seeded_generator(*episode, turn)))
+        self.queued.append((f"s{self.serial}.{request.key}.{next(self.request_numbers)}", seed, request))
 
     def advance(self) -> list[TurnDone]:
         self._update_at_turn_boundary()
@@ -110,13 +120,22 @@ class VllmTurnSampler:
                                  int(versions.min()) if len(versions) else self.engine.version))
         return done
 
+    def join(self, update: Update | None) -> None:
+        """Another mini-batch's episodes join: `update` (the newest weights, if newer than the
+        engine's) is loaded at the next turn boundary, before any of their turns is sent."""
+        if update is not None:
+            self.held_update = update
+
     @property
     def busy(self) -> bool:
         return bool(self.queued or self.running)
 
     def release(self, key: int) -> None:
-        """Drop a turn of episode `key` still queued or running (none once the loop saw it end)."""
+        """Drop a turn of episode `key` still queued or running (none once the loop saw it end);
+        its slot may take another episode."""
         self.queued = [q for q in self.queued if q[2].key != key]
+        if (episode := self.named.pop(key, None)) is not None:
+            del self.turns_started[episode]
         dropped = [request_id for request_id, k in self.running.items() if k == key]
         if dropped:
             self.engine.abort_turns(dropped)
@@ -147,10 +166,8 @@ class VllmTurnSampler:
         self.context_tokens += sum(len(r.context) for r in requests)
 
     def _update_at_turn_boundary(self) -> None:
-        """In-flight updates: hold the update offered, and load it once no turn runs."""
-        if self.pending_update is None:
-            return
-        if self.held_update is None:
+        """Hold the update offered (by `join`, or in flight), and load it once no turn runs."""
+        if self.held_update is None and self.pending_update is not None:
             self.held_update = self.pending_update()
         if self.held_update is not None and not self.running:
             update, self.held_update = self.held_update, None

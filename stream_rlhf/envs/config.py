@@ -49,8 +49,7 @@ class EnvConfig:
     mini-batch's episodes wait for their tools, the next one's decode in the same batch, and a
     mini-batch is published as soon as its own episodes end. Each one that joins loads the newest
     weights (its tokens, and those of turns then in progress, record the version that sampled
-    them). `lockstep`, and rollout.backend=vllm (whose scheduler batches a mini-batch's turns
-    itself), run one at a time."""
+    them; vLLM loads them at the next turn boundary). `lockstep` runs one at a time."""
     workers: Annotated[int, Meta(ge=1)] = 16
     """Threads that run sync environments' calls; at least the episodes in flight, so that one
     slow tool never waits for another."""

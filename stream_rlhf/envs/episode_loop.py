@@ -94,6 +94,8 @@ class _Group:
     result: EpisodeResult
     live: int
     """Episodes not over yet."""
+    seed_parts: tuple[int | str, ...]
+    """Its episodes' identity before their index (TurnRequest.episode); empty: none given."""
     tools_running: int = 0
     """Environment calls of this group's episodes in progress."""
 
@@ -151,12 +153,14 @@ class EpisodeLoop:
         return len(self.free)
 
     def add(self, tag: Hashable, starts: list[EpisodeStart], prompts: list[Tensor],
-            images: list[SampleImages] | None) -> None:
-        """A group's episodes join: each takes a free slot and its environment resets."""
+            images: list[SampleImages] | None, seed_parts: tuple[int | str, ...] = ()) -> None:
+        """A group's episodes join: each takes a free slot and its environment resets. `seed_parts`
+        name the group for samplers that seed each turn (TurnRequest.episode: they and the index)."""
         if len(prompts) > len(self.free):
             raise ValueError(f"EpisodeLoop.add: {len(prompts)} episodes, {len(self.free)} free slots")
         group = _Group(tag, EpisodeResult([Episode(prompt_ids=p.tolist()) for p in prompts], [""] * len(prompts),
-                                          [0] * len(prompts), [0.0] * len(prompts)), live=len(prompts))
+                                          [0] * len(prompts), [0.0] * len(prompts)), live=len(prompts),
+                       seed_parts=seed_parts)
         self.groups.append(group)
         for i, start in enumerate(starts):
             serial, slot = next(self.serials), heapq.heappop(self.free)
@@ -214,7 +218,8 @@ class EpisodeLoop:
             # an observation is appended only below the limit, so only a first turn can find no room
             budget = max(1, min(self.max_new_tokens, self.cfg.max_episode_tokens - episode.num_tokens))
             context = torch.tensor(episode.prompt_ids + episode.token_ids, dtype=torch.long)
-            self.sampler.start(TurnRequest(live.slot, context, live.images, budget))
+            identity = (*live.group.seed_parts, live.index) if live.group.seed_parts else ()
+            self.sampler.start(TurnRequest(live.slot, context, live.images, budget, identity))
             live.phase = "turn"
 
     def _on_turn(self, done: TurnDone) -> None:

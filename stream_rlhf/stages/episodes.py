@@ -77,8 +77,8 @@ class EpisodeRollout:
             raise ValueError("EpisodeRollout: the job has no env section")
         self.tokenizer, self.params, self.engine, self.log = tokenizer, params, engine, log
         self.max_episode_tokens = cfg.max_episode_tokens
-        pooled = cfg.schedule == "stream" and job.config.rollout.backend == "torch"
-        self.in_flight = cfg.minibatches_in_flight if pooled else 1
+        self.seed = job.config.seed
+        self.in_flight = cfg.minibatches_in_flight if cfg.schedule == "stream" else 1
         """Mini-batches whose episodes run at once (the rollout stage's inputs in flight)."""
         self.loop = EpisodeLoop(cfg, self._decode, self._encode, params.max_new_tokens)
         self.stepper = EnvStepper(cfg.step_timeout_s, cfg.workers)
@@ -142,11 +142,12 @@ class EpisodeRollout:
                 self.capacity = capacity
                 self.loop.open(self.sampler, self.stepper, self._observe(), slots)
             elif self.loop.free_slots >= len(first.prompts) and capacity <= self.capacity:
-                self.engine.join_turns(self.sampler)
+                self.engine.join_turns(self.sampler, first.batch)
             else:
                 return
             self.waiting.popleft()
-            self.loop.add(first.batch, self._starts(first.batch, first.prompts), first.prompts, first.images)
+            self.loop.add(first.batch, self._starts(first.batch, first.prompts), first.prompts, first.images,
+                          (self.seed, "rollout", first.batch.iteration, first.batch.minibatch))
 
     def _handle(self, batch: Batch, result: EpisodeResult) -> tuple[dict[str, Tensor], int, dict[str, Any]]:
         for failure in result.failures[:MAX_FAILURES_LOGGED]:

@@ -62,8 +62,8 @@ class RolloutStage(Stage):
         self.weights.announced = max(self.weights.announced, version)
 
     def inputs_in_flight(self) -> int:
-        """Mini-batches worked on at once: env.minibatches_in_flight for episodes under `stream` on
-        the torch engine (`stages/episodes.py`), else one."""
+        """Mini-batches worked on at once: env.minibatches_in_flight for episodes under `stream`
+        (`stages/episodes.py`), else one."""
         return self.episodes.in_flight if self.episodes is not None else 1
 
     def step(self, batch: Batch | None) -> list[Output]:
