@@ -8,6 +8,11 @@ updates land at turn boundaries, close aborts what runs; and a whole env job on 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +36,10 @@ from stream_rlhf.telemetry.metrics import read_metrics
 from stream_rlhf.weights.shm_store import WeightStore
 from stream_rlhf.weights.transport import Link, groups_folder
 from tests.rl_tiny import tiny_job, write_job
+from tests.test_rl_job import wait_for_iterations
 from tests.test_rl_vllm import run
 from tests.test_vllm_rollout import perturbed
-from tests.vllm_env import vllm_python
+from tests.vllm_env import REPO, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPTS = ["12+7=", "3+4=", "55+1=", "9+90=", "1+1=", "70+8="]
@@ -330,3 +336,35 @@ def test_an_env_job_on_vllm_trains_every_episode_with_two_minibatches_in_flight(
                    if e.get("ph") == "X" and e.get("cat") == "step" and e["args"].get("stage") == "rollout")
     assert sorted((i, m) for _, _, i, m in steps) == [(i, m) for i in range(iterations) for m in range(2)]
     assert any(b[0] < a[1] for a, b in zip(steps, steps[1:])), steps  # one began before the one before ended
+
+@pytest.mark.timeout(600)
+def test_an_env_job_whose_vllm_engine_dies_restarts_rollout_and_trains_every_episode(tmp_path):
+    """The vLLM engine process dies mid-run (killed here; vLLM's engine core has died of its own
+    bugs): rollout's next call to it fails at once, the instance exits instead of hanging, the
+    launcher restarts it with a new engine, and every episode is trained once."""
+    env = {"factory": "tests.episode_envs:FlakyCalculator", "options": {"latency_s": 0.01}, "max_turns": 3,
+           "max_episode_tokens": 32}
+    iterations = 12  # the kill lands mid-run on a fast machine too
+    config = write_job(tmp_path / "vllm_dies.yaml", tiny_job(
+        tmp_path, "vllm_dies", iterations=iterations, overlap_depth=1, env=env, broker={"shm_prefix": "t_vllm_dies"},
+        **{"reward.function": None, "algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2,
+           "rollout.backend": "vllm", "rollout.vllm": {"python": vllm_python(), "block_size": 32},
+           "restarts": {"rollout": 1}}))
+    log = tmp_path / "vllm_dies.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "stream_rlhf.cli", "run", str(config)], stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+    try:
+        wait_for_iterations(process, log, tmp_path / "vllm_dies" / "metrics.jsonl", 2, timeout_s=300)
+        engine_pid = int(re.findall(r"vLLM engine ready in \S+ \(pid (\d+)", log.read_text())[0])
+        os.killpg(engine_pid, signal.SIGKILL)  # the engine leads a process group: vLLM's processes with it
+        assert process.wait(timeout=400) == 0, log.read_text()[-4000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert re.search(r"the vLLM engine process exited with code -9", text), text[-4000:]
+    assert "rollout-0 exited with 1: restarting it in " in text, text[-4000:]
+    assert len(re.findall(r"vLLM engine ready in ", text)) == 2  # the new instance's engine
+    summary = json.loads((tmp_path / "vllm_dies" / "summary.json").read_text())
+    assert summary["iterations"] == iterations and summary["samples_trained"] == iterations * 2 * 16
