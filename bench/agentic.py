@@ -16,8 +16,8 @@ same seed and warm start, so the same model and prompts (runs/bench_agentic_<col
                mini-batch's episodes wait for their tools the next one's decode, and each
                mini-batch is published as soon as its own episodes have ended
 
-Both pin the placement (PLACEMENT: `separated`, prompts + rollout on core 0, every other stage on
-core 1) so that the figure does not drift with what `placement: auto` picks, and evaluate on
+All pin the placement (PLACEMENT: `separated`; on the CPU prompts + rollout on core 0, every other
+stage on core 1) so that the figure does not drift with what `placement: auto` picks, and evaluate on
 THROUGHPUT_EVAL_PROMPTS = 32 held-out prompts only (their eval rewards are no figure here).
 
 Figures per column, over iterations 2..15 of 16 (the first 2 left out: start-up; 16, not fewer,
@@ -50,6 +50,7 @@ the rollout temperature); the target: tool after > no_tool after, in the mean ov
     .venv/bin/python bench/agentic.py --rewards    # and the rewards: 2 x 2 full runs (~6 minutes more)
     .venv/bin/python bench/agentic.py --quick --json   # smoke: 3 iterations, a 40-step warm start
     .venv/bin/python bench/agentic.py --vllm .venv-vllm/bin/python   # the columns with rollout on vLLM
+    python bench/agentic.py --device cuda --json   # every torch stage on cuda:0 (scripts/gpu_checks.sh agentic)
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ COLUMNS = ("lockstep", "stream1", "stream")
 LATENCY_S = 0.05
 TARGET = 2.0
 """stream / lockstep episode tokens/s expected."""
-PLACEMENT = ["placement.mode=separated", "placement.with_rollout=[]", "placement.device_groups={}",
-             "placement.rollout_cores=[0]", "placement.train_cores=[1]"]
+PLACEMENT = ["placement.mode=separated", "placement.with_rollout=[]", "placement.device_groups={}"]
+CPU_CORES = ["placement.rollout_cores=[0]", "placement.train_cores=[1]"]
+"""On the CPU (not with --device cuda): rollout's core and the other stages' core."""
 THROUGHPUT_EVAL_PROMPTS = 32
 """The throughput columns' evaluations (not part of their figures) are kept short."""
 NO_TOOL = ["env=null", "reward.function=stream_rlhf.data.arithmetic:reward", "task.tool_fraction=0"]
@@ -97,6 +99,13 @@ class Settings:
     """`--set`s of the warm start (none: the config's)."""
     rollout: tuple[str, ...] = ()
     """`--set`s of the throughput columns' rollout engine (none: the config's, the torch sampler)."""
+    device: str = "cpu"
+    """`placement.device` of the throughput columns (cuda: every torch stage on cuda:0)."""
+
+    @property
+    def placement(self) -> list[str]:
+        """The throughput columns' pinned placement."""
+        return [*PLACEMENT, *(CPU_CORES if self.device == "cpu" else [f"placement.device={self.device}"])]
 
 
 FULL = Settings(name="", iterations=16, skip=2, seeds=(0, 1), eval_prompts=256)
@@ -112,8 +121,8 @@ def overrides(column: str, settings: Settings, prefix: str, seed: int = 0) -> li
     if column in COLUMNS:
         schedule = ["env.schedule=lockstep"] if column == "lockstep" else ["env.schedule=stream"]
         schedule += ["env.minibatches_in_flight=1"] if column == "stream1" else []
-        return [*sets, f"iterations={settings.iterations}", *schedule, *settings.rollout,
-                f"env.options.latency_s={LATENCY_S}", f"task.eval_prompts={THROUGHPUT_EVAL_PROMPTS}", *PLACEMENT]
+        return [*sets, f"iterations={settings.iterations}", *schedule, *settings.rollout, *settings.placement,
+                f"env.options.latency_s={LATENCY_S}", f"task.eval_prompts={THROUGHPUT_EVAL_PROMPTS}"]
     sets += [f"task.eval_prompts={settings.eval_prompts}", *settings.reward_sets]
     return sets + (NO_TOOL if column == "no_tool" else [])
 
@@ -189,7 +198,7 @@ def format_table(results: dict[str, dict], settings: Settings) -> str:
     return "\n".join([*lines, "", f"speedup (stream / {BASELINE} episode tokens/s): {speedup:.2f} "
                       f"(target >= {TARGET}: {'PASS' if speedup >= TARGET else 'MISS'}); tool latency "
                       f"{1000 * LATENCY_S:.0f} ms per call; workload: {CONFIG} with "
-                      f"{' '.join([*settings.rollout, *PLACEMENT])}"])
+                      f"{' '.join([*settings.rollout, *settings.placement])}"])
 
 
 def format_rewards(columns: dict[str, list[dict]]) -> str:
@@ -209,6 +218,7 @@ def format_rewards(columns: dict[str, list[dict]]) -> str:
 def figures(results: dict[str, dict], reward_columns: dict[str, list[dict]], settings: Settings) -> dict:
     """The JSON line."""
     out: dict = {"baseline": BASELINE, "latency_s": LATENCY_S, "rollout": "vllm" if settings.rollout else "torch",
+                 "device": settings.device,
                  "speedup": round(results["stream"]["episode_tokens_per_s"]
                                   / results[BASELINE]["episode_tokens_per_s"], 3)}
     for column, r in results.items():
@@ -228,6 +238,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rewards", action="store_true",
                         help="also eval reward with the tool against without it (2 seeds, full runs: slow)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="placement.device of the throughput columns (cuda: scripts/gpu_checks.sh agentic)")
     parser.add_argument("--vllm", metavar="PYTHON",
                         help="the throughput columns with rollout.backend=vllm, its engine run by PYTHON (a Python "
                              "with vLLM: .venv-vllm/bin/python here) and 32-token KV blocks")
@@ -245,6 +257,8 @@ def main() -> None:
     settings = QUICK if args.quick else FULL
     if args.vllm:
         settings = vllm_settings(settings, args.vllm)
+    if args.device != "cpu":
+        settings = replace(settings, name=f"{settings.name}{args.device}_", device=args.device)
     prefix = f"ba{uuid.uuid4().hex[:6]}"  # this invocation's shared-memory names
     results = {}
     for column in COLUMNS:

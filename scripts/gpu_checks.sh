@@ -31,9 +31,10 @@
 #             wheels in .whl/ or set TRL_PYTHON), bench/medusa.py --device cuda --model 358M, and the
 #             main job with every stage on cuda:0 and an empty Triton cache: its first and median
 #             iteration, and the slowest after the second against the median
-#   agentic   issue 34's episode engine on the GPU: bench/agentic_rollout.py --device cuda (lock-step
-#             against 1, 2 and 4 mini-batches of tool-using episodes in flight, the tool sleeping 50 ms;
-#             the tool job's warm start: carry runs/.cache)
+#   agentic   issue 34 on the GPU, 150 + 300 s at most: bench/agentic_rollout.py --device cuda (the episode
+#             engine alone: lock-step against 1, 2 and 4 mini-batches of tool-using episodes in flight, the
+#             tool sleeping 50 ms), then bench/agentic.py --device cuda (the issue's benchmark: the tool job's
+#             three columns with every torch stage on cuda:0); the tool job's warm start: carry runs/.cache
 #
 # Each part writes OUT_DIR/<part>.log (and its --json figures as the log's last line); one failing
 # part does not stop the others; the exit status is the number of parts that failed.
@@ -115,7 +116,9 @@ run_part() {
               "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda ;;
         pipeline) "$python" bench/pipeline.py --json ;;
         speed) speed_checks ;;
-        agentic) "$python" bench/agentic_rollout.py --device cuda --json ;;
+        agentic) timeout 150 "$python" bench/agentic_rollout.py --device cuda --json;
+                 local engine=$?
+                 timeout 300 "$python" bench/agentic.py --device cuda --json && [ $engine -eq 0 ] ;;
         *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed agentic" >&2
            return 2 ;;
     esac

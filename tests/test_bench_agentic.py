@@ -36,6 +36,11 @@ def test_arguments_and_run_settings():
     assert "name=bench_agentic_vllm_stream" in vllm_stream
     cfg = load_config(RLJobConfig, REPO / agentic.CONFIG, vllm_stream)
     assert cfg.rollout.backend == "vllm" and cfg.rollout.vllm.block_size == 32
+    assert "placement.rollout_cores=[0]" in vllm_stream  # on the CPU: rollout and the rest on a core each
+    on_gpu = agentic.overrides("stream", agentic.replace(agentic.FULL, device="cuda"), "p")
+    assert "placement.device=cuda" in on_gpu and not any(s.startswith("placement.rollout_cores") for s in on_gpu)
+    assert load_config(RLJobConfig, REPO / agentic.CONFIG, on_gpu).placement.device == "cuda"
+    assert agentic.parse_args(["--device", "cuda"]).device == "cuda"
     for column in ("tool", "no_tool"):  # the reward runs build as they are
         cfg = load_config(RLJobConfig, REPO / agentic.CONFIG, agentic.overrides(column, agentic.QUICK, "p", seed=1))
         assert cfg.seed == 1 and cfg.iterations == 3 and cfg.task.eval_prompts == 32
@@ -79,6 +84,7 @@ def test_figures_table_and_json(tmp_path):
     assert "tool after > no_tool after: PASS" in agentic.format_rewards(rewards)
     line = agentic.figures(results, rewards, agentic.FULL)
     assert line["speedup"] == 2.0 and line["baseline"] == "lockstep" and line["rollout"] == "torch"
+    assert line["device"] == "cpu"
     assert agentic.figures(results, rewards, agentic.vllm_settings(agentic.FULL, "py"))["rollout"] == "vllm"
     assert "rollout.backend=vllm" in agentic.format_table(results, agentic.vllm_settings(agentic.FULL, "py"))
     assert line["tool_eval_reward_after"] == [0.6] and line["no_tool_eval_reward_before"] == [0.1]
