@@ -15,6 +15,7 @@ from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
 from stream_rlhf.envs.episode import OBSERVATION_VERSION, Episode, limit_reached
 from stream_rlhf.envs.stepper import EnvStepper
+from tests.waiting import wait_for
 
 START = EpisodeStart(prompt="123+456+789=", reference="579,1368")
 
@@ -118,6 +119,42 @@ def test_stepper_returns_turns_and_names_each_failure_without_raising():
     assert "expected envs.environment.Turn" in outcomes["not a turn"].failure.message
     assert "reward=nan" in outcomes["nan reward"].failure.message
     assert all(o.turn is None for key, o in outcomes.items() if key != "ok")
+
+
+class WaitsForTheOthers(Scripted):
+    """A sync tool whose step returns only once `barrier.parties` steps are inside it at once."""
+
+    def __init__(self, barrier: threading.Barrier):
+        super().__init__([Turn(None, reward=1.0, done=True)])
+        self.barrier = barrier
+
+    def step(self, text: str, token_ids: list[int]) -> Turn:
+        self.barrier.wait(timeout=30)
+        return super().step(text, token_ids)
+
+
+@pytest.mark.parametrize("workers", [None, 8])
+def test_sync_calls_get_a_thread_per_episode_in_flight_unless_workers_says_otherwise(workers):
+    """env.workers null (the default): as many threads as episodes in flight, so all 40 sync tool
+    calls run at once; with env.workers=8 only 8 do, and the rest wait for a thread."""
+    episodes = 40
+    cfg = EnvConfig(factory="stream_rlhf.envs.calculator:Calculator", workers=workers)
+    threads = cfg.threads(episodes)
+    assert threads == (workers or episodes)
+    stepper = EnvStepper(step_timeout_s=60, workers=threads)
+    barrier = threading.Barrier(episodes)
+    try:
+        for key in range(episodes):
+            stepper.step(key, WaitsForTheOthers(barrier), "calc:1+2", [7])
+        if threads < episodes:  # the threads are all inside, the other calls queued behind them
+            wait_for(lambda: barrier.n_waiting == threads, 30, f"{threads} calls in the tool")
+            assert stepper.poll() == [] and barrier.n_waiting == threads
+            barrier.abort()
+        outcomes = drain(stepper, episodes)
+    finally:
+        barrier.abort()
+        stepper.close()
+    assert {o.failure.reason if o.failure else None for o in outcomes} == ({None} if workers is None else {"raised"})
 
 
 def test_a_reset_that_returns_something_is_malformed():

@@ -40,7 +40,7 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
                        lambda text: tokenizer.encode(text, add_special_tokens=False), params.max_new_tokens)
     capacity = episode_capacity(prompts, params.max_new_tokens, env.max_episode_tokens)
     sampler = TorchTurnSampler(model, len(prompts), capacity, params, generator, 0, static)
-    stepper = EnvStepper(env.step_timeout_s, env.workers)
+    stepper = EnvStepper(env.step_timeout_s, env.threads(len(prompts)))
     try:
         result = loop.run(starts, prompts, images, sampler, stepper, _observe(cfg, model, tokenizer))
     finally:

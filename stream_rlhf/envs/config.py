@@ -50,14 +50,19 @@ class EnvConfig:
     mini-batch is published as soon as its own episodes end. Each one that joins loads the newest
     weights (its tokens, and those of turns then in progress, record the version that sampled
     them; vLLM loads them at the next turn boundary). `lockstep` runs one at a time."""
-    workers: Annotated[int, Meta(ge=1)] = 16
-    """Threads that run sync environments' calls; at least the episodes in flight, so that one
-    slow tool never waits for another."""
+    workers: Annotated[int, Meta(ge=1)] | None = None
+    """Threads that run sync environments' calls (`async def` ones need none); null: one per
+    episode in flight (a rollout instance's mini-batch episodes x minibatches_in_flight), so that
+    no call waits for a thread while another sleeps in its tool. Threads start as calls need them."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         if not callable(import_dotted(self.factory, "env.factory")):
             raise ConfigError(f"env.factory={self.factory!r}: not callable (expected a class or function)")
+
+    def threads(self, episodes_in_flight: int) -> int:
+        """Threads for sync calls where `episodes_in_flight` episodes may call at once (`workers`)."""
+        return self.workers or episodes_in_flight
 
     def make(self) -> Environment:
         """A fresh environment for one episode."""

@@ -81,7 +81,9 @@ class EpisodeRollout:
         self.in_flight = cfg.minibatches_in_flight if cfg.schedule == "stream" else 1
         """Mini-batches whose episodes run at once (the rollout stage's inputs in flight)."""
         self.loop = EpisodeLoop(cfg, self._decode, self._encode, params.max_new_tokens)
-        self.stepper = EnvStepper(cfg.step_timeout_s, cfg.workers)
+        batch = job.config.rollout_batch
+        self.stepper = EnvStepper(cfg.step_timeout_s,
+                                  cfg.threads(batch.prompts_per_minibatch * batch.samples_per_prompt * self.in_flight))
         self.sampler: TurnSampler | None = None
         self.capacity = 0
         """Positions per slot of the open sampler."""
