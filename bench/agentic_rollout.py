@@ -119,7 +119,8 @@ def measure(quick: bool, device: torch.device) -> dict[str, dict]:
     params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stops,
                             tokenizer.pad_token_id)
     work = minibatches(cfg, tokenizer, count)
-    stepper = EnvStepper(cfg.env.step_timeout_s, cfg.env.workers * 4)  # calls of 4 mini-batches at once
+    episodes = cfg.rollout_batch.prompts_per_minibatch * cfg.rollout_batch.samples_per_prompt
+    stepper = EnvStepper(cfg.env.step_timeout_s, cfg.env.threads(episodes * 4))  # calls of 4 mini-batches at once
     totals = {column: [0.0, 0] for column in COLUMNS}
     try:
         with torch.inference_mode():
