@@ -344,7 +344,7 @@ def test_an_env_job_whose_vllm_engine_dies_restarts_rollout_and_trains_every_epi
     launcher restarts it with a new engine, and every episode is trained once."""
     env = {"factory": "tests.episode_envs:FlakyCalculator", "options": {"latency_s": 0.01}, "max_turns": 3,
            "max_episode_tokens": 32}
-    iterations = 12  # the kill lands mid-run on a fast machine too
+    iterations = 6  # rollout runs at most overlap_depth ahead: iterations 4 and 5 need the new engine
     config = write_job(tmp_path / "vllm_dies.yaml", tiny_job(
         tmp_path, "vllm_dies", iterations=iterations, overlap_depth=1, env=env, broker={"shm_prefix": "t_vllm_dies"},
         **{"reward.function": None, "algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2,

@@ -3,6 +3,7 @@
     engine = VllmRolloutEngine(job, weights, images, ctx)
     out = engine.generate(batch, prompts, params)   # Generated (backends/rollout_engine.py)
     sampler = engine.turn_sampler(batch, params, slots, capacity)   # multi-turn episodes (vllm_turns.py)
+    engine.join_turns(sampler, batch)               # another mini-batch's episodes join them
     engine.close()
 
 Weight updates (`weights.update`):
@@ -14,6 +15,10 @@ Weight updates (`weights.update`):
                 staleness bound holds for every token. Multi-turn episodes take an update
                 at a turn boundary instead: new turns wait for the running ones to end
                 (each turn is sampled by one version), and prefix caching stays on.
+Episodes of several mini-batches share the engine (`env.minibatches_in_flight`): each one that
+joins loads the newest version at the next turn boundary, under either policy, so the later turns
+of the episodes already running take it too (each turn records its version).
+
 With `rollout.vllm.sleep`, the engine sleeps after an iteration's last mini-batch (releasing its
 KV cache and weights while training runs on the same device) and wakes for the next one,
 weights first, then the new version, then the KV cache (a no-op on CPU, where vLLM has no sleep
