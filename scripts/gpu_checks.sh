@@ -3,7 +3,7 @@
 # root, with a Python that has this project's dependencies (`pip install -e ".[test]"`, no -c).
 #
 #     scripts/gpu_checks.sh OUT_DIR [PART ...]     PART: tests megatron sampler offload kernels weights medusa
-#                                                  jobs pipeline speed agentic (default: all but speed and agentic)
+#                                                  jobs pipeline speed agentic sharing (default: all but the last three)
 #
 #   tests     pytest -m gpu, Triton compiled for the device (TRITON_INTERPRET=0): kernels vs
 #             references, CUDA IPC weight sync, engine offload round trip, whole jobs on cuda:0
@@ -35,6 +35,9 @@
 #             engine alone: lock-step against 1, 2 and 4 mini-batches of tool-using episodes in flight, the
 #             tool sleeping 50 ms), then bench/agentic.py --device cuda (the issue's benchmark: the tool job's
 #             three columns with every torch stage on cuda:0); the tool job's warm start: carry runs/.cache
+#   sharing   issue 32 item 5, 420 s at most: bench/gpu_sharing.py (the main job on cuda:0 as separate
+#             processes, in two device groups, and under a CUDA MPS server started for it: iteration time and
+#             nvidia-smi device memory, contexts included; the fastest and the leanest named)
 #
 # Each part writes OUT_DIR/<part>.log (and its --json figures as the log's last line); one failing
 # part does not stop the others; the exit status is the number of parts that failed.
@@ -119,7 +122,8 @@ run_part() {
         agentic) timeout 150 "$python" bench/agentic_rollout.py --device cuda --json;
                  local engine=$?
                  timeout 300 "$python" bench/agentic.py --device cuda --json && [ $engine -eq 0 ] ;;
-        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed agentic" >&2
+        sharing) timeout 420 "$python" bench/gpu_sharing.py --iterations 6 --json ;;
+        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed agentic sharing" >&2
            return 2 ;;
     esac
 }
