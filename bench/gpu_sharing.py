@@ -219,6 +219,8 @@ def main() -> None:
         progress(f"{column}: {args.iterations} iterations (runs/bench_gpu_sharing_{column}.log)")
         try:
             with mps_server() if column == "mps" else contextlib.nullcontext({}) as env:
+                if env:
+                    progress(f"{column}: the MPS server's log goes to {env['CUDA_MPS_LOG_DIRECTORY']} (kept)")
                 results[column] = run_column(column, overrides[column], env)
         except (MpsUnavailable, RuntimeError) as exc:
             if not isinstance(exc, MpsUnavailable) and column != "mps":
