@@ -45,14 +45,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import offload  # bench/, beside this script: the device groups
-from pipeline import mean_iteration_s, progress, run_logged
+from pipeline import mean_iteration_s, progress
 
 from stream_rlhf.config import load_config
 from stream_rlhf.rl.config import RLJobConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = offload.REPO
 CONFIG = offload.CONFIG
-RUNS_DIR = REPO / "runs"
 COLUMNS = ("separate", "groups", "mps")
 SKIP = 2
 SAMPLE_S = 0.5
@@ -148,15 +147,12 @@ def mps_server(control: str | None = None) -> Iterator[dict[str, str]]:
                        timeout=60, check=False)
 
 
-def run_column(column: str, overrides: list[str], env: dict[str, str]) -> dict:
-    """One run of the column: its figures (module docstring)."""
-    name = f"bench_gpu_sharing_{column}"
-    command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
-    RUNS_DIR.mkdir(exist_ok=True)
+def run_column(overrides: list[str], prefix: str, env: dict[str, str]) -> dict:
+    """One run of a column (bench/offload.py's runner: nothing may be left in /dev/shm): its figures."""
     memory = DeviceMemoryPeak()
-    run_logged(command, RUNS_DIR / f"{name}.log", env, watch=memory.watch)
-    summary = json.loads((RUNS_DIR / name / "summary.json").read_text())
-    return {"iteration_s": mean_iteration_s(RUNS_DIR / name, SKIP), "device_mb": memory.job_mb,
+    run_dir = offload.run_column(overrides, prefix, env, watch=memory.watch)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"iteration_s": mean_iteration_s(run_dir, SKIP), "device_mb": memory.job_mb,
             "processes": (summary.get("memory") or {}).get("processes", 0), "tokens_per_s": summary["tokens_per_s"]}
 
 
@@ -221,7 +217,7 @@ def main() -> None:
             with mps_server() if column == "mps" else contextlib.nullcontext({}) as env:
                 if env:
                     progress(f"{column}: the MPS server's log goes to {env['CUDA_MPS_LOG_DIRECTORY']} (kept)")
-                results[column] = run_column(column, overrides[column], env)
+                results[column] = run_column(overrides[column], prefix, env)
         except (MpsUnavailable, RuntimeError) as exc:
             if not isinstance(exc, MpsUnavailable) and column != "mps":
                 raise

@@ -62,6 +62,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -165,15 +166,17 @@ def run_name(column: str, settings: Settings) -> str:
 # ---- running -----------------------------------------------------------------------------------
 
 
-def run_column(overrides: list[str], prefix: str, env: dict[str, str]) -> Path:
-    """One `stream-rlhf run` subprocess with `env` added to this environment; returns its run
-    folder. Fails when the run does, or when it left anything of its own in /dev/shm."""
+def run_column(overrides: list[str], prefix: str, env: dict[str, str],
+               watch: Callable[[int], Callable[[], None]] | None = None) -> Path:
+    """One `stream-rlhf run` subprocess with `env` added to this environment (and `watch`, as
+    run_logged takes it); returns its run folder. Fails when the run does, or when it left anything
+    of its own in /dev/shm."""
     name = next(o for o in overrides if o.startswith("name=")).removeprefix("name=")
     log_path = RUNS_DIR / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     before = shm_entries()
-    run_logged(command, log_path, env, timeout_s=RUN_TIMEOUT_S)
+    run_logged(command, log_path, env, watch, timeout_s=RUN_TIMEOUT_S)
     assert_nothing_left(before, prefix, name)
     return RUNS_DIR / name
 

@@ -32,7 +32,7 @@ from stream_rlhf.backends.static_sampler import sample
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
-from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.seeding import rollout_seed, seeded_generator
 from stream_rlhf.stage import Batch, StageContext
 
 if TYPE_CHECKING:  # the rollout stage's own objects, passed in: stages/ is above the engines
@@ -58,7 +58,7 @@ class TorchRolloutEngine:
 
     def generate(self, batch: Batch, prompts: list[Tensor], params: SamplingParams) -> Generated:
         self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
-        generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch,
+        generator = seeded_generator(*rollout_seed(self.job.config.seed, batch.iteration, batch.minibatch),
                                      device=self.device)
         with autocast(self.device, self.job.config.precision):
             if self.speculation is not None:
@@ -74,7 +74,7 @@ class TorchRolloutEngine:
         does. Medusa heads are not used for turns. One sampler at a time, and no `generate` while
         it is open: with a static decoder they share its bucket's cache."""
         self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
-        generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch,
+        generator = seeded_generator(*rollout_seed(self.job.config.seed, batch.iteration, batch.minibatch),
                                      device=self.device)
         precision = self.job.config.precision
         return TorchTurnSampler(self.model, slots, capacity, params, generator, self.policy_version,

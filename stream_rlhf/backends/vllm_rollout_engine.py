@@ -44,7 +44,7 @@ from stream_rlhf.backends.vllm_protocol import Update
 from stream_rlhf.backends.vllm_rollout import VllmOptions
 from stream_rlhf.backends.vllm_turns import VllmTurnSampler
 from stream_rlhf.models.checkpoint import max_positions
-from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.seeding import rollout_seed, seeded_generator
 from stream_rlhf.stage import Batch, StageContext, StepAborted
 
 if TYPE_CHECKING:  # the rollout stage's own objects, passed in: stages/ is above the engines
@@ -90,7 +90,7 @@ class VllmRolloutEngine:
     def generate(self, batch: Batch, prompts: list[Tensor], params: SamplingParams) -> Generated:
         """The responses, stamped with the oldest policy version that sampled a token of them."""
         self._refresh()
-        generator = seeded_generator(self.job.config.seed, "rollout", batch.iteration, batch.minibatch)
+        generator = seeded_generator(*rollout_seed(self.job.config.seed, batch.iteration, batch.minibatch))
         seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
         try:
             gen = self.engine.generate(prompts, params, seeds, self._in_flight_update if self.in_flight else None,
@@ -109,9 +109,10 @@ class VllmRolloutEngine:
         engine sleeps if the last mini-batch begun was an iteration's last (`rollout.vllm.sleep`)."""
         self._refresh()
         self.last_batch = batch
-        return VllmTurnSampler(self.engine, params, (self.job.config.seed, "rollout", batch.iteration, batch.minibatch),
-                               self.options.max_model_len, self._in_flight_update if self.in_flight else None,
-                               self.stopping, on_close=lambda: self._after(self.last_batch))
+        seed_parts = rollout_seed(self.job.config.seed, batch.iteration, batch.minibatch)
+        return VllmTurnSampler(self.engine, params, seed_parts, self.options.max_model_len,
+                               self._in_flight_update if self.in_flight else None, self.stopping,
+                               on_close=lambda: self._after(self.last_batch))
 
     def join_turns(self, sampler: VllmTurnSampler, batch: Batch) -> None:
         """`batch`'s episodes join the open sampler: vLLM's scheduler batches their turns with

@@ -47,6 +47,7 @@ from stream_rlhf.envs.observation_images import ObservationImages
 from stream_rlhf.envs.stepper import EnvStepper
 from stream_rlhf.envs.turns import TurnSampler
 from stream_rlhf.samples import SampleImages
+from stream_rlhf.seeding import rollout_seed
 from stream_rlhf.stage import Batch
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.topics import REWARD_KWARGS
@@ -149,7 +150,7 @@ class EpisodeRollout:
                 return
             self.waiting.popleft()
             self.loop.add(first.batch, self._starts(first.batch, first.prompts), first.prompts, first.images,
-                          (self.seed, "rollout", first.batch.iteration, first.batch.minibatch))
+                          rollout_seed(self.seed, first.batch.iteration, first.batch.minibatch))
 
     def _handle(self, batch: Batch, result: EpisodeResult) -> tuple[dict[str, Tensor], int, dict[str, Any]]:
         for failure in result.failures[:MAX_FAILURES_LOGGED]:
