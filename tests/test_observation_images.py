@@ -3,7 +3,7 @@ loop and torch turn sampler over a tiny Qwen2-VL whose environment shows images 
 observation. Every policy token's behaviour log-prob is what the trainer's packed forward of the
 finished episode, with the merged images, recomputes; the rollout handle carries the observation
 images so that `ImageInputs.of` and `Experience` give each episode's whole image list; a text
-policy or rollout.backend=vllm fails such an episode as "malformed"."""
+policy, or observations past env.max_observation_images, fail such an episode as "malformed"."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from PIL import Image
 
 from stream_rlhf.backends.episode_sampler import TorchTurnSampler
 from stream_rlhf.backends.torch_rollout import SamplingParams
-from stream_rlhf.backends.vllm_rollout_engine import VllmRolloutEngine
 from stream_rlhf.broker.control.messages import Handle
 from stream_rlhf.config import build
 from stream_rlhf.data.images import ImageSpec, load_image
@@ -27,6 +26,7 @@ from stream_rlhf.envs.episode_loop import EpisodeLoop, EpisodeResult
 from stream_rlhf.envs.observation_images import ObservationImages
 from stream_rlhf.envs.stepper import EnvStepper
 from stream_rlhf.experience import Experience
+from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.packing import sequence_logprobs
 from stream_rlhf.models.vision_language import encode_images
 from stream_rlhf.rl.config import RLJobConfig
@@ -66,7 +66,7 @@ def spec(vlm: torch.nn.Module) -> ImageSpec:
     return ImageSpec.from_vision_config(vlm.config.vision_config, min_pixels=256, max_pixels=2048)
 
 
-def run_episodes(vlm: torch.nn.Module, env: dict, observe: ObservationImages | None
+def run_episodes(vlm: torch.nn.Module, env: dict, observe: ObservationImages | None, max_observation_images: int = 4
                  ) -> tuple[EpisodeResult, list[torch.Tensor], list[SampleImages]]:
     """Three episodes (prompt images: one, none, two) in `tests.episode_envs:ShowsImage` with `env`'s
     options; the result, the prompts and the prompts' encoded images."""
@@ -74,7 +74,8 @@ def run_episodes(vlm: torch.nn.Module, env: dict, observe: ObservationImages | N
     samples = [make_sample(g, [2, 3], [(1, 4, 4)]), make_sample(g, [4], []),
                make_sample(g, [1, 2, 2], [(1, 4, 4), (1, 4, 6)])]
     prompts, images = [s.input_ids for s in samples], [encode(vlm, s) for s in samples]
-    cfg = EnvConfig(factory="tests.episode_envs:ShowsImage", options=env, max_turns=3, max_episode_tokens=96)
+    cfg = EnvConfig(factory="tests.episode_envs:ShowsImage", options=env, max_turns=3, max_episode_tokens=96,
+                    max_observation_images=max_observation_images)
     loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
                        lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
     sampler = TorchTurnSampler(vlm, 3, 96, PARAMS, torch.Generator().manual_seed(0), policy_version=2)
@@ -145,18 +146,39 @@ def test_text_episodes_add_no_image_fields(vlm):
     assert not any(name.startswith("episode_image") for name in episode_tensors(result.episodes))
 
 
-@pytest.mark.parametrize("refusal", ["text policy", "vllm"])
-def test_an_engine_without_observation_images_fails_the_episode_as_malformed(vlm, pictures, refusal):
-    observe = None
-    if refusal == "vllm":
-        engine = VllmRolloutEngine.__new__(VllmRolloutEngine)  # its refusal needs no server
-        observe = ObservationImages(TOKENIZER, spec(vlm), (START, IMAGE, END), engine.encode_images)
-    result, _, _ = run_episodes(vlm, {"images": pictures}, observe)
-    assert result.ended == ["failed:malformed"] * 3
+@pytest.mark.parametrize("refusal", ["text policy", "past the limit"])
+def test_an_observation_the_rollout_cannot_take_fails_the_episode_as_malformed(vlm, pictures, refusal):
+    """A text policy's rollout has no `observe`; two images in an episode limited to one are too many
+    (counted before anything is read or encoded)."""
+    encoded = []
+    observe = None if refusal == "text policy" else ObservationImages(
+        TOKENIZER, spec(vlm), (START, IMAGE, END), lambda pixel_values, grid: encoded.append(grid) or [])
+    result, _, _ = run_episodes(vlm, {"images": pictures}, observe, max_observation_images=1)
+    assert result.ended == ["failed:malformed"] * 3 and not encoded
     assert [e.turns for e in result.episodes] == [1] * 3  # the turn before the observation is kept
-    expected = "rollout.backend=vllm" if refusal == "vllm" else "need a vision-language policy"
-    assert all(expected in failure for failure in result.failures)
+    expected = ("need a vision-language policy" if refusal == "text policy"
+                else "would show 2 images, more than env.max_observation_images=1")
+    assert all(expected in failure for failure in result.failures), result.failures
     assert not any(name.startswith("episode_image") for name in episode_tensors(result.episodes))
+
+
+def test_a_stage_without_the_policy_encodes_observation_images_with_a_tower_loaded_at_first_use(vlm, pictures,
+                                                                                                 tmp_path):
+    """vLLM's rollout holds no policy: `ImageInputs.encode` loads the checkpoint's frozen vision tower
+    at its first call, gives the policy's own features, and counts each image; a text job's refuses."""
+    save_checkpoint(vlm, TOKENIZER, tmp_path / "vlm")
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "obs", **VISION))
+    counts = StageCounts(str(tmp_path), "rollout", "rollout-0", write=False)
+    images = ImageInputs(JobContext(cfg, str(tmp_path / "vlm"), "unused", vision_language=True), counts)
+    assert images.tower is None  # the vision stage encodes the prompts' images: nothing loaded yet
+    own = [load_image(path, spec(vlm)) for path in pictures]
+    pixel_values, grid = torch.cat([im.pixel_values for im in own]), torch.stack([im.grid_thw for im in own])
+    for got, expected in zip(images.encode(pixel_values, grid), encode_images(vlm, pixel_values, grid), strict=True):
+        torch.testing.assert_close(got, expected)
+    assert counts.values == {"images_encoded": 2, "encoder_calls": 1}
+    text = ImageInputs(JobContext(cfg, "unused", "unused", vision_language=False), counts)
+    with pytest.raises(ValueError, match="the policy is a text model"):
+        text.encode(pixel_values, grid)
 
 
 def test_an_observation_text_must_place_every_image_or_none(vlm, pictures):

@@ -25,7 +25,9 @@ weights first, then the new version, then the KV cache (a no-op on CPU, where vL
 mode).
 
 A vision-language model's prompts go with the image features of the input handle
-(`stages/images.py`, as the torch backend reads them): vLLM takes them as image embeddings.
+(`stages/images.py`, as the torch backend reads them): vLLM takes them as image embeddings. So do
+the images an episode's observations show, encoded in this process (`encode_images`); a turn may
+hold data.max_images_per_prompt + env.max_observation_images of them.
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ def engine_options(job: JobContext, max_model_len: int) -> VllmOptions:
         max_num_seqs=cfg.max_num_seqs,
         cpu_cores=None if torch.cuda.is_available() else sorted(os.sched_getaffinity(0)),
         seed=job.config.seed,
-        max_images_per_prompt=job.config.data.max_images_per_prompt,
+        # an episode's turn holds its prompt's images and its observations'
+        max_images_per_prompt=job.config.data.max_images_per_prompt + (
+            job.config.env.max_observation_images if job.config.env is not None else 0),
         block_size=cfg.block_size,
     )
 
@@ -122,9 +126,11 @@ class VllmRolloutEngine:
         sampler.join(self.weights.engine_update(self.engine.version))
 
     def encode_images(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
-        """Refused: images in observations run on rollout.backend=torch only (its rollout process
-        holds the vision tower; this engine's vision tower is in its server process)."""
-        raise ValueError("rollout.backend=vllm takes no images in observations (use rollout.backend=torch)")
+        """An observation's images through a frozen copy of the policy's vision tower that this
+        rollout process loads at the first such image (vLLM's own tower, in the engine process, is
+        never run: every turn sends vLLM its episode's features as image embeddings); counted as
+        `images_encoded` of this stage. ValueError for a text model."""
+        return self.images.encode(pixel_values, grid_thw)
 
     def _refresh(self) -> None:
         """Before a mini-batch: wake the engine if it sleeps, and load the newest version."""

@@ -36,6 +36,10 @@ class EnvConfig:
     max_episode_tokens: Annotated[int, Meta(ge=1)] = 512
     """Prompt, policy and observation tokens of one episode; it ends (reason max_episode_tokens)
     when a turn reaches the limit."""
+    max_observation_images: Annotated[int, Meta(ge=0)] = 4
+    """Images the observations of one episode may show in all (a vision-language policy); an
+    observation that would pass it fails the episode as "malformed". rollout.backend=vllm takes
+    data.max_images_per_prompt + this many images per turn."""
     step_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     """Seconds one reset or step may take; past it the episode fails with reason "timeout"."""
     schedule: Literal["stream", "lockstep"] = "stream"

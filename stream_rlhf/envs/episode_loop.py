@@ -33,8 +33,8 @@ policy's answer to the prompt), so every episode has at least one policy turn an
 An observation with images (a vision-language policy) goes through `observe`
 (`envs/observation_images.py`: its ids with each image's pad run, and the images' features); the
 episode's images are then its prompt's followed by its observations', in token order, and every
-later turn's request carries them all. Without `observe` (a text policy, an engine that takes no
-such images), or when `observe` raises ValueError, the episode fails as "malformed".
+later turn's request carries them all. Without `observe` (a text policy), past
+`env.max_observation_images`, or when `observe` raises ValueError, the episode fails as "malformed".
 """
 
 from __future__ import annotations
@@ -292,8 +292,12 @@ class EpisodeLoop:
         if not observation.images:
             return self.encode(observation.text), None
         if self.observe is None or live.images is None:
-            raise ValueError("this rollout takes no images in observations (they need a vision-language "
-                             "policy on rollout.backend=torch)")
+            raise ValueError("this rollout takes no images in observations (they need a vision-language policy)")
+        episode = live.group.result.episodes[live.index]
+        shown = sum(len(images.grid_thw) for images in episode.observation_images) + len(observation.images)
+        if shown > self.cfg.max_observation_images:
+            raise ValueError(f"the episode's observations would show {shown} images, more than "
+                             f"env.max_observation_images={self.cfg.max_observation_images}")
         return self.observe(observation)
 
     def _fail(self, live: _Live, reason: str, message: str) -> None:

@@ -21,8 +21,9 @@ handle holds, per sample, the prompt and every token after it (policy turns and 
 A vision-language job's observations may show images (`envs/observation_images.py`): they are read
 and patched as the dataset's images are (the model folder's preprocessor settings, `data.min_pixels`
 / `data.max_pixels`) and encoded by the rollout engine's own vision tower (`encode_images`: the
-torch engine holds the whole policy, so a mid-episode image needs no round trip through the vision
-stage, and each image is still encoded once); the handle carries them after the prompt's images.
+torch engine holds the whole policy, vLLM's rollout loads the frozen tower at the first such image;
+a mid-episode image needs no round trip through the vision stage, and each image is still encoded
+once); the handle carries them after the prompt's images.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ forwards and the trainers read that handle (`ImageInputs.of`) and never run the 
 `vision.prefetch: false` they get the prompt source's handle instead and run the tower themselves,
 counting each call.
 
-An `env` job's episodes may add images in their observations: the rollout encodes those (its
-policy holds the vision tower, `envs/observation_images.py`) and its handle carries them as
+An `env` job's episodes may add images in their observations: the rollout encodes those (the
+torch engine with its policy's vision tower, vLLM's through `ImageInputs.encode`, a tower loaded in
+the rollout process at the first such image; `envs/observation_images.py`) and its handle carries them as
 `episode_image_features` / `episode_image_grid_thw` (`envs/episode_handle.py`); `ImageInputs.of`
 puts each sample's after its prompt images, so every consumer sees the episode's whole image list.
 """
@@ -50,16 +51,30 @@ class ImageInputs:
 
     `of(tensors)` returns one `SampleImages` per sample (None for a text model). Features come
     from the handle when the vision stage computed them; otherwise this stage's own copy of the
-    vision tower encodes `pixel_values`, and `counts` records `images_encoded`.
+    vision tower encodes `pixel_values`, and `counts` records `images_encoded`. `encode` runs that
+    copy on images of the stage's own (an episode's observation), loading it at its first call.
     """
 
     def __init__(self, job: JobContext, counts: StageCounts, device: torch.device | str = "cpu"):
         """`device`: where this stage's own vision tower runs (without the vision stage)."""
         self.enabled = job.vision_language
         self.counts = counts
+        self.checkpoint, self.device = job.checkpoint, device
         self.tower: VisionTowerEngine | None = None
         if self.enabled and not job.config.vision.prefetch:
             self.tower = VisionTowerEngine(job.checkpoint, device)
+
+    def encode(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
+        """One (tokens_i, W) feature tensor per image, from this stage's frozen copy of the vision
+        tower (the vision stage's weights and precision), counted as `images_encoded`; ValueError
+        for a text model."""
+        if not self.enabled:
+            raise ValueError("the policy is a text model: it takes no images")
+        if self.tower is None:
+            self.tower = VisionTowerEngine(self.checkpoint, self.device)
+        features = self.tower.image_features(pixel_values, grid_thw)
+        self.counts.add(images_encoded=len(grid_thw), encoder_calls=1)
+        return features
 
     def of(self, tensors: dict[str, Tensor]) -> list[SampleImages] | None:
         if not self.enabled:
