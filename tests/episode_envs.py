@@ -43,3 +43,19 @@ class ShowsImage:
         images = tuple(self.images) or self.start.images[:1]
         words = " see " + "<image>" * len(images) + " now?" if self.marker else " see now?"
         return Turn(Observation(words, images=images), reward=0.5)
+
+
+class Messages:
+    """Answers each turn with the observation `text` as a chat message of `role`; done after `turns`."""
+
+    def __init__(self, role: str = "tool", text: str = "=19", turns: int = 3):
+        self.role, self.text, self.turns = role, text, turns
+        self.seen = 0
+
+    def reset(self, start: EpisodeStart) -> None:
+        self.seen = 0
+
+    def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+        self.seen += 1
+        return Turn(None if self.seen >= self.turns else Observation(self.text, role=self.role), reward=0.1,
+                    done=self.seen >= self.turns)

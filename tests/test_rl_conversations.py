@@ -1,7 +1,8 @@
 """A PPO job on a user's data as it comes: a Qwen2.5-VL checkpoint folder whose tokenizer has a
 ChatML chat template and whose folder has preprocessor_config.json and generation_config.json,
 trained on a Parquet dataset of conversations with images stored as bytes, the reference and an
-extra column named by `data.fields`. Every stage is real, in one process on the real BrokerCore."""
+extra column named by `data.fields`; and an env job on them whose tool answers are chat messages
+of that template. Every stage is real, in one process on the real BrokerCore."""
 
 from __future__ import annotations
 
@@ -68,6 +69,16 @@ def _dataset(path: Path, count: int) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
+def _run_in_process(cfg: RLJobConfig, weights: Path) -> None:
+    """Every stage of `cfg` in this process, to the end; each mini-batch trained."""
+    flow = compile_job(cfg, str(warm_start(cfg)), str(weights), vision_language=True)
+    bus = InProcessBus(flow.topology, flow.broker, flow.admission)
+    for stage_name, spec in flow.stages.items():
+        bus.add(stage_name, import_dotted(spec.cls, "cls")(**spec.kwargs), spec.instances)
+    stats = bus.run()
+    assert stats["published.experience"] == cfg.iterations * cfg.rollout_batch.minibatches
+
+
 @pytest.mark.slow
 def test_ppo_on_parquet_conversations_through_the_chat_template(tmp_path):
     folder = tmp_path / "model"
@@ -80,15 +91,39 @@ def test_ppo_on_parquet_conversations_through_the_chat_template(tmp_path):
         "data.min_pixels": None, "data.max_pixels": None,  # the folder's preprocessor_config.json
         "reward.function": "tests.test_rl_conversations:level_reward"})))
     assert cfg.rollout.temperature == 0.9  # from generation_config.json
-    flow = compile_job(cfg, str(warm_start(cfg)), str(tmp_path / "weights"), vision_language=True)
-    bus = InProcessBus(flow.topology, flow.broker, flow.admission)
-    for stage_name, spec in flow.stages.items():
-        bus.add(stage_name, import_dotted(spec.cls, "cls")(**spec.kwargs), spec.instances)
-    stats = bus.run()
-    assert stats["published.experience"] == cfg.iterations * cfg.rollout_batch.minibatches
+    _run_in_process(cfg, tmp_path / "weights")
     records = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     samples = cfg.rollout_batch.samples_per_minibatch * cfg.rollout_batch.minibatches
     assert len(records) == 2 and all(r["samples"] == samples for r in records)
     assert all(r["reward"] == pytest.approx(LEVEL) for r in records)  # the extra column reached the function
     counts = read_stage_counts(Path(cfg.run_dir))
     assert counts["prompts"]["images_seen"] == cfg.iterations * samples
+
+
+@pytest.mark.slow
+def test_an_env_job_writes_tool_observations_as_chat_messages_of_the_template(tmp_path):
+    """The same user's folder and data in an env job whose environment answers each turn with a
+    `tool` message (`tests.episode_envs:Messages`): rollout and the evaluation write it as the
+    tokenizer's ChatML template does, every episode ends done and is trained."""
+    folder = tmp_path / "model"
+    _model_folder(folder)
+    _dataset(tmp_path / "train.parquet", 24)
+    _dataset(tmp_path / "eval.parquet", 4)
+    env = {"factory": "tests.episode_envs:Messages", "options": {"turns": 2}, "max_turns": 2, "max_episode_tokens": 96}
+    cfg = resolve_data(build(RLJobConfig, tiny_job(tmp_path, "chat_env", env=env, **{
+        **VISION, "iterations": 2, "model.path": str(folder), "data.train": str(tmp_path / "train.parquet"),
+        "data.eval": str(tmp_path / "eval.parquet"), "data.fields": {"reference": "solution"},
+        "data.min_pixels": None, "data.max_pixels": None, "model.tiny.max_position_embeddings": 96,
+        "reward.function": None})))
+    _run_in_process(cfg, tmp_path / "weights")
+    counts = read_stage_counts(Path(cfg.run_dir))
+    assert not [key for key in counts["rollout"] if key.startswith("episodes_failed.")], counts["rollout"]
+    samples = [json.loads(line) for line in (Path(cfg.run_dir) / "samples.jsonl").read_text().splitlines()]
+    message = "\n<|im_start|>tool\n=19<|im_end|>\n<|im_start|>assistant\n"
+    observations = [(sample["tokens"], a, b) for sample in samples for a, b, kind in sample["turns"]
+                    if kind == "observation"]
+    assert observations
+    for tokens, a, b in observations:
+        # the policy's turn is closed once: by its own <|im_end|>, or by the observation's first token
+        assert (tokens[a - 1] == "<|im_end|>") != (tokens[a] == "<|im_end|>"), tokens
+        assert "".join(tokens[a:b]).removeprefix("<|im_end|>") == message

@@ -16,6 +16,7 @@ from stream_rlhf.backends.episode_sampler import TorchTurnSampler, episode_capac
 from stream_rlhf.backends.static_decode import StaticDecoder
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.data.images import ImageSpec
+from stream_rlhf.data.message_frames import MessageFrames
 from stream_rlhf.envs.environment import EpisodeStart
 from stream_rlhf.envs.episode_handle import episode_tensors
 from stream_rlhf.envs.episode_loop import EpisodeLoop
@@ -37,7 +38,8 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
         raise ValueError("episode_returns: the job has no env section")
     tokenizer = scorer.tokenizer
     loop = EpisodeLoop(env, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                       lambda text: tokenizer.encode(text, add_special_tokens=False), params.max_new_tokens)
+                       lambda text: tokenizer.encode(text, add_special_tokens=False), params.max_new_tokens,
+                       MessageFrames.of(tokenizer, cfg.data.chat_template))
     capacity = episode_capacity(prompts, params.max_new_tokens, env.max_episode_tokens)
     sampler = TorchTurnSampler(model, len(prompts), capacity, params, generator, 0, static)
     stepper = EnvStepper(env.step_timeout_s, env.threads(len(prompts)))

@@ -44,6 +44,10 @@ class Observation:
 
     text: str
     images: tuple[str, ...] = ()
+    role: str | None = None
+    """None: the text is appended as written. A role ("tool", "user"): the observation is a chat
+    message of that role, written around the text as the job's chat template writes one after an
+    assistant turn, up to the next assistant turn's header (`data/message_frames.py`)."""
 
 
 @dataclass(frozen=True)

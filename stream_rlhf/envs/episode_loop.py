@@ -35,6 +35,9 @@ An observation with images (a vision-language policy) goes through `observe`
 episode's images are then its prompt's followed by its observations', in token order, and every
 later turn's request carries them all. Without `observe` (a text policy), past
 `env.max_observation_images`, or when `observe` raises ValueError, the episode fails as "malformed".
+An observation with a role is a chat message: its ids go between the frame the chat template
+writes around such a message (`data/message_frames.py`, the loop's `frames`); without a template,
+or for a role the template cannot write, the episode fails as "malformed".
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from stream_rlhf.data.message_frames import MessageFrames
 from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.envs.environment import Environment, EpisodeStart, Observation
 from stream_rlhf.envs.episode import Episode
@@ -117,9 +121,10 @@ class EpisodeLoop:
     """Episodes driven to their ends, a group at a time or several (see the module docstring)."""
 
     def __init__(self, cfg: EnvConfig, decode: Callable[[list[int]], str], encode: Callable[[str], list[int]],
-                 max_new_tokens: int):
+                 max_new_tokens: int, frames: MessageFrames | None = None):
+        """`frames`: how the chat template writes an observation with a role (None: no template)."""
         self.cfg = cfg
-        self.decode, self.encode = decode, encode
+        self.decode, self.encode, self.frames = decode, encode, frames
         self.max_new_tokens = max_new_tokens
         self.groups: list[_Group] = []
 
@@ -270,7 +275,7 @@ class EpisodeLoop:
         try:
             ids, images = self._observation_ids(live, turn.observation)
         except ValueError as exc:
-            self._fail(live, "malformed", f"Observation.images: {exc}")
+            self._fail(live, "malformed", str(exc))
             self._end(serial, result.ended[i])
             return
         limit = "max_turns" if episode.turns >= self.cfg.max_turns else None
@@ -286,19 +291,33 @@ class EpisodeLoop:
         live.phase = "ready"
 
     def _observation_ids(self, live: _Live, observation: Observation | None) -> tuple[list[int], SampleImages | None]:
-        """The ids an observation appends and, when it has images, their encoded images."""
+        """The ids an observation appends (in its chat message's frame when it has a role) and,
+        when it has images, their encoded images; ValueError naming the field it cannot take."""
         if observation is None:
             return [], None
+        episode = live.group.result.episodes[live.index]
+        ids, images = self._content_ids(episode, live, observation)
+        if observation.role is None:
+            return ids, images
+        if self.frames is None:
+            raise ValueError(f"Observation.role={observation.role!r}: this rollout writes no chat messages")
+        before, after = self.frames.around(observation.role, episode.token_ids[-1] if episode.token_ids else None)
+        return before + ids + after, images
+
+    def _content_ids(self, episode: Episode, live: _Live, observation: Observation
+                     ) -> tuple[list[int], SampleImages | None]:
         if not observation.images:
             return self.encode(observation.text), None
         if self.observe is None or live.images is None:
-            raise ValueError("this rollout takes no images in observations (they need a vision-language policy)")
-        episode = live.group.result.episodes[live.index]
+            raise ValueError("Observation.images: this rollout takes none (they need a vision-language policy)")
         shown = sum(len(images.grid_thw) for images in episode.observation_images) + len(observation.images)
         if shown > self.cfg.max_observation_images:
-            raise ValueError(f"the episode's observations would show {shown} images, more than "
-                             f"env.max_observation_images={self.cfg.max_observation_images}")
-        return self.observe(observation)
+            raise ValueError(f"Observation.images: the episode's observations would show {shown} images, more "
+                             f"than env.max_observation_images={self.cfg.max_observation_images}")
+        try:
+            return self.observe(observation)
+        except ValueError as exc:
+            raise ValueError(f"Observation.images: {exc}") from None
 
     def _fail(self, live: _Live, reason: str, message: str) -> None:
         live.group.result.ended[live.index] = f"failed:{reason}"

@@ -41,6 +41,7 @@ from stream_rlhf.backends.episode_sampler import episode_capacity
 from stream_rlhf.backends.rollout_engine import RolloutEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.data.images import ImageSpec
+from stream_rlhf.data.message_frames import MessageFrames
 from stream_rlhf.envs.environment import EpisodeStart
 from stream_rlhf.envs.episode_handle import episode_tensors
 from stream_rlhf.envs.episode_loop import EpisodeLoop, EpisodeResult
@@ -82,7 +83,8 @@ class EpisodeRollout:
         self.seed = job.config.seed
         self.in_flight = cfg.minibatches_in_flight if cfg.schedule == "stream" else 1
         """Mini-batches whose episodes run at once (the rollout stage's inputs in flight)."""
-        self.loop = EpisodeLoop(cfg, self._decode, self._encode, params.max_new_tokens)
+        self.loop = EpisodeLoop(cfg, self._decode, self._encode, params.max_new_tokens,
+                                MessageFrames.of(tokenizer, job.config.data.chat_template))
         batch = job.config.rollout_batch
         self.stepper = EnvStepper(cfg.step_timeout_s,
                                   cfg.threads(batch.prompts_per_minibatch * batch.samples_per_prompt * self.in_flight))
