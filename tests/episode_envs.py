@@ -59,3 +59,33 @@ class Messages:
         self.seen += 1
         return Turn(None if self.seen >= self.turns else Observation(self.text, role=self.role), reward=0.1,
                     done=self.seen >= self.turns)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first term
+        b: the second term
+    """
+    return a + b
+
+
+async def lookup(key: str) -> dict:
+    """Look a key up.
+
+    Args:
+        key: what to look up
+    """
+    if key == "missing":
+        raise KeyError(key)
+    return {"key": key, "found": True}
+
+
+def undescribed(x):  # no type hints, no docstring: env.tools refuses it
+    return x
+
+
+def exact(answer: str, reference: str) -> float:
+    """ToolCalls' reward: 1.0 when the answer is the reference."""
+    return float(answer == reference)

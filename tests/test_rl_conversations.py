@@ -127,3 +127,29 @@ def test_an_env_job_writes_tool_observations_as_chat_messages_of_the_template(tm
         # the policy's turn is closed once: by its own <|im_end|>, or by the observation's first token
         assert (tokens[a - 1] == "<|im_end|>") != (tokens[a] == "<|im_end|>"), tokens
         assert "".join(tokens[a:b]).removeprefix("<|im_end|>") == message
+
+
+@pytest.mark.slow
+def test_a_tool_job_describes_env_tools_in_every_prompt_through_the_template(tmp_path):
+    """`env.tools` with the embedded ToolCalls environment: the template file named by
+    `data.chat_template` writes the tools' names into each prompt, and every episode is trained."""
+    folder = tmp_path / "model"
+    _model_folder(folder)
+    _dataset(tmp_path / "train.parquet", 24)
+    _dataset(tmp_path / "eval.parquet", 4)
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool.function.name }}"
+                        "{% endfor %}<|im_end|>\n{% endif %}" + CHATML)
+    env = {"factory": "stream_rlhf.envs.tool_calls:ToolCalls", "tools": ["tests.episode_envs:add"],
+           "options": {"reward": "tests.episode_envs:exact"}, "max_turns": 2, "max_episode_tokens": 96}
+    cfg = resolve_data(build(RLJobConfig, tiny_job(tmp_path, "chat_tools", env=env, **{
+        **VISION, "iterations": 2, "model.path": str(folder), "data.train": str(tmp_path / "train.parquet"),
+        "data.eval": str(tmp_path / "eval.parquet"), "data.fields": {"reference": "solution"},
+        "data.chat_template": str(template), "data.min_pixels": None, "data.max_pixels": None,
+        "model.tiny.max_position_embeddings": 96, "reward.function": None})))
+    _run_in_process(cfg, tmp_path / "weights")
+    counts = read_stage_counts(Path(cfg.run_dir))
+    assert not [key for key in counts["rollout"] if key.startswith("episodes_failed.")], counts["rollout"]
+    samples = [json.loads(line) for line in (Path(cfg.run_dir) / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["prompt"].startswith("<|im_start|>system\ntools: add<|im_end|>\n<|im_start|>user\n")
+                           for s in samples)

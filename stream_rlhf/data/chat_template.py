@@ -51,9 +51,11 @@ def resolve_chat_template(setting: str, tokenizer: PreTrainedTokenizerBase) -> s
 
 
 def conversation_ids(tokenizer: PreTrainedTokenizerBase, template: str | None, turns: tuple[dict[str, Any], ...],
-                     vision_token_ids: tuple[int, int, int] | None) -> list[int]:
+                     vision_token_ids: tuple[int, int, int] | None, tools: list[dict[str, Any]] | None = None
+                     ) -> list[int]:
     """The prompt ids of `turns`, one image pad per image part (ValueError for a conversation
-    the setting cannot encode, or a template that drops or adds image pads)."""
+    the setting cannot encode, or a template that drops or adds image pads); `tools`: JSON
+    schemas the template writes into the prompt (`env.tools`; needs a template)."""
     images = sum(1 for turn in turns for part in _parts(turn) if part["type"] == "image")
     if images and vision_token_ids is None:
         raise ValueError("prompt has images but the model takes none (no vision tower)")
@@ -64,7 +66,7 @@ def conversation_ids(tokenizer: PreTrainedTokenizerBase, template: str | None, t
         return encode_prompt(tokenizer, conversation_text(turns), [1] * images, vision_token_ids).tolist()
     try:
         text = tokenizer.apply_chat_template(list(turns), chat_template=template, add_generation_prompt=True,
-                                             tokenize=False)
+                                             tokenize=False, tools=tools)
     except TemplateError as error:
         raise ConversationError(f"the chat template cannot render this conversation ({error})") from None
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -130,6 +132,15 @@ def expand_image_pads(ids: list[int], image_pad_id: int | None, token_counts: li
     for token in ids:
         out += [token] * next(counts) if token == image_pad_id else [token]
     return torch.tensor(out, dtype=torch.long)
+
+
+def writes_tools(tokenizer: PreTrainedTokenizerBase, template: str, tools: list[dict[str, Any]]) -> bool:
+    """Whether `template` writes anything of `tools` into a prompt (one that ignores them does not)."""
+    turns = [{"role": "user", "content": "hi"}]
+    def render(with_tools: list[dict[str, Any]] | None) -> str:
+        return tokenizer.apply_chat_template(turns, chat_template=template, add_generation_prompt=True,
+                                             tokenize=False, tools=with_tools)
+    return render(tools) != render(None)
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, template: str | None) -> int | None:

@@ -4,7 +4,7 @@ conversational one) encoded with the chat template (`chat_template.py`).
 
     data = PromptDataset("data/train.parquet", tokenizer, spec, vision_token_ids, on_bad="skip",
                          max_images_per_prompt=1, seed=0, chat_template=None,
-                         fields={"reference": "solution"}, system_prompt=None)
+                         fields={"reference": "solution"}, system_prompt=None, tools=None)
     sample = data.next_sample()   # PromptSample: source, prompt, prompt_ids, images, answer, reward_kwargs
 
 Rows are read, checked and their prompts encoded (one placeholder per image) when the dataset is
@@ -30,11 +30,12 @@ message starts with "{file}: ".
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -45,12 +46,15 @@ from stream_rlhf.data.chat_template import (
     conversation_text,
     expand_image_pads,
     turn_texts,
+    writes_tools,
 )
 from stream_rlhf.data.conversation import PromptRow, parse_row
 from stream_rlhf.data.errors import DataError
 from stream_rlhf.data.image_check import bad_images
 from stream_rlhf.data.images import ImageError, ImageSpec, PatchedImage, check_image_file, image_tokens, load_image
 from stream_rlhf.data.rows import read_rows
+
+log = logging.getLogger("stream_rlhf")
 
 MAX_SKIPPED_EXAMPLES = 5
 """How many skipped lines keep their message in `PromptDataset.skipped_examples`."""
@@ -104,9 +108,14 @@ class PromptDataset:
         fields: dict[str, str] | None = None,
         system_prompt: str | None = None,
         image_cache: Path | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         if on_bad not in ("error", "skip"):
             raise ValueError(f"on_bad={on_bad!r}: must be 'error' or 'skip'")
+        if tools and chat_template is None:
+            raise ValueError("tools: the chat template writes them into the prompts, and there is none")
+        if tools and not writes_tools(tokenizer, chat_template, tools):
+            log.warning("the chat template writes no tools into the prompts: the policy is not told of env.tools")
         if max_images_per_prompt < 0:
             raise ValueError(f"max_images_per_prompt={max_images_per_prompt}: must be >= 0")
         self.file, self.tokenizer, self.spec = str(path), tokenizer, spec
@@ -116,6 +125,7 @@ class PromptDataset:
         self.image_pad_id = None if vision_token_ids is None else vision_token_ids[1]
         self.on_bad, self.max_images_per_prompt, self.seed = on_bad, max_images_per_prompt, seed
         self.chat_template, self.fields, self.system_prompt = chat_template, dict(fields or {}), system_prompt
+        self.tools = tools
         self._vision_texts = () if vision_token_ids is None else tuple(
             tokenizer.convert_ids_to_tokens(list(vision_token_ids)))
         self.skipped: dict[str, int] = {}
@@ -270,7 +280,7 @@ class PromptDataset:
                 except ImageError as error:
                     return DataError(source, error.kind, f"image {image.name}: {error.reason}")
         try:
-            ids = conversation_ids(self.tokenizer, self.chat_template, turns, self.vision_token_ids)
+            ids = conversation_ids(self.tokenizer, self.chat_template, turns, self.vision_token_ids, self.tools)
         except ConversationError as error:
             return DataError(source, "schema", str(error))
         except ValueError as error:  # images and their places disagree

@@ -9,14 +9,18 @@ runs it (`stepper.py`, `episode.py`).
       step_timeout_s: 10
       schedule: stream                                   # or lockstep (the baseline)
       minibatches_in_flight: 2                           # stream: episodes of 2 mini-batches at once
+      tools: []                                          # functions the policy may call (tool_calls.py)
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from msgspec import Meta
+from transformers.utils import get_json_schema
 
 from stream_rlhf.config import ConfigError, check_fields, import_dotted
 from stream_rlhf.envs.environment import Environment
@@ -54,6 +58,12 @@ class EnvConfig:
     mini-batch is published as soon as its own episodes end. Each one that joins loads the newest
     weights (its tokens, and those of turns then in progress, record the version that sampled
     them; vLLM loads them at the next turn boundary). `lockstep` runs one at a time."""
+    tools: list[str] = field(default_factory=list)
+    """Python functions the policy may call, by dotted path ("pkg.module:name"), each with type hints
+    and a Google-style docstring (Args:) that describe it. Their JSON schemas go to the chat template
+    with every prompt of a dataset (`tools=`, as `apply_chat_template` takes them), and the factory
+    gets the functions as its `tools` keyword (`stream_rlhf.envs.tool_calls:ToolCalls` runs the
+    calls it parses from each turn)."""
     workers: Annotated[int, Meta(ge=1)] | None = None
     """Threads that run sync environments' calls (`async def` ones need none); null: one per
     episode in flight (a rollout instance's mini-batch episodes x minibatches_in_flight), so that
@@ -61,13 +71,43 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if not callable(import_dotted(self.factory, "env.factory")):
+        factory = import_dotted(self.factory, "env.factory")
+        if not callable(factory):
             raise ConfigError(f"env.factory={self.factory!r}: not callable (expected a class or function)")
+        if self.tools and "tools" not in inspect.signature(factory).parameters:
+            raise ConfigError(f"env.tools: env.factory={self.factory!r} takes no `tools` keyword to get them "
+                              "(stream_rlhf.envs.tool_calls:ToolCalls does)")
+        self.tool_schemas()
+
+    def tool_functions(self) -> list[Callable[..., Any]]:
+        """The functions `tools` names (ConfigError naming the entry that is not one)."""
+        functions = []
+        for i, path in enumerate(self.tools):
+            function = import_dotted(path, f"env.tools[{i}]")
+            if not inspect.isfunction(function):
+                raise ConfigError(f"env.tools[{i}]={path!r}: not a function")
+            functions.append(function)
+        return functions
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """The tools' JSON schemas for the chat template (None without tools); ConfigError naming a
+        function whose type hints or docstring do not describe it."""
+        if not self.tools:
+            return None
+        schemas = []
+        for i, (path, function) in enumerate(zip(self.tools, self.tool_functions())):
+            try:
+                schemas.append(get_json_schema(function))
+            except Exception as error:  # transformers' docstring and type-hint parse errors
+                raise ConfigError(f"env.tools[{i}]={path!r}: its type hints and docstring must describe every "
+                                  f"argument ({type(error).__name__}: {error})") from None
+        return schemas
 
     def threads(self, episodes_in_flight: int) -> int:
         """Threads for sync calls where `episodes_in_flight` episodes may call at once (`workers`)."""
         return self.workers or episodes_in_flight
 
     def make(self) -> Environment:
-        """A fresh environment for one episode."""
-        return import_dotted(self.factory, "env.factory")(**self.options)
+        """A fresh environment for one episode (with `tools`, when there are some)."""
+        tools = {"tools": self.tool_functions()} if self.tools else {}
+        return import_dotted(self.factory, "env.factory")(**self.options, **tools)

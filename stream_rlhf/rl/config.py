@@ -255,6 +255,9 @@ class RLJobConfig:
             raise ConfigError(f"reward.process: process rewards cut single-turn responses into steps, "
                               f"env.factory={self.env.factory!r} runs multi-turn episodes (reward each turn "
                               "from the env's Turn.reward instead)")
+        if self.env.tools and self.data.train is None:
+            log.warning("env.tools: the synthetic task's prompts are written without a chat template, so they do "
+                        "not describe the tools (a dataset's prompts do: data.train)")
         room = self.rollout.vllm.max_model_len if self.rollout.backend == "vllm" else None
         key = "rollout.vllm.max_model_len"
         if room is None and self.model.path is None:

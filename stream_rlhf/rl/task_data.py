@@ -122,9 +122,14 @@ def _prompt_file(cfg: RLJobConfig, split: str, tokenizer: PreTrainedTokenizerBas
         spec = ImageSpec.from_model_folder(cfg.model.path, vision, data.min_pixels, data.max_pixels) if vision else None
     except ValueError as error:
         raise ConfigError(f"model.path={cfg.model.path!r}: {error}") from None
+    template = resolve_chat_template(data.chat_template, tokenizer)
+    tools = cfg.env.tool_schemas() if cfg.env is not None else None
+    if tools and template is None:
+        raise ConfigError(f"env.tools: the chat template writes them into the prompts, and there is none "
+                          f"(data.chat_template={data.chat_template!r})")
     return PromptDataset(path, tokenizer, spec, vision_token_ids, data.on_bad_sample, data.max_images_per_prompt,
-                         seed, resolve_chat_template(data.chat_template, tokenizer), data.fields, data.system_prompt,
-                         image_cache=Path(cfg.task.data_dir))
+                         seed, template, data.fields, data.system_prompt, image_cache=Path(cfg.task.data_dir),
+                         tools=tools)
 
 
 def check_prompts(cfg: RLJobConfig) -> None:

@@ -1,0 +1,103 @@
+"""An environment for instruct models that call Python functions as tools, in the Hermes format that
+Qwen2.5, Qwen3 and Hermes templates teach: no environment code to write, only the tools.
+
+    env:
+      factory: stream_rlhf.envs.tool_calls:ToolCalls
+      tools: [mypkg.tools:search, mypkg.tools:calculate]     # also written into every prompt
+      options: {reward: mypkg.scoring:exact_match}           # (answer, reference) -> float
+
+    policy      <tool_call>
+                {"name": "calculate", "arguments": {"expression": "12+7"}}
+                </tool_call><|im_end|>
+    observation (a "tool" message, as the chat template writes one)  19
+    policy      The sum is 19.<|im_end|>      no call: the final answer, scored by `reward`; done
+
+`env.tools` (`envs/config.py`) names the functions: their JSON schemas go to the chat template
+with every prompt, and the functions come here as `tools`. Each `<tool_call>` block of a turn is
+one call, a JSON object with `name` and `arguments` (an object, or a JSON string of one); the
+calls run in order (`async def` tools awaited, others in a thread) and their results, each
+written as text (`json.dumps` for what is not a string), make one observation, one line each,
+with role "tool" (`data/message_frames.py`). A call that cannot run (bad JSON, an unknown tool,
+wrong arguments, or a tool that raises) answers "error: ..." in its place, so the policy sees
+what went wrong and the episode goes on; `max_calls` bounds the calls run per turn (the rest
+answer an error). A turn without a call is the final answer: `reward(answer, reference)` (0.0
+without one) and done. Tokens are never re-tokenised: the turn's text is the policy's tokens
+decoded without special tokens, so a tokenizer must keep `<tool_call>` a normal token (Qwen's do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from stream_rlhf.config import import_dotted
+from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
+
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+Reward = Callable[[str, str], float]
+
+
+def tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
+    """Each `<tool_call>` block of `text` as (name, arguments), or an error message for one that
+    is not a call."""
+    calls: list[tuple[str, dict[str, Any]] | str] = []
+    for block in CALL.findall(text):
+        try:
+            call = json.loads(block)
+            arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+            if isinstance(arguments, str):
+                arguments = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            calls.append(f"error: the tool call is not JSON ({error})")
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            calls.append('error: a tool call is {"name": ..., "arguments": {...}}')
+            continue
+        calls.append((call["name"], arguments))
+    return calls
+
+
+class ToolCalls:
+    """One episode's tools (see the module docstring)."""
+
+    def __init__(self, tools: Sequence[Callable[..., Any]], reward: str | None = None, max_calls: int = 4):
+        self.tools = {tool.__name__: tool for tool in tools}
+        self.reward: Reward | None = import_dotted(reward, "env.options.reward") if reward else None
+        self.max_calls = max_calls
+        self.start: EpisodeStart | None = None
+
+    def reset(self, start: EpisodeStart) -> None:
+        self.start = start
+
+    async def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+        if self.start is None:
+            raise RuntimeError("step before reset")
+        calls = tool_calls(text)
+        if not calls:
+            score = float(self.reward(text.strip(), self.start.reference)) if self.reward else 0.0
+            return Turn(None, reward=score, done=True)
+        results = [await self._run(call) if i < self.max_calls else f"error: more than {self.max_calls} tool calls"
+                   for i, call in enumerate(calls)]
+        return Turn(Observation("\n".join(results), role="tool"))
+
+    async def _run(self, call: tuple[str, dict[str, Any]] | str) -> str:
+        if isinstance(call, str):
+            return call
+        name, arguments = call
+        tool = self.tools.get(name)
+        if tool is None:
+            return f"error: no tool named {name!r} (tools: {', '.join(sorted(self.tools))})"
+        try:
+            inspect.signature(tool).bind(**arguments)
+        except TypeError as error:
+            return f"error: {name}: {error}"
+        try:
+            result = await tool(**arguments) if inspect.iscoroutinefunction(tool) else await asyncio.to_thread(
+                tool, **arguments)
+        except Exception as error:  # the tool's failure is the policy's to see, not the run's
+            return f"error: {name} raised {type(error).__name__}: {error}"
+        return result if isinstance(result, str) else json.dumps(result)

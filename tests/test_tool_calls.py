@@ -1,0 +1,119 @@
+"""Tools as Python functions (`env.tools`, `stream_rlhf.envs.tool_calls:ToolCalls`): Hermes-format
+calls parsed from a turn and run (sync and async), every failure answered to the policy as an
+error without ending the episode, the final answer scored; the config names a bad tool, and a
+dataset's prompts carry the tools' schemas exactly as `apply_chat_template(..., tools=)` writes them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+
+from stream_rlhf.config import ConfigError, build
+from stream_rlhf.data.prompts_jsonl import PromptDataset
+from stream_rlhf.envs.config import EnvConfig
+from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
+from stream_rlhf.envs.tool_calls import ToolCalls, tool_calls
+from stream_rlhf.models.tokenizer import build_tokenizer
+from tests.episode_envs import add, lookup
+
+TOOLS = ["tests.episode_envs:add", "tests.episode_envs:lookup"]
+WRITES_TOOLS = ("{% if tools %}tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}.{% endif %}"
+                "{% for message in messages %}{{ message['role'] }}: {% for part in message['content'] %}"
+                "{{ part['text'] }}{% endfor %}.{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+"""Writes each tool's name before the conversation (a prompt's content comes as a list of parts)."""
+
+
+def call(name: str, **arguments: object) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def step(env: ToolCalls, text: str) -> Turn:
+    return asyncio.run(env.step(text, []))
+
+
+def test_calls_are_parsed_from_every_tool_call_block():
+    text = f"let me see {call('add', a=1, b=2)} and {call('lookup', key='x')}"
+    assert tool_calls(text) == [("add", {"a": 1, "b": 2}), ("lookup", {"key": "x"})]
+    as_string = '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
+    assert tool_calls(as_string) == [("add", {"a": 1, "b": 2})]
+    assert tool_calls("the answer is 3") == []
+    bad = tool_calls("<tool_call>{not json}</tool_call><tool_call>[1, 2]</tool_call>")
+    assert bad[0].startswith("error: the tool call is not JSON") and bad[1].startswith("error: a tool call is")
+
+
+def test_a_turn_with_calls_gets_their_results_as_one_tool_message():
+    env = ToolCalls([add, lookup])
+    env.reset(EpisodeStart("1+2=?", "3"))
+    turn = step(env, call("add", a=1, b=2) + call("lookup", key="x"))
+    assert turn == Turn(Observation('3\n{"key": "x", "found": true}', role="tool"), reward=0.0, done=False)
+
+
+@pytest.mark.parametrize(("text", "answer"), [
+    (call("sub", a=1), "error: no tool named 'sub' (tools: add, lookup)"),
+    (call("add", a=1), "error: add: missing a required argument: 'b'"),
+    (call("lookup", key="missing"), "error: lookup raised KeyError: 'missing'"),
+    ("<tool_call>{oops</tool_call>", "error: the tool call is not JSON"),
+])
+def test_a_call_that_cannot_run_answers_an_error_and_the_episode_goes_on(text, answer):
+    env = ToolCalls([add, lookup])
+    env.reset(EpisodeStart("q", "a"))
+    turn = step(env, text)
+    assert not turn.done and turn.observation is not None and turn.observation.role == "tool"
+    assert turn.observation.text.startswith(answer), turn.observation.text
+
+
+def test_calls_past_max_calls_are_not_run():
+    env = ToolCalls([add], max_calls=1)
+    env.reset(EpisodeStart("q", "a"))
+    turn = step(env, call("add", a=1, b=2) * 2)
+    assert turn.observation == Observation("3\nerror: more than 1 tool calls", role="tool")
+
+
+def test_a_turn_without_calls_is_the_final_answer_scored_by_reward():
+    env = ToolCalls([add], reward="tests.episode_envs:exact")
+    env.reset(EpisodeStart("1+2=?", "3"))
+    assert step(env, " 3 ") == Turn(None, reward=1.0, done=True)
+    unscored = ToolCalls([add])
+    unscored.reset(EpisodeStart("1+2=?", "3"))
+    assert step(unscored, "3") == Turn(None, reward=0.0, done=True)
+
+
+def test_env_tools_reach_the_factory_and_bad_ones_are_named():
+    cfg = build(EnvConfig, {"factory": "stream_rlhf.envs.tool_calls:ToolCalls", "tools": TOOLS}, "env")
+    env = cfg.make()
+    assert isinstance(env, ToolCalls) and list(env.tools) == ["add", "lookup"]
+    assert [s["function"]["name"] for s in cfg.tool_schemas()] == ["add", "lookup"]
+    cases = {
+        "takes no `tools` keyword": {"factory": "stream_rlhf.envs.calculator:Calculator", "tools": TOOLS},
+        r"env.tools\[1\]='tests.episode_envs:nothing': module tests.episode_envs has no nothing": {
+            "tools": ["tests.episode_envs:add", "tests.episode_envs:nothing"]},
+        r"env.tools\[0\]='tests.episode_envs:undescribed': its type hints and docstring": {
+            "tools": ["tests.episode_envs:undescribed"]},
+        r"env.tools\[0\]='tests.episode_envs:Messages': not a function": {"tools": ["tests.episode_envs:Messages"]},
+    }
+    for message, fields in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            build(EnvConfig, {"factory": "stream_rlhf.envs.tool_calls:ToolCalls", **fields}, "env")
+
+
+def test_a_datasets_prompts_carry_the_tools_as_the_template_writes_them(tmp_path, caplog):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": "what is 1+2?", "answer": "3"}) + "\n")
+    tokenizer = build_tokenizer()
+    schemas = build(EnvConfig, {"factory": "stream_rlhf.envs.tool_calls:ToolCalls", "tools": TOOLS},
+                    "env").tool_schemas()
+    data = PromptDataset(path, tokenizer, None, None, "error", 1, 0, chat_template=WRITES_TOOLS, tools=schemas)
+    turns = [{"role": "user", "content": [{"type": "text", "text": "what is 1+2?"}]}]
+    expected = tokenizer.apply_chat_template(turns, chat_template=WRITES_TOOLS, add_generation_prompt=True,
+                                             tokenize=False, tools=schemas)
+    assert expected == "tools: add lookup.user: what is 1+2?.assistant: "
+    assert data.next_sample().prompt_ids.tolist() == tokenizer.encode(expected, add_special_tokens=False)
+    with caplog.at_level(logging.WARNING, logger="stream_rlhf"):
+        PromptDataset(path, tokenizer, None, None, "error", 1, 0, chat_template=WRITES_TOOLS.split("{% endif %}", 1)[1],
+                      tools=schemas)
+    assert "the chat template writes no tools" in caplog.text
+    with pytest.raises(ValueError, match="tools: the chat template writes them"):
+        PromptDataset(path, tokenizer, None, None, "error", 1, 0, tools=schemas)
