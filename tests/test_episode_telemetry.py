@@ -96,6 +96,11 @@ def test_counts_from_two_instances_give_the_summary(tmp_path):
     assert episodes["tool_s"] == episodes["tool_wall_s"] == pytest.approx(0.4)
     assert episodes["tool_hidden_s"] == pytest.approx(0.25)
     assert episodes["tool_hidden_frac"] == pytest.approx(0.625)
+    assert "prefix_cache" not in episodes  # the torch sampler's turns send no context again
+    first.add(turn_context_tokens=300, turn_cached_tokens=96)  # a vLLM sampler's, at its close
+    second.add(turn_context_tokens=100, turn_cached_tokens=32)
+    prefix_cache = episode_summary(read_stage_counts(tmp_path)["rollout"])["episodes"]["prefix_cache"]
+    assert prefix_cache == {"context_tokens": 400, "cached_tokens": 128, "hit_frac": 0.32}
 
 
 def test_a_run_without_episodes_summarises_to_zeros():

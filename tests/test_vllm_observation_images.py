@@ -30,6 +30,8 @@ def test_a_vlm_env_job_on_vllm_trains_every_episode_with_its_observation_images(
     summary = run(tmp_path, config)
     assert_every_sample_trained(summary, 2, 16)
     assert not summary["episodes_failed"], summary["episodes_failed"]
+    prefix_cache = summary["episodes"]["prefix_cache"]  # later turns found earlier ones' blocks, images included
+    assert 0 < prefix_cache["cached_tokens"] < prefix_cache["context_tokens"]
     counts = read_stage_counts(tmp_path / name)
     episodes = counts["rollout"]["episodes"]
     assert episodes == 32

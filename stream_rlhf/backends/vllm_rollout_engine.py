@@ -110,13 +110,15 @@ class VllmRolloutEngine:
         mini-batches that `join_turns` while it is open, with the newest weights loaded first;
         in-flight updates land at turn boundaries. `slots` and `capacity` are the torch engine's
         (vLLM's own scheduler and rollout.vllm.max_model_len hold these). Once it closes, the
-        engine sleeps if the last mini-batch begun was an iteration's last (`rollout.vllm.sleep`)."""
+        engine sleeps if the last mini-batch begun was an iteration's last (`rollout.vllm.sleep`),
+        and the stage counts its turns' context tokens and prefix-cache hits."""
         self._refresh()
         self.last_batch = batch
         seed_parts = rollout_seed(self.job.config.seed, batch.iteration, batch.minibatch)
-        return VllmTurnSampler(self.engine, params, seed_parts, self.options.max_model_len,
-                               self._in_flight_update if self.in_flight else None, self.stopping,
-                               on_close=lambda: self._after(self.last_batch))
+        sampler = VllmTurnSampler(self.engine, params, seed_parts, self.options.max_model_len,
+                                  self._in_flight_update if self.in_flight else None, self.stopping,
+                                  on_close=lambda: self._turns_closed(sampler))
+        return sampler
 
     def join_turns(self, sampler: VllmTurnSampler, batch: Batch) -> None:
         """`batch`'s episodes join the open sampler: vLLM's scheduler batches their turns with
@@ -131,6 +133,13 @@ class VllmRolloutEngine:
         never run: every turn sends vLLM its episode's features as image embeddings); counted as
         `images_encoded` of this stage. ValueError for a text model."""
         return self.images.encode(pixel_values, grid_thw)
+
+    def _turns_closed(self, sampler: VllmTurnSampler) -> None:
+        """Count the closed sampler's context tokens sent and those its prefix cache held
+        (`turn_context_tokens`, `turn_cached_tokens`), then sleep if the last mini-batch was an
+        iteration's last."""
+        self.images.counts.add(turn_context_tokens=sampler.context_tokens, turn_cached_tokens=sampler.cached_tokens)
+        self._after(self.last_batch)
 
     def _refresh(self) -> None:
         """Before a mini-batch: wake the engine if it sleeps, and load the newest version."""

@@ -140,7 +140,8 @@ def episode_metrics(batches: list[Batch]) -> dict[str, float]:
 
 def episode_summary(rollout_counts: Mapping[str, float]) -> dict[str, object]:
     """summary.json's `episodes` block and `episodes_failed` (reason -> episodes) from rollout's
-    summed stage counts."""
+    summed stage counts; on vLLM the block adds `prefix_cache`: the context tokens its turns sent,
+    those the prefix cache held, and their ratio."""
     episodes = int(rollout_counts.get("episodes", 0))
     wall_s = float(rollout_counts.get("tool_wall_s", 0.0))
     hidden_s = float(rollout_counts.get("tool_hidden_s", 0.0))
@@ -148,6 +149,10 @@ def episode_summary(rollout_counts: Mapping[str, float]) -> dict[str, object]:
     def by_reason(prefix: str) -> dict[str, int]:
         return {k[len(prefix):]: int(v) for k, v in sorted(rollout_counts.items()) if k.startswith(prefix)}
 
+    context = int(rollout_counts.get("turn_context_tokens", 0))
+    cached = int(rollout_counts.get("turn_cached_tokens", 0))
+    prefix_cache = {"context_tokens": context, "cached_tokens": cached,
+                    "hit_frac": round(cached / context, DIGITS) if context else 0.0}
     return {
         "episodes": {
             "count": episodes,
@@ -158,6 +163,7 @@ def episode_summary(rollout_counts: Mapping[str, float]) -> dict[str, object]:
             "tool_hidden_s": round(hidden_s, 3),
             "tool_hidden_frac": round(hidden_s / wall_s, DIGITS) if wall_s > 0 else 0.0,
             "ended": by_reason(ENDED_COUNT),
+            **({"prefix_cache": prefix_cache} if "turn_context_tokens" in rollout_counts else {}),
         },
         "episodes_failed": by_reason(FAILED_COUNT),
     }
