@@ -48,7 +48,7 @@ class ShowsImage:
 class Messages:
     """Answers each turn with the observation `text` as a chat message of `role`; done after `turns`."""
 
-    def __init__(self, role: str = "tool", text: str = "=19", turns: int = 3):
+    def __init__(self, role: str | None = "tool", text: str = "=19", turns: int = 3):
         self.role, self.text, self.turns = role, text, turns
         self.seen = 0
 

@@ -51,6 +51,43 @@ def test_steps_end_at_each_separator_and_at_the_last_token(tokenizer):
         place_step_rewards(torch.tensor([1.0]), torch.tensor([2, 5]), 6)
 
 
+def test_in_an_episode_only_policy_tokens_make_steps_and_each_turn_ends_one(tokenizer):
+    """"1,2<eos>" (policy) "=3,=4" (an observation: its separator ends nothing) "5,6" (policy, cut
+    before an end token): steps 1 | 2<eos> | 5 | 6, none spanning the observation."""
+    sep = separator_id(tokenizer, ",")
+    turns = [("1,2", True, True), ("=3,=4", False, False), ("5,6", True, False)]
+    response = torch.cat([ids(tokenizer, text, eos) for text, _, eos in turns])
+    policy = torch.cat([torch.full((len(ids(tokenizer, text, eos)),), flag) for text, flag, eos in turns])
+    ends = step_ends(response, sep, policy)
+    assert ends.tolist() == [1, 3, 10, 11]  # the separators the policy wrote and each turn's last token
+    spans = step_spans(response, ends, sep, policy)
+    assert spans == [(0, 1), (2, 4), (9, 10), (11, 12)]
+    assert [tokenizer.decode(response[a:b], skip_special_tokens=True) for a, b in spans] == ["1", "2", "5", "6"]
+    assert torch.equal(step_ends(response, sep, torch.ones_like(policy)), step_ends(response, sep))
+
+
+def test_the_rule_scorer_gets_an_episodes_policy_steps_only(tokenizer):
+    scorer = ProcessScorer(build(ProcessRewardConfig, {"function": "tests.test_process_rewards:echo_steps",
+                                                       "weight": 0.5}, "reward.process"), tokenizer)
+    prompt = ids(tokenizer, "1+2+3=", eos=False)
+    response = torch.cat([ids(tokenizer, "3,6", eos=False), ids(tokenizer, "=6,ok", eos=False), ids(tokenizer, "6")])
+    policy = torch.tensor([True] * 3 + [False] * 5 + [True] * 2)
+    rollout = Rollout([torch.cat([prompt, response])], torch.tensor([len(prompt)]), [torch.zeros(len(response))],
+                      torch.zeros(1, dtype=torch.long))
+    (rewards,) = scorer.rewards(rollout, ["6"], [policy])
+    assert SEEN == [["3", "6", "6"]]  # no observation text among the steps
+    assert rewards.tolist() == [0, 0.5, 0.5, 0, 0, 0, 0, 0, 0, 1.5]  # 0.5 x (1, 1, 3) at the ends 1, 2 and 9
+
+
+SEEN: list[list[str]] = []
+
+
+def echo_steps(prompt: str, steps: list[str], reference: str) -> list[float]:
+    """Records the steps; scores 1.0 each but the last, which gets its number (3 of 3)."""
+    SEEN.append(steps)
+    return [float(i + 1) if i == len(steps) - 1 else 1.0 for i in range(len(steps))]
+
+
 def test_multi_step_arithmetic_and_its_rule_rewards():
     assert [(p.prompt, p.answer) for p in problems("train", 2, 0, 30, terms=3)] == [("8+19+12=", "27,39"),
                                                                                     ("11+2+28=", "13,41")]

@@ -85,8 +85,6 @@ ENV = {"factory": "stream_rlhf.envs.calculator:Calculator", "max_episode_tokens"
                                     "is needed (or an env"),
         ({"env": ENV, "rollout.medusa.enabled": True},
          "rollout.medusa.enabled=true: speculative rollout is single-turn for now, env.factory="),
-        ({"env": ENV, "reward.process": {"function": "stream_rlhf.data.arithmetic:step_reward"}},
-         "reward.process: process rewards cut single-turn responses into steps, env.factory="),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, override, message):

@@ -1,6 +1,7 @@
 """Whole env jobs (multi-turn episodes in a tool environment): a run killed and stopped mid-way
 keeps its accounting (generated == trained, each iteration trained once), failed episodes are
-counted by reason in summary.json, and the figures reach metrics and the samples log."""
+counted by reason in summary.json, the figures reach metrics and the samples log, and process
+rewards score only the policy's steps."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job, write_job
+from tests.test_process_rewards import SEEN
 from tests.test_resume_job import _live_pids, _start, _stop_after
+from tests.test_rl_inprocess import run_inprocess
 
 pytestmark = pytest.mark.slow
 ENV = {"factory": "tests.episode_envs:FlakyCalculator", "options": {"latency_s": 0.01}, "max_turns": 3,
@@ -86,3 +89,21 @@ def test_an_env_job_runs_two_minibatches_episodes_at_once(tmp_path):
     assert sorted((i, m) for _, _, i, m in steps) == [(i, m) for i in range(iterations) for m in range(2)]
     overlapping = [(a[2:], b[2:]) for a, b in zip(steps, steps[1:]) if b[0] < a[1]]
     assert overlapping, steps  # a mini-batch began before the one before it was published
+
+
+def test_process_rewards_score_an_env_jobs_policy_steps(tmp_path):
+    """reward.process on two-turn episodes (in one process; each turn answered "=19"): the rule
+    scorer sees only policy steps, never the observation's text, its step rewards reach training
+    beside the env's turn rewards, and every iteration trains every episode."""
+    env = {"factory": "tests.episode_envs:Messages", "options": {"role": None, "turns": 2}, "max_turns": 2,
+           "max_episode_tokens": 32}
+    process = {"function": "tests.test_process_rewards:echo_steps", "separator": "+", "weight": 0.5}
+    SEEN.clear()
+    cfg, records = run_inprocess(tmp_path, "episodes_prm", env=env, iterations=2,
+                                 **{"reward.function": None, "reward.process": process})
+    assert [r["iteration"] for r in records] == [0, 1]
+    assert all(r["samples"] == cfg.rollout_batch.samples_per_minibatch * cfg.rollout_batch.minibatches
+               for r in records)
+    assert all(r["process_reward"] >= 0.5 and "env_reward" in r for r in records)  # >= 1 step, each >= 1.0
+    assert max(r["turns_per_episode"] for r in records) > 1  # episodes that reached their observation
+    assert SEEN and not any("=19" in step for steps in SEEN for step in steps)

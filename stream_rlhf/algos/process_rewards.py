@@ -8,8 +8,10 @@ is the tokens before it, back to the previous separator); the tokens after the l
 if any (an end-of-sequence token alone counts), are the final step, which ends at the response's
 last token: where the outcome reward sits too. So "19,49<eos>" (separator ",") has two steps,
 "19" ending at 2 and "49" ending at 5; "19,<eos>" has "19" and an empty final step at 3; a
-response cut off right after a separator ("19,") has one. These are pure tensor functions; the
-scorers live in `stages/process_reward.py`.
+response cut off right after a separator ("19,") has one. In an episode (`policy`: the loss mask,
+True on policy tokens) only policy tokens are steps: a separator ends a step only where the
+policy wrote it, and each policy turn's last token ends one too, so no step spans an
+observation. These are pure tensor functions; the scorers live in `stages/process_reward.py`.
 """
 
 from __future__ import annotations
@@ -18,20 +20,25 @@ import torch
 from torch import Tensor
 
 
-def step_ends(response_ids: Tensor, separator_id: int) -> Tensor:
-    """(S,) long: the position of the token that ends each step of the response (R,)."""
-    length = response_ids.shape[0]
-    ends = torch.nonzero(response_ids == separator_id).flatten()
-    if length and (ends.numel() == 0 or int(ends[-1]) != length - 1):
-        ends = torch.cat([ends, torch.tensor([length - 1])])
-    return ends.long()
+def step_ends(response_ids: Tensor, separator_id: int, policy: Tensor | None = None) -> Tensor:
+    """(S,) long: the position of the token that ends each step of the response (R,); `policy`
+    (R,) bool: an episode's policy tokens (None: every token is the policy's)."""
+    if policy is None:
+        policy = torch.ones_like(response_ids, dtype=torch.bool)
+    policy = policy.bool()
+    last_of_run = policy & ~torch.cat([policy[1:], policy.new_zeros(1)])  # a turn's (or the response's) last token
+    return torch.nonzero(((response_ids == separator_id) & policy) | last_of_run).flatten().long()
 
 
-def step_spans(response_ids: Tensor, ends: Tensor, separator_id: int) -> list[tuple[int, int]]:
+def step_spans(response_ids: Tensor, ends: Tensor, separator_id: int,
+               policy: Tensor | None = None) -> list[tuple[int, int]]:
     """[start, stop) of each step's own tokens in the response (R,): its ending separator left
-    out; the final step keeps its last token (decode it without special tokens)."""
+    out, the observation tokens before it (`policy` False) too; the final step of a turn keeps its
+    last token (decode it without special tokens)."""
     spans, start = [], 0
     for end in ends.tolist():
+        while policy is not None and start < end and not bool(policy[start]):
+            start += 1
         stop = end if int(response_ids[end]) == separator_id else end + 1
         spans.append((start, stop))
         start = end + 1

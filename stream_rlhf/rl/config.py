@@ -241,7 +241,7 @@ class RLJobConfig:
 
     def _check_reward_and_env(self) -> None:
         """A job needs a reward: a function, a model, or an env's turn rewards. An env's episodes
-        are multi-turn, which speculative rollout and process rewards do not handle yet."""
+        are multi-turn, which speculative rollout does not handle yet."""
         reward = self.reward
         if reward.function is None and reward.model_path is None and self.env is None:
             raise ConfigError("reward.function=None, reward.model_path=None: a reward function or a model_path is "
@@ -251,10 +251,6 @@ class RLJobConfig:
         if self.rollout.medusa.enabled:
             raise ConfigError(f"rollout.medusa.enabled=true: speculative rollout is single-turn for now, "
                               f"env.factory={self.env.factory!r} runs multi-turn episodes")
-        if reward.process is not None:
-            raise ConfigError(f"reward.process: process rewards cut single-turn responses into steps, "
-                              f"env.factory={self.env.factory!r} runs multi-turn episodes (reward each turn "
-                              "from the env's Turn.reward instead)")
         if self.env.tools and self.data.train is None:
             log.warning("env.tools: the synthetic task's prompts are written without a chat template, so they do "
                         "not describe the tools (a dataset's prompts do: data.train)")

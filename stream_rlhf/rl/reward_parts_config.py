@@ -37,6 +37,9 @@ class ProcessRewardConfig:
     GRPO and RLOO sum: a sample's score is its outcome plus weight times the sum of its step
     scores, normalised over the prompt's group like an outcome-only score (one advantage for the
     whole response; no per-step credit, which needs gae or reinforce_pp).
+
+    In an `env` job's episodes only policy tokens make steps: a separator the policy wrote ends
+    one, and so does each policy turn's last token (no step spans an observation).
     """
 
     function: str | None = None

@@ -59,25 +59,27 @@ class ProcessScorer:
         self.function: StepFunction | None = import_dotted(cfg.function, f"{KEY}.function") if cfg.function else None
         self.prm = ProcessRewardEngine(cfg.model_path, tokenizer.pad_token_id) if cfg.model_path is not None else None
 
-    def rewards(self, rollout: Rollout, references: list[str]) -> list[Tensor]:
-        """Per sample (R_i,): weight * step score at each step's end token."""
+    def rewards(self, rollout: Rollout, references: list[str], policy: list[Tensor] | None = None) -> list[Tensor]:
+        """Per sample (R_i,): weight * step score at each step's end token. `policy`: an env job's
+        loss masks (R_i,), so that only policy tokens make steps and each turn ends one."""
         responses = rollout.responses
-        ends = [step_ends(r, self.separator_id) for r in responses]
+        masks = policy if policy is not None else [None] * len(responses)
+        ends = [step_ends(r, self.separator_id, m) for r, m in zip(responses, masks)]
         if self.function is not None:
-            scores = self._rule_scores(rollout, responses, ends, references)
+            scores = self._rule_scores(rollout, responses, ends, masks, references)
         else:
             scores = self._model_scores(rollout, ends)
         return [place_step_rewards(self.cfg.weight * s, e, len(r)) for s, e, r in zip(scores, ends, responses)]
 
     def _rule_scores(self, rollout: Rollout, responses: list[Tensor], ends: list[Tensor],
-                     references: list[str]) -> list[Tensor]:
+                     masks: list[Tensor | None], references: list[str]) -> list[Tensor]:
         decode = self.tokenizer.decode
         out = []
-        for sequence, prompt_len, response, own_ends, reference in zip(
-                rollout.sequences, rollout.prompt_lens.tolist(), responses, ends, references):
+        for sequence, prompt_len, response, own_ends, mask, reference in zip(
+                rollout.sequences, rollout.prompt_lens.tolist(), responses, ends, masks, references):
             prompt = decode(sequence[:prompt_len], skip_special_tokens=True)
             steps = [decode(response[a:b], skip_special_tokens=True)
-                     for a, b in step_spans(response, own_ends, self.separator_id)]
+                     for a, b in step_spans(response, own_ends, self.separator_id, mask)]
             scores = [float(s) for s in self.function(prompt, steps, reference)]
             if len(scores) != len(steps):
                 raise ValueError(f"{KEY}.function={self.cfg.function}: returned {len(scores)} scores for the "

@@ -11,7 +11,8 @@ observation between them, as one text (the reward model likewise reads the whole
 score lands on the episode's last policy token. The env's own per-turn rewards do not pass through
 here: they travel in the rollout handle's `env_rewards` and the trainers add them
 (`Experience.token_rewards`). Without a function and a model (allowed only with an env) the
-score is 0.
+score is 0. Process rewards on an episode cut only its policy tokens into steps, each turn's last
+token ending one (the handle's `loss_mask`; `algos/process_rewards.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from stream_rlhf.backends.forward_engine import RewardModelEngine
 from stream_rlhf.config import import_dotted
 from stream_rlhf.data.tokenizer import load_tokenizer
-from stream_rlhf.samples import Rollout, ragged
+from stream_rlhf.samples import Rollout, ragged, unragged
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.process_reward import ProcessScorer
@@ -81,5 +82,6 @@ class RewardForward(Stage):
         reward_kwargs = [json.loads(text) for text in batch.metadata[REWARD_KWARGS]]
         tensors = {"scores": self.scorer.score(rollout, references, reward_kwargs)}
         if self.process is not None:
-            tensors.update(ragged("process_rewards", self.process.rewards(rollout, references)))
+            policy = unragged(batch.tensors, "loss_mask") if "loss_mask" in batch.tensors else None  # an env's
+            tensors.update(ragged("process_rewards", self.process.rewards(rollout, references, policy)))
         return [topic_output("reward", tensors, batch.num_samples)]
