@@ -133,3 +133,18 @@ def test_ray_stage_resources_keep_the_fallback():
     choice = choose_placement(cfg, flow, MACHINE)
     assert choice.placement == {"mode": "separated", "with_rollout": [], "device_groups": {}}
     assert choice.predicted_iteration_s is None and "ray.stage_resources" in choice.describe()
+
+
+def test_an_env_job_is_planned_with_every_turn_within_the_episode_budget():
+    """The shipped tool job: each of env.max_turns turns at rollout.max_new_tokens, capped by what
+    env.max_episode_tokens leaves after the prompt; the summary says where the length came from,
+    and a replan's measured length is named as measured."""
+    cfg = load_config(RLJobConfig, "configs/text_tool_grpo.yaml", [])
+    flow = compile_job(cfg, "/nonexistent/checkpoint", "/dev/shm/unused", False)
+    choice = choose_placement(cfg, flow, MACHINE)
+    env, turn = cfg.env, cfg.rollout.max_new_tokens
+    expected = min(env.max_turns * turn, env.max_episode_tokens - choice.workload.prompt_tokens)
+    assert choice.workload.response_tokens == expected > turn
+    assert "(env.max_turns x rollout.max_new_tokens, within env.max_episode_tokens)" in choice.describe()
+    measured = choose_placement(cfg, flow, MACHINE, response_tokens=21.5)
+    assert "answers of 21.5 tokens (measured)" in measured.describe()

@@ -41,7 +41,12 @@ from stream_rlhf.launch.plan import Dataflow
 from stream_rlhf.planner.analytic import Workload
 from stream_rlhf.planner.calibrate import Profile
 from stream_rlhf.planner.devices import DeviceFigures
-from stream_rlhf.planner.job_analytic import job_analytic_profile, job_workload, model_shape
+from stream_rlhf.planner.job_analytic import (
+    job_analytic_profile,
+    job_workload,
+    model_shape,
+    planned_response_tokens,
+)
 from stream_rlhf.planner.search import (
     MODES,
     devices_of,
@@ -221,7 +226,9 @@ def _why(cfg: RLJobConfig, profile: Profile, work: Workload, ranked: list[Candid
     """The choice in a sentence: the workload, the two sides' work, the best and the next best."""
     rollout_s = sum(sum(cost) for stage, cost in profile.step_s.items() if stage in ROLLOUT_SIDE)
     train_s = sum(sum(cost) for stage, cost in profile.step_s.items() if stage not in ROLLOUT_SIDE)
-    text = (f"answers of {work.response_tokens:g} tokens (rollout.max_new_tokens), prompts of "
+    planned, source = planned_response_tokens(cfg, work.prompt_tokens)
+    source = source if work.response_tokens == planned else "measured"
+    text = (f"answers of {work.response_tokens:g} tokens ({source}), prompts of "
             f"{work.prompt_tokens:.1f}, {work.minibatches} mini-batches of {work.rows} rows: generation "
             f"~{rollout_s:.3f} s and forwards + training ~{train_s:.3f} s an iteration; predicted "
             f"{ranked[0].iteration_s:.3f} s per iteration under {cfg.schedule} (overlap_depth {cfg.overlap_depth})")

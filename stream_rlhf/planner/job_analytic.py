@@ -9,7 +9,8 @@ project's tokenizer) or from `model.path`'s config.json (a vision-language model
 a critic of `critic.init: reward_model` and a reward model (`reward.model_path`) from theirs.
 Tokens per mini-batch: prompts x samples per prompt x (prompt + response); the prompt's tokens
 are the arithmetic task's mean (its bos included) unless given, the response's
-`rollout.max_new_tokens` unless given (a response that stops at <eos> is shorter: give its mean).
+`rollout.max_new_tokens` unless given (a response that stops at <eos> is shorter: give its mean;
+an env job's episodes plan every turn at that length: `planned_response_tokens`).
 The stages' edges are the broker's topics, as the run will route them.
 """
 
@@ -93,9 +94,21 @@ def job_workload(cfg: RLJobConfig, prompt_tokens: float | None = None,
         prompt_tokens = arithmetic_prompt_tokens(cfg)
     batch = cfg.rollout_batch
     return Workload(rows=batch.samples_per_minibatch, prompt_tokens=prompt_tokens,
-                    response_tokens=cfg.rollout.max_new_tokens if response_tokens is None else response_tokens,
+                    response_tokens=planned_response_tokens(cfg, prompt_tokens)[0] if response_tokens is None
+                    else response_tokens,
                     minibatches=batch.minibatches, ppo_epochs=cfg.algorithm.ppo_epochs,
                     train_minibatches=cfg.algorithm.train_minibatches)
+
+
+def planned_response_tokens(cfg: RLJobConfig, prompt_tokens: float) -> tuple[float, str]:
+    """The response length planned before anything is measured, and where it comes from: an
+    answer's `rollout.max_new_tokens`, or an episode's every turn at that length, within
+    `env.max_episode_tokens` (observations and tool time are not modelled: `replan` measures)."""
+    if cfg.env is None:
+        return float(cfg.rollout.max_new_tokens), "rollout.max_new_tokens"
+    turns = cfg.env.max_turns * cfg.rollout.max_new_tokens
+    room = max(cfg.env.max_episode_tokens - prompt_tokens, float(cfg.rollout.max_new_tokens))
+    return float(min(turns, room)), "env.max_turns x rollout.max_new_tokens, within env.max_episode_tokens"
 
 
 def arithmetic_prompt_tokens(cfg: RLJobConfig) -> float:
