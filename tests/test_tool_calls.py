@@ -72,6 +72,13 @@ def test_calls_past_max_calls_are_not_run():
     assert turn.observation == Observation("3\nerror: more than 1 tool calls", role="tool")
 
 
+def test_a_long_result_is_cut_at_max_result_chars():
+    env = ToolCalls([lookup], max_result_chars=10)
+    env.reset(EpisodeStart("q", "a"))
+    turn = step(env, call("lookup", key="x"))
+    assert turn.observation == Observation('{"key": "x ... (cut: 27 characters)', role="tool")
+
+
 def test_a_turn_without_calls_is_the_final_answer_scored_by_reward():
     env = ToolCalls([add], reward="tests.episode_envs:exact")
     env.reset(EpisodeStart("1+2=?", "3"))
@@ -93,6 +100,8 @@ def test_env_tools_reach_the_factory_and_bad_ones_are_named():
         r"env.tools\[0\]='tests.episode_envs:undescribed': its type hints and docstring": {
             "tools": ["tests.episode_envs:undescribed"]},
         r"env.tools\[0\]='tests.episode_envs:Messages': not a function": {"tools": ["tests.episode_envs:Messages"]},
+        "env.options.tools: give the tools as env.tools": {"tools": TOOLS, "options": {"tools": []}},
+        "env.tools: empty, and env.factory='stream_rlhf.envs.tool_calls:ToolCalls' needs tools": {},
     }
     for message, fields in cases.items():
         with pytest.raises(ConfigError, match=message):

@@ -74,9 +74,15 @@ class EnvConfig:
         factory = import_dotted(self.factory, "env.factory")
         if not callable(factory):
             raise ConfigError(f"env.factory={self.factory!r}: not callable (expected a class or function)")
-        if self.tools and "tools" not in inspect.signature(factory).parameters:
+        parameters = inspect.signature(factory).parameters
+        if self.tools and "tools" not in parameters:
             raise ConfigError(f"env.tools: env.factory={self.factory!r} takes no `tools` keyword to get them "
                               "(stream_rlhf.envs.tool_calls:ToolCalls does)")
+        if self.tools and "tools" in self.options:
+            raise ConfigError("env.options.tools: give the tools as env.tools (they are passed as the keyword)")
+        wants = parameters.get("tools")
+        if not self.tools and "tools" not in self.options and wants is not None and wants.default is wants.empty:
+            raise ConfigError(f"env.tools: empty, and env.factory={self.factory!r} needs tools")
         self.tool_schemas()
 
     def tool_functions(self) -> list[Callable[..., Any]]:

@@ -20,9 +20,10 @@ written as text (`json.dumps` for what is not a string), make one observation, o
 with role "tool" (`data/message_frames.py`). A call that cannot run (bad JSON, an unknown tool,
 wrong arguments, or a tool that raises) answers "error: ..." in its place, so the policy sees
 what went wrong and the episode goes on; `max_calls` bounds the calls run per turn (the rest
-answer an error). A turn without a call is the final answer: `reward(answer, reference)` (0.0
-without one) and done. Tokens are never re-tokenised: the turn's text is the policy's tokens
-decoded without special tokens, so a tokenizer must keep `<tool_call>` a normal token (Qwen's do).
+answer an error), `max_result_chars` a result's length. A turn without a call is the final
+answer: `reward(answer, reference)` (0.0 without one) and done. Tokens are never re-tokenised:
+the turn's text is the policy's tokens decoded without special tokens, so a tokenizer must keep
+`<tool_call>` a normal token (Qwen's do).
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ def tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
 class ToolCalls:
     """One episode's tools (see the module docstring)."""
 
-    def __init__(self, tools: Sequence[Callable[..., Any]], reward: str | None = None, max_calls: int = 4):
+    def __init__(self, tools: Sequence[Callable[..., Any]], reward: str | None = None, max_calls: int = 4,
+                 max_result_chars: int | None = None):
+        """`reward`: dotted path of `fn(answer, reference) -> float`; `max_result_chars`: a longer
+        result is cut there and says so (None: never)."""
         self.tools = {tool.__name__: tool for tool in tools}
         self.reward: Reward | None = import_dotted(reward, "env.options.reward") if reward else None
-        self.max_calls = max_calls
+        self.max_calls, self.max_result_chars = max_calls, max_result_chars
         self.start: EpisodeStart | None = None
 
     def reset(self, start: EpisodeStart) -> None:
@@ -100,4 +104,7 @@ class ToolCalls:
                 tool, **arguments)
         except Exception as error:  # the tool's failure is the policy's to see, not the run's
             return f"error: {name} raised {type(error).__name__}: {error}"
-        return result if isinstance(result, str) else json.dumps(result)
+        text = result if isinstance(result, str) else json.dumps(result)
+        if self.max_result_chars is not None and len(text) > self.max_result_chars:
+            return f"{text[:self.max_result_chars]} ... (cut: {len(text)} characters)"
+        return text
