@@ -46,10 +46,12 @@ class ShowsImage:
 
 
 class Messages:
-    """Answers each turn with the observation `text` as a chat message of `role`; done after `turns`."""
+    """Answers each turn with the observation `text` as a chat message of `role` (`roles`: a tuple
+    of messages of those roles, the k-th text `text` + k); done after `turns`."""
 
-    def __init__(self, role: str | None = "tool", text: str = "=19", turns: int = 3):
-        self.role, self.text, self.turns = role, text, turns
+    def __init__(self, role: str | None = "tool", text: str = "=19", turns: int = 3,
+                 roles: list[str | None] | None = None):
+        self.role, self.text, self.turns, self.roles = role, text, turns, roles
         self.seen = 0
 
     def reset(self, start: EpisodeStart) -> None:
@@ -57,8 +59,11 @@ class Messages:
 
     def step(self, text: str, token_ids: Sequence[int]) -> Turn:
         self.seen += 1
-        return Turn(None if self.seen >= self.turns else Observation(self.text, role=self.role), reward=0.1,
-                    done=self.seen >= self.turns)
+        if self.seen >= self.turns:
+            return Turn(None, reward=0.1, done=True)
+        if self.roles is None:
+            return Turn(Observation(self.text, role=self.role), reward=0.1)
+        return Turn(tuple(Observation(f"{self.text}{k}", role=r) for k, r in enumerate(self.roles)), reward=0.1)
 
 
 def add(a: int, b: int) -> int:

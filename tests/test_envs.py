@@ -97,6 +97,8 @@ def test_stepper_returns_turns_and_names_each_failure_without_raising():
         "not a turn": Scripted([{"observation": "=3"}]),
         "nan reward": Scripted([Turn(None, reward=float("nan"))]),
         "bad observation": Scripted([Turn("=3")]),  # type: ignore[arg-type]
+        "bad message": Scripted([Turn((Observation("=3", role="tool"), "=4"))]),  # type: ignore[arg-type]
+        "messages": Scripted([Turn((Observation("=3", role="tool"), Observation("=4", role="tool")))]),
     }
     try:
         for key, env in envs.items():
@@ -113,12 +115,14 @@ def test_stepper_returns_turns_and_names_each_failure_without_raising():
     assert envs["ok"].seen == [("calc:1+2", [7, 8])]
     reasons = {key: (o.failure.reason if o.failure else None) for key, o in outcomes.items()}
     assert reasons == {"ok": None, "raises": "raised", "hangs": "timeout", "not a turn": "malformed",
-                       "nan reward": "malformed", "bad observation": "malformed"}
+                       "nan reward": "malformed", "bad observation": "malformed", "bad message": "malformed",
+                       "messages": None}
     assert "KeyError: 'tool down'" in outcomes["raises"].failure.message
     assert "env.step_timeout_s=0.5" in outcomes["hangs"].failure.message
     assert "expected envs.environment.Turn" in outcomes["not a turn"].failure.message
     assert "reward=nan" in outcomes["nan reward"].failure.message
-    assert all(o.turn is None for key, o in outcomes.items() if key != "ok")
+    assert "observation='=4': expected Observation(" in outcomes["bad message"].failure.message
+    assert all(o.turn is None for key, o in outcomes.items() if key not in ("ok", "messages"))
 
 
 class WaitsForTheOthers(Scripted):

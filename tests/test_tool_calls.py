@@ -44,11 +44,12 @@ def test_calls_are_parsed_from_every_tool_call_block():
     assert bad[0].startswith("error: the tool call is not JSON") and bad[1].startswith("error: a tool call is")
 
 
-def test_a_turn_with_calls_gets_their_results_as_one_tool_message():
+def test_a_turn_with_calls_gets_a_tool_message_per_result():
     env = ToolCalls([add, lookup])
     env.reset(EpisodeStart("1+2=?", "3"))
     turn = step(env, call("add", a=1, b=2) + call("lookup", key="x"))
-    assert turn == Turn(Observation('3\n{"key": "x", "found": true}', role="tool"), reward=0.0, done=False)
+    expected = (Observation("3", role="tool"), Observation('{"key": "x", "found": true}', role="tool"))
+    assert turn == Turn(expected, reward=0.0, done=False)
 
 
 @pytest.mark.parametrize(("text", "answer"), [
@@ -61,22 +62,23 @@ def test_a_call_that_cannot_run_answers_an_error_and_the_episode_goes_on(text, a
     env = ToolCalls([add, lookup])
     env.reset(EpisodeStart("q", "a"))
     turn = step(env, text)
-    assert not turn.done and turn.observation is not None and turn.observation.role == "tool"
-    assert turn.observation.text.startswith(answer), turn.observation.text
+    (message,) = turn.observation
+    assert not turn.done and message.role == "tool" and message.text.startswith(answer), message
 
 
 def test_calls_past_max_calls_are_not_run():
     env = ToolCalls([add], max_calls=1)
     env.reset(EpisodeStart("q", "a"))
     turn = step(env, call("add", a=1, b=2) * 2)
-    assert turn.observation == Observation("3\nerror: more than 1 tool calls", role="tool")
+    assert turn.observation == (Observation("3", role="tool"), Observation("error: more than 1 tool calls",
+                                                                           role="tool"))
 
 
 def test_a_long_result_is_cut_at_max_result_chars():
     env = ToolCalls([lookup], max_result_chars=10)
     env.reset(EpisodeStart("q", "a"))
     turn = step(env, call("lookup", key="x"))
-    assert turn.observation == Observation('{"key": "x ... (cut: 27 characters)', role="tool")
+    assert turn.observation == (Observation('{"key": "x ... (cut: 27 characters)', role="tool"),)
 
 
 def test_a_turn_without_calls_is_the_final_answer_scored_by_reward():

@@ -52,10 +52,11 @@ class Observation:
 
 @dataclass(frozen=True)
 class Turn:
-    """The result of one `step`: the observation to append (None: nothing), the turn's reward
-    (placed on the turn's last policy token) and whether the episode is over."""
+    """The result of one `step`: the observation to append (None: nothing; a tuple: several, in
+    order, e.g. one `tool` message per call), the turn's reward (placed on the turn's last policy
+    token) and whether the episode is over."""
 
-    observation: Observation | None
+    observation: Observation | tuple[Observation, ...] | None
     reward: float = 0.0
     done: bool = False
 

@@ -35,9 +35,11 @@ An observation with images (a vision-language policy) goes through `observe`
 episode's images are then its prompt's followed by its observations', in token order, and every
 later turn's request carries them all. Without `observe` (a text policy), past
 `env.max_observation_images`, or when `observe` raises ValueError, the episode fails as "malformed".
-An observation with a role is a chat message: its ids go between the frame the chat template
-writes around such a message (`data/message_frames.py`, the loop's `frames`); without a template,
-or for a role the template cannot write, the episode fails as "malformed".
+A turn may append several observations (a tuple: one message per tool call). An observation with
+a role is a chat message: its ids go in the frame the chat template writes around such messages
+(`data/message_frames.py`, the loop's `frames`); without a template, for roles the template
+cannot write, or for a turn whose observations mix messages and plain text, the episode fails as
+"malformed".
 """
 
 from __future__ import annotations
@@ -273,7 +275,7 @@ class EpisodeLoop:
             self._end(serial, "done")
             return
         try:
-            ids, images = self._observation_ids(live, turn.observation)
+            ids, images, paths = self._observation_ids(live, turn.observation)
         except ValueError as exc:
             self._fail(live, "malformed", str(exc))
             self._end(serial, result.ended[i])
@@ -285,32 +287,44 @@ class EpisodeLoop:
             self._end(serial, limit)
             return
         if ids:
-            episode.add_observation(ids, images, turn.observation.images if images is not None else ())
+            episode.add_observation(ids, images, paths)
         if images is not None and live.images is not None:
             live.images = live.images.followed_by(images)
         live.phase = "ready"
 
-    def _observation_ids(self, live: _Live, observation: Observation | None) -> tuple[list[int], SampleImages | None]:
-        """The ids an observation appends (in its chat message's frame when it has a role) and,
-        when it has images, their encoded images; ValueError naming the field it cannot take."""
-        if observation is None:
-            return [], None
+    def _observation_ids(self, live: _Live, observation: Observation | tuple[Observation, ...] | None
+                         ) -> tuple[list[int], SampleImages | None, tuple[str, ...]]:
+        """The ids a turn's observations append (in their chat messages' frame when they have
+        roles), their encoded images (None without) and the images' paths; ValueError naming the
+        field it cannot take."""
+        observations = observation if isinstance(observation, tuple) else () if observation is None else (observation,)
         episode = live.group.result.episodes[live.index]
-        ids, images = self._content_ids(episode, live, observation)
-        if observation.role is None:
-            return ids, images
+        contents, images, paths = [], None, ()
+        for o in observations:
+            ids, shown = self._content_ids(episode, live, o, 0 if images is None else len(images.grid_thw))
+            contents.append(ids)
+            if shown is not None:
+                images = shown if images is None else images.followed_by(shown)
+                paths += o.images
+        roles = tuple(o.role for o in observations)
+        if all(role is None for role in roles):
+            return [t for ids in contents for t in ids], images, paths
+        if any(role is None for role in roles):
+            raise ValueError(f"Observation.role: {roles}: a turn's observations all have a role or none has")
         if self.frames is None:
-            raise ValueError(f"Observation.role={observation.role!r}: this rollout writes no chat messages")
-        before, after = self.frames.around(observation.role, episode.token_ids[-1] if episode.token_ids else None)
-        return before + ids + after, images
+            raise ValueError(f"Observation.role={roles}: this rollout writes no chat messages")
+        pieces = self.frames.around(roles, episode.token_ids[-1] if episode.token_ids else None)
+        ids = pieces[0] + [t for content, after in zip(contents, pieces[1:]) for t in content + after]
+        return ids, images, paths
 
-    def _content_ids(self, episode: Episode, live: _Live, observation: Observation
+    def _content_ids(self, episode: Episode, live: _Live, observation: Observation, shown_this_turn: int
                      ) -> tuple[list[int], SampleImages | None]:
         if not observation.images:
             return self.encode(observation.text), None
         if self.observe is None or live.images is None:
             raise ValueError("Observation.images: this rollout takes none (they need a vision-language policy)")
-        shown = sum(len(images.grid_thw) for images in episode.observation_images) + len(observation.images)
+        shown = (sum(len(images.grid_thw) for images in episode.observation_images) + shown_this_turn
+                 + len(observation.images))
         if shown > self.cfg.max_observation_images:
             raise ValueError(f"Observation.images: the episode's observations would show {shown} images, more "
                              f"than env.max_observation_images={self.cfg.max_observation_images}")

@@ -148,12 +148,15 @@ def _check_turn(result: Any) -> str | None:
     """What is wrong with a step's result, or None when it is a well-formed Turn."""
     if not isinstance(result, Turn):
         return f"returned {type(result).__name__} {result!r:.80}, expected envs.environment.Turn"
-    observation = result.observation
-    if observation is not None:
+    observations = result.observation if isinstance(result.observation, tuple) else (result.observation,)
+    for observation in observations if result.observation is not None else ():
         if not isinstance(observation, Observation) or not isinstance(observation.text, str):
-            return f"observation={observation!r:.80}: expected Observation(text: str, images: tuple[str, ...])"
+            return (f"observation={observation!r:.80}: expected Observation(text: str, images: tuple[str, ...], "
+                    "role: str | None), or a tuple of them")
         if not all(isinstance(image, str) for image in observation.images):
             return f"observation.images={observation.images!r:.80}: expected paths (str)"
+        if observation.role is not None and not isinstance(observation.role, str):
+            return f"observation.role={observation.role!r:.80}: expected a str or None"
     reward = result.reward
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         return f"reward={result.reward!r}: expected a finite number"

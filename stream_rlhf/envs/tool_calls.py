@@ -16,8 +16,8 @@ Qwen2.5, Qwen3 and Hermes templates teach: no environment code to write, only th
 with every prompt, and the functions come here as `tools`. Each `<tool_call>` block of a turn is
 one call, a JSON object with `name` and `arguments` (an object, or a JSON string of one); the
 calls run in order (`async def` tools awaited, others in a thread) and their results, each
-written as text (`json.dumps` for what is not a string), make one observation, one line each,
-with role "tool" (`data/message_frames.py`). A call that cannot run (bad JSON, an unknown tool,
+written as text (`json.dumps` for what is not a string), are one "tool" message each, as the
+chat template writes a run of them (`data/message_frames.py`). A call that cannot run (bad JSON, an unknown tool,
 wrong arguments, or a tool that raises) answers "error: ..." in its place, so the policy sees
 what went wrong and the episode goes on; `max_calls` bounds the calls run per turn (the rest
 answer an error), `max_result_chars` a result's length. A turn without a call is the final
@@ -86,7 +86,7 @@ class ToolCalls:
             return Turn(None, reward=score, done=True)
         results = [await self._run(call) if i < self.max_calls else f"error: more than {self.max_calls} tool calls"
                    for i, call in enumerate(calls)]
-        return Turn(Observation("\n".join(results), role="tool"))
+        return Turn(tuple(Observation(result, role="tool") for result in results))
 
     async def _run(self, call: tuple[str, dict[str, Any]] | str) -> str:
         if isinstance(call, str):
