@@ -1,6 +1,7 @@
 """The vLLM rollout backend with a vision-language model (tiny Qwen2-VL and Qwen3-VL, CPU build):
 image features as image embeddings (Qwen3-VL's with its deepstack features beside them), log-prob
-parity with our forward with 0, 1 and 2 images per prompt, weight updates, and tiny end-to-end jobs.
+parity with our forward with 0, 1 and 2 images per prompt, weight updates, and tiny end-to-end jobs
+(Qwen2-VL's with multi-turn episodes whose observations show images).
 
 vLLM's CPU environment has no torchvision, so its Qwen2-VL module imports only with the shim
 `stream_rlhf/backends/vllm_shim/`: the client puts it on the engine's PYTHONPATH by itself, and
@@ -10,6 +11,7 @@ nothing here adds it.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -178,16 +180,41 @@ def test_updates_load_the_language_model_under_the_trainers_names(engine, checkp
     assert logprob_error(v2, prompts, images, gen) < 1e-4
 
 
+EPISODES = {"env": {"factory": "tests.episode_envs:ShowsImage", "max_turns": 3, "max_episode_tokens": 96,
+                    "max_observation_images": 1},
+            "reward.function": None, "model.tiny.max_position_embeddings": 96, "rollout.vllm.block_size": 32}
+"""The Qwen2-VL job's episodes: the first observation shows the episode's own image again."""
+
+
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
 def test_tiny_multimodal_ppo_on_vllm(tmp_path, architecture):
     """The tiny vision-language job with rollout through vLLM, from its warm start (a checkpoint
-    folder vLLM loads as it is); Qwen3-VL with deepstack features after vision block 0."""
-    deepstack = {"model.tiny.vision.depth": 2} if architecture == "qwen3" else {}
-    config = write_job(tmp_path / "vllm_mm.yaml", tiny_job(
-        tmp_path, "vllm_mm", overlap_depth=1, broker={"shm_prefix": f"t_vllm_mm_{architecture}"},
+    folder vLLM loads as it is). Qwen3-VL: single-turn, with deepstack features after vision block
+    0. Qwen2-VL: episodes whose first observation shows a second image (`EPISODES`): the rollout
+    process encodes each observation image once with the frozen tower it loads at the first one,
+    vLLM takes every turn's images as embeddings and its prefix cache finds earlier turns' blocks,
+    and the sample log lists both images."""
+    name = f"vllm_mm_{architecture}"
+    overrides = {"model.tiny.vision.depth": 2} if architecture == "qwen3" else EPISODES
+    config = write_job(tmp_path / f"{name}.yaml", tiny_job(
+        tmp_path, name, overlap_depth=1, broker={"shm_prefix": f"t_{name}"},
         **{**VISION, "rollout.backend": "vllm", "rollout.vllm.python": vllm_python(),
-           "model.tiny.architecture": architecture, **deepstack},
+           "model.tiny.architecture": architecture, **overrides},
     ))
     summary = run(tmp_path, config)
     assert_every_sample_trained(summary, 2, 16)
-    assert read_stage_counts(tmp_path / "vllm_mm")["rollout"]["images_read"] == summary["images_seen"] == 32
+    counts = read_stage_counts(tmp_path / name)
+    assert counts["rollout"]["images_read"] == summary["images_seen"] == 32
+    if architecture == "qwen3":
+        return
+    assert not summary["episodes_failed"], summary["episodes_failed"]
+    prefix_cache = summary["episodes"]["prefix_cache"]
+    assert 0 < prefix_cache["cached_tokens"] < prefix_cache["context_tokens"]
+    episodes = counts["rollout"]["episodes"]
+    assert episodes == 32 and counts["vision_prefetch"]["images_encoded"] == episodes  # the prompts' images
+    # one observation image per episode (none when its first turn used up its tokens), each encoded once
+    assert 0 < counts["rollout"]["images_encoded"] == episodes - counts["rollout"].get(
+        "episodes_ended.max_episode_tokens", 0)
+    samples = [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
+    shown = [s["images"] for s in samples if len(s["turns"]) > 1]
+    assert shown and all(len(images) == 2 and images[0] == images[1] for images in shown)
