@@ -74,7 +74,10 @@ class EnvConfig:
         factory = import_dotted(self.factory, "env.factory")
         if not callable(factory):
             raise ConfigError(f"env.factory={self.factory!r}: not callable (expected a class or function)")
-        parameters = inspect.signature(factory).parameters
+        try:
+            parameters = inspect.signature(factory).parameters
+        except (TypeError, ValueError):  # a callable without a signature to read: only make() can tell
+            parameters = {"tools": None} if self.tools else {}
         if self.tools and "tools" not in parameters:
             raise ConfigError(f"env.tools: env.factory={self.factory!r} takes no `tools` keyword to get them "
                               "(stream_rlhf.envs.tool_calls:ToolCalls does)")
