@@ -100,25 +100,31 @@ def test_ppo_on_parquet_conversations_through_the_chat_template(tmp_path):
     assert counts["prompts"]["images_seen"] == cfg.iterations * samples
 
 
-@pytest.mark.slow
-def test_an_env_job_writes_tool_observations_as_chat_messages_of_the_template(tmp_path):
-    """The same user's folder and data in an env job whose environment answers each turn with a
-    `tool` message (`tests.episode_envs:Messages`): rollout and the evaluation write it as the
-    tokenizer's ChatML template does, every episode ends done and is trained."""
+def _env_job(tmp_path: Path, name: str, env: dict, **overrides: object) -> list[dict]:
+    """The user's folder and data in an env job with `env`, run in this process: every episode ends
+    without failing; the samples log."""
     folder = tmp_path / "model"
     _model_folder(folder)
     _dataset(tmp_path / "train.parquet", 24)
     _dataset(tmp_path / "eval.parquet", 4)
-    env = {"factory": "tests.episode_envs:Messages", "options": {"turns": 2}, "max_turns": 2, "max_episode_tokens": 96}
-    cfg = resolve_data(build(RLJobConfig, tiny_job(tmp_path, "chat_env", env=env, **{
+    cfg = resolve_data(build(RLJobConfig, tiny_job(tmp_path, name, env=env, **{
         **VISION, "iterations": 2, "model.path": str(folder), "data.train": str(tmp_path / "train.parquet"),
         "data.eval": str(tmp_path / "eval.parquet"), "data.fields": {"reference": "solution"},
         "data.min_pixels": None, "data.max_pixels": None, "model.tiny.max_position_embeddings": 96,
-        "reward.function": None})))
+        "reward.function": None, **overrides})))
     _run_in_process(cfg, tmp_path / "weights")
     counts = read_stage_counts(Path(cfg.run_dir))
     assert not [key for key in counts["rollout"] if key.startswith("episodes_failed.")], counts["rollout"]
-    samples = [json.loads(line) for line in (Path(cfg.run_dir) / "samples.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (Path(cfg.run_dir) / "samples.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_an_env_job_writes_tool_observations_as_chat_messages_of_the_template(tmp_path):
+    """The same user's folder and data in an env job whose environment answers each turn with a
+    `tool` message (`tests.episode_envs:Messages`): rollout writes it as the tokenizer's ChatML
+    template does, and every episode is trained."""
+    env = {"factory": "tests.episode_envs:Messages", "options": {"turns": 2}, "max_turns": 2, "max_episode_tokens": 96}
+    samples = _env_job(tmp_path, "chat_env", env)
     message = "\n<|im_start|>tool\n=19<|im_end|>\n<|im_start|>assistant\n"
     observations = [(sample["tokens"], a, b) for sample in samples for a, b, kind in sample["turns"]
                     if kind == "observation"]
@@ -133,23 +139,11 @@ def test_an_env_job_writes_tool_observations_as_chat_messages_of_the_template(tm
 def test_a_tool_job_describes_env_tools_in_every_prompt_through_the_template(tmp_path):
     """`env.tools` with the embedded ToolCalls environment: the template file named by
     `data.chat_template` writes the tools' names into each prompt, and every episode is trained."""
-    folder = tmp_path / "model"
-    _model_folder(folder)
-    _dataset(tmp_path / "train.parquet", 24)
-    _dataset(tmp_path / "eval.parquet", 4)
     template = tmp_path / "tools.jinja"
     template.write_text("{% if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool.function.name }}"
                         "{% endfor %}<|im_end|>\n{% endif %}" + CHATML)
     env = {"factory": "stream_rlhf.envs.tool_calls:ToolCalls", "tools": ["tests.episode_envs:add"],
            "options": {"reward": "tests.episode_envs:exact"}, "max_turns": 2, "max_episode_tokens": 96}
-    cfg = resolve_data(build(RLJobConfig, tiny_job(tmp_path, "chat_tools", env=env, **{
-        **VISION, "iterations": 2, "model.path": str(folder), "data.train": str(tmp_path / "train.parquet"),
-        "data.eval": str(tmp_path / "eval.parquet"), "data.fields": {"reference": "solution"},
-        "data.chat_template": str(template), "data.min_pixels": None, "data.max_pixels": None,
-        "model.tiny.max_position_embeddings": 96, "reward.function": None})))
-    _run_in_process(cfg, tmp_path / "weights")
-    counts = read_stage_counts(Path(cfg.run_dir))
-    assert not [key for key in counts["rollout"] if key.startswith("episodes_failed.")], counts["rollout"]
-    samples = [json.loads(line) for line in (Path(cfg.run_dir) / "samples.jsonl").read_text().splitlines()]
+    samples = _env_job(tmp_path, "chat_tools", env, **{"data.chat_template": str(template)})
     assert samples and all(s["prompt"].startswith("<|im_start|>system\ntools: add<|im_end|>\n<|im_start|>user\n")
                            for s in samples)

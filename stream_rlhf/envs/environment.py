@@ -60,6 +60,13 @@ class Turn:
     reward: float = 0.0
     done: bool = False
 
+    @property
+    def observations(self) -> tuple[Observation, ...]:
+        """The observations to append, in order (none, one or several)."""
+        if self.observation is None:
+            return ()
+        return self.observation if isinstance(self.observation, tuple) else (self.observation,)
+
 
 class Environment(Protocol):
     """One episode's environment; both methods may be `async def`."""

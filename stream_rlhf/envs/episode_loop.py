@@ -275,7 +275,7 @@ class EpisodeLoop:
             self._end(serial, "done")
             return
         try:
-            ids, images, paths = self._observation_ids(live, turn.observation)
+            ids, images, paths = self._observation_ids(live, turn.observations)
         except ValueError as exc:
             self._fail(live, "malformed", str(exc))
             self._end(serial, result.ended[i])
@@ -292,19 +292,20 @@ class EpisodeLoop:
             live.images = live.images.followed_by(images)
         live.phase = "ready"
 
-    def _observation_ids(self, live: _Live, observation: Observation | tuple[Observation, ...] | None
+    def _observation_ids(self, live: _Live, observations: tuple[Observation, ...]
                          ) -> tuple[list[int], SampleImages | None, tuple[str, ...]]:
         """The ids a turn's observations append (in their chat messages' frame when they have
         roles), their encoded images (None without) and the images' paths; ValueError naming the
         field it cannot take."""
-        observations = observation if isinstance(observation, tuple) else () if observation is None else (observation,)
         episode = live.group.result.episodes[live.index]
+        shown = sum(len(images.grid_thw) for images in episode.observation_images)
         contents, images, paths = [], None, ()
         for o in observations:
-            ids, shown = self._content_ids(episode, live, o, 0 if images is None else len(images.grid_thw))
+            ids, encoded = self._content_ids(live, o, shown)
             contents.append(ids)
-            if shown is not None:
-                images = shown if images is None else images.followed_by(shown)
+            if encoded is not None:
+                shown += len(encoded.grid_thw)
+                images = encoded if images is None else images.followed_by(encoded)
                 paths += o.images
         roles = tuple(o.role for o in observations)
         if all(role is None for role in roles):
@@ -317,17 +318,16 @@ class EpisodeLoop:
         ids = pieces[0] + [t for content, after in zip(contents, pieces[1:]) for t in content + after]
         return ids, images, paths
 
-    def _content_ids(self, episode: Episode, live: _Live, observation: Observation, shown_this_turn: int
-                     ) -> tuple[list[int], SampleImages | None]:
+    def _content_ids(self, live: _Live, observation: Observation, shown: int) -> tuple[list[int], SampleImages | None]:
+        """One observation's own ids and encoded images, after `shown` images in the episode's observations."""
         if not observation.images:
             return self.encode(observation.text), None
         if self.observe is None or live.images is None:
             raise ValueError("Observation.images: this rollout takes none (they need a vision-language policy)")
-        shown = (sum(len(images.grid_thw) for images in episode.observation_images) + shown_this_turn
-                 + len(observation.images))
-        if shown > self.cfg.max_observation_images:
-            raise ValueError(f"Observation.images: the episode's observations would show {shown} images, more "
-                             f"than env.max_observation_images={self.cfg.max_observation_images}")
+        if shown + len(observation.images) > self.cfg.max_observation_images:
+            raise ValueError(f"Observation.images: the episode's observations would show "
+                             f"{shown + len(observation.images)} images, more than "
+                             f"env.max_observation_images={self.cfg.max_observation_images}")
         try:
             return self.observe(observation)
         except ValueError as exc:

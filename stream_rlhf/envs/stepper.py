@@ -148,8 +148,7 @@ def _check_turn(result: Any) -> str | None:
     """What is wrong with a step's result, or None when it is a well-formed Turn."""
     if not isinstance(result, Turn):
         return f"returned {type(result).__name__} {result!r:.80}, expected envs.environment.Turn"
-    observations = result.observation if isinstance(result.observation, tuple) else (result.observation,)
-    for observation in observations if result.observation is not None else ():
+    for observation in result.observations:
         if not isinstance(observation, Observation) or not isinstance(observation.text, str):
             return (f"observation={observation!r:.80}: expected Observation(text: str, images: tuple[str, ...], "
                     "role: str | None), or a tuple of them")
