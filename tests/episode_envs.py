@@ -10,12 +10,25 @@ from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
 
 class FlakyCalculator(Calculator):
     """The calculator, except that its step raises for every sample whose reference ends in 3:
-    those episodes fail (reason "raised"), the same ones in every run."""
+    those episodes fail (reason "raised"), the same ones in every run. With `closes` (a file) its
+    close appends the reference there, and raises for references ending in 7."""
+
+    def __init__(self, latency_s: float = 0.0, closes: str | None = None):
+        super().__init__(latency_s)
+        self.closes = closes
 
     async def step(self, text: str, token_ids: Sequence[int]) -> Turn:
         if self.start is not None and self.start.reference.endswith("3"):
             raise RuntimeError(f"flaky tool: reference {self.start.reference}")
         return await super().step(text, token_ids)
+
+    def close(self) -> None:
+        if self.closes is None or self.start is None:
+            return
+        with open(self.closes, "a") as file:
+            file.write(self.start.reference + "\n")
+        if self.start.reference.endswith("7"):
+            raise OSError(f"sandbox of reference {self.start.reference} already gone")
 
 
 class ShowsImage:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 import pytest
 import torch
@@ -83,8 +83,48 @@ class Ordered:
         return Turn(Observation("=1"), done=self.seen >= 3)
 
 
+class Closing(Scripted):
+    """`Scripted` with a `close` (async or sync; raising or hanging when asked) that records, per
+    environment, every call in order in EVENTS."""
+
+    def __init__(self, closing: str = "async", **options: object):
+        super().__init__(**options)  # type: ignore[arg-type]
+        self.closing = closing
+        self.events: list[str] = []
+        EVENTS.append(self.events)
+
+    def reset(self, start: EpisodeStart) -> None:
+        self.events.append("reset")
+        super().reset(start)
+
+    async def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+        self.events.append("step")
+        return await super().step(text, token_ids)
+
+    def close(self) -> Awaitable[None] | None:
+        if self.closing == "sync":
+            self.events.append("close")
+            return None
+        return self._close()
+
+    async def _close(self) -> None:
+        self.events.append("close")
+        if self.closing == "raise":
+            raise OSError("sandbox gone")
+        if self.closing == "hang":
+            await asyncio.sleep(60)
+
+
+EVENTS: list[list[str]] = []
+"""The calls each `Closing` environment got, one list per environment made."""
+
+
 def scripted(**options: object) -> Scripted:
     return Scripted(**options)  # type: ignore[arg-type]
+
+
+def closing(**options: object) -> Closing:
+    return Closing(**options)  # type: ignore[arg-type]
 
 
 ORDERED_KEYS = iter(())
@@ -175,3 +215,63 @@ def test_lockstep_starts_each_round_together(lm: PreTrainedModel) -> None:
     assert result.ended == ["done"] * 4
     rounds = [turn for _, turn in CALLS]
     assert rounds == sorted(rounds)  # every turn-1 step before any turn-2 step, and so on
+
+
+@pytest.mark.parametrize(("options", "env", "ended"), [
+    ({"turns": 2}, {}, "done"),
+    ({"turns": 99}, {"max_turns": 2}, "max_turns"),
+    ({"turns": 99, "observation": "=" + "1" * 10}, {"max_episode_tokens": 30}, "max_episode_tokens"),
+    ({"fail": "raise", "fail_turn": 2}, {}, "failed:raised"),
+    ({"fail": "hang", "fail_turn": 2}, {"step_timeout_s": 0.5}, "failed:timeout"),
+    ({"fail": "malformed", "fail_turn": 2}, {}, "failed:malformed"),
+    ({"fail": "reset"}, {}, "failed:raised"),
+    ({"turns": 2, "closing": "sync"}, {}, "done"),
+])
+def test_every_ending_closes_the_environment_once_after_its_last_call(
+        lm: PreTrainedModel, options: dict, env: dict, ended: str) -> None:
+    EVENTS.clear()
+    result = run(lm, "closing", options=options, **{"max_episode_tokens": 200, **env})
+    assert result.ended == [ended] * 4
+    assert len(EVENTS) == 4
+    for events in EVENTS:
+        assert events.count("close") == 1 and events[-1] == "close"
+        assert events[0] == "reset" and events.count("step") == (0 if options.get("fail") == "reset" else
+                                                                   sum(e.turns for e in result.episodes) // 4)
+
+
+@pytest.mark.parametrize("how", ["raise", "hang"])
+def test_a_failing_close_is_reported_and_leaves_its_episode_as_it_ended(lm: PreTrainedModel, how: str) -> None:
+    EVENTS.clear()
+    cfg = EnvConfig(factory="tests.test_episode_loop:closing", options={"turns": 2, "closing": how},
+                    max_episode_tokens=200, step_timeout_s=0.5)
+    prompts = [torch.tensor(TOKENIZER.encode(f"<bos>{i}+{i}=", add_special_tokens=False)) for i in range(2)]
+    loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
+                       lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
+    sampler = TorchTurnSampler(lm, 2, 200, PARAMS, torch.Generator().manual_seed(0), 0)
+    stepper = EnvStepper(cfg.step_timeout_s, 2)
+    result = loop.run([EpisodeStart("1+1=", "2")] * 2, prompts, None, sampler, stepper)
+    sampler.close()
+    stepper.close()  # waits for the closes, each bounded by step_timeout_s
+    assert result.ended == ["done"] * 2 and not result.failures
+    failures = stepper.close_failures()
+    expected = "raised OSError: sandbox gone" if how == "raise" else "ran past env.step_timeout_s=0.5"
+    assert len(failures) == 2 and all("Closing.close " in f and expected in f for f in failures)
+    assert stepper.close_failures() == []  # reported once
+
+
+def test_rollout_stopping_closes_the_environments_of_episodes_in_flight(lm: PreTrainedModel) -> None:
+    EVENTS.clear()
+    cfg = EnvConfig(factory="tests.test_episode_loop:closing", options={"turns": 99, "fail": "hang", "fail_turn": 1},
+                    max_episode_tokens=200, step_timeout_s=30)
+    prompts = [torch.tensor(TOKENIZER.encode(f"<bos>{i}+{i}=", add_special_tokens=False)) for i in range(3)]
+    loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
+                       lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
+    sampler = TorchTurnSampler(lm, 3, 200, PARAMS, torch.Generator().manual_seed(0), 0)
+    stepper = EnvStepper(cfg.step_timeout_s, 3)
+    loop.open(sampler, stepper, None, slots=3)
+    loop.add("mb", [EpisodeStart("1+1=", "2")] * 3, prompts, None)
+    while sum(events.count("step") for events in EVENTS) < 3:  # every episode waits in its first step
+        assert not loop.advance()
+    sampler.close()
+    stepper.close()
+    assert EVENTS == [["reset", "step", "close"]] * 3

@@ -75,14 +75,21 @@ def test_an_env_job_stopped_and_resumed_trains_every_episode_once(tmp_path):
 
 def test_an_env_job_runs_two_minibatches_episodes_at_once(tmp_path):
     """env.minibatches_in_flight=2 (the default): rollout begins a mini-batch while another's episodes
-    are in flight, publishes each once, and every sample is trained once."""
+    are in flight, publishes each once, and every sample is trained once. Every environment is
+    closed once, and the closes that raise are counted and logged."""
     iterations = 3
+    closes = tmp_path / "closes.txt"
     config = _config(tmp_path, "overlap", iterations=iterations, overlap_depth=1,
-                     env={**ENV, "options": {"latency_s": 0.05}})
+                     env={**ENV, "options": {"latency_s": 0.05, "closes": str(closes)}})
     log = tmp_path / "overlap.log"
     assert _start(config, log).wait(timeout=300) == 0, log.read_text()[-3000:]
     summary = _check_accounting(tmp_path / "overlap", iterations)
     assert summary["samples_generated"] == summary["samples_trained"]
+    closed = closes.read_text().split()  # rollout's episodes and 4 evaluations' (sampled, greedy; before, after)
+    assert len(closed) == summary["samples_generated"] + 4 * 32, len(closed)
+    rollout_failed = summary["episodes"]["closes_failed"]
+    assert 0 < rollout_failed <= sum(reference.endswith("7") for reference in closed)
+    assert "an environment's close failed: FlakyCalculator.close raised OSError: sandbox of reference" in log.read_text()
     steps = sorted((e["ts"], e["ts"] + e["dur"], e["args"]["iteration"], e["args"]["minibatch"])
                    for e in json.loads((tmp_path / "overlap" / "trace.json").read_text())["traceEvents"]
                    if e.get("ph") == "X" and e.get("cat") == "step" and e["args"].get("stage") == "rollout")

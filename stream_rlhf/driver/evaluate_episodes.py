@@ -8,6 +8,8 @@ turn rewards. Observations' images are encoded by the model's own vision tower, 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
@@ -26,6 +28,8 @@ from stream_rlhf.models.vision_language import encode_images, is_vision_language
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.samples import Rollout, SampleImages, unragged
 from stream_rlhf.stages.reward_forward import Scorer
+
+log = logging.getLogger("stream_rlhf")
 
 
 @torch.inference_mode()
@@ -48,6 +52,8 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
     finally:
         sampler.close()
         stepper.close()
+        for failure in stepper.close_failures():
+            log.warning("evaluation: an environment's close failed: %s", failure)
     tensors = episode_tensors(result.episodes)
     rollout = Rollout(unragged(tensors, "sequences"), tensors["prompt_lens"], unragged(tensors, "behavior_logp"),
                       torch.zeros(len(prompts), dtype=torch.long))

@@ -11,7 +11,10 @@ makes a fresh one per episode, `reset` gives it the dataset sample, and each `st
 turn, both as text (decoded without special tokens) and as the token ids the policy generated
 (never re-tokenised). The returned `Turn` says what to append (an `Observation`: text, and images
 for a vision-language policy), the turn's reward, and whether the episode is over. Turn and token
-limits are the engine's (`env.max_turns`, `env.max_episode_tokens`), not the environment's.
+limits are the engine's (`env.max_turns`, `env.max_episode_tokens`), not the environment's. An
+environment that holds something to give back (a sandbox, a connection) may define `close()`, sync
+or async: the engine calls it once, after the episode's last call, however the episode ended
+(done, a limit, a failure, or rollout stopping with the episode in flight).
 
 Glossary: an *episode* is one prompt and every turn after it; a *turn* is one policy response
 (ending at a stop token) and the environment's answer to it; an *observation* is the part the
@@ -69,7 +72,8 @@ class Turn:
 
 
 class Environment(Protocol):
-    """One episode's environment; both methods may be `async def`."""
+    """One episode's environment; both methods may be `async def`. It may also define `close()`
+    (sync or async), called once when the episode is over (`envs/stepper.py`)."""
 
     def reset(self, start: EpisodeStart) -> None | Awaitable[None]:
         """Start the episode from a dataset sample."""

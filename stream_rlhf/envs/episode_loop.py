@@ -29,6 +29,7 @@ final answer). An episode ends when the environment says done, when a limit is r
 call fails (raised, timeout, malformed): it keeps the turns it has, with reward 0 for the failing
 turn, and `ended` says why ("failed:timeout"). A failed reset still samples the first turn (the
 policy's answer to the prompt), so every episode has at least one policy turn and no sample is lost.
+Its environment is then released to the stepper, which calls its `close()` if it has one.
 
 An observation with images (a vision-language policy) goes through `observe`
 (`envs/observation_images.py`: its ids with each image's pad run, and the images' features); the
@@ -344,3 +345,4 @@ class EpisodeLoop:
         del self.by_slot[live.slot]
         self.sampler.release(live.slot)
         heapq.heappush(self.free, live.slot)
+        self.stepper.release(serial)

@@ -6,6 +6,9 @@ sampler: while one episode waits, the others keep generating.
     stepper.step(episode_id, env, text, token_ids)          # returns at once
     for outcome in stepper.poll():                          # or stepper.wait(0.05)
         outcome.turn or outcome.failure                     # exactly one of them is set
+    stepper.release(episode_id)                             # the episode is over: env.close(), if it has one
+    stepper.close_failures()                                # messages of the closes that failed since last asked
+    stepper.close()                                         # closes the environments still held, then stops
 
 One asyncio loop in a daemon thread awaits every call: `async def` methods directly, plain ones in a
 thread pool of `workers` threads. Each call is bounded by `step_timeout_s`. An environment that
@@ -14,6 +17,13 @@ ends its episode with a `Failure` whose reason ("raised", "timeout", "malformed"
 counts; it never reaches the caller as an exception. A sync call past its timeout cannot be
 stopped: its thread stays busy until the call returns (its result is then dropped), so `workers`
 should cover the episodes in flight.
+
+An environment may hold something to give back (a sandbox process, a connection): its optional
+`close()` (sync or `async def`) is called once, when its episode is over for whatever reason
+(`release`: done, a limit, a failure; `close`: the episodes still in flight when rollout stops),
+bounded by `step_timeout_s` too. A close runs in the background and never changes its episode; one
+that raises or runs past the timeout is reported by `close_failures`. A sync call cut off (past its
+timeout, or running when rollout stops) may still be busy in its thread while the close runs.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -61,16 +71,43 @@ class EnvStepper:
         self._thread = threading.Thread(target=self._loop.run_forever, name="env-stepper", daemon=True)
         self._thread.start()
         self._results: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self._close_failures: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.in_flight = 0
         """Calls submitted and not yet returned by poll/wait."""
+        self._envs: dict[Hashable, Environment] = {}
+        """The environments reset and not yet released, by key."""
+        self._calls: set[asyncio.Task[None]] = set()
+        """Resets and steps running (touched on the loop's thread only)."""
+        self._closing: list[Future[None]] = []
+        """Closes submitted and maybe not over."""
 
     def reset(self, key: Hashable, env: Environment, start: EpisodeStart) -> None:
-        """Call `env.reset(start)` in the background; its `Outcome` (turn None) carries `key`."""
+        """Call `env.reset(start)` in the background; its `Outcome` (turn None) carries `key`. The
+        stepper holds `env` until `release(key)`."""
+        self._envs[key] = env
         self._submit(key, env.reset, (start,), _check_reset)
 
     def step(self, key: Hashable, env: Environment, text: str, token_ids: Sequence[int]) -> None:
         """Call `env.step(text, token_ids)` in the background; its `Outcome` carries `key`."""
         self._submit(key, env.step, (text, token_ids), _check_turn)
+
+    def release(self, key: Hashable) -> None:
+        """`key`'s episode is over (no call of it in flight): its environment's `close()`, if it has
+        one, runs in the background."""
+        env = self._envs.pop(key, None)
+        close = getattr(env, "close", None)
+        if callable(close):
+            self._closing = [future for future in self._closing if not future.done()]
+            self._closing.append(asyncio.run_coroutine_threadsafe(self._close_env(close), self._loop))
+
+    def close_failures(self) -> list[str]:
+        """A message per environment close that raised or timed out since the last call."""
+        failures = []
+        while True:
+            try:
+                failures.append(self._close_failures.get_nowait())
+            except queue.Empty:
+                return failures
 
     def _submit(self, key: Hashable, method: Callable[..., Any], args: tuple[Any, ...],
                 check: Callable[[Any], str | None]) -> None:
@@ -98,21 +135,43 @@ class EnvStepper:
         return [first, *self.poll()]
 
     def close(self) -> None:
-        """Stop the loop; calls still running are abandoned (their results dropped)."""
+        """Stop: resets and steps still running are abandoned (their results dropped), the
+        environments still held are closed, and every close gets up to `step_timeout_s` to end."""
         asyncio.run_coroutine_threadsafe(self._cancel_calls(), self._loop).result(timeout=5)
+        for key in list(self._envs):
+            self.release(key)
+        wait(self._closing, timeout=self.step_timeout_s + 5)  # each is bounded by step_timeout_s
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _cancel_calls(self) -> None:
-        calls = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        calls = list(self._calls)
         for task in calls:
             task.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
 
+    async def _close_env(self, close: Callable[[], Any]) -> None:
+        try:
+            await asyncio.wait_for(self._run(close, ()), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            self._close_failures.put(f"{_name(close)} ran past env.step_timeout_s={self.step_timeout_s}")
+        except Exception as exc:  # a failing close is reported, and its episode stays as it ended
+            self._close_failures.put(f"{_name(close)} raised {type(exc).__name__}: {exc}")
+
     async def _call(self, key: Hashable, method: Callable[..., Any], args: tuple[Any, ...],
                     check: Callable[[Any], str | None]) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._calls.add(task)
+        try:
+            self._results.put(await self._outcome(key, method, args, check))
+        finally:
+            self._calls.discard(task)
+
+    async def _outcome(self, key: Hashable, method: Callable[..., Any], args: tuple[Any, ...],
+                       check: Callable[[Any], str | None]) -> Outcome:
         start = time.monotonic()
         try:
             result = await asyncio.wait_for(self._run(method, args), self.step_timeout_s)
@@ -127,7 +186,7 @@ class EnvStepper:
             failure = Failure("malformed", f"{_name(method)}: {problem}") if problem else None
             turn = result if isinstance(result, Turn) and failure is None else None
             outcome = Outcome(key, turn, failure, time.monotonic() - start)
-        self._results.put(outcome)
+        return outcome
 
     async def _run(self, method: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         if inspect.iscoroutinefunction(method):

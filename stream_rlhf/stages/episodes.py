@@ -1,7 +1,7 @@
 """The rollout stage's multi-turn side (`env` jobs): a mini-batch's samples run as episodes in the
 configured environment, and come back as the rollout handle's fields.
 
-    episodes = EpisodeRollout(job, tokenizer, params, engine, log)
+    episodes = EpisodeRollout(job, tokenizer, params, engine, counts, log)
     tensors, policy_version, metadata = episodes.generate(batch, prompts, images)   # one mini-batch
     episodes.begin(batch, prompts, images)          # or several in flight (env.minibatches_in_flight)
     for batch, tensors, policy_version, metadata in episodes.advance(): ...
@@ -53,8 +53,9 @@ from stream_rlhf.seeding import rollout_seed
 from stream_rlhf.stage import Batch
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.topics import REWARD_KWARGS
-from stream_rlhf.telemetry.episodes import EPISODES, EpisodeStats
+from stream_rlhf.telemetry.episodes import CLOSES_FAILED, EPISODES, EpisodeStats
 from stream_rlhf.telemetry.sample_log import IMAGE_PATHS
+from stream_rlhf.telemetry.stage_counts import StageCounts
 
 MAX_FAILURES_LOGGED = 3
 """Failed episodes whose message a mini-batch logs (all are counted, in summary.json)."""
@@ -74,11 +75,12 @@ class EpisodeRollout:
     one per rollout instance (its stepper thread lives with it)."""
 
     def __init__(self, job: JobContext, tokenizer: PreTrainedTokenizerBase, params: SamplingParams,
-                 engine: RolloutEngine, log: logging.LoggerAdapter):
+                 engine: RolloutEngine, counts: StageCounts, log: logging.LoggerAdapter):
+        """`counts`: the rollout stage's, where failed environment closes are counted."""
         cfg = job.config.env
         if cfg is None:
             raise ValueError("EpisodeRollout: the job has no env section")
-        self.tokenizer, self.params, self.engine, self.log = tokenizer, params, engine, log
+        self.tokenizer, self.params, self.engine, self.counts, self.log = tokenizer, params, engine, counts, log
         self.max_episode_tokens = cfg.max_episode_tokens
         self.seed = job.config.seed
         self.in_flight = cfg.minibatches_in_flight if cfg.schedule == "stream" else 1
@@ -158,6 +160,7 @@ class EpisodeRollout:
     def _handle(self, batch: Batch, result: EpisodeResult) -> tuple[dict[str, Tensor], int, dict[str, Any]]:
         for failure in result.failures[:MAX_FAILURES_LOGGED]:
             self.log.warning("iteration %d mini-batch %d: %s", batch.iteration, batch.minibatch, failure)
+        self._count_close_failures()
         tensors = episode_tensors(result.episodes)
         versions = [v for episode in result.episodes for v, m in zip(episode.policy_versions, episode.loss_mask) if m]
         finished = sum(ended == "done" for ended in result.ended)
@@ -167,6 +170,14 @@ class EpisodeRollout:
             metadata[IMAGE_PATHS] = ["\n".join([p for p in paths.split("\n") if p] + episode.observation_image_paths)
                                      for paths, episode in zip(prompt_paths, result.episodes, strict=True)]
         return tensors, min(versions), metadata
+
+    def _count_close_failures(self) -> None:
+        """Counts the environment closes that failed since the last call, and logs the first few."""
+        failures = self.stepper.close_failures()
+        for failure in failures[:MAX_FAILURES_LOGGED]:
+            self.log.warning("an environment's close failed: %s", failure)
+        if failures:
+            self.counts.add(**{CLOSES_FAILED: len(failures)})
 
     def _observe(self) -> ObservationImages | None:
         """How observations' images become ids and features (None for a text model)."""
@@ -182,7 +193,10 @@ class EpisodeRollout:
                                                            batch.metadata[REWARD_KWARGS], paths, strict=True)]
 
     def close(self) -> None:
+        """Stops: the environments of episodes still in flight are closed, and every close's
+        failure is counted."""
         if self.sampler is not None:
             self.sampler.close()
         self.stepper.close()
+        self._count_close_failures()
 

@@ -53,7 +53,8 @@ class RolloutStage(Stage):
         engine_class = import_dotted(ROLLOUT_ENGINES[cfg.backend], "rollout.backend")
         self.engine: RolloutEngine = engine_class(self.job, self.weights, self.images, ctx)
         env = self.job.config.env
-        self.episodes = None if env is None else EpisodeRollout(self.job, tokenizer, self.params, self.engine, ctx.log)
+        self.episodes = (None if env is None
+                         else EpisodeRollout(self.job, tokenizer, self.params, self.engine, self.counts, ctx.log))
         self.generated = GeneratedStore(self.job.run_dir) if self.job.config.checkpoint.keep_generated else None
         self.replayed: list[tuple[Batch, list[Output]]] = []
         """Mini-batches begun that the generated store held: handed back by the next `advance`."""
