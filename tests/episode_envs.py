@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Sequence
 
 from stream_rlhf.envs.calculator import Calculator
@@ -107,3 +110,34 @@ def undescribed(x):  # no type hints, no docstring: env.tools refuses it
 def exact(answer: str, reference: str) -> float:
     """ToolCalls' reward: 1.0 when the answer is the reference."""
     return float(answer == reference)
+
+
+class InProcess:
+    """For `env.processes`: each step's reward is the id of the process it ran in; observation
+    "=1", done after `turns`. `hang_turn` (sync: a thread that cannot be stopped) sleeps `hang_s` on
+    that turn for episodes whose reference ends in `hang_digit`; `die_turn` kills the process on
+    that turn for those episodes; `closes` (a file) gets "<reference> <pid>" per close."""
+
+    def __init__(self, turns: int = 2, hang_turn: int = 0, hang_s: float = 60.0, die_turn: int = 0,
+                 hang_digit: str = "0", closes: str | None = None):
+        self.turns, self.hang_turn, self.hang_s, self.die_turn = turns, hang_turn, hang_s, die_turn
+        self.hang_digit, self.closes = hang_digit, closes
+        self.seen = 0
+        self.reference = ""
+
+    def reset(self, start: EpisodeStart) -> None:
+        self.reference = start.reference
+
+    def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+        self.seen += 1
+        chosen = self.reference.endswith(self.hang_digit)
+        if chosen and self.seen == self.hang_turn:
+            time.sleep(self.hang_s)
+        if chosen and self.seen == self.die_turn:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return Turn(Observation("=1"), reward=float(os.getpid()), done=self.seen >= self.turns)
+
+    def close(self) -> None:
+        if self.closes is not None:
+            with open(self.closes, "a") as file:
+                file.write(f"{self.reference} {os.getpid()}\n")

@@ -1,6 +1,6 @@
 """Whole env jobs (multi-turn episodes in a tool environment): a run killed and stopped mid-way
-keeps its accounting (generated == trained, each iteration trained once), failed episodes are
-counted by reason in summary.json, the figures reach metrics and the samples log, and process
+(its environments in worker processes) keeps its accounting (generated == trained, each iteration
+trained once), failed episodes are counted by reason in summary.json, the figures reach metrics and the samples log, and process
 rewards score only the policy's steps."""
 
 from __future__ import annotations
@@ -63,14 +63,18 @@ def test_an_env_job_whose_rollout_is_killed_finishes_with_every_episode_accounte
 
 
 def test_an_env_job_stopped_and_resumed_trains_every_episode_once(tmp_path):
+    """With its environments in 2 worker processes (env.processes), stopped with episodes in flight."""
     iterations = 8  # the stop after 2 lands well before the end, however fast the machine
-    config = _config(tmp_path, "resumed", iterations=iterations, checkpoint={"every": 1, "keep": 1})
+    config = _config(tmp_path, "resumed", iterations=iterations, checkpoint={"every": 1, "keep": 1},
+                     env={**ENV, "processes": 2})
     log = tmp_path / "resumed.log"
     _stop_after(_start(config, log), tmp_path / "resumed" / "metrics.jsonl", 2, log)
     assert _start(config, log, "--resume").wait(timeout=300) == 0, log.read_text()[-3000:]
     summary = _check_accounting(tmp_path / "resumed", iterations)
     assert summary["samples_generated"] == summary["samples_trained"]
     assert summary["samples_discarded_at_resume"] == 0
+    assert "FlakyCalculator.step raised RuntimeError: flaky tool: reference" in log.read_text()
+    assert "(in env process 1)" in log.read_text()  # the flaky tool ran in the workers
 
 
 def test_an_env_job_runs_two_minibatches_episodes_at_once(tmp_path):
@@ -89,7 +93,8 @@ def test_an_env_job_runs_two_minibatches_episodes_at_once(tmp_path):
     assert len(closed) == summary["samples_generated"] + 4 * 32, len(closed)
     rollout_failed = summary["episodes"]["closes_failed"]
     assert 0 < rollout_failed <= sum(reference.endswith("7") for reference in closed)
-    assert "an environment's close failed: FlakyCalculator.close raised OSError: sandbox of reference" in log.read_text()
+    assert ("an environment's close failed: FlakyCalculator.close raised OSError: sandbox of reference"
+            in log.read_text())
     steps = sorted((e["ts"], e["ts"] + e["dur"], e["args"]["iteration"], e["args"]["minibatch"])
                    for e in json.loads((tmp_path / "overlap" / "trace.json").read_text())["traceEvents"]
                    if e.get("ph") == "X" and e.get("cat") == "step" and e["args"].get("stage") == "rollout")

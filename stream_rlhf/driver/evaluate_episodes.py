@@ -23,6 +23,7 @@ from stream_rlhf.envs.environment import EpisodeStart
 from stream_rlhf.envs.episode_handle import episode_tensors
 from stream_rlhf.envs.episode_loop import EpisodeLoop
 from stream_rlhf.envs.observation_images import ObservationImages
+from stream_rlhf.envs.process_envs import ProcessEnvs
 from stream_rlhf.envs.stepper import EnvStepper
 from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
 from stream_rlhf.rl.config import RLJobConfig
@@ -41,17 +42,21 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
     if env is None:
         raise ValueError("episode_returns: the job has no env section")
     tokenizer = scorer.tokenizer
+    threads = env.threads(len(prompts))
+    processes = ProcessEnvs(env, threads) if env.processes else None
     loop = EpisodeLoop(env, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                        lambda text: tokenizer.encode(text, add_special_tokens=False), params.max_new_tokens,
-                       MessageFrames.of(tokenizer, cfg.data.chat_template))
+                       MessageFrames.of(tokenizer, cfg.data.chat_template), processes.make if processes else None)
     capacity = episode_capacity(prompts, params.max_new_tokens, env.max_episode_tokens)
     sampler = TorchTurnSampler(model, len(prompts), capacity, params, generator, 0, static)
-    stepper = EnvStepper(env.step_timeout_s, env.threads(len(prompts)))
+    stepper = EnvStepper(env.step_timeout_s, threads)
     try:
         result = loop.run(starts, prompts, images, sampler, stepper, _observe(cfg, model, tokenizer))
     finally:
         sampler.close()
         stepper.close()
+        if processes is not None:
+            processes.close()
         for failure in stepper.close_failures():
             log.warning("evaluation: an environment's close failed: %s", failure)
     tensors = episode_tensors(result.episodes)

@@ -10,6 +10,7 @@ runs it (`stepper.py`, `episode.py`).
       schedule: stream                                   # or lockstep (the baseline)
       minibatches_in_flight: 2                           # stream: episodes of 2 mini-batches at once
       tools: []                                          # functions the policy may call (tool_calls.py)
+      processes: 0                                       # N: environments in N processes (process_envs.py)
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class EnvConfig:
     with every prompt of a dataset (`tools=`, as `apply_chat_template` takes them), and the factory
     gets the functions as its `tools` keyword (`stream_rlhf.envs.tool_calls:ToolCalls` runs the
     calls it parses from each turn)."""
+    processes: Annotated[int, Meta(ge=0)] = 0
+    """0: environments live in the rollout process (sync calls in its threads). N: in N worker
+    processes of their own, each episode's in one (`process_envs.py`): for environments whose work
+    holds the GIL and would slow rollout's decode loop, or whose calls may hang (a worker with a
+    call past step_timeout_s is killed once its other episodes end, and replaced). Calls and their
+    results are pickled across."""
     workers: Annotated[int, Meta(ge=1)] | None = None
     """Threads that run sync environments' calls (`async def` ones need none); null: one per
     episode in flight (a rollout instance's mini-batch episodes x minibatches_in_flight), so that

@@ -124,9 +124,12 @@ class EpisodeLoop:
     """Episodes driven to their ends, a group at a time or several (see the module docstring)."""
 
     def __init__(self, cfg: EnvConfig, decode: Callable[[list[int]], str], encode: Callable[[str], list[int]],
-                 max_new_tokens: int, frames: MessageFrames | None = None):
-        """`frames`: how the chat template writes an observation with a role (None: no template)."""
+                 max_new_tokens: int, frames: MessageFrames | None = None,
+                 make: Callable[[], Environment] | None = None):
+        """`frames`: how the chat template writes an observation with a role (None: no template);
+        `make`: each episode's environment (default `cfg.make`; `ProcessEnvs.make` with env.processes)."""
         self.cfg = cfg
+        self.make = make or cfg.make
         self.decode, self.encode, self.frames = decode, encode, frames
         self.max_new_tokens = max_new_tokens
         self.groups: list[_Group] = []
@@ -174,7 +177,7 @@ class EpisodeLoop:
             serial, slot = next(self.serials), heapq.heappop(self.free)
             self.by_slot[slot] = serial
             try:
-                env = self.cfg.make()
+                env = self.make()
             except Exception as exc:  # a factory that raises fails its episode, like a reset that raises
                 live = self.live[serial] = _Live(group, i, slot, None, images[i] if images is not None else None)
                 self._fail(live, "raised", f"env.factory raised {type(exc).__name__}: {exc}")

@@ -18,6 +18,8 @@ handle holds, per sample, the prompt and every token after it (policy turns and 
 `loss_mask`, `env_rewards` and `token_versions` (`envs/episode_handle.py`), and the metadata
 "episodes": turns, tool calls, tool seconds and why each episode ended (`telemetry/episodes.py`).
 
+With `env.processes` the environments live in worker processes of their own (`envs/process_envs.py`).
+
 A vision-language job's observations may show images (`envs/observation_images.py`): they are read
 and patched as the dataset's images are (the model folder's preprocessor settings, `data.min_pixels`
 / `data.max_pixels`) and encoded by the rollout engine's own vision tower (`encode_images`: the
@@ -46,6 +48,7 @@ from stream_rlhf.envs.environment import EpisodeStart
 from stream_rlhf.envs.episode_handle import episode_tensors
 from stream_rlhf.envs.episode_loop import EpisodeLoop, EpisodeResult
 from stream_rlhf.envs.observation_images import ObservationImages
+from stream_rlhf.envs.process_envs import ProcessEnvs
 from stream_rlhf.envs.stepper import EnvStepper
 from stream_rlhf.envs.turns import TurnSampler
 from stream_rlhf.samples import SampleImages
@@ -85,11 +88,13 @@ class EpisodeRollout:
         self.seed = job.config.seed
         self.in_flight = cfg.minibatches_in_flight if cfg.schedule == "stream" else 1
         """Mini-batches whose episodes run at once (the rollout stage's inputs in flight)."""
-        self.loop = EpisodeLoop(cfg, self._decode, self._encode, params.max_new_tokens,
-                                MessageFrames.of(tokenizer, job.config.data.chat_template))
         batch = job.config.rollout_batch
-        self.stepper = EnvStepper(cfg.step_timeout_s,
-                                  cfg.threads(batch.prompts_per_minibatch * batch.samples_per_prompt * self.in_flight))
+        threads = cfg.threads(batch.prompts_per_minibatch * batch.samples_per_prompt * self.in_flight)
+        self.processes = ProcessEnvs(cfg, threads) if cfg.processes else None
+        self.loop = EpisodeLoop(cfg, self._decode, self._encode, params.max_new_tokens,
+                                MessageFrames.of(tokenizer, job.config.data.chat_template),
+                                self.processes.make if self.processes else None)
+        self.stepper = EnvStepper(cfg.step_timeout_s, threads)
         self.sampler: TurnSampler | None = None
         self.capacity = 0
         """Positions per slot of the open sampler."""
@@ -198,5 +203,7 @@ class EpisodeRollout:
         if self.sampler is not None:
             self.sampler.close()
         self.stepper.close()
+        if self.processes is not None:
+            self.processes.close()
         self._count_close_failures()
 
