@@ -1,7 +1,7 @@
 """Whole env jobs (multi-turn episodes in a tool environment): a run killed and stopped mid-way
 (its environments in worker processes) keeps its accounting (generated == trained, each iteration
-trained once), failed episodes are counted by reason in summary.json, the figures reach metrics and the samples log, and process
-rewards score only the policy's steps."""
+trained once), failed episodes are counted by reason in summary.json, the figures reach metrics
+and the samples log, environments are closed, and process rewards score only the policy's steps."""
 
 from __future__ import annotations
 
