@@ -33,6 +33,7 @@ import json
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from stream_rlhf.data.text_tasks import problems
 from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
 from stream_rlhf.driver.warm_start import warm_start
 from stream_rlhf.envs.config import EnvConfig
-from stream_rlhf.envs.environment import EpisodeStart
+from stream_rlhf.envs.environment import Environment, EpisodeStart
 from stream_rlhf.envs.episode_loop import EpisodeLoop
 from stream_rlhf.envs.stepper import EnvStepper
 from stream_rlhf.models.checkpoint import load_policy
@@ -82,11 +83,14 @@ def minibatches(cfg: RLJobConfig, tokenizer, count: int) -> list[MiniBatch]:
 
 
 def run_column(env: EnvConfig, model, tokenizer, params: SamplingParams, work: list[MiniBatch],
-               in_flight: int, stepper: EnvStepper, static: StaticDecoder | None = None) -> tuple[float, int]:
+               in_flight: int, stepper: EnvStepper, static: StaticDecoder | None = None,
+               make: Callable[[], Environment] | None = None) -> tuple[float, int]:
     """(wall seconds, episode tokens) of `work` in `env` with `in_flight` mini-batches at once, on
-    the model's device (`static`: the engine's decoder there, as `rollout.decode: auto` picks it)."""
+    the model's device (`static`: the engine's decoder there, as `rollout.decode: auto` picks it;
+    `make`: the environments' maker, as EpisodeLoop takes it)."""
     loop = EpisodeLoop(env, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                       lambda text: tokenizer.encode(text, add_special_tokens=False), params.max_new_tokens)
+                       lambda text: tokenizer.encode(text, add_special_tokens=False), params.max_new_tokens,
+                       make=make)
     size = len(work[0][1])
     capacity = max(episode_capacity(prompts, params.max_new_tokens, env.max_episode_tokens) for _, prompts in work)
     device = next(model.parameters()).device

@@ -17,7 +17,7 @@ class FlakyCalculator(Calculator):
     close appends the reference there, and raises for references ending in 7."""
 
     def __init__(self, latency_s: float = 0.0, closes: str | None = None):
-        super().__init__(latency_s)
+        super().__init__(latency_s, 0.0)
         self.closes = closes
 
     async def step(self, text: str, token_ids: Sequence[int]) -> Turn:

@@ -8,13 +8,16 @@ add reliably in its head, and a calculator it may call.
 
 A turn that starts with `calc:` is a call; anything else is the final answer, scored with
 `data.arithmetic.final_reward` against the reference's last number. `latency_s` makes every call
-wait (asyncio, so other episodes go on): the tool latency the benchmark hides.
+wait (asyncio, so other episodes go on): the tool latency the benchmark hides. `cpu_s` makes every
+call compute in pure Python (in a thread, holding the GIL) for that long: a verifier's cost, which
+`env.processes` moves out of the rollout process (bench/env_processes.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Sequence
 
 from stream_rlhf.data.arithmetic import final_reward
@@ -38,11 +41,20 @@ def evaluate(expression: str) -> int | None:
     return total
 
 
+def _compute(seconds: float) -> int:
+    """Pure-Python arithmetic for `seconds` (it holds the GIL as it goes)."""
+    end, total = time.perf_counter() + seconds, 0
+    while time.perf_counter() < end:
+        for i in range(1000):
+            total = (total + i * i) % 1_000_003
+    return total
+
+
 class Calculator:
     """One episode of the calculator task (see the module docstring)."""
 
-    def __init__(self, latency_s: float = 0.0) -> None:
-        self.latency_s = latency_s
+    def __init__(self, latency_s: float = 0.0, cpu_s: float = 0.0) -> None:
+        self.latency_s, self.cpu_s = latency_s, cpu_s
         self.start: EpisodeStart | None = None
         self.calls = 0
 
@@ -59,5 +71,7 @@ class Calculator:
         self.calls += 1
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
+        if self.cpu_s:
+            await asyncio.to_thread(_compute, self.cpu_s)
         value = evaluate(stripped[len(CALL_PREFIX):])
         return Turn(Observation("=?" if value is None else f"={value}"))

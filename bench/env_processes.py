@@ -1,0 +1,128 @@
+"""A tool that computes in Python: environments in the rollout process against `env.processes`.
+
+A verifier or simulator written in pure Python holds the GIL while it works; in the rollout
+process it competes with the sampler's decode loop, in worker processes of its own it does not.
+This script drives the episode engine as `agentic_rollout.py` does (no broker, no trainer) on
+configs/text_tool_grpo.yaml's warm-started policy, two mini-batches in flight (`stream`, as
+shipped), with the calculator computing CPU_S of pure Python per call (`env.options.cpu_s`) and no
+sleep, in three columns that take turns, ROUNDS times:
+
+    threads      env.processes: 0, the calls in the rollout process's threads (the baseline)
+    processes1   env.processes: 1
+    processes2   env.processes: 2
+
+Figures: episode tokens/s (prompt, policy and observation tokens of every episode / the column's
+wall seconds), seconds per mini-batch, and the ratio against threads. The worker processes are
+started before the clock starts (rollout starts them at setup). On a machine with few cores the
+workers' computing competes with the sampler for cores rather than for the GIL; the table says
+how many cores there were.
+
+    .venv/bin/python bench/env_processes.py            # about a minute on 2 idle cores
+    .venv/bin/python bench/env_processes.py --json     # and one JSON line
+    .venv/bin/python bench/env_processes.py --quick    # smoke: 2 mini-batches, 1 round, a 40-step warm start
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from agentic_rollout import minibatches, run_column  # bench/, beside this script
+from pipeline import progress
+
+from stream_rlhf.backends.decode_attention import use_decode_attention
+from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.config import load_config
+from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
+from stream_rlhf.driver.warm_start import warm_start
+from stream_rlhf.envs.process_envs import ProcessEnvs
+from stream_rlhf.envs.stepper import EnvStepper
+from stream_rlhf.models.checkpoint import load_policy
+from stream_rlhf.rl.config import RLJobConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = "configs/text_tool_grpo.yaml"
+CPU_S = 0.005
+IN_FLIGHT = 2
+MINIBATCHES = 6
+ROUNDS = 2
+QUICK_SETS = ["model.warm_start.steps=40"]
+COLUMNS = {"threads": 0, "processes1": 1, "processes2": 2}
+"""column -> env.processes."""
+BASELINE = "threads"
+
+
+def measure(quick: bool) -> dict[str, dict]:
+    sets = ["env.options.latency_s=0.0", f"env.options.cpu_s={CPU_S}", *(QUICK_SETS if quick else [])]
+    cfg = load_config(RLJobConfig, REPO / CONFIG, sets)
+    count, rounds = (2, 1) if quick else (MINIBATCHES, ROUNDS)
+    checkpoint = warm_start(cfg)
+    torch.manual_seed(cfg.seed)
+    model = load_policy(str(checkpoint)).eval()
+    use_decode_attention(model)
+    tokenizer = load_tokenizer(str(checkpoint))
+    stops = stop_token_ids(tokenizer, cfg.rollout.stop, cfg.data.chat_template, str(checkpoint))
+    params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stops,
+                            tokenizer.pad_token_id)
+    work = minibatches(cfg, tokenizer, count)
+    batch = cfg.rollout_batch
+    threads = cfg.env.threads(batch.prompts_per_minibatch * batch.samples_per_prompt * IN_FLIGHT)
+    envs = {column: replace(cfg.env, processes=processes) for column, processes in COLUMNS.items()}
+    pools = {column: ProcessEnvs(env, threads) for column, env in envs.items() if env.processes}
+    stepper = EnvStepper(cfg.env.step_timeout_s, threads)
+    totals = {column: [0.0, 0] for column in COLUMNS}
+    try:
+        with torch.inference_mode():
+            for round_ in range(rounds):
+                for column, env in envs.items():
+                    pool = pools.get(column)
+                    seconds, tokens = run_column(env, model, tokenizer, params, work, IN_FLIGHT, stepper,
+                                                 make=pool.make if pool else None)
+                    totals[column][0] += seconds
+                    totals[column][1] += tokens
+                progress(f"round {round_ + 1}/{rounds}: " + ", ".join(
+                    f"{c} {t[1] / t[0]:,.0f} tokens/s" for c, t in totals.items()))
+    finally:
+        stepper.close()
+        for pool in pools.values():
+            pool.close()
+    return {column: {"episode_tokens_per_s": tokens / seconds, "s_per_minibatch": seconds / (rounds * count)}
+            for column, (seconds, tokens) in totals.items()}
+
+
+def format_table(results: dict[str, dict]) -> str:
+    base = results[BASELINE]["episode_tokens_per_s"]
+
+    def row(label: str, values: list[str]) -> str:
+        return f"{label:<22}" + "".join(f"{v:>12}" for v in values)
+
+    lines = [row("", list(results)),
+             row("episode tokens/s", [f"{r['episode_tokens_per_s']:,.0f}" for r in results.values()]),
+             row(f"  / {BASELINE}", [f"{r['episode_tokens_per_s'] / base:.2f}" for r in results.values()]),
+             row("s / mini-batch", [f"{r['s_per_minibatch']:.3f}" for r in results.values()])]
+    return "\n".join([*lines, "", f"{1000 * CPU_S:.0f} ms of pure Python per tool call; {IN_FLIGHT} mini-batches of "
+                      f"{CONFIG}'s size in flight; {os.cpu_count()} cores; no trainer, no broker"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    parser.add_argument("--quick", action="store_true", help="smoke: 2 mini-batches, 1 round, a 40-step warm start")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # as a stage process on its one core
+    results = measure(args.quick)
+    print(format_table(results))
+    if args.json:
+        base = results[BASELINE]["episode_tokens_per_s"]
+        print(json.dumps({"baseline": BASELINE, "cpu_s": CPU_S, **{
+            f"{c}_{k}": round(v, 3) for c, r in results.items() for k, v in r.items()},
+            **{f"{c}_speedup": round(r["episode_tokens_per_s"] / base, 3) for c, r in results.items()}}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
