@@ -286,17 +286,20 @@ class LocalJob(BrokerClient):
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain every stage, then stop the broker; kill only what ignores that for `grace_s`
-        (None: `launcher.stop_grace_s`)."""
+        (None: `launcher.stop_grace_s`). Without a broker no stage can drain: each is terminated
+        at once."""
         if self.broker_process is None:
             return
         grace_s = stop_grace_s(self.broker) if grace_s is None else grace_s
-        if self.broker_process.is_alive() and any(p.is_alive() for p in self.processes.values()):
+        broker_alive = self.broker_process.is_alive()
+        if broker_alive and any(p.is_alive() for p in self.processes.values()):
             self.ask_shutdown()
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + (grace_s if broker_alive else 0.0)
         for process in self.processes.values():
             process.join(max(0.1, deadline - time.monotonic()))
             if process.is_alive():
-                log.warning("%s ignored shutdown: terminating", process.name)
+                log.warning("%s ignored shutdown: terminating" if broker_alive else
+                            "%s cannot drain without the broker: terminating", process.name)
                 _end(process, grace_s=5.0)
         if self.broker_process.is_alive():
             self.broker_process.terminate()  # SIGTERM: the broker's clean stop
