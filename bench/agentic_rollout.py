@@ -84,8 +84,8 @@ def minibatches(cfg: RLJobConfig, tokenizer, count: int) -> list[MiniBatch]:
 
 def run_column(env: EnvConfig, model, tokenizer, params: SamplingParams, work: list[MiniBatch],
                in_flight: int, stepper: EnvStepper, static: StaticDecoder | None = None,
-               make: Callable[[], Environment] | None = None) -> tuple[float, int]:
-    """(wall seconds, episode tokens) of `work` in `env` with `in_flight` mini-batches at once, on
+               make: Callable[[], Environment] | None = None) -> tuple[float, int, int]:
+    """(wall seconds, episode tokens, environment steps) of `work` in `env` with `in_flight` mini-batches at once, on
     the model's device (`static`: the engine's decoder there, as `rollout.decode: auto` picks it;
     `make`: the environments' maker, as EpisodeLoop takes it)."""
     loop = EpisodeLoop(env, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
@@ -97,16 +97,17 @@ def run_column(env: EnvConfig, model, tokenizer, params: SamplingParams, work: l
     sampler = TorchTurnSampler(model, size * in_flight, capacity, params, torch.Generator(device).manual_seed(0), 0,
                                static, free_positions=CUDA_FREE_POSITIONS if device.type == "cuda" else 0)
     loop.open(sampler, stepper, None, size * in_flight)
-    waiting, tokens = deque(work), 0
+    waiting, tokens, calls = deque(work), 0, 0
     started = time.perf_counter()
     while waiting or loop.groups:
         while waiting and loop.free_slots >= size:
             loop.add(len(waiting), *waiting.popleft(), None)
         for _, result in loop.advance():
             tokens += sum(episode.num_tokens for episode in result.episodes)
+            calls += sum(result.tool_calls)
     seconds = time.perf_counter() - started
     sampler.close()
-    return seconds, tokens
+    return seconds, tokens, calls
 
 
 def measure(quick: bool, device: torch.device) -> dict[str, dict]:
@@ -131,7 +132,7 @@ def measure(quick: bool, device: torch.device) -> dict[str, dict]:
             for round_ in range(rounds):
                 for column, (schedule, in_flight) in COLUMNS.items():
                     env = replace(cfg.env, schedule=schedule)
-                    seconds, tokens = run_column(env, model, tokenizer, params, work, in_flight, stepper, static)
+                    seconds, tokens, _ = run_column(env, model, tokenizer, params, work, in_flight, stepper, static)
                     totals[column][0] += seconds
                     totals[column][1] += tokens
                 progress(f"round {round_ + 1}/{rounds}: " + ", ".join(

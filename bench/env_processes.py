@@ -4,15 +4,17 @@ A verifier or simulator written in pure Python holds the GIL while it works; in 
 process it competes with the sampler's decode loop, in worker processes of its own it does not.
 This script drives the episode engine as `agentic_rollout.py` does (no broker, no trainer) on
 configs/text_tool_grpo.yaml's warm-started policy, two mini-batches in flight (`stream`, as
-shipped), with the calculator computing CPU_S of pure Python per call (`env.options.cpu_s`) and no
-sleep, in three columns that take turns, ROUNDS times:
+shipped), with the calculator computing CPU_S of pure Python per call (`env.options.cpu_s`, CPU
+time of its thread: a fixed amount of work) and no sleep, in columns that take turns, ROUNDS times:
 
+    free         a tool that costs nothing (cpu_s 0): the ceiling
     threads      env.processes: 0, the calls in the rollout process's threads (the baseline)
     processes1   env.processes: 1
     processes2   env.processes: 2
 
 Figures: episode tokens/s (prompt, policy and observation tokens of every episode / the column's
-wall seconds), seconds per mini-batch, and the ratio against threads. The worker processes are
+wall seconds), seconds and environment steps (tool calls and final answers) per mini-batch, and
+the ratio against threads. The worker processes are
 started before the clock starts (rollout starts them at setup). On a machine with few cores the
 workers' computing competes with the sampler for cores rather than for the GIL; the table says
 how many cores there were.
@@ -52,13 +54,13 @@ IN_FLIGHT = 2
 MINIBATCHES = 6
 ROUNDS = 2
 QUICK_SETS = ["model.warm_start.steps=40"]
-COLUMNS = {"threads": 0, "processes1": 1, "processes2": 2}
-"""column -> env.processes."""
+COLUMNS = {"free": (0.0, 0), "threads": (CPU_S, 0), "processes1": (CPU_S, 1), "processes2": (CPU_S, 2)}
+"""column -> (the tool's cpu_s, env.processes)."""
 BASELINE = "threads"
 
 
 def measure(quick: bool) -> dict[str, dict]:
-    sets = ["env.options.latency_s=0.0", f"env.options.cpu_s={CPU_S}", *(QUICK_SETS if quick else [])]
+    sets = ["env.options.latency_s=0.0", *(QUICK_SETS if quick else [])]
     cfg = load_config(RLJobConfig, REPO / CONFIG, sets)
     count, rounds = (2, 1) if quick else (MINIBATCHES, ROUNDS)
     checkpoint = warm_start(cfg)
@@ -72,27 +74,29 @@ def measure(quick: bool) -> dict[str, dict]:
     work = minibatches(cfg, tokenizer, count)
     batch = cfg.rollout_batch
     threads = cfg.env.threads(batch.prompts_per_minibatch * batch.samples_per_prompt * IN_FLIGHT)
-    envs = {column: replace(cfg.env, processes=processes) for column, processes in COLUMNS.items()}
+    envs = {column: replace(cfg.env, processes=processes, options={**cfg.env.options, "cpu_s": cpu_s})
+            for column, (cpu_s, processes) in COLUMNS.items()}
     pools = {column: ProcessEnvs(env, threads) for column, env in envs.items() if env.processes}
     stepper = EnvStepper(cfg.env.step_timeout_s, threads)
-    totals = {column: [0.0, 0] for column in COLUMNS}
+    totals = {column: [0.0, 0, 0] for column in COLUMNS}
     try:
         with torch.inference_mode():
             for round_ in range(rounds):
                 for column, env in envs.items():
                     pool = pools.get(column)
-                    seconds, tokens = run_column(env, model, tokenizer, params, work, IN_FLIGHT, stepper,
-                                                 make=pool.make if pool else None)
-                    totals[column][0] += seconds
-                    totals[column][1] += tokens
+                    figures = run_column(env, model, tokenizer, params, work, IN_FLIGHT, stepper,
+                                         make=pool.make if pool else None)
+                    totals[column] = [a + b for a, b in zip(totals[column], figures)]
                 progress(f"round {round_ + 1}/{rounds}: " + ", ".join(
                     f"{c} {t[1] / t[0]:,.0f} tokens/s" for c, t in totals.items()))
     finally:
         stepper.close()
         for pool in pools.values():
             pool.close()
-    return {column: {"episode_tokens_per_s": tokens / seconds, "s_per_minibatch": seconds / (rounds * count)}
-            for column, (seconds, tokens) in totals.items()}
+    minibatches_run = rounds * count
+    return {column: {"episode_tokens_per_s": tokens / seconds, "s_per_minibatch": seconds / minibatches_run,
+                     "env_steps_per_minibatch": calls / minibatches_run}
+            for column, (seconds, tokens, calls) in totals.items()}
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -104,7 +108,8 @@ def format_table(results: dict[str, dict]) -> str:
     lines = [row("", list(results)),
              row("episode tokens/s", [f"{r['episode_tokens_per_s']:,.0f}" for r in results.values()]),
              row(f"  / {BASELINE}", [f"{r['episode_tokens_per_s'] / base:.2f}" for r in results.values()]),
-             row("s / mini-batch", [f"{r['s_per_minibatch']:.3f}" for r in results.values()])]
+             row("s / mini-batch", [f"{r['s_per_minibatch']:.3f}" for r in results.values()]),
+             row("env steps / mini-batch", [f"{r['env_steps_per_minibatch']:.1f}" for r in results.values()])]
     return "\n".join([*lines, "", f"{1000 * CPU_S:.0f} ms of pure Python per tool call; {IN_FLIGHT} mini-batches of "
                       f"{CONFIG}'s size in flight; {os.cpu_count()} cores; no trainer, no broker"])
 

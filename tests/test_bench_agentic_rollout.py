@@ -1,5 +1,6 @@
-"""The engine-level agentic benchmark: its columns run every mini-batch's episodes to their end
-on a real model and environment, its table; and (slow) its smoke run end to end."""
+"""The engine-level agentic benchmarks: their columns run every mini-batch's episodes to their end
+on a real model and environment, their tables; and (slow) their smoke runs end to end
+(`agentic_rollout.py`, and `env_processes.py` with its environments in worker processes)."""
 
 from __future__ import annotations
 
@@ -34,11 +35,13 @@ def test_a_column_runs_every_minibatch_to_its_end(schedule, in_flight):
     stepper = EnvStepper(10, 8)
     try:
         with torch.inference_mode():
-            seconds, tokens = agentic_rollout.run_column(cfg.env, model, tokenizer, params, work, in_flight, stepper)
+            seconds, tokens, steps = agentic_rollout.run_column(cfg.env, model, tokenizer, params, work, in_flight,
+                                                                stepper)
     finally:
         stepper.close()
     prompt_tokens = sum(len(p) for _, prompts in work for p in prompts)
     assert seconds > 0 and tokens > prompt_tokens  # every episode: its prompt and at least one turn
+    assert steps >= sum(len(prompts) for _, prompts in work)  # every turn goes to the environment
 
 
 def test_table():
@@ -55,3 +58,13 @@ def test_bench_agentic_rollout_quick_json(tmp_path):
     assert figures["baseline"] == "lockstep" and figures["lockstep_speedup"] == 1.0
     assert all(figures[f"{column}_episode_tokens_per_s"] > 0 for column in agentic_rollout.COLUMNS)
     assert "no trainer, no broker" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_env_processes_quick_json(tmp_path):
+    figures, stdout = run_bench_json("bench/env_processes.py", tmp_path, timeout_s=280)
+    assert figures["baseline"] == "threads" and figures["threads_speedup"] == 1.0
+    for column in ("free", "threads", "processes1", "processes2"):
+        assert figures[f"{column}_episode_tokens_per_s"] > 0 and figures[f"{column}_env_steps_per_minibatch"] > 0
+    assert "ms of pure Python per tool call" in stdout
