@@ -1,7 +1,8 @@
-"""Tools as Python functions (`env.tools`, `stream_rlhf.envs.tool_calls:ToolCalls`): Hermes-format
-calls parsed from a turn and run (sync and async), every failure answered to the policy as an
-error without ending the episode, the final answer scored; the config names a bad tool, and a
-dataset's prompts carry the tools' schemas exactly as `apply_chat_template(..., tools=)` writes them."""
+"""Tools as Python functions (`env.tools`, `stream_rlhf.envs.tool_calls:ToolCalls`): calls parsed
+from a turn (Hermes, Qwen3-Coder and Llama 3 JSON formats) and run (sync and async), every failure
+answered to the policy as an error without ending the episode, the final answer scored; the config
+names a bad tool, and a dataset's prompts carry the tools' schemas exactly as
+`apply_chat_template(..., tools=)` writes them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from stream_rlhf.config import ConfigError, build
 from stream_rlhf.data.prompts_jsonl import PromptDataset
 from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
-from stream_rlhf.envs.tool_calls import ToolCalls, tool_calls
+from stream_rlhf.envs.tool_call_formats import hermes_calls, llama3_json_calls, qwen3_coder_calls
+from stream_rlhf.envs.tool_calls import ToolCalls
 from stream_rlhf.models.tokenizer import build_tokenizer
 from tests.episode_envs import add, lookup
 
@@ -36,12 +38,59 @@ def step(env: ToolCalls, text: str) -> Turn:
 
 def test_calls_are_parsed_from_every_tool_call_block():
     text = f"let me see {call('add', a=1, b=2)} and {call('lookup', key='x')}"
-    assert tool_calls(text) == [("add", {"a": 1, "b": 2}), ("lookup", {"key": "x"})]
+    assert hermes_calls(text) == [("add", {"a": 1, "b": 2}), ("lookup", {"key": "x"})]
     as_string = '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
-    assert tool_calls(as_string) == [("add", {"a": 1, "b": 2})]
-    assert tool_calls("the answer is 3") == []
-    bad = tool_calls("<tool_call>{not json}</tool_call><tool_call>[1, 2]</tool_call>")
+    assert hermes_calls(as_string) == [("add", {"a": 1, "b": 2})]
+    assert hermes_calls("the answer is 3") == []
+    bad = hermes_calls("<tool_call>{not json}</tool_call><tool_call>[1, 2]</tool_call>")
     assert bad[0].startswith("error: the tool call is not JSON") and bad[1].startswith("error: a tool call is")
+
+
+SCHEMAS = {"add": {"parameters": {"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}},
+           "config": {"parameters": {"properties": {"on": {"type": "boolean"}, "ratio": {"type": "number"},
+                                                    "tags": {"type": "array"}, "note": {"type": "string"},
+                                                    "limit": {"type": ["integer", "null"]}}}}}
+
+
+def coder_call(name: str, **values: str) -> str:
+    parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in values.items())
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+def test_qwen3_coder_calls_take_their_types_from_the_schema():
+    text = "I will add. " + coder_call("add", a="12", b="-7") + coder_call(
+        "config", on="True", ratio="0.5", tags='["x", "y"]', note=" 12 \nlines", limit="null", extra='{"k": 1}')
+    assert qwen3_coder_calls(text, SCHEMAS) == [
+        ("add", {"a": 12, "b": -7}),
+        ("config", {"on": True, "ratio": 0.5, "tags": ["x", "y"], "note": " 12 \nlines", "limit": None,
+                    "extra": {"k": 1}})]  # a parameter the schema does not know: JSON when it parses
+    assert qwen3_coder_calls(coder_call("lookup", key="some text"), {}) == [("lookup", {"key": "some text"})]
+    assert qwen3_coder_calls("the answer is 5", SCHEMAS) == []
+    bad = qwen3_coder_calls(coder_call("add", a="twelve", b="1") + "<tool_call>add(1, 2)</tool_call>", SCHEMAS)
+    assert bad == ["error: add: parameter 'a' is not an integer: 'twelve'",
+                   "error: a tool call is <function=NAME> with a <parameter=NAME>value</parameter> per argument"]
+
+
+def test_llama3_json_calls_are_a_turn_of_json_objects():
+    text = '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "lookup", "arguments": {"key": "x"}}'
+    assert llama3_json_calls(text) == [("add", {"a": 1, "b": 2}), ("lookup", {"key": "x"})]
+    assert llama3_json_calls("  The answer is {3}.") == []  # not a turn that starts with a call
+    assert llama3_json_calls('{"name": "add", "parameters": {"a": 1') == [
+        "error: the tool call is not JSON (Expecting ',' delimiter: line 1 column 38 (char 37))"]
+    assert llama3_json_calls('{"tool": "add"}') == ['error: a tool call is {"name": ..., "parameters": {...}}']
+
+
+@pytest.mark.parametrize(("format", "text"), [
+    ("qwen3_coder", coder_call("add", a="1", b="2") + coder_call("lookup", key="x")),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "lookup", "parameters": {"key": "x"}}'),
+])
+def test_other_formats_run_their_calls_as_hermes_does(format, text):
+    env = ToolCalls([add, lookup], format=format)
+    env.reset(EpisodeStart("1+2=?", "3"))
+    turn = step(env, text)
+    assert turn.observations == (Observation("3", role="tool"), Observation('{"key": "x", "found": true}', role="tool"))
+    with pytest.raises(ValueError, match=r"env.options.format='xml': expected one of hermes, qwen3_coder, llama3_json"):
+        ToolCalls([add], format="xml")
 
 
 def test_a_turn_with_calls_gets_a_tool_message_per_result():

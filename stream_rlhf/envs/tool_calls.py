@@ -1,5 +1,6 @@
-"""An environment for instruct models that call Python functions as tools, in the Hermes format that
-Qwen2.5, Qwen3 and Hermes templates teach: no environment code to write, only the tools.
+"""An environment for instruct models that call Python functions as tools, in the format their chat
+template teaches (`options.format`: hermes, the default, for Qwen2.5, Qwen3 and Hermes;
+qwen3_coder; llama3_json: `tool_call_formats.py`): no environment code to write, only the tools.
 
     env:
       factory: stream_rlhf.envs.tool_calls:ToolCalls
@@ -13,17 +14,18 @@ Qwen2.5, Qwen3 and Hermes templates teach: no environment code to write, only th
     policy      The sum is 19.<|im_end|>      no call: the final answer, scored by `reward`; done
 
 `env.tools` (`envs/config.py`) names the functions: their JSON schemas go to the chat template
-with every prompt, and the functions come here as `tools`. Each `<tool_call>` block of a turn is
-one call, a JSON object with `name` and `arguments` (an object, or a JSON string of one); the
-calls run in order (`async def` tools awaited, others in a thread) and their results, each
-written as text (`json.dumps` for what is not a string), are one "tool" message each, as the
-chat template writes a run of them (`data/message_frames.py`). A call that cannot run (bad JSON, an unknown tool,
-wrong arguments, or a tool that raises) answers "error: ..." in its place, so the policy sees
-what went wrong and the episode goes on; `max_calls` bounds the calls run per turn (the rest
+with every prompt, and the functions come here as `tools`. Each call the turn writes (in Hermes, a
+`<tool_call>` block holding a JSON object with `name` and `arguments`) is run, in order (`async
+def` tools awaited, others in a thread), and their results, each written as text (`json.dumps`
+for what is not a string), are one "tool" message each, as the chat template writes a run of
+them (`data/message_frames.py`). A call that cannot run (bad JSON, an unknown tool, wrong
+arguments, or a tool that raises) answers "error: ..." in its place, so the policy sees what went
+wrong and the episode goes on; `max_calls` bounds the calls run per turn (the rest
 answer an error), `max_result_chars` a result's length. A turn without a call is the final
 answer: `reward(answer, reference)` (0.0 without one) and done. Tokens are never re-tokenised:
 the turn's text is the policy's tokens decoded without special tokens, so a tokenizer must keep
-`<tool_call>` a normal token (Qwen's do).
+`<tool_call>` a normal token (Qwen's do; Llama's `<|python_tag|>` is dropped, and the JSON after it
+is what `llama3_json` reads).
 """
 
 from __future__ import annotations
@@ -31,45 +33,31 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from transformers.utils import get_json_schema
+
 from stream_rlhf.config import import_dotted
 from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
+from stream_rlhf.envs.tool_call_formats import FORMATS, Call, parse_calls
 
-CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 Reward = Callable[[str, str], float]
-
-
-def tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
-    """Each `<tool_call>` block of `text` as (name, arguments), or an error message for one that
-    is not a call."""
-    calls: list[tuple[str, dict[str, Any]] | str] = []
-    for block in CALL.findall(text):
-        try:
-            call = json.loads(block)
-            arguments = call.get("arguments", {}) if isinstance(call, dict) else None
-            if isinstance(arguments, str):
-                arguments = json.loads(arguments)
-        except json.JSONDecodeError as error:
-            calls.append(f"error: the tool call is not JSON ({error})")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
-            calls.append('error: a tool call is {"name": ..., "arguments": {...}}')
-            continue
-        calls.append((call["name"], arguments))
-    return calls
 
 
 class ToolCalls:
     """One episode's tools (see the module docstring)."""
 
     def __init__(self, tools: Sequence[Callable[..., Any]], reward: str | None = None, max_calls: int = 4,
-                 max_result_chars: int | None = None):
+                 max_result_chars: int | None = None, format: str = "hermes"):
         """`reward`: dotted path of `fn(answer, reference) -> float`; `max_result_chars`: a longer
-        result is cut there and says so (None: never)."""
+        result is cut there and says so (None: never); `format`: how the policy writes its calls
+        (a key of `tool_call_formats.FORMATS`)."""
+        if format not in FORMATS:
+            raise ValueError(f"env.options.format={format!r}: expected one of {', '.join(FORMATS)}")
         self.tools = {tool.__name__: tool for tool in tools}
+        self.format = format
+        self.schemas = {name: get_json_schema(tool)["function"] for name, tool in self.tools.items()}
         self.reward: Reward | None = import_dotted(reward, "env.options.reward") if reward else None
         self.max_calls, self.max_result_chars = max_calls, max_result_chars
         self.start: EpisodeStart | None = None
@@ -80,7 +68,7 @@ class ToolCalls:
     async def step(self, text: str, token_ids: Sequence[int]) -> Turn:
         if self.start is None:
             raise RuntimeError("step before reset")
-        calls = tool_calls(text)
+        calls = parse_calls(text, self.format, self.schemas)
         if not calls:
             score = float(self.reward(text.strip(), self.start.reference)) if self.reward else 0.0
             return Turn(None, reward=score, done=True)
@@ -88,7 +76,7 @@ class ToolCalls:
                    for i, call in enumerate(calls)]
         return Turn(tuple(Observation(result, role="tool") for result in results))
 
-    async def _run(self, call: tuple[str, dict[str, Any]] | str) -> str:
+    async def _run(self, call: Call) -> str:
         if isinstance(call, str):
             return call
         name, arguments = call
