@@ -31,6 +31,7 @@ is what `llama3_json` reads).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 from collections.abc import Callable, Sequence
@@ -45,6 +46,12 @@ from stream_rlhf.envs.tool_call_formats import FORMATS, Call, parse_calls
 Reward = Callable[[str, str], float]
 
 
+@functools.cache
+def _schema(tool: Callable[..., Any]) -> dict[str, Any]:
+    """`tool`'s JSON schema (its "function" part), read once per process."""
+    return get_json_schema(tool)["function"]
+
+
 class ToolCalls:
     """One episode's tools (see the module docstring)."""
 
@@ -57,7 +64,8 @@ class ToolCalls:
             raise ValueError(f"env.options.format={format!r}: expected one of {', '.join(FORMATS)}")
         self.tools = {tool.__name__: tool for tool in tools}
         self.format = format
-        self.schemas = {name: get_json_schema(tool)["function"] for name, tool in self.tools.items()}
+        self.schemas = {name: _schema(tool) for name, tool in self.tools.items()} if format == "qwen3_coder" else None
+        """What qwen3_coder's values are converted by (the other formats write typed JSON)."""
         self.reward: Reward | None = import_dotted(reward, "env.options.reward") if reward else None
         self.max_calls, self.max_result_chars = max_calls, max_result_chars
         self.start: EpisodeStart | None = None
