@@ -11,7 +11,7 @@ pays for the imports). None asks the process to end. A "reset" of a key not seen
 Calls run concurrently on one asyncio loop (`async def` methods awaited, sync ones in a pool of
 `threads` threads); the parent bounds each by `env.step_timeout_s`, and a process whose call ran
 past it is retired by the parent once its other episodes are over. Whatever a call raises comes
-back as a message; the process ends when the parent asks or closes its end of the pipe, or dies
+back as a message; the process ends when the parent asks or closes its end of the socket, or dies
 with it (`child_signals`).
 """
 

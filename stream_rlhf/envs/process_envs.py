@@ -54,7 +54,7 @@ class EnvProcessError(RuntimeError):
 
 
 class _Worker:
-    """One environment process, its pipe, and the replies it owes."""
+    """One environment process, its end of the socket pair, and the replies it owes."""
 
     def __init__(self, cfg: EnvConfig, threads: int, index: int):
         parent_end, child_end = socket.socketpair()
