@@ -143,19 +143,24 @@ def measure(quick: bool, device: torch.device) -> dict[str, dict]:
             for column, (seconds, tokens) in totals.items()}
 
 
+def table_row(label: str, values: list[str]) -> str:
+    return f"{label:<24}" + "".join(f"{v:>12}" for v in values)
+
+
+def table_rows(results: dict[str, dict], baseline: str) -> list[str]:
+    """The columns side by side: episode tokens/s, its ratio against `baseline`, s / mini-batch."""
+    base = results[baseline]["episode_tokens_per_s"]
+    return [table_row("", list(results)),
+            table_row("episode tokens/s", [f"{r['episode_tokens_per_s']:,.0f}" for r in results.values()]),
+            table_row(f"  / {baseline}", [f"{r['episode_tokens_per_s'] / base:.2f}" for r in results.values()]),
+            table_row("s / mini-batch", [f"{r['s_per_minibatch']:.3f}" for r in results.values()])]
+
+
 def format_table(results: dict[str, dict]) -> str:
     """The columns side by side, with their ratios against the baseline."""
-    base = results[BASELINE]["episode_tokens_per_s"]
-
-    def row(label: str, values: list[str]) -> str:
-        return f"{label:<22}" + "".join(f"{v:>11}" for v in values)
-
-    lines = [row("", list(results)),
-             row("episode tokens/s", [f"{r['episode_tokens_per_s']:,.0f}" for r in results.values()]),
-             row(f"  / {BASELINE}", [f"{r['episode_tokens_per_s'] / base:.2f}" for r in results.values()]),
-             row("s / mini-batch", [f"{r['s_per_minibatch']:.3f}" for r in results.values()])]
-    return "\n".join([*lines, "", f"tool latency {1000 * LATENCY_S:.0f} ms per call; mini-batches of {CONFIG}'s "
-                      "size, its warm-started policy; no trainer, no broker"])
+    note = (f"tool latency {1000 * LATENCY_S:.0f} ms per call; mini-batches of {CONFIG}'s size, its warm-started "
+            "policy; no trainer, no broker")
+    return "\n".join([*table_rows(results, BASELINE), "", note])
 
 
 def main() -> None:
@@ -168,10 +173,16 @@ def main() -> None:
     results = measure(args.quick, torch.device(args.device))
     print(format_table(results))
     if args.json:
-        base = results[BASELINE]["episode_tokens_per_s"]
-        print(json.dumps({"baseline": BASELINE, "latency_s": LATENCY_S, **{
-            f"{c}_{k}": round(v, 3) for c, r in results.items() for k, v in r.items()},
-            **{f"{c}_speedup": round(r["episode_tokens_per_s"] / base, 3) for c, r in results.items()}}))
+        print(json.dumps(json_figures(results, BASELINE, latency_s=LATENCY_S)))
+
+
+def json_figures(results: dict[str, dict], baseline: str, **settings: object) -> dict:
+    """The JSON line's figures: `settings`, every column's figures as "<column>_<figure>", and each
+    column's "<column>_speedup" in episode tokens/s against `baseline`."""
+    base = results[baseline]["episode_tokens_per_s"]
+    return {"baseline": baseline, **settings,
+            **{f"{c}_{k}": round(v, 3) for c, r in results.items() for k, v in r.items()},
+            **{f"{c}_speedup": round(r["episode_tokens_per_s"] / base, 3) for c, r in results.items()}}
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from agentic_rollout import minibatches, run_column  # bench/, beside this script
+from agentic_rollout import json_figures, minibatches, run_column, table_row, table_rows  # bench/, beside this
 from pipeline import progress
 
 from stream_rlhf.backends.decode_attention import use_decode_attention
@@ -100,18 +100,11 @@ def measure(quick: bool) -> dict[str, dict]:
 
 
 def format_table(results: dict[str, dict]) -> str:
-    base = results[BASELINE]["episode_tokens_per_s"]
-
-    def row(label: str, values: list[str]) -> str:
-        return f"{label:<22}" + "".join(f"{v:>12}" for v in values)
-
-    lines = [row("", list(results)),
-             row("episode tokens/s", [f"{r['episode_tokens_per_s']:,.0f}" for r in results.values()]),
-             row(f"  / {BASELINE}", [f"{r['episode_tokens_per_s'] / base:.2f}" for r in results.values()]),
-             row("s / mini-batch", [f"{r['s_per_minibatch']:.3f}" for r in results.values()]),
-             row("env steps / mini-batch", [f"{r['env_steps_per_minibatch']:.1f}" for r in results.values()])]
-    return "\n".join([*lines, "", f"{1000 * CPU_S:.0f} ms of pure Python per tool call; {IN_FLIGHT} mini-batches of "
-                      f"{CONFIG}'s size in flight; {os.cpu_count()} cores; no trainer, no broker"])
+    """The columns side by side, with their ratios against threads."""
+    steps = table_row("env steps / mini-batch", [f"{r['env_steps_per_minibatch']:.1f}" for r in results.values()])
+    note = (f"{1000 * CPU_S:.0f} ms of pure Python per tool call; {IN_FLIGHT} mini-batches of {CONFIG}'s size in "
+            f"flight; {os.cpu_count()} cores; no trainer, no broker")
+    return "\n".join([*table_rows(results, BASELINE), steps, "", note])
 
 
 def main() -> None:
@@ -123,11 +116,7 @@ def main() -> None:
     results = measure(args.quick)
     print(format_table(results))
     if args.json:
-        base = results[BASELINE]["episode_tokens_per_s"]
-        print(json.dumps({"baseline": BASELINE, "cpu_s": CPU_S, **{
-            f"{c}_{k}": round(v, 3) for c, r in results.items() for k, v in r.items()},
-            **{f"{c}_speedup": round(r["episode_tokens_per_s"] / base, 3) for c, r in results.items()}}))
-
+        print(json.dumps(json_figures(results, BASELINE, cpu_s=CPU_S)))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -237,16 +237,22 @@ def test_every_ending_closes_the_environment_once_after_its_last_call(
         assert events == ["reset"] + ["step"] * steps + ["close"]
 
 
+def _parts(lm: PreTrainedModel, cfg: EnvConfig, n: int
+           ) -> tuple[list[torch.Tensor], EpisodeLoop, TorchTurnSampler, EnvStepper]:
+    """n prompts, and a loop, sampler and stepper for them."""
+    prompts = [torch.tensor(TOKENIZER.encode(f"<bos>{i}+{i}=", add_special_tokens=False)) for i in range(n)]
+    loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
+                       lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
+    sampler = TorchTurnSampler(lm, n, 200, PARAMS, torch.Generator().manual_seed(0), 0)
+    return prompts, loop, sampler, EnvStepper(cfg.step_timeout_s, n)
+
+
 @pytest.mark.parametrize("how", ["raise", "hang"])
 def test_a_failing_close_is_reported_and_leaves_its_episode_as_it_ended(lm: PreTrainedModel, how: str) -> None:
     EVENTS.clear()
     cfg = EnvConfig(factory="tests.test_episode_loop:closing", options={"turns": 2, "closing": how},
                     max_episode_tokens=200, step_timeout_s=0.5)
-    prompts = [torch.tensor(TOKENIZER.encode(f"<bos>{i}+{i}=", add_special_tokens=False)) for i in range(2)]
-    loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
-                       lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
-    sampler = TorchTurnSampler(lm, 2, 200, PARAMS, torch.Generator().manual_seed(0), 0)
-    stepper = EnvStepper(cfg.step_timeout_s, 2)
+    prompts, loop, sampler, stepper = _parts(lm, cfg, 2)
     result = loop.run([EpisodeStart("1+1=", "2")] * 2, prompts, None, sampler, stepper)
     sampler.close()
     stepper.close()  # waits for the closes, each bounded by step_timeout_s
@@ -261,11 +267,7 @@ def test_rollout_stopping_closes_the_environments_of_episodes_in_flight(lm: PreT
     EVENTS.clear()
     cfg = EnvConfig(factory="tests.test_episode_loop:closing", options={"turns": 99, "fail": "hang", "fail_turn": 1},
                     max_episode_tokens=200, step_timeout_s=30)
-    prompts = [torch.tensor(TOKENIZER.encode(f"<bos>{i}+{i}=", add_special_tokens=False)) for i in range(3)]
-    loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
-                       lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
-    sampler = TorchTurnSampler(lm, 3, 200, PARAMS, torch.Generator().manual_seed(0), 0)
-    stepper = EnvStepper(cfg.step_timeout_s, 3)
+    prompts, loop, sampler, stepper = _parts(lm, cfg, 3)
     loop.open(sampler, stepper, None, slots=3)
     loop.add("mb", [EpisodeStart("1+1=", "2")] * 3, prompts, None)
     while sum(events.count("step") for events in EVENTS) < 3:  # every episode waits in its first step

@@ -37,11 +37,12 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from stream_rlhf.envs.environment import Environment, EpisodeStart, Observation, Turn
 
 FailureReason = Literal["raised", "timeout", "malformed"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -102,12 +103,7 @@ class EnvStepper:
 
     def close_failures(self) -> list[str]:
         """A message per environment close that raised or timed out since the last call."""
-        failures = []
-        while True:
-            try:
-                failures.append(self._close_failures.get_nowait())
-            except queue.Empty:
-                return failures
+        return _drain(self._close_failures)
 
     def _submit(self, key: Hashable, method: Callable[..., Any], args: tuple[Any, ...],
                 check: Callable[[Any], str | None]) -> None:
@@ -116,12 +112,7 @@ class EnvStepper:
 
     def poll(self) -> list[Outcome]:
         """The outcomes that have arrived, without waiting."""
-        outcomes = []
-        while True:
-            try:
-                outcomes.append(self._results.get_nowait())
-            except queue.Empty:
-                break
+        outcomes = _drain(self._results)
         self.in_flight -= len(outcomes)
         return outcomes
 
@@ -193,6 +184,16 @@ class EnvStepper:
             return await method(*args)
         result = await self._loop.run_in_executor(self._executor, method, *args)
         return await result if inspect.isawaitable(result) else result
+
+
+def _drain(items: queue.SimpleQueue[T]) -> list[T]:
+    """What `items` holds now, taken out in order."""
+    taken = []
+    while True:
+        try:
+            taken.append(items.get_nowait())
+        except queue.Empty:
+            return taken
 
 
 def _name(method: Callable[..., Any]) -> str:
