@@ -23,6 +23,7 @@ from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.episodes import (
     CLOSES_FAILED,
     EPISODES,
+    PROCESSES_REPLACED,
     EpisodeStats,
     episode_metrics,
     episode_summary,
@@ -87,7 +88,7 @@ def test_counts_from_two_instances_give_the_summary(tmp_path):
     record_episodes(first, {EPISODES: _stats([3, 1, 2], ["done", "failed:raised", "max_turns"], 0.1).encode()}, 0, 0)
     record_episodes(first, {EPISODES: _stats([2, 2], ["done", "failed:timeout"], 0.0).encode()}, 0, 1)
     record_episodes(second, {EPISODES: _stats([4], ["failed:raised"], 0.15).encode()}, 0, 2)
-    second.add(**{CLOSES_FAILED: 2})
+    second.add(**{CLOSES_FAILED: 2, PROCESSES_REPLACED: 1})
     counts = read_stage_counts(tmp_path)["rollout"]
     assert counts["episodes"] == 6 and counts["turns"] == 14 and counts["tool_calls"] == 8
     summary = episode_summary(counts)
@@ -95,7 +96,7 @@ def test_counts_from_two_instances_give_the_summary(tmp_path):
     episodes = summary["episodes"]
     assert episodes["count"] == 6 and episodes["turns_per_episode"] == round(14 / 6, 4)
     assert episodes["ended"] == {"done": 2, "max_turns": 1}
-    assert episodes["closes_failed"] == 2
+    assert episodes["closes_failed"] == 2 and episodes["processes_replaced"] == 1
     assert episodes["tool_s"] == episodes["tool_wall_s"] == pytest.approx(0.4)
     assert episodes["tool_hidden_s"] == pytest.approx(0.25)
     assert episodes["tool_hidden_frac"] == pytest.approx(0.625)

@@ -75,6 +75,7 @@ def test_an_env_job_stopped_and_resumed_trains_every_episode_once(tmp_path):
     assert summary["samples_discarded_at_resume"] == 0
     assert "FlakyCalculator.step raised RuntimeError: flaky tool: reference" in log.read_text()
     assert "(in env process 1)" in log.read_text()  # the flaky tool ran in the workers
+    assert summary["episodes"]["processes_replaced"] == 0 and summary["episodes"]["closes_failed"] == 0
 
 
 def test_an_env_job_runs_two_minibatches_episodes_at_once(tmp_path):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import socket
 import subprocess
 import sys
@@ -43,6 +44,7 @@ from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.envs.env_worker import READY, Reply
 from stream_rlhf.envs.environment import EpisodeStart, Turn
 
+log = logging.getLogger("stream_rlhf")
 KILL_WAIT_S = 5.0
 """How long a closed worker gets to exit before it is killed."""
 START_TIMEOUT_S = 120.0
@@ -140,7 +142,9 @@ class _Worker:
         except subprocess.TimeoutExpired:  # its end of the socket closed, and it lives on
             code = None
         with self.lock:
-            self.dead = self.dead or f"{self.name} (pid {self.process.pid}) exited with {code}"
+            if self.dead is None:
+                self.dead = f"{self.name} (pid {self.process.pid}) exited with {code}"
+                log.warning("%s: the calls of its episodes fail; a new process replaces it", self.dead)
             pending, self.pending = list(self.pending.values()), {}
             self.conn.close()
         self.ready.set()
@@ -198,7 +202,7 @@ class ProcessEnvs:
         self.workers: list[_Worker] = []
         self.keys = itertools.count()
         self.started = 0
-        """Workers started so far (replacements included)."""
+        """Workers started so far (replacements included: `replaced`)."""
         self.lock = threading.Lock()
         for _ in range(cfg.processes):
             self._start()
@@ -214,6 +218,11 @@ class ProcessEnvs:
         self.started += 1
         self.workers.append(worker)
         return worker
+
+    @property
+    def replaced(self) -> int:
+        """Workers started to replace one that died or was retired."""
+        return max(0, self.started - self.cfg.processes)
 
     def make(self) -> ProcessEnvironment:
         """A new episode's environment, in the ready worker with the fewest episodes. A worker is
@@ -240,6 +249,8 @@ class ProcessEnvs:
             worker.episodes.discard(key)
             retire = worker.stuck and not worker.episodes and worker.dead is None
         if retire:
+            log.warning("%s (pid %d) had a call past env.step_timeout_s: killed now that its episodes are over, "
+                        "and replaced", worker.name, worker.process.pid)
             worker.retire()
 
     def close(self) -> None:

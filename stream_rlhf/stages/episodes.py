@@ -56,7 +56,7 @@ from stream_rlhf.seeding import rollout_seed
 from stream_rlhf.stage import Batch
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.topics import REWARD_KWARGS
-from stream_rlhf.telemetry.episodes import CLOSES_FAILED, EPISODES, EpisodeStats
+from stream_rlhf.telemetry.episodes import CLOSES_FAILED, EPISODES, PROCESSES_REPLACED, EpisodeStats
 from stream_rlhf.telemetry.sample_log import IMAGE_PATHS
 from stream_rlhf.telemetry.stage_counts import StageCounts
 
@@ -91,6 +91,8 @@ class EpisodeRollout:
         batch = job.config.rollout_batch
         threads = cfg.threads(batch.prompts_per_minibatch * batch.samples_per_prompt * self.in_flight)
         self.processes = ProcessEnvs(cfg, threads) if cfg.processes else None
+        self.replaced = 0
+        """Environment processes replaced, as counted so far."""
         self.loop = EpisodeLoop(cfg, self._decode, self._encode, params.max_new_tokens,
                                 MessageFrames.of(tokenizer, job.config.data.chat_template),
                                 self.processes.make if self.processes else None)
@@ -165,7 +167,7 @@ class EpisodeRollout:
     def _handle(self, batch: Batch, result: EpisodeResult) -> tuple[dict[str, Tensor], int, dict[str, Any]]:
         for failure in result.failures[:MAX_FAILURES_LOGGED]:
             self.log.warning("iteration %d mini-batch %d: %s", batch.iteration, batch.minibatch, failure)
-        self._count_close_failures()
+        self._count_env_events()
         tensors = episode_tensors(result.episodes)
         versions = [v for episode in result.episodes for v, m in zip(episode.policy_versions, episode.loss_mask) if m]
         finished = sum(ended == "done" for ended in result.ended)
@@ -176,13 +178,18 @@ class EpisodeRollout:
                                      for paths, episode in zip(prompt_paths, result.episodes, strict=True)]
         return tensors, min(versions), metadata
 
-    def _count_close_failures(self) -> None:
-        """Counts the environment closes that failed since the last call, and logs the first few."""
+    def _count_env_events(self) -> None:
+        """Counts the environment closes that failed since the last call (and logs the first few),
+        and the environment processes started since to replace others."""
         failures = self.stepper.close_failures()
         for failure in failures[:MAX_FAILURES_LOGGED]:
             self.log.warning("an environment's close failed: %s", failure)
         if failures:
             self.counts.add(**{CLOSES_FAILED: len(failures)})
+        replaced = self.processes.replaced if self.processes is not None else 0
+        if replaced > self.replaced:
+            self.counts.add(**{PROCESSES_REPLACED: replaced - self.replaced})
+            self.replaced = replaced
 
     def _observe(self) -> ObservationImages | None:
         """How observations' images become ids and features (None for a text model)."""
@@ -198,12 +205,12 @@ class EpisodeRollout:
                                                            batch.metadata[REWARD_KWARGS], paths, strict=True)]
 
     def close(self) -> None:
-        """Stops: the environments of episodes still in flight are closed, and every close's
-        failure is counted."""
+        """Stops: the environments of episodes still in flight are closed, every close's failure
+        is counted, and the environment processes end."""
         if self.sampler is not None:
             self.sampler.close()
         self.stepper.close()
         if self.processes is not None:
             self.processes.close()
-        self._count_close_failures()
+        self._count_env_events()
 

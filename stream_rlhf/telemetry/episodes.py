@@ -45,6 +45,9 @@ FAILED_COUNT = "episodes_failed."
 CLOSES_FAILED = "env_closes_failed"
 """The stage count of environment `close()` calls that raised or timed out (rollout adds it as
 they are reported: a close runs after its episode's handle may have gone)."""
+PROCESSES_REPLACED = "env_processes_replaced"
+"""The stage count of environment processes (`env.processes`) started to replace one that died or
+had a call past its timeout."""
 DIGITS = 4
 
 
@@ -143,9 +146,10 @@ def episode_metrics(batches: list[Batch]) -> dict[str, float]:
 
 def episode_summary(rollout_counts: Mapping[str, float]) -> dict[str, object]:
     """summary.json's `episodes` block (with `closes_failed`: environment closes that raised or
-    timed out) and `episodes_failed` (reason -> episodes) from rollout's summed stage counts; on
-    vLLM the block adds `prefix_cache`: the context tokens its turns sent, those the prefix cache
-    held, and their ratio."""
+    timed out, and `processes_replaced`: environment processes started in place of others) and
+    `episodes_failed` (reason -> episodes) from rollout's summed stage counts; on vLLM the block
+    adds `prefix_cache`: the context tokens its turns sent, those the prefix cache held, and their
+    ratio."""
     episodes = int(rollout_counts.get("episodes", 0))
     wall_s = float(rollout_counts.get("tool_wall_s", 0.0))
     hidden_s = float(rollout_counts.get("tool_hidden_s", 0.0))
@@ -168,6 +172,7 @@ def episode_summary(rollout_counts: Mapping[str, float]) -> dict[str, object]:
             "tool_hidden_frac": round(hidden_s / wall_s, DIGITS) if wall_s > 0 else 0.0,
             "ended": by_reason(ENDED_COUNT),
             "closes_failed": int(rollout_counts.get(CLOSES_FAILED, 0)),
+            "processes_replaced": int(rollout_counts.get(PROCESSES_REPLACED, 0)),
             **({"prefix_cache": prefix_cache} if "turn_context_tokens" in rollout_counts else {}),
         },
         "episodes_failed": by_reason(FAILED_COUNT),
