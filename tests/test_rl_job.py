@@ -113,13 +113,18 @@ def test_killed_stage_stops_the_run_with_a_clear_message_and_no_orphans(tmp_path
 
 
 def test_ctrl_c_drains_and_stops_everything(tmp_path):
-    process, log = start_run(tmp_path, "sigint", "iterations=50")
+    """Every stage process, and the reward function's own (reward.workers), is gone after Ctrl-C."""
+    process, log = start_run(tmp_path, "sigint", "iterations=50", "reward.workers=2")
     wait_for_iterations(process, log, tmp_path / "sigint" / "metrics.jsonl")
-    pids = [int(p) for p in re.findall(r"joined \(pid (\d+)\)", log.read_text())]
+    text = log.read_text()
+    pids = [int(p) for p in re.findall(r"joined \(pid (\d+)\)", text)]
+    reward_pids = [int(p) for line in re.findall(r"reward.function \S+ in 2 processes \(pids ([\d, ]+)\)", text)
+                   for p in line.split(", ")]
     os.killpg(process.pid, signal.SIGINT)  # what a terminal sends to the foreground group
     assert process.wait(timeout=60) == 130, log.read_text()[-3000:]
     assert "interrupted: draining every stage" in log.read_text()
     assert pids and all(_gone_or_zombie(pid) for pid in pids)
+    assert len(reward_pids) >= 2 and all(_gone_or_zombie(pid) for pid in reward_pids)  # the stage's, the eval's
     assert not leftover_shm("t_sigint")  # payload segments and the weight versions
 
 

@@ -3,6 +3,7 @@ reward (rule-based and reward model combined), ragged samples and per-token rewa
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import Qwen2ForSequenceClassification
 
@@ -43,7 +44,8 @@ def test_weight_store_versions_reach_a_reader_and_old_ones_go(tmp_path):
     assert store.refresh(reader, 3) == 3
 
 
-def test_reward_function_and_reward_model_combine(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])  # the function in the stage's process, or in 2 of its own
+def test_reward_function_and_reward_model_combine(tmp_path, workers):
     tokenizer = build_tokenizer()
     checkpoint = tmp_path / "policy"
     build_tiny(TINY, tokenizer, seed=0).save_pretrained(checkpoint)
@@ -56,8 +58,9 @@ def test_reward_function_and_reward_model_combine(tmp_path):
     rm.save_pretrained(tmp_path / "rm")
     cfg = build(RLJobConfig, tiny_job(tmp_path, "r", reward={"function": "stream_rlhf.data.arithmetic:reward",
                                                              "function_weight": 1.0, "model_path": str(tmp_path / "rm"),
-                                                             "model_weight": 0.5}))
+                                                             "model_weight": 0.5, "workers": workers}))
     scorer = Scorer(JobContext(cfg, str(checkpoint), ""))
+    assert (scorer.pool is not None) == bool(workers)
 
     def encode(text):
         return torch.tensor(tokenizer.encode(text, add_special_tokens=False))
@@ -65,7 +68,8 @@ def test_reward_function_and_reward_model_combine(tmp_path):
     prompts, responses = [encode("2+3="), encode("10+5=")], [encode("5"), encode("14")]
     rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, responses)], torch.tensor([4, 5]),
                       [torch.zeros(1), torch.zeros(2)], torch.tensor([0, 1]))
-    scores = scorer.score(rollout, ["5", "15"])
+    with scorer:
+        scores = scorer.score(rollout, ["5", "15"])
     with torch.no_grad():
         model_scores = torch.stack([rm(input_ids=s[None]).logits[0, 0] for s in rollout.sequences])
     # "5" is right (1.0); "14" has the right length but is wrong (0.1)

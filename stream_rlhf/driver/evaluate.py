@@ -43,7 +43,6 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     model = load_policy(checkpoint).eval()
     use_decode_attention(model)
     static = static_decoder(cfg.rollout.decode, next(model.parameters()).device, model)
-    scorer = Scorer(JobContext(cfg, checkpoint, ""))
     dataset = open_prompts(cfg, model.config, tokenizer, "eval")
     if dataset is None:
         task = cfg.task
@@ -61,25 +60,26 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     result: dict[str, Any] = {"prompts": len(items), "skipped": dict(dataset.skipped) if dataset else {},
                               "skipped_examples": list(dataset.skipped_examples) if dataset else [],
                               "response_tokens": 0, "decode": "eager" if static is None else static.mode}
-    for name, temperature in (("reward", cfg.rollout.temperature), ("greedy_reward", 0.0)):
-        params = SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids,
-                                tokenizer.pad_token_id)
-        scores = []
-        for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
-            prompts = [prompt for prompt, *_ in chunk]
-            generator = seeded_generator(cfg.seed, "eval", index * batch_size)
-            if cfg.env is not None:  # multi-turn: each prompt an episode in the job's environment
-                returns, tokens = episode_returns(cfg, model, scorer, [item[4] for item in chunk], prompts, images,
-                                                  params, generator, static)
-                result["response_tokens"] += tokens
-                scores.append(returns)
-                continue
-            gen = sample(model, prompts, params, generator, images, static)
-            rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
-                              torch.tensor([len(p) for p in prompts]), gen.response_logp, torch.zeros(len(chunk)))
-            result["response_tokens"] += sum(len(response) for response in gen.response_ids)
-            scores.append(scorer.score(rollout, [item[1] for item in chunk], [item[3] for item in chunk]))
-        result[name] = round(torch.cat(scores).mean().item(), 4)
+    with Scorer(JobContext(cfg, checkpoint, "")) as scorer:  # with reward.workers, its processes end after
+        for name, temperature in (("reward", cfg.rollout.temperature), ("greedy_reward", 0.0)):
+            params = SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids,
+                                    tokenizer.pad_token_id)
+            scores = []
+            for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
+                prompts = [prompt for prompt, *_ in chunk]
+                generator = seeded_generator(cfg.seed, "eval", index * batch_size)
+                if cfg.env is not None:  # multi-turn: each prompt an episode in the job's environment
+                    returns, tokens = episode_returns(cfg, model, scorer, [item[4] for item in chunk], prompts, images,
+                                                      params, generator, static)
+                    result["response_tokens"] += tokens
+                    scores.append(returns)
+                    continue
+                gen = sample(model, prompts, params, generator, images, static)
+                rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
+                                  torch.tensor([len(p) for p in prompts]), gen.response_logp, torch.zeros(len(chunk)))
+                result["response_tokens"] += sum(len(response) for response in gen.response_ids)
+                scores.append(scorer.score(rollout, [item[1] for item in chunk], [item[3] for item in chunk]))
+            result[name] = round(torch.cat(scores).mean().item(), 4)
     return result
 
 

@@ -296,6 +296,8 @@ class RLRun:
         summary["memory"] = memory
         if memory is not None:
             log.info("memory: %s", describe(memory))
+        if self.cfg.reward.workers:  # calls of the reward function past reward.timeout_s
+            summary["reward_timeouts"] = int(counts.get("reward_forward", {}).get("reward_timeouts", 0))
         if self.vision_language:
             summary["images_seen"] = counts.get("prompts", {}).get("images_seen", 0)
             summary["images_encoded"] = sum(c.get("images_encoded", 0) for c in counts.values())

@@ -107,8 +107,21 @@ class RewardConfig:
     """What the reward model's score is multiplied by in the sum."""
     process: ProcessRewardConfig | None = None
     """Process rewards at the steps of a response (a rule function or a PRM); None: outcome only."""
+    workers: Annotated[int, Meta(ge=0)] = 0
+    """0: `function` runs in the reward stage's process, one sample after another, with no time
+    limit. N: in N processes of its own, N samples at once, each call bounded by `timeout_s`
+    (`rl/reward_pool.py`): for a verifier that is slow in pure Python or may never return. Its
+    arguments and score are pickled across."""
+    timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    """With `workers`: a call past this many seconds scores `timeout_score`, is logged and counted
+    (summary.json `reward_timeouts`), and its process is killed and replaced."""
+    timeout_score: float = 0.0
+    """With `workers`: the score of a call past `timeout_s`."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        if self.workers and self.function is None:
+            raise ConfigError(f"workers={self.workers}: there is no reward function to run in them")
         if self.function is not None and not callable(import_dotted(self.function, "function")):
             raise ConfigError(f"function={self.function!r}: not callable (expected fn(prompt, response, reference))")
         if self.model_path is not None and not os.path.isfile(os.path.join(self.model_path, "config.json")):

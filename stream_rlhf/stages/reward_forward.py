@@ -13,11 +13,16 @@ here: they travel in the rollout handle's `env_rewards` and the trainers add the
 (`Experience.token_rewards`). Without a function and a model (allowed only with an env) the
 score is 0. Process rewards on an episode cut only its policy tokens into steps, each turn's last
 token ending one (the handle's `loss_mask`; `algos/process_rewards.py`).
+
+With `reward.workers` the function runs in processes of its own, several samples at once, each
+call bounded by `reward.timeout_s` (`rl/reward_pool.py`); the calls that time out score
+`reward.timeout_score` and are counted (the stage count `reward_timeouts`, in summary.json).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 
 import torch
@@ -25,23 +30,32 @@ import torch
 from stream_rlhf.backends.forward_engine import RewardModelEngine
 from stream_rlhf.config import import_dotted
 from stream_rlhf.data.tokenizer import load_tokenizer
+from stream_rlhf.rl.reward_pool import RewardPool
 from stream_rlhf.samples import Rollout, ragged, unragged
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
-from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.process_reward import ProcessScorer
 from stream_rlhf.stages.topics import REWARD_KWARGS, topic_output
 
 RewardFunction = Callable[..., float]
+MAX_TIMEOUTS_LOGGED = 3
+"""Timed-out reward calls a mini-batch logs (all are counted)."""
+log = logging.getLogger("stream_rlhf")
 
 
 class Scorer:
-    """The configured reward: rule-based function, reward model, or both (also used by evaluation)."""
+    """The configured reward: rule-based function, reward model, or both (also used by evaluation).
+    With `reward.workers` the function runs in a `RewardPool`; `close()` ends its processes."""
 
     def __init__(self, job: JobContext):
         self.cfg = job.config.reward
         self.tokenizer = load_tokenizer(job.checkpoint)
         self.function: RewardFunction | None = (
             import_dotted(self.cfg.function, "reward.function") if self.cfg.function else None)
+        self.pool = (RewardPool(self.cfg.function, self.cfg.workers, self.cfg.timeout_s, self.cfg.timeout_score)
+                     if self.cfg.function and self.cfg.workers else None)
+        self.timeouts = 0
+        """Calls of the function that ran past reward.timeout_s (scored reward.timeout_score)."""
         self.reward_model = RewardModelEngine(self.cfg.model_path) if self.cfg.model_path else None
 
     def score(self, rollout: Rollout, references: list[str], reward_kwargs: list[dict] | None = None) -> torch.Tensor:
@@ -57,13 +71,27 @@ class Scorer:
 
     def _rule_scores(self, rollout: Rollout, references: list[str], reward_kwargs: list[dict]) -> torch.Tensor:
         decode = self.tokenizer.decode
-        scores = []
-        for sequence, prompt_len, reference, kwargs in zip(rollout.sequences, rollout.prompt_lens.tolist(), references,
-                                                           reward_kwargs):
-            prompt = decode(sequence[:prompt_len], skip_special_tokens=True)
-            response = decode(sequence[prompt_len:], skip_special_tokens=True)
-            scores.append(float(self.function(prompt, response, reference, **kwargs)))
+        calls = [(decode(sequence[:prompt_len], skip_special_tokens=True),
+                  decode(sequence[prompt_len:], skip_special_tokens=True), reference, kwargs)
+                 for sequence, prompt_len, reference, kwargs in zip(rollout.sequences, rollout.prompt_lens.tolist(),
+                                                                    references, reward_kwargs)]
+        if self.pool is None:
+            return torch.tensor([float(self.function(*call[:3], **call[3])) for call in calls])
+        scores, timeouts = self.pool.scores(calls)
+        for message in timeouts[:MAX_TIMEOUTS_LOGGED]:
+            log.warning("reward: %s", message)
+        self.timeouts += len(timeouts)
         return torch.tensor(scores)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class RewardForward(Stage):
@@ -73,6 +101,7 @@ class RewardForward(Stage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         self.scorer = Scorer(self.job)
+        self.counts = stage_counts(self.job, ctx)
         process = self.job.config.reward.process
         self.process = ProcessScorer(process, self.scorer.tokenizer) if process is not None else None
 
@@ -80,8 +109,14 @@ class RewardForward(Stage):
         rollout = Rollout.from_tensors(batch.tensors)
         references = batch.metadata["references"]
         reward_kwargs = [json.loads(text) for text in batch.metadata[REWARD_KWARGS]]
+        timeouts = self.scorer.timeouts
         tensors = {"scores": self.scorer.score(rollout, references, reward_kwargs)}
+        if self.scorer.timeouts > timeouts:
+            self.counts.add(reward_timeouts=self.scorer.timeouts - timeouts)
         if self.process is not None:
             policy = unragged(batch.tensors, "loss_mask") if "loss_mask" in batch.tensors else None  # an env's
             tensors.update(ragged("process_rewards", self.process.rewards(rollout, references, policy)))
         return [topic_output("reward", tensors, batch.num_samples)]
+
+    def close(self) -> None:
+        self.scorer.close()

@@ -1,0 +1,152 @@
+"""The rule-based reward in processes of its own (`reward.workers: N`): N samples scored at once,
+each call bounded by `reward.timeout_s`. For a verifier that is slow in pure Python (one process
+would score a mini-batch one sample after another, holding the GIL) or that may never return (a
+symbolic simplification that blows up: a thread cannot be stopped, a process can).
+
+    pool = RewardPool("mypkg.verify:score", workers=4, timeout_s=10.0, timeout_score=0.0)
+    scores, timeouts = pool.scores([(prompt, response, reference, kwargs), ...])   # in sample order
+    pool.close()
+
+Each worker (`reward_worker.py`) scores one sample at a time; the pool keeps every worker busy
+until the list is done. A call past `timeout_s` scores `timeout_score`, and its message (naming
+the sample and the reference) is returned in `timeouts`; its worker is killed and a new one
+started. A function that raises or returns something other than a finite number is a
+`RewardError` naming the sample, as it would be in the stage's own process; so is a worker that
+dies. Workers start with the pool (as `python -m stream_rlhf.rl.reward_worker`, with this
+process's `sys.path`), which waits until each has imported the function.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from stream_rlhf.rl.reward_worker import READY
+
+log = logging.getLogger("stream_rlhf")
+START_TIMEOUT_S = 120.0
+"""How long a worker may take to import the function."""
+Call = tuple[str, str, str, dict[str, Any]]
+"""(prompt, response, reference, extra keyword arguments) of one sample."""
+
+
+class RewardError(RuntimeError):
+    """The reward function failed for a sample (raised, returned a non-number, or its process died)."""
+
+
+class _Worker:
+    """One reward process and its end of the socket pair."""
+
+    def __init__(self, function: str):
+        parent_end, child_end = socket.socketpair()
+        self.process = subprocess.Popen([sys.executable, "-m", "stream_rlhf.rl.reward_worker", str(child_end.fileno())],
+                                        pass_fds=(child_end.fileno(),))
+        child_end.close()
+        self.conn = Connection(parent_end.detach())
+        self.conn.send((function, sys.path))
+
+    def wait_ready(self) -> None:
+        """Blocks until the function imported; RewardError when it did not."""
+        if not self.conn.poll(START_TIMEOUT_S):
+            self.kill()
+            raise RewardError(f"reward.workers: a worker did not import the function within {START_TIMEOUT_S:.0f} s")
+        try:
+            index, ok, message = self.conn.recv()
+            assert index == READY, f"reward worker's first reply is for sample {index}"
+        except (EOFError, OSError):
+            ok, message = False, f"the worker exited with {self.process.wait()}"
+        if not ok:
+            self.kill()
+            raise RewardError(f"reward.workers: {message}")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+
+class RewardPool:
+    """`function` (a dotted path) scored in `workers` processes (see the module docstring)."""
+
+    def __init__(self, function: str, workers: int, timeout_s: float, timeout_score: float):
+        self.function, self.timeout_s, self.timeout_score = function, timeout_s, timeout_score
+        self.replaced = 0
+        """Workers started in place of one that was killed (past its timeout) or died."""
+        self.workers = [_Worker(function) for _ in range(workers)]
+        try:
+            for worker in self.workers:
+                worker.wait_ready()
+        except RewardError:
+            self.close()
+            raise
+        log.info("reward.function %s in %d processes (pids %s)", function, workers,
+                 ", ".join(str(w.process.pid) for w in self.workers))
+
+    def scores(self, calls: list[Call]) -> tuple[list[float], list[str]]:
+        """Each call's score, in order (`timeout_score` for one past `timeout_s`), and a message per
+        call that timed out."""
+        scores: list[float | None] = [None] * len(calls)
+        timeouts: list[str] = []
+        waiting = deque(range(len(calls)))
+        busy: dict[Connection, tuple[_Worker, int, float]] = {}
+        """A worker's connection -> (the worker, the sample it scores, its deadline)."""
+        while waiting or busy:
+            for worker in self.workers:
+                if waiting and all(worker is not w for w, _, _ in busy.values()):
+                    index = waiting.popleft()
+                    worker.conn.send((index, *calls[index]))
+                    busy[worker.conn] = (worker, index, time.monotonic() + self.timeout_s)
+            first_deadline = min(deadline for _, _, deadline in busy.values())
+            for conn in wait(list(busy), timeout=max(0.0, first_deadline - time.monotonic())):
+                worker, index, _ = busy.pop(conn)
+                try:
+                    scores[index] = self._reply(worker, index, calls[index])
+                except RewardError:
+                    for other, _, _ in busy.values():  # their replies would come to the next call
+                        self._replace(other)
+                    raise
+            for conn, (worker, index, deadline) in list(busy.items()):
+                if time.monotonic() >= deadline:
+                    del busy[conn]
+                    scores[index] = self.timeout_score
+                    timeouts.append(f"sample {index} (reference {calls[index][2]!r:.60}): {self.function} ran past "
+                                    f"reward.timeout_s={self.timeout_s}; scored {self.timeout_score}")
+                    self._replace(worker)
+        return [float(s) for s in scores], timeouts  # type: ignore[arg-type]
+
+    def _reply(self, worker: _Worker, index: int, call: Call) -> float:
+        try:
+            replied, ok, value = worker.conn.recv()
+        except (EOFError, OSError):
+            code = worker.process.wait()
+            self._replace(worker)
+            raise RewardError(f"sample {index}: the reward worker scoring it exited with {code}") from None
+        assert replied == index, f"reward worker replied for sample {replied}, asked {index}"
+        if not ok:
+            raise RewardError(f"sample {index} (reference {call[2]!r:.60}): {value}")
+        return value
+
+    def _replace(self, worker: _Worker) -> None:
+        """Kill `worker` and start one in its place."""
+        worker.kill()
+        fresh = _Worker(self.function)
+        fresh.wait_ready()
+        self.workers[self.workers.index(worker)] = fresh
+        self.replaced += 1
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.conn.close()  # its recv ends: the process exits
+        for worker in self.workers:
+            try:
+                worker.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait()
+        self.workers = []
