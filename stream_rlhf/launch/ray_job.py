@@ -266,8 +266,8 @@ class RayJob(BrokerClient):
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain every rank through the broker, stop the broker, kill what is left of either (after
-        `grace_s`; None: `launcher.stop_grace_s`), remove the placement group and (when the job
-        started it) the local Ray instance."""
+        `grace_s`; None: `launcher.stop_grace_s`; at once when the broker is gone), remove the
+        placement group and (when the job started it) the local Ray instance."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -275,12 +275,16 @@ class RayJob(BrokerClient):
             return
         grace_s = stop_grace_s(self.plan.flow.broker) if grace_s is None else grace_s
         running: set[str] = set()
+        # without a broker no rank can drain: each is killed at once
+        broker_gone = self._broker_run is not None and bool(ray.wait([self._broker_run], timeout=0)[0])
         if self._runs and self.address:
-            self.ask_shutdown()
-            _, pending = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=grace_s)
+            if not broker_gone:
+                self.ask_shutdown()
+            _, pending = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=0 if broker_gone else grace_s)
             running = {self._runs[ref] for ref in pending}
         for name in running:
-            log.warning("%s ignored shutdown: killing its actor", name)
+            log.warning("%s cannot drain without the broker: killing its actor" if broker_gone else
+                        "%s ignored shutdown: killing its actor", name)
         killed = list(self.processes.values())
         self._runs.clear()
         self.processes.clear()
