@@ -119,4 +119,5 @@ class RewardForward(Stage):
         return [topic_output("reward", tensors, batch.num_samples)]
 
     def close(self) -> None:
-        self.scorer.close()
+        if hasattr(self, "scorer"):  # a setup that failed may not have made it
+            self.scorer.close()
