@@ -6,9 +6,9 @@ of the episodes given to it and runs their calls, as the stepper would in the ro
     reply     (call id, True, result) | (call id, False, message)          worker -> parent
 
 The first reply says the process is ready (its factory and tools imported: a call's timeout never
-pays for the imports). None asks the process to end. A "reset" of a key not seen yet makes its environment first
-(`EnvConfig.make`); a "close" calls the environment's own `close()` if it has one and forgets it.
-Calls run concurrently on one asyncio loop (`async def` methods awaited, sync ones in a pool of
+pays for the imports). None asks the process to end. A "reset" of a key not seen yet makes its
+environment first (`EnvConfig.make`); a "close" calls the environment's own `close()` if it has
+one and forgets it. Calls run concurrently on one asyncio loop (`async def` methods awaited, sync ones in a pool of
 `threads` threads); the parent bounds each by `env.step_timeout_s`, and a process whose call ran
 past it is retired by the parent once its other episodes are over. Whatever a call raises comes
 back as a message; the process ends when the parent asks or closes its end of the socket, or dies
@@ -34,8 +34,6 @@ from stream_rlhf.envs.environment import Environment
 
 Request = tuple[int, int, str, tuple[Any, ...]]
 Reply = tuple[int, bool, Any]
-
-
 READY = -1
 """The call id of the first reply: (READY, True, None) once the factory and the tools import, or
 (READY, False, message) before the process ends."""
