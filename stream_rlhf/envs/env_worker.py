@@ -8,11 +8,11 @@ of the episodes given to it and runs their calls, as the stepper would in the ro
 The first reply says the process is ready (its factory and tools imported: a call's timeout never
 pays for the imports). None asks the process to end. A "reset" of a key not seen yet makes its
 environment first (`EnvConfig.make`); a "close" calls the environment's own `close()` if it has
-one and forgets it. Calls run concurrently on one asyncio loop (`async def` methods awaited, sync ones in a pool of
-`threads` threads); the parent bounds each by `env.step_timeout_s`, and a process whose call ran
-past it is retired by the parent once its other episodes are over. Whatever a call raises comes
-back as a message; the process ends when the parent asks or closes its end of the socket, or dies
-with it (`child_signals`).
+one and forgets it. Calls run concurrently on one asyncio loop (`async def` methods awaited, sync
+ones in a pool of `threads` threads); the parent bounds each by `env.step_timeout_s`, and a
+process whose call ran past it is retired by the parent once its other episodes are over.
+Whatever a call raises comes back as a message; the process ends when the parent asks or closes
+its end of the socket, or dies with it (`child_signals`).
 """
 
 from __future__ import annotations
