@@ -31,6 +31,7 @@ import sys
 import time
 
 from stream_rlhf.data.arithmetic import reward
+from stream_rlhf.envs.calculator import compute_for
 from stream_rlhf.rl.reward_pool import RewardPool
 
 CPU_S = 0.002
@@ -44,11 +45,8 @@ BASELINE = "in_process"
 
 
 def verify(prompt: str, response: str, reference: str) -> float:
-    """The arithmetic reward, after CPU_S of pure-Python work."""
-    end, total = time.thread_time() + CPU_S, 0
-    while time.thread_time() < end:
-        for i in range(1000):
-            total = (total + i * i) % 1_000_003
+    """The arithmetic reward, after CPU_S of pure-Python work (the calculator tool's `cpu_s` work)."""
+    compute_for(CPU_S)
     return reward(prompt, response, reference)
 
 

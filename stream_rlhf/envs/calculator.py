@@ -41,7 +41,7 @@ def evaluate(expression: str) -> int | None:
     return total
 
 
-def _compute(seconds: float) -> int:
+def compute_for(seconds: float) -> int:
     """Pure-Python arithmetic for `seconds` of this thread's CPU time (it holds the GIL as it goes;
     a fixed amount of work, however many threads compete)."""
     end, total = time.thread_time() + seconds, 0
@@ -73,6 +73,6 @@ class Calculator:
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
         if self.cpu_s:
-            await asyncio.to_thread(_compute, self.cpu_s)
+            await asyncio.to_thread(compute_for, self.cpu_s)
         value = evaluate(stripped[len(CALL_PREFIX):])
         return Turn(Observation("=?" if value is None else f"={value}"))

@@ -1,5 +1,5 @@
 """An environment process (`env.processes`, `process_envs.py`), run as
-`python -m stream_rlhf.envs.env_worker FD` on one end of a socket pair: it holds the environments
+`python -m stream_rlhf.envs.env_worker FD` (`worker_process.py`): it holds the environments
 of the episodes given to it and runs their calls, as the stepper would in the rollout process.
 
     request   (call id, episode key, "reset" | "step" | "close", args)     parent -> worker
@@ -12,39 +12,32 @@ one and forgets it. Calls run concurrently on one asyncio loop (`async def` meth
 ones in a pool of `threads` threads); the parent bounds each by `env.step_timeout_s`, and a
 process whose call ran past it is retired by the parent once its other episodes are over.
 Whatever a call raises comes back as a message; the process ends when the parent asks or closes
-its end of the socket, or dies with it (`child_signals`).
+its end of the socket, or dies with it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
-import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from stream_rlhf.child_process import child_signals
 from stream_rlhf.config import import_dotted
 from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.envs.environment import Environment
+from stream_rlhf.envs.stepper import run_call
+from stream_rlhf.worker_process import READY, worker_connection
 
 Request = tuple[int, int, str, tuple[Any, ...]]
 Reply = tuple[int, bool, Any]
-READY = -1
-"""The call id of the first reply: (READY, True, None) once the factory and the tools import, or
-(READY, False, message) before the process ends."""
 
 
-def serve(conn: Connection) -> None:
-    """Answer `conn`'s requests until the parent closes it. The first message is (the env config,
-    threads for sync calls, the parent's sys.path)."""
-    child_signals()
-    cfg, threads, path = conn.recv()
-    sys.path[:] = path
+def serve(conn: Connection, hello: tuple[EnvConfig, int]) -> None:
+    """Answer `conn`'s requests until the parent closes it; `hello`: the env config and the threads
+    for sync calls."""
+    cfg, threads = hello
     try:
         import_dotted(cfg.factory, "env.factory")
         cfg.tool_functions()
@@ -87,17 +80,11 @@ class _Worker:
             return
         function = getattr(env, method, None)
         try:
-            result = await self._run(function, args) if callable(function) else None
+            result = await run_call(function, args, self.executor) if callable(function) else None
         except Exception as exc:  # the environment's error goes back to its episode, as in-process
             self._reply(call_id, False, f"{_name(function)} raised {type(exc).__name__}: {exc}")
         else:
             self._reply(call_id, True, result)
-
-    async def _run(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        if inspect.iscoroutinefunction(function):
-            return await function(*args)
-        result = await self.loop.run_in_executor(self.executor, function, *args)
-        return await result if inspect.isawaitable(result) else result
 
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         with self.send_lock:
@@ -115,4 +102,4 @@ def _name(function: Any) -> str:
 
 
 if __name__ == "__main__":
-    serve(Connection(int(sys.argv[1])))
+    serve(*worker_connection())

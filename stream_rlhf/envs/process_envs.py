@@ -31,18 +31,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
-from multiprocessing.connection import Connection
 from typing import Any
 
 from stream_rlhf.envs.config import EnvConfig
-from stream_rlhf.envs.env_worker import READY, Reply
+from stream_rlhf.envs.env_worker import Reply
 from stream_rlhf.envs.environment import EpisodeStart, Turn
+from stream_rlhf.worker_process import READY, start_worker
 
 log = logging.getLogger("stream_rlhf")
 KILL_WAIT_S = 5.0
@@ -59,13 +57,8 @@ class _Worker:
     """One environment process, its end of the socket pair, and the replies it owes."""
 
     def __init__(self, cfg: EnvConfig, threads: int, index: int):
-        parent_end, child_end = socket.socketpair()
         self.name = f"env process {index}"
-        self.process = subprocess.Popen([sys.executable, "-m", "stream_rlhf.envs.env_worker", str(child_end.fileno())],
-                                        pass_fds=(child_end.fileno(),))
-        child_end.close()
-        self.conn = Connection(parent_end.detach())
-        self.conn.send((cfg, threads, sys.path))
+        self.process, self.conn = start_worker("stream_rlhf.envs.env_worker", (cfg, threads))
         self.lock = threading.Lock()
         self.pending: dict[int, Future[Reply]] = {}
         self.call_ids = itertools.count()

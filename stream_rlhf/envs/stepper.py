@@ -145,7 +145,7 @@ class EnvStepper:
 
     async def _close_env(self, close: Callable[[], Any]) -> None:
         try:
-            await asyncio.wait_for(self._run(close, ()), self.step_timeout_s)
+            await asyncio.wait_for(run_call(close, (), self._executor), self.step_timeout_s)
         except asyncio.TimeoutError:
             self._close_failures.put(f"{_name(close)} ran past env.step_timeout_s={self.step_timeout_s}")
         except Exception as exc:  # a failing close is reported, and its episode stays as it ended
@@ -165,7 +165,7 @@ class EnvStepper:
                        check: Callable[[Any], str | None]) -> Outcome:
         start = time.monotonic()
         try:
-            result = await asyncio.wait_for(self._run(method, args), self.step_timeout_s)
+            result = await asyncio.wait_for(run_call(method, args, self._executor), self.step_timeout_s)
         except asyncio.TimeoutError:
             failure = Failure("timeout", f"{_name(method)} ran past env.step_timeout_s={self.step_timeout_s}")
             outcome = Outcome(key, None, failure, time.monotonic() - start)
@@ -179,11 +179,15 @@ class EnvStepper:
             outcome = Outcome(key, turn, failure, time.monotonic() - start)
         return outcome
 
-    async def _run(self, method: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        if inspect.iscoroutinefunction(method):
-            return await method(*args)
-        result = await self._loop.run_in_executor(self._executor, method, *args)
-        return await result if inspect.isawaitable(result) else result
+
+
+async def run_call(method: Callable[..., Any], args: tuple[Any, ...], executor: ThreadPoolExecutor) -> Any:
+    """`method(*args)` on the running loop: awaited when it is `async def`, else in `executor`'s
+    threads (and its result awaited if it is awaitable)."""
+    if inspect.iscoroutinefunction(method):
+        return await method(*args)
+    result = await asyncio.get_running_loop().run_in_executor(executor, method, *args)
+    return await result if inspect.isawaitable(result) else result
 
 
 def _drain(items: queue.SimpleQueue[T]) -> list[T]:

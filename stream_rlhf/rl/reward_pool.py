@@ -19,15 +19,13 @@ process's `sys.path`), which waits until each has imported the function.
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
-import sys
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from stream_rlhf.rl.reward_worker import READY
+from stream_rlhf.worker_process import READY, start_worker
 
 log = logging.getLogger("stream_rlhf")
 START_TIMEOUT_S = 120.0
@@ -44,12 +42,7 @@ class _Worker:
     """One reward process and its end of the socket pair."""
 
     def __init__(self, function: str):
-        parent_end, child_end = socket.socketpair()
-        self.process = subprocess.Popen([sys.executable, "-m", "stream_rlhf.rl.reward_worker", str(child_end.fileno())],
-                                        pass_fds=(child_end.fileno(),))
-        child_end.close()
-        self.conn = Connection(parent_end.detach())
-        self.conn.send((function, sys.path))
+        self.process, self.conn = start_worker("stream_rlhf.rl.reward_worker", function)
 
     def wait_ready(self) -> None:
         """Blocks until the function imported; RewardError when it did not."""

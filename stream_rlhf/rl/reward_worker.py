@@ -2,33 +2,28 @@
 `python -m stream_rlhf.rl.reward_worker FD` on one end of a socket pair: it imports the reward
 function and scores one sample at a time for the reward stage.
 
-    first     (the function's dotted path, the parent's sys.path)        parent -> worker
+    first     the function's dotted path (`worker_process.start_worker`)   parent -> worker
     ready     (READY, True, None) | (READY, False, message)             worker -> parent
     request   (index, prompt, response, reference, extra keywords)      parent -> worker
     reply     (index, True, score) | (index, False, message)            worker -> parent
 
 A score is the function's result as a finite float; whatever the function raises, or a result
 that is not a finite number, comes back as a message naming it. The process ends when the parent
-closes its end of the socket, kills it (a call past `reward.timeout_s`), or dies (`child_signals`).
+closes its end of the socket, kills it (a call past `reward.timeout_s`), or dies
+(`worker_process.py`).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from multiprocessing.connection import Connection
 
-from stream_rlhf.child_process import child_signals
 from stream_rlhf.config import import_dotted
-
-READY = -1
-"""The index of the first reply."""
+from stream_rlhf.worker_process import READY, worker_connection
 
 
-def serve(conn: Connection) -> None:
-    """Score `conn`'s requests until the parent closes it."""
-    child_signals()
-    path, sys.path[:] = conn.recv()
+def serve(conn: Connection, path: str) -> None:
+    """Score `conn`'s requests with the function at `path` until the parent closes it."""
     try:
         function = import_dotted(path, "reward.function")
     except Exception as exc:
@@ -52,4 +47,4 @@ def serve(conn: Connection) -> None:
 
 
 if __name__ == "__main__":
-    serve(Connection(int(sys.argv[1])))
+    serve(*worker_connection())
