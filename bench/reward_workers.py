@@ -32,7 +32,7 @@ import time
 
 from stream_rlhf.data.arithmetic import reward
 from stream_rlhf.envs.calculator import compute_for
-from stream_rlhf.rl.reward_pool import RewardPool
+from stream_rlhf.rl.reward_pool import OUTCOME, RewardPool
 
 CPU_S = 0.002
 SAMPLES = 512
@@ -64,7 +64,7 @@ def samples(count: int) -> list[tuple[str, str, str, dict]]:
 def measure(quick: bool) -> dict[str, dict]:
     calls = samples(32 if quick else SAMPLES)
     rounds = 1 if quick else ROUNDS
-    pools = {column: RewardPool(FUNCTION, workers, timeout_s=30.0, timeout_score=0.0)
+    pools = {column: RewardPool({OUTCOME: FUNCTION}, workers, timeout_s=30.0, timeout_score=0.0)
              for column, workers in COLUMNS.items() if workers}
     seconds = {column: 0.0 for column in COLUMNS}
     scores: dict[str, list[float]] = {}
@@ -76,7 +76,7 @@ def measure(quick: bool) -> dict[str, dict]:
                 if pool is None:
                     scores[column] = [float(verify(*call[:3], **call[3])) for call in calls]
                 else:
-                    scores[column], timeouts = pool.scores(calls)
+                    scores[column], timeouts = pool.run(OUTCOME, calls)
                     assert not timeouts, timeouts
                 seconds[column] += time.perf_counter() - started
     finally:

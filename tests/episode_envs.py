@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -14,13 +15,21 @@ from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
 class FlakyCalculator(Calculator):
     """The calculator, except that its step raises for every sample whose reference ends in 3:
     those episodes fail (reason "raised"), the same ones in every run. With `closes` (a file) its
-    close appends the reference there, and raises for references ending in 7."""
+    close appends the reference there, and raises for references ending in 7. With `hang_file`:
+    while that file exists, the next step removes it and never returns (a thread stuck in a call:
+    for env.processes, whose stuck process is killed)."""
 
-    def __init__(self, latency_s: float = 0.0, closes: str | None = None):
+    def __init__(self, latency_s: float = 0.0, closes: str | None = None, hang_file: str | None = None):
         super().__init__(latency_s, 0.0)
-        self.closes = closes
+        self.closes, self.hang_file = closes, hang_file
 
     async def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+        if self.hang_file is not None:
+            try:
+                os.remove(self.hang_file)  # one step of all the processes' succeeds
+                await asyncio.to_thread(time.sleep, 600)
+            except FileNotFoundError:
+                pass
         if self.start is not None and self.start.reference.endswith("3"):
             raise RuntimeError(f"flaky tool: reference {self.start.reference}")
         return await super().step(text, token_ids)

@@ -22,6 +22,7 @@ from stream_rlhf.models.prm import corrupted_steps, load_prm, train_tiny_prm
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.reward_parts_config import ProcessRewardConfig
+from stream_rlhf.rl.reward_pool import STEPS, RewardPool
 from stream_rlhf.rl.task_data import check_prompts
 from stream_rlhf.samples import Rollout, pad_right
 from stream_rlhf.stages.process_reward import ProcessScorer, check_process_reward, separator_id
@@ -102,13 +103,33 @@ def test_multi_step_arithmetic_and_its_rule_rewards():
     assert step_reward("", ["19", "49", "5"], "19,49") == [1.0, 1.0, 0.0]  # a step beyond the answer's
 
 
-def scored_experience(tokenizer, weight: float, values: list[list[float]]) -> Experience:
-    """Two samples of one prompt, scored by the multi-step task's rules: "19,49" (both steps and the
-    answer right) and "19,4" (first step right, answer wrong)."""
+def two_answers(tokenizer) -> tuple[Rollout, list[torch.Tensor]]:
+    """"19,49" and "19,4" to "3+16+30=", and their responses."""
     prompt = torch.tensor([tokenizer.bos_token_id, *tokenizer.encode("3+16+30=", add_special_tokens=False)])
     responses = [ids(tokenizer, "19,49"), ids(tokenizer, "19,4")]
     rollout = Rollout([torch.cat([prompt, r]) for r in responses], torch.tensor([len(prompt)] * 2, dtype=torch.int32),
                       [torch.zeros(len(r)) for r in responses], torch.tensor([7, 7]))
+    return rollout, responses
+
+
+def test_the_rule_in_reward_workers_gives_the_step_rewards_it_gives_here(tokenizer):
+    rollout, _ = two_answers(tokenizer)
+    cfg = ProcessRewardConfig(function=STEP_RULE, separator=",", weight=0.5)
+    here = ProcessScorer(cfg, tokenizer).rewards(rollout, ["19,49", "19,49"])
+    pool = RewardPool({STEPS: STEP_RULE}, workers=2, timeout_s=30, timeout_score=0.0)
+    try:
+        scorer = ProcessScorer(cfg, tokenizer, pool)
+        there = scorer.rewards(rollout, ["19,49", "19,49"])
+    finally:
+        pool.close()
+    assert [r.tolist() for r in here] == [[0, 0, 0.5, 0, 0, 0.5], [0, 0, 0.5, 0, 0]]
+    assert [r.tolist() for r in there] == [r.tolist() for r in here] and scorer.timeouts == 0
+
+
+def scored_experience(tokenizer, weight: float, values: list[list[float]]) -> Experience:
+    """Two samples of one prompt, scored by the multi-step task's rules: "19,49" (both steps and the
+    answer right) and "19,4" (first step right, answer wrong)."""
+    rollout, responses = two_answers(tokenizer)
     cfg = ProcessRewardConfig(function=STEP_RULE, separator=",", weight=weight)
     process = ProcessScorer(cfg, tokenizer).rewards(rollout, ["19,49", "19,49"])
     scores = torch.tensor([final_reward("", tokenizer.decode(r, skip_special_tokens=True), "19,49") for r in responses])

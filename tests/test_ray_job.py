@@ -123,6 +123,28 @@ def test_sigterm_drains_a_ray_job_and_leaves_no_actor_or_raylet(tmp_path):
     assert raylets() <= before
 
 
+def test_a_ray_job_whose_broker_dies_fails_at_once_naming_it(tmp_path):
+    """The broker's actor is killed mid-job: no rank can drain without it, so the driver kills
+    them at once (not after the stop grace) and fails naming the broker; nothing is left running."""
+    before = raylets()
+    process, log_file = start_job(tmp_path, "nobroker", "placement.mode=separated", "iterations=200",
+                                  ray={"num_cpus": 2})
+    deadline = time.monotonic() + 180
+    while (time.monotonic() < deadline and process.poll() is None
+           and not (tmp_path / "nobroker" / "metrics.jsonl").is_file()):
+        time.sleep(0.5)
+    assert process.poll() is None, log_file.read_text()[-4000:]
+    where = placed(log_file.read_text())
+    os.kill(where["broker"][1], signal.SIGKILL)
+    assert finish(process, 120) != 0
+    log = log_file.read_text()
+    assert "the broker failed while" in log and "its Ray worker died" in log, log[-4000:]
+    assert "cannot drain without the broker: killing its actor" in log
+    assert "ignored shutdown" not in log  # no rank waited out the stop grace
+    assert not [name for name, (_, pid) in where.items() if alive(pid)]
+    assert raylets() <= before
+
+
 @pytest.fixture
 def two_nodes():
     """A head node offering `rollout_node` and a second offering `train_node` (100 of each: a bundle asks

@@ -63,19 +63,25 @@ def test_an_env_job_whose_rollout_is_killed_finishes_with_every_episode_accounte
 
 
 def test_an_env_job_stopped_and_resumed_trains_every_episode_once(tmp_path):
-    """With its environments in 2 worker processes (env.processes), stopped with episodes in flight."""
+    """With its environments in 2 worker processes (env.processes), stopped with episodes in flight.
+    The resumed run's first tool call hangs: its episode fails ("timeout"), its process is killed
+    and replaced."""
     iterations = 8  # the stop after 2 lands well before the end, however fast the machine
-    config = _config(tmp_path, "resumed", iterations=iterations, checkpoint={"every": 1, "keep": 1},
-                     env={**ENV, "processes": 2})
+    hang = tmp_path / "hang"
+    env = {**ENV, "processes": 2, "step_timeout_s": 3, "options": {**ENV["options"], "hang_file": str(hang)}}
+    config = _config(tmp_path, "resumed", iterations=iterations, checkpoint={"every": 1, "keep": 1}, env=env)
     log = tmp_path / "resumed.log"
     _stop_after(_start(config, log), tmp_path / "resumed" / "metrics.jsonl", 2, log)
+    hang.touch()  # the resumed run evaluates nothing before rollout (its "before" figures are the first run's)
     assert _start(config, log, "--resume").wait(timeout=300) == 0, log.read_text()[-3000:]
     summary = _check_accounting(tmp_path / "resumed", iterations)
     assert summary["samples_generated"] == summary["samples_trained"]
     assert summary["samples_discarded_at_resume"] == 0
     assert "FlakyCalculator.step raised RuntimeError: flaky tool: reference" in log.read_text()
     assert "(in env process 1)" in log.read_text()  # the flaky tool ran in the workers
-    assert summary["episodes"]["processes_replaced"] == 0 and summary["episodes"]["closes_failed"] == 0
+    assert summary["episodes"]["processes_replaced"] == 1 and summary["episodes"]["closes_failed"] == 0
+    assert summary["episodes_failed"]["timeout"] == 1 and not hang.exists()
+    assert "had a call past env.step_timeout_s: killed now that its episodes are over, and replaced" in log.read_text()
 
 
 def test_an_env_job_runs_two_minibatches_episodes_at_once(tmp_path):

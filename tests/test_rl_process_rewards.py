@@ -5,6 +5,7 @@ rule PRM on vLLM. Real broker, one process per stage."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,14 @@ STEPS = {"task": {"terms": 3, "max_operand": 9, "eval_prompts": 32}, "rollout.ma
 """The tiny job on "a+b+c=" answered "a+b,a+b+c" (operands up to 9: prompts of 7 tokens)."""
 
 
-def run(tmp_path: Path, data: dict) -> tuple[dict, Path]:
+def run(tmp_path: Path, data: dict, env: dict[str, str] | None = None) -> tuple[dict, Path]:
+    """`env`: set in the run's environment too."""
     config = write_job(tmp_path / f"{data['name']}.yaml", data)
     log = tmp_path / f"{data['name']}.log"
     with log.open("w") as out:
         process = subprocess.run([sys.executable, "-m", "stream_rlhf.cli", "run", str(config)], check=False,
-                                 stdout=out, stderr=subprocess.STDOUT, timeout=540, cwd=REPO)
+                                 stdout=out, stderr=subprocess.STDOUT, timeout=540, cwd=REPO,
+                                 env={**os.environ, **(env or {})})
     assert process.returncode == 0, log.read_text()[-4000:]
     run_dir = tmp_path / data["name"]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -70,12 +73,19 @@ def test_a_prm_a_critic_from_the_reward_model_and_a_critic_warm_up_in_one_run(tm
 
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
-def test_the_multi_step_task_with_the_rule_prm_on_vllm(tmp_path):
+def test_the_multi_step_task_with_the_rule_prm_in_reward_workers_on_vllm(tmp_path):
+    """The outcome and step rules in 2 reward processes; the run's first step-rule call hangs past
+    reward.timeout_s: scored 0 for each step, counted, its process replaced, the run goes on."""
     data = tiny_job(tmp_path, "prm_vllm", iterations=2, overlap_depth=1, broker={"shm_prefix": "t_prm_vllm"},
                     **STEPS, **{"rollout.backend": "vllm", "rollout.vllm": {"python": vllm_python()}})
-    data["reward"]["process"] = {"function": "stream_rlhf.data.arithmetic:step_reward", "weight": 0.5}
-    summary, run_dir = run(tmp_path, data)
+    data["reward"].update(workers=2, timeout_s=2.0, process={
+        "function": "tests.reward_functions:step_reward_hanging_once", "weight": 0.5})
+    summary, run_dir = run(tmp_path, data, env={"HANG_ONCE_MARKER": str(tmp_path / "hung")})
     assert summary["iterations"] == 2 and summary["samples_trained"] == 32
+    assert summary["reward_timeouts"] == 1
+    log = (tmp_path / "prm_vllm.log").read_text()
+    assert "reward.process.function tests.reward_functions:step_reward_hanging_once in 2 processes" in log
+    assert log.count("reward.timeout_s=2.0; scored 0.0 for each step") == 1
     records = read_metrics(run_dir / "metrics.jsonl")
     assert all("process_reward" in r for r in records)
     assert max(r["process_reward"] for r in records) > 0  # some partial sums were right

@@ -20,6 +20,7 @@ from msgspec import Meta
 
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.config import ConfigError, check_fields, import_dotted
+from stream_rlhf.rl.reward_pool import OUTCOME, STEPS, Kind
 
 
 @dataclass(frozen=True)
@@ -108,20 +109,29 @@ class RewardConfig:
     process: ProcessRewardConfig | None = None
     """Process rewards at the steps of a response (a rule function or a PRM); None: outcome only."""
     workers: Annotated[int, Meta(ge=0)] = 0
-    """0: `function` runs in the reward stage's process, one sample after another, with no time
-    limit. N: in N processes of its own, N samples at once, each call bounded by `timeout_s`
-    (`rl/reward_pool.py`): for a verifier that is slow in pure Python or may never return. Its
-    arguments and score are pickled across."""
+    """0: `function` and `process.function` run in the reward stage's process, one sample after
+    another, with no time limit. N: in N processes of their own, N samples at once, each call
+    bounded by `timeout_s` (`rl/reward_pool.py`): for a verifier that is slow in pure Python or may
+    never return. Their arguments and scores are pickled across."""
     timeout_s: Annotated[float, Meta(gt=0)] = 30.0
-    """With `workers`: a call past this many seconds scores `timeout_score`, is logged and counted
-    (summary.json `reward_timeouts`), and its process is killed and replaced."""
+    """With `workers`: a call past this many seconds scores `timeout_score` (each of its steps, for
+    `process.function`), is logged and counted (summary.json `reward_timeouts`), and its process is
+    killed and replaced."""
     timeout_score: float = 0.0
     """With `workers`: the score of a call past `timeout_s`."""
 
+    def pooled_functions(self) -> dict[Kind, str]:
+        """What `workers` run, by kind: the outcome and the process rule, where given."""
+        functions: dict[Kind, str] = {OUTCOME: self.function} if self.function is not None else {}
+        if self.process is not None and self.process.function is not None:
+            functions[STEPS] = self.process.function
+        return functions
+
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.workers and self.function is None:
-            raise ConfigError(f"workers={self.workers}: there is no reward function to run in them")
+        if self.workers and not self.pooled_functions():
+            raise ConfigError(f"workers={self.workers}: there is no reward function to run in them (function and "
+                              "process.function are None)")
         if self.function is not None and not callable(import_dotted(self.function, "function")):
             raise ConfigError(f"function={self.function!r}: not callable (expected fn(prompt, response, reference))")
         if self.model_path is not None and not os.path.isfile(os.path.join(self.model_path, "config.json")):

@@ -24,6 +24,7 @@ from stream_rlhf.backends.forward_engine import ProcessRewardEngine
 from stream_rlhf.config import ConfigError, import_dotted
 from stream_rlhf.data.tokenizer import load_tokenizer
 from stream_rlhf.rl.reward_parts_config import ProcessRewardConfig
+from stream_rlhf.rl.reward_pool import STEPS, Call, RewardPool, log_timeouts
 from stream_rlhf.samples import Rollout
 
 StepFunction = Callable[[str, list[str], str], list[float]]
@@ -52,11 +53,15 @@ def check_process_reward(cfg: ProcessRewardConfig, tokenizer: PreTrainedTokenize
 
 
 class ProcessScorer:
-    def __init__(self, cfg: ProcessRewardConfig, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, cfg: ProcessRewardConfig, tokenizer: PreTrainedTokenizerBase, pool: RewardPool | None = None):
+        """`pool`: `reward.workers`' processes, where the rule function then runs (None: here)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.separator_id = separator_id(tokenizer, cfg.separator)
         self.function: StepFunction | None = import_dotted(cfg.function, f"{KEY}.function") if cfg.function else None
+        self.pool = pool if cfg.function is not None else None
+        self.timeouts = 0
+        """Calls of the rule function in `pool` that ran past reward.timeout_s."""
         self.prm = ProcessRewardEngine(cfg.model_path, tokenizer.pad_token_id) if cfg.model_path is not None else None
 
     def rewards(self, rollout: Rollout, references: list[str], policy: list[Tensor] | None = None) -> list[Tensor]:
@@ -74,17 +79,23 @@ class ProcessScorer:
     def _rule_scores(self, rollout: Rollout, responses: list[Tensor], ends: list[Tensor],
                      masks: list[Tensor | None], references: list[str]) -> list[Tensor]:
         decode = self.tokenizer.decode
-        out = []
+        calls: list[Call] = []
         for sequence, prompt_len, response, own_ends, mask, reference in zip(
                 rollout.sequences, rollout.prompt_lens.tolist(), responses, ends, masks, references):
-            prompt = decode(sequence[:prompt_len], skip_special_tokens=True)
             steps = [decode(response[a:b], skip_special_tokens=True)
                      for a, b in step_spans(response, own_ends, self.separator_id, mask)]
-            scores = [float(s) for s in self.function(prompt, steps, reference)]
+            calls.append((decode(sequence[:prompt_len], skip_special_tokens=True), steps, reference, {}))
+        if self.pool is None:
+            results: list = [[float(s) for s in self.function(*call[:3])] for call in calls]
+        else:
+            results, timeouts = self.pool.run(STEPS, calls)
+            self.timeouts += log_timeouts(timeouts)
+        out = []
+        for (_, steps, _, _), scores in zip(calls, results):
             if len(scores) != len(steps):
                 raise ValueError(f"{KEY}.function={self.cfg.function}: returned {len(scores)} scores for the "
                                  f"{len(steps)} steps {steps}")
-            out.append(torch.tensor(scores))
+            out.append(torch.tensor(scores, dtype=torch.float))
         return out
 
     def _model_scores(self, rollout: Rollout, ends: list[Tensor]) -> list[Tensor]:

@@ -14,15 +14,15 @@ here: they travel in the rollout handle's `env_rewards` and the trainers add the
 score is 0. Process rewards on an episode cut only its policy tokens into steps, each turn's last
 token ending one (the handle's `loss_mask`; `algos/process_rewards.py`).
 
-With `reward.workers` the function runs in processes of its own, several samples at once, each
-call bounded by `reward.timeout_s` (`rl/reward_pool.py`); the calls that time out score
-`reward.timeout_score` and are counted (the stage count `reward_timeouts`, in summary.json).
+With `reward.workers` the function (and `reward.process.function`) runs in processes of its own,
+several samples at once, each call bounded by `reward.timeout_s` (`rl/reward_pool.py`); the calls
+that time out score `reward.timeout_score` and are counted (the stage count `reward_timeouts`, in
+summary.json).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 
 import torch
@@ -30,7 +30,7 @@ import torch
 from stream_rlhf.backends.forward_engine import RewardModelEngine
 from stream_rlhf.config import import_dotted
 from stream_rlhf.data.tokenizer import load_tokenizer
-from stream_rlhf.rl.reward_pool import RewardPool
+from stream_rlhf.rl.reward_pool import OUTCOME, RewardPool, log_timeouts
 from stream_rlhf.samples import Rollout, ragged, unragged
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.job_context import JobContext, stage_counts
@@ -38,22 +38,23 @@ from stream_rlhf.stages.process_reward import ProcessScorer
 from stream_rlhf.stages.topics import REWARD_KWARGS, topic_output
 
 RewardFunction = Callable[..., float]
-MAX_TIMEOUTS_LOGGED = 3
-"""Timed-out reward calls a mini-batch logs (all are counted)."""
-log = logging.getLogger("stream_rlhf")
 
 
 class Scorer:
     """The configured reward: rule-based function, reward model, or both (also used by evaluation).
     With `reward.workers` the function runs in a `RewardPool`; `close()` ends its processes."""
 
-    def __init__(self, job: JobContext):
+    def __init__(self, job: JobContext, process_rule: bool = False):
+        """`process_rule`: `reward.workers` run `reward.process.function` too (the reward stage's
+        `ProcessScorer` uses `pool`); evaluation scores outcomes only."""
         self.cfg = job.config.reward
         self.tokenizer = load_tokenizer(job.checkpoint)
         self.function: RewardFunction | None = (
             import_dotted(self.cfg.function, "reward.function") if self.cfg.function else None)
-        self.pool = (RewardPool(self.cfg.function, self.cfg.workers, self.cfg.timeout_s, self.cfg.timeout_score)
-                     if self.cfg.function and self.cfg.workers else None)
+        functions = {kind: path for kind, path in self.cfg.pooled_functions().items()
+                     if process_rule or kind == OUTCOME}
+        self.pool = (RewardPool(functions, self.cfg.workers, self.cfg.timeout_s, self.cfg.timeout_score)
+                     if self.cfg.workers and functions else None)
         self.timeouts = 0
         """Calls of the function that ran past reward.timeout_s (scored reward.timeout_score)."""
         self.reward_model = RewardModelEngine(self.cfg.model_path) if self.cfg.model_path else None
@@ -77,10 +78,8 @@ class Scorer:
                                                                     references, reward_kwargs)]
         if self.pool is None:
             return torch.tensor([float(self.function(*call[:3], **call[3])) for call in calls])
-        scores, timeouts = self.pool.scores(calls)
-        for message in timeouts[:MAX_TIMEOUTS_LOGGED]:
-            log.warning("reward: %s", message)
-        self.timeouts += len(timeouts)
+        scores, timeouts = self.pool.run(OUTCOME, calls)
+        self.timeouts += log_timeouts(timeouts)
         return torch.tensor(scores)
 
     def close(self) -> None:
@@ -100,23 +99,27 @@ class RewardForward(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.scorer = Scorer(self.job)
+        self.scorer = Scorer(self.job, process_rule=True)
         self.counts = stage_counts(self.job, ctx)
         process = self.job.config.reward.process
-        self.process = ProcessScorer(process, self.scorer.tokenizer) if process is not None else None
+        self.process = ProcessScorer(process, self.scorer.tokenizer, self.scorer.pool) if process is not None else None
 
     def step(self, batch: Batch | None) -> list[Output]:
         rollout = Rollout.from_tensors(batch.tensors)
         references = batch.metadata["references"]
         reward_kwargs = [json.loads(text) for text in batch.metadata[REWARD_KWARGS]]
-        timeouts = self.scorer.timeouts
+        timeouts = self._timeouts()
         tensors = {"scores": self.scorer.score(rollout, references, reward_kwargs)}
-        if self.scorer.timeouts > timeouts:
-            self.counts.add(reward_timeouts=self.scorer.timeouts - timeouts)
         if self.process is not None:
             policy = unragged(batch.tensors, "loss_mask") if "loss_mask" in batch.tensors else None  # an env's
             tensors.update(ragged("process_rewards", self.process.rewards(rollout, references, policy)))
+        if self._timeouts() > timeouts:
+            self.counts.add(reward_timeouts=self._timeouts() - timeouts)
         return [topic_output("reward", tensors, batch.num_samples)]
+
+    def _timeouts(self) -> int:
+        """Reward calls past reward.timeout_s so far, the outcome's and the process rule's."""
+        return self.scorer.timeouts + (self.process.timeouts if self.process is not None else 0)
 
     def close(self) -> None:
         if hasattr(self, "scorer"):  # a setup that failed may not have made it
