@@ -59,6 +59,17 @@ def start_job(tmp_path: Path, name: str, *sets: str, **overrides) -> tuple[subpr
     return process, log
 
 
+def start_training(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """A long job on a local Ray instance, once its first iteration has been trained."""
+    process, log_file = start_job(tmp_path, name, "placement.mode=separated", "iterations=200", ray={"num_cpus": 2})
+    deadline = time.monotonic() + 180
+    while (time.monotonic() < deadline and process.poll() is None
+           and not (tmp_path / name / "metrics.jsonl").is_file()):
+        time.sleep(0.5)
+    assert process.poll() is None, log_file.read_text()[-4000:]
+    return process, log_file
+
+
 def finish(process: subprocess.Popen, timeout: float) -> int:
     try:
         return process.wait(timeout=timeout)
@@ -106,13 +117,7 @@ def test_ray_job_on_a_local_instance_trains_every_sample_it_generated(tmp_path):
 
 def test_sigterm_drains_a_ray_job_and_leaves_no_actor_or_raylet(tmp_path):
     before = raylets()
-    process, log_file = start_job(tmp_path, "drained", "placement.mode=separated", "iterations=200",
-                                  ray={"num_cpus": 2})
-    deadline = time.monotonic() + 180
-    while (time.monotonic() < deadline and process.poll() is None
-           and not (tmp_path / "drained" / "metrics.jsonl").is_file()):
-        time.sleep(0.5)
-    assert process.poll() is None, log_file.read_text()[-4000:]
+    process, log_file = start_training(tmp_path, "drained")
     process.terminate()  # SIGTERM, as a scheduler stops a job: handled as Ctrl-C
     assert finish(process, 120) == 130
     log = log_file.read_text()
@@ -127,13 +132,7 @@ def test_a_ray_job_whose_broker_dies_fails_at_once_naming_it(tmp_path):
     """The broker's actor is killed mid-job: no rank can drain without it, so the driver kills
     them at once (not after the stop grace) and fails naming the broker; nothing is left running."""
     before = raylets()
-    process, log_file = start_job(tmp_path, "nobroker", "placement.mode=separated", "iterations=200",
-                                  ray={"num_cpus": 2})
-    deadline = time.monotonic() + 180
-    while (time.monotonic() < deadline and process.poll() is None
-           and not (tmp_path / "nobroker" / "metrics.jsonl").is_file()):
-        time.sleep(0.5)
-    assert process.poll() is None, log_file.read_text()[-4000:]
+    process, log_file = start_training(tmp_path, "nobroker")
     where = placed(log_file.read_text())
     os.kill(where["broker"][1], signal.SIGKILL)
     assert finish(process, 120) != 0
