@@ -48,6 +48,10 @@ RL_ROWS = [
                                                   "does not import"),
     (("reward.function=stream_rlhf.data.arithmetic:EVAL_EVERY",),
      "reward.function='stream_rlhf.data.arithmetic:EVAL_EVERY': not callable"),
+    # the observation cut's marker in the policy's tokens
+    (("env={factory: stream_rlhf.envs.calculator:Calculator, max_episode_tokens: 32, max_observation_tokens: 2}",
+      "reward.function=null"),
+     "env.observation_cut_marker=' ...' is 4 tokens, which leaves nothing of env.max_observation_tokens=2"),
     # numbers: NaN, inf and out of range
     (("broker.heartbeat_interval_s=.nan",), "broker.heartbeat_interval_s=nan: must be a finite number"),
     (("actor.lr=.inf",), "actor.lr=inf: must be a finite number"),

@@ -14,10 +14,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from stream_rlhf.backends.episode_sampler import TorchTurnSampler
 from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.config import ConfigError
 from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.envs.environment import EpisodeStart, Observation, Turn
 from stream_rlhf.envs.episode_handle import episode_tensors
 from stream_rlhf.envs.episode_loop import EpisodeLoop, EpisodeResult
+from stream_rlhf.envs.observation_cut import ObservationCut
 from stream_rlhf.envs.stepper import EnvStepper
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.samples import unragged
@@ -194,6 +196,30 @@ def test_the_engine_enforces_turn_and_token_limits(lm: PreTrainedModel) -> None:
     for episode in result.episodes:
         assert episode.num_tokens <= 30  # the observation that would pass the limit is not appended
         assert episode.turn_ends[-1] == len(episode.token_ids) - 1
+
+
+@pytest.mark.parametrize(("where", "kept"), [("end", "=123456"), ("start", "3456789"), ("middle", "=123789")])
+def test_a_long_observation_is_cut_to_its_limit_instead_of_ending_the_episode(lm: PreTrainedModel, where: str,
+                                                                               kept: str) -> None:
+    long = "=123456789"  # 10 tokens of the tiny tokenizer, one per character
+    cfg = {"options": {"turns": 3, "observation": long}, "max_episode_tokens": 60, "max_observation_tokens": 8,
+           "observation_cut": where, "observation_cut_marker": "+"}
+    result = run(lm, "scripted", **cfg)
+    assert result.ended == ["done"] * 4 and result.observations_cut == [2] * 4  # the last turn's is not appended
+    marked = {"end": kept + "+", "start": "+" + kept, "middle": kept[:4] + "+" + kept[4:]}[where]
+    appended = TOKENIZER.encode(marked, add_special_tokens=False)
+    assert len(appended) == 8
+    for episode in result.episodes:
+        for end in episode.turn_ends[:-1]:
+            assert episode.token_ids[end + 1:end + 1 + 8] == appended
+    assert run(lm, "scripted", **{**cfg, "max_observation_tokens": 10}).observations_cut == [0] * 4  # it fits
+
+
+def test_an_observation_cut_marker_that_fills_the_limit_is_a_config_error() -> None:
+    cfg = EnvConfig(factory="tests.test_episode_loop:scripted", max_observation_tokens=2, observation_cut_marker="+++")
+    with pytest.raises(ConfigError, match=r"env.observation_cut_marker='\+\+\+' is 3 tokens, which leaves nothing "
+                                          r"of env.max_observation_tokens=2"):
+        ObservationCut(cfg, lambda text: TOKENIZER.encode(text, add_special_tokens=False))
 
 
 def test_stream_lets_other_episodes_go_on_while_one_waits(lm: PreTrainedModel) -> None:

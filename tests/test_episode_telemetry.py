@@ -67,10 +67,15 @@ def test_stats_of_an_episode_loop_result():
     done.add_policy_turn([42], logps=[-0.3], policy_version=1)
     failed.add_policy_turn([43], logps=[-0.4], policy_version=0)
     result = EpisodeResult([done, failed], ["done", "failed:raised"], [1, 1], [0.05, 0.02],
-                           tool_waits=[(0, T0, 0.05), (1, T0, 0.02)], tool_hidden_s=0.03, tool_wall_s=0.05)
+                           tool_waits=[(0, T0, 0.05), (1, T0, 0.02)], tool_hidden_s=0.03, tool_wall_s=0.05,
+                           observations_cut=[1, 0])
     stats = EpisodeStats.decode(EpisodeStats.of(result).encode())
     assert stats == EpisodeStats(turns=[2, 1], tool_calls=[1, 1], tool_s=[0.05, 0.02], ended=["done", "failed:raised"],
-                                 tool_waits=[(0, T0, 0.05), (1, T0, 0.02)], tool_wall_s=0.05, tool_hidden_s=0.03)
+                                 tool_waits=[(0, T0, 0.05), (1, T0, 0.02)], tool_wall_s=0.05, tool_hidden_s=0.03,
+                                 observations_cut=[1, 0])
+    older = json.loads(stats.encode())  # a handle journaled before observations were cut
+    del older["observations_cut"]
+    assert EpisodeStats.decode(json.dumps(older)).observations_cut == []
 
 
 def test_the_metadata_round_trips_and_a_single_turn_handle_adds_nothing(tmp_path):
@@ -87,7 +92,8 @@ def test_counts_from_two_instances_give_the_summary(tmp_path):
     first, second = StageCounts(tmp_path, "rollout", "rollout-0"), StageCounts(tmp_path, "rollout", "rollout-1")
     record_episodes(first, {EPISODES: _stats([3, 1, 2], ["done", "failed:raised", "max_turns"], 0.1).encode()}, 0, 0)
     record_episodes(first, {EPISODES: _stats([2, 2], ["done", "failed:timeout"], 0.0).encode()}, 0, 1)
-    record_episodes(second, {EPISODES: _stats([4], ["failed:raised"], 0.15).encode()}, 0, 2)
+    cut = msgspec.structs.replace(_stats([4], ["failed:raised"], 0.15), observations_cut=[2])
+    record_episodes(second, {EPISODES: cut.encode()}, 0, 2)
     second.add(**{CLOSES_FAILED: 2, PROCESSES_REPLACED: 1})
     counts = read_stage_counts(tmp_path)["rollout"]
     assert counts["episodes"] == 6 and counts["turns"] == 14 and counts["tool_calls"] == 8
@@ -97,6 +103,7 @@ def test_counts_from_two_instances_give_the_summary(tmp_path):
     assert episodes["count"] == 6 and episodes["turns_per_episode"] == round(14 / 6, 4)
     assert episodes["ended"] == {"done": 2, "max_turns": 1}
     assert episodes["closes_failed"] == 2 and episodes["processes_replaced"] == 1
+    assert episodes["observations_cut"] == 2
     assert episodes["tool_s"] == episodes["tool_wall_s"] == pytest.approx(0.4)
     assert episodes["tool_hidden_s"] == pytest.approx(0.25)
     assert episodes["tool_hidden_frac"] == pytest.approx(0.625)
@@ -135,11 +142,12 @@ def test_tool_waits_are_slices_on_a_track_per_episode(tmp_path):
 
 
 def test_iteration_metrics_from_the_minibatches_metadata():
-    batches = [_handle_batch(0, _stats([3, 1, 2], ["done", "failed:raised", "done"], 0.1)),
-               _handle_batch(1, _stats([2, 2, 2], ["done", "done", "failed:timeout"], 0.05))]
+    cut = msgspec.structs.replace(_stats([2, 2, 2], ["done", "done", "failed:timeout"], 0.05),
+                                  observations_cut=[0, 3, 1])
+    batches = [_handle_batch(0, _stats([3, 1, 2], ["done", "failed:raised", "done"], 0.1)), _handle_batch(1, cut)]
     record = episode_metrics(batches)
     assert record == {"turns_per_episode": 2.0, "tool_calls": 6, "tool_s": pytest.approx(0.3),
-                      "tool_hidden_frac": pytest.approx(0.5), "episodes_failed": 2}
+                      "tool_hidden_frac": pytest.approx(0.5), "episodes_failed": 2, "observations_cut": 4}
     assert episode_metrics([_handle_batch(0, None)]) == {}
     # calls of several episodes overlap: the fraction is of the wall-clock seconds, not of tool_s
     overlapping = msgspec.structs.replace(_stats([3, 3], ["done", "done"], 0.04), tool_wall_s=0.05)

@@ -6,6 +6,7 @@ runs it (`stepper.py`, `episode.py`).
       options: {latency_s: 0.05}                         # keyword arguments of the factory
       max_turns: 4
       max_episode_tokens: 256
+      max_observation_tokens: 64                         # a longer tool result is cut (observation_cut.py)
       step_timeout_s: 10
       schedule: stream                                   # or lockstep (the baseline)
       minibatches_in_flight: 2                           # stream: episodes of 2 mini-batches at once
@@ -45,6 +46,17 @@ class EnvConfig:
     """Images the observations of one episode may show in all (a vision-language policy); an
     observation that would pass it fails the episode as "malformed". rollout.backend=vllm takes
     data.max_images_per_prompt + this many images per turn."""
+    max_observation_tokens: Annotated[int, Meta(ge=1)] | None = None
+    """Tokens of one observation's text at most (one tool result: its chat frame comes on top); a
+    longer one is cut (`observation_cut`, `envs/observation_cut.py`) instead of ending the episode
+    at max_episode_tokens, and counted (metrics and summary.json `observations_cut`). null: no
+    limit. An observation with images is not cut."""
+    observation_cut: Literal["end", "start", "middle"] = "end"
+    """Which part of a long observation goes: `end` keeps its first tokens, `start` its last,
+    `middle` its first and last halves (a traceback's head and the error at its end)."""
+    observation_cut_marker: str = " ..."
+    """Text put where an observation was cut, so that the policy sees it was; its tokens count
+    within max_observation_tokens ("" for none)."""
     step_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     """Seconds one reset or step may take; past it the episode fails with reason "timeout"."""
     schedule: Literal["stream", "lockstep"] = "stream"

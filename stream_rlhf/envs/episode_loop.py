@@ -60,6 +60,7 @@ from stream_rlhf.data.message_frames import MessageFrames
 from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.envs.environment import Environment, EpisodeStart, Observation
 from stream_rlhf.envs.episode import Episode
+from stream_rlhf.envs.observation_cut import ObservationCut
 from stream_rlhf.envs.stepper import EnvStepper, Outcome
 from stream_rlhf.envs.turns import TurnDone, TurnRequest, TurnSampler
 from stream_rlhf.samples import SampleImages
@@ -93,6 +94,8 @@ class EpisodeResult:
     """Seconds during which one of the group's environment calls was running."""
     failures: list[str] = field(default_factory=list)
     """One line per failed episode: its index and the failure's message."""
+    observations_cut: list[int] = field(default_factory=list)
+    """Observations of each episode cut to env.max_observation_tokens."""
 
 
 @dataclass
@@ -131,6 +134,7 @@ class EpisodeLoop:
         self.cfg = cfg
         self.make = make or cfg.make
         self.decode, self.encode, self.frames = decode, encode, frames
+        self.cut = ObservationCut(cfg, encode)
         self.max_new_tokens = max_new_tokens
         self.groups: list[_Group] = []
 
@@ -169,9 +173,9 @@ class EpisodeLoop:
         name the group for samplers that seed each turn (TurnRequest.episode: they and the index)."""
         if len(prompts) > len(self.free):
             raise ValueError(f"EpisodeLoop.add: {len(prompts)} episodes, {len(self.free)} free slots")
-        group = _Group(tag, EpisodeResult([Episode(prompt_ids=p.tolist()) for p in prompts], [""] * len(prompts),
-                                          [0] * len(prompts), [0.0] * len(prompts)), live=len(prompts),
-                       seed_parts=seed_parts)
+        result = EpisodeResult([Episode(prompt_ids=p.tolist()) for p in prompts], [""] * len(prompts),
+                               [0] * len(prompts), [0.0] * len(prompts), observations_cut=[0] * len(prompts))
+        group = _Group(tag, result, live=len(prompts), seed_parts=seed_parts)
         self.groups.append(group)
         for i, start in enumerate(starts):
             serial, slot = next(self.serials), heapq.heappop(self.free)
@@ -279,7 +283,7 @@ class EpisodeLoop:
             self._end(serial, "done")
             return
         try:
-            ids, images, paths = self._observation_ids(live, turn.observations)
+            ids, images, paths, cut = self._observation_ids(live, turn.observations)
         except ValueError as exc:
             self._fail(live, "malformed", str(exc))
             self._end(serial, result.ended[i])
@@ -292,20 +296,24 @@ class EpisodeLoop:
             return
         if ids:
             episode.add_observation(ids, images, paths)
+        result.observations_cut[i] += cut
         if images is not None and live.images is not None:
             live.images = live.images.followed_by(images)
         live.phase = "ready"
 
     def _observation_ids(self, live: _Live, observations: tuple[Observation, ...]
-                         ) -> tuple[list[int], SampleImages | None, tuple[str, ...]]:
+                         ) -> tuple[list[int], SampleImages | None, tuple[str, ...], int]:
         """The ids a turn's observations append (in their chat messages' frame when they have
-        roles), their encoded images (None without) and the images' paths; ValueError naming the
-        field it cannot take."""
+        roles), their encoded images (None without), the images' paths and how many of the
+        observations were cut (`ObservationCut`); ValueError naming the field it cannot take."""
         episode = live.group.result.episodes[live.index]
         shown = sum(len(images.grid_thw) for images in episode.observation_images)
-        contents, images, paths = [], None, ()
+        contents, images, paths, cut = [], None, (), 0
         for o in observations:
             ids, encoded = self._content_ids(live, o, shown)
+            if encoded is None:
+                ids, was_cut = self.cut(ids)
+                cut += was_cut
             contents.append(ids)
             if encoded is not None:
                 shown += len(encoded.grid_thw)
@@ -313,14 +321,14 @@ class EpisodeLoop:
                 paths += o.images
         roles = tuple(o.role for o in observations)
         if all(role is None for role in roles):
-            return [t for ids in contents for t in ids], images, paths
+            return [t for ids in contents for t in ids], images, paths, cut
         if any(role is None for role in roles):
             raise ValueError(f"Observation.role: {roles}: a turn's observations all have a role or none has")
         if self.frames is None:
             raise ValueError(f"Observation.role={roles}: this rollout writes no chat messages")
         pieces = self.frames.around(roles, episode.token_ids[-1] if episode.token_ids else None)
         ids = pieces[0] + [t for content, after in zip(contents, pieces[1:]) for t in content + after]
-        return ids, images, paths
+        return ids, images, paths, cut
 
     def _content_ids(self, live: _Live, observation: Observation, shown: int) -> tuple[list[int], SampleImages | None]:
         """One observation's own ids and encoded images, after `shown` images in the episode's observations."""

@@ -37,6 +37,7 @@ from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.prompts_jsonl import PromptDataset
 from stream_rlhf.data.task_config import DataConfig
 from stream_rlhf.data.text_tasks import TEXT_TASKS, problems
+from stream_rlhf.envs.observation_cut import ObservationCut
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
 
@@ -135,12 +136,15 @@ def _prompt_file(cfg: RLJobConfig, split: str, tokenizer: PreTrainedTokenizerBas
 def check_prompts(cfg: RLJobConfig) -> None:
     """Every prompt line parses and names image files that exist and decode (DataError naming file:line, or
     counted under `data.on_bad_sample: skip`), and the longest prompt + `rollout.max_new_tokens`
-    fits the model's positions (ConfigError naming both keys and the numbers)."""
+    fits the model's positions (ConfigError naming both keys and the numbers); the checks that need
+    the tokenizer: process rewards' separator, the observation cut's marker."""
     model = _model_view(cfg)
     if cfg.reward.process is not None:
         from stream_rlhf.stages.process_reward import check_process_reward
 
         check_process_reward(cfg.reward.process, model.tokenizer)
+    if cfg.env is not None:  # the cut marker fits the observation limit in the policy's tokens
+        ObservationCut(cfg.env, lambda text: model.tokenizer.encode(text, add_special_tokens=False))
     in_memory = cfg.data.train is None and cfg.task.name in TEXT_TASKS
     longest = _longest_text_task(cfg, model.tokenizer) if in_memory else (0, "")
     for split in ("train", "eval"):

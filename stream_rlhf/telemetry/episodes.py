@@ -68,13 +68,17 @@ class EpisodeStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Wall-clock seconds during which an environment call was running."""
     tool_hidden_s: float
     """The part of tool_wall_s during which the sampler had turns to decode."""
+    observations_cut: list[int] = []
+    """Observations of each episode cut to env.max_observation_tokens (empty in a handle written
+    before there was a limit)."""
 
     @staticmethod
     def of(result: EpisodeResult) -> EpisodeStats:
         return EpisodeStats(turns=[e.turns for e in result.episodes], tool_calls=list(result.tool_calls),
                             tool_s=list(result.tool_s), ended=list(result.ended),
                             tool_waits=[(k, start, s) for k, start, s in result.tool_waits],
-                            tool_wall_s=result.tool_wall_s, tool_hidden_s=result.tool_hidden_s)
+                            tool_wall_s=result.tool_wall_s, tool_hidden_s=result.tool_hidden_s,
+                            observations_cut=list(result.observations_cut))
 
     def encode(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -104,14 +108,15 @@ def record_episodes(counts: StageCounts, metadata: Mapping[str, object], iterati
 
 
 def count_episodes(counts: StageCounts, stats: EpisodeStats) -> None:
-    """Adds episodes, turns, tool_calls, tool_s, tool_wall_s, tool_hidden_s and one count per end
-    reason."""
+    """Adds episodes, turns, tool_calls, tool_s, tool_wall_s, tool_hidden_s, observations_cut and
+    one count per end reason."""
     ends: dict[str, int] = {}
     for ended in stats.ended:
         key = FAILED_COUNT + ended[len(FAILED):] if ended.startswith(FAILED) else ENDED_COUNT + ended
         ends[key] = ends.get(key, 0) + 1
     counts.add(episodes=len(stats.turns), turns=sum(stats.turns), tool_calls=sum(stats.tool_calls),
-               tool_s=sum(stats.tool_s), tool_wall_s=stats.tool_wall_s, tool_hidden_s=stats.tool_hidden_s, **ends)
+               tool_s=sum(stats.tool_s), tool_wall_s=stats.tool_wall_s, tool_hidden_s=stats.tool_hidden_s,
+               observations_cut=sum(stats.observations_cut), **ends)
 
 
 def episode_track(key: int) -> str:
@@ -141,12 +146,14 @@ def episode_metrics(batches: list[Batch]) -> dict[str, float]:
         "tool_s": round(sum(sum(s.tool_s) for s in stats), DIGITS),
         "tool_hidden_frac": round(sum(s.tool_hidden_s for s in stats) / wall_s, DIGITS) if wall_s > 0 else 0.0,
         "episodes_failed": sum(e.startswith(FAILED) for s in stats for e in s.ended),
+        "observations_cut": sum(sum(s.observations_cut) for s in stats),
     }
 
 
 def episode_summary(rollout_counts: Mapping[str, float]) -> dict[str, object]:
     """summary.json's `episodes` block (with `closes_failed`: environment closes that raised or
-    timed out, and `processes_replaced`: environment processes started in place of others) and
+    timed out, `processes_replaced`: environment processes started in place of others, and
+    `observations_cut`: observations cut to env.max_observation_tokens) and
     `episodes_failed` (reason -> episodes) from rollout's summed stage counts; on vLLM the block
     adds `prefix_cache`: the context tokens its turns sent, those the prefix cache held, and their
     ratio."""
@@ -173,6 +180,7 @@ def episode_summary(rollout_counts: Mapping[str, float]) -> dict[str, object]:
             "ended": by_reason(ENDED_COUNT),
             "closes_failed": int(rollout_counts.get(CLOSES_FAILED, 0)),
             "processes_replaced": int(rollout_counts.get(PROCESSES_REPLACED, 0)),
+            "observations_cut": int(rollout_counts.get("observations_cut", 0)),
             **({"prefix_cache": prefix_cache} if "turn_context_tokens" in rollout_counts else {}),
         },
         "episodes_failed": by_reason(FAILED_COUNT),
