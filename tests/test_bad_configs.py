@@ -52,6 +52,8 @@ RL_ROWS = [
     (("env={factory: stream_rlhf.envs.calculator:Calculator, max_episode_tokens: 32, max_observation_tokens: 2}",
       "reward.function=null"),
      "env.observation_cut_marker=' ...' is 4 tokens, which leaves nothing of env.max_observation_tokens=2"),
+    (("env={factory: stream_rlhf.envs.calculator:Calculator, max_episode_tokens: 32, stop_strings: ['a', '']}",
+      "reward.function=null"), "env.stop_strings[1]='': a stop string must not be empty"),
     # numbers: NaN, inf and out of range
     (("broker.heartbeat_interval_s=.nan",), "broker.heartbeat_interval_s=nan: must be a finite number"),
     (("actor.lr=.inf",), "actor.lr=inf: must be a finite number"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from stream_rlhf.backends.episode_sampler import TorchTurnSampler, step_width
 from stream_rlhf.backends.static_decode import StaticDecoder
 from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.backends.torch_rollout_engine import TorchRolloutEngine
+from stream_rlhf.backends.turn_stop import TurnStop
 from stream_rlhf.broker.control.messages import Handle
 from stream_rlhf.config import build
 from stream_rlhf.envs.turns import TurnDone, TurnRequest
@@ -190,6 +193,37 @@ def test_a_long_join_beside_decoding_episodes(lm, prompts, static):
     assert_logps_equal_forward(lm, [torch.cat([joining, done[0].ids])], [{12: done[0].logps.item()}], 0.7)
 
 
+def letters(ids: list[int]) -> str:
+    """A toy decode: each id one letter."""
+    return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_a_stop_string_ends_a_turn_at_the_token_that_completes_it(lm, prompts):
+    """The two letters written most often inside the turns of a free run, as a stop string: every
+    turn that writes them ends at the token completing them (reason "stop"), the log-probs still
+    the full forward's."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    g = torch.Generator().manual_seed(3)
+    observations = [torch.randint(1, VOCAB, (n,), generator=g) for n in (4, 1, 7, 2)]
+    *_, free = run_episodes(sampler(lm, len(prompts), params), prompts, [None] * 4, observations, [0, 1, 2, 0], 3, 10)
+    inside = Counter(letters(t.ids[i:i + 2].tolist()) for t in free for i in range(len(t.ids) - 2))
+    stop, _ = inside.most_common(1)[0]
+    stopping = replace(params, stop_strings=(stop,))
+    turns = TorchTurnSampler(lm, len(prompts), 64, stopping, torch.Generator().manual_seed(0), 5,
+                             stop_text=TurnStop((stop,), letters))
+    contexts, logps, done = run_episodes(turns, prompts, [None] * 4, observations, [0, 1, 2, 0], 3, 10)
+    by_string = [stop in letters(t.ids.tolist()) for t in done]
+    assert any(by_string), stop
+    for turn, written in zip(done, by_string):
+        if written:
+            assert letters(turn.ids.tolist()).endswith(stop) and turn.finish_reason == "stop"
+        else:
+            assert len(turn.ids) == 10 and turn.finish_reason == "length"
+    assert_logps_equal_forward(lm, contexts, logps, temperature=1.0)
+    with pytest.raises(ValueError, match=r"stop_strings=\('ab',\) need a stop_text"):
+        TorchTurnSampler(lm, 2, 64, replace(params, stop_strings=("ab",)), None, 0)
+
+
 def test_step_width_keeps_padding_at_most_half_the_step():
     assert step_width([1, 1, 1, 1], slots=4, free_positions=0) == 1
     assert step_width([9, 6, 3, 1], slots=4, free_positions=0) == 9  # 19 ids in 36 positions
@@ -309,6 +343,16 @@ def test_the_torch_engine_samples_turns_as_it_generates(tmp_path):
             done.update({turn.key: turn for turn in turns.advance()})
         assert [done[k].ids.tolist() for k in (0, 1)] == [r.tolist() for r in gen.response_ids]
         assert done[0].policy_version == engine.policy_version == 0
+        # env.stop_strings: the engine reads them with the checkpoint's tokenizer, as an environment reads turns
+        stop = tokenizer.decode(gen.response_ids[0][1:3], skip_special_tokens=True)
+        assert len(stop) == 2 and stop not in tokenizer.decode(gen.response_ids[0][:2], skip_special_tokens=True)
+        turns = engine.turn_sampler(batch, replace(params, stop_strings=(stop,)), slots=2, capacity=16)
+        for key, prompt in enumerate(prompts):
+            turns.start(TurnRequest(key, prompt, None, 6))
+        stopped = {}
+        while turns.busy:
+            stopped.update({turn.key: turn for turn in turns.advance()})
+        assert stopped[0].ids.tolist() == gen.response_ids[0][:3].tolist() and stopped[0].finish_reason == "stop"
     finally:
         engine.close()
         weights.close()

@@ -13,7 +13,8 @@ import re
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 
 from stream_rlhf.backends.episode_sampler import TorchTurnSampler
 from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.backends.turn_stop import TurnStop
 from stream_rlhf.backends.vllm_client import VllmClient
 from stream_rlhf.backends.vllm_protocol import Update, receive_update
 from stream_rlhf.backends.vllm_rollout import VllmOptions
@@ -235,6 +237,33 @@ def test_the_torch_sampler_gives_the_same_greedy_episodes(engine, checkpoint, pr
         assert torch.equal(ta["token_rewards"], tb["token_rewards"])
         assert torch.equal(ta["policy_versions"], tb["policy_versions"])
         assert (ta["behavior_logp"] - tb["behavior_logp"]).abs().max() < 1e-4
+
+
+def test_a_stop_string_ends_greedy_turns_at_the_same_token_on_both_samplers(engine, checkpoint, prompts):
+    """env.stop_strings: the two characters the greedy turns write most often before their end end
+    every turn that writes them, at the token completing them, on vLLM and on the torch sampler
+    alike (vLLM keeps that token's log-prob; the texts are the tokenizer's, without special tokens)."""
+    tokenizer = build_tokenizer()
+
+    def text(ids) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    _, free = run_episodes(sampler(engine, temperature=0.0), prompts, STAGGERED)
+    inside = Counter(text(t.ids[:-1].tolist())[i:i + 2] for t in free for i in range(len(t.ids) - 2))
+    stop, _ = inside.most_common(1)[0]
+    stopping = replace(params(0.0), stop_strings=(stop,))
+    through_vllm, vllm_turns = run_episodes(VllmTurnSampler(engine, stopping, (0, "rollout", 1, 0), MAX_MODEL_LEN),
+                                            prompts, STAGGERED)
+    torch_turns = TorchTurnSampler(load_policy(checkpoint).eval(), len(prompts), MAX_MODEL_LEN, stopping,
+                                   torch.Generator().manual_seed(0), policy_version=0,
+                                   stop_text=TurnStop((stop,), text))
+    through_torch, _ = run_episodes(torch_turns, prompts, STAGGERED)
+    assert [a.token_ids for a in through_vllm] == [b.token_ids for b in through_torch]
+    cut = [t for t in vllm_turns if stop in text(t.ids.tolist())]
+    assert cut and len(cut) < len(vllm_turns), stop
+    for turn in cut:
+        assert stop not in text(turn.ids[:-1].tolist()) and turn.finish_reason == "stop"
+        assert len(turn.logps) == len(turn.ids)
 
 
 def test_later_turns_find_their_episode_in_the_prefix_cache(engine, checkpoint):

@@ -17,10 +17,11 @@ feeds its next ids (a decoding one its last token; a joining one up to the step'
 new ids, right-padded: a row commits only its real positions), then one token is sampled for
 every episode that has fed all it had, in key order (`torch_rollout.sample_into`: the generator
 is drawn from as `generate` draws it, so episodes that all start together sample `generate`'s
-tokens). An episode that samples a stop token
-or its turn's `max_new_tokens`th token ends its turn (a `TurnDone`) and feeds nothing until its
-next turn starts; the others decode on. (With a `StaticDecoder` an episode's row is its key and a
-step covers every row: a waiting episode's is padding, written past and never read.)
+tokens). An episode that samples a stop token (or a token that completes one of the params'
+`stop_strings`: `turn_stop.py`) or its turn's `max_new_tokens`th token ends its turn (a
+`TurnDone`) and feeds nothing until its next turn starts; the others decode on. (With a
+`StaticDecoder` an episode's row is its key and a step covers every row: a waiting episode's is
+padding, written past and never read.)
 
 Every row of a step computes Q positions, so Q is chosen per step (`step_width`): the widest at
 which padding is at most half the step, or which fits `free_positions` (a GPU's one-token step
@@ -54,6 +55,7 @@ from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
 from stream_rlhf.backends.slot_cache import SlotCache
 from stream_rlhf.backends.static_decode import StaticDecoder, has_sliding_layers
 from stream_rlhf.backends.torch_rollout import SamplingParams, sample_into
+from stream_rlhf.backends.turn_stop import TurnStop
 from stream_rlhf.envs.turns import TurnDone, TurnRequest
 from stream_rlhf.models.vision_language import (
     check_sample_images,
@@ -112,14 +114,19 @@ class TorchTurnSampler:
 
     def __init__(self, model: nn.Module, slots: int, capacity: int, params: SamplingParams,
                  generator: torch.Generator | None, policy_version: int, static: StaticDecoder | None = None,
-                 precision: Callable[[], AbstractContextManager] = nullcontext, free_positions: int = 0):
+                 precision: Callable[[], AbstractContextManager] = nullcontext, free_positions: int = 0,
+                 stop_text: TurnStop | None = None):
         """`slots`: episodes at once (keys 0..slots-1); `capacity`: positions per episode
         (env.max_episode_tokens): a turn starts only if its context and max_new_tokens - 1 more fit;
         `policy_version`: the model's weights' version (set it when they change: each token records
         the version that sampled it); `static`: a text model's steps over its bucket's cache;
         `precision`: the autocast context
         every forward runs in; `free_positions`: a step of up to this many positions (slots x
-        width) costs about what a one-token step does (`step_width`)."""
+        width) costs about what a one-token step does (`step_width`); `stop_text`: params'
+        stop_strings (required when it has some)."""
+        if params.stop_strings and stop_text is None:
+            raise ValueError(f"TorchTurnSampler: stop_strings={params.stop_strings!r} need a stop_text (TurnStop)")
+        self.stop_text = stop_text
         if has_sliding_layers(model):
             raise ValueError("TorchTurnSampler: the model has sliding-window layers; the slot cache masks "
                              "full attention only")
@@ -240,7 +247,9 @@ class TorchTurnSampler:
             episode.unfed_positions = None
             episode.turn_logps.append(logp)
             episode.turn_versions.append(self.policy_version)
-            if stopped or len(episode.turn_logps) == episode.budget:
+            count = len(episode.turn_logps)
+            stopped = stopped or (self.stop_text is not None and self.stop_text(episode.ids[-count:]))
+            if stopped or count == episode.budget:
                 done.append(self._end(key, "stop" if stopped else "length"))
         return done
 

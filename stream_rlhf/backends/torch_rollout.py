@@ -54,6 +54,9 @@ class SamplingParams:
     """Sampling one of these ends the response (included in it; finish reason "stop")."""
     pad_token_id: int = 0
     """Fills the left of short prompts and is fed to rows that have finished."""
+    stop_strings: tuple[str, ...] = ()
+    """Text that ends a multi-turn episode's policy turn at the token completing it (finish reason
+    "stop"; `env.stop_strings`): read by the turn samplers (`backends/turn_stop.py`, vLLM's `stop`)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -66,6 +69,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: must be a tuple of token ids >= 0")
         if self.pad_token_id < 0:
             raise ValueError(f"pad_token_id={self.pad_token_id}: must be >= 0")
+        if not isinstance(self.stop_strings, tuple) or not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ValueError(f"stop_strings={self.stop_strings!r}: must be a tuple of non-empty strings")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torch import Tensor
+from transformers import PreTrainedTokenizerBase
 
 from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.decode_attention import use_decode_attention
@@ -30,6 +31,8 @@ from stream_rlhf.backends.speculation import Speculation
 from stream_rlhf.backends.static_decode import static_decoder
 from stream_rlhf.backends.static_sampler import sample
 from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.backends.turn_stop import TurnStop
+from stream_rlhf.data.tokenizer import load_tokenizer
 from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
 from stream_rlhf.seeding import rollout_seed, seeded_generator
@@ -51,6 +54,8 @@ class TorchRolloutEngine:
         use_decode_attention(self.model)
         govern(self.model)  # core lending, when the launcher turned it on for this stage
         self.policy_version = 0
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        """Loaded for the first turn sampler with stop strings."""
         weights.join_model(self.model)
         self.static = static_decoder(job.config.rollout.decode, self.device, self.model, ctx.log)
         medusa = job.config.rollout.medusa.enabled
@@ -77,9 +82,17 @@ class TorchRolloutEngine:
         generator = seeded_generator(*rollout_seed(self.job.config.seed, batch.iteration, batch.minibatch),
                                      device=self.device)
         precision = self.job.config.precision
+        stop_text = TurnStop(params.stop_strings, self._decode) if params.stop_strings else None
         return TorchTurnSampler(self.model, slots, capacity, params, generator, self.policy_version,
                                 self.static, precision=lambda: autocast(self.device, precision),
-                                free_positions=CUDA_FREE_POSITIONS if self.device.type == "cuda" else 0)
+                                free_positions=CUDA_FREE_POSITIONS if self.device.type == "cuda" else 0,
+                                stop_text=stop_text)
+
+    def _decode(self, ids: list[int]) -> str:
+        """Text of `ids` without special tokens, as an environment reads a turn (for env.stop_strings)."""
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.job.checkpoint)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def join_turns(self, sampler: TorchTurnSampler, batch: Batch) -> None:
         """Before `batch`'s episodes join: the newest weights, loaded between two decode steps. The

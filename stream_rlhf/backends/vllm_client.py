@@ -180,6 +180,7 @@ class VllmClient:
             list(request_ids), flat.astype("<i4").tobytes(), [len(c) for c in contexts], list(seeds),
             list(max_new_tokens), params.temperature, params.top_p, list(params.stop_token_ids),
             None if images is None else [NO_IMAGES if i is None else _prompt_images(i) for i in images],
+            list(params.stop_strings),
         ), "submit_turns")
 
     def poll_turns(self, timeout_s: float,

@@ -79,6 +79,8 @@ class SubmitTurns(msgspec.Struct, tag="submit_turns", frozen=True, omit_defaults
     stop_token_ids: list[int]
     images: list[PromptImages] | None = None
     """One per turn for a vision-language model (its episode's prompt images); None for a text model."""
+    stop_strings: list[str] = []
+    """Text that ends a turn at the token completing it (env.stop_strings)."""
 
 
 class PollTurns(msgspec.Struct, tag="poll_turns", frozen=True):

@@ -227,7 +227,10 @@ class VllmRollout:
             ignore_eos=True,  # stop at `stop_token_ids` only, exactly as the torch backend
             logprobs=0,  # the sampled token's
             seed=seed,
-            detokenize=False,
+            # stop strings (a turn's) need the text; the tokens up to the one completing the string stay
+            stop=list(params.stop_strings) or None,
+            include_stop_str_in_output=True,
+            detokenize=bool(params.stop_strings),
             logit_bias=self.no_image_tokens,
         )
 
@@ -310,7 +313,7 @@ def _generation(completions: list[Any]) -> VllmGeneration:
         tokens = list(completion.token_ids)
         response_ids.append(torch.tensor(tokens, dtype=torch.long))
         response_logp.append(torch.tensor(
-            [step[token].logprob for step, token in zip(completion.logprobs, tokens)], dtype=torch.float32
+            [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)], dtype=torch.float32
         ))
         reasons.append("stop" if completion.finish_reason == "stop" else "length")
         token_versions = torch.zeros(len(tokens), dtype=torch.int32)

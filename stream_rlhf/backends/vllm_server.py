@@ -126,7 +126,8 @@ class EngineServer:
     def _submit_turns(self, request: wire.SubmitTurns) -> None:
         flat = torch.from_numpy(np.frombuffer(request.prompt_ids, dtype="<i4").astype(np.int64))
         # each turn's budget is its own (max_new_tokens), not the params'
-        params = SamplingParams(request.temperature, request.top_p, stop_token_ids=tuple(request.stop_token_ids))
+        params = SamplingParams(request.temperature, request.top_p, stop_token_ids=tuple(request.stop_token_ids),
+                                stop_strings=tuple(request.stop_strings))
         images = None if request.images is None else [_sample_images(i) for i in request.images]
         self.rollout.submit_turns(request.request_ids, list(torch.split(flat, request.prompt_lens)), params,
                                   request.seeds, request.max_new_tokens, images)

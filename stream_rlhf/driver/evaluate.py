@@ -63,7 +63,7 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     with Scorer(JobContext(cfg, checkpoint, "")) as scorer:  # with reward.workers, its processes end after
         for name, temperature in (("reward", cfg.rollout.temperature), ("greedy_reward", 0.0)):
             params = SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids,
-                                    tokenizer.pad_token_id)
+                                    tokenizer.pad_token_id, tuple(cfg.env.stop_strings) if cfg.env else ())
             scores = []
             for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
                 prompts = [prompt for prompt, *_ in chunk]

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from stream_rlhf.backends.episode_sampler import TorchTurnSampler, episode_capacity
 from stream_rlhf.backends.static_decode import StaticDecoder
 from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.backends.turn_stop import TurnStop
 from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.message_frames import MessageFrames
 from stream_rlhf.envs.environment import EpisodeStart
@@ -48,7 +49,8 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
                        lambda text: tokenizer.encode(text, add_special_tokens=False), params.max_new_tokens,
                        MessageFrames.of(tokenizer, cfg.data.chat_template), processes.make if processes else None)
     capacity = episode_capacity(prompts, params.max_new_tokens, env.max_episode_tokens)
-    sampler = TorchTurnSampler(model, len(prompts), capacity, params, generator, 0, static)
+    stop_text = TurnStop(params.stop_strings, loop.decode) if params.stop_strings else None
+    sampler = TorchTurnSampler(model, len(prompts), capacity, params, generator, 0, static, stop_text=stop_text)
     stepper = EnvStepper(env.step_timeout_s, threads)
     try:
         result = loop.run(starts, prompts, images, sampler, stepper, _observe(cfg, model, tokenizer))

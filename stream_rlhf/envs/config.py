@@ -57,6 +57,12 @@ class EnvConfig:
     observation_cut_marker: str = " ..."
     """Text put where an observation was cut, so that the policy sees it was; its tokens count
     within max_observation_tokens ("" for none)."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Text that ends a policy turn besides the stop tokens (`rollout.stop`): a base model's closing
+    tag of a tool call (`</search>`, `</code>`), so that the environment answers as soon as the call
+    is written instead of the policy going on to write the answer itself. The turn ends at the token
+    whose text completes the string and keeps it whole (a token is never split); the torch sampler
+    and vLLM stop at the same token."""
     step_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     """Seconds one reset or step may take; past it the episode fails with reason "timeout"."""
     schedule: Literal["stream", "lockstep"] = "stream"
@@ -90,6 +96,8 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if "" in self.stop_strings:
+            raise ConfigError(f"stop_strings[{self.stop_strings.index('')}]='': a stop string must not be empty")
         factory = import_dotted(self.factory, "env.factory")
         if not callable(factory):
             raise ConfigError(f"env.factory={self.factory!r}: not callable (expected a class or function)")

@@ -44,7 +44,9 @@ class RolloutStage(Stage):
         cfg = self.job.config.rollout
         tokenizer = load_tokenizer(self.job.checkpoint)
         stop_ids = stop_token_ids(tokenizer, cfg.stop, self.job.config.data.chat_template, self.job.checkpoint)
-        self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, stop_ids, tokenizer.pad_token_id)
+        env = self.job.config.env
+        self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, stop_ids, tokenizer.pad_token_id,
+                                     tuple(env.stop_strings) if env is not None else ())
         # generated = trained + dropped + in flight at stop, in the summary; per process on disk,
         # so a restarted instance adds to the count
         self.counts = stage_counts(self.job, ctx)
@@ -52,7 +54,6 @@ class RolloutStage(Stage):
         self.images = ImageInputs(self.job, self.counts, ctx.group.device)
         engine_class = import_dotted(ROLLOUT_ENGINES[cfg.backend], "rollout.backend")
         self.engine: RolloutEngine = engine_class(self.job, self.weights, self.images, ctx)
-        env = self.job.config.env
         self.episodes = (None if env is None
                          else EpisodeRollout(self.job, tokenizer, self.params, self.engine, self.counts, ctx.log))
         self.generated = GeneratedStore(self.job.run_dir) if self.job.config.checkpoint.keep_generated else None
