@@ -6,7 +6,8 @@
 
 Per-token tensors are right-padded to (N, R) with `mask` marking the tokens the losses train on:
 every response token of a single-turn sample; only the policy's tokens of an episode (the rollout
-handle's `loss_mask`: observation tokens are 0, like padding). Every loss, the KL, the advantage
+handle's `loss_mask`: observation tokens are 0, like padding; none of an episode whose handle field
+`trained` is False: env.failed_episodes=mask). Every loss, the KL, the advantage
 estimators, whitening and the metrics read per-token values only where `mask` is set, so whatever
 sits at an observation position (log-probs, values) is never used. The sequences themselves stay
 ragged (they are packed again for each forward pass).
@@ -72,7 +73,9 @@ class Experience:
             prompt_lens.append(rollout.prompt_lens)
             behavior += rollout.behavior_logp
             ones = "loss_mask" not in t  # single-turn: every response token is trained on
-            masks += [torch.ones(len(b)) for b in rollout.behavior_logp] if ones else unragged(t, "loss_mask")
+            own = [torch.ones(len(b)) for b in rollout.behavior_logp] if ones else unragged(t, "loss_mask")
+            trained = t["trained"].tolist() if "trained" in t else [True] * len(own)  # env.failed_episodes
+            masks += [m if keep else torch.zeros_like(m) for m, keep in zip(own, trained, strict=True)]
             if "env_rewards" in t:
                 env += unragged(t, "env_rewards")
             if "token_versions" in t:

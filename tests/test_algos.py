@@ -154,6 +154,21 @@ def test_rloo_subtracts_the_mean_of_the_others():
     close(returns, expected)
 
 
+@pytest.mark.parametrize("estimator", [grpo, rloo])
+def test_a_row_without_valid_tokens_is_no_member_of_its_group(estimator):
+    """Row 3 of group 2 masked out entirely (a failed episode under env.failed_episodes=mask): the
+    group is {0, 3} (rows 1 and 4), as if row 3 were not there, and row 3's advantages are 0."""
+    mask = GROUP_MASK.clone()
+    mask[3] = 0
+    advantages, _ = estimator(GROUP_REWARDS, mask, None, GROUP_IDS, gamma=1.0, lam=1.0)
+    keep = torch.tensor([0, 1, 2, 4, 5])
+    without, _ = estimator(GROUP_REWARDS[keep], GROUP_MASK[keep], None, GROUP_IDS[keep], gamma=1.0, lam=1.0)
+    close(advantages[keep], without.tolist())
+    assert advantages[3].abs().sum() == 0
+    alone, _ = estimator(torch.ones(2, 2), torch.zeros(2, 2), None, torch.tensor([0, 0]), 1.0, 1.0)
+    close(alone, [[0.0, 0.0], [0.0, 0.0]])  # a group with no member: zeros, not NaN
+
+
 def test_reinforce_pp_discounted_return_to_go_over_valid_tokens():
     rewards = torch.tensor([[1.0, 0.0, 2.0, 5.0], [9.0, 0.0, 4.0, 9.0]])
     mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 0]])

@@ -131,6 +131,21 @@ def test_turn_rewards_land_on_turn_ends_and_the_score_on_the_last_policy_token()
     assert metrics == pytest.approx({"reward": 0.4625, "score": 0.125, "env_reward": 0.3375}, abs=1e-4)
 
 
+def test_an_episode_not_trained_carries_no_token_of_loss_reward_or_advantage():
+    """env.failed_episodes=mask: the rollout handle's `trained` False for episode 1; its row of the
+    mask is empty, so it gets no reward, KL or advantage, and its group is episode 0 alone."""
+    t = {**rollout_handle(), "trained": torch.tensor([True, False, True, True])}
+    topic_output("rollout", t, len(GROUPS))
+    masks = unragged(t, "loss_mask")
+    joined = {**t, **ragged("behavior_logp", [torch.where(m, -0.5, 0.0) for m in masks]), "scores": SCORES}
+    exp = Experience.from_batches([Batch(Handle("h0", "experience", 0, 0, 4, len(GROUPS)), joined)])
+    assert not exp.mask[1].any() and torch.equal(exp.mask[0].bool(), pad_right(masks, False)[0])
+    rewards = exp.token_rewards(0.0, KLConfig(coef=0.0))
+    assert not rewards[1].any() and rewards[0].any()
+    advantages, _ = ADVANTAGE_ESTIMATORS["grpo"](rewards, exp.mask, None, exp.group_ids, 1.0, 1.0)
+    assert not advantages[1].any() and not advantages[0].any()  # a group of one member: advantage 0
+
+
 def outputs(exp: Experience, logits: torch.Tensor) -> dict[str, torch.Tensor]:
     """Everything the trainers compute from `exp` and the policy's `logits` (N, R, V) at the
     response positions: KL, rewards, each estimator's advantages and returns, the losses."""

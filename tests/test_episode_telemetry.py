@@ -145,9 +145,11 @@ def test_iteration_metrics_from_the_minibatches_metadata():
     cut = msgspec.structs.replace(_stats([2, 2, 2], ["done", "done", "failed:timeout"], 0.05),
                                   observations_cut=[0, 3, 1])
     batches = [_handle_batch(0, _stats([3, 1, 2], ["done", "failed:raised", "done"], 0.1)), _handle_batch(1, cut)]
+    batches[1].tensors["trained"] = torch.tensor([True, True, False])  # env.failed_episodes=mask
     record = episode_metrics(batches)
     assert record == {"turns_per_episode": 2.0, "tool_calls": 6, "tool_s": pytest.approx(0.3),
-                      "tool_hidden_frac": pytest.approx(0.5), "episodes_failed": 2, "observations_cut": 4}
+                      "tool_hidden_frac": pytest.approx(0.5), "episodes_failed": 2, "observations_cut": 4,
+                      "episodes_masked": 1}
     assert episode_metrics([_handle_batch(0, None)]) == {}
     # calls of several episodes overlap: the fraction is of the wall-clock seconds, not of tool_s
     overlapping = msgspec.structs.replace(_stats([3, 3], ["done", "done"], 0.04), tool_wall_s=0.05)

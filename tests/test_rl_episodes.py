@@ -87,15 +87,18 @@ def test_an_env_job_stopped_and_resumed_trains_every_episode_once(tmp_path):
 def test_an_env_job_runs_two_minibatches_episodes_at_once(tmp_path):
     """env.minibatches_in_flight=2 (the default): rollout begins a mini-batch while another's episodes
     are in flight, publishes each once, and every sample is trained once. Every environment is
-    closed once, and the closes that raise are counted and logged."""
+    closed once, and the closes that raise are counted and logged. The failed episodes are trained
+    without loss (env.failed_episodes=mask), each counted as masked."""
     iterations = 3
     closes = tmp_path / "closes.txt"
     config = _config(tmp_path, "overlap", iterations=iterations, overlap_depth=1,
-                     env={**ENV, "options": {"latency_s": 0.05, "closes": str(closes)}})
+                     env={**ENV, "options": {"latency_s": 0.05, "closes": str(closes)}, "failed_episodes": "mask"})
     log = tmp_path / "overlap.log"
     assert _start(config, log).wait(timeout=300) == 0, log.read_text()[-3000:]
     summary = _check_accounting(tmp_path / "overlap", iterations)
     assert summary["samples_generated"] == summary["samples_trained"]
+    masked = [r["episodes_masked"] for r in read_metrics(tmp_path / "overlap" / "metrics.jsonl")]
+    assert sum(masked) == sum(summary["episodes_failed"].values()) > 0
     closed = closes.read_text().split()  # rollout's episodes and 4 evaluations' (sampled, greedy; before, after)
     assert len(closed) == summary["samples_generated"] + 4 * 32, len(closed)
     rollout_failed = summary["episodes"]["closes_failed"]

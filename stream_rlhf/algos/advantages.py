@@ -6,7 +6,8 @@
 `mask` marks the valid (response) tokens of each row; it may have leading zeros (prompt) and
 trailing zeros (padding). Rewards and values at masked-out positions are ignored, and both outputs
 are 0 there. "Next token" always means the next *valid* position in the row. `group_ids` says which
-rows are samples for the same prompt (used by grpo and rloo). Each estimator ignores the inputs it
+rows are samples for the same prompt (used by grpo and rloo); a row without a valid token (an
+episode masked out: env.failed_episodes) is no member of its group. Each estimator ignores the inputs it
 does not need; only those in `NEEDS_CRITIC` use `values`. The outputs are targets: computed without
 gradient.
 """
@@ -51,12 +52,15 @@ def _row_scores(token_rewards: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), token_rewards, 0.0).sum(dim=-1)
 
 
-def _group_sum_and_size(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """For each row, the sum of the scores in its group and the group's size: (B,) -> (B,), (B,)."""
+def _group_sum_and_size(scores: Tensor, group_ids: Tensor, members: Tensor) -> tuple[Tensor, Tensor]:
+    """For each row, the sum of the scores of its group's members and their number: (B,) -> (B,),
+    (B,); `members` (B,) bool: the rows that count."""
     _, group_index = torch.unique(group_ids, return_inverse=True)  # (B,) in [0, num_groups)
     num_groups = int(group_index.max()) + 1
-    sums = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, group_index, scores)
-    sizes = torch.bincount(group_index, minlength=num_groups).to(scores.dtype)
+    kept = torch.where(members, scores, 0.0)
+    sums = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, group_index, kept)
+    sizes = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, group_index, members.to(scores.dtype))
     return sums[group_index], sizes[group_index]
 
 
@@ -74,9 +78,11 @@ def grpo(
     A group of one has score == mean, so advantage 0. returns = advantages. values, gamma, lam
     unused."""
     scores = _row_scores(token_rewards, mask)  # (B,)
-    sums, sizes = _group_sum_and_size(scores, group_ids)
+    members = mask.bool().any(dim=-1)
+    sums, sizes = _group_sum_and_size(scores, group_ids, members)
+    sizes = sizes.clamp(min=1)  # a group with no member: its rows have no valid token either
     centered = scores - sums / sizes
-    variance_sums, _ = _group_sum_and_size(centered**2, group_ids)
+    variance_sums, _ = _group_sum_and_size(centered**2, group_ids, members)
     std = torch.sqrt(variance_sums / sizes)
     advantages = _broadcast(centered / (std + GROUP_STD_EPS), mask)
     return advantages, advantages.clone()
@@ -90,7 +96,7 @@ def rloo(
     (score as in grpo), broadcast over row i's valid tokens; a group of one gets 0.
     returns = advantages. values, gamma, lam unused."""
     scores = _row_scores(token_rewards, mask)  # (B,)
-    sums, sizes = _group_sum_and_size(scores, group_ids)
+    sums, sizes = _group_sum_and_size(scores, group_ids, mask.bool().any(dim=-1))
     others_mean = (sums - scores) / (sizes - 1).clamp(min=1)
     row_advantages = torch.where(sizes > 1, scores - others_mean, 0.0)
     advantages = _broadcast(row_advantages, mask)

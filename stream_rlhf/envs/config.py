@@ -63,6 +63,14 @@ class EnvConfig:
     is written instead of the policy going on to write the answer itself. The turn ends at the token
     whose text completes the string and keeps it whole (a token is never split); the torch sampler
     and vLLM stop at the same token."""
+    failed_episodes: Literal["train", "mask"] = "train"
+    """What training does with an episode that failed (its environment raised, timed out or
+    answered something malformed). `train`: it is trained on like any other, with the turns it has
+    and reward 0 for the failing turn. `mask`: its tokens carry no loss (no policy gradient, KL or
+    value loss) and it takes no part in its prompt group's statistics (grpo, rloo), since a tool
+    server that is down says nothing about the policy; it still counts as trained in the sample
+    accounting, and as masked in metrics.jsonl (`episodes_masked`). Make an environment answer a
+    policy's own mistake (a bad tool call) with an observation or a reward, not by raising."""
     step_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     """Seconds one reset or step may take; past it the episode fails with reason "timeout"."""
     schedule: Literal["stream", "lockstep"] = "stream"

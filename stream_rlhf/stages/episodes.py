@@ -36,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
@@ -56,7 +57,7 @@ from stream_rlhf.seeding import rollout_seed
 from stream_rlhf.stage import Batch
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.topics import REWARD_KWARGS
-from stream_rlhf.telemetry.episodes import CLOSES_FAILED, EPISODES, PROCESSES_REPLACED, EpisodeStats
+from stream_rlhf.telemetry.episodes import CLOSES_FAILED, EPISODES, FAILED, PROCESSES_REPLACED, EpisodeStats
 from stream_rlhf.telemetry.sample_log import IMAGE_PATHS
 from stream_rlhf.telemetry.stage_counts import StageCounts
 
@@ -85,6 +86,7 @@ class EpisodeRollout:
             raise ValueError("EpisodeRollout: the job has no env section")
         self.tokenizer, self.params, self.engine, self.counts, self.log = tokenizer, params, engine, counts, log
         self.max_episode_tokens = cfg.max_episode_tokens
+        self.mask_failed = cfg.failed_episodes == "mask"
         self.seed = job.config.seed
         self.in_flight = cfg.minibatches_in_flight if cfg.schedule == "stream" else 1
         """Mini-batches whose episodes run at once (the rollout stage's inputs in flight)."""
@@ -169,6 +171,8 @@ class EpisodeRollout:
             self.log.warning("iteration %d mini-batch %d: %s", batch.iteration, batch.minibatch, failure)
         self._count_env_events()
         tensors = episode_tensors(result.episodes)
+        if self.mask_failed:  # their tokens carry no loss (experience.py)
+            tensors["trained"] = torch.tensor([not ended.startswith(FAILED) for ended in result.ended])
         versions = [v for episode in result.episodes for v, m in zip(episode.policy_versions, episode.loss_mask) if m]
         finished = sum(ended == "done" for ended in result.ended)
         metadata = {"finished": finished, EPISODES: EpisodeStats.of(result).encode()}

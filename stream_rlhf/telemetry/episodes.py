@@ -133,8 +133,9 @@ def trace_tool_waits(stats: EpisodeStats, iteration: int, minibatch: int) -> Non
 
 
 def episode_metrics(batches: list[Batch]) -> dict[str, float]:
-    """An iteration's figures from its mini-batches (their handles carry rollout's metadata);
-    {} when none has episodes."""
+    """An iteration's figures from its mini-batches (their handles carry rollout's metadata;
+    `episodes_masked`: failed episodes trained without loss, env.failed_episodes=mask, from their
+    `trained` field); {} when none has episodes."""
     stats = [s for b in batches if (s := episode_stats(b.metadata)) is not None]
     if not stats:
         return {}
@@ -147,6 +148,7 @@ def episode_metrics(batches: list[Batch]) -> dict[str, float]:
         "tool_hidden_frac": round(sum(s.tool_hidden_s for s in stats) / wall_s, DIGITS) if wall_s > 0 else 0.0,
         "episodes_failed": sum(e.startswith(FAILED) for s in stats for e in s.ended),
         "observations_cut": sum(sum(s.observations_cut) for s in stats),
+        "episodes_masked": sum(int((~b.tensors["trained"]).sum()) for b in batches if "trained" in b.tensors),
     }
 
 
