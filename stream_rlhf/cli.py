@@ -17,6 +17,8 @@
     stream-rlhf stats ADDR                         the broker's counters
     stream-rlhf keys DIR                           CURVE keys for a broker bound beyond loopback
     stream-rlhf view RUN_DIR [--serve [--port P]]  RUN_DIR/view.html: the logged samples, token by token
+    stream-rlhf episodes CONFIG [--count N]        an env job's first N eval episodes, played with its
+                    [--checkpoint DIR] [--greedy]  policy and printed turn by turn (driver/try_episodes.py)
     stream-rlhf init-model CONFIG FOLDER           a random-initialised model of CONFIG's model.tiny
                                                    (e.g. --set model.tiny.architecture=qwen3: Qwen3-VL)
                                                    with the project's tokenizer: a folder for model.path
@@ -102,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     view.add_argument("run_dir")
     view.add_argument("--serve", action="store_true", help="then serve RUN_DIR on 127.0.0.1 until Ctrl-C")
     view.add_argument("--port", type=int, default=None, help="with --serve: the port (default 8765; 0: any free one)")
+    episodes = sub.add_parser("episodes", help="play an env job's first eval episodes and print them turn by turn")
+    episodes.add_argument("config")
+    episodes.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    episodes.add_argument("--count", type=int, default=4, help="episodes (default 4)")
+    episodes.add_argument("--checkpoint", help="the policy (default: the job's start: model.path or the warm start)")
+    episodes.add_argument("--greedy", action="store_true", help="greedy turns (default: rollout.temperature)")
+    episodes.add_argument("--json", action="store_true", help="also print them as one JSON object, the last line")
     init = sub.add_parser("init-model", help="write a random-initialised model of CONFIG's model.tiny into FOLDER")
     init.add_argument("config", help="a job's YAML file: its model.tiny and model.seed are read")
     init.add_argument("folder", help="where the checkpoint goes (a folder model.path takes); must not exist")
@@ -377,6 +386,25 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_episodes(args: argparse.Namespace) -> int:
+    from stream_rlhf.driver import try_episodes as episodes
+    from stream_rlhf.driver.warm_start import warm_start
+    from stream_rlhf.rl.config import RLJobConfig
+    from stream_rlhf.rl.task_data import resolve_data
+
+    cfg = load_config(RLJobConfig, args.config, args.set)
+    check_rl_job(cfg)
+    if args.checkpoint is not None and not Path(args.checkpoint, "config.json").is_file():
+        raise ConfigError(f"--checkpoint {args.checkpoint}: no config.json there (a checkpoint folder)")
+    cfg = resolve_data(cfg)  # the task's data, made once (cached), as `run` makes it
+    checkpoint = args.checkpoint or str(warm_start(cfg))
+    records, seconds = episodes.try_episodes(cfg, checkpoint, args.count, args.greedy)
+    print(episodes.report(records, seconds))
+    if args.json:
+        print(episodes.json_line(records, seconds))
+    return 1 if episodes.failed(records) else 0
+
+
 def cmd_init_model(args: argparse.Namespace) -> int:
     from stream_rlhf.models.checkpoint import build_tiny, save_checkpoint
     from stream_rlhf.models.tokenizer import build_tokenizer
@@ -394,7 +422,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "broker": cmd_broker, "stage": cmd_stage, "stats": cmd_stats,
-            "keys": cmd_keys, "view": cmd_view, "init-model": cmd_init_model}
+            "keys": cmd_keys, "view": cmd_view, "episodes": cmd_episodes, "init-model": cmd_init_model}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,11 +18,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.static_decode import static_decoder
 from stream_rlhf.backends.static_sampler import sample
 from stream_rlhf.backends.torch_rollout import SamplingParams
+from stream_rlhf.data.prompts_jsonl import PromptDataset
 from stream_rlhf.data.text_tasks import problems
 from stream_rlhf.data.tokenizer import load_tokenizer, stop_token_ids
 from stream_rlhf.driver.evaluate_episodes import episode_returns
@@ -43,27 +45,15 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     model = load_policy(checkpoint).eval()
     use_decode_attention(model)
     static = static_decoder(cfg.rollout.decode, next(model.parameters()).device, model)
-    dataset = open_prompts(cfg, model.config, tokenizer, "eval")
-    if dataset is None:
-        task = cfg.task
-        samples = [(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)]),
-                    p.answer, [], {}, ()) for p in problems(task, "eval", task.eval_prompts, task.seed)]
-    else:
-        samples = [(s.prompt_ids, s.answer, s.images, s.reward_kwargs, s.image_paths) for s in dataset.each_sample()]
-    # an episode starts from the prompt as rollout gives it: its ids decoded without special tokens
-    items = [(ids, answer, images, kwargs,
-              EpisodeStart(tokenizer.decode(ids, skip_special_tokens=True), answer, paths, kwargs))
-             for ids, answer, images, kwargs, paths in samples]
+    items, dataset = eval_items(cfg, model, tokenizer)
     chunks = [items[first:first + batch_size] for first in range(0, len(items), batch_size)]
-    chunk_images = [_features(model, chunk) for chunk in chunks]  # encoded once, for both temperatures
-    stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop, cfg.data.chat_template, checkpoint)
+    chunk_images = [prompt_features(model, chunk) for chunk in chunks]  # encoded once, for both temperatures
     result: dict[str, Any] = {"prompts": len(items), "skipped": dict(dataset.skipped) if dataset else {},
                               "skipped_examples": list(dataset.skipped_examples) if dataset else [],
                               "response_tokens": 0, "decode": "eager" if static is None else static.mode}
     with Scorer(JobContext(cfg, checkpoint, "")) as scorer:  # with reward.workers, its processes end after
         for name, temperature in (("reward", cfg.rollout.temperature), ("greedy_reward", 0.0)):
-            params = SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids,
-                                    tokenizer.pad_token_id, tuple(cfg.env.stop_strings) if cfg.env else ())
+            params = eval_params(cfg, tokenizer, checkpoint, temperature)
             scores = []
             for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
                 prompts = [prompt for prompt, *_ in chunk]
@@ -83,7 +73,36 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
     return result
 
 
-def _features(model: torch.nn.Module, chunk: list) -> list[SampleImages] | None:
+def eval_params(cfg: RLJobConfig, tokenizer: PreTrainedTokenizerBase, checkpoint: str,
+                temperature: float) -> SamplingParams:
+    """Rollout's sampling params (its stop tokens, an env's stop strings) at `temperature`."""
+    stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop, cfg.data.chat_template, checkpoint)
+    return SamplingParams(temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens, stop_ids,
+                          tokenizer.pad_token_id, tuple(cfg.env.stop_strings) if cfg.env else ())
+
+
+EvalItem = tuple[torch.Tensor, str, list, dict, EpisodeStart]
+"""(prompt ids, reference, the prompt's images, the reward function's extra keywords, its episode start)."""
+
+
+def eval_items(cfg: RLJobConfig, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+               ) -> tuple[list[EvalItem], PromptDataset | None]:
+    """The held-out prompts: the in-memory task's eval split, or `data.eval`'s lines (and that dataset,
+    with its skipped lines' counts)."""
+    dataset = open_prompts(cfg, model.config, tokenizer, "eval")
+    if dataset is None:
+        task = cfg.task
+        samples = [(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(p.prompt, add_special_tokens=False)]),
+                    p.answer, [], {}, ()) for p in problems(task, "eval", task.eval_prompts, task.seed)]
+    else:
+        samples = [(s.prompt_ids, s.answer, s.images, s.reward_kwargs, s.image_paths) for s in dataset.each_sample()]
+    # an episode starts from the prompt as rollout gives it: its ids decoded without special tokens
+    return [(ids, answer, images, kwargs, EpisodeStart(tokenizer.decode(ids, skip_special_tokens=True), answer, paths,
+                                                       kwargs))
+            for ids, answer, images, kwargs, paths in samples], dataset
+
+
+def prompt_features(model: torch.nn.Module, chunk: list) -> list[SampleImages] | None:
     """Each prompt's image features (None for a text model)."""
     if not is_vision_language_model(model):
         return None

@@ -4,6 +4,8 @@ function's / model's score of the whole response (if the job has one) plus the e
 turn rewards. Observations' images are encoded by the model's own vision tower, as rollout's are.
 
     returns, tokens = episode_returns(cfg, model, scorer, starts, prompts, images, params, generator, static)
+    result = play_episodes(cfg, model, tokenizer, starts, prompts, images, params, generator, static)  # the episodes
+    returns = returns_of(result, starts, scorer)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from stream_rlhf.data.images import ImageSpec
 from stream_rlhf.data.message_frames import MessageFrames
 from stream_rlhf.envs.environment import EpisodeStart
 from stream_rlhf.envs.episode_handle import episode_tensors
-from stream_rlhf.envs.episode_loop import EpisodeLoop
+from stream_rlhf.envs.episode_loop import EpisodeLoop, EpisodeResult
 from stream_rlhf.envs.observation_images import ObservationImages
 from stream_rlhf.envs.process_envs import ProcessEnvs
 from stream_rlhf.envs.stepper import EnvStepper
@@ -39,10 +41,18 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
                     prompts: list[Tensor], images: list[SampleImages] | None, params: SamplingParams,
                     generator: torch.Generator, static: StaticDecoder | None) -> tuple[Tensor, int]:
     """(N,) each episode's return, and the policy tokens sampled."""
+    result = play_episodes(cfg, model, scorer.tokenizer, starts, prompts, images, params, generator, static)
+    return returns_of(result, starts, scorer), sum(episode.num_policy_tokens for episode in result.episodes)
+
+
+@torch.inference_mode()
+def play_episodes(cfg: RLJobConfig, model: nn.Module, tokenizer: PreTrainedTokenizerBase, starts: list[EpisodeStart],
+                  prompts: list[Tensor], images: list[SampleImages] | None, params: SamplingParams,
+                  generator: torch.Generator, static: StaticDecoder | None) -> EpisodeResult:
+    """One episode per prompt in the job's environment, to their ends (version 0's tokens)."""
     env = cfg.env
     if env is None:
-        raise ValueError("episode_returns: the job has no env section")
-    tokenizer = scorer.tokenizer
+        raise ValueError("play_episodes: the job has no env section")
     threads = env.threads(len(prompts))
     processes = ProcessEnvs(env, threads) if env.processes else None
     loop = EpisodeLoop(env, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
@@ -53,7 +63,7 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
     sampler = TorchTurnSampler(model, len(prompts), capacity, params, generator, 0, static, stop_text=stop_text)
     stepper = EnvStepper(env.step_timeout_s, threads)
     try:
-        result = loop.run(starts, prompts, images, sampler, stepper, _observe(cfg, model, tokenizer))
+        return loop.run(starts, prompts, images, sampler, stepper, _observe(cfg, model, tokenizer))
     finally:
         sampler.close()
         stepper.close()
@@ -61,12 +71,15 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
             processes.close()
         for failure in stepper.close_failures():
             log.warning("evaluation: an environment's close failed: %s", failure)
+
+
+def returns_of(result: EpisodeResult, starts: list[EpisodeStart], scorer: Scorer) -> Tensor:
+    """(N,) each episode's return: the scorer's score of its whole response plus its turn rewards."""
     tensors = episode_tensors(result.episodes)
     rollout = Rollout(unragged(tensors, "sequences"), tensors["prompt_lens"], unragged(tensors, "behavior_logp"),
-                      torch.zeros(len(prompts), dtype=torch.long))
+                      torch.zeros(len(starts), dtype=torch.long))
     scores = scorer.score(rollout, [start.reference for start in starts], [dict(start.fields) for start in starts])
-    env_returns = torch.stack([rewards.sum() for rewards in unragged(tensors, "env_rewards")])
-    return scores + env_returns, sum(episode.num_policy_tokens for episode in result.episodes)
+    return scores + torch.stack([rewards.sum() for rewards in unragged(tensors, "env_rewards")])
 
 
 def _observe(cfg: RLJobConfig, model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> ObservationImages | None:
