@@ -8,9 +8,10 @@ For writing an environment (its tools, stop strings, limits) without starting th
 
 The prompts are the first COUNT of the evaluation's (the task's eval split or `data.eval`), played
 as evaluation plays them: the job's env config as it is (env.processes, limits, timeouts, stop
-strings, observation cuts), sampled at rollout.temperature (or greedy) from seed `seed`. Token
-texts keep their special tokens (`<eos>`, a template's end of turn) so that where a turn stopped
-shows. An episode's return is the reward's score of its whole response plus its turn rewards.
+strings, observation cuts), by the torch sampler whatever `rollout.backend` (as evaluation),
+sampled at rollout.temperature (or greedy) from seed `seed`. Texts keep their special tokens
+(`<eos>`, a template's end of turn) so that where a turn stopped shows; an image's run of tokens
+shows as <image>. An episode's return is the reward's score of its whole response plus its turn rewards.
 Exit status 1 when an episode failed.
 """
 
@@ -37,6 +38,7 @@ from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.reward_forward import Scorer
 from stream_rlhf.telemetry.episodes import FAILED
+from stream_rlhf.telemetry.sample_log import IMAGE_SPAN
 
 POLICY, OBSERVATION = "policy", "observation"
 
@@ -79,7 +81,7 @@ def record(result: EpisodeResult, i: int, tokenizer: PreTrainedTokenizerBase, re
     failure = next((f.split(": ", 1)[1] for f in result.failures if f.startswith(f"episode {i}: ")), None)
     return {"index": i, "reference": reference, "ended": result.ended[i], "failure": failure,
             "turns": episode.turns, "tool_calls": result.tool_calls[i], "tool_s": round(result.tool_s[i], 4),
-            "return": round(episode_return, 4), "prompt": tokenizer.decode(episode.prompt_ids),
+            "return": round(episode_return, 4), "prompt": _text(tokenizer, episode.prompt_ids),
             "segments": [s.__dict__ for s in segments(episode, tokenizer)]}
 
 
@@ -92,7 +94,7 @@ def segments(episode: Episode, tokenizer: PreTrainedTokenizerBase) -> list[Segme
         last = i == len(episode.token_ids)
         policy = bool(episode.loss_mask[start])
         if last or (i - 1) in ends or bool(episode.loss_mask[i]) != policy:
-            text = tokenizer.decode(episode.token_ids[start:i])
+            text = _text(tokenizer, episode.token_ids[start:i])
             if policy:
                 out.append(Segment(POLICY, text, episode.turn_rewards[turn]))
                 turn += 1
@@ -100,6 +102,11 @@ def segments(episode: Episode, tokenizer: PreTrainedTokenizerBase) -> list[Segme
                 out.append(Segment(OBSERVATION, text))
             start = i
     return out
+
+
+def _text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """`ids` as text with their special tokens, each image's token run as <image>."""
+    return IMAGE_SPAN.sub("<image>", tokenizer.decode(ids))
 
 
 def report(records: list[dict[str, Any]], seconds: float) -> str:
@@ -117,7 +124,8 @@ def report(records: list[dict[str, Any]], seconds: float) -> str:
             lines.append(f"  {'failure':<12} {r['failure']}")
     ended = ", ".join(f"{why} {n}" for why, n in sorted(Counter(r["ended"] for r in records).items()))
     mean = sum(r["return"] for r in records) / len(records)
-    lines.append(f"{len(records)} episodes in {seconds:.1f} s: {ended}; mean return {mean:.3f}; "
+    lines.append(f"{len(records)} episode{'s' if len(records) != 1 else ''} in {seconds:.1f} s: {ended}; "
+                 f"mean return {mean:.3f}; "
                  f"{sum(r['tool_calls'] for r in records)} environment steps")
     return "\n".join(lines)
 
