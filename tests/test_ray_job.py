@@ -32,6 +32,12 @@ def raylets() -> set[int]:
     return {int(line.split()[0]) for line in ps.splitlines() if "ray/raylet/raylet" in line}
 
 
+def reward_workers() -> list[str]:
+    """Command lines of reward worker processes (`rl/reward_worker.py`) still running."""
+    ps = subprocess.run(["ps", "-e", "-o", "args="], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "stream_rlhf.rl.reward_worker" in line]
+
+
 def alive(pid: int, wait_s: float = 10.0) -> bool:
     """The process is still running `wait_s` from now (a killed actor's worker takes a moment to exit)."""
     deadline = time.monotonic() + wait_s
@@ -100,10 +106,13 @@ def placed(log: str) -> dict[str, tuple[str, int]]:
 
 
 def test_ray_job_on_a_local_instance_trains_every_sample_it_generated(tmp_path):
+    """With the reward function in 2 processes of the reward stage's Ray actor (reward.workers)."""
     before = raylets()
-    code, log = run_job(tmp_path, "rayjob", 300, "placement.mode=separated", ray={"num_cpus": 2})
+    code, log = run_job(tmp_path, "rayjob", 300, "placement.mode=separated", "reward.workers=2", ray={"num_cpus": 2})
     assert code == 0, log[-4000:]
     assert_accounting(tmp_path / "rayjob")
+    assert "reward.function stream_rlhf.data.arithmetic:reward in 2 processes" in log
+    assert not reward_workers()  # they ended with the actor
     where = placed(log)
     assert set(where) == {"broker", "prompts-0", "rollout-0", "ref_forward-0", "reward_forward-0",
                           "critic_forward-0", "actor_train-0", "critic_train-0"}
