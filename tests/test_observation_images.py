@@ -181,6 +181,34 @@ def test_a_stage_without_the_policy_encodes_observation_images_with_a_tower_load
         text.encode(pixel_values, grid)
 
 
+def test_observations_read_together_go_through_one_call_of_the_tower(vlm, pictures):
+    """`many`: the ids and features each observation gets alone, from one call of `encode`; one that
+    cannot be read gets its own error, and an `encode` that refuses fails each of the others."""
+    calls = []
+
+    def encode(pixel_values, grid):
+        calls.append(len(grid))
+        return encode_images(vlm, pixel_values, grid)
+
+    observe = ObservationImages(TOKENIZER, spec(vlm), (START, IMAGE, END), encode)
+    missing = str(Path(pictures[0]).parent / "missing.png")
+    batch = [Observation("a", images=(pictures[0],)), Observation("b", images=(missing,)),
+             Observation("c <image> d <image>", images=tuple(pictures))]
+    ready = observe.many(batch)
+    assert calls == [3]  # the first's image and the third's two
+    assert isinstance(ready[1], ValueError) and "missing.png: file not found" in str(ready[1])
+    for got, observation in zip((ready[0], ready[2]), (batch[0], batch[2])):
+        ids, images = observer(vlm)(observation)
+        assert got[0] == ids and torch.equal(got[1].grid_thw, images.grid_thw)
+        torch.testing.assert_close(got[1].features, images.features, atol=ATOL, rtol=0)
+
+    def refuse(pixel_values, grid):
+        raise ValueError("the policy is a text model: it takes no images")
+
+    refused = ObservationImages(TOKENIZER, spec(vlm), (START, IMAGE, END), refuse).many([batch[0], batch[2]])
+    assert all(isinstance(r, ValueError) and "text model" in str(r) for r in refused)
+
+
 def test_an_observation_text_must_place_every_image_or_none(vlm, pictures):
     observe = observer(vlm)
     with pytest.raises(ValueError, match="Observation.text has 1 <image> markers for 2 image"):

@@ -32,7 +32,8 @@ policy's answer to the prompt), so every episode has at least one policy turn an
 Its environment is then released to the stepper, which calls its `close()` if it has one.
 
 An observation with images (a vision-language policy) goes through `observe`
-(`envs/observation_images.py`: its ids with each image's pad run, and the images' features); the
+(`envs/observation_images.py`: its ids with each image's pad run, and the images' features; the
+observations of answers that came back together in one call of the vision tower); the
 episode's images are then its prompt's followed by its observations', in token order, and every
 later turn's request carries them all. Without `observe` (a text policy), past
 `env.max_observation_images`, or when `observe` raises ValueError, the episode fails as "malformed".
@@ -61,6 +62,7 @@ from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.envs.environment import Environment, EpisodeStart, Observation
 from stream_rlhf.envs.episode import Episode
 from stream_rlhf.envs.observation_cut import ObservationCut
+from stream_rlhf.envs.observation_images import ObservationImages
 from stream_rlhf.envs.stepper import EnvStepper, Outcome
 from stream_rlhf.envs.turns import TurnDone, TurnRequest, TurnSampler
 from stream_rlhf.samples import SampleImages
@@ -69,9 +71,6 @@ log = logging.getLogger("stream_rlhf")
 IDLE_WAIT_S = 0.05
 """How long the loop blocks on the environments when the sampler has nothing to decode."""
 Phase = Literal["reset", "turn", "step", "ready"]
-ObserveImages = Callable[[Observation], tuple[list[int], SampleImages]]
-"""An observation with images -> its ids (each image's pad run in place) and its encoded images;
-ValueError for one it cannot take."""
 
 
 @dataclass
@@ -137,9 +136,12 @@ class EpisodeLoop:
         self.cut = ObservationCut(cfg, encode)
         self.max_new_tokens = max_new_tokens
         self.groups: list[_Group] = []
+        self.encoded: dict[int, tuple[list[int], SampleImages] | ValueError] = {}
+        """While `advance` handles the answers that came back together: their observations' ids and
+        images, encoded in one call (`_encode_together`), by the id of each Observation."""
 
     def run(self, starts: list[EpisodeStart], prompts: list[Tensor], images: list[SampleImages] | None,
-            sampler: TurnSampler, stepper: EnvStepper, observe: ObserveImages | None = None) -> EpisodeResult:
+            sampler: TurnSampler, stepper: EnvStepper, observe: ObservationImages | None = None) -> EpisodeResult:
         """One group's episodes on slots 0..len(prompts)-1, to their ends. `images`: each prompt's
         encoded images (None: a text policy); `observe`: how an observation's images become ids and
         features (None: observations take no images)."""
@@ -149,7 +151,7 @@ class EpisodeLoop:
             pass
         return ended[0][1]
 
-    def open(self, sampler: TurnSampler, stepper: EnvStepper, observe: ObserveImages | None, slots: int) -> None:
+    def open(self, sampler: TurnSampler, stepper: EnvStepper, observe: ObservationImages | None, slots: int) -> None:
         """Start over on `sampler`, whose slots 0..slots-1 are all free."""
         if self.groups:
             raise RuntimeError(f"EpisodeLoop.open: {len(self.groups)} group(s) still in flight")
@@ -206,8 +208,10 @@ class EpisodeLoop:
             self.held = []
         idle = not self.sampler.busy and not self._may_start()
         outcomes = self.stepper.wait(IDLE_WAIT_S) if idle else self.stepper.poll()
+        self.encoded = self._encode_together(outcomes)
         for outcome in outcomes:
             self._on_outcome(outcome)
+        self.encoded = {}
         spent = time.monotonic() - tick
         for group in waiting:
             group.result.tool_wall_s += spent
@@ -215,6 +219,32 @@ class EpisodeLoop:
         ended = [group for group in self.groups if not group.live]
         self.groups = [group for group in self.groups if group.live]
         return [(group.tag, group.result) for group in ended]
+
+    def _encode_together(self, outcomes: list[Outcome]) -> dict[int, tuple[list[int], SampleImages] | ValueError]:
+        """The observations with images that came back together and that their episodes may show,
+        encoded in one call of the vision tower (by the id of each Observation); {} for fewer than two."""
+        taken: list[Observation] = []
+        for outcome in outcomes:
+            live = self.live.get(outcome.key)  # a reset's outcome has no turn
+            if outcome.turn is None or outcome.turn.done or live is None:
+                continue
+            shown = _images_shown(live.group.result.episodes[live.index])
+            for o in outcome.turn.observations:
+                if o.images and self._image_refusal(live, o, shown) is None:
+                    taken.append(o)
+                    shown += len(o.images)
+        if self.observe is None or len(taken) < 2:
+            return {}
+        return {id(o): ready for o, ready in zip(taken, self.observe.many(taken), strict=True)}
+
+    def _image_refusal(self, live: _Live, observation: Observation, shown: int) -> str | None:
+        """Why the episode cannot show `observation`'s images after `shown` others; None when it can."""
+        if self.observe is None or live.images is None:
+            return "Observation.images: this rollout takes none (they need a vision-language policy)"
+        if shown + len(observation.images) > self.cfg.max_observation_images:
+            return (f"Observation.images: the episode's observations would show {shown + len(observation.images)} "
+                    f"images, more than env.max_observation_images={self.cfg.max_observation_images}")
+        return None
 
     def _may_start(self) -> bool:
         """Whether an episode's next turn may start now."""
@@ -307,7 +337,7 @@ class EpisodeLoop:
         roles), their encoded images (None without), the images' paths and how many of the
         observations were cut (`ObservationCut`); ValueError naming the field it cannot take."""
         episode = live.group.result.episodes[live.index]
-        shown = sum(len(images.grid_thw) for images in episode.observation_images)
+        shown = _images_shown(episode)
         contents, images, paths, cut = [], None, (), 0
         for o in observations:
             ids, encoded = self._content_ids(live, o, shown)
@@ -334,16 +364,14 @@ class EpisodeLoop:
         """One observation's own ids and encoded images, after `shown` images in the episode's observations."""
         if not observation.images:
             return self.encode(observation.text), None
-        if self.observe is None or live.images is None:
-            raise ValueError("Observation.images: this rollout takes none (they need a vision-language policy)")
-        if shown + len(observation.images) > self.cfg.max_observation_images:
-            raise ValueError(f"Observation.images: the episode's observations would show "
-                             f"{shown + len(observation.images)} images, more than "
-                             f"env.max_observation_images={self.cfg.max_observation_images}")
-        try:
-            return self.observe(observation)
-        except ValueError as exc:
-            raise ValueError(f"Observation.images: {exc}") from None
+        if (refusal := self._image_refusal(live, observation, shown)) is not None:
+            raise ValueError(refusal)
+        ready = self.encoded.pop(id(observation), None)
+        if ready is None:
+            ready = self.observe.many([observation])[0]
+        if isinstance(ready, ValueError):
+            raise ValueError(f"Observation.images: {ready}") from None
+        return ready
 
     def _fail(self, live: _Live, reason: str, message: str) -> None:
         live.group.result.ended[live.index] = f"failed:{reason}"
@@ -357,3 +385,8 @@ class EpisodeLoop:
         self.sampler.release(live.slot)
         heapq.heappush(self.free, live.slot)
         self.stepper.release(serial)
+
+
+def _images_shown(episode: Episode) -> int:
+    """Images the episode's observations have shown so far."""
+    return sum(len(images.grid_thw) for images in episode.observation_images)
