@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -82,7 +82,7 @@ def record(result: EpisodeResult, i: int, tokenizer: PreTrainedTokenizerBase, re
     return {"index": i, "reference": reference, "ended": result.ended[i], "failure": failure,
             "turns": episode.turns, "tool_calls": result.tool_calls[i], "tool_s": round(result.tool_s[i], 4),
             "return": round(episode_return, 4), "prompt": _text(tokenizer, episode.prompt_ids),
-            "segments": [s.__dict__ for s in segments(episode, tokenizer)]}
+            "segments": [asdict(s) for s in segments(episode, tokenizer)]}
 
 
 def segments(episode: Episode, tokenizer: PreTrainedTokenizerBase) -> list[Segment]:
