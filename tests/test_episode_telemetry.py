@@ -84,8 +84,26 @@ def test_the_metadata_round_trips_and_a_single_turn_handle_adds_nothing(tmp_path
     counts = StageCounts(tmp_path, "rollout", "rollout-0")
     record_episodes(counts, {"finished": 3}, 0, 0)  # a single-turn job's handle
     assert counts.values == {} and read_stage_counts(tmp_path) == {}
+    record_episodes(counts, {"finished": 3}, 0, 0, generated=3)
+    assert counts.values == {"generated": 3}
     with pytest.raises(msgspec.ValidationError, match="tool_calls"):
         EpisodeStats.decode(json.dumps({"turns": [1]}))  # the episode loop's bug, named
+
+
+def test_a_minibatchs_counts_go_to_disk_in_one_write(tmp_path):
+    """Rollout's generated count and its episodes' counts in one `add`: a rollout killed between two
+    writes could count the samples it generated and not their episodes (seen once in a whole job)."""
+    adds = []
+
+    class Recorded(StageCounts):
+        def add(self, **counts):
+            adds.append(sorted(counts))
+            super().add(**counts)
+
+    counts = Recorded(tmp_path, "rollout", "rollout-0")
+    record_episodes(counts, {EPISODES: _stats([2, 1], ["done", "done"], 0.0).encode()}, 0, 0, generated=2)
+    assert len(adds) == 1 and {"generated", "episodes", "turns"} <= set(adds[0])
+    assert read_stage_counts(tmp_path)["rollout"]["generated"] == read_stage_counts(tmp_path)["rollout"]["episodes"]
 
 
 def test_counts_from_two_instances_give_the_summary(tmp_path):

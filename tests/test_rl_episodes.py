@@ -66,7 +66,8 @@ def test_an_env_job_stopped_and_resumed_trains_every_episode_once(tmp_path):
     """With its environments in 2 worker processes (env.processes), stopped with episodes in flight.
     The resumed run's first tool call hangs: its episode fails ("timeout"), its process is killed
     and replaced."""
-    iterations = 8  # the stop after 2 lands well before the end, however fast the machine
+    iterations = 12  # the stop after 2 lands well before the end (seen at 5 on a loaded machine), and mini-batches
+    # are left to start after the hung call's timeout (a replacement starts with the next episode)
     hang = tmp_path / "hang"
     env = {**ENV, "processes": 2, "step_timeout_s": 3, "options": {**ENV["options"], "hang_file": str(hang)}}
     config = _config(tmp_path, "resumed", iterations=iterations, checkpoint={"every": 1, "keep": 1}, env=env)
@@ -81,7 +82,7 @@ def test_an_env_job_stopped_and_resumed_trains_every_episode_once(tmp_path):
     assert "(in env process 1)" in log.read_text()  # the flaky tool ran in the workers
     assert summary["episodes"]["processes_replaced"] == 1 and summary["episodes"]["closes_failed"] == 0
     assert summary["episodes_failed"]["timeout"] == 1 and not hang.exists()
-    assert "had a call past env.step_timeout_s: killed now that its episodes are over, and replaced" in log.read_text()
+    assert "had a call past env.step_timeout_s: killed now that its episodes are over" in log.read_text()
 
 
 def test_an_env_job_runs_two_minibatches_episodes_at_once(tmp_path):

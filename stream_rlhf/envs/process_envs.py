@@ -242,8 +242,8 @@ class ProcessEnvs:
             worker.episodes.discard(key)
             retire = worker.stuck and not worker.episodes and worker.dead is None
         if retire:
-            log.warning("%s (pid %d) had a call past env.step_timeout_s: killed now that its episodes are over, "
-                        "and replaced", worker.name, worker.process.pid)
+            log.warning("%s (pid %d) had a call past env.step_timeout_s: killed now that its episodes are over "
+                        "(new episodes go to a worker started in its place)", worker.name, worker.process.pid)
             worker.retire()
 
     def close(self) -> None:

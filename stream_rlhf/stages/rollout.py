@@ -110,8 +110,7 @@ class RolloutStage(Stage):
                                         REWARD_KWARGS: batch.metadata[REWARD_KWARGS], **extra})
         if self.generated is not None:
             self.generated.save(output)
-        self.counts.add(generated=samples)
-        record_episodes(self.counts, output.metadata, batch.iteration, batch.minibatch)
+        record_episodes(self.counts, output.metadata, batch.iteration, batch.minibatch, generated=samples)
         return output
 
     def _generate(self, batch: Batch, prompts: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, dict]:

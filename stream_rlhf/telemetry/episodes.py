@@ -3,7 +3,7 @@ counts, trace and metrics: turns, tool calls, tool time and how much of it the p
 and why episodes ended.
 
     metadata[EPISODES] = EpisodeStats.of(result).encode()     # rollout: an EpisodeResult (envs/episode_loop.py)
-    record_episodes(counts, metadata, iteration, minibatch)    # rollout, after each mini-batch
+    record_episodes(counts, metadata, iteration, minibatch, generated=n)   # rollout, after each mini-batch
     record.update(episode_metrics(batches))                    # actor_train: metrics.jsonl, per iteration
     summary.update(episode_summary(counts["rollout"]))         # the driver: summary.json
 
@@ -98,25 +98,31 @@ def episode_stats(metadata: Mapping[str, object]) -> EpisodeStats | None:
     return EpisodeStats.decode(text)
 
 
-def record_episodes(counts: StageCounts, metadata: Mapping[str, object], iteration: int, minibatch: int) -> None:
+def record_episodes(counts: StageCounts, metadata: Mapping[str, object], iteration: int, minibatch: int,
+                    **also: float) -> None:
     """Rollout's call after generating mini-batch (iteration, minibatch): its episodes' counts and
-    tool-wait slices. Nothing for a handle without episodes."""
+    tool-wait slices, added with `also` (the mini-batch's own counts) in one write, so that a
+    rollout killed in between cannot keep some and lose the others. Only `also` for a handle
+    without episodes."""
     stats = episode_stats(metadata)
-    if stats is not None:
-        count_episodes(counts, stats)
-        trace_tool_waits(stats, iteration, minibatch)
+    if stats is None:
+        if also:
+            counts.add(**also)
+        return
+    count_episodes(counts, stats, **also)
+    trace_tool_waits(stats, iteration, minibatch)
 
 
-def count_episodes(counts: StageCounts, stats: EpisodeStats) -> None:
+def count_episodes(counts: StageCounts, stats: EpisodeStats, **also: float) -> None:
     """Adds episodes, turns, tool_calls, tool_s, tool_wall_s, tool_hidden_s, observations_cut and
-    one count per end reason."""
+    one count per end reason (and `also`), in one `add`."""
     ends: dict[str, int] = {}
     for ended in stats.ended:
         key = FAILED_COUNT + ended[len(FAILED):] if ended.startswith(FAILED) else ENDED_COUNT + ended
         ends[key] = ends.get(key, 0) + 1
     counts.add(episodes=len(stats.turns), turns=sum(stats.turns), tool_calls=sum(stats.tool_calls),
                tool_s=sum(stats.tool_s), tool_wall_s=stats.tool_wall_s, tool_hidden_s=stats.tool_hidden_s,
-               observations_cut=sum(stats.observations_cut), **ends)
+               observations_cut=sum(stats.observations_cut), **ends, **also)
 
 
 def episode_track(key: int) -> str:
