@@ -394,6 +394,7 @@ def cmd_episodes(args: argparse.Namespace) -> int:
 
     cfg = load_config(RLJobConfig, args.config, args.set)
     check_rl_job(cfg)
+    episodes.check_request(cfg, args.count)
     if args.checkpoint is not None and not Path(args.checkpoint, "config.json").is_file():
         raise ConfigError(f"--checkpoint {args.checkpoint}: no config.json there (a checkpoint folder)")
     cfg = resolve_data(cfg)  # the task's data, made once (cached), as `run` makes it

@@ -2,7 +2,7 @@
 and the reward processes (`reward.workers`) are started with.
 
     process, conn = start_worker("stream_rlhf.rl.reward_worker", hello)   # parent: `python -m MODULE FD`
-    conn = worker_connection()                                            # child, in its __main__
+    conn, hello = worker_connection()                                     # child, in its __main__
 
 A fresh interpreter, not a fork (the parent holds threads) and not `multiprocessing` (nothing of the
 parent's `__main__` runs again). The parent sends `hello` first, with its `sys.path` appended, so the

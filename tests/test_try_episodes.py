@@ -65,11 +65,14 @@ def test_a_failed_episode_shows_its_message_and_exits_1(tmp_path, checkpoint, ca
 
 
 @pytest.mark.parametrize(("env", "argv", "words"), [
-    (None, ("--checkpoint", "CHECKPOINT"), "episodes: the job has no env section"),
-    (SCRIPTED, ("--checkpoint", "CHECKPOINT", "--count", "0"), "--count 0: must be >= 1"),
+    (None, (), "episodes: the job has no env section"),
+    (SCRIPTED, ("--count", "0"), "--count 0: must be >= 1"),
     (SCRIPTED, ("--checkpoint", "/nonexistent"), "--checkpoint /nonexistent: no config.json there"),
 ])
-def test_what_it_cannot_play_exits_2_naming_it(tmp_path, checkpoint, capsys, env, argv, words):
-    argv = tuple(checkpoint if arg == "CHECKPOINT" else arg for arg in argv)
+def test_what_it_cannot_play_exits_2_naming_it_before_any_warm_start(tmp_path, capsys, monkeypatch, env, argv, words):
+    def no_warm_start(cfg):
+        raise AssertionError("a warm start was made for a request that fails")
+
+    monkeypatch.setattr("stream_rlhf.driver.warm_start.warm_start", no_warm_start)
     assert cli.main(["episodes", _config(tmp_path, env=env), *argv]) == 2
     assert words in capsys.readouterr().err

@@ -7,9 +7,9 @@
 trailing zeros (padding). Rewards and values at masked-out positions are ignored, and both outputs
 are 0 there. "Next token" always means the next *valid* position in the row. `group_ids` says which
 rows are samples for the same prompt (used by grpo and rloo); a row without a valid token (an
-episode masked out: env.failed_episodes) is no member of its group. Each estimator ignores the inputs it
-does not need; only those in `NEEDS_CRITIC` use `values`. The outputs are targets: computed without
-gradient.
+episode masked out: env.failed_episodes) is no member of its group. Each estimator ignores the
+inputs it does not need; only those in `NEEDS_CRITIC` use `values`. The outputs are targets:
+computed without gradient.
 """
 
 from __future__ import annotations

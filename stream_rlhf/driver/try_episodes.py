@@ -52,13 +52,18 @@ class Segment:
     reward: float | None = None
 
 
-def try_episodes(cfg: RLJobConfig, checkpoint: str, count: int, greedy: bool) -> tuple[list[dict[str, Any]], float]:
-    """The first `count` eval prompts played as episodes: one record each (see `record`), and the
-    seconds they took."""
+def check_request(cfg: RLJobConfig, count: int) -> None:
+    """ConfigError for a job without episodes or a count below 1 (before any warm start is made)."""
     if cfg.env is None:
         raise ConfigError("episodes: the job has no env section (its responses are single turns: see `run`)")
     if count < 1:
         raise ConfigError(f"--count {count}: must be >= 1")
+
+
+def try_episodes(cfg: RLJobConfig, checkpoint: str, count: int, greedy: bool) -> tuple[list[dict[str, Any]], float]:
+    """The first `count` eval prompts played as episodes: one record each (see `record`), and the
+    seconds they took."""
+    check_request(cfg, count)
     tokenizer = load_tokenizer(checkpoint)
     model = load_policy(checkpoint).eval()
     use_decode_attention(model)

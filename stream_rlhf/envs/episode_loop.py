@@ -344,11 +344,11 @@ class EpisodeLoop:
             if encoded is None:
                 ids, was_cut = self.cut(ids)
                 cut += was_cut
-            contents.append(ids)
-            if encoded is not None:
+            else:
                 shown += len(encoded.grid_thw)
                 images = encoded if images is None else images.followed_by(encoded)
                 paths += o.images
+            contents.append(ids)
         roles = tuple(o.role for o in observations)
         if all(role is None for role in roles):
             return [t for ids in contents for t in ids], images, paths, cut

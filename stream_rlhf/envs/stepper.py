@@ -180,7 +180,6 @@ class EnvStepper:
         return outcome
 
 
-
 async def run_call(method: Callable[..., Any], args: tuple[Any, ...], executor: ThreadPoolExecutor) -> Any:
     """`method(*args)` on the running loop: awaited when it is `async def`, else in `executor`'s
     threads (and its result awaited if it is awaitable)."""
