@@ -3,7 +3,8 @@
 # root, with a Python that has this project's dependencies (`pip install -e ".[test]"`, no -c).
 #
 #     scripts/gpu_checks.sh OUT_DIR [PART ...]     PART: tests megatron sampler offload kernels weights medusa
-#                                                  jobs pipeline speed agentic sharing (default: all but the last three)
+#                                                  jobs pipeline speed medusa358 agentic sharing (default: all but
+#                                                  the last four)
 #
 #   tests     pytest -m gpu, Triton compiled for the device (TRITON_INTERPRET=0): kernels vs
 #             references, CUDA IPC weight sync, engine offload round trip, whole jobs on cuda:0
@@ -25,17 +26,19 @@
 #   medusa    bench/medusa.py --device cuda: speculative decoding columns timed on the GPU
 #   jobs      stream-rlhf run text_grpo and mllm_ppo (the main job) with every torch stage on cuda
 #   pipeline  bench/pipeline.py: stream vs sync schedules, stages on cuda
-#   speed     issue 32's GPU checks in at most 8 minutes (warm starts carried; each command has its own
+#   speed     issue 32's GPU checks in at most 6 minutes (warm starts carried; each command has its own
 #             time limit, and a command cut off leaves its log): bench/vs_trl.py --device cuda (the 90M
-#             fp32 and 358M bf16 rows, 64 fixed answer tokens, TRL with use_cpu=False: carry TRL's
-#             wheels in .whl/ or set TRL_PYTHON), bench/medusa.py --device cuda --model 358M, and the
-#             main job with every stage on cuda:0 and an empty Triton cache: its first and median
-#             iteration, and the slowest after the second against the median
+#             fp32 and 358M bf16 rows, 64 fixed answer tokens, their warm starts trained on the GPU, TRL
+#             with use_cpu=False: carry TRL's wheels in .whl/ or set TRL_PYTHON), and the main job with
+#             every stage on cuda:0 and an empty Triton cache: its first and median iteration, and the
+#             slowest after the second against the median
+#   medusa358 issue 32's Medusa target, 150 s at most: bench/medusa.py --device cuda --model 358M
 #   agentic   issue 34 on the GPU, 150 + 300 s at most: bench/agentic_rollout.py --device cuda (the episode
 #             engine alone: lock-step against 1, 2 and 4 mini-batches of tool-using episodes in flight, the
 #             tool sleeping 50 ms), then bench/agentic.py --device cuda (the issue's benchmark: the tool job's
 #             three columns with every torch stage on cuda:0); the tool job's warm start: carry runs/.cache
-#   sharing   issue 32 item 5, 420 s at most: bench/gpu_sharing.py (the main job on cuda:0 as separate
+#   sharing   issue 32 item 5, 420 s at most: bench/gpu_sharing.py (SHARING_ITERATIONS, default 6, of the
+#             main job on cuda:0 as separate
 #             processes, in two device groups, and under a CUDA MPS server started for it: iteration time and
 #             nvidia-smi device memory, contexts included; the fastest and the leanest named)
 #
@@ -82,12 +85,18 @@ print(json.dumps({"iterations": len(times), "first_s": times[0], "median_s": med
         "runs/$1/metrics.jsonl"
 }
 
-speed_checks() {  # issue 32: 240 + 150 + 90 s at most
+stop_leftovers() {  # a command cut off by its timeout leaves its job's processes running: stop them first
+    pkill -TERM -f 'stream_rlhf|trl_grpo' && sleep 10
+    pkill -KILL -f 'stream_rlhf|trl_grpo|multiprocessing\.(spawn|forkserver)'
+    return 0
+}
+
+speed_checks() {  # issue 32: 270 + 90 s at most
     local failed=0
-    timeout 240 "$python" bench/vs_trl.py --device cuda --trl-python "${TRL_PYTHON:-$python}" --json || failed=1
-    timeout 150 "$python" bench/medusa.py --device cuda --model 358M --iterations 10 --json || failed=1
+    timeout 270 "$python" bench/vs_trl.py --device cuda --trl-python "${TRL_PYTHON:-$python}" --json ||
+        { failed=1; stop_leftovers; }
     TRITON_CACHE_DIR=$(mktemp -d) timeout 90 "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml \
-        --set placement.device=cuda --set name=gpu_speed_main --set iterations=12 || failed=1
+        --set placement.device=cuda --set name=gpu_speed_main --set iterations=12 || { failed=1; stop_leftovers; }
     iteration_times gpu_speed_main || failed=1
     return $failed
 }
@@ -119,11 +128,12 @@ run_part() {
               "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda ;;
         pipeline) "$python" bench/pipeline.py --json ;;
         speed) speed_checks ;;
+        medusa358) timeout 150 "$python" bench/medusa.py --device cuda --model 358M --iterations 10 --json ;;
         agentic) timeout 150 "$python" bench/agentic_rollout.py --device cuda --json;
                  local engine=$?
                  timeout 300 "$python" bench/agentic.py --device cuda --json && [ $engine -eq 0 ] ;;
-        sharing) timeout 420 "$python" bench/gpu_sharing.py --iterations 6 --json ;;
-        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed agentic sharing" >&2
+        sharing) timeout 420 "$python" bench/gpu_sharing.py --iterations "${SHARING_ITERATIONS:-6}" --json ;;
+        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed medusa358 agentic sharing" >&2
            return 2 ;;
     esac
 }

@@ -103,15 +103,16 @@ def _cache_folder(cfg: RLJobConfig) -> tuple[Path, dict]:
 
 def _train(cfg: RLJobConfig):
     sft = cfg.model.warm_start
+    device = _sft_device(cfg)
     tokenizer = build_tokenizer(vision=cfg.model.tiny.vision is not None)
-    model = build_tiny(cfg.model.tiny, tokenizer, cfg.model.seed)
+    model = build_tiny(cfg.model.tiny, tokenizer, cfg.model.seed).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
     dataset = open_prompts(cfg, model.config, tokenizer, "train", cfg.task.seed + 1)
     if dataset is None:
         data = problems(cfg.task, "train", sft.steps * sft.batch_size, cfg.task.seed + 1)
         demonstrations = _text_demonstrations(cfg.task, data)
     started = time.monotonic()
-    log.info("warm start: %d SFT steps of %d examples on a new tiny model", sft.steps, sft.batch_size)
+    log.info("warm start: %d SFT steps of %d examples on a new tiny model (%s)", sft.steps, sft.batch_size, device)
     for step in range(sft.steps):
         if dataset is None:
             batch = slice(step * sft.batch_size, (step + 1) * sft.batch_size)
@@ -123,7 +124,7 @@ def _train(cfg: RLJobConfig):
             inputs = _sft_batch(tokenizer, [s.prompt_ids for s in samples],
                                 [_sample_demonstration(cfg.task, s) for s in samples])
             inputs.update(_image_inputs(model, inputs["input_ids"], [im for s in samples for im in s.images]))
-        loss = model(**inputs).loss
+        loss = model(**{name: tensor.to(device) for name, tensor in inputs.items()}).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -132,7 +133,14 @@ def _train(cfg: RLJobConfig):
                      time.monotonic() - started)
     if dataset is not None and dataset.skipped:
         log.warning("warm start: skipped lines of %s: %s", cfg.data.train, dataset.skipped)
-    return model.eval(), tokenizer
+    return model.cpu().eval(), tokenizer
+
+
+def _sft_device(cfg: RLJobConfig) -> torch.device:
+    """Where the warm start trains: the job's device (`placement.device`), so a GPU job's model of
+    hundreds of millions of parameters is not trained on the host's cores. The cache entry does
+    not depend on it (a CPU-trained entry serves a GPU job and the other way round)."""
+    return torch.device(cfg.placement.resolved_device())
 
 
 def _ensure_heads(cfg: RLJobConfig, folder: Path) -> None:
@@ -154,6 +162,7 @@ def _train_heads(cfg: RLJobConfig, model, tokenizer) -> MedusaHeads:
     backbone frozen), so speculative rollout starts with heads that fit the starting policy."""
     medusa = cfg.rollout.medusa
     batch_size = cfg.model.warm_start.batch_size
+    model = model.to(_sft_device(cfg))
     heads = MedusaHeads.from_policy(model, medusa.heads)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=medusa.lr, weight_decay=0.0)
     data = problems(cfg.task, "train", medusa.warm_start_steps * batch_size, cfg.task.seed + 2)
@@ -171,7 +180,7 @@ def _train_heads(cfg: RLJobConfig, model, tokenizer) -> MedusaHeads:
         if (step + 1) % 100 == 0 or step + 1 == medusa.warm_start_steps:
             log.info("warm start: Medusa heads step %d/%d, loss %.3f, head0 accuracy %.2f", step + 1,
                      medusa.warm_start_steps, loss.item(), float(metrics.get("head0_acc", 0.0)))
-    return heads.eval()
+    return heads.cpu().eval()
 
 
 def _text_demonstrations(task: TaskConfig, data: list) -> list[tuple[Segment, ...]]:
