@@ -77,9 +77,11 @@ SHAPE = ["rollout_batch.prompts_per_minibatch=16", "rollout_batch.minibatches=1"
          "algorithm.ppo_epochs=1", "algorithm.train_minibatches=1", "algorithm.kl.coef=0", "actor.lr=2.0e-4",
          "rollout.temperature=1.0", "rollout.top_p=1.0"]
 MODEL_90M = ["model.tiny.hidden_size=1024", "model.tiny.intermediate_size=2304", "model.tiny.num_hidden_layers=8",
-             "model.tiny.num_attention_heads=16", "model.tiny.num_key_value_heads=16", "model.tiny.head_dim=64"]
+             "model.tiny.num_attention_heads=16", "model.tiny.num_key_value_heads=16", "model.tiny.head_dim=64",
+             "model.tiny.max_position_embeddings=128"]
 MODEL_358M = ["model.tiny.hidden_size=896", "model.tiny.intermediate_size=4864", "model.tiny.num_hidden_layers=24",
-              "model.tiny.num_attention_heads=14", "model.tiny.num_key_value_heads=2", "model.tiny.head_dim=64"]
+              "model.tiny.num_attention_heads=14", "model.tiny.num_key_value_heads=2", "model.tiny.head_dim=64",
+              "model.tiny.max_position_embeddings=128"]
 """Qwen2-0.5B's layer shapes with the project's own small vocabulary (bench/weight_sync.py has its full config)."""
 
 

@@ -15,9 +15,14 @@ from torch import nn
 from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
+from stream_rlhf.config import load_config
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.resume.background_writer import WRITE_DELAY_VARIABLE, BackgroundWriter, write_delay
 from stream_rlhf.resume.store import CheckpointStore
+from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
+from tests.bench_run import REPO
 from tests.test_rl_inprocess import run_inprocess
 
 
@@ -80,6 +85,41 @@ def test_a_snapshot_keeps_the_state_it_was_taken_from_while_training_goes_on():
     assert again["model"]["weight"].data_ptr() == snapshot["model"]["weight"].data_ptr()
     assert torch.equal(again["model"]["weight"], model.weight)
     assert not torch.equal(again["model"]["weight"], expected["weight"])
+
+
+def test_reserved_buffers_are_the_ones_the_first_snapshot_fills_and_a_changed_shape_gets_its_own():
+    model = nn.Linear(4, 4)
+    state = {"model": model.state_dict(keep_vars=True), "tied": [model.weight, model.weight], "step": 3}
+    snapshots = HostSnapshots()
+    snapshots.reserve(state)
+    snapshots._join_reserve()  # the allocation thread is done: its buffers are what take fills
+    reserved = [t.data_ptr() for t in snapshots._buffers]
+    assert len(reserved) == 2  # weight (once: tied) and bias
+    snapshot = snapshots.take(state)
+    assert [snapshot["model"]["weight"].data_ptr(), snapshot["model"]["bias"].data_ptr()] == reserved
+    assert snapshot["tied"][0] is snapshot["model"]["weight"] and snapshot["step"] == 3
+    assert torch.equal(snapshot["model"]["weight"], model.weight) and torch.equal(snapshot["model"]["bias"], model.bias)
+    wider = nn.Linear(4, 5)
+    snapshots.reserve({"model": wider.state_dict()})
+    bigger = snapshots.take({"model": wider.state_dict()})  # waits for the reserve, then copies into it
+    assert torch.equal(bigger["model"]["weight"], wider.weight) and bigger["model"]["weight"].shape == (5, 4)
+
+
+def test_a_trainer_reserves_its_snapshot_once_after_its_first_unsaved_iteration(tmp_path, monkeypatch):
+    cfg = load_config(RLJobConfig, REPO / "configs/text_grpo.yaml",
+                      [f"runs_dir={tmp_path}", "iterations=6", "checkpoint.every=3"])
+    engine = TorchTrainEngine(nn.Linear(2, 2), RankGroup.single(), OptimizerConfig(lr=1e-2))
+    reserved_after: list[int] = []
+    version = 0
+    monkeypatch.setattr(engine, "reserve_snapshot", lambda: reserved_after.append(version))
+    checkpoints = TrainerCheckpoints(JobContext(cfg, "unused", str(tmp_path / "weights")), "actor", engine,
+                                     RankGroup.single())
+    for version in range(1, 5):
+        checkpoints.iteration_started()
+        checkpoints.iteration_done(version, {})
+    checkpoints.writer.wait()
+    assert reserved_after == [1]
+    assert checkpoints.store.latest(["actor"]).version == 3
 
 
 def test_an_engine_snapshot_shares_no_storage_with_the_live_model(tmp_path):

@@ -269,9 +269,13 @@ def test_a_cuda_engine_snapshot_is_in_pinned_host_memory_and_resumes_training_ex
     advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
     engine = TorchTrainEngine(_model(), RankGroup.single("cuda:0"), OptimizerConfig(lr=1e-2))
     engine.train_step(exp, _loss(engine), {"advantages": advantages})
+    engine.reserve_snapshot()  # what a trainer does after its first iteration: the pinned buffers, ahead
+    engine._snapshots._join_reserve()
+    reserved = {t.data_ptr() for t in engine._snapshots._buffers}
     snapshot = engine.snapshot_state()
     moments = [v for s in snapshot["optimizer"]["state"].values() for v in s.values() if v.dim() > 0]
     assert moments and all(t.device.type == "cpu" and t.is_pinned() for t in [*snapshot["model"].values(), *moments])
+    assert {t.data_ptr() for t in [*snapshot["model"].values(), *moments]} <= reserved
     _assert_resumes_exactly(engine, lambda: TorchTrainEngine(_model(), RankGroup.single("cuda:0"),
                                                              OptimizerConfig(lr=1e-2)),
                             tmp_path / "state.pt", exp, advantages)

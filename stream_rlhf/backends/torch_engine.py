@@ -227,16 +227,26 @@ class TorchTrainEngine:
         """Everything training resumes from, as a host copy training no longer changes
         (`host_snapshot.py`): the full weights, the optimizer's state (full tensors, gathered from
         every rank's shard) and the torch RNG. Every rank calls it; the leader gets it, the others None."""
-        # unsharded, the live tensors go to the snapshot as they are (from a GPU: straight into
-        # pinned memory); sharded, each full tensor is gathered onto the host one at a time
+        state = self._resume_state()
+        return self._snapshots.take(state) if self.group.is_leader else None
+
+    def reserve_snapshot(self) -> None:
+        """Unsharded on a GPU, the pinned host buffers of the next `snapshot_state`, allocated in
+        the background now (after an optimizer step: Adam's moments exist). Sharded, the state is
+        gathered into fresh host tensors anyway, and on the CPU nothing is pinned: nothing to do."""
+        if not self.sharded and self.device.type == "cuda" and self.group.is_leader:
+            self._snapshots.reserve(self._resume_state())
+
+    def _resume_state(self) -> dict:
+        """The state `snapshot_state` copies: unsharded, the live tensors as they are (from a GPU
+        they go straight into pinned memory); sharded, each full tensor gathered onto the host one
+        at a time (a collective: every rank calls it)."""
         weights = self.export_weights() if self.sharded else self.model.state_dict(keep_vars=True)
         optimizer = None
         if self.optimizer is not None:
             options = StateDictOptions(full_state_dict=True, cpu_offload=self.sharded)
             optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        if not self.group.is_leader:
-            return None
-        return self._snapshots.take({"model": weights, "optimizer": optimizer, "rng": torch.get_rng_state()})
+        return {"model": weights, "optimizer": optimizer, "rng": torch.get_rng_state()}
 
     def load_state(self, path: Path) -> None:
         """A saved `snapshot_state` (`torch.save`), into this engine: each rank keeps its shard of the weights and

@@ -83,6 +83,10 @@ class TrainEngine(Protocol):
         a checkpoint writes (`torch.save`), in the background while training goes on. Every rank
         calls it (gathers inside); the leader gets it, the others None."""
 
+    def reserve_snapshot(self) -> None:
+        """Allocate the host memory of the next `snapshot_state` ahead, in the background, where
+        allocating it inside that call would stall a step (pinned memory for a GPU's state)."""
+
     def load_state(self, path: Path) -> None:
         """A saved `snapshot_state`, each rank its share."""
 

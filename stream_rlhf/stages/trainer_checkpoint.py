@@ -3,7 +3,8 @@
     checkpoints = TrainerCheckpoints(job, "actor", engine, ctx.group)
     state = checkpoints.resume()              # None for a fresh run; else what `save` was given
     checkpoints.iteration_started()           # the engine's state is in between versions now
-    checkpoints.iteration_done(version, state)  # saved when due (`checkpoint.every`)
+    checkpoints.iteration_done(version, state)  # saved when due (`checkpoint.every`); after the first,
+                                                # the snapshot's host memory is reserved
     checkpoints.save_at_stop(version, state)  # at a drain, unless an iteration was cut short
 
 A trainer's part of a checkpoint (`resume/store.py`) is its engine's state (`engine.pt`: full
@@ -81,6 +82,8 @@ class TrainerCheckpoints:
         """The newest version this process saved (or resumed from; its write may still be under way)."""
         self.in_iteration = False
         """An iteration's optimizer steps began and its version is not complete yet."""
+        self.reserved = False
+        """The engine was asked to reserve its snapshot's host memory (once, after the first iteration)."""
         self.writer = BackgroundWriter(job.config.checkpoint.background, f"{part} checkpoint writer")
 
     def resume(self) -> dict[str, Any] | None:
@@ -102,6 +105,9 @@ class TrainerCheckpoints:
         self.in_iteration = False
         if self.job.config.checkpoint.due(version, self.job.config.iterations):
             self.save(version, state)
+        elif not self.reserved:  # the first snapshot's host buffers, allocated while training goes on
+            self.engine.reserve_snapshot()
+        self.reserved = True
 
     def save(self, version: int, state: dict[str, Any]) -> None:
         """This trainer's part of checkpoint `version` (a collective over the group's ranks): a

@@ -297,6 +297,10 @@ class MegatronTrainEngine:
         return self._snapshots.take({"model": weights, "optimizer": shards, "rng": torch.get_rng_state(),
                                     "layout": self._layout_key()})
 
+    def reserve_snapshot(self) -> None:
+        """Nothing ahead: the state is gathered (`export_weights`, the optimizer's shards) inside
+        `snapshot_state`, a collective whose tensors are known only then."""
+
     def load_state(self, path: Path) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
         load_hf_state(self.model, state["model"], self.layout)
