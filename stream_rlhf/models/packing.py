@@ -232,12 +232,13 @@ def vision_inputs(packed: Packed, sequences: list[Tensor], images: list[SampleIm
     if len(images) != len(sequences):
         raise ValueError(f"images: {len(images)} entries for {len(sequences)} sequences: must be one per sequence")
     n_rows, width = packed.input_ids.shape
+    spans = packed.spans  # (computed per call: once here, not once per sequence)
     position_ids = torch.zeros((3, n_rows, width), dtype=torch.long)  # (3, R, C)
-    for i, (seq, sample, (row, start, length)) in enumerate(zip(sequences, images, packed.spans)):
+    for i, (seq, sample, (row, start, length)) in enumerate(zip(sequences, images, spans)):
         check_sample_images(i, seq, sample, config)
         position_ids[:, row, start : start + length] = mrope_positions(seq.cpu(), sample.grid_thw, config)
     # features in row-major order of the packed image tokens: by row, then by start within the row
-    order = sorted(range(len(sequences)), key=lambda i: packed.spans[i][:2])
+    order = sorted(range(len(sequences)), key=lambda i: spans[i][:2])
     return position_ids, torch.cat([images[i].features for i in order])  # (N, W)
 
 
