@@ -17,9 +17,10 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from stream_rlhf.algos.losses import entropy_loss, policy_loss
-from stream_rlhf.backends.kernel_warm_up import warm_up_logprob_kernels
+from stream_rlhf.backends.kernel_warm_up import warm_up_logprob_kernels, warm_up_sampling_kernel
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
+from stream_rlhf.backends.torch_rollout import SamplingParams, generate
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.kernels import dispatch, logprob, triton_logprob
@@ -135,11 +136,30 @@ def test_warm_up_covers_the_steps_of_a_trainer_and_is_a_trace_span(triton_backen
     assert len(compiles) == added  # each new specialisation is a span of its own
 
 
+def test_rollout_warm_up_covers_what_sampling_launches(triton_backend):
+    """The sampler's warm-up (one row of fp32 logits) compiles what decoding 3 rows of up to 4
+    tokens at temperature 0.7 launches: sampling adds no key after it, and a second warm-up none."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(VOCAB + 1)).eval()  # a width no other test of this process has
+    before = specialisations()
+    assert warm_up_sampling_kernel(model) == 1
+    warmed = specialisations()
+    assert {key[0] for key in warmed - before} == {"_logits_fwd_kernel"}
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5]), torch.tensor([6])]
+    with torch.inference_mode():
+        out = generate(model, prompts, SamplingParams(temperature=0.7, max_new_tokens=4),
+                       torch.Generator().manual_seed(0))
+    assert sum(len(r) for r in out.response_ids) > 3  # it decoded
+    assert specialisations() == warmed
+    assert warm_up_sampling_kernel(model) == 0
+
+
 def test_warm_up_is_a_no_op_where_the_kernels_are_torch():
     previous = dispatch.force_backend("torch")
     try:
         engine = TorchTrainEngine(Qwen2ForCausalLM(tiny_qwen2_config(VOCAB)), RankGroup.single())
         assert warm_up_logprob_kernels(engine, trains=False) == 0
+        assert warm_up_sampling_kernel(engine.model) == 0
     finally:
         dispatch.force_backend(previous)
 

@@ -1,6 +1,7 @@
 """Compile the fused log-prob kernels at stage setup, not inside the first training steps.
 
     added = warm_up_logprob_kernels(engine, trains=True)   # the specialisations it compiled
+    added = warm_up_sampling_kernel(model)                 # rollout's: the log-prob of each sampled token
 
 On CUDA each new specialisation of a Triton kernel compiles on its first launch: seconds, which
 landed inside actor_train steps (issue 32: 7.8 and 9.7 s steps). The token count no longer
@@ -9,7 +10,9 @@ setup: the hidden-state forward, and for a trainer its two backward kernels with
 the log-probs alone (no entropy bonus) and with the entropy's too. This runs them once through the
 engine's own forward (same dtype under autocast, same LM head), on one short sequence, and records
 it as a "kernel warm-up" span in the trace. A no-op where the kernels would not run Triton (the
-CPU, unless forced) or the model has no LM head (a critic).
+CPU, unless forced) or the model has no LM head (a critic). The torch sampler's kernel (the
+log-prob of each sampled token from a decode step's fp32 logits) compiled inside rollout's first
+mini-batch: 1.2 s of the main job's first iteration on an H200; rollout warms it at setup too.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.kernels.dispatch import backend_for
+from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.kernels.specialisations import specialisations
 from stream_rlhf.telemetry import trace
 
@@ -51,4 +55,21 @@ def warm_up_logprob_kernels(engine: TorchTrainEngine, trains: bool) -> int:
             engine.logprobs([sequence], 1.0)
     added = len(specialisations()) - before
     trace.complete("kernel warm-up", "compile", started, trace.now_ns(), specialisations=added, trains=trains)
+    return added
+
+
+def warm_up_sampling_kernel(model: torch.nn.Module) -> int:
+    """Launch the sampler's kernel once, on one row of fp32 logits of the model's width (decode
+    steps take `.float()` of the LM head's output); returns how many specialisations were new."""
+    head = model.get_output_embeddings()
+    if head is None or backend_for(head.weight) != "triton":
+        return 0
+    before = len(specialisations())
+    started = trace.now_ns()
+    device = head.weight.device
+    with torch.inference_mode():
+        logprobs_from_logits(torch.zeros(1, head.weight.shape[0], device=device),
+                             torch.zeros(1, dtype=torch.long, device=device))
+    added = len(specialisations()) - before
+    trace.complete("kernel warm-up", "compile", started, trace.now_ns(), specialisations=added, trains=False)
     return added

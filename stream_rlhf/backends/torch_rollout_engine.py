@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.episode_sampler import CUDA_FREE_POSITIONS, TorchTurnSampler
+from stream_rlhf.backends.kernel_warm_up import warm_up_sampling_kernel
 from stream_rlhf.backends.precision import autocast
 from stream_rlhf.backends.rollout_engine import Generated
 from stream_rlhf.backends.speculation import Speculation
@@ -52,6 +53,7 @@ class TorchRolloutEngine:
         self.device = ctx.group.device
         self.model = load_policy(job.checkpoint).eval().to(self.device)
         use_decode_attention(self.model)
+        warm_up_sampling_kernel(self.model)  # compiles here, not in the first mini-batch
         govern(self.model)  # core lending, when the launcher turned it on for this stage
         self.policy_version = 0
         self.tokenizer: PreTrainedTokenizerBase | None = None
