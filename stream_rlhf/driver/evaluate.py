@@ -6,11 +6,13 @@
 
 The prompts are the in-memory text task's eval split or every line of `data.eval` (with
 `data.on_bad_sample: skip`, bad lines are counted in "skipped" by reason, the first messages kept
-in "skipped_examples"; "response_tokens" counts the tokens sampled, both temperatures). A vision-language
-model encodes each eval image once, with its own vision tower. Decoding is eager, static or
-graphed as `rollout.decode` says (the same tokens in every mode). An `env` job runs each prompt as
-an episode in its environment and scores its return (`evaluate_episodes.py`); "response_tokens"
-then counts policy tokens.
+in "skipped_examples"; "response_tokens" counts the tokens sampled, both temperatures). A
+vision-language model encodes each eval image once, with its own vision tower. The model runs on
+the job's device (`placement.device`: the driver calls this in a child process there,
+`device_child.py`; a 358M model took ~45 s per evaluation on the host's cores). Decoding is
+eager, static or graphed as `rollout.decode` says (the same tokens in every mode). An `env` job
+runs each prompt as an episode in its environment and scores its return
+(`evaluate_episodes.py`); "response_tokens" then counts policy tokens.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from stream_rlhf.stages.reward_forward import Scorer
 
 def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[str, Any]:
     tokenizer = load_tokenizer(checkpoint)
-    model = load_policy(checkpoint).eval()
+    model = load_policy(checkpoint).eval().to(cfg.placement.resolved_device())
     use_decode_attention(model)
     static = static_decoder(cfg.rollout.decode, next(model.parameters()).device, model)
     items, dataset = eval_items(cfg, model, tokenizer)

@@ -107,8 +107,9 @@ class RLRun:
         """The re-plan after the first iterations (`progress`), when auto predicted the placement."""
 
     def prepare(self) -> Launcher:
+        from stream_rlhf.driver.device_child import on_job_device
         from stream_rlhf.driver.evaluate import evaluate
-        from stream_rlhf.driver.warm_start import warm_start
+        from stream_rlhf.driver.warm_start import warm_start, warm_start_ready
         from stream_rlhf.models.checkpoint import is_vision_language
         from stream_rlhf.rl.task_data import resolve_data
 
@@ -128,7 +129,11 @@ class RLRun:
         if self.resume:
             self.resumed = prepare_resume(self.run_dir, self.cfg, self.weights)
         started_from = self.resumed.start_checkpoint if self.resumed else None
-        self.checkpoint = started_from if started_from and Path(started_from).is_dir() else str(warm_start(self.cfg))
+        if started_from and Path(started_from).is_dir():
+            self.checkpoint = started_from
+        else:  # trained on the job's device: in a child process there (`device_child.py`)
+            self.checkpoint = str(warm_start(self.cfg) if warm_start_ready(self.cfg)
+                                  else on_job_device(self.cfg, "warm start", warm_start, self.cfg))
         self.vision_language = is_vision_language(self.checkpoint)
         if self.vision_language and self.cfg.reward.model_path is not None:
             raise ConfigError(f"reward.model_path={self.cfg.reward.model_path!r}: reward models are text-only, "
@@ -143,7 +148,7 @@ class RLRun:
             raise ConfigError("weights.update=in_flight: not with images on the vLLM backend (its encoder cache is "
                               "reset at each update, which requests in flight still use); use drain")
         if self.resumed is None:
-            self.before = evaluate(self.cfg, self.checkpoint)
+            self.before = on_job_device(self.cfg, "eval", evaluate, self.cfg, self.checkpoint)
             record_start(self.run_dir, self.cfg, self.before, self.checkpoint)
         else:
             self.before = self.resumed.eval_before
@@ -232,11 +237,12 @@ class RLRun:
                      point.folder, point.version, config, self.run_dir)
 
     def finish(self) -> dict[str, Any]:
+        from stream_rlhf.driver.device_child import on_job_device
         from stream_rlhf.driver.evaluate import evaluate
         from stream_rlhf.telemetry.plots import write_plots
 
         job_s = time.monotonic() - self.job_started
-        after = evaluate(self.cfg, str(self.run_dir / "checkpoint"))
+        after = on_job_device(self.cfg, "eval", evaluate, self.cfg, str(self.run_dir / "checkpoint"))
         train = json.loads((self.run_dir / "train_summary.json").read_text())
         records = read_metrics(self.run_dir / "metrics.jsonl")
         steady = records[1:] or records  # the first iteration also pays for process start-up

@@ -143,18 +143,33 @@ def _sft_device(cfg: RLJobConfig) -> torch.device:
     return torch.device(cfg.placement.resolved_device())
 
 
+def warm_start_ready(cfg: RLJobConfig) -> bool:
+    """Whether `warm_start` would only load (the model and any Medusa heads it needs are cached)."""
+    folder, cached = warm_start_folder(cfg)
+    return cached and (cfg.model.path is not None or not _heads_missing(cfg, folder))
+
+
 def _ensure_heads(cfg: RLJobConfig, folder: Path) -> None:
     """With `rollout.medusa` on, Medusa heads for the cached policy in `folder` (trained once per
     heads setting and kept beside it; the policy's own cache entry does not depend on them)."""
+    if _heads_missing(cfg, folder):
+        save_heads(_train_heads(cfg, load_policy(folder).eval(), load_tokenizer(folder)), folder)
+        (heads_folder(folder) / "warm_start.json").write_text(json.dumps(_heads_settings(cfg)))
+
+
+def _heads_settings(cfg: RLJobConfig) -> dict:
     medusa = cfg.rollout.medusa
-    settings = {"heads": medusa.heads, "steps": medusa.warm_start_steps, "lr": medusa.lr, "seed": cfg.task.seed}
+    return {"heads": medusa.heads, "steps": medusa.warm_start_steps, "lr": medusa.lr, "seed": cfg.task.seed}
+
+
+def _heads_missing(cfg: RLJobConfig, folder: Path) -> bool:
+    """The job needs Medusa heads trained for `folder` and none with its settings are there (a
+    JSONL dataset's job starts them from the LM head: companion training fits them)."""
+    medusa = cfg.rollout.medusa
     if not medusa.enabled or medusa.warm_start_steps == 0 or cfg.data.train is not None:
-        return  # (a JSONL dataset: the heads start from the LM head and companion training fits them)
+        return False
     marker = heads_folder(folder) / "warm_start.json"
-    if marker.is_file() and json.loads(marker.read_text()) == settings:
-        return
-    save_heads(_train_heads(cfg, load_policy(folder).eval(), load_tokenizer(folder)), folder)
-    marker.write_text(json.dumps(settings))
+    return not (marker.is_file() and json.loads(marker.read_text()) == _heads_settings(cfg))
 
 
 def _train_heads(cfg: RLJobConfig, model, tokenizer) -> MedusaHeads:
