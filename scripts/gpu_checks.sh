@@ -32,7 +32,7 @@
 #             with use_cpu=False: carry TRL's wheels in .whl/ or set TRL_PYTHON), and the main job with
 #             every stage on cuda:0 and an empty Triton cache: its first and median iteration, and the
 #             slowest after the second against the median
-#   medusa358 issue 32's Medusa target, 150 s at most: bench/medusa.py --device cuda --model 358M
+#   medusa358 issue 32's Medusa target, 200 s at most: bench/medusa.py --device cuda --model 358M
 #   agentic   issue 34 on the GPU, 150 + 300 s at most: bench/agentic_rollout.py --device cuda (the episode
 #             engine alone: lock-step against 1, 2 and 4 mini-batches of tool-using episodes in flight, the
 #             tool sleeping 50 ms), then bench/agentic.py --device cuda (the issue's benchmark: the tool job's
@@ -128,7 +128,7 @@ run_part() {
               "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml --set placement.device=cuda ;;
         pipeline) "$python" bench/pipeline.py --json ;;
         speed) speed_checks ;;
-        medusa358) timeout 150 "$python" bench/medusa.py --device cuda --model 358M --iterations 10 --json ;;
+        medusa358) timeout 200 "$python" bench/medusa.py --device cuda --model 358M --iterations 10 --json ;;
         agentic) timeout 150 "$python" bench/agentic_rollout.py --device cuda --json;
                  local engine=$?
                  timeout 300 "$python" bench/agentic.py --device cuda --json && [ $engine -eq 0 ] ;;
