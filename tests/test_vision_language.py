@@ -140,6 +140,19 @@ def test_mrope_positions_equal_get_rope_index(vlm, samples):
         assert torch.equal(mrope_positions(ids, sample.grid_thw, vlm.config), expected[:, 0])
 
 
+def test_samples_of_one_prompt_reuse_its_image_positions_and_never_share_a_result(vlm, samples):
+    """The part up to the last image is cached by prompt: each response still gets get_rope_index's
+    positions, and writing into one result changes no later one."""
+    sample = next(s for s in samples if len(s.grid_thw))
+    g = torch.Generator().manual_seed(3)
+    for length in (0, 3, 7, 3):
+        ids = torch.cat([sample.input_ids, torch.randint(*TEXT_IDS, (length,), generator=g)])
+        expected, _ = vlm.model.get_rope_index(ids[None], (ids == IMAGE).int()[None], image_grid_thw=sample.grid_thw)
+        got = mrope_positions(ids, sample.grid_thw, vlm.config)
+        assert torch.equal(got, expected[:, 0])
+        got.fill_(-1)
+
+
 def test_mismatched_images_name_the_counts(vlm, samples):
     sample = samples[0]  # one image of 4 tokens
     with pytest.raises(ValueError, match=r"4 image tokens in its run but grid_thw \[1, 4, 6\]"):

@@ -26,6 +26,7 @@ as they would over separate copies.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -184,31 +185,45 @@ def _fewest_slots(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
 
 def _lay_out(units: list[_Unit], count: int, capacity: int, pad_id: int) -> Packed:
     """Rows holding `units` (`_fewest_slots`), the mask and positions that make every sequence see
-    exactly its own tokens, and each sequence's token positions."""
-    placement = _fewest_slots([u.length for u in units], capacity)
+    exactly its own tokens, and each sequence's token positions. Vectorised: a handful of tensor
+    operations over every token, whatever the number of sequences (one per piece of each unit
+    cost ~0.2 ms a sequence, 27 ms for 128 on the host of a GPU step)."""
+    pieces = [[len(unit.prefix), *(len(rest) for _, rest in unit.branches)] for unit in units]  # tokens
+    lengths = [sum(piece) for piece in pieces]
+    placement = _fewest_slots(lengths, capacity)
     n_rows = max(row for row, _ in placement) + 1
-    width = max(start + u.length for (_, start), u in zip(placement, units))
+    width = max(start + n for (_, start), n in zip(placement, lengths))
     device = units[0].prefix.device
-    input_ids = torch.full((n_rows, width), pad_id, dtype=torch.long, device=device)  # (R, C)
-    position_ids = torch.zeros((n_rows, width), dtype=torch.long, device=device)  # (R, C)
-    segment = torch.full((n_rows, width), -1, dtype=torch.long, device=device)  # (R, C), -1 = padding
-    branch = torch.zeros((n_rows, width), dtype=torch.long, device=device)  # (R, C), 0 = the prefix
-    token_index: list[Tensor] = [input_ids.new_empty(0)] * count
-    for u, (unit, (row, start)) in enumerate(zip(units, placement)):
-        p = len(unit.prefix)
-        input_ids[row, start : start + p] = unit.prefix.to(device=device, dtype=torch.long)
-        position_ids[row, start : start + p] = torch.arange(p, device=device)
-        segment[row, start : start + unit.length] = u
-        prefix_index = row * width + start + torch.arange(p, device=device)
-        offset = start + p
-        for b, (i, rest) in enumerate(unit.branches, start=1):
-            n = len(rest)
-            input_ids[row, offset : offset + n] = rest.to(device=device, dtype=torch.long)
-            position_ids[row, offset : offset + n] = p + torch.arange(n, device=device)
-            branch[row, offset : offset + n] = b
-            token_index[i] = torch.cat([prefix_index, row * width + offset + torch.arange(n, device=device)])
+    tokens = torch.cat([t for unit in units for t in (unit.prefix, *(rest for _, rest in unit.branches))])
+    piece_lengths = torch.tensor([n for piece in pieces for n in piece])  # a unit's prefix, then each rest
+    piece_unit = torch.repeat_interleave(torch.arange(len(units)), torch.tensor([len(piece) for piece in pieces]))
+    piece_branch = torch.tensor([b for piece in pieces for b in range(len(piece))])  # 0 = the prefix
+    piece_position = torch.tensor([0 if b == 0 else piece[0] for piece in pieces for b in range(len(piece))])
+    unit_flat = torch.tensor([row * width + start for row, start in placement])  # where each unit begins
+    within = torch.arange(len(tokens)) - torch.repeat_interleave(  # offset of each token in its unit
+        torch.tensor([0, *itertools.accumulate(lengths)][:-1]), torch.tensor(lengths))
+    flat = torch.repeat_interleave(unit_flat, torch.tensor(lengths)) + within  # (N,) row * C + column
+    first = torch.cumsum(piece_lengths, 0) - piece_lengths  # each piece's first token in `tokens`
+    step = torch.arange(len(tokens)) - torch.repeat_interleave(first, piece_lengths)  # offset in its piece
+    input_ids = torch.full((n_rows * width,), pad_id, dtype=torch.long)
+    input_ids[flat] = tokens.cpu().long()
+    position_ids = torch.zeros(n_rows * width, dtype=torch.long)
+    position_ids[flat] = torch.repeat_interleave(piece_position, piece_lengths) + step
+    segment = torch.full((n_rows * width,), -1, dtype=torch.long)  # -1 = padding
+    segment[flat] = torch.repeat_interleave(piece_unit, piece_lengths)
+    branch = torch.zeros(n_rows * width, dtype=torch.long)  # 0 = the prefix
+    branch[flat] = torch.repeat_interleave(piece_branch, piece_lengths)
+    flat = to_device(flat, device)  # once: each sequence's index is a slice of it there
+    token_index: list[Tensor] = [flat.new_empty(0)] * count
+    at = 0  # where the unit's tokens start in `flat`
+    for unit, piece in zip(units, pieces):
+        prefix, offset = flat[at : at + piece[0]], at + piece[0]
+        for (i, _), n in zip(unit.branches, piece[1:]):
+            token_index[i] = torch.cat([prefix, flat[offset : offset + n]]) if n else prefix
             offset += n
-
+        at = offset
+    input_ids, position_ids, segment, branch = (to_device(t.view(n_rows, width), device)
+                                                for t in (input_ids, position_ids, segment, branch))
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # (C, C)
     same = (segment[:, :, None] == segment[:, None, :]) & (segment != -1)[:, :, None]  # (R, C, C)
     visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])  # key in the prefix or own rest
