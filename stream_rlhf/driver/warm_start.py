@@ -8,7 +8,9 @@ images included) give a policy that sometimes succeeds. A multi-turn task's demo
 made of turns (`data/demonstration.py`): tool_sums shows a calculator call, its result and the
 answer on `task.tool_fraction` of them, shapes_dialogue both questions; the policy's turns are
 trained on, the observations between them are input only (no loss), as in RL. A
-vision-language model trains its vision tower here too; RL then keeps it frozen. The result is saved under
+vision-language model trains its vision tower here too; RL then keeps it frozen. It trains on the
+job's device (`placement.device`; `stream-rlhf run` runs it in a child process there,
+`device_child.py`, when the cache lacks it: `warm_start_ready`). The result is saved under
 `model.warm_start.cache_dir/<hash>/`, where the hash covers the tiny model, the task, the SFT
 settings and the content of `data.train` (not its path: a cache folder copied to another machine
 or checkout is found there): a second run with the same settings loads it in a second. A config
