@@ -19,6 +19,10 @@ def where_am_i(tag: str) -> tuple[int, str, str]:
     return os.getpid(), mp.current_process().name, tag
 
 
+def job_name(cfg: RLJobConfig) -> tuple[int, str]:
+    return os.getpid(), cfg.name
+
+
 def refuse(key: str) -> None:
     raise ConfigError(f"{key}: refused in the child")
 
@@ -35,5 +39,8 @@ def test_a_cpu_job_runs_it_in_the_driver():
 def test_a_cuda_job_runs_it_in_a_named_child_and_raises_its_error_here():
     pid, name, tag = on_job_device(job("cuda"), "warm start", where_am_i, "y")
     assert pid != os.getpid() and name == "warm start" and tag == "y"
+    cfg = job("cuda")
+    child, name = on_job_device(cfg, "eval", job_name, cfg)  # the job's config travels as warm_start's does
+    assert child != os.getpid() and name == cfg.name
     with pytest.raises(ConfigError, match="data.train: refused in the child"):
         on_job_device(job("cuda"), "eval", refuse, "data.train")
