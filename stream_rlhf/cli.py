@@ -339,13 +339,10 @@ def _plan(args: argparse.Namespace, prepare: bool) -> JobPlan:
 def _prepare(cfg: RLJobConfig) -> None:
     """Write the dataset and warm-start once (both cached), as `stream-rlhf run` does first (on a
     GPU job in a child process: the broker this precedes holds no CUDA context)."""
-    from stream_rlhf.driver.device_child import on_job_device
-    from stream_rlhf.driver.warm_start import warm_start, warm_start_ready
+    from stream_rlhf.driver.warm_start import warm_start_off_driver
     from stream_rlhf.rl.task_data import resolve_data
 
-    cfg = resolve_data(cfg)
-    if not warm_start_ready(cfg):
-        on_job_device(cfg, "warm start", warm_start, cfg)
+    warm_start_off_driver(resolve_data(cfg))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

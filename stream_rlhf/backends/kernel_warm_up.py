@@ -17,6 +17,8 @@ mini-batch: 1.2 s of the main job's first iteration on an H200; rollout warms it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
@@ -37,39 +39,53 @@ def _plain_tokens(model: torch.nn.Module, count: int) -> torch.Tensor:
 
 def warm_up_logprob_kernels(engine: TorchTrainEngine, trains: bool) -> int:
     """Launch every kernel variant the engine's steps will launch; returns how many were new."""
-    get_head = getattr(engine.model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
-    if head is None or backend_for(head.weight) != "triton":
+    head = _triton_head(engine.model)
+    if head is None:
         return 0
-    before = len(specialisations())
-    started = trace.now_ns()
-    sequence = _plain_tokens(engine.model, WARM_UP_TOKENS)
-    if trains:
-        for with_entropy_gradient in (False, True):
-            logp, entropy = engine.logprobs([sequence], 1.0, with_entropy=True)
-            loss = logp[0].sum() + (entropy[0].sum() if with_entropy_gradient else 0.0)
-            loss.backward()
-        engine.optimizer.zero_grad()  # nothing of the warm-up reaches a step
-    else:
-        with torch.inference_mode():
-            engine.logprobs([sequence], 1.0)
-    added = len(specialisations()) - before
-    trace.complete("kernel warm-up", "compile", started, trace.now_ns(), specialisations=added, trains=trains)
-    return added
+
+    def launch() -> None:
+        sequence = _plain_tokens(engine.model, WARM_UP_TOKENS)
+        if trains:
+            for with_entropy_gradient in (False, True):
+                logp, entropy = engine.logprobs([sequence], 1.0, with_entropy=True)
+                loss = logp[0].sum() + (entropy[0].sum() if with_entropy_gradient else 0.0)
+                loss.backward()
+            engine.optimizer.zero_grad()  # nothing of the warm-up reaches a step
+        else:
+            with torch.inference_mode():
+                engine.logprobs([sequence], 1.0)
+
+    return _compiled(launch, trains)
 
 
 def warm_up_sampling_kernel(model: torch.nn.Module) -> int:
     """Launch the sampler's kernel once, on one row of fp32 logits of the model's width (decode
     steps take `.float()` of the LM head's output); returns how many specialisations were new."""
-    head = model.get_output_embeddings()
-    if head is None or backend_for(head.weight) != "triton":
+    head = _triton_head(model)
+    if head is None:
         return 0
+
+    def launch() -> None:
+        device = head.weight.device
+        with torch.inference_mode():
+            logprobs_from_logits(torch.zeros(1, head.weight.shape[0], device=device),
+                                 torch.zeros(1, dtype=torch.long, device=device))
+
+    return _compiled(launch, trains=False)
+
+
+def _triton_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's LM head when the log-prob kernels run Triton on it; None otherwise (nothing to warm)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    return head if head is not None and backend_for(head.weight) == "triton" else None
+
+
+def _compiled(launch: Callable[[], None], trains: bool) -> int:
+    """Run `launch` as a "kernel warm-up" span of the trace; the specialisations it added."""
     before = len(specialisations())
     started = trace.now_ns()
-    device = head.weight.device
-    with torch.inference_mode():
-        logprobs_from_logits(torch.zeros(1, head.weight.shape[0], device=device),
-                             torch.zeros(1, dtype=torch.long, device=device))
+    launch()
     added = len(specialisations()) - before
-    trace.complete("kernel warm-up", "compile", started, trace.now_ns(), specialisations=added, trains=False)
+    trace.complete("kernel warm-up", "compile", started, trace.now_ns(), specialisations=added, trains=trains)
     return added

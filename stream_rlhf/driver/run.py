@@ -109,7 +109,7 @@ class RLRun:
     def prepare(self) -> Launcher:
         from stream_rlhf.driver.device_child import on_job_device
         from stream_rlhf.driver.evaluate import evaluate
-        from stream_rlhf.driver.warm_start import warm_start, warm_start_ready
+        from stream_rlhf.driver.warm_start import warm_start_off_driver
         from stream_rlhf.models.checkpoint import is_vision_language
         from stream_rlhf.rl.task_data import resolve_data
 
@@ -131,9 +131,8 @@ class RLRun:
         started_from = self.resumed.start_checkpoint if self.resumed else None
         if started_from and Path(started_from).is_dir():
             self.checkpoint = started_from
-        else:  # trained on the job's device: in a child process there (`device_child.py`)
-            self.checkpoint = str(warm_start(self.cfg) if warm_start_ready(self.cfg)
-                                  else on_job_device(self.cfg, "warm start", warm_start, self.cfg))
+        else:
+            self.checkpoint = str(warm_start_off_driver(self.cfg))
         self.vision_language = is_vision_language(self.checkpoint)
         if self.vision_language and self.cfg.reward.model_path is not None:
             raise ConfigError(f"reward.model_path={self.cfg.reward.model_path!r}: reward models are text-only, "

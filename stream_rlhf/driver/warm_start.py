@@ -10,7 +10,7 @@ answer on `task.tool_fraction` of them, shapes_dialogue both questions; the poli
 trained on, the observations between them are input only (no loss), as in RL. A
 vision-language model trains its vision tower here too; RL then keeps it frozen. It trains on the
 job's device (`placement.device`; `stream-rlhf run` runs it in a child process there,
-`device_child.py`, when the cache lacks it: `warm_start_ready`). The result is saved under
+`device_child.py`, when the cache lacks it: `warm_start_off_driver`). The result is saved under
 `model.warm_start.cache_dir/<hash>/`, where the hash covers the tiny model, the task, the SFT
 settings and the content of `data.train` (not its path: a cache folder copied to another machine
 or checkout is found there): a second run with the same settings loads it in a second. A config
@@ -38,6 +38,7 @@ from stream_rlhf.data.rows import dataset_sha256
 from stream_rlhf.data.task_config import DataConfig, TaskConfig
 from stream_rlhf.data.text_tasks import problems
 from stream_rlhf.data.tokenizer import load_tokenizer
+from stream_rlhf.driver.device_child import on_job_device
 from stream_rlhf.models.checkpoint import build_tiny, load_policy, save_checkpoint
 from stream_rlhf.models.medusa import MedusaHeads, heads_folder, save_heads
 from stream_rlhf.models.packing import packed_hidden_states
@@ -143,6 +144,13 @@ def _sft_device(cfg: RLJobConfig) -> torch.device:
     hundreds of millions of parameters is not trained on the host's cores. The cache entry does
     not depend on it (a CPU-trained entry serves a GPU job and the other way round)."""
     return torch.device(cfg.placement.resolved_device())
+
+
+def warm_start_off_driver(cfg: RLJobConfig) -> Path:
+    """`warm_start` for a process that lives as long as the job (the driver, `broker CONFIG`): what
+    must be trained is trained in a child process on a GPU job (`device_child.py`), so that this
+    one holds no CUDA context; a cached warm start is only found here."""
+    return warm_start(cfg) if warm_start_ready(cfg) else on_job_device(cfg, "warm start", warm_start, cfg)
 
 
 def warm_start_ready(cfg: RLJobConfig) -> bool:

@@ -26,7 +26,6 @@ as they would over separate copies.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -200,15 +199,12 @@ def _lay_out(units: list[_Unit], count: int, capacity: int, pad_id: int) -> Pack
     piece_branch = torch.tensor([b for piece in pieces for b in range(len(piece))])  # 0 = the prefix
     piece_position = torch.tensor([0 if b == 0 else piece[0] for piece in pieces for b in range(len(piece))])
     unit_flat = torch.tensor([row * width + start for row, start in placement])  # where each unit begins
-    within = torch.arange(len(tokens)) - torch.repeat_interleave(  # offset of each token in its unit
-        torch.tensor([0, *itertools.accumulate(lengths)][:-1]), torch.tensor(lengths))
-    flat = torch.repeat_interleave(unit_flat, torch.tensor(lengths)) + within  # (N,) row * C + column
-    first = torch.cumsum(piece_lengths, 0) - piece_lengths  # each piece's first token in `tokens`
-    step = torch.arange(len(tokens)) - torch.repeat_interleave(first, piece_lengths)  # offset in its piece
+    unit_lengths = torch.tensor(lengths)
+    flat = torch.repeat_interleave(unit_flat, unit_lengths) + _offsets(unit_lengths)  # (N,) row * C + column
     input_ids = torch.full((n_rows * width,), pad_id, dtype=torch.long)
     input_ids[flat] = tokens.cpu().long()
     position_ids = torch.zeros(n_rows * width, dtype=torch.long)
-    position_ids[flat] = torch.repeat_interleave(piece_position, piece_lengths) + step
+    position_ids[flat] = torch.repeat_interleave(piece_position, piece_lengths) + _offsets(piece_lengths)
     segment = torch.full((n_rows * width,), -1, dtype=torch.long)  # -1 = padding
     segment[flat] = torch.repeat_interleave(piece_unit, piece_lengths)
     branch = torch.zeros(n_rows * width, dtype=torch.long)  # 0 = the prefix
@@ -231,6 +227,12 @@ def _lay_out(units: list[_Unit], count: int, capacity: int, pad_id: int) -> Pack
     mask = (same & causal & visible) | torch.eye(width, dtype=torch.bool, device=device)  # (R, C, C)
     shares = any(len(unit.branches) > 1 for unit in units)
     return Packed(input_ids, position_ids, mask[:, None], token_index, shares)
+
+
+def _offsets(lengths: Tensor) -> Tensor:
+    """Each element's offset within its run, for runs of `lengths` laid end to end: (sum(lengths),)."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
 
 
 def unpack(values: Tensor, packed: Packed) -> list[Tensor]:
