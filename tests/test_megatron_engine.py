@@ -221,7 +221,10 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
         found[f"{name}.train.moved"] = max((b[k] - _models()[name].state_dict()[k]).abs().max().item() for k in b)
         state = Path(out + f".{name}.state")
         snapshot = engine.snapshot_state()
+        weights, exported = engine.snapshot_weights(), engine.export_weights()
+        exported = {k: v.clone() for k, v in exported.items()}
         engine.train_step(exp, loss_of(engine), {key: targets})  # training goes on before the write
+        found[f"{name}.weights_snapshot_kept"] = all(torch.equal(weights[k], exported[k]) for k in exported)
         if snapshot is not None:
             torch.save(snapshot, state)
         group.barrier()  # the leader wrote it
@@ -333,5 +336,6 @@ def test_megatron_engine_matches_the_torch_engine(tmp_path, world, tp, pp):
         for step in range(2):
             assert found[f"{name}.train.loss.{step}"] < 1e-5 and found[f"{name}.train.grad_norm.{step}"] < 1e-5
         assert found[f"{name}.resumes_exactly"] is True, name
+        assert found[f"{name}.weights_snapshot_kept"] is True, name  # a background publish writes it as it was
     _assert_one_step_each(found)
     assert found["save_load"] is True

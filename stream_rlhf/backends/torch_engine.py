@@ -102,6 +102,7 @@ class TorchTrainEngine:
         self.model.train(optimizer is not None)
         self._host_buffers: dict[tuple, Tensor] = {}  # pinned host copies of what offload moved (CUDA)
         self._snapshots = HostSnapshots()  # host copies of the state checkpoints write
+        self._weight_snapshots = HostSnapshots()  # host copies of the versions a background publish writes
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -198,6 +199,13 @@ class TorchTrainEngine:
                     full[id(tensor)] = tensor.detach().cpu()
             out[name] = full[id(tensor)]
         return out
+
+    def snapshot_weights(self) -> dict[str, Tensor]:
+        """Sharded, the gathered copies `export_weights` makes anyway; unsharded, the live tensors
+        copied into host buffers kept for the next call (pinned, without a wait per tensor, from a GPU)."""
+        if self.sharded:
+            return self.export_weights()
+        return self._weight_snapshots.take(self.model.state_dict(keep_vars=True))
 
     def trained_names(self) -> list[str]:
         return [name for name, p in self.model.named_parameters() if p.requires_grad]

@@ -64,6 +64,11 @@ class TrainEngine(Protocol):
     def export_weights(self, trainable_only: bool = False) -> dict[str, Tensor]:
         """Full tensors in Hugging Face names, on the CPU (tied weights share one tensor)."""
 
+    def snapshot_weights(self) -> dict[str, Tensor]:
+        """`export_weights` as host copies training no longer changes, for a thread to write while
+        the next steps run (`stages/weight_publish.py`); overwritten by the next call (every rank
+        calls it, like `export_weights`)."""
+
     def trained_names(self) -> list[str]:
         """Hugging Face names of the trained parameters (a tied LM head once, as the embedding;
         no frozen vision tower): what weight sync sends to rollout."""

@@ -1,5 +1,6 @@
 """Checkpoint writes off the training thread: training hands a write over and goes on; the write
-(files, checksums, manifest, rename into place, prune) runs in a thread of its own.
+(files, checksums, manifest, rename into place, prune) runs in a thread of its own. Trainers
+publish their weight versions the same way (`kind="weights"`, `stages/weight_publish.py`).
 
     writer = BackgroundWriter(background=cfg.checkpoint.background, name="actor checkpoint")
     writer.submit(version, lambda: store.write_part(version, "actor", fill))   # returns at once
@@ -44,10 +45,12 @@ def write_delay() -> None:
 
 
 class BackgroundWriter:
-    def __init__(self, background: bool, name: str):
+    def __init__(self, background: bool, name: str, kind: str = "checkpoint"):
         self.background = background
         self.name = name
         """The thread's name (and its track in the trace)."""
+        self.kind = kind
+        """What is written: names the trace's spans ("<kind> write", "<kind> wait") and a failure."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -56,7 +59,7 @@ class BackgroundWriter:
         now without `background`."""
         self.wait()
         if not self.background:
-            with trace.span("checkpoint write", "checkpoint", version=version, background=0):
+            with trace.span(f"{self.kind} write", self.kind, version=version, background=0):
                 write()
             return
         self._thread = threading.Thread(target=self._run, args=(version, write), name=self.name)
@@ -65,17 +68,17 @@ class BackgroundWriter:
     def wait(self) -> None:
         """Until the pending write (if any) is done; raises what it raised."""
         if self._thread is not None:
-            with trace.span("checkpoint wait", "checkpoint"):
+            with trace.span(f"{self.kind} wait", self.kind):
                 self._thread.join()
             self._thread = None
         if (error := self._error) is not None:
             self._error = None
-            raise RuntimeError(f"{self.name}: a background checkpoint write failed") from error
+            raise RuntimeError(f"{self.name}: a background {self.kind} write failed") from error
 
     def _run(self, version: int, write: Callable[[], None]) -> None:
         _float_over_every_core()
         try:
-            with trace.span("checkpoint write", "checkpoint", version=version, background=1):
+            with trace.span(f"{self.kind} write", self.kind, version=version, background=1):
                 write()
         except BaseException as error:  # handed to the training thread at its next submit or wait
             self._error = error

@@ -10,7 +10,9 @@ happen). With k >= 1 the loss is decoupled PPO: clipped against the proximal pol
 the iteration starts from), weighted by the truncated importance ratio proximal / behaviour. The
 proximal log-probs come from the actor forward only with k = 0 (it then has exactly these weights);
 with k >= 1 the dataflow has no actor forward and they are computed here, once, or taken from the
-one optimizer step's own forward. After the last iteration it saves the checkpoint, writes
+one optimizer step's own forward. The new version and its weights_ready go out inside the
+iteration or, with `weights.publish: background` (auto on a GPU), on a thread of their own while the
+next iteration trains (`weight_publish.py`). After the last iteration it saves the checkpoint, writes
 train_summary.json and stops the job. The leader logs a few samples of each mini-batch token by token
 (`telemetry/sample_log.py`). With several ranks the policy is sharded over them (FSDP2,
 `backends/torch_engine.py`), each optimizer step's samples are split, and the leader alone writes
@@ -43,7 +45,9 @@ from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
+from stream_rlhf.stages.weight_publish import VersionPublisher, publishes_in_background
 from stream_rlhf.stages.weight_sync import open_sender
+from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.episodes import episode_metrics
 from stream_rlhf.telemetry.metrics import MetricsWriter
 from stream_rlhf.telemetry.sample_log import SampleLog
@@ -75,6 +79,8 @@ class ActorTrain(Stage):
         self.weights = WeightStore(self.job.weights_root, "actor")
         leader = ctx.group.is_leader
         self.sender = open_sender(self.job) if leader else None  # rollout's weights.transport (weights/transport.py)
+        background = publishes_in_background(cfg.weights, self.engine.device)
+        self.publisher = VersionPublisher(self.engine, background, "actor")
         self.checkpoints = TrainerCheckpoints(self.job, "actor", self.engine, ctx.group)
         if (state := self.checkpoints.resume()) is not None:
             self._restore(state)
@@ -96,6 +102,7 @@ class ActorTrain(Stage):
         return []
 
     def close(self) -> None:
+        self.publisher.wait()
         self.checkpoints.save_at_stop(self.iteration, self._state())
         if self.sender is not None:
             self.sender.close()
@@ -135,7 +142,8 @@ class ActorTrain(Stage):
         record = {"iteration": iteration}
         warmup = iteration < self.warmup
         if fresh:
-            exp = Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh])
+            with trace.span("experience", "train", samples=sum(b.num_samples for b in fresh)):
+                exp = Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh])
             record.update(self._warmup_record(exp) if warmup else self._update(exp, fresh))
         if self.job.config.rollout.medusa.enabled:
             record.update(_decoding_metrics(batches))
@@ -144,8 +152,7 @@ class ActorTrain(Stage):
         self.iteration += 1
         if not warmup:
             self.version += 1
-            self._publish()
-            self.ctx.send_control("weights_ready", self.version)
+            self.publisher.publish(self.version, self._put_out, self.ctx.group.is_leader)
         now = time.time()
         record.update(iteration_s=round(now - self.last_done, 3), policy_version=self.version,
                       wall_s=round(now - self.started, 3))
@@ -183,11 +190,13 @@ class ActorTrain(Stage):
     def _update(self, exp: Experience, batches: list[Batch]) -> dict[str, float]:
         cfg = self.job.config
         algo = cfg.algorithm
-        kl = exp.kl(algo.kl.kind)  # (N, R)
-        kl_mean = masked_mean(kl, exp.mask).item()
-        advantages, _ = advantages_of(exp, self.job, self.kl_ctl.coef)
+        with trace.span("advantages", "train"):
+            kl = exp.kl(algo.kl.kind)  # (N, R)
+            kl_mean = masked_mean(kl, exp.mask).item()
+            advantages, _ = advantages_of(exp, self.job, self.kl_ctl.coef)
         if self.samples is not None:
-            self.samples.write(batches, exp, advantages, kl, self.version)
+            with trace.span("samples log", "train"):
+                self.samples.write(batches, exp, advantages, kl, self.version)
         proximal, recomputed = self._proximal_logp(exp, batches)
         generator = seeded_generator(cfg.seed, "actor_train", self.version)
         means = MetricMeans()
@@ -196,7 +205,8 @@ class ActorTrain(Stage):
                 per_sample = {"advantages": advantages[index]}
                 if proximal is not None:
                     per_sample["proximal"] = proximal[index]
-                means.add(self.engine.train_step(exp.select(index), self._loss, per_sample))
+                with trace.span("optimizer step", "train", samples=len(index)):
+                    means.add(self.engine.train_step(exp.select(index), self._loss, per_sample))
         self.kl_ctl.update(kl_mean, exp.num_samples)
         self.trained += exp.num_samples
         staleness = (self.version - exp.policy_versions).float()
@@ -252,15 +262,13 @@ class ActorTrain(Stage):
             loss = loss + algo.entropy_coef * ent_term
         return loss, metrics
 
-    def _publish(self) -> None:
-        """The new version to the store (forwards, shm rollout) and the rollout groups; gathered on
-        every rank, written by the leader."""
-        weights = self.engine.export_weights()
-        if not self.ctx.group.is_leader:
-            return
-        self.weights.publish(weights, self.version)
+    def _put_out(self, weights: dict[str, Tensor], version: int) -> None:
+        """The leader's part of publishing `version` (`weight_publish.py`): the store (forwards, shm
+        rollout), the rollout groups, then weights_ready."""
+        self.weights.publish(weights, version)
         if self.sender is not None:
-            self.sender.publish([(name, weights[name]) for name in self.trained_names], self.version)
+            self.sender.publish([(name, weights[name]) for name in self.trained_names], version)
+        self.ctx.send_control("weights_ready", version)
 
     def _proximal_logp(self, exp: Experience, batches: list[Batch]) -> tuple[torch.Tensor | None, bool]:
         """(N, R) log-probs under the weights this iteration starts from: the proximal policy the
@@ -273,8 +281,9 @@ class ActorTrain(Stage):
         algo = self.job.config.algorithm
         if exp.old_logp is None and algo.ppo_epochs == 1 and algo.train_minibatches == 1:
             return None, False
-        logp = self.engine.forward_logprobs(exp.sequences, self.job.config.rollout.temperature, images=exp.images,
-                                            prompt_lens=exp.prompt_lens)
+        with trace.span("proximal forward", "train", samples=exp.num_samples):
+            logp = self.engine.forward_logprobs(exp.sequences, self.job.config.rollout.temperature,
+                                                images=exp.images, prompt_lens=exp.prompt_lens)
         return exp.padded(response_slices(logp, exp.prompt_lens)), True
 
     def _finish(self) -> None:
@@ -296,6 +305,7 @@ class ActorTrain(Stage):
         }
         (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
         self.ctx.log.info("trained %d iterations: checkpoint %s", self.iteration, checkpoint)
+        self.publisher.wait()  # the last weights_ready before the shutdown
         self.ctx.send_control("shutdown", -1)
 
 

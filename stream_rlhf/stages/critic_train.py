@@ -26,6 +26,8 @@ from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
 from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
+from stream_rlhf.stages.weight_publish import VersionPublisher, publishes_in_background
+from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.metrics import MetricsWriter
 from stream_rlhf.weights.shm_store import WeightStore
 from stream_rlhf.weights.transport import WeightSender
@@ -45,11 +47,13 @@ class CriticTrain(Stage):
         self.engine = build_train_engine(self.job.config, "critic_train", self.job.checkpoint, ctx.group, cfg.critic)
         self.weights = WeightStore(self.job.weights_root, "critic")
         self.sender = open_critic_sender(self.job) if ctx.group.is_leader else None
+        background = publishes_in_background(cfg.weights, self.engine.device)
+        self.publisher = VersionPublisher(self.engine, background, "critic")
         self.checkpoints = TrainerCheckpoints(self.job, "critic", self.engine, ctx.group)
         if (state := self.checkpoints.resume()) is not None:
             self.version, self.kl_ctl.coef = state["version"], state["kl_coef"]
             if crosses_hosts():  # a resumed critic_forward asks for this version (every rank exports)
-                self._send(self.engine.export_weights())
+                self._send(self.engine.export_weights(), self.version)
         self.metrics = MetricsWriter(self.job.run_dir, "critic", "critic_metrics.jsonl", purge_step=self.version) \
             if ctx.group.is_leader else None
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
@@ -68,35 +72,42 @@ class CriticTrain(Stage):
             actor_version = policy_version_at(self.version, cfg.critic.warmup_iterations)
             fresh, _ = split_by_staleness(batches, actor_version, cfg.overlap_depth)  # actor_train counts drops
             if fresh:
-                self._update(Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh]))
+                with trace.span("experience", "train", samples=sum(b.num_samples for b in fresh)):
+                    exp = Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh])
+                self._update(exp)
             self.version += 1
-            weights = self.engine.export_weights()
-            if self.ctx.group.is_leader:
-                self.weights.publish(weights, self.version)
-                self._send(weights)
+            self.publisher.publish(self.version, self._put_out, self.ctx.group.is_leader)
             self.checkpoints.iteration_done(self.version, {"kl_coef": self.kl_ctl.coef})
         return []
 
     def close(self) -> None:
+        self.publisher.wait()
         self.checkpoints.save_at_stop(self.version, {"kl_coef": self.kl_ctl.coef})
         if self.sender is not None:
             self.sender.close()
 
-    def _send(self, weights: dict[str, Tensor]) -> None:
+    def _put_out(self, weights: dict[str, Tensor], version: int) -> None:
+        """The leader's part of publishing `version` (`weight_publish.py`)."""
+        self.weights.publish(weights, version)
+        self._send(weights, version)
+
+    def _send(self, weights: dict[str, Tensor], version: int) -> None:
         """To critic_forward on another host (`critic_weights.py`), after the store has the version."""
         if self.sender is not None:
-            self.sender.publish(weights.items(), self.version)
+            self.sender.publish(weights.items(), version)
 
     def _update(self, exp: Experience) -> None:
         cfg = self.job.config
         algo = cfg.algorithm
-        kl_mean = masked_mean(exp.kl(algo.kl.kind), exp.mask).item()
-        _, returns = advantages_of(exp, self.job, self.kl_ctl.coef)
+        with trace.span("returns", "train"):
+            kl_mean = masked_mean(exp.kl(algo.kl.kind), exp.mask).item()
+            _, returns = advantages_of(exp, self.job, self.kl_ctl.coef)
         generator = seeded_generator(cfg.seed, "critic_train", self.version)
         means = MetricMeans()
         for _ in range(algo.ppo_epochs):
             for index in minibatch_indices(exp.num_samples, algo.train_minibatches, generator):
-                metrics = self.engine.train_step(exp.select(index), self._loss, {"returns": returns[index]})
+                with trace.span("optimizer step", "train", samples=len(index)):
+                    metrics = self.engine.train_step(exp.select(index), self._loss, {"returns": returns[index]})
                 metrics["value_loss"] = metrics.pop("loss")
                 means.add(metrics)
         self.kl_ctl.update(kl_mean, exp.num_samples)

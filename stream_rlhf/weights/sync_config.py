@@ -26,6 +26,12 @@ class WeightSyncConfig:
     """`broadcast` / `cuda_ipc`: parameters travel in flat buckets of at most this many MiB."""
     timeout_s: Annotated[float, Meta(gt=0)] = 180.0
     """How long a weight-sync group waits for its ranks to join."""
+    publish: Literal["auto", "sync", "background"] = "auto"
+    """How a trainer puts out each new version (the store's file, the senders, then actor_train's
+    weights_ready): `sync` inside the iteration; `background` after a host snapshot of the weights,
+    on a thread of its own while the next iteration trains (a stage waiting for the version waits
+    as long as the write takes, as with sync); `auto`: background on a GPU, sync on the CPU, where
+    the snapshot copies as many bytes as the write (`stages/weight_publish.py`)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -94,6 +94,7 @@ class MegatronTrainEngine:
         self._step_outputs: tuple[list[Tensor], Batch, Tensor] | None = None
         self._host = HostCopies()  # what offload moved to host memory (CUDA)
         self._snapshots = HostSnapshots()  # host copies of the state checkpoints write
+        self._weight_snapshots = HostSnapshots()  # host copies of the versions a background publish writes
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -252,6 +253,11 @@ class MegatronTrainEngine:
         """Full tensors in Hugging Face names, on the CPU, on every rank (every rank must call it)."""
         trained = export_hf_state(self.model, self.layout)
         return trained if trainable_only else {**trained, **self.frozen}
+
+    def snapshot_weights(self) -> dict[str, Tensor]:
+        """`export_weights` copied into host buffers kept for the next call: at tp 1 on the CPU an
+        exported tensor may be the live parameter itself."""
+        return self._weight_snapshots.take(self.export_weights())
 
     def trained_names(self) -> list[str]:
         return [name for name in self.layout.hf_shapes

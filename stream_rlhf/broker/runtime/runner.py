@@ -133,6 +133,8 @@ class StageRunner:
         self._pipe_in.bind(self._pipe_address)
         self._pipe_out = self._context.socket(zmq.PAIR)
         self._pipe_out.connect(self._pipe_address)
+        self._pipe_out_lock = threading.Lock()
+        """The stage thread and a stage's own threads (a background weights publish) send through the pipe."""
         self._encoder = msgspec.msgpack.Encoder()
         self._io_thread = threading.Thread(target=self._io_loop, name=f"{instance_id}-io", daemon=True)
         self._heartbeat_interval = 0.5
@@ -299,7 +301,8 @@ class StageRunner:
         if threading.current_thread() is self._io_thread:
             self._to_broker(frame)
         else:
-            self._pipe_out.send(frame)
+            with self._pipe_out_lock:
+                self._pipe_out.send(frame)
 
     def _shutdown(self) -> None:
         self.state = RunnerState.STOPPED
@@ -310,7 +313,8 @@ class StageRunner:
         finally:
             if self._io_thread.is_alive():
                 self._io_stop.set()
-                self._pipe_out.send(b"")  # wake the io thread now, not at its next heartbeat
+                with self._pipe_out_lock:
+                    self._pipe_out.send(b"")  # wake the io thread now, not at its next heartbeat
                 self._io_thread.join(timeout=5)
             self.transport.close()
             self._pipe_out.close(linger=0)
