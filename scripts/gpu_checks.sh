@@ -3,8 +3,8 @@
 # root, with a Python that has this project's dependencies (`pip install -e ".[test]"`, no -c).
 #
 #     scripts/gpu_checks.sh OUT_DIR [PART ...]     PART: tests megatron sampler offload kernels weights medusa
-#                                                  jobs pipeline speed medusa358 agentic sharing (default: all but
-#                                                  the last four)
+#                                                  jobs pipeline speed medusa358 agentic sharing profile (default:
+#                                                  all but the last five)
 #
 #   tests     pytest -m gpu, Triton compiled for the device (TRITON_INTERPRET=0): kernels vs
 #             references, CUDA IPC weight sync, engine offload round trip, whole jobs on cuda:0
@@ -32,7 +32,7 @@
 #             fp32 and 358M bf16 rows, 64 fixed answer tokens, their warm starts trained on the GPU, TRL
 #             with use_cpu=False: carry TRL's wheels in .whl/ or set TRL_PYTHON), and the main job with
 #             every stage on cuda:0 and an empty Triton cache: its first and median iteration, and the
-#             slowest after the second against the median
+#             slowest after the second against the median, and the trainers' phases (seconds per iteration)
 #   medusa358 issue 32's Medusa target, 200 s at most: bench/medusa.py --device cuda --model 358M
 #   agentic   issue 34 on the GPU, 150 + 300 s at most: bench/agentic_rollout.py --device cuda (the episode
 #             engine alone: lock-step against 1, 2 and 4 mini-batches of tool-using episodes in flight, the
@@ -42,6 +42,9 @@
 #             main job on cuda:0 as separate
 #             processes, in two device groups, and under a CUDA MPS server started for it: iteration time and
 #             nvidia-smi device memory, contexts included; the fastest and the leanest named)
+#   profile   issue 32's main-job median, 150 s at most: the main job on cuda:0 with py-spy (native frames) on
+#             actor_train and critic_train for 20 s each (OUT_DIR/<stage>.raw; carry py-spy's wheel in .whl/),
+#             then its iteration times and the trainers' phases from its trace (seconds per iteration)
 #
 # Each part writes OUT_DIR/<part>.log (and its --json figures as the log's last line); one failing
 # part does not stop the others; the exit status is the number of parts that failed.
@@ -86,6 +89,45 @@ print(json.dumps({"iterations": len(times), "first_s": times[0], "median_s": med
         "runs/$1/metrics.jsonl"
 }
 
+trainer_phases() {  # the trainers' spans of run $1 (cat "train"): mean seconds per iteration and per call
+    "$python" -c 'import json, collections, sys
+events = json.load(open(sys.argv[1]))
+events = events["traceEvents"] if isinstance(events, dict) else events
+names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+total, calls = collections.Counter(), collections.Counter()
+for e in events:
+    if e.get("ph") == "X" and (e.get("cat") == "train" or e["name"].endswith(" experience") or e["name"].startswith("weights")):
+        key = names.get(e["pid"], str(e["pid"])) + " " + e["name"]
+        total[key] += e["dur"] / 1e6
+        calls[key] += 1
+iterations = sum(1 for _ in open(sys.argv[2]))
+print(json.dumps({"iterations": iterations, "s_per_iteration": {k: round(v / iterations, 4) for k, v in total.most_common()},
+                  "s_per_call": {k: round(total[k] / calls[k], 4) for k in total}}))' "runs/$1/trace.json" "runs/$1/metrics.jsonl"
+}
+
+profile_trainers() {  # issue 32: where the GPU trainers' host time goes, 150 s at most: py-spy (carry its
+    # wheel in .whl/) on actor_train and critic_train for 20 s each, native frames included (CUDA waits)
+    local spy=/tmp/site/bin/py-spy name=gpu_profile_main
+    [ -x "$spy" ] || spy=$(command -v py-spy) || { echo "no py-spy: carry its wheel in .whl/" >&2; return 1; }
+    TRITON_CACHE_DIR=$(mktemp -d) timeout 120 "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml \
+        --set placement.device=cuda --set name=$name --set iterations=30 > "$out/profile_job.log" 2>&1 &
+    local job=$! waited=0
+    until [ "$(wc -l < "runs/$name/metrics.jsonl" 2>/dev/null || echo 0)" -ge 3 ]; do
+        sleep 1; waited=$((waited + 1))
+        [ $waited -lt 90 ] && kill -0 $job 2>/dev/null || { echo "the job gave no 3 iterations" >&2; wait $job; return 1; }
+    done
+    for stage in actor_train critic_train; do
+        local pid
+        pid=$(grep -o "$stage joined (pid [0-9]*" "$out/profile_job.log" | grep -o "[0-9]*$")
+        timeout 40 "$spy" record -p "$pid" -d 20 -r 100 --native --nonblocking -f raw -o "$out/$stage.raw" &
+    done
+    wait $job
+    local code=$?
+    wait
+    iteration_times $name && trainer_phases $name
+    return $code
+}
+
 stop_leftovers() {  # a command cut off by its timeout leaves its job's processes running: stop them first
     pkill -TERM -f 'stream_rlhf|trl_grpo' && sleep 10
     pkill -KILL -f 'stream_rlhf|trl_grpo|multiprocessing\.(spawn|forkserver)'
@@ -101,6 +143,7 @@ speed_checks() {  # issue 32: 60 + 270 + 90 s at most
     TRITON_CACHE_DIR=$(mktemp -d) timeout 90 "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml \
         --set placement.device=cuda --set name=gpu_speed_main --set iterations=12 || { failed=1; stop_leftovers; }
     iteration_times gpu_speed_main || failed=1
+    trainer_phases gpu_speed_main || failed=1
     return $failed
 }
 
@@ -136,7 +179,8 @@ run_part() {
                  local engine=$?
                  timeout 300 "$python" bench/agentic.py --device cuda --json && [ $engine -eq 0 ] ;;
         sharing) timeout 420 "$python" bench/gpu_sharing.py --iterations "${SHARING_ITERATIONS:-6}" --json ;;
-        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed medusa358 agentic sharing" >&2
+        profile) profile_trainers ;;
+        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed medusa358 agentic sharing profile" >&2
            return 2 ;;
     esac
 }
