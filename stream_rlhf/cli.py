@@ -400,10 +400,10 @@ def cmd_episodes(args: argparse.Namespace) -> int:
         raise ConfigError(f"--checkpoint {args.checkpoint}: no config.json there (a checkpoint folder)")
     cfg = resolve_data(cfg)  # the task's data, made once (cached), as `run` makes it
     checkpoint = args.checkpoint or str(warm_start(cfg))
-    records, seconds = episodes.try_episodes(cfg, checkpoint, args.count, args.greedy)
-    print(episodes.report(records, seconds))
+    records, seconds, decode = episodes.try_episodes(cfg, checkpoint, args.count, args.greedy)
+    print(episodes.report(records, seconds, decode))
     if args.json:
-        print(episodes.json_line(records, seconds))
+        print(episodes.json_line(records, seconds, decode))
     return 1 if episodes.failed(records) else 0
 
 

@@ -1,6 +1,6 @@
 """`stream-rlhf episodes CONFIG` (`driver/try_episodes.py`): an env job's first eval episodes played
 with a checkpoint and printed turn by turn, through the real CLI, episode loop, environment and
-scorer; exit 1 when an episode failed, 2 for a job it cannot play."""
+scorer, on the job's device and decoder; exit 1 when an episode failed, 2 for a job it cannot play."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from stream_rlhf import cli
 from stream_rlhf.models.checkpoint import build_tiny, save_checkpoint
@@ -51,7 +52,7 @@ def test_each_episode_is_printed_turn_by_turn(tmp_path, checkpoint, capsys):
         assert e["prompt"].startswith("<bos>") and e["prompt"].endswith("=")
     assert f"episode 0 (reference {episodes[0]['reference']!r}): done after 2 turns, 2 environment steps" in out
     assert "  observation  '=12'" in out
-    assert "3 episodes in " in out and "done 3; mean return 0.500; 6 environment steps" in out
+    assert "3 episodes in " in out and "(eager decode): done 3; mean return 0.500; 6 environment steps" in out
 
 
 def test_a_failed_episode_shows_its_message_and_exits_1(tmp_path, checkpoint, capsys):
@@ -62,6 +63,30 @@ def test_a_failed_episode_shows_its_message_and_exits_1(tmp_path, checkpoint, ca
     assert [e["ended"] for e in printed["episodes"]] == ["failed:raised"] * 2
     assert printed["episodes"][0]["failure"] == "Scripted.step raised ValueError: tool crashed"
     assert "  failure      Scripted.step raised ValueError: tool crashed" in out
+
+
+def test_the_episodes_decode_as_rollout_decode_says_with_the_eager_tokens(tmp_path, checkpoint, capsys):
+    env = {**SCRIPTED, "options": {"turns": 2, "observation": "=12"}}
+    config = _config(tmp_path, env=env)
+    played = {}
+    for mode in ("eager", "static"):
+        _, out, printed = _episodes(capsys, config, "--checkpoint", checkpoint, "--count", "3", "--set",
+                                    f"rollout.decode={mode}")
+        assert printed["decode"] == mode and f"({mode} decode)" in out
+        played[mode] = [{k: v for k, v in e.items() if k != "tool_s"} for e in printed["episodes"]]  # seconds differ
+    assert played["static"] == played["eager"] and all(e["segments"] for e in played["eager"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="plays the episodes on a CUDA device")
+def test_a_cuda_job_plays_its_episodes_on_the_gpu_as_on_the_cpu(tmp_path, checkpoint, capsys):
+    env = {**SCRIPTED, "options": {"turns": 2, "observation": "=12"}}
+    config = _config(tmp_path, env=env)
+    played = {device: _episodes(capsys, config, "--checkpoint", checkpoint, "--count", "3", "--greedy", "--set",
+                                f"placement.device={device}")[2]["episodes"] for device in ("cpu", "cuda")}
+    assert [[s["kind"] for s in e["segments"]] for e in played["cuda"]] == \
+        [[s["kind"] for s in e["segments"]] for e in played["cpu"]]
+    assert [e["return"] for e in played["cuda"]] == [e["return"] for e in played["cpu"]]
 
 
 @pytest.mark.parametrize(("env", "argv", "words"), [

@@ -20,10 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from stream_rlhf.backends.decode_attention import use_decode_attention
-from stream_rlhf.backends.static_decode import static_decoder
+from stream_rlhf.backends.static_decode import StaticDecoder, static_decoder
 from stream_rlhf.backends.static_sampler import sample
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.data.prompts_jsonl import PromptDataset
@@ -43,10 +44,7 @@ from stream_rlhf.stages.reward_forward import Scorer
 
 
 def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[str, Any]:
-    tokenizer = load_tokenizer(checkpoint)
-    model = load_policy(checkpoint).eval().to(cfg.placement.resolved_device())
-    use_decode_attention(model)
-    static = static_decoder(cfg.rollout.decode, next(model.parameters()).device, model)
+    tokenizer, model, static = eval_policy(cfg, checkpoint)
     items, dataset = eval_items(cfg, model, tokenizer)
     chunks = [items[first:first + batch_size] for first in range(0, len(items), batch_size)]
     chunk_images = [prompt_features(model, chunk) for chunk in chunks]  # encoded once, for both temperatures
@@ -73,6 +71,15 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
                 scores.append(scorer.score(rollout, [item[1] for item in chunk], [item[3] for item in chunk]))
             result[name] = round(torch.cat(scores).mean().item(), 4)
     return result
+
+
+def eval_policy(cfg: RLJobConfig, checkpoint: str) -> tuple[PreTrainedTokenizerBase, nn.Module, StaticDecoder | None]:
+    """The checkpoint's tokenizer and policy on the job's device, and the decoder `rollout.decode`
+    asks for there (None: eager)."""
+    tokenizer = load_tokenizer(checkpoint)
+    model = load_policy(checkpoint).eval().to(cfg.placement.resolved_device())
+    use_decode_attention(model)
+    return tokenizer, model, static_decoder(cfg.rollout.decode, next(model.parameters()).device, model)
 
 
 def eval_params(cfg: RLJobConfig, tokenizer: PreTrainedTokenizerBase, checkpoint: str,

@@ -8,11 +8,12 @@ For writing an environment (its tools, stop strings, limits) without starting th
 
 The prompts are the first COUNT of the evaluation's (the task's eval split or `data.eval`), played
 as evaluation plays them: the job's env config as it is (env.processes, limits, timeouts, stop
-strings, observation cuts), by the torch sampler whatever `rollout.backend` (as evaluation),
-sampled at rollout.temperature (or greedy) from seed `seed`. Texts keep their special tokens
-(`<eos>`, a template's end of turn) so that where a turn stopped shows; an image's run of tokens
-shows as <image>. An episode's return is the reward's score of its whole response plus its turn rewards.
-Exit status 1 when an episode failed.
+strings, observation cuts), by the torch sampler whatever `rollout.backend` (as evaluation), on the
+job's device (`placement.device`), decoding as `rollout.decode` says, sampled at
+rollout.temperature (or greedy) from seed `seed`. Texts keep their special tokens (`<eos>`, a
+template's end of turn) so that where a turn stopped shows; an image's run of tokens shows as <image>.
+An episode's return is the reward's score of its whole response plus its turn rewards. Exit status
+1 when an episode failed.
 """
 
 from __future__ import annotations
@@ -25,14 +26,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.config import ConfigError
-from stream_rlhf.data.tokenizer import load_tokenizer
-from stream_rlhf.driver.evaluate import eval_items, eval_params, prompt_features
+from stream_rlhf.driver.evaluate import eval_items, eval_params, eval_policy, prompt_features
 from stream_rlhf.driver.evaluate_episodes import play_episodes, returns_of
 from stream_rlhf.envs.episode import Episode
 from stream_rlhf.envs.episode_loop import EpisodeResult
-from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stages.job_context import JobContext
@@ -60,23 +58,23 @@ def check_request(cfg: RLJobConfig, count: int) -> None:
         raise ConfigError(f"--count {count}: must be >= 1")
 
 
-def try_episodes(cfg: RLJobConfig, checkpoint: str, count: int, greedy: bool) -> tuple[list[dict[str, Any]], float]:
-    """The first `count` eval prompts played as episodes: one record each (see `record`), and the
-    seconds they took."""
+def try_episodes(cfg: RLJobConfig, checkpoint: str, count: int,
+                 greedy: bool) -> tuple[list[dict[str, Any]], float, str]:
+    """The first `count` eval prompts played as episodes: one record each (see `record`), the
+    seconds they took and how they were decoded (eager, static or graphs)."""
     check_request(cfg, count)
-    tokenizer = load_tokenizer(checkpoint)
-    model = load_policy(checkpoint).eval()
-    use_decode_attention(model)
+    tokenizer, model, static = eval_policy(cfg, checkpoint)
     items = eval_items(cfg, model, tokenizer)[0][:count]
     params = eval_params(cfg, tokenizer, checkpoint, 0.0 if greedy else cfg.rollout.temperature)
     starts = [item[4] for item in items]
     started = time.perf_counter()
     with Scorer(JobContext(cfg, checkpoint, "")) as scorer:
         result = play_episodes(cfg, model, tokenizer, starts, [item[0] for item in items],
-                               prompt_features(model, items), params, seeded_generator(cfg.seed, "episodes"), None)
+                               prompt_features(model, items), params, seeded_generator(cfg.seed, "episodes"), static)
         returns = returns_of(result, starts, scorer).tolist()
     seconds = time.perf_counter() - started
-    return [record(result, i, tokenizer, starts[i].reference, returns[i]) for i in range(len(items))], seconds
+    records = [record(result, i, tokenizer, starts[i].reference, returns[i]) for i in range(len(items))]
+    return records, seconds, "eager" if static is None else static.mode
 
 
 def record(result: EpisodeResult, i: int, tokenizer: PreTrainedTokenizerBase, reference: str,
@@ -114,7 +112,7 @@ def _text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
     return IMAGE_SPAN.sub("<image>", tokenizer.decode(ids))
 
 
-def report(records: list[dict[str, Any]], seconds: float) -> str:
+def report(records: list[dict[str, Any]], seconds: float, decode: str) -> str:
     """The episodes turn by turn, then one line of totals."""
     lines = []
     for r in records:
@@ -129,14 +127,15 @@ def report(records: list[dict[str, Any]], seconds: float) -> str:
             lines.append(f"  {'failure':<12} {r['failure']}")
     ended = ", ".join(f"{why} {n}" for why, n in sorted(Counter(r["ended"] for r in records).items()))
     mean = sum(r["return"] for r in records) / len(records)
-    lines.append(f"{len(records)} episode{'s' if len(records) != 1 else ''} in {seconds:.1f} s: {ended}; "
+    lines.append(f"{len(records)} episode{'s' if len(records) != 1 else ''} in {seconds:.1f} s ({decode} decode): "
+                 f"{ended}; "
                  f"mean return {mean:.3f}; "
                  f"{sum(r['tool_calls'] for r in records)} environment steps")
     return "\n".join(lines)
 
 
-def json_line(records: list[dict[str, Any]], seconds: float) -> str:
-    return json.dumps({"episodes": records, "seconds": round(seconds, 3)})
+def json_line(records: list[dict[str, Any]], seconds: float, decode: str) -> str:
+    return json.dumps({"episodes": records, "seconds": round(seconds, 3), "decode": decode})
 
 
 def failed(records: list[dict[str, Any]]) -> bool:
