@@ -217,6 +217,12 @@ def test_the_sample_log_records_turn_spans_from_the_loss_mask(tmp_path):
     assert [len(line["tokens"]) for line in lines] == [5, 3, 6]
 
 
+def test_the_sample_log_marks_a_failed_episode_that_is_not_trained(tmp_path):
+    batch = _episode_batch([[1, 1, 0, 0, 1], [1, 1, 1], [1, 0, 1, 0, 1, 1]])
+    batch.tensors["trained"] = torch.tensor([True, False, True])  # env.failed_episodes: mask
+    assert [line["trained"] for line in _log(tmp_path, batch)] == [True, False, True]
+
+
 def test_a_single_turn_sample_has_no_turns(tmp_path):
     assert [line["turns"] for line in _log(tmp_path, _episode_batch(None))] == [None, None, None]
 

@@ -1,8 +1,8 @@
 """view.html in a real headless Chromium (Debian's, driven by Playwright; scripts/setup_browser.sh
 installs both): it renders every good sample, the colouring switch changes the tokens' computed
-colours, the order filter reorders the cards, the corrupt lines are reported, and a multi-turn
-sample shows its turns (policy tokens coloured, observations shaded). A missing browser
-fails the test, naming the setup script; it never skips."""
+colours, the order filter reorders the cards, the corrupt lines are reported, a multi-turn sample
+shows its turns (policy tokens coloured, observations shaded) and a failed episode left out of
+training is marked. A missing browser fails the test, naming the setup script; it never skips."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stream_rlhf.viewer.page import write_page
-from tests.test_viewer_page import BAD_LINES, write_episode_samples, write_samples
+from tests.test_viewer_page import BAD_LINES, write_episode_samples, write_samples, write_untrained_episode
 
 pytestmark = pytest.mark.slow  # a real Chromium process (scripts/setup_browser.sh installs it before the full suite)
 CHROMIUM = Path("/usr/bin/chromium")
@@ -123,6 +123,18 @@ def test_a_multi_turn_sample_shows_its_turns(page, tmp_path):
     page.check('input[name="colour"][value="kl"]')  # the scale leaves out the observation tokens
     assert page.inner_text("#legend-high") == "+0.130"  # token 13's KL, the largest on a policy token
     page.screenshot(path=SCREENSHOT or str(tmp_path / "view_turns.png"), full_page=True)
+
+
+@pytest.mark.parametrize("page", [write_untrained_episode], indirect=True)
+def test_a_failed_episode_left_out_of_training_is_marked_and_faded(page, tmp_path):
+    assert page.get_attribute(".sample:nth-child(1)", "class") == "sample untrained"
+    assert "not trained: a failed episode (env.failed_episodes: mask)" in page.inner_text(".sample:nth-child(1) .meta")
+    opacity = "el => getComputedStyle(el).opacity"
+    assert page.eval_on_selector(".sample:nth-child(1) .response", opacity) == "0.45"
+    assert page.get_attribute(".sample:nth-child(2)", "class") == "sample"  # a trained sample as before
+    assert "not trained" not in page.inner_text(".sample:nth-child(2) .meta")
+    assert page.eval_on_selector(".sample:nth-child(2) .response", opacity) == "1"
+    page.screenshot(path=SCREENSHOT or str(tmp_path / "view_untrained.png"), full_page=True)
 
 
 def _rgb(css: str) -> tuple[int, int, int]:

@@ -4,6 +4,7 @@ page's data, the `stream-rlhf view` command and its server on 127.0.0.1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -63,6 +64,14 @@ def write_episode_samples(run_dir: Path) -> list[SampleRecord]:
     single = SampleRecord(
         iteration=0, minibatch=0, sample=1, policy_version=0, staleness=0, reward=0.0, prompt="2+2=?", response="4",
         tokens=["4", "<eos>"], logprob=[-0.7, -0.01], advantage=[-0.3, -0.3], kl=[0.02, 0.0], images=[])
+    (run_dir / SAMPLES_FILE).write_text("".join(json.dumps(asdict(r)) + "\n" for r in (episode, single)))
+    return [episode, single]
+
+
+def write_untrained_episode(run_dir: Path) -> list[SampleRecord]:
+    """`write_episode_samples`' run with its multi-turn sample a failed episode left out of training."""
+    episode, single = write_episode_samples(run_dir)
+    episode = dataclasses.replace(episode, trained=False, advantage=[0.0] * len(episode.tokens))
     (run_dir / SAMPLES_FILE).write_text("".join(json.dumps(asdict(r)) + "\n" for r in (episode, single)))
     return [episode, single]
 

@@ -80,6 +80,9 @@ class SampleRecord:
     turns: list[tuple[int, int, str]] | None = None
     """[start, end) spans of the response's tokens, kind "policy" (loss mask 1) or "observation";
     None for a single-turn sample."""
+    trained: bool = True
+    """False for a failed episode that `env.failed_episodes: mask` leaves out of training: none of
+    its tokens carries a loss (its advantages are logged as 0)."""
 
 
 def logged_indices(num_samples: int, per_minibatch: int) -> list[int]:
@@ -143,6 +146,7 @@ class SampleLog:
             kl=None if kl is None else _rounded(kl[:width]),
             images=paths.split("\n") if paths else [],
             turns=_turns(batch, index, width),
+            trained=bool(batch.tensors["trained"][index]) if "trained" in batch.tensors else True,
         )
 
     def _prompt_text(self, ids: list[int]) -> str:

@@ -2,7 +2,8 @@
 // them when the iteration, the token colouring or the order changes. Text only ever goes in as
 // textContent. A multi-turn sample (its `turns`: [start, end, kind] spans) shows one block per
 // turn: policy tokens coloured, observation tokens shaded and left out of the colour scales and
-// the mean KL (they carry no loss).
+// the mean KL (they carry no loss). A failed episode left out of training (`trained: false`,
+// env.failed_episodes: mask) is marked so in its card, its tokens faded.
 "use strict";
 
 const DATA = JSON.parse(document.getElementById("data").textContent);
@@ -88,6 +89,10 @@ function card(sample) {
   if (sample.turns) {
     const turns = sample.turns.filter(([, , kind]) => kind === "policy").length;
     meta.append(element("span", "turns", `${turns} turn${turns === 1 ? "" : "s"}`));
+  }
+  if (!sample.trained) {  // a failed episode under env.failed_episodes: mask
+    node.classList.add("untrained");
+    meta.append(element("span", "untrained", "not trained: a failed episode (env.failed_episodes: mask)"));
   }
   const prompt = element("div", "prompt row");
   prompt.append(element("span", "label", "prompt"));
