@@ -26,9 +26,10 @@
 #   medusa    bench/medusa.py --device cuda: speculative decoding columns timed on the GPU
 #   jobs      stream-rlhf run text_grpo and mllm_ppo (the main job) with every torch stage on cuda
 #   pipeline  bench/pipeline.py: stream vs sync schedules, stages on cuda
-#   speed     issue 32's GPU checks in at most 7 minutes (warm starts carried; each command has its own
+#   speed     issue 32's GPU checks in at most 8 minutes (warm starts carried; each command has its own
 #             time limit, and a command cut off leaves its log): the GPU tests of the warm start on the
-#             device and the checkpoint snapshot's reserved pinned memory, bench/vs_trl.py --device cuda (the 90M
+#             device, the checkpoint snapshot's reserved pinned memory, the weights publish's pinned snapshot,
+#             the decode graphs' bucket ladder and `stream-rlhf episodes` on the device, bench/vs_trl.py --device cuda (the 90M
 #             fp32 and 358M bf16 rows, 64 fixed answer tokens, their warm starts trained on the GPU, TRL
 #             with use_cpu=False: carry TRL's wheels in .whl/ or set TRL_PYTHON), and the main job with
 #             every stage on cuda:0 and an empty Triton cache: its first and median iteration, and the
@@ -134,10 +135,12 @@ stop_leftovers() {  # a command cut off by its timeout leaves its job's processe
     return 0
 }
 
-speed_checks() {  # issue 32: 60 + 270 + 90 s at most
+speed_checks() {  # issue 32: 90 + 270 + 90 s at most
     local failed=0
-    timeout 60 "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_warm_start_device.py \
-        tests/test_background_checkpoints.py tests/test_torch_engine.py -k "warm_start or snapshot" || failed=1
+    timeout 90 "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_warm_start_device.py \
+        tests/test_background_checkpoints.py tests/test_torch_engine.py tests/test_static_decode_cuda.py \
+        tests/test_try_episodes.py tests/test_background_publish.py \
+        -k "warm_start or snapshot or first_batch or cuda_job or cuda_engine" || failed=1
     timeout 270 "$python" bench/vs_trl.py --device cuda --trl-python "${TRL_PYTHON:-$python}" --json ||
         { failed=1; stop_leftovers; }
     TRITON_CACHE_DIR=$(mktemp -d) timeout 90 "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml \

@@ -74,6 +74,25 @@ def test_a_background_version_is_written_as_it_was_while_training_changes_the_we
     assert not {p.data_ptr() for p in engine.model.parameters()} & {t.data_ptr() for t in snapshot.values()}
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="snapshots a CUDA engine's weights into pinned memory")
+def test_a_cuda_engine_publishes_pinned_host_copies_of_its_version():
+    torch.manual_seed(0)
+    engine = TorchTrainEngine(TiedModel(), RankGroup.single("cuda:0"), OptimizerConfig(lr=1e-2))
+    publisher = VersionPublisher(engine, background=True, name="test")
+    written: list[dict[str, Tensor]] = []
+    before = {k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()}
+    publisher.publish(1, lambda weights, version: written.append(weights), leader=True)
+    with torch.no_grad():  # queued on the device right after the snapshot's copies
+        for parameter in engine.model.parameters():
+            parameter.add_(1.0)
+    publisher.wait()
+    [weights] = written
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in weights.values())
+    for name, value in before.items():
+        assert torch.equal(weights[name], value), name
+
+
 def test_a_failed_background_write_is_raised_from_the_next_publish_or_wait():
     publisher = VersionPublisher(_engine(), background=True, name="actor")
 

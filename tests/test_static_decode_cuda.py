@@ -4,7 +4,10 @@ of Medusa's verification replayed from a CUDA graph captured per bucket.
   same generator), plain and Medusa, fp32 and under bf16 autocast;
 - greedy, they give the eager sampler's tokens (`torch_rollout.generate`, `generate_speculative`);
 - steady state captures nothing: a second call over the same buckets leaves `captures` unchanged,
-  and the count is one graph per (bucket, step kind, query length) used.
+  and the count is one graph per (bucket, step kind, query length) used;
+- the first call captures every smaller bucket its rows may move to (the ladder), so calls whose
+  rows finish at other steps capture nothing either (the first call's tokens, taken while it
+  captured the ladder over its own cache, are still the eager steps').
 """
 
 from __future__ import annotations
@@ -101,3 +104,17 @@ def test_graphed_medusa_gives_the_static_and_eager_tokens(lm):
     greedy = SamplingParams(0.0, 1.0, 12, (3,))
     _assert_same(generate_speculative(lm, heads, _prompts(), greedy)[0],
                  generate_speculative_static(lm, heads, graphs, _prompts(), greedy)[0])
+
+
+def test_the_first_batch_captures_every_bucket_a_later_one_moves_to(lm):
+    params = SamplingParams(0.8, 0.95, 16, (3, 5))
+    graphs = StaticDecoder(graphs=True)
+    generate_static(lm, graphs, _prompts(), params, _generator(0))
+    assert graphs.captures == 4  # 6 rows: "sample" in buckets of 8, 4, 2 and 1 slots
+    heads = MedusaHeads.from_policy(lm, 3).eval().to(CUDA)
+    generate_speculative_static(lm, heads, graphs, _prompts(), params, _generator(0))
+    assert graphs.captures == 4 + 4 * 4  # "verify" of 1 to 4 tokens (3 heads) in each of the 4 buckets
+    for seed in range(1, 6):  # other draws: rows finish at other steps and move to other buckets
+        generate_static(lm, graphs, _prompts(), params, _generator(seed))
+        generate_speculative_static(lm, heads, graphs, _prompts(), params, _generator(seed))
+    assert graphs.captures == 20

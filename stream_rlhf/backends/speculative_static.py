@@ -64,6 +64,7 @@ def generate_speculative_static(
     pending = sample_tokens(logits, params, generator)  # (B,) emitted, not yet in the cache
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
     forward = _verify_forward(model)
+    lengths = tuple(range(1, heads.num_heads + 2))  # k + 1 tokens a step; k drops on the last steps
 
     # responses, by prompt: column max_new is a dump for the writes that are cut
     out_ids = torch.full((batch, max_new + 1), params.pad_token_id, dtype=torch.long, device=device)
@@ -96,7 +97,7 @@ def generate_speculative_static(
         drafts, q = _draft(heads, hidden, k, params, generator)  # (R, k), (R, k, V) | None
         feed, at = slot_inputs(cache, slots, torch.cat([pending[:, None], drafts], dim=1),
                                next_position[:, None] + offsets, params.pad_token_id)  # (S, k+1)
-        all_hidden, all_logits = static.step(cache, "verify", forward, feed, at)
+        all_hidden, all_logits = static.step(cache, "verify", forward, feed, at, ladder=lengths)
         out, logits = all_hidden[slots], all_logits[slots]  # (R, k+1, H), (R, k+1, V)
         n, z = _verify(logits, drafts, q, params, generator)  # (R,), (R,)
 

@@ -13,9 +13,14 @@ token and position inputs, copied into the graph's own buffers before each repla
 slots = the batch size rounded up to a power of two, capacity = the positions a row needs rounded
 up to a power of two (at least `MIN_CAPACITY`); a graph is captured per (bucket, step kind, query
 length, autocast dtype) at its first use, after two warm-up runs on a side stream, and replayed
-from then on. Every capture is counted in `captures` and logged, so a test (and a trace reader)
-can see that steady state captures nothing new. Sampling stays outside the graph (it draws from
-the caller's generator, so the tokens are the eager sampler's for the same seed).
+from then on. A caller whose rows move to smaller buckets as they finish (`static_sampler.compacted`)
+names the query lengths its steps take (`ladder`): the first capture of a kind in a bucket then
+captures it for each of them in that bucket and every smaller one of the same capacity, so that the
+buckets a later, slower-finishing batch reaches are there already (a 358M Medusa run on an H200
+captured slot counts 16, 4 and 1 only at iterations 2, 4 and 7). Every capture is counted in
+`captures` and logged, so a test (and a trace reader) can see that steady state captures nothing
+new. Sampling stays outside the graph (it draws from the caller's generator, so the tokens are the
+eager sampler's for the same seed).
 
 `torch.compile` is not used: the graphs remove the launch overhead by themselves, and compiling
 each bucket would add minutes of warm-up and recompiles for no measured gain at these sizes.
@@ -96,23 +101,57 @@ class StaticDecoder:
         cache.reset()
         return cache
 
-    def step(self, cache: SlotCache, kind: str, forward: StepForward, tokens: Tensor,
-             positions: Tensor) -> tuple[Tensor, ...]:
+    def step(self, cache: SlotCache, kind: str, forward: StepForward, tokens: Tensor, positions: Tensor,
+             ladder: tuple[int, ...] = ()) -> tuple[Tensor, ...]:
         """One decode step of `kind` over every slot; with graphs the outputs are the graph's own
-        buffers, valid until the next step."""
+        buffers, valid until the next step. `ladder`: the query lengths the caller's steps of this
+        kind take, in this bucket and the smaller ones its rows move to (see the module docstring)."""
         if not self.graphs:
             return forward(cache, tokens, positions)
-        key = (kind, tokens.shape[1], torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None)
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        key = (kind, tokens.shape[1], dtype)
         captured = cache.graphs.get(key)
         if captured is None:
-            captured = cache.graphs[key] = self._capture(cache, forward, tokens.clone(), positions.clone())
-            self.captures += 1
-            self.log.info("decode graph %d captured: %s, %d slots x %d positions, %d per step",
-                          self.captures, kind, cache.slots, cache.capacity, tokens.shape[1])
+            captured = self._add(cache, key, forward, tokens.clone(), positions.clone())
+            if ladder:
+                self._capture_ladder(cache, kind, dtype, forward, ladder)
         captured.tokens.copy_(tokens)
         captured.positions.copy_(positions)
         captured.graph.replay()
         return captured.outputs
+
+    def _add(self, cache: SlotCache, key: tuple, forward: StepForward, tokens: Tensor,
+             positions: Tensor) -> CapturedStep:
+        """Capture the step `key` (kind, query length, autocast dtype) over `cache`, counted and logged."""
+        captured = cache.graphs[key] = self._capture(cache, forward, tokens, positions)
+        self.captures += 1
+        self.log.info("decode graph %d captured: %s, %d slots x %d positions, %d per step",
+                      self.captures, key[0], cache.slots, cache.capacity, key[1])
+        return captured
+
+    def _capture_ladder(self, cache: SlotCache, kind: str, dtype: torch.dtype | None, forward: StepForward,
+                        lengths: tuple[int, ...]) -> None:
+        """`kind`'s step for each query length in `lengths`, over `cache` and every smaller slot
+        bucket of its capacity (their buffers allocated like `cache`'s). A smaller bucket is not in
+        use (one generation at a time: it moves there later) and is reset after; `cache` is, but its
+        dummy steps write only the columns its next step writes anyway, and commit nothing."""
+        device = cache.columns.device
+        bucket = cache
+        while True:
+            for length in lengths:
+                key = (kind, length, dtype)
+                if key not in bucket.graphs:
+                    empty = torch.zeros((bucket.slots, length), dtype=torch.long, device=device)
+                    self._add(bucket, key, forward, empty, empty.clone())
+            if bucket is not cache:
+                bucket.reset()
+            if bucket.slots == 1:
+                return
+            key = (bucket.slots // 2, cache.capacity)
+            bucket = self.caches.get(key)
+            if bucket is None or bucket.columns.device != device:
+                bucket = self.caches[key] = SlotCache(*key, device=device)
+            bucket.allocate_like(cache.layers)
 
     def _capture(self, cache: SlotCache, forward: StepForward, tokens: Tensor, positions: Tensor) -> CapturedStep:
         # the warm-up writes only the positions the step itself writes next, with the same inputs

@@ -127,7 +127,7 @@ def generate_static(model: nn.Module, static: StaticDecoder, prompts: list[Tenso
             rows, slots, token, next_position = rows[live], slots[live], token[live], next_position[live]
             cache, slots = compacted(static, cache, slots)
         feed, at = slot_inputs(cache, slots, token[:, None], next_position[:, None], params.pad_token_id)
-        (all_logits,) = static.step(cache, "sample", forward, feed, at)  # (S, V)
+        (all_logits,) = static.step(cache, "sample", forward, feed, at, ladder=(1,))  # (S, V)
         logits = all_logits[slots]  # (R, V)
         kept = torch.zeros(cache.slots, dtype=torch.long, device=device)
         kept[slots] = 1
