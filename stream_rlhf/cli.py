@@ -46,6 +46,7 @@ from stream_rlhf.job import JobConfig
 from stream_rlhf.launch.launcher import Launcher
 from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.launch.plan import Dataflow, JobPlan
+from stream_rlhf.launch.process_start import start_fork_server
 from stream_rlhf.launch.spec import StageFailed, setup_logging
 
 if TYPE_CHECKING:
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if _launches_locally(args):
+        start_fork_server()  # its imports run beside this process's own from here on
     if is_dataflow_config(args.config):
         if args.resume is not None:
             raise ConfigError(f"--resume: {args.config} is a dataflow config (topics and stages); only RL jobs resume")
@@ -170,6 +173,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             continue
         run.log_resume_hint(args.config, point)
         return code
+
+
+def _launches_locally(args: argparse.Namespace) -> bool:
+    """Whether the job starts its processes here (`launcher: local`, and every dataflow config), as
+    its YAML file and `--set` say, read before the config is checked (a wrong guess only loses time)."""
+    data = read_yaml(args.config)
+    launcher = data.get("launcher", "local") if isinstance(data, dict) else "local"
+    for assignment in args.set:
+        key, _, value = assignment.partition("=")
+        if key.strip() == "launcher":
+            launcher = value.strip()
+    return launcher == "local"
 
 
 def is_dataflow_config(path: str) -> bool:

@@ -1,9 +1,12 @@
 """How the local launcher starts processes (`launch/process_start.py`): forked from a fork server
-that imported torch once, with the launcher's environment of the moment, sharing the server's pages."""
+that imported torch once, with the launcher's environment of the moment, sharing the server's pages;
+`stream-rlhf run` starts that server first thing."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from stream_rlhf.launch.process_start import (
     launcher_state,
     start_context,
 )
+from tests.rl_tiny import tiny_job, write_job
 
 pytestmark = pytest.mark.slow  # each test starts processes (the first one the fork server, which imports torch)
 
@@ -75,3 +79,17 @@ def test_a_forked_stage_writes_to_the_launchers_stderr_of_now(tmp_path):
             os.close(saved)
     assert process.exitcode == 0
     assert "from the stage" in (tmp_path / "stderr").read_text()
+
+
+@pytest.mark.skipif(os.environ.get(START_METHOD_VARIABLE) == "spawn", reason="this run spawns its processes")
+@pytest.mark.parametrize(("sets", "started"), [((), True), (("--set", "launcher=ray"), False)])
+def test_run_starts_the_fork_server_first_for_a_local_job_only(tmp_path, sets, started):
+    """`stream-rlhf run` of a local job starts the server before anything else (here a config error
+    ends the run), so that its imports overlap the driver's; a Ray job's driver starts none."""
+    config = write_job(tmp_path / "job.yaml", tiny_job(tmp_path, "early", **{"rollout.no_such_key": 1}))
+    script = ("import sys; from stream_rlhf import cli; from stream_rlhf.launch.process_start import fork_server_pid; "
+              "code = cli.main(['run', *sys.argv[1:]]); print(code, fork_server_pid() is not None)")
+    result = subprocess.run([sys.executable, "-c", script, str(config), *sets], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.split() == ["2", str(started)], result.stderr[-2000:]
+    assert "rollout.no_such_key" in result.stderr

@@ -53,6 +53,15 @@ def start_context() -> BaseContext:
     return context
 
 
+def start_fork_server() -> None:
+    """Start the fork server now rather than with the job's first process: its imports (PRELOAD,
+    seconds of torch and transformers) then run beside the launcher's own (a driver imports the
+    same libraries, warm-starts and evaluates before its job starts). A no-op where processes are
+    spawned, and when the server runs already."""
+    if start_context().get_start_method() == "forkserver":
+        forkserver.ensure_running()
+
+
 def in_child(launcher: tuple[int, dict[str, str]], target: Callable[..., None], *args: object) -> None:
     """A started process's first step: the launcher's (pid, environment) and its stdout and stderr,
     signals and logging, then `target`."""
