@@ -21,13 +21,11 @@ from stream_rlhf.backends.static_decode import StaticDecoder
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.turn_stop import TurnStop
 from stream_rlhf.data.images import ImageSpec
-from stream_rlhf.data.message_frames import MessageFrames
 from stream_rlhf.envs.environment import EpisodeStart
 from stream_rlhf.envs.episode_handle import episode_tensors
-from stream_rlhf.envs.episode_loop import EpisodeLoop, EpisodeResult
+from stream_rlhf.envs.episode_loop import EpisodeResult
+from stream_rlhf.envs.episode_runtime import EpisodeRuntime
 from stream_rlhf.envs.observation_images import ObservationImages
-from stream_rlhf.envs.process_envs import ProcessEnvs
-from stream_rlhf.envs.stepper import EnvStepper
 from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.samples import Rollout, SampleImages, unragged
@@ -53,23 +51,15 @@ def play_episodes(cfg: RLJobConfig, model: nn.Module, tokenizer: PreTrainedToken
     env = cfg.env
     if env is None:
         raise ValueError("play_episodes: the job has no env section")
-    threads = env.threads(len(prompts))
-    processes = ProcessEnvs(env, threads) if env.processes else None
-    loop = EpisodeLoop(env, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                       lambda text: tokenizer.encode(text, add_special_tokens=False), params.max_new_tokens,
-                       MessageFrames.of(tokenizer, cfg.data.chat_template), processes.make if processes else None)
+    runtime = EpisodeRuntime(env, env.threads(len(prompts)), tokenizer, cfg.data.chat_template, params.max_new_tokens)
     capacity = episode_capacity(prompts, params.max_new_tokens, env.max_episode_tokens)
-    stop_text = TurnStop(params.stop_strings, loop.decode) if params.stop_strings else None
+    stop_text = TurnStop(params.stop_strings, runtime.decode) if params.stop_strings else None
     sampler = TorchTurnSampler(model, len(prompts), capacity, params, generator, 0, static, stop_text=stop_text)
-    stepper = EnvStepper(env.step_timeout_s, threads)
     try:
-        return loop.run(starts, prompts, images, sampler, stepper, _observe(cfg, model, tokenizer))
+        return runtime.loop.run(starts, prompts, images, sampler, runtime.stepper, _observe(cfg, model, tokenizer))
     finally:
         sampler.close()
-        stepper.close()
-        if processes is not None:
-            processes.close()
-        for failure in stepper.close_failures():
+        for failure in runtime.close():
             log.warning("evaluation: an environment's close failed: %s", failure)
 
 

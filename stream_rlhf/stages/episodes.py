@@ -18,7 +18,8 @@ handle holds, per sample, the prompt and every token after it (policy turns and 
 `loss_mask`, `env_rewards` and `token_versions` (`envs/episode_handle.py`), and the metadata
 "episodes": turns, tool calls, tool seconds and why each episode ended (`telemetry/episodes.py`).
 
-With `env.processes` the environments live in worker processes of their own (`envs/process_envs.py`).
+With `env.processes` the environments live in worker processes of their own (`envs/process_envs.py`;
+the loop, the stepper and those processes are `envs/episode_runtime.py`'s, as for evaluation).
 
 A vision-language job's observations may show images (`envs/observation_images.py`): they are read
 and patched as the dataset's images are (the model folder's preprocessor settings, `data.min_pixels`
@@ -44,13 +45,11 @@ from stream_rlhf.backends.episode_sampler import episode_capacity
 from stream_rlhf.backends.rollout_engine import RolloutEngine
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.data.images import ImageSpec
-from stream_rlhf.data.message_frames import MessageFrames
 from stream_rlhf.envs.environment import EpisodeStart
 from stream_rlhf.envs.episode_handle import episode_tensors
-from stream_rlhf.envs.episode_loop import EpisodeLoop, EpisodeResult
+from stream_rlhf.envs.episode_loop import EpisodeResult
+from stream_rlhf.envs.episode_runtime import EpisodeRuntime
 from stream_rlhf.envs.observation_images import ObservationImages
-from stream_rlhf.envs.process_envs import ProcessEnvs
-from stream_rlhf.envs.stepper import EnvStepper
 from stream_rlhf.envs.turns import TurnSampler
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.seeding import rollout_seed
@@ -92,13 +91,9 @@ class EpisodeRollout:
         """Mini-batches whose episodes run at once (the rollout stage's inputs in flight)."""
         batch = job.config.rollout_batch
         threads = cfg.threads(batch.prompts_per_minibatch * batch.samples_per_prompt * self.in_flight)
-        self.processes = ProcessEnvs(cfg, threads) if cfg.processes else None
+        self.runtime = EpisodeRuntime(cfg, threads, tokenizer, job.config.data.chat_template, params.max_new_tokens)
         self.replaced = 0
         """Environment processes replaced, as counted so far."""
-        self.loop = EpisodeLoop(cfg, self._decode, self._encode, params.max_new_tokens,
-                                MessageFrames.of(tokenizer, job.config.data.chat_template),
-                                self.processes.make if self.processes else None)
-        self.stepper = EnvStepper(cfg.step_timeout_s, threads)
         self.sampler: TurnSampler | None = None
         self.capacity = 0
         """Positions per slot of the open sampler."""
@@ -112,16 +107,10 @@ class EpisodeRollout:
                                                           data.min_pixels, data.max_pixels)
             self.vision_token_ids = (model.vision_start_token_id, model.image_token_id, model.vision_end_token_id)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     @property
     def busy(self) -> bool:
         """Whether a mini-batch begun has not ended yet."""
-        return bool(self.waiting or self.loop.groups)
+        return bool(self.waiting or self.runtime.loop.groups)
 
     def generate(self, batch: Batch, prompts: list[Tensor],
                  images: list[SampleImages] | None) -> tuple[dict[str, Tensor], int, dict[str, Any]]:
@@ -140,8 +129,8 @@ class EpisodeRollout:
         """Some work on the episodes in flight; the mini-batches whose episodes have all ended, each
         with its handle's tensors, its policy version (the oldest that sampled a token) and its
         metadata ("finished": the episodes the environment ended; the episode figures)."""
-        ended = [(tag, *self._handle(tag, result)) for tag, result in self.loop.advance()]
-        if not self.loop.groups and self.sampler is not None:
+        ended = [(tag, *self._handle(tag, result)) for tag, result in self.runtime.loop.advance()]
+        if not self.runtime.loop.groups and self.sampler is not None:
             self.sampler.close()
             self.sampler = None
         self._admit()
@@ -157,19 +146,19 @@ class EpisodeRollout:
                 slots = len(first.prompts) * self.in_flight
                 self.sampler = self.engine.turn_sampler(first.batch, self.params, slots, capacity)
                 self.capacity = capacity
-                self.loop.open(self.sampler, self.stepper, self._observe(), slots)
-            elif self.loop.free_slots >= len(first.prompts) and capacity <= self.capacity:
+                self.runtime.loop.open(self.sampler, self.runtime.stepper, self._observe(), slots)
+            elif self.runtime.loop.free_slots >= len(first.prompts) and capacity <= self.capacity:
                 self.engine.join_turns(self.sampler, first.batch)
             else:
                 return
             self.waiting.popleft()
-            self.loop.add(first.batch, self._starts(first.batch, first.prompts), first.prompts, first.images,
+            self.runtime.loop.add(first.batch, self._starts(first.batch, first.prompts), first.prompts, first.images,
                           rollout_seed(self.seed, first.batch.iteration, first.batch.minibatch))
 
     def _handle(self, batch: Batch, result: EpisodeResult) -> tuple[dict[str, Tensor], int, dict[str, Any]]:
         for failure in result.failures[:MAX_FAILURES_LOGGED]:
             self.log.warning("iteration %d mini-batch %d: %s", batch.iteration, batch.minibatch, failure)
-        self._count_env_events()
+        self._count_env_events(self.runtime.stepper.close_failures())
         tensors = episode_tensors(result.episodes)
         if self.mask_failed:  # their tokens carry no loss (experience.py)
             tensors["trained"] = torch.tensor([not ended.startswith(FAILED) for ended in result.ended])
@@ -182,15 +171,14 @@ class EpisodeRollout:
                                      for paths, episode in zip(prompt_paths, result.episodes, strict=True)]
         return tensors, min(versions), metadata
 
-    def _count_env_events(self) -> None:
-        """Counts the environment closes that failed since the last call (and logs the first few),
-        and the environment processes started since to replace others."""
-        failures = self.stepper.close_failures()
+    def _count_env_events(self, failures: list[str]) -> None:
+        """Counts the environment closes that failed, `failures` (and logs the first few), and the
+        environment processes started since the last call to replace others."""
         for failure in failures[:MAX_FAILURES_LOGGED]:
             self.log.warning("an environment's close failed: %s", failure)
         if failures:
             self.counts.add(**{CLOSES_FAILED: len(failures)})
-        replaced = self.processes.replaced if self.processes is not None else 0
+        replaced = self.runtime.processes_replaced
         if replaced > self.replaced:
             self.counts.add(**{PROCESSES_REPLACED: replaced - self.replaced})
             self.replaced = replaced
@@ -203,7 +191,7 @@ class EpisodeRollout:
 
     def _starts(self, batch: Batch, prompts: list[Tensor]) -> list[EpisodeStart]:
         paths = batch.metadata.get(IMAGE_PATHS) or [""] * len(prompts)
-        return [EpisodeStart(prompt=self._decode(prompt.tolist()), reference=reference,
+        return [EpisodeStart(prompt=self.runtime.decode(prompt.tolist()), reference=reference,
                              images=tuple(path.split("\n")) if path else (), fields=json.loads(kwargs))
                 for prompt, reference, kwargs, path in zip(prompts, batch.metadata["references"],
                                                            batch.metadata[REWARD_KWARGS], paths, strict=True)]
@@ -213,8 +201,5 @@ class EpisodeRollout:
         is counted, and the environment processes end."""
         if self.sampler is not None:
             self.sampler.close()
-        self.stepper.close()
-        if self.processes is not None:
-            self.processes.close()
-        self._count_env_events()
+        self._count_env_events(self.runtime.close())
 
