@@ -29,11 +29,13 @@
 #   speed     issue 32's GPU checks in at most 8 minutes (warm starts carried; each command has its own
 #             time limit, and a command cut off leaves its log): the GPU tests of the warm start on the
 #             device, the checkpoint snapshot's reserved pinned memory, the weights publish's pinned snapshot,
-#             the decode graphs' bucket ladder and `stream-rlhf episodes` on the device, bench/vs_trl.py --device cuda (the 90M
+#             the decode graphs' bucket ladder, `stream-rlhf episodes` on the device and the allocator's trace
+#             counter, bench/vs_trl.py --device cuda (the 90M
 #             fp32 and 358M bf16 rows, 64 fixed answer tokens, their warm starts trained on the GPU, TRL
 #             with use_cpu=False: carry TRL's wheels in .whl/ or set TRL_PYTHON), and the main job with
 #             every stage on cuda:0 and an empty Triton cache: its first and median iteration, and the
 #             slowest after the second against the median, and the trainers' phases (seconds per iteration)
+#             and CUDA allocator growth from its trace
 #   medusa358 issue 32's Medusa target, 200 s at most: bench/medusa.py --device cuda --model 358M
 #   agentic   issue 34 on the GPU, 150 + 300 s at most: bench/agentic_rollout.py --device cuda (the episode
 #             engine alone: lock-step against 1, 2 and 4 mini-batches of tool-using episodes in flight, the
@@ -90,7 +92,8 @@ print(json.dumps({"iterations": len(times), "first_s": times[0], "median_s": med
         "runs/$1/metrics.jsonl"
 }
 
-trainer_phases() {  # the trainers' spans of run $1 (cat "train"): mean seconds per iteration and per call
+trainer_phases() {  # the trainers' spans of run $1 (cat "train"): mean seconds per iteration and per call;
+    # the CUDA allocator's segments (cudaMalloc calls so far) at the first, middle and last step of each process
     "$python" -c 'import json, collections, sys
 events = json.load(open(sys.argv[1]))
 events = events["traceEvents"] if isinstance(events, dict) else events
@@ -101,9 +104,17 @@ for e in events:
         key = names.get(e["pid"], str(e["pid"])) + " " + e["name"]
         total[key] += e["dur"] / 1e6
         calls[key] += 1
+allocator = collections.defaultdict(list)  # the caching allocator after each step: growth in steady state stalls
+for e in events:
+    if e.get("ph") == "C" and e["name"] == "cuda allocator":
+        allocator[names.get(e["pid"], str(e["pid"]))].append(e["args"])
 iterations = sum(1 for _ in open(sys.argv[2]))
 print(json.dumps({"iterations": iterations, "s_per_iteration": {k: round(v / iterations, 4) for k, v in total.most_common()},
-                  "s_per_call": {k: round(total[k] / calls[k], 4) for k in total}}))' "runs/$1/trace.json" "runs/$1/metrics.jsonl"
+                  "s_per_call": {k: round(total[k] / calls[k], 4) for k in total},
+                  "cuda_allocator": {k: {"samples": len(v), "segments": [v[0]["segments"], v[len(v) // 2]["segments"],
+                                                                         v[-1]["segments"]],
+                                         "reserved_mb_last": v[-1]["reserved_mb"], "retries": v[-1]["retries"]}
+                                     for k, v in allocator.items()}}))' "runs/$1/trace.json" "runs/$1/metrics.jsonl"
 }
 
 profile_trainers() {  # issue 32: where the GPU trainers' host time goes, 150 s at most: py-spy (carry its
@@ -139,8 +150,8 @@ speed_checks() {  # issue 32: 90 + 270 + 90 s at most
     local failed=0
     timeout 90 "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_warm_start_device.py \
         tests/test_background_checkpoints.py tests/test_torch_engine.py tests/test_static_decode_cuda.py \
-        tests/test_try_episodes.py tests/test_background_publish.py \
-        -k "warm_start or snapshot or first_batch or cuda_job or cuda_engine" || failed=1
+        tests/test_try_episodes.py tests/test_background_publish.py tests/test_cuda_allocator.py \
+        -k "warm_start or snapshot or first_batch or cuda_job or cuda_engine or gpu_step" || failed=1
     timeout 270 "$python" bench/vs_trl.py --device cuda --trl-python "${TRL_PYTHON:-$python}" --json ||
         { failed=1; stop_leftovers; }
     TRITON_CACHE_DIR=$(mktemp -d) timeout 90 "$python" -m stream_rlhf.cli run configs/mllm_ppo.yaml \

@@ -43,6 +43,7 @@ from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.samples import SampleImages
+from stream_rlhf.telemetry.cuda_allocator import allocator_counter
 from stream_rlhf.weights.shm_store import WeightStore
 
 HOST_FIELDS = ("sequences", "prompt_lens")
@@ -168,6 +169,7 @@ class TorchTrainEngine:
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         read = host_metrics({**metrics, "loss": loss.detach(), "grad_norm": grad_norm})
+        allocator_counter(self.device)
         grad_norm_value = read.pop("grad_norm")
         if self.group.distributed:
             read = self._token_weighted(read, tokens, total)

@@ -38,6 +38,7 @@ from stream_rlhf.models.checkpoint import load_policy
 from stream_rlhf.models.vision_language import encode_images, is_vision_language_model
 from stream_rlhf.seeding import rollout_seed, seeded_generator
 from stream_rlhf.stage import Batch, StageContext
+from stream_rlhf.telemetry.cuda_allocator import allocator_counter
 
 if TYPE_CHECKING:  # the rollout stage's own objects, passed in: stages/ is above the engines
     from stream_rlhf.stages.images import ImageInputs
@@ -67,12 +68,14 @@ class TorchRolloutEngine:
         self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
         generator = seeded_generator(*rollout_seed(self.job.config.seed, batch.iteration, batch.minibatch),
                                      device=self.device)
+        info = {}
         with autocast(self.device, self.job.config.precision):
             if self.speculation is not None:
                 gen, info = self.speculation.generate(self.model, prompts, params, generator, self.policy_version)
-                return Generated(gen, self.policy_version, info)
-            gen = sample(self.model, prompts, params, generator, self.images.of(batch.tensors), self.static)
-        return Generated(gen, self.policy_version)
+            else:
+                gen = sample(self.model, prompts, params, generator, self.images.of(batch.tensors), self.static)
+        allocator_counter(self.device)
+        return Generated(gen, self.policy_version, info)
 
     def turn_sampler(self, batch: Batch, params: SamplingParams, slots: int, capacity: int) -> TorchTurnSampler:
         """The TurnSampler of multi-turn episodes (`envs/turns.py`): `slots` episodes at once, a slot
