@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 
 # Must precede any `import triton`: Triton kernels then run on CPU tensors (tests/test_kernels_*.py).
@@ -35,3 +36,7 @@ def free_port() -> int:
 
 def pytest_configure(config):
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    # A suite started in the background by a shell script (`(pytest &)`) inherits Ctrl-C ignored, and
+    # so would every job it starts: the Ctrl-C tests would meet jobs that no SIGINT interrupts.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
