@@ -44,7 +44,14 @@ from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
-from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
+from stream_rlhf.stages.training import (
+    MetricMeans,
+    advantages_of,
+    experience_of,
+    kl_controller,
+    minibatch_indices,
+    split_by_staleness,
+)
 from stream_rlhf.stages.weight_publish import VersionPublisher, publishes_in_background
 from stream_rlhf.stages.weight_sync import open_sender
 from stream_rlhf.telemetry import trace
@@ -142,8 +149,7 @@ class ActorTrain(Stage):
         record = {"iteration": iteration}
         warmup = iteration < self.warmup
         if fresh:
-            with trace.span("experience", "train", samples=sum(b.num_samples for b in fresh)):
-                exp = Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh])
+            exp = experience_of(fresh, self.images)
             record.update(self._warmup_record(exp) if warmup else self._update(exp, fresh))
         if self.job.config.rollout.medusa.enabled:
             record.update(_decoding_metrics(batches))

@@ -25,7 +25,14 @@ from stream_rlhf.stages.critic_weights import crosses_hosts, open_critic_sender
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
 from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
-from stream_rlhf.stages.training import MetricMeans, advantages_of, kl_controller, minibatch_indices, split_by_staleness
+from stream_rlhf.stages.training import (
+    MetricMeans,
+    advantages_of,
+    experience_of,
+    kl_controller,
+    minibatch_indices,
+    split_by_staleness,
+)
 from stream_rlhf.stages.weight_publish import VersionPublisher, publishes_in_background
 from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.metrics import MetricsWriter
@@ -72,9 +79,7 @@ class CriticTrain(Stage):
             actor_version = policy_version_at(self.version, cfg.critic.warmup_iterations)
             fresh, _ = split_by_staleness(batches, actor_version, cfg.overlap_depth)  # actor_train counts drops
             if fresh:
-                with trace.span("experience", "train", samples=sum(b.num_samples for b in fresh)):
-                    exp = Experience.from_batches(fresh, [self.images.of(b.tensors) for b in fresh])
-                self._update(exp)
+                self._update(experience_of(fresh, self.images))
             self.version += 1
             self.publisher.publish(self.version, self._put_out, self.ctx.group.is_leader)
             self.checkpoints.iteration_done(self.version, {"kl_coef": self.kl_ctl.coef})

@@ -1,6 +1,6 @@
-"""What actor_train and critic_train share: advantages of an iteration, the staleness filter, the
-split into optimizer steps and the averaging of per-step metrics (the steps themselves are the
-train engine's, `backends/torch_engine.py`).
+"""What actor_train and critic_train share: an iteration's experience and its advantages, the
+staleness filter, the split into optimizer steps and the averaging of per-step metrics (the steps
+themselves are the train engine's, `backends/torch_engine.py`).
 
 Both trainers compute the same token rewards and advantages from the same experiences, with KL
 controllers updated the same way, so they agree on returns without talking to each other.
@@ -16,13 +16,22 @@ from stream_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from stream_rlhf.algos.masked import masked_whiten
 from stream_rlhf.experience import Experience
 from stream_rlhf.stage import Batch
+from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.telemetry import trace
 
 
 def kl_controller(cfg: KLConfig) -> FixedKLController | AdaptiveKLController:
     if cfg.target is None:
         return FixedKLController(cfg.coef)
     return AdaptiveKLController(cfg.coef, cfg.target, cfg.horizon)
+
+
+def experience_of(batches: list[Batch], images: ImageInputs) -> Experience:
+    """An iteration's experience from its fresh mini-batches, each with its images' features (a
+    span "experience" in the trace)."""
+    with trace.span("experience", "train", samples=sum(b.num_samples for b in batches)):
+        return Experience.from_batches(batches, [images.of(b.tensors) for b in batches])
 
 
 def advantages_of(exp: Experience, job: JobContext, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
