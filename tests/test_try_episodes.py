@@ -66,9 +66,7 @@ def test_a_failed_episode_shows_its_message_and_exits_1(tmp_path, checkpoint, ca
 
 
 def test_the_episodes_decode_as_rollout_decode_says_with_the_eager_tokens(tmp_path, checkpoint, capsys):
-    # lockstep: each round's batch is the same episodes in both runs, so the sampler draws alike
-    # (streamed, an episode's next turn joins whichever batch is decoding when its tool answers)
-    env = {**SCRIPTED, "schedule": "lockstep", "options": {"turns": 2, "observation": "=12"}}
+    env = {**SCRIPTED, "options": {"turns": 2, "observation": "=12"}}  # env.schedule stream: played lockstep
     config = _config(tmp_path, env=env)
     played = {}
     for mode in ("eager", "static"):

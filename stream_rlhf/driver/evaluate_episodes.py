@@ -2,6 +2,9 @@
 (`envs/episode_loop.py`, over the torch turn sampler), and its score is its return: the reward
 function's / model's score of the whole response (if the job has one) plus the environment's
 turn rewards. Observations' images are encoded by the model's own vision tower, as rollout's are.
+The episodes play lockstep whatever `env.schedule` says, so that a checkpoint scores the same in
+every evaluation: streamed, an episode's next turn joins whichever batch is decoding when its tool
+answers, and the sampler's draws for it then depend on the tools' timing.
 
     returns, tokens = episode_returns(cfg, model, scorer, starts, prompts, images, params, generator, static)
     result = play_episodes(cfg, model, tokenizer, starts, prompts, images, params, generator, static)  # the episodes
@@ -10,6 +13,7 @@ turn rewards. Observations' images are encoded by the model's own vision tower, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -47,10 +51,11 @@ def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: 
 def play_episodes(cfg: RLJobConfig, model: nn.Module, tokenizer: PreTrainedTokenizerBase, starts: list[EpisodeStart],
                   prompts: list[Tensor], images: list[SampleImages] | None, params: SamplingParams,
                   generator: torch.Generator, static: StaticDecoder | None) -> EpisodeResult:
-    """One episode per prompt in the job's environment, to their ends (version 0's tokens)."""
-    env = cfg.env
-    if env is None:
+    """One episode per prompt in the job's environment, to their ends (version 0's tokens), lockstep
+    (module docstring)."""
+    if cfg.env is None:
         raise ValueError("play_episodes: the job has no env section")
+    env = dataclasses.replace(cfg.env, schedule="lockstep")
     runtime = EpisodeRuntime(env, env.threads(len(prompts)), tokenizer, cfg.data.chat_template, params.max_new_tokens)
     capacity = episode_capacity(prompts, params.max_new_tokens, env.max_episode_tokens)
     stop_text = TurnStop(params.stop_strings, runtime.decode) if params.stop_strings else None

@@ -7,7 +7,7 @@
     cfg = switched_config(cfg, run_dir, switch, point)   # the driver: logged, recorded, the next leg's config
 
 The driver then prepares the job again with `resume` from that checkpoint and the new placement
-(`cli.py`'s run loop), and it trains on to the configured iterations.
+(`commands/run.py`'s run loop), and it trains on to the configured iterations.
 
 Why drain at once instead of waiting for the next `checkpoint.every` boundary: a drain is a
 checkpoint boundary of its own. The trainers catch up with each other and save the iteration they
