@@ -66,11 +66,12 @@ def test_tiny_ppo_on_torch_with_a_broadcast_group(tmp_path):
 @pytest.mark.timeout(1200)
 def test_text_ppo_on_vllm_raises_the_reward(tmp_path):
     """The default text job with one key changed: rollout through vLLM (weights through the
-    shared-memory file between mini-batches)."""
+    shared-memory file between mini-batches); 16 of its 40 iterations (on the torch backend eval
+    reward rises from 0.33 to 0.46 in those)."""
     summary = run(tmp_path, REPO / "configs" / "text_ppo.yaml", "rollout.backend=vllm",
                   f"rollout.vllm.python={vllm_python()}", f"runs_dir={tmp_path}", "broker.shm_prefix=t_ppo_vllm",
-                  timeout_s=1100)
-    assert_every_sample_trained(summary, 40, 256)
+                  "iterations=16", timeout_s=1100)
+    assert_every_sample_trained(summary, 16, 256)
     assert summary["eval_reward_after"] > summary["eval_reward_before"] + 0.05, summary
     records = read_metrics(tmp_path / "text_ppo" / "metrics.jsonl")
     assert records[-1]["reward"] > records[0]["reward"]

@@ -253,13 +253,14 @@ time.sleep(600)
 
 def test_an_engine_whose_rollout_is_killed_exits_with_every_vllm_process(checkpoint):
     """kill -9 of the process that owns the engine (a rollout stage): the engine gets SIGTERM from
-    Linux, closes vLLM and leaves none of vLLM's processes behind."""
+    Linux, closes vLLM and leaves none of vLLM's processes behind (on CPU the engine core runs in the
+    engine's own process, `vllm_rollout.py`; on CUDA in processes of its own, which must go too)."""
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(checkpoint), vllm_python()], stdout=subprocess.PIPE,
                              text=True, cwd=Path(__file__).resolve().parent.parent)
     try:
         engine_pid = next(int(line.split()[-1]) for line in owner.stdout if line.startswith("engine pid "))
         tree = process_tree(engine_pid)
-        assert len(tree) > 1, "vLLM runs its engine core in a process of its own"
+        assert engine_pid in tree
     finally:
         owner.kill()
         owner.wait()

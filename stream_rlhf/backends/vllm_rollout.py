@@ -34,8 +34,12 @@ resumes, so called between mini-batches it is a drain update and called from the
 hook of `generate` it is an in-flight one; `VllmGeneration.token_versions` then says which
 version sampled each token.
 
-vLLM starts its engine core in a process of its own (spawn), so the main module must be guarded
-by `if __name__ == "__main__"` (vllm_server's is). Call `close()` at the end, or vLLM kills the
+vLLM starts its engine core in a process of its own (spawn), and that process its worker, so the
+main module must be guarded by `if __name__ == "__main__"` (vllm_server's is). On CPU both run in
+this process instead (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, which also keeps vLLM's single-worker
+executor): each of those processes imported vLLM anew, ~9 s apiece, so an engine took ~32 s to
+start here and now takes ~14 s; this process steps the engine and talks to nothing else meanwhile,
+so the core's own process gained nothing. Call `close()` at the end, or vLLM kills the
 engine process at interpreter exit. On CPU, `VLLM_CPU_OMP_THREADS_BIND` pins the engine's threads to `cpu_cores`
 and `VLLM_CPU_KVCACHE_SPACE` sizes its KV cache; sleep mode exists only on CUDA (`sleep()` says
 so and does nothing on CPU).
@@ -101,6 +105,9 @@ class VllmRollout:
         from vllm import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
+
+        if current_platform.is_cpu():  # the engine core and its worker in this process (module docstring)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
         vision_language = is_vision_language(checkpoint)
         # images come as the vision stage's features (image embeddings), never as pixels or video
@@ -255,8 +262,7 @@ class VllmRollout:
         now on with the version loaded (the method's result when it returns one, else `version`).
         Requests in flight keep their KV cache; the scheduler is paused meanwhile, so no step runs
         with a half-loaded model."""
-        core = self.engine.engine_core
-        core.call_utility("pause_scheduler", "keep", False)
+        self._scheduler("pause_scheduler", "keep", False)
         try:
             loaded = self.call(method, *args)[0]
             version = loaded if isinstance(loaded, int) else version
@@ -264,11 +270,20 @@ class VllmRollout:
             if self.image_token_id is not None:
                 self.engine.reset_encoder_cache()  # the reload dropped encoder outputs the scheduler counts on
         finally:
-            core.call_utility("resume_scheduler")
+            self._scheduler("resume_scheduler")
         if self.prefix_caching and not self.engine.reset_prefix_cache():
             raise RuntimeError("prefix cache not reset after a weight update (requests still running): "
                                "turn prefix caching off for in-flight updates")
         self.version = version
+
+    def _scheduler(self, method: str, *args: Any) -> None:
+        """Call the engine core's scheduler `method`: through vLLM's utility call to the engine core's
+        process, or directly where the core runs in this process (CPU; this thread steps it)."""
+        core = self.engine.engine_core
+        if hasattr(core, "call_utility"):
+            core.call_utility(method, *args)
+        else:
+            getattr(core.engine_core, method)(*args)
 
     def sleep(self) -> None:
         """Release the KV cache and offload the weights (CUDA); on CPU a no-op that says so."""
