@@ -40,9 +40,9 @@ this process instead (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, which also keeps vLLM'
 executor): each of those processes imported vLLM anew, ~9 s apiece, so an engine took ~32 s to
 start here and now takes ~14 s; this process steps the engine and talks to nothing else meanwhile,
 so the core's own process gained nothing. Call `close()` at the end, or vLLM kills the
-engine process at interpreter exit. On CPU, `VLLM_CPU_OMP_THREADS_BIND` pins the engine's threads to `cpu_cores`
-and `VLLM_CPU_KVCACHE_SPACE` sizes its KV cache; sleep mode exists only on CUDA (`sleep()` says
-so and does nothing on CPU).
+engine process at interpreter exit. On CPU the engine's threads are pinned to `cpu_cores`, one
+torch thread per core, and `VLLM_CPU_KVCACHE_SPACE` sizes its KV cache; sleep mode exists only
+on CUDA (`sleep()` says so and does nothing on CPU).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class VllmOptions:
     max_num_seqs: int = 256
     """Sequences decoded together (continuous batching)."""
     cpu_cores: list[int] | None = None
-    """CPU: cores the engine's threads are bound to (None: vLLM's automatic binding)."""
+    """CPU: cores the engine's threads are bound to, one torch thread each (None: not bound)."""
     seed: int = 0
     max_images_per_prompt: int = 4
     """Vision-language checkpoints: images a prompt may hold (vLLM's limit_mm_per_prompt)."""
@@ -99,8 +99,6 @@ class VllmGeneration(Generation):
 
 class VllmRollout:
     def __init__(self, checkpoint: str, options: VllmOptions):
-        if options.cpu_cores is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, options.cpu_cores))
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(options.kv_cache_gb)))
         from vllm import EngineArgs
         from vllm.platforms import current_platform
@@ -108,6 +106,10 @@ class VllmRollout:
 
         if current_platform.is_cpu():  # the engine core and its worker in this process (module docstring)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            if options.cpu_cores is not None:  # vLLM binds only a worker process of its own: bound here
+                os.sched_setaffinity(0, options.cpu_cores)  # this thread, and every thread started after it
+                os.environ["OMP_NUM_THREADS"] = str(len(options.cpu_cores))  # vLLM's thread count reads it
+                torch.set_num_threads(len(options.cpu_cores))
 
         vision_language = is_vision_language(checkpoint)
         # images come as the vision stage's features (image embeddings), never as pixels or video
