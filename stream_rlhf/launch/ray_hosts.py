@@ -4,7 +4,7 @@ each, mirrored into the driver's run folder while the job runs.
     hosts = RayHosts(plan, driver_host=host_id())
     spec = hosts.relocate(spec, node_id, host)  # a rank's spec writing into its host's run folder
     hosts.poll()                                 # from the supervision loop: ships what changed
-    hosts.close()                                # a last full copy, then each host's folders go
+    hosts.close(pids)                            # a last full copy, then each host's folders and leftover segments go
 
 A rank (or the broker) on another host than the driver's never writes into the driver's run folder
 or reads its /dev/shm: every host gets an actor (`_HostActor`, no CPUs, pinned to the node) that
@@ -44,6 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from stream_rlhf.broker.payload.shm import sweep_when_gone
 from stream_rlhf.config import import_dotted
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.launch.run_files import FileChange, FolderMirror, apply_changes
@@ -79,10 +80,13 @@ class _HostActor:
         """This host's trace clock."""
         return trace.now_ns()
 
-    def close(self) -> None:
+    def close(self, shm_prefix: str, pids: list[int]) -> None:
+        """Remove the host's folders and, once the job's processes `pids` there have exited, the
+        payload segments the killed ones left."""
         shutil.rmtree(self.root, ignore_errors=True)
         if self.weights_root is not None:
             shutil.rmtree(self.weights_root, ignore_errors=True)
+        sweep_when_gone(shm_prefix, pids)
 
 
 def host_tag(host: str) -> str:
@@ -206,8 +210,9 @@ class RayHosts:
         if self.plan.flow.trace_folder is not None:
             self.clocks.write(Path(self.plan.flow.trace_folder))
 
-    def close(self) -> None:
-        """A last full copy; then every host removes its folders and its actor goes."""
+    def close(self, pids: dict[str, list[int]]) -> None:
+        """A last full copy; then every host removes its folders and the segments the job's
+        processes there (`pids`: by host) left, and its actor goes."""
         import ray
 
         if not self.actors:
@@ -215,7 +220,8 @@ class RayHosts:
         self.ship_all()
         log.info("ray: %d host(s) shipped %d bytes of run folder to %s", len(self.actors), self.shipped_bytes,
                  self.plan.run_dir)
-        closing = [actor.close.remote() for actor in self.actors.values()]
+        prefix = self.plan.flow.broker.shm_prefix
+        closing = [actor.close.remote(prefix, pids.get(host, [])) for host, actor in self.actors.items()]
         ray.wait(closing, num_returns=len(closing), timeout=30)
         for actor in self.actors.values():
             ray.kill(actor)

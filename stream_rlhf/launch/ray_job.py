@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from stream_rlhf.broker.payload.shm import host_id
+from stream_rlhf.broker.payload.shm import host_id, sweep_when_gone
 from stream_rlhf.broker.sockets import CurveKeys
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.launcher import BrokerClient, Watch, stop_grace_s
@@ -267,7 +267,8 @@ class RayJob(BrokerClient):
     def stop(self, grace_s: float | None = None) -> None:
         """Drain every rank through the broker, stop the broker, kill what is left of either (after
         `grace_s`; None: `launcher.stop_grace_s`; at once when the broker is gone), remove the
-        placement group and (when the job started it) the local Ray instance."""
+        shared-memory segments of the killed ranks on every host, the placement group and (when the
+        job started it) the local Ray instance."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -301,7 +302,13 @@ class RayJob(BrokerClient):
         # a call on a killed actor fails once Ray has it dead: then no actor outlives the job
         probes = [actor.where.remote() for actor in killed]
         ray.wait(probes, num_returns=len(probes), timeout=10)
-        self.hosts.close()  # every rank has stopped: the last of their files reach the driver
+        pids: dict[str, list[int]] = {}  # this job's processes by host: a killed one's segments are left behind
+        for where in self.placed.values():
+            pids.setdefault(where["host_id"], []).append(where["pid"])
+        machine = host_id()
+        sweep_when_gone(self.plan.flow.broker.shm_prefix,
+                        [pid for host, ids in pids.items() if host.partition("/node-")[0] == machine for pid in ids])
+        self.hosts.close(pids)  # every rank has stopped: the last of their files reach the driver
         if self._group is not None:
             remove_placement_group(self._group)
             self._group = None

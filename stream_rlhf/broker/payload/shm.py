@@ -15,6 +15,7 @@ import mmap
 import os
 import re
 import socket
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -256,3 +257,12 @@ def sweep(prefix: str, pids: set[int] | None = None) -> int:
     if removed:
         log.info("reclaimed %d shared-memory segment(s) of dead processes (prefix %s)", removed, prefix)
     return removed
+
+
+def sweep_when_gone(prefix: str, pids: list[int], timeout_s: float = 10.0) -> int:
+    """`sweep` once the processes `pids` (killed just now: a killed process unlinks nothing of its
+    own) have exited, waiting for them up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sweep(prefix)
