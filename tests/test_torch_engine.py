@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from stream_rlhf.algos.losses import policy_loss, value_loss
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
@@ -22,23 +21,18 @@ from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.distributed import RankGroup, RankSpec
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.tokenizer import build_tokenizer
-from stream_rlhf.samples import response_slices
 from stream_rlhf.weights.shm_store import WeightStore
-from tests.tiny_models import tiny_qwen2_config
+from tests.tiny_models import seeded_qwen2_critic, seeded_qwen2_policy
 
 VOCAB = 40
 
 
-def _model() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(tiny_qwen2_config(VOCAB))
+def _model():
+    return seeded_qwen2_policy(VOCAB)
 
 
-def _critic() -> Qwen2ForTokenClassification:
-    torch.manual_seed(0)
-    critic = Qwen2ForTokenClassification(tiny_qwen2_config(VOCAB, num_labels=1))
-    critic.dropout.p = 0.0
-    return critic
+def _critic():
+    return seeded_qwen2_critic(VOCAB)
 
 
 def _experience(n: int = 6) -> Experience:
@@ -57,8 +51,7 @@ def _experience(n: int = 6) -> Experience:
 
 def _loss(engine: TorchTrainEngine):
     def loss_fn(part: Experience, per_sample: dict[str, torch.Tensor]):
-        logp, _ = engine.logprobs(part.sequences, 1.0)
-        logp = part.padded(response_slices(logp, part.prompt_lens))
+        logp, _ = engine.response_logprobs(part, 1.0)
         return policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2)
     return loss_fn
 
@@ -73,9 +66,9 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
             advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
             metrics = []
             for _ in range(3):  # a no-grad forward between training steps, as a proximal recompute does
-                proximal = engine.forward_logprobs(exp.sequences, 1.0)
+                proximal = engine.forward_response_logprobs(exp, 1.0)
                 metrics.append(engine.train_step(exp, _loss(engine), {"advantages": advantages}))
-                metrics[-1]["proximal_sum"] = float(sum(t.sum() for t in proximal))
+                metrics[-1]["proximal_sum"] = float(proximal.sum())
             weights = engine.export_weights()
             engine.save(Path(out + ".checkpoint"), build_tokenizer())
             group.barrier()  # the leader has written it
@@ -98,7 +91,7 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
             exp.values = torch.zeros_like(exp.mask)
 
             def loss_fn(part: Experience, per_sample: dict[str, torch.Tensor]):
-                values = part.padded(response_slices(engine.values(part.sequences), part.prompt_lens))
+                values = engine.response_values(part)
                 return value_loss(values, part.values, per_sample["returns"], part.mask, 10.0)
 
             metrics = [engine.train_step(exp.select(torch.arange(i % 2, 6, 2)), loss_fn,

@@ -5,7 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen3Config
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForTokenClassification,
+    Qwen3Config,
+)
 
 from stream_rlhf.models.tokenizer import VISION_TOKENS, build_tokenizer
 
@@ -26,6 +33,20 @@ def tiny_qwen2_config(vocab_size: int, **extra: Any) -> Qwen2Config:
 def tiny_qwen3_config(vocab_size: int, **extra: Any) -> Qwen3Config:
     """`tiny_qwen2_config`'s sizes as a Qwen3 (no QKV bias, per-head query and key norms)."""
     return Qwen3Config(**{**_tiny_text_settings(vocab_size), **extra})
+
+
+def seeded_qwen2_policy(vocab_size: int) -> Qwen2ForCausalLM:
+    """A `tiny_qwen2_config` causal LM, the same weights at every call (seed 0)."""
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(tiny_qwen2_config(vocab_size))
+
+
+def seeded_qwen2_critic(vocab_size: int) -> Qwen2ForTokenClassification:
+    """Its critic: a scalar head per token, no dropout before it (as `load_critic` builds one)."""
+    torch.manual_seed(0)
+    critic = Qwen2ForTokenClassification(tiny_qwen2_config(vocab_size, num_labels=1))
+    critic.dropout.p = 0.0
+    return critic
 
 
 def tiny_qwen2_5_vl() -> Qwen2_5_VLForConditionalGeneration:

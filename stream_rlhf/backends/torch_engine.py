@@ -42,6 +42,7 @@ from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
+from stream_rlhf.models.response_outputs import response_logprobs, response_outputs
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.telemetry.cuda_allocator import allocator_counter
 from stream_rlhf.weights.shm_store import WeightStore
@@ -62,12 +63,20 @@ class ModelForward(nn.Module):
         self.sharded = sharded
 
     def forward(self, sequences: list[Tensor], images: list[SampleImages] | None, temperature: float | None = None,
-                with_entropy: bool = False,
-                prompt_lens: Tensor | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
+                with_entropy: bool = False, prompt_lens: Tensor | None = None,
+                responses: int | None = None) -> tuple[list[Tensor] | Tensor, list[Tensor] | Tensor | None]:
         """temperature None: (per-position outputs (L_i, ...), None); else sequence_logprobs. With
-        `prompt_lens` the samples of a prompt share its forward (`models/packing.py`). Sharded,
-        each output is a tensor of its own, not a view into the packed rows: FSDP2 hooks the
-        backward of a module's outputs, and warns of views (B x L floats: cheap to copy)."""
+        `prompt_lens` the samples of a prompt share its forward (`models/packing.py`). With
+        `responses` = W (and `prompt_lens`): each output is one (N, W, ...) tensor of the positions
+        predicting the response tokens instead (`response_outputs`, `response_logprobs`): a
+        gather, not an operation per sequence. Sharded, each output is a tensor of its own, not a
+        view into the packed rows: FSDP2 hooks the backward of a module's outputs, and warns of
+        views (B x L floats: cheap to copy)."""
+        if responses is not None:
+            if temperature is None:
+                return response_outputs(self.model, sequences, prompt_lens, responses, images=images), None
+            return response_logprobs(self.model, sequences, temperature, prompt_lens, responses,
+                                     with_entropy=with_entropy, images=images)
         if temperature is None:
             return self._own(packed_forward(self.model, sequences, images=images, prompt_lens=prompt_lens)), None
         logp, entropy = sequence_logprobs(self.model, sequences, temperature, with_entropy=with_entropy, images=images,
@@ -119,6 +128,18 @@ class TorchTrainEngine:
             outputs, _ = self.forward_module(sequences, images, prompt_lens=prompt_lens)
         return [v[:-1, 0].float() for v in outputs]  # (L_i - 1,)
 
+    def response_logprobs(self, part: Experience, temperature: float,
+                          with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        with autocast(self.device, self.precision):
+            return self.forward_module(part.sequences, part.images, temperature, with_entropy, part.prompt_lens,
+                                       responses=part.mask.shape[1])
+
+    def response_values(self, part: Experience) -> Tensor:
+        with autocast(self.device, self.precision):
+            outputs, _ = self.forward_module(part.sequences, part.images, prompt_lens=part.prompt_lens,
+                                             responses=part.mask.shape[1])
+        return outputs[..., 0].float()  # (n, R)
+
     def forward_logprobs(self, sequences: list[Tensor], temperature: float,
                          images: list[SampleImages] | None = None, prompt_lens: Tensor | None = None) -> list[Tensor]:
         return self._shared(lambda seqs, ims, lens: self.logprobs(seqs, temperature, images=ims, prompt_lens=lens)[0],
@@ -127,6 +148,21 @@ class TorchTrainEngine:
     def forward_values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
                        prompt_lens: Tensor | None = None) -> list[Tensor]:
         return self._shared(self.values, sequences, images, prompt_lens)
+
+    def forward_response_logprobs(self, exp: Experience, temperature: float) -> Tensor:
+        """(N, R) `response_logprobs` of a whole mini-batch, no gradient, on the CPU on every rank:
+        each rank computes its share (one copy to the host), then all gather."""
+        width = exp.mask.shape[1]
+        mine = exp.select(torch.arange(exp.num_samples)[self.group.shard(exp.num_samples)])
+        with torch.no_grad() if self.sharded else torch.inference_mode():
+            if mine.num_samples:
+                local = self.response_logprobs(mine, temperature)[0].float().cpu()
+            else:
+                local = torch.zeros(0, width)
+                if self.sharded:  # a sharded model's forward is a collective: take part with one token
+                    self.logprobs(exp.sequences[:1], temperature,
+                                  images=exp.images[:1] if exp.images is not None else None)
+        return torch.cat(self.group.gather_ragged([local.flatten()])).view(-1, width)
 
     def _shared(self, forward, sequences: list[Tensor], images: list[SampleImages] | None,
                 prompt_lens: Tensor | None) -> list[Tensor]:

@@ -46,6 +46,14 @@ class TrainEngine(Protocol):
                prompt_lens: Tensor | None = None) -> list[Tensor]:
         """(L_i - 1,) values of this rank's sequences, position t valuing the state before token t + 1."""
 
+    def response_logprobs(self, part: Experience, temperature: float,
+                          with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """`logprobs` of `part`'s response tokens as (n, R) tensors (R = part.mask's width), zero
+        after each response, as `part.padded(response_slices(...))` gives them: a loss's input."""
+
+    def response_values(self, part: Experience) -> Tensor:
+        """`values` at the positions predicting `part`'s response tokens, (n, R) like `response_logprobs`."""
+
     def forward_logprobs(self, sequences: list[Tensor], temperature: float,
                          images: list[SampleImages] | None = None, prompt_lens: Tensor | None = None) -> list[Tensor]:
         """(L_i - 1,) log-probs of a whole mini-batch, no gradient: each rank computes its share and
@@ -54,6 +62,9 @@ class TrainEngine(Protocol):
     def forward_values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
                        prompt_lens: Tensor | None = None) -> list[Tensor]:
         """`values` of a whole mini-batch, shared like `forward_logprobs`."""
+
+    def forward_response_logprobs(self, exp: Experience, temperature: float) -> Tensor:
+        """(N, R) `response_logprobs` of a whole mini-batch, no gradient, shared like `forward_logprobs`."""
 
     def train_step(self, part: Experience, loss_fn: LossFn, per_sample: dict[str, Tensor]) -> dict[str, float]:
         """One optimizer step on `part`: each rank takes its share of the samples (and of each

@@ -26,6 +26,7 @@ as they would over separate copies.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,10 @@ from torch import Tensor, nn
 from stream_rlhf.device_copy import to_device
 from stream_rlhf.kernels.logprob import logprobs_from_hidden
 from stream_rlhf.models.vision_language import (
-    check_sample_images,
+    check_images,
     decoder_logits,
     language_model_inputs,
-    mrope_positions,
+    mrope_head,
 )
 from stream_rlhf.samples import SampleImages
 
@@ -61,19 +62,36 @@ class Packed:
     attention_mask: Tensor
     """(R, 1, C, C) bool, True = attend: a token attends to the earlier tokens of its own sequence
     (a shared prefix included). Padding attends only to itself."""
-    token_index: list[Tensor]
-    """Per input sequence, in input order, the flat positions (row * C + column) of its tokens in
-    order. A prefix shared by several sequences (`pack_shared`) is in the rows once and in each of
-    their lists."""
+    positions: Tensor
+    """(sum L_i,) long: every input sequence's tokens' flat positions (row * C + column), in order,
+    the sequences laid end to end in input order. A prefix shared by several sequences
+    (`pack_shared`) is in the rows once and in each of their runs."""
+    lengths: list[int]
+    """L_i of each input sequence: its run in `positions`."""
     shares_prefixes: bool = False
     """Some positions belong to several sequences (a prefix shared by them)."""
+
+    @functools.cached_property
+    def token_index(self) -> list[Tensor]:
+        """Per input sequence, its run of `positions` (views)."""
+        return list(self.positions.split(self.lengths))
 
     @property
     def spans(self) -> list[tuple[int, int, int]]:
         """(row, start, length) of each input sequence, in input order (`pack`: a sequence's tokens
         are contiguous)."""
         width = self.input_ids.shape[1]
-        return [(int(index[0]) // width, int(index[0]) % width, len(index)) for index in self.token_index]
+        firsts = self.positions[_starts(torch.tensor(self.lengths)).to(self.positions.device)].tolist()
+        return [(first // width, first % width, n) for first, n in zip(firsts, self.lengths)]
+
+    def predicting(self) -> Tensor:
+        """(sum (L_i - 1),) the flat positions that predict a next token: each sequence's run
+        without its last token (position t predicts token t + 1), in input order."""
+        return self.positions[_all_but_last(self.lengths).to(self.positions.device)]
+
+
+_NOTHING = torch.empty(0, dtype=torch.long)
+"""The rest of a sequence that shares nothing (one tensor for all: no operation per sequence)."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +109,8 @@ class _Unit:
 
     @classmethod
     def whole(cls, index: int, sequence: Tensor) -> _Unit:
-        """A sequence that shares nothing."""
-        return cls(sequence, [(index, sequence.new_empty(0))])
+        """A sequence that shares nothing (its rest: `_NOTHING`, left out of the rows' tokens)."""
+        return cls(sequence, [(index, _NOTHING)])
 
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
@@ -193,7 +211,8 @@ def _lay_out(units: list[_Unit], count: int, capacity: int, pad_id: int) -> Pack
     n_rows = max(row for row, _ in placement) + 1
     width = max(start + n for (_, start), n in zip(placement, lengths))
     device = units[0].prefix.device
-    tokens = torch.cat([t for unit in units for t in (unit.prefix, *(rest for _, rest in unit.branches))])
+    tokens = torch.cat([t for unit in units for t in (unit.prefix, *(rest for _, rest in unit.branches))
+                        if t is not _NOTHING])
     piece_lengths = torch.tensor([n for piece in pieces for n in piece])  # a unit's prefix, then each rest
     piece_unit = torch.repeat_interleave(torch.arange(len(units)), torch.tensor([len(piece) for piece in pieces]))
     piece_branch = torch.tensor([b for piece in pieces for b in range(len(piece))])  # 0 = the prefix
@@ -209,15 +228,17 @@ def _lay_out(units: list[_Unit], count: int, capacity: int, pad_id: int) -> Pack
     segment[flat] = torch.repeat_interleave(piece_unit, piece_lengths)
     branch = torch.zeros(n_rows * width, dtype=torch.long)  # 0 = the prefix
     branch[flat] = torch.repeat_interleave(piece_branch, piece_lengths)
-    flat = to_device(flat, device)  # once: each sequence's index is a slice of it there
-    token_index: list[Tensor] = [flat.new_empty(0)] * count
-    at = 0  # where the unit's tokens start in `flat`
+    runs = [(0, 0, 0, 0)] * count  # per sequence: where its prefix and its rest lie in `flat`, and their lengths
+    at = 0
     for unit, piece in zip(units, pieces):
-        prefix, offset = flat[at : at + piece[0]], at + piece[0]
+        offset = at + piece[0]
         for (i, _), n in zip(unit.branches, piece[1:]):
-            token_index[i] = torch.cat([prefix, flat[offset : offset + n]]) if n else prefix
+            runs[i] = (at, piece[0], offset, n)
             offset += n
         at = offset
+    run_starts = torch.tensor([start for prefix_at, _, rest_at, _ in runs for start in (prefix_at, rest_at)])
+    run_lengths = torch.tensor([length for _, prefix, _, rest in runs for length in (prefix, rest)])
+    positions = to_device(flat[torch.repeat_interleave(run_starts, run_lengths) + _offsets(run_lengths)], device)
     input_ids, position_ids, segment, branch = (to_device(t.view(n_rows, width), device)
                                                 for t in (input_ids, position_ids, segment, branch))
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # (C, C)
@@ -226,13 +247,24 @@ def _lay_out(units: list[_Unit], count: int, capacity: int, pad_id: int) -> Pack
     # padding attends to itself so no query row is fully masked (which would give NaN under sdpa)
     mask = (same & causal & visible) | torch.eye(width, dtype=torch.bool, device=device)  # (R, C, C)
     shares = any(len(unit.branches) > 1 for unit in units)
-    return Packed(input_ids, position_ids, mask[:, None], token_index, shares)
+    return Packed(input_ids, position_ids, mask[:, None], positions, [p + n for _, p, _, n in runs], shares)
+
+
+def _all_but_last(lengths: list[int]) -> Tensor:
+    """(sum(lengths),) bool: False at the last element of each run, for runs laid end to end."""
+    keep = torch.ones(sum(lengths), dtype=torch.bool)
+    keep[torch.cumsum(torch.tensor(lengths), 0) - 1] = False
+    return keep
+
+
+def _starts(lengths: Tensor) -> Tensor:
+    """Where each run begins, for runs of `lengths` laid end to end."""
+    return torch.cumsum(lengths, 0) - lengths
 
 
 def _offsets(lengths: Tensor) -> Tensor:
     """Each element's offset within its run, for runs of `lengths` laid end to end: (sum(lengths),)."""
-    starts = torch.cumsum(lengths, 0) - lengths
-    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(_starts(lengths), lengths)
 
 
 def unpack(values: Tensor, packed: Packed) -> list[Tensor]:
@@ -248,15 +280,20 @@ def vision_inputs(packed: Packed, sequences: list[Tensor], images: list[SampleIm
     the packed image tokens. `config`: the VLM's."""
     if len(images) != len(sequences):
         raise ValueError(f"images: {len(images)} entries for {len(sequences)} sequences: must be one per sequence")
+    check_images(sequences, images, config)
     n_rows, width = packed.input_ids.shape
-    spans = packed.spans  # (computed per call: once here, not once per sequence)
-    position_ids = torch.zeros((3, n_rows, width), dtype=torch.long)  # (3, R, C)
-    for i, (seq, sample, (row, start, length)) in enumerate(zip(sequences, images, spans)):
-        check_sample_images(i, seq, sample, config)
-        position_ids[:, row, start : start + length] = mrope_positions(seq.cpu(), sample.grid_thw, config)
-    # features in row-major order of the packed image tokens: by row, then by start within the row
-    order = sorted(range(len(sequences)), key=lambda i: spans[i][:2])
-    return position_ids, torch.cat([images[i].features for i in order])  # (N, W)
+    parts = [mrope_head(seq, sample.grid_thw, config) for seq, sample in zip(sequences, images)]  # (cached)
+    heads, currents, texts = zip(*parts)
+    lengths, texts = torch.tensor(packed.lengths), torch.tensor(texts)
+    flat = packed.positions.cpu()
+    in_head = _offsets(lengths) < torch.repeat_interleave(lengths - texts, lengths)  # each token, in input order
+    position_ids = torch.zeros((3, n_rows * width), dtype=torch.long)  # (3, R * C): `mrope_positions` at each span
+    position_ids[:, flat[in_head]] = torch.cat(heads, dim=1)
+    position_ids[:, flat[~in_head]] = torch.repeat_interleave(torch.tensor(currents), texts) + _offsets(texts)
+    # features in row-major order of the packed image tokens: by each sequence's first position
+    firsts = flat[_starts(lengths)]
+    order = torch.argsort(firsts).tolist()
+    return position_ids.view(3, n_rows, width), torch.cat([images[i].features for i in order])  # (N, W)
 
 
 def _model_inputs(
@@ -300,12 +337,18 @@ def packed_forward(
     `prompt_lens` (N,): the samples of one prompt share its forward (`pack_shared`).
     """
     packed = packed_layout(sequences, capacity, images, prompt_lens)
+    return unpack(packed_outputs(model, packed, sequences, images), packed)
+
+
+def packed_outputs(model: nn.Module, packed: Packed, sequences: list[Tensor],
+                    images: list[SampleImages] | None) -> Tensor:
+    """`model(...).logits` of the packed rows, (R, C, ...) (`packed_forward` unpacks them)."""
     device = next(model.parameters()).device
     inputs = _model_inputs(model, packed, sequences, images, device)
     lm_head = getattr(model, "get_output_embeddings", lambda: None)()
     if images is not None and lm_head is not None:  # a whole VLM, not its critic
-        return unpack(decoder_logits(model, **inputs), packed)  # (R, C, V)
-    return unpack(model(**inputs).logits, packed)  # (R, C, ...)
+        return decoder_logits(model, **inputs)  # (R, C, V)
+    return model(**inputs).logits
 
 
 def packed_hidden_states(
@@ -323,8 +366,10 @@ def next_token_pairs(packed: Packed, sequences: list[Tensor], vocab: int,
     """What a packed forward's log-probs are of: flat positions (row * C + column) (P,) and the
     next tokens they predict (P,), each pair once, and `inverse` (M,) taking them back to every
     sequence's (L_i - 1,) in input order (None when nothing is shared: P = M, in that order)."""
-    positions = torch.cat([index[:-1] for index in packed.token_index])  # (M,): position t predicts t + 1
-    labels = torch.cat([seq[1:] for seq in sequences]).long()  # (M,)
+    positions = packed.predicting()  # (M,): position t predicts t + 1
+    tokens = torch.cat(sequences).long()
+    # (M,): the token after each one but a sequence's last
+    labels = tokens.roll(-1)[_all_but_last(packed.lengths).to(tokens.device)]
     if packed.shares_prefixes:  # where the sequences are (the host, for a train step): no wait for the device
         pairs, inverse = torch.unique(positions * vocab + labels, return_inverse=True)  # each pair once
         positions, labels, inverse = pairs // vocab, pairs % vocab, to_device(inverse, device)
@@ -350,6 +395,16 @@ def sequence_logprobs(
     are never materialised, on Triton or on the chunked torch path. `images` and `prompt_lens` as
     in `packed_forward`; with a shared prompt, each (position, next token) pair is computed once.
     """
+    logp, entropy = pair_logprobs(model, sequences, temperature, with_entropy, capacity, images, prompt_lens)
+    lengths = [len(seq) - 1 for seq in sequences]
+    return list(logp.split(lengths)), list(entropy.split(lengths)) if with_entropy else None
+
+
+def pair_logprobs(model: nn.Module, sequences: list[Tensor], temperature: float, with_entropy: bool,
+                   capacity: int | None, images: list[SampleImages] | None,
+                   prompt_lens: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """`sequence_logprobs` of all sequences laid end to end, (sum (L_i - 1),) each (`sequence_logprobs`
+    splits them)."""
     packed = packed_layout(sequences, capacity, images, prompt_lens)
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
@@ -362,5 +417,4 @@ def sequence_logprobs(
     logp, entropy = logprobs_from_hidden(flat[positions], head.weight, labels, temperature, with_entropy)
     if inverse is not None:
         logp, entropy = logp[inverse], entropy[inverse] if with_entropy else None
-    lengths = [len(seq) - 1 for seq in sequences]
-    return list(logp.split(lengths)), list(entropy.split(lengths)) if with_entropy else None
+    return logp, entropy

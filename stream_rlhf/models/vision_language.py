@@ -104,12 +104,20 @@ def mrope_positions(input_ids: Tensor, grid_thw: Tensor, config: PretrainedConfi
     and each forward and epoch over them, share it: ~80 us of small tensor operations a sequence,
     on the host of every vision-language forward); the text after it is one `arange`.
     """
+    head, current, text = mrope_head(input_ids, grid_thw, config)
+    tail = torch.arange(current, current + text).expand(3, -1)
+    return torch.cat([head, tail], dim=1).to(input_ids.device)  # (3, L)
+
+
+def mrope_head(input_ids: Tensor, grid_thw: Tensor, config: PretrainedConfig) -> tuple[Tensor, int, int]:
+    """`mrope_positions` in parts, no tensor operation but a cache miss's: the positions (3, E) of
+    the tokens up to the last image token (cached and shared: not to be written to), the position
+    the text after them starts at, and its number of tokens (L - E)."""
     ids = input_ids.tolist()
     end = len(ids) - ids[::-1].index(config.image_token_id) if config.image_token_id in ids else 0
     head, current = _image_part(tuple(ids[:end]), tuple(map(tuple, grid_thw.tolist())), config.image_token_id,
                                 config.vision_config.spatial_merge_size)
-    tail = torch.arange(current, current + len(ids) - end).expand(3, -1)
-    return torch.cat([head, tail], dim=1).to(input_ids.device)  # (3, L)
+    return head, current, len(ids) - end
 
 
 @functools.lru_cache(maxsize=4096)
@@ -165,6 +173,24 @@ def check_sample_images(index: int, sequence: Tensor, images: SampleImages, conf
             f"sequence {index}: {n_tokens} image tokens, grid_thw {images.grid_thw.tolist()} gives {n_grid}, "
             f"features hold {images.features.shape[0]} rows: all three must be equal"
         )
+
+
+def check_images(sequences: list[Tensor], images: list[SampleImages], config: PretrainedConfig) -> None:
+    """`check_sample_images` of every sequence in a few tensor operations (the counts of all of them
+    at once); the first disagreeing one raises its message."""
+    tokens = torch.cat(sequences).cpu() == config.image_token_id
+    owner = torch.repeat_interleave(torch.arange(len(sequences)), torch.tensor([len(s) for s in sequences]))
+    n_tokens = torch.zeros(len(sequences), dtype=torch.long).index_add_(0, owner, tokens.long())
+    grids = torch.cat([sample.grid_thw for sample in images]).cpu().long()  # (images, 3)
+    merge = config.vision_config.spatial_merge_size
+    per_image = grids[:, 0] * (grids[:, 1] // merge) * (grids[:, 2] // merge)
+    image_owner = torch.repeat_interleave(torch.arange(len(images)), torch.tensor([len(s.grid_thw) for s in images]))
+    n_grid = torch.zeros(len(images), dtype=torch.long).index_add_(0, image_owner, per_image)
+    n_rows = torch.tensor([sample.features.shape[0] for sample in images])
+    bad = ((n_tokens != n_grid) | (n_grid != n_rows)).nonzero()
+    if len(bad):
+        index = int(bad[0])
+        check_sample_images(index, sequences[index], images[index], config)
 
 
 def embed_with_images(model: nn.Module, input_ids: Tensor, features: Tensor) -> Tensor:

@@ -38,7 +38,6 @@ from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.data.tokenizer import load_tokenizer
 from stream_rlhf.experience import Experience, IterationBuffer
 from stream_rlhf.rl.reward_parts_config import policy_version_at
-from stream_rlhf.samples import response_slices
 from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
 from stream_rlhf.stages.images import ImageInputs
@@ -249,9 +248,7 @@ class ActorTrain(Stage):
         cfg = self.job.config
         algo = cfg.algorithm
         decoupled = cfg.overlap_depth > 0
-        logp, entropy = self.engine.logprobs(part.sequences, cfg.rollout.temperature, with_entropy=True,
-                                             images=part.images, prompt_lens=part.prompt_lens)
-        logp = part.padded(response_slices(logp, part.prompt_lens))  # (n, R)
+        logp, entropy = self.engine.response_logprobs(part, cfg.rollout.temperature, with_entropy=True)  # (n, R)
         # without an actor forward the one optimizer step's own log-probs are the proximal ones
         proximal = per_sample["proximal"] if "proximal" in per_sample else logp.detach()
         loss, metrics = policy_loss(
@@ -262,7 +259,7 @@ class ActorTrain(Stage):
             kl_term, kl_metrics = kl_loss(logp, part.ref_logp, part.mask, algo.kl.kind)
             loss = loss + self.kl_ctl.coef * kl_term
             metrics.update(kl_loss=kl_metrics["kl"])
-        ent_term, ent_metrics = entropy_loss(part.padded(response_slices(entropy, part.prompt_lens)), part.mask)
+        ent_term, ent_metrics = entropy_loss(entropy, part.mask)
         metrics.update(ent_metrics)  # always reported; in the loss only with a bonus
         if algo.entropy_coef > 0:
             loss = loss + algo.entropy_coef * ent_term
@@ -288,9 +285,7 @@ class ActorTrain(Stage):
         if exp.old_logp is None and algo.ppo_epochs == 1 and algo.train_minibatches == 1:
             return None, False
         with trace.span("proximal forward", "train", samples=exp.num_samples):
-            logp = self.engine.forward_logprobs(exp.sequences, self.job.config.rollout.temperature,
-                                                images=exp.images, prompt_lens=exp.prompt_lens)
-        return exp.padded(response_slices(logp, exp.prompt_lens)), True
+            return self.engine.forward_response_logprobs(exp, self.job.config.rollout.temperature), True
 
     def _finish(self) -> None:
         run_dir = self.job.run_dir

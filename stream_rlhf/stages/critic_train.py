@@ -18,7 +18,6 @@ from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.engines import build_train_engine
 from stream_rlhf.experience import Experience, IterationBuffer
 from stream_rlhf.rl.reward_parts_config import policy_version_at
-from stream_rlhf.samples import response_slices
 from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
 from stream_rlhf.stages.critic_weights import crosses_hosts, open_critic_sender
@@ -121,6 +120,5 @@ class CriticTrain(Stage):
             self.metrics.write({"iteration": self.version, **warmup, **means.means()})
 
     def _loss(self, part: Experience, per_sample: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        values = self.engine.values(part.sequences, part.images, part.prompt_lens)
-        values = part.padded(response_slices(values, part.prompt_lens))  # (n, R)
+        values = self.engine.response_values(part)  # (n, R)
         return value_loss(values, part.values, per_sample["returns"], part.mask, self.job.config.algorithm.value_clip)

@@ -56,7 +56,7 @@ from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import save_checkpoint
 from stream_rlhf.models.vision_language import scatter_image_features
-from stream_rlhf.samples import SampleImages
+from stream_rlhf.samples import SampleImages, response_slices
 from stream_rlhf.weights.shm_store import WeightStore
 
 
@@ -109,6 +109,16 @@ class MegatronTrainEngine:
         batch, out = self._output_for(sequences, images, prompt_lens)
         return token_values(out, batch, self.split)
 
+    def response_logprobs(self, part: Experience, temperature: float,
+                          with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        logp, entropy = self.logprobs(part.sequences, temperature, with_entropy, part.images, part.prompt_lens)
+        return (part.padded(response_slices(logp, part.prompt_lens)),
+                part.padded(response_slices(entropy, part.prompt_lens)) if with_entropy else None)
+
+    def response_values(self, part: Experience) -> Tensor:
+        values = self.values(part.sequences, part.images, part.prompt_lens)
+        return part.padded(response_slices(values, part.prompt_lens))
+
     def forward_logprobs(self, sequences: list[Tensor], temperature: float,
                          images: list[SampleImages] | None = None, prompt_lens: Tensor | None = None) -> list[Tensor]:
         def logprobs_of(out: Tensor, batch: Batch, seqs: list[Tensor]) -> list[Tensor]:
@@ -119,6 +129,10 @@ class MegatronTrainEngine:
     def forward_values(self, sequences: list[Tensor], images: list[SampleImages] | None = None,
                        prompt_lens: Tensor | None = None) -> list[Tensor]:
         return self._shared(sequences, images, prompt_lens, lambda out, batch, _: token_values(out, batch, self.split))
+
+    def forward_response_logprobs(self, exp: Experience, temperature: float) -> Tensor:
+        logp = self.forward_logprobs(exp.sequences, temperature, images=exp.images, prompt_lens=exp.prompt_lens)
+        return exp.padded(response_slices(logp, exp.prompt_lens))
 
     def _output_for(self, sequences: list[Tensor], images: list[SampleImages] | None,
                     prompt_lens: Tensor | None) -> tuple[Batch, Tensor]:
