@@ -121,8 +121,8 @@ class RankGroup:
     def gather_ragged(self, local: list[Tensor]) -> list[Tensor]:
         """Every rank's list of 1-D tensors (one dtype), concatenated in rank order, on the CPU and
         on every rank: what a data-parallel forward stage computed for its share of a mini-batch."""
-        if not self.distributed:
-            return [t.cpu() for t in local]
+        if not self.distributed:  # one copy to the host (a device-to-host copy waits for the device)
+            return list(torch.cat(local).cpu().split([len(t) for t in local])) if local else []
         dtype = local[0].dtype if local else torch.float32
         counts = torch.tensor([len(local)], dtype=torch.int64)
         all_counts = [torch.zeros_like(counts) for _ in range(self.world_size)]

@@ -179,7 +179,7 @@ class TorchTrainEngine:
                 local = []
                 if self.sharded:  # a sharded model's forward is a collective: take part with one token
                     forward(sequences[:1], images[:1] if images is not None else None, None)
-        return self.group.gather_ragged([t.float() for t in local])
+        return [t.float() for t in self.group.gather_ragged(local)]  # (cast on the host)
 
     # ---- training ----------------------------------------------------------------------------
 

@@ -104,4 +104,4 @@ def token_values(output: Tensor, batch: Batch, split: ContextSplit) -> list[Tens
     values = split.gather(output)  # (R, C)
     width = batch.layout.input_ids.shape[1]
     flat = values[:, :width].reshape(-1)  # (R * width,): the layout's flat positions
-    return [flat[index[:-1].to(flat.device)] for index in batch.layout.token_index]
+    return list(flat[batch.layout.predicting().to(flat.device)].split([n - 1 for n in batch.layout.lengths]))
