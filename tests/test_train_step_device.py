@@ -32,7 +32,6 @@ from stream_rlhf.backends.torch_engine import HOST_FIELDS, TorchTrainEngine
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.samples import response_slices
 from tests.test_kernel_warm_up import _experience
 from tests.tiny_models import tiny_qwen2_config
 
@@ -48,13 +47,12 @@ def _engine(device: str = "cpu", precision: str = "fp32") -> TorchTrainEngine:
 def _actor_loss(engine: TorchTrainEngine, extra_metrics: bool):
     """The actor's loss (policy, KL and entropy terms) with two or five metrics."""
     def loss_fn(part: Experience, per_sample: dict[str, torch.Tensor]):
-        logp, entropy = engine.logprobs(part.sequences, 1.0, with_entropy=True, prompt_lens=part.prompt_lens)
-        logp = part.padded(response_slices(logp, part.prompt_lens))
+        logp, entropy = engine.response_logprobs(part, 1.0, with_entropy=True)  # what the actor's loss reads
         loss, metrics = policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2,
                                     behavior_logp=part.behavior_logp if extra_metrics else None, is_cap=2.0)
         if extra_metrics:
             kl, kl_metrics = kl_loss(logp, part.ref_logp, part.mask, "k3")
-            bonus, ent_metrics = entropy_loss(part.padded(response_slices(entropy, part.prompt_lens)), part.mask)
+            bonus, ent_metrics = entropy_loss(entropy, part.mask)
             loss = loss + 0.1 * kl + 0.01 * bonus
             metrics.update(kl_loss=kl_metrics["kl"], **ent_metrics)
         return loss, metrics
