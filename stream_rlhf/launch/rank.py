@@ -29,6 +29,7 @@ from stream_rlhf.telemetry import trace
 from stream_rlhf.telemetry.stage_counts import StageCounts
 from stream_rlhf.weights.device_turns import DeviceTurns
 from stream_rlhf.weights.turn_order import TurnOrder
+from stream_rlhf.worker_process import HELPER_CORES
 
 if TYPE_CHECKING:
     from stream_rlhf.backends.core_lending import ThreadGovernor
@@ -215,9 +216,11 @@ def _offload_counts(spec: StageSpec, stage_name: str, instance_id: str, rank: in
 
 
 def _pin(spec: StageSpec, rank: int) -> None:
-    """This process's cores and torch threads, from the spec."""
+    """This process's cores and torch threads, from the spec; the worker processes it starts run on
+    the cores it had before (`worker_process.HELPER_CORES`)."""
     cores = spec.cores_of(rank)
     if cores is not None:
+        os.environ[HELPER_CORES] = ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
         os.sched_setaffinity(0, cores)
     if spec.threads is not None:
         import torch
