@@ -115,11 +115,9 @@ def _vlm_train_experience(sequences: list[torch.Tensor], images: list) -> tuple:
 def _value_loss(engine):
     """The critic stage's value loss: values of the part's sequences (images, shared prompts) as asked."""
     from stream_rlhf.algos.losses import value_loss
-    from stream_rlhf.samples import response_slices
 
     def loss_fn(part, per_sample):
-        values = part.padded(response_slices(engine.values(part.sequences, part.images, part.prompt_lens),
-                                             part.prompt_lens))
+        values = engine.response_values(part)
         return value_loss(values, part.values, per_sample["returns"], part.mask, 10.0)
     return loss_fn
 
@@ -127,11 +125,9 @@ def _value_loss(engine):
 def _policy_loss(engine):
     """The actor stage's policy loss: log-probs with images and shared prompts as the stage asks."""
     from stream_rlhf.algos.losses import policy_loss
-    from stream_rlhf.samples import response_slices
 
     def loss_fn(part, per_sample):
-        logp, _ = engine.logprobs(part.sequences, 1.0, images=part.images, prompt_lens=part.prompt_lens)
-        logp = part.padded(response_slices(logp, part.prompt_lens))
+        logp, _ = engine.response_logprobs(part, 1.0)
         return policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2)
     return loss_fn
 

@@ -77,6 +77,16 @@ def token_logprobs(hidden: Tensor, head_weight: Tensor, batch: Batch, sequences:
                    with_entropy: bool, split: ContextSplit) -> tuple[list[Tensor], list[Tensor] | None]:
     """(L_i - 1,) log-probs (and entropies) of `sequences` from the last stage's hidden states
     (R, C_local, H) of `batch` (C_local = C / cp) and the (V, H) output layer's weight."""
+    scored = token_scores(hidden, head_weight, batch, sequences, temperature, with_entropy, split)
+    lengths = [len(s) - 1 for s in sequences]
+    logps = list(scored[:, 0].split(lengths))
+    return logps, list(scored[:, 1].split(lengths)) if with_entropy else None
+
+
+def token_scores(hidden: Tensor, head_weight: Tensor, batch: Batch, sequences: list[Tensor], temperature: float,
+                 with_entropy: bool, split: ContextSplit) -> Tensor:
+    """`token_logprobs` of all sequences laid end to end: (sum (L_i - 1), 1), with the entropies
+    as a second column."""
     device = hidden.device
     positions, labels, inverse = next_token_pairs(batch.layout, sequences, head_weight.shape[0], device)
     width = batch.layout.input_ids.shape[1]
@@ -91,17 +101,18 @@ def token_logprobs(hidden: Tensor, head_weight: Tensor, batch: Batch, sequences:
         scored = hidden.new_zeros(0, 1 + with_entropy) + hidden.sum() * 0
     if split.cp > 1:
         scored = split.combine(scored.new_zeros(len(positions), scored.shape[1]).index_put((mine,), scored))
-    if inverse is not None:
-        scored = scored[inverse]  # (M, 1 or 2)
-    lengths = [len(s) - 1 for s in sequences]
-    logps = list(scored[:, 0].split(lengths))
-    return logps, list(scored[:, 1].split(lengths)) if with_entropy else None
+    return scored[inverse] if inverse is not None else scored  # (M, 1 or 2)
 
 
 def token_values(output: Tensor, batch: Batch, split: ContextSplit) -> list[Tensor]:
     """(L_i - 1,) values of each sequence of `batch` from the critic's (R, C_local) output, position
     t valuing the state before token t + 1."""
+    return list(flat_values(output, batch, split).split([n - 1 for n in batch.layout.lengths]))
+
+
+def flat_values(output: Tensor, batch: Batch, split: ContextSplit) -> Tensor:
+    """`token_values` of all sequences laid end to end: (sum (L_i - 1),)."""
     values = split.gather(output)  # (R, C)
     width = batch.layout.input_ids.shape[1]
     flat = values[:, :width].reshape(-1)  # (R * width,): the layout's flat positions
-    return list(flat[batch.layout.predicting().to(flat.device)].split([n - 1 for n in batch.layout.lengths]))
+    return flat[batch.layout.predicting().to(flat.device)]

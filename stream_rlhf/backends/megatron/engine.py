@@ -43,7 +43,14 @@ from torch import Tensor, nn
 from stream_rlhf.algos.losses import host_metrics
 from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.backends.megatron.arch_qwen2_vl import VISION_PREFIX
-from stream_rlhf.backends.megatron.batch import Batch, packed_batch, token_logprobs, token_values
+from stream_rlhf.backends.megatron.batch import (
+    Batch,
+    flat_values,
+    packed_batch,
+    token_logprobs,
+    token_scores,
+    token_values,
+)
 from stream_rlhf.backends.megatron.config import MegatronConfig, check_parallel
 from stream_rlhf.backends.megatron.context import ContextSplit
 from stream_rlhf.backends.megatron.model import architecture, build_model, dims, join_megatron, text_config
@@ -55,6 +62,7 @@ from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import save_checkpoint
+from stream_rlhf.models.response_outputs import padded_responses
 from stream_rlhf.models.vision_language import scatter_image_features
 from stream_rlhf.samples import SampleImages, response_slices
 from stream_rlhf.weights.shm_store import WeightStore
@@ -111,13 +119,15 @@ class MegatronTrainEngine:
 
     def response_logprobs(self, part: Experience, temperature: float,
                           with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        logp, entropy = self.logprobs(part.sequences, temperature, with_entropy, part.images, part.prompt_lens)
-        return (part.padded(response_slices(logp, part.prompt_lens)),
-                part.padded(response_slices(entropy, part.prompt_lens)) if with_entropy else None)
+        batch, out = self._output_for(part.sequences, part.images, part.prompt_lens)
+        scored = token_scores(out, self._head_weight(), batch, part.sequences, temperature, with_entropy, self.split)
+        scored = padded_responses(scored, [len(s) - 1 for s in part.sequences], part.prompt_lens, part.mask.shape[1])
+        return scored[..., 0], scored[..., 1] if with_entropy else None  # (n, R) each
 
     def response_values(self, part: Experience) -> Tensor:
-        values = self.values(part.sequences, part.images, part.prompt_lens)
-        return part.padded(response_slices(values, part.prompt_lens))
+        batch, out = self._output_for(part.sequences, part.images, part.prompt_lens)
+        values = flat_values(out, batch, self.split)
+        return padded_responses(values, [len(s) - 1 for s in part.sequences], part.prompt_lens, part.mask.shape[1])
 
     def forward_logprobs(self, sequences: list[Tensor], temperature: float,
                          images: list[SampleImages] | None = None, prompt_lens: Tensor | None = None) -> list[Tensor]:
