@@ -341,7 +341,7 @@ def packed_forward(
 
 
 def packed_outputs(model: nn.Module, packed: Packed, sequences: list[Tensor],
-                    images: list[SampleImages] | None) -> Tensor:
+                   images: list[SampleImages] | None) -> Tensor:
     """`model(...).logits` of the packed rows, (R, C, ...) (`packed_forward` unpacks them)."""
     device = next(model.parameters()).device
     inputs = _model_inputs(model, packed, sequences, images, device)
@@ -401,8 +401,8 @@ def sequence_logprobs(
 
 
 def pair_logprobs(model: nn.Module, sequences: list[Tensor], temperature: float, with_entropy: bool,
-                   capacity: int | None, images: list[SampleImages] | None,
-                   prompt_lens: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                  capacity: int | None, images: list[SampleImages] | None,
+                  prompt_lens: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """`sequence_logprobs` of all sequences laid end to end, (sum (L_i - 1),) each (`sequence_logprobs`
     splits them)."""
     packed = packed_layout(sequences, capacity, images, prompt_lens)

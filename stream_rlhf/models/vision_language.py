@@ -179,13 +179,13 @@ def check_images(sequences: list[Tensor], images: list[SampleImages], config: Pr
     """`check_sample_images` of every sequence in a few tensor operations (the counts of all of them
     at once); the first disagreeing one raises its message."""
     tokens = torch.cat(sequences).cpu() == config.image_token_id
-    owner = torch.repeat_interleave(torch.arange(len(sequences)), torch.tensor([len(s) for s in sequences]))
-    n_tokens = torch.zeros(len(sequences), dtype=torch.long).index_add_(0, owner, tokens.long())
+    token_sample = torch.repeat_interleave(torch.arange(len(sequences)), torch.tensor([len(s) for s in sequences]))
+    n_tokens = torch.zeros(len(sequences), dtype=torch.long).index_add_(0, token_sample, tokens.long())
     grids = torch.cat([sample.grid_thw for sample in images]).cpu().long()  # (images, 3)
     merge = config.vision_config.spatial_merge_size
     per_image = grids[:, 0] * (grids[:, 1] // merge) * (grids[:, 2] // merge)
-    image_owner = torch.repeat_interleave(torch.arange(len(images)), torch.tensor([len(s.grid_thw) for s in images]))
-    n_grid = torch.zeros(len(images), dtype=torch.long).index_add_(0, image_owner, per_image)
+    image_sample = torch.repeat_interleave(torch.arange(len(images)), torch.tensor([len(s.grid_thw) for s in images]))
+    n_grid = torch.zeros(len(images), dtype=torch.long).index_add_(0, image_sample, per_image)
     n_rows = torch.tensor([sample.features.shape[0] for sample in images])
     bad = ((n_tokens != n_grid) | (n_grid != n_rows)).nonzero()
     if len(bad):
