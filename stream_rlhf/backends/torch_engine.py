@@ -126,7 +126,7 @@ class TorchTrainEngine:
                prompt_lens: Tensor | None = None) -> list[Tensor]:
         with autocast(self.device, self.precision):
             outputs, _ = self.forward_module(sequences, images, prompt_lens=prompt_lens)
-        return [v[:-1, 0].float() for v in outputs]  # (L_i - 1,)
+        return list(torch.cat([v[:-1, 0] for v in outputs]).float().split([len(v) - 1 for v in outputs]))  # (L_i - 1,)
 
     def response_logprobs(self, part: Experience, temperature: float,
                           with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:

@@ -268,9 +268,10 @@ def _offsets(lengths: Tensor) -> Tensor:
 
 
 def unpack(values: Tensor, packed: Packed) -> list[Tensor]:
-    """Per-token values (R, C, ...) -> one (L_i, ...) tensor per input sequence, in input order."""
+    """Per-token values (R, C, ...) -> one (L_i, ...) tensor per input sequence, in input order:
+    views into one gather of every sequence's positions."""
     flat = values.reshape(-1, *values.shape[2:])  # (R * C, ...)
-    return [flat[index] for index in packed.token_index]
+    return list(flat[to_device(packed.positions, flat.device)].split(packed.lengths))
 
 
 def vision_inputs(packed: Packed, sequences: list[Tensor], images: list[SampleImages],
