@@ -15,7 +15,8 @@ shaped like its shapes task (one 4-token image per prompt, 1-7 response tokens):
     nodes      autograd nodes the loss's backward runs
     speedup    per-sequence ms / gathered ms; ops ratio = gathered / per-sequence
 
-Both paths give the same loss (checked each run; a difference above 1e-5 is reported and the run
+Precision `auto`, as the jobs: bf16 autocast on CUDA, fp32 on the CPU. Both paths give the same
+loss (checked each run; a difference above 1e-5 is reported and the run
 exits 1). On 2 CPU cores the model's own arithmetic dominates the step at this size; on a GPU the
 step is launch-bound, and the op count is what it pays for.
 
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stream_rlhf.algos.losses import entropy_loss, policy_loss, value_loss  # noqa: E402
 from stream_rlhf.backends.optimizer_config import OptimizerConfig  # noqa: E402
-from stream_rlhf.backends.torch_engine import TorchTrainEngine  # noqa: E402
+from stream_rlhf.backends.torch_engine import HOST_FIELDS, TorchTrainEngine  # noqa: E402
 from stream_rlhf.config import load_config  # noqa: E402
 from stream_rlhf.distributed import RankGroup  # noqa: E402
 from stream_rlhf.experience import Experience  # noqa: E402
@@ -116,8 +117,10 @@ def _critic_loss(engine: TorchTrainEngine, gathered: bool):
     return loss_fn
 
 
-def _nodes(loss_fn: Callable, exp: Experience, per_sample: dict[str, torch.Tensor]) -> int:
-    loss, _ = loss_fn(exp, per_sample)
+def _nodes(engine: TorchTrainEngine, loss_fn: Callable, exp: Experience, per_sample: dict[str, torch.Tensor]) -> int:
+    """Autograd nodes of the loss as `train_step` computes it (the samples on the engine's device)."""
+    part = exp.to(engine.device, keep_on_host=HOST_FIELDS)
+    loss, _ = loss_fn(part, {name: t.to(engine.device) for name, t in per_sample.items()})
     seen, todo = set(), [loss.grad_fn]
     while todo:
         node = todo.pop()
@@ -150,7 +153,7 @@ def _measure(make_engine: Callable[[], TorchTrainEngine], make_loss, exp: Experi
         with _OpCount() as count:
             engine.train_step(exp, losses[path], per_sample)
         out[path] = {"ms": round(1000 * statistics.median(times[path]), 2), "ops": count.ops,
-                     "nodes": _nodes(losses[path], exp, per_sample)}
+                     "nodes": _nodes(engine, losses[path], exp, per_sample)}
     out["speedup"] = round(out["per_sequence"]["ms"] / out["gathered"]["ms"], 3)
     out["ops_ratio"] = round(out["gathered"]["ops"] / out["per_sequence"]["ops"], 3)
     return out
@@ -177,8 +180,10 @@ def main() -> None:
         policy.save_pretrained(folder)
         results = {
             "actor": _measure(lambda: TorchTrainEngine(build_tiny(cfg.model.tiny, tokenizer, seed=0), group,
-                                                       OptimizerConfig(lr=2e-4)), _actor_loss, exp, per_sample, steps),
-            "critic": _measure(lambda: TorchTrainEngine(load_critic(folder), group, OptimizerConfig(lr=1e-3)),
+                                                       OptimizerConfig(lr=2e-4), precision="auto"),
+                              _actor_loss, exp, per_sample, steps),
+            "critic": _measure(lambda: TorchTrainEngine(load_critic(folder), group, OptimizerConfig(lr=1e-3),
+                                                        precision="auto"),
                                _critic_loss, exp, per_sample, steps),
         }
     print(f"train step on {device} ({torch.get_num_threads()} threads), the main job's model, {samples} samples, "
