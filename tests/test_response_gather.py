@@ -44,7 +44,8 @@ def _experience(sequences: list[torch.Tensor], prompt_lens: torch.Tensor, g: tor
                       group_ids=torch.arange(n), policy_versions=torch.zeros(n), images=images)
 
 
-def _vlm_experience() -> tuple[torch.nn.Module, Experience]:
+def vlm_experience() -> tuple[torch.nn.Module, Experience]:
+    """A tiny Qwen2-VL and 10 samples of one to two images each, 1-3 response tokens."""
     model = build_model("qwen2_vl")
     g = torch.Generator().manual_seed(2)
     samples = [make_sample(g, texts, grids) for texts, grids in LAYOUTS * 2]
@@ -83,7 +84,7 @@ def test_response_logprobs_equal_the_per_sequence_path_with_shared_prompts():
 
 
 def test_response_logprobs_of_a_vision_language_model_equal_the_per_sequence_path():
-    model, part = _vlm_experience()
+    model, part = vlm_experience()
     engine = TorchTrainEngine(model, RankGroup.single(), OptimizerConfig())
     logp, entropy = engine.response_logprobs(part, 1.0, with_entropy=True)
     _assert_same([logp, entropy], list(_per_sequence_logprobs(engine, part, 1.0)), engine)

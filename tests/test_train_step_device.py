@@ -33,6 +33,7 @@ from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.rl.config import RLJobConfig
 from tests.test_kernel_warm_up import _experience
+from tests.test_response_gather import vlm_experience
 from tests.tiny_models import tiny_qwen2_config
 
 VOCAB = 40
@@ -168,6 +169,29 @@ def test_cuda_train_step_is_fused_bf16_and_synchronises_in_our_code_once():
             engine.train_step(exp, _actor_loss(engine, True), {"advantages": torch.randn(exp.mask.shape)})
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    _assert_one_sync_of_ours(caught)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: scripts/gpu_checks.sh tests runs it")
+def test_cuda_train_step_of_a_vision_language_model_synchronises_in_our_code_once():
+    """The image tokens are counted on the host, the M-RoPE positions placed there."""
+    model, exp = vlm_experience()
+    engine = TorchTrainEngine(model, RankGroup.single("cuda:0"), OptimizerConfig(lr=1e-2), precision="auto")
+    exp.old_logp, exp.ref_logp = exp.behavior_logp.clone(), exp.behavior_logp.clone()
+    engine.train_step(exp, _actor_loss(engine, True), {"advantages": torch.randn(exp.mask.shape)})  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.train_step(exp, _actor_loss(engine, True), {"advantages": torch.randn(exp.mask.shape)})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _assert_one_sync_of_ours(caught)
+
+
+def _assert_one_sync_of_ours(caught: list[warnings.WarningMessage]) -> None:
     syncs = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
     print("synchronising calls in one step:", dict(syncs))
     ours = {k: v for k, v in syncs.items() if k.split(":")[0] in {p.name for p in Path("stream_rlhf").rglob("*.py")}}

@@ -311,7 +311,7 @@ def _model_inputs(
             "attention_mask": mask,
         }
     position_ids, features = vision_inputs(packed, sequences, images, model.config)
-    inputs = language_model_inputs(model, to_device(packed.input_ids, device), to_device(features, device))
+    inputs = language_model_inputs(model, packed.input_ids, to_device(features, device))  # (ids: counted on the host)
     return {**inputs, "position_ids": to_device(position_ids, device), "attention_mask": mask}
 
 

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForImageTextToText, PretrainedConfig
 from transformers.modeling_outputs import TokenClassifierOutput
 
+from stream_rlhf.device_copy import to_device
 from stream_rlhf.samples import SampleImages
 
 
@@ -155,13 +156,14 @@ def _image_part(ids: tuple[int, ...], grids: tuple[tuple[int, int, int], ...], i
 
 def scatter_image_features(inputs_embeds: Tensor, input_ids: Tensor, features: Tensor, image_token_id: int) -> Tensor:
     """inputs_embeds (..., L, H) with its image-token rows replaced by `features` (N, H) in
-    row-major order of the image tokens of input_ids (..., L); out of place, features detached."""
+    row-major order of the image tokens of input_ids (..., L); out of place, features detached. The
+    tokens are counted where input_ids are (on the host for a train step: no wait for the device)."""
     mask = input_ids == image_token_id  # (..., L)
     n_tokens = int(mask.sum())
     if n_tokens != features.shape[0]:
         raise ValueError(f"{n_tokens} image tokens but {features.shape[0]} image feature rows")
     features = features.detach().to(device=inputs_embeds.device, dtype=inputs_embeds.dtype)
-    return inputs_embeds.masked_scatter(mask[..., None], features)
+    return inputs_embeds.masked_scatter(to_device(mask, inputs_embeds.device)[..., None], features)
 
 
 def check_sample_images(index: int, sequence: Tensor, images: SampleImages, config: PretrainedConfig) -> None:
@@ -196,8 +198,8 @@ def check_images(sequences: list[Tensor], images: list[SampleImages], config: Pr
 def embed_with_images(model: nn.Module, input_ids: Tensor, features: Tensor) -> Tensor:
     """The model's token embeddings (..., L, H) of input_ids with `features` (N, H) at its image tokens."""
     embed = model.get_input_embeddings()
-    embeds = embed(input_ids.to(embed.weight.device))
-    return scatter_image_features(embeds, input_ids.to(embed.weight.device), features, model.config.image_token_id)
+    embeds = embed(to_device(input_ids, embed.weight.device))
+    return scatter_image_features(embeds, input_ids, features, model.config.image_token_id)
 
 
 def language_model_inputs(model: nn.Module, input_ids: Tensor, features: Tensor) -> dict[str, Tensor | list[Tensor]]:
@@ -214,7 +216,7 @@ def language_model_inputs(model: nn.Module, input_ids: Tensor, features: Tensor)
     inputs: dict[str, Tensor | list[Tensor]] = {"inputs_embeds": embed_with_images(model, input_ids, merged)}
     if levels:
         device = inputs["inputs_embeds"].device
-        inputs["visual_pos_masks"] = input_ids.to(device) == model.config.image_token_id
+        inputs["visual_pos_masks"] = to_device(input_ids == model.config.image_token_id, device)
         inputs["deepstack_visual_embeds"] = [f.detach().to(device) for f in deepstack]
     return inputs
 
