@@ -27,11 +27,11 @@ from tests.tiny_models import seeded_qwen2_critic, seeded_qwen2_policy
 VOCAB = 40
 
 
-def _model():
+def _model() -> torch.nn.Module:
     return seeded_qwen2_policy(VOCAB)
 
 
-def _critic():
+def _critic() -> torch.nn.Module:
     return seeded_qwen2_critic(VOCAB)
 
 
