@@ -159,17 +159,7 @@ def test_a_train_step_reads_device_values_once_however_many_metrics_and_samples(
 def test_cuda_train_step_is_fused_bf16_and_synchronises_in_our_code_once():
     engine = _engine("cuda:0", precision="auto")
     assert engine.precision == "bf16" and engine.optimizer.defaults["fused"] is True
-    exp = _experience(8, seed=0)
-    engine.train_step(exp, _actor_loss(engine, True), {"advantages": torch.randn(exp.mask.shape)})  # warm
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            engine.train_step(exp, _actor_loss(engine, True), {"advantages": torch.randn(exp.mask.shape)})
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    _assert_one_sync_of_ours(caught)
+    _assert_one_step_synchronises_in_our_code_once(engine, _experience(8, seed=0))
 
 
 @pytest.mark.gpu
@@ -179,6 +169,12 @@ def test_cuda_train_step_of_a_vision_language_model_synchronises_in_our_code_onc
     model, exp = vlm_experience()
     engine = TorchTrainEngine(model, RankGroup.single("cuda:0"), OptimizerConfig(lr=1e-2), precision="auto")
     exp.old_logp, exp.ref_logp = exp.behavior_logp.clone(), exp.behavior_logp.clone()
+    _assert_one_step_synchronises_in_our_code_once(engine, exp)
+
+
+def _assert_one_step_synchronises_in_our_code_once(engine: TorchTrainEngine, exp: Experience) -> None:
+    """A warm-up step, then one step under CUDA's sync debug mode: one synchronising call of ours
+    (the metrics' read, `losses.py`)."""
     engine.train_step(exp, _actor_loss(engine, True), {"advantages": torch.randn(exp.mask.shape)})  # warm
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
@@ -188,10 +184,6 @@ def test_cuda_train_step_of_a_vision_language_model_synchronises_in_our_code_onc
             engine.train_step(exp, _actor_loss(engine, True), {"advantages": torch.randn(exp.mask.shape)})
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    _assert_one_sync_of_ours(caught)
-
-
-def _assert_one_sync_of_ours(caught: list[warnings.WarningMessage]) -> None:
     syncs = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
     print("synchronising calls in one step:", dict(syncs))
     ours = {k: v for k, v in syncs.items() if k.split(":")[0] in {p.name for p in Path("stream_rlhf").rglob("*.py")}}
