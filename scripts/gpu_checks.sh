@@ -200,7 +200,7 @@ run_part() {
         profile) profile_trainers ;;
         trainstep) timeout 60 "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_train_step_device.py &&
                    timeout 90 "$python" bench/train_step.py --device cuda --json ;;
-        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed medusa358 agentic sharing profile" >&2
+        *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed medusa358 agentic sharing profile trainstep" >&2
            return 2 ;;
     esac
 }
