@@ -6,12 +6,20 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-from stream_rlhf.models.packing import pack, pack_shared, packed_forward, sequence_logprobs, unpack
+from stream_rlhf.models.packing import Packed, pack, pack_shared, packed_forward, sequence_logprobs, unpack
 from stream_rlhf.samples import pad_right
 from tests.tiny_models import tiny_qwen2_config
 
 VOCAB = 48
 LENGTHS = [5, 1, 9, 3, 7, 2, 9]
+
+
+def spans(packed: Packed) -> list[tuple[int, int, int]]:
+    """(row, start, length) of each packed sequence, in input order (`pack`: a sequence's tokens are
+    contiguous)."""
+    width = packed.input_ids.shape[1]
+    runs = packed.positions.split(packed.lengths)
+    return [(int(run[0]) // width, int(run[0]) % width, len(run)) for run in runs]
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +44,16 @@ def test_pack_layout(sequences):
     packed = pack(sequences, capacity=10, pad_id=0)
     n_rows, width = packed.input_ids.shape
     assert width <= 10 and n_rows < len(sequences)  # short sequences share rows
-    assert [length for _, _, length in packed.spans] == LENGTHS
+    assert [length for _, _, length in spans(packed)] == LENGTHS
     for seq, ids, pos in zip(sequences, unpack(packed.input_ids, packed), unpack(packed.position_ids, packed)):
         assert torch.equal(ids, seq) and torch.equal(pos, torch.arange(seq.numel()))
     used = torch.zeros(n_rows, width, dtype=torch.int)
-    for row, start, length in packed.spans:
+    for row, start, length in spans(packed):
         used[row, start : start + length] += 1
     assert used.max() == 1
     assert packed.attention_mask.shape == (n_rows, 1, width, width)
     # a token attends exactly to itself and the earlier tokens of its own sequence
-    row, start, length = packed.spans[2]
+    row, start, length = spans(packed)[2]
     last = packed.attention_mask[row, 0, start + length - 1]
     expected = torch.zeros(width, dtype=torch.bool)
     expected[start : start + length] = True
@@ -125,7 +133,7 @@ def test_shared_prompts_are_in_the_rows_once(groups):
     for seq, ids, pos in zip(sequences, unpack(packed.input_ids, packed), unpack(packed.position_ids, packed)):
         assert torch.equal(ids, seq) and torch.equal(pos, torch.arange(seq.numel()))
     # the last token of sample 2 sees its prompt and its own response, nothing of its siblings'
-    index = packed.token_index[2]
+    index = packed.positions.split(packed.lengths)[2]
     width = packed.input_ids.shape[1]
     row = int(index[-1]) // width
     seen = packed.attention_mask[row, 0, int(index[-1]) % width].nonzero().flatten()

@@ -33,6 +33,7 @@ from stream_rlhf.models.vision_language import (
 )
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.weights.shm_store import WeightStore
+from tests.test_packing import spans
 from tests.tiny_models import tiny_qwen2_5_vl
 
 ATOL = 1e-5  # logits, log-probs, values: packed with precomputed features vs full-model forwards
@@ -173,7 +174,7 @@ def test_packed_logits_equal_full_model(vlm, samples, capacity):
     images = [encode(vlm, s) for s in samples]
     sequences = [s.input_ids for s in samples]
     if capacity is not None:  # several sequences per row, image sequences not only at row starts
-        assert len({row for row, _, _ in pack(sequences, capacity).spans}) < len(sequences)
+        assert len({row for row, _, _ in spans(pack(sequences, capacity))}) < len(sequences)
     with torch.no_grad():
         packed = packed_forward(vlm, sequences, capacity=capacity, images=images)
         for sample, logits in zip(samples, packed):

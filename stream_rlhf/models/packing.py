@@ -20,13 +20,12 @@ tower is never run. Features are constants (no grad).
 Shared prompts (`pack_shared`, `prompt_lens=`): the samples of one prompt (GRPO's groups) hold
 the prompt once, [prompt, response_1, response_2, ...] in a row, each response attending to the
 prompt and to itself, so the model runs every prompt once instead of once per sample. Each
-sequence's outputs are gathered back (`token_index`); gradients through the shared prompt add up
+sequence's outputs are gathered back (`Packed.positions`); gradients through the shared prompt add up
 as they would over separate copies.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -70,19 +69,6 @@ class Packed:
     """L_i of each input sequence: its run in `positions`."""
     shares_prefixes: bool = False
     """Some positions belong to several sequences (a prefix shared by them)."""
-
-    @functools.cached_property
-    def token_index(self) -> list[Tensor]:
-        """Per input sequence, its run of `positions` (views)."""
-        return list(self.positions.split(self.lengths))
-
-    @property
-    def spans(self) -> list[tuple[int, int, int]]:
-        """(row, start, length) of each input sequence, in input order (`pack`: a sequence's tokens
-        are contiguous)."""
-        width = self.input_ids.shape[1]
-        firsts = self.positions[_starts(torch.tensor(self.lengths)).to(self.positions.device)].tolist()
-        return [(first // width, first % width, n) for first, n in zip(firsts, self.lengths)]
 
     def predicting(self) -> Tensor:
         """(sum (L_i - 1),) the flat positions that predict a next token: each sequence's run

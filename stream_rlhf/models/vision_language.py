@@ -183,9 +183,8 @@ def check_images(sequences: list[Tensor], images: list[SampleImages], config: Pr
     tokens = torch.cat(sequences).cpu() == config.image_token_id
     token_sample = torch.repeat_interleave(torch.arange(len(sequences)), torch.tensor([len(s) for s in sequences]))
     n_tokens = torch.zeros(len(sequences), dtype=torch.long).index_add_(0, token_sample, tokens.long())
-    grids = torch.cat([sample.grid_thw for sample in images]).cpu().long()  # (images, 3)
-    merge = config.vision_config.spatial_merge_size
-    per_image = grids[:, 0] * (grids[:, 1] // merge) * (grids[:, 2] // merge)
+    per_image = torch.tensor(image_token_count(torch.cat([sample.grid_thw for sample in images]), config),
+                             dtype=torch.long)
     image_sample = torch.repeat_interleave(torch.arange(len(images)), torch.tensor([len(s.grid_thw) for s in images]))
     n_grid = torch.zeros(len(images), dtype=torch.long).index_add_(0, image_sample, per_image)
     n_rows = torch.tensor([sample.features.shape[0] for sample in images])
