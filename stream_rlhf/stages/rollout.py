@@ -108,9 +108,12 @@ class RolloutStage(Stage):
         output = topic_output("rollout", tensors, samples, batch.iteration, batch.minibatch, policy_version,
                               metadata={"references": batch.metadata["references"],
                                         REWARD_KWARGS: batch.metadata[REWARD_KWARGS], **extra})
+        # counted before it is kept: a rollout killed in between has counted a mini-batch that its
+        # successor generates (and counts) again, never kept one that nobody counted (replayed
+        # mini-batches are not counted as generated)
+        record_episodes(self.counts, output.metadata, batch.iteration, batch.minibatch, generated=samples)
         if self.generated is not None:
             self.generated.save(output)
-        record_episodes(self.counts, output.metadata, batch.iteration, batch.minibatch, generated=samples)
         return output
 
     def _generate(self, batch: Batch, prompts: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, dict]:
