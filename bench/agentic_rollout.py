@@ -94,7 +94,7 @@ def run_column(env: EnvConfig, model, tokenizer, params: SamplingParams, work: l
     size = len(work[0][1])
     capacity = max(episode_capacity(prompts, params.max_new_tokens, env.max_episode_tokens) for _, prompts in work)
     device = next(model.parameters()).device
-    sampler = TorchTurnSampler(model, size * in_flight, capacity, params, torch.Generator(device).manual_seed(0), 0,
+    sampler = TorchTurnSampler(model, size * in_flight, capacity, params, (0, "bench"), 0,
                                static, free_positions=CUDA_FREE_POSITIONS if device.type == "cuda" else 0)
     loop.open(sampler, stepper, None, size * in_flight)
     waiting, tokens, calls = deque(work), 0, 0

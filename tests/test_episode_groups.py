@@ -91,7 +91,7 @@ def test_a_group_added_while_another_waits_ends_first(lm: PreTrainedModel) -> No
     cfg = EnvConfig(factory="tests.test_episode_groups:Gated", max_episode_tokens=64, workers=8)
     loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
                        lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
-    sampler = TorchTurnSampler(lm, 6, 64, PARAMS, torch.Generator().manual_seed(0), policy_version=3)
+    sampler = TorchTurnSampler(lm, 6, 64, PARAMS, (0,), policy_version=3)
     stepper = EnvStepper(cfg.step_timeout_s, cfg.workers)
     try:
         loop.open(sampler, stepper, None, slots=6)
@@ -132,7 +132,7 @@ def test_a_group_added_while_another_waits_ends_first(lm: PreTrainedModel) -> No
 
 def test_a_turn_across_a_weight_change_records_each_tokens_version(lm: PreTrainedModel) -> None:
     sampler = TorchTurnSampler(lm, 1, 32, SamplingParams(temperature=1.0, max_new_tokens=6, pad_token_id=0),
-                               torch.Generator().manual_seed(0), policy_version=5)
+                               (0,), policy_version=5)
     sampler.start(TurnRequest(0, torch.tensor([1, 9, 10]), None, 6))
     done = sampler.advance() + sampler.advance() + sampler.advance()
     sampler.policy_version = 6
@@ -150,7 +150,7 @@ def test_lockstep_calls_a_rounds_environments_once_its_generation_is_over(lm: Pr
     loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
                        lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
     # turns of 1 to 4 tokens (a stop token may come at any step): they end at different steps
-    sampler = LoggingSampler(lm, 6, 64, PARAMS, torch.Generator().manual_seed(1), policy_version=0)
+    sampler = LoggingSampler(lm, 6, 64, PARAMS, (1,), policy_version=0)
     stepper = EnvStepper(cfg.step_timeout_s, cfg.workers)
     try:
         result = loop.run(*group(6, gated=False), None, sampler, stepper)

@@ -144,7 +144,7 @@ def run(lm: PreTrainedModel, factory: str, n: int = 4, seed: int = 0, **env: obj
     loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
                        lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
     sampler = TorchTurnSampler(lm, n, max(cfg.max_episode_tokens, 16), PARAMS,
-                               torch.Generator().manual_seed(seed), policy_version=7)
+                               (seed,), policy_version=7)
     stepper = EnvStepper(cfg.step_timeout_s, cfg.workers)
     try:
         return loop.run([EpisodeStart(f"{i}+{i}=", str(2 * i)) for i in range(n)], prompts, None, sampler, stepper)
@@ -269,7 +269,7 @@ def _parts(lm: PreTrainedModel, cfg: EnvConfig, n: int
     prompts = [torch.tensor(TOKENIZER.encode(f"<bos>{i}+{i}=", add_special_tokens=False)) for i in range(n)]
     loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
                        lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
-    sampler = TorchTurnSampler(lm, n, 200, PARAMS, torch.Generator().manual_seed(0), 0)
+    sampler = TorchTurnSampler(lm, n, 200, PARAMS, (0,), 0)
     return prompts, loop, sampler, EnvStepper(cfg.step_timeout_s, n)
 
 

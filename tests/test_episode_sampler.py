@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from stream_rlhf.backends.decode_attention import use_decode_attention
 from stream_rlhf.backends.episode_sampler import TorchTurnSampler, step_width
+from stream_rlhf.backends.keyed_draws import inverse_cdf, keyed_uniforms
 from stream_rlhf.backends.static_decode import StaticDecoder
-from stream_rlhf.backends.torch_rollout import SamplingParams, generate
+from stream_rlhf.backends.torch_rollout import SamplingParams, generate, sampling_probs
 from stream_rlhf.backends.torch_rollout_engine import TorchRolloutEngine
 from stream_rlhf.backends.turn_stop import TurnStop
 from stream_rlhf.broker.control.messages import Handle
@@ -28,6 +29,7 @@ from stream_rlhf.models.packing import sequence_logprobs
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.samples import SampleImages, ragged
+from stream_rlhf.seeding import TurnSeeds
 from stream_rlhf.stage import Batch, StageContext
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext
@@ -56,18 +58,19 @@ def prompts() -> list[torch.Tensor]:
 
 def sampler(model, slots: int, params: SamplingParams, seed: int = 0, capacity: int = 64,
             static: StaticDecoder | None = None) -> TorchTurnSampler:
-    return TorchTurnSampler(model, slots, capacity, params, torch.Generator().manual_seed(seed), policy_version=5,
+    return TorchTurnSampler(model, slots, capacity, params, (seed,), policy_version=5,
                             static=static)
 
 
 def run_episodes(turns: TorchTurnSampler, prompts: list[torch.Tensor], images: list[SampleImages | None],
                  observations: list[torch.Tensor], waits: list[int], n_turns: int, max_new: int,
-                 late: dict[int, int] | None = None,
+                 late: dict[int, int] | None = None, names: list[tuple[int | str, ...]] | None = None,
                  ) -> tuple[list[torch.Tensor], list[dict[int, float]], list[TurnDone]]:
     """A scripted environment: episode k starts after late[k] advances (0 by default); after each
     of its turns it waits waits[k] advances, appends observations[k] and starts the next turn,
-    n_turns turns in all. Returns the final sequences, each episode's behaviour log-prob by
-    sequence index, and every TurnDone."""
+    n_turns turns in all; its requests name it names[k] (TurnRequest.episode; default none).
+    Returns the final sequences, each episode's behaviour log-prob by sequence index, and every
+    TurnDone."""
     contexts = [p.clone() for p in prompts]
     logps: list[dict[int, float]] = [{} for _ in prompts]
     count, done = [0] * len(prompts), []
@@ -79,7 +82,7 @@ def run_episodes(turns: TorchTurnSampler, prompts: list[torch.Tensor], images: l
                 starting[key] -= 1
                 continue
             del starting[key]
-            turns.start(TurnRequest(key, contexts[key], images[key], max_new))
+            turns.start(TurnRequest(key, contexts[key], images[key], max_new, names[key] if names else ()))
         for turn in turns.advance():
             done.append(turn)
             key, start = turn.key, contexts[turn.key].numel()
@@ -94,7 +97,7 @@ def run_episodes(turns: TorchTurnSampler, prompts: list[torch.Tensor], images: l
                 continue
             del waiting[key]
             contexts[key] = torch.cat([contexts[key], observations[key]])
-            turns.start(TurnRequest(key, contexts[key], images[key], max_new))
+            turns.start(TurnRequest(key, contexts[key], images[key], max_new, names[key] if names else ()))
     return contexts, logps, done
 
 
@@ -107,9 +110,8 @@ def assert_logps_equal_forward(model, contexts, logps, temperature, images=None)
                                    atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_one_turn_started_together_is_generate(lm, prompts, temperature):
-    params = SamplingParams(temperature=temperature, top_p=0.9, max_new_tokens=10, stop_token_ids=STOPS)
+def test_one_greedy_turn_started_together_is_generate(lm, prompts):
+    params = SamplingParams(temperature=0.0, top_p=0.9, max_new_tokens=10, stop_token_ids=STOPS)
     gen = generate(lm, prompts, params, torch.Generator().manual_seed(0))
     turns = sampler(lm, len(prompts), params)
     for key, prompt in enumerate(prompts):
@@ -142,15 +144,54 @@ def test_staggered_turns_record_the_full_forward_logps(lm, prompts, mode):
     assert_logps_equal_forward(lm, contexts, logps, 0.7)
 
 
-def test_other_episodes_do_not_change_an_episode(lm, prompts):
-    """Greedy: each episode samples the same turns in the staggered batch as alone in a sampler."""
-    params = SamplingParams(temperature=0, max_new_tokens=5, stop_token_ids=STOPS)
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_other_episodes_do_not_change_an_episode(lm, prompts, temperature):
+    """Each episode samples the same turns staggered among others, alone in a sampler of one slot,
+    and in another slot beside episodes that start and wait differently: its turns draw from streams
+    seeded by its name and their index (`seeding.TurnSeeds`, `keyed_draws.py`), not from a
+    generator shared with the rows beside it."""
+    params = SamplingParams(temperature=temperature, top_p=0.9, max_new_tokens=5, stop_token_ids=STOPS)
     observations = [torch.tensor([5, 6, 9])] * 4
-    waits = [3, 0, 6, 1]
-    together, _, _ = run_episodes(sampler(lm, 4, params), prompts, [None] * 4, observations, waits, 3, 5)
+    names = [("job", "rollout", 3, 1, k) for k in range(4)]
+    together, logps, done = run_episodes(sampler(lm, 4, params), prompts, [None] * 4, observations, [3, 0, 6, 1], 3, 5,
+                                         names=names)
+    assert [t.key for t in done] != sorted(t.key for t in done)  # turns of different episodes interleave
+    order = [2, 0, 3, 1]  # episode k in slot order.index(k), started late and waiting otherwise
+    shuffled, _, _ = run_episodes(sampler(lm, 4, params, seed=9), [prompts[k] for k in order], [None] * 4,
+                                  [observations[k] for k in order], [0, 4, 2, 7], 3, 5, late={0: 3, 2: 1},
+                                  names=[names[k] for k in order])
     for key, prompt in enumerate(prompts):
-        alone, _, _ = run_episodes(sampler(lm, 1, params), [prompt], [None], [observations[key]], [0], 3, 5)
+        alone, alone_logps, _ = run_episodes(sampler(lm, 1, params), [prompt], [None], [observations[key]], [0], 3, 5,
+                                             names=[names[key]])
         assert torch.equal(together[key], alone[0])
+        assert torch.equal(together[key], shuffled[order.index(key)])
+        assert alone_logps[0].keys() == logps[key].keys()
+        torch.testing.assert_close(torch.tensor(list(alone_logps[0].values())), torch.tensor(list(logps[key].values())),
+                                   atol=ATOL, rtol=0)
+    if temperature > 0:  # the name is what seeds: other names sample other turns
+        renamed, _, _ = run_episodes(sampler(lm, 4, params), prompts, [None] * 4, observations, [3, 0, 6, 1], 3, 5,
+                                     names=[("job", "rollout", 4, 1, k) for k in range(4)])
+        assert [r.tolist() for r in renamed] != [t.tolist() for t in together]
+
+
+def test_a_turns_tokens_read_its_stream_in_order(lm, prompts):
+    """Token k of turn t of the episode named N is inverse_cdf(top-p probs, keyed_uniforms(seed, k)),
+    seed = turn t's of N (`TurnSeeds`): checked against a full forward's logits at every position."""
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=8, stop_token_ids=())
+    name = ("job", "rollout", 0, 2, 5)
+    contexts, _, done = run_episodes(sampler(lm, 1, params), prompts[:1], [None], [torch.tensor([5, 6])], [1], 2, 8,
+                                     names=[name])
+    seeds = TurnSeeds(())
+    turn_seeds = [seeds.next(0, name), seeds.next(0, name)]
+    with torch.no_grad():
+        logits = lm(contexts[0][None]).logits[0]  # (L, V)
+    start = len(prompts[0])
+    for turn, seed in zip(done, turn_seeds):
+        probs = sampling_probs(logits[start - 1:start - 1 + len(turn.ids)], params)
+        uniforms = torch.from_numpy(keyed_uniforms([seed] * len(turn.ids), range(len(turn.ids))))
+        assert torch.equal(turn.ids, inverse_cdf(probs, uniforms))
+        start += len(turn.ids) + 2  # the observation
+    assert len(done) == 2 and not torch.equal(done[0].ids, done[1].ids)
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])
@@ -209,7 +250,7 @@ def test_a_stop_string_ends_a_turn_at_the_token_that_completes_it(lm, prompts):
     inside = Counter(letters(t.ids[i:i + 2].tolist()) for t in free for i in range(len(t.ids) - 2))
     stop, _ = inside.most_common(1)[0]
     stopping = replace(params, stop_strings=(stop,))
-    turns = TorchTurnSampler(lm, len(prompts), 64, stopping, torch.Generator().manual_seed(0), 5,
+    turns = TorchTurnSampler(lm, len(prompts), 64, stopping, (0,), 5,
                              stop_text=TurnStop((stop,), letters))
     contexts, logps, done = run_episodes(turns, prompts, [None] * 4, observations, [0, 1, 2, 0], 3, 10)
     by_string = [stop in letters(t.ids.tolist()) for t in done]
@@ -221,7 +262,7 @@ def test_a_stop_string_ends_a_turn_at_the_token_that_completes_it(lm, prompts):
             assert len(turn.ids) == 10 and turn.finish_reason == "length"
     assert_logps_equal_forward(lm, contexts, logps, temperature=1.0)
     with pytest.raises(ValueError, match=r"stop_strings=\('ab',\) need a stop_text"):
-        TorchTurnSampler(lm, 2, 64, replace(params, stop_strings=("ab",)), None, 0)
+        TorchTurnSampler(lm, 2, 64, replace(params, stop_strings=("ab",)), (), 0)
 
 
 def test_step_width_keeps_padding_at_most_half_the_step():
@@ -320,9 +361,11 @@ def test_an_episode_fills_its_capacity_while_another_joins(lm, prompts):
                                [{9 + i: lp for i, lp in enumerate(first.logps.tolist())}], 0.7)
 
 
-def test_the_torch_engine_samples_turns_as_it_generates(tmp_path):
-    """`TorchRolloutEngine.turn_sampler`: the mini-batch's generator and policy version, so one turn
-    per episode started together samples what `generate` samples for the same batch."""
+def test_the_torch_engine_seeds_each_turn_by_its_mini_batch_and_slot(tmp_path):
+    """`TorchRolloutEngine.turn_sampler`: turns seeded by the mini-batch (job seed, iteration,
+    mini-batch) and the slot, so a second sampler for the same batch gives each episode the same
+    tokens whatever order its turns start in; another mini-batch samples others. The engine's
+    policy version, and env.stop_strings read with the checkpoint's tokenizer."""
     tokenizer = build_tokenizer()
     save_checkpoint(build_tiny(TinyModelConfig(num_hidden_layers=1), tokenizer, seed=0), tokenizer, tmp_path / "p")
     job = JobContext(build(RLJobConfig, tiny_job(tmp_path, "turns")), str(tmp_path / "p"), str(tmp_path / "weights"))
@@ -330,29 +373,34 @@ def test_the_torch_engine_samples_turns_as_it_generates(tmp_path):
                        logging.LoggerAdapter(logging.getLogger("test.turns"), {}), threading.Event())
     weights = RolloutWeights(job, "rollout-0")
     engine = TorchRolloutEngine(job, weights, ImageInputs(job, StageCounts(".", "r", "r", write=False)), ctx)
+
+    def first_turns(batch: Batch, params: SamplingParams, order: list[int]) -> dict[int, TurnDone]:
+        turns = engine.turn_sampler(batch, params, slots=2, capacity=16)
+        done: dict[int, TurnDone] = {}
+        for key in order:  # the second starts two steps after the first
+            turns.start(TurnRequest(key, prompts[key], None, 6))
+            for _ in range(2):
+                done.update({turn.key: turn for turn in turns.advance()})
+        while turns.busy:
+            done.update({turn.key: turn for turn in turns.advance()})
+        return done
+
     try:
         prompts = [torch.tensor([1, 9, 10, 11]), torch.tensor([1, 12])]
         batch = Batch(Handle("h", "rollout", 3, 1, policy_version=0, num_samples=2), ragged("prompt_ids", prompts))
+        other = Batch(Handle("h2", "rollout", 3, 2, policy_version=0, num_samples=2), ragged("prompt_ids", prompts))
         params = SamplingParams(temperature=1.0, max_new_tokens=6)
-        gen = engine.generate(batch, prompts, params).generation
-        turns = engine.turn_sampler(batch, params, slots=2, capacity=16)
-        for key, prompt in enumerate(prompts):
-            turns.start(TurnRequest(key, prompt, None, 6))
-        done = {}
-        while turns.busy:
-            done.update({turn.key: turn for turn in turns.advance()})
-        assert [done[k].ids.tolist() for k in (0, 1)] == [r.tolist() for r in gen.response_ids]
+        done = first_turns(batch, params, [0, 1])
+        assert {k: t.ids.tolist() for k, t in first_turns(batch, params, [1, 0]).items()} == \
+            {k: t.ids.tolist() for k, t in done.items()}
+        assert [t.ids.tolist() for t in first_turns(other, params, [0, 1]).values()] != \
+            [t.ids.tolist() for t in done.values()]
         assert done[0].policy_version == engine.policy_version == 0
         # env.stop_strings: the engine reads them with the checkpoint's tokenizer, as an environment reads turns
-        stop = tokenizer.decode(gen.response_ids[0][1:3], skip_special_tokens=True)
-        assert len(stop) == 2 and stop not in tokenizer.decode(gen.response_ids[0][:2], skip_special_tokens=True)
-        turns = engine.turn_sampler(batch, replace(params, stop_strings=(stop,)), slots=2, capacity=16)
-        for key, prompt in enumerate(prompts):
-            turns.start(TurnRequest(key, prompt, None, 6))
-        stopped = {}
-        while turns.busy:
-            stopped.update({turn.key: turn for turn in turns.advance()})
-        assert stopped[0].ids.tolist() == gen.response_ids[0][:3].tolist() and stopped[0].finish_reason == "stop"
+        stop = tokenizer.decode(done[0].ids[1:3], skip_special_tokens=True)
+        assert len(stop) == 2 and stop not in tokenizer.decode(done[0].ids[:2], skip_special_tokens=True)
+        stopped = first_turns(batch, replace(params, stop_strings=(stop,)), [0, 1])
+        assert stopped[0].ids.tolist() == done[0].ids[:3].tolist() and stopped[0].finish_reason == "stop"
     finally:
         engine.close()
         weights.close()
@@ -374,7 +422,7 @@ def test_turns_on_cuda_give_the_cpu_tokens(lm, prompts, graphs):
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        turns = TorchTurnSampler(model, 4, 64, params, torch.Generator("cuda").manual_seed(0), 5, static)
+        turns = TorchTurnSampler(model, 4, 64, params, (0,), 5, static)
         cuda, logps, _ = run_episodes(turns, prompts, [None] * 4, observations, waits, 3, 5)  # ids stay on the CPU
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved

@@ -101,7 +101,7 @@ def run_episodes(frames: MessageFrames | None, turns: int = 3, **options: object
                     max_episode_tokens=200)
     prompts = [torch.tensor(rendered([{"role": "user", "content": f"{k}+7=?"}], CHATML)) for k in range(4)]
     loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True), encode, 4, frames)
-    sampler = TorchTurnSampler(model, len(prompts), 200, params, torch.Generator().manual_seed(1), policy_version=0)
+    sampler = TorchTurnSampler(model, len(prompts), 200, params, (1,), policy_version=0)
     stepper = EnvStepper(cfg.step_timeout_s, cfg.threads(len(prompts)))
     try:
         return loop.run([EpisodeStart("q", "a") for _ in prompts], prompts, None, sampler, stepper)

@@ -78,7 +78,7 @@ def run_episodes(vlm: torch.nn.Module, env: dict, observe: ObservationImages | N
                     max_observation_images=max_observation_images)
     loop = EpisodeLoop(cfg, lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
                        lambda text: TOKENIZER.encode(text, add_special_tokens=False), PARAMS.max_new_tokens)
-    sampler = TorchTurnSampler(vlm, 3, 96, PARAMS, torch.Generator().manual_seed(0), policy_version=2)
+    sampler = TorchTurnSampler(vlm, 3, 96, PARAMS, (0,), policy_version=2)
     stepper = EnvStepper(cfg.step_timeout_s, cfg.workers)
     try:
         result = loop.run([EpisodeStart("q", "a") for _ in samples], prompts, images, sampler, stepper, observe)

@@ -53,7 +53,7 @@ def _run(lm: PreTrainedModel, factory: str, processes: int, options: dict, param
                        lambda text: TOKENIZER.encode(text, add_special_tokens=False), params.max_new_tokens,
                        make=pool.make if pool else None)
     prompts = [torch.tensor(TOKENIZER.encode(f"<bos>{i}+{i}=", add_special_tokens=False)) for i in range(N)]
-    sampler = TorchTurnSampler(lm, N, 200, params, torch.Generator().manual_seed(0), 0)
+    sampler = TorchTurnSampler(lm, N, 200, params, (0,), 0)
     stepper = EnvStepper(cfg.step_timeout_s, N)
     try:
         result = loop.run([EpisodeStart(f"{i}+{i}=", str(2 * i)) for i in range(N)], prompts, None, sampler, stepper)

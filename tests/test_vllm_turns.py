@@ -227,7 +227,7 @@ def test_the_torch_sampler_gives_the_same_greedy_episodes(engine, checkpoint, pr
     log-probs are the same."""
     model = load_policy(checkpoint).eval()
     through_vllm, _ = run_episodes(sampler(engine, temperature=0.0), prompts, STAGGERED)
-    torch_turns = TorchTurnSampler(model, len(prompts), MAX_MODEL_LEN, params(0.0), torch.Generator().manual_seed(0),
+    torch_turns = TorchTurnSampler(model, len(prompts), MAX_MODEL_LEN, params(0.0), (0,),
                                    policy_version=0)
     through_torch, _ = run_episodes(torch_turns, prompts, STAGGERED)
     for a, b in zip(through_vllm, through_torch, strict=True):
@@ -255,7 +255,7 @@ def test_a_stop_string_ends_greedy_turns_at_the_same_token_on_both_samplers(engi
     through_vllm, vllm_turns = run_episodes(VllmTurnSampler(engine, stopping, (0, "rollout", 1, 0), MAX_MODEL_LEN),
                                             prompts, STAGGERED)
     torch_turns = TorchTurnSampler(load_policy(checkpoint).eval(), len(prompts), MAX_MODEL_LEN, stopping,
-                                   torch.Generator().manual_seed(0), policy_version=0,
+                                   (0,), policy_version=0,
                                    stop_text=TurnStop((stop,), text))
     through_torch, _ = run_episodes(torch_turns, prompts, STAGGERED)
     assert [a.token_ids for a in through_vllm] == [b.token_ids for b in through_torch]
@@ -313,7 +313,7 @@ def test_in_flight_updates_land_at_turn_boundaries(engine, checkpoint, prompts, 
 
     def pending_update() -> Update | None:
         """Version 2 once an episode has started its second turn (other turns may still run)."""
-        if not published and max(turns.turns_started.values(), default=0) >= 2:
+        if not published and max(turns.seeds.started.values(), default=0) >= 2:
             store.publish(new, version=2)
             published.append(True)
         return receive_update(2) if published and engine.version < 2 else None

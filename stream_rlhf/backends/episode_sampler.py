@@ -1,8 +1,8 @@
 """The torch engine's TurnSampler (`envs/turns.py`): the policy turns of a mini-batch's multi-turn
 episodes, decoded together while each episode joins and leaves the batch at its turn boundaries.
 
-    sampler = TorchTurnSampler(model, slots=64, capacity=512, params=params, generator=generator,
-                               policy_version=7)
+    sampler = TorchTurnSampler(model, slots=64, capacity=512, params=params,
+                               seed_parts=rollout_seed(seed, iteration, minibatch), policy_version=7)
     sampler.start(TurnRequest(key=3, context=ids, images=None, max_new_tokens=32))
     done = sampler.advance()     # one step: at most one sampled token per episode; the turns that ended
     sampler.release(3)
@@ -15,9 +15,11 @@ when its turn starts or ends: `SlotCache.swap`), and an eager step covers only t
 the episodes waiting for their tools cost nothing. `advance` runs ONE step: each episode in a turn
 feeds its next ids (a decoding one its last token; a joining one up to the step's width Q of its
 new ids, right-padded: a row commits only its real positions), then one token is sampled for
-every episode that has fed all it had, in key order (`torch_rollout.sample_into`: the generator
-is drawn from as `generate` draws it, so episodes that all start together sample `generate`'s
-tokens). An episode that samples a stop token (or a token that completes one of the params'
+every episode that has fed all it had, in key order (`torch_rollout.sample_into`). Each turn
+draws from a stream of its own: its seed is the one vLLM's request for it gets (`seeding.TurnSeeds`:
+the episode's name and the turn's index), and its k-th token reads that stream's k-th number
+(`keyed_draws.py`), so an episode samples the same tokens whatever its slot, the episodes beside
+it and when their tools answer. An episode that samples a stop token (or a token that completes one of the params'
 `stop_strings`: `turn_stop.py`) or its turn's `max_new_tokens`th token ends its turn (a
 `TurnDone`) and feeds nothing until its next turn starts; the others decode on. (With a
 `StaticDecoder` an episode's row is its key and a step covers every row: a waiting episode's is
@@ -51,6 +53,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from stream_rlhf.backends.keyed_draws import keyed_uniforms
 from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
 from stream_rlhf.backends.slot_cache import SlotCache
 from stream_rlhf.backends.static_decode import StaticDecoder, has_sliding_layers
@@ -64,6 +67,7 @@ from stream_rlhf.models.vision_language import (
     mrope_positions,
 )
 from stream_rlhf.samples import SampleImages
+from stream_rlhf.seeding import TurnSeeds
 
 WASTE = 2
 """A step computes at most this many positions per id it feeds (`step_width`), unless it is free."""
@@ -89,6 +93,8 @@ class _Episode:
     """Image tokens among the fed ids."""
     budget: int = 0
     """The current turn's max_new_tokens; 0 between turns."""
+    seed: int = 0
+    """The current turn's seed: its k-th token draws `keyed_uniforms` (seed, k)."""
     turn_logps: list[float] = field(default_factory=list)
     turn_versions: list[int] = field(default_factory=list)
 
@@ -113,24 +119,25 @@ class TorchTurnSampler:
     """Multi-turn episodes' policy turns over one slot cache; see the module docstring."""
 
     def __init__(self, model: nn.Module, slots: int, capacity: int, params: SamplingParams,
-                 generator: torch.Generator | None, policy_version: int, static: StaticDecoder | None = None,
+                 seed_parts: tuple[int | str, ...], policy_version: int, static: StaticDecoder | None = None,
                  precision: Callable[[], AbstractContextManager] = nullcontext, free_positions: int = 0,
                  stop_text: TurnStop | None = None):
         """`slots`: episodes at once (keys 0..slots-1); `capacity`: positions per episode
         (env.max_episode_tokens): a turn starts only if its context and max_new_tokens - 1 more fit;
-        `policy_version`: the model's weights' version (set it when they change: each token records
-        the version that sampled it); `static`: a text model's steps over its bucket's cache;
-        `precision`: the autocast context
-        every forward runs in; `free_positions`: a step of up to this many positions (slots x
-        width) costs about what a one-token step does (`step_width`); `stop_text`: params'
-        stop_strings (required when it has some)."""
+        `seed_parts`: the mini-batch's (job seed, "rollout", iteration, mini-batch), which with its
+        slot name an episode whose request names none (`seeding.TurnSeeds`); `policy_version`: the
+        model's weights' version (set it when they change: each token records the version that
+        sampled it); `static`: a text model's steps over its bucket's cache; `precision`: the
+        autocast context every forward runs in; `free_positions`: a step of up to this many
+        positions (slots x width) costs about what a one-token step does (`step_width`);
+        `stop_text`: params' stop_strings (required when it has some)."""
         if params.stop_strings and stop_text is None:
             raise ValueError(f"TorchTurnSampler: stop_strings={params.stop_strings!r} need a stop_text (TurnStop)")
         self.stop_text = stop_text
         if has_sliding_layers(model):
             raise ValueError("TorchTurnSampler: the model has sliding-window layers; the slot cache masks "
                              "full attention only")
-        self.model, self.params, self.generator = model, params, generator
+        self.model, self.params, self.seeds = model, params, TurnSeeds(seed_parts)
         self.slots, self.capacity, self.policy_version = slots, capacity, policy_version
         self.precision, self.free_positions = precision, free_positions
         self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
@@ -202,6 +209,7 @@ class TorchTurnSampler:
             raise ValueError(f"episode {key}: the context must begin with the episode's ids so far "
                              f"({len(episode.ids)} ids: its previous context and turn)")
         episode.ids, episode.images, episode.budget = ids, request.images, request.max_new_tokens
+        episode.seed = self.seeds.next(key, request.episode)
         if self.vision:  # M-RoPE positions of the whole context (its images as grids)
             grid = request.images.grid_thw if request.images is not None else torch.zeros((0, 3), dtype=torch.long)
             episode.unfed_positions = mrope_positions(context, grid, self.model.config)[:, episode.fed:]
@@ -238,8 +246,8 @@ class TorchTurnSampler:
             ids = torch.empty((len(keys), 1), dtype=torch.long, device=self.device)
             logps = torch.empty((len(keys), 1), device=self.device)
             rows = torch.arange(len(keys), device=self.device)
-            token, stop = sample_into(logits, self.params, self.generator, self.stop_ids, ids, logps, rows, 0,
-                                      self.banned)
+            token, stop = sample_into(logits, self.params, None, self.stop_ids, ids, logps, rows, 0, self.banned,
+                                      self._uniforms(keys))
         done = []
         for key, sampled, logp, stopped in zip(keys, token.tolist(), logps[:, 0].tolist(), stop.tolist()):
             episode = self.episodes[key]
@@ -252,6 +260,14 @@ class TorchTurnSampler:
             if stopped or count == episode.budget:
                 done.append(self._end(key, "stop" if stopped else "length"))
         return done
+
+    def _uniforms(self, keys: list[int]) -> Tensor | None:
+        """(R,) each episode's next number of its turn's stream, on the device; None when greedy."""
+        if self.params.temperature == 0:
+            return None
+        drawing = [self.episodes[key] for key in keys]
+        numbers = keyed_uniforms([e.seed for e in drawing], [len(e.turn_logps) for e in drawing])
+        return torch.from_numpy(numbers).to(self.device)
 
     def _end(self, key: int, reason: Literal["stop", "length"]) -> TurnDone:
         episode = self.episodes[key]
@@ -340,7 +356,7 @@ class TorchTurnSampler:
         self.cache.commit(kept.to(self.device))
         if not last:
             return [], hidden.new_zeros(0)
-        ready = sorted(last)  # key order: the generator draws for them as `generate` does
+        ready = sorted(last)
         at = torch.tensor([self.row_of[key] - rows.start for key in ready], device=self.device)  # (R,)
         column = torch.tensor([last[key] for key in ready], device=self.device)  # (R,)
         return ready, self.lm_head(hidden[at, column]).float()
@@ -358,6 +374,7 @@ class TorchTurnSampler:
 
     def release(self, key: int) -> None:
         self._stop_turning(key)
+        self.seeds.release(key)
         if self.episodes.pop(key, None) is not None:
             row = self.row_of.pop(key)
             self.key_at[row] = None

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from stream_rlhf.backends.keyed_draws import inverse_cdf
 from stream_rlhf.backends.kv_cache import PreallocatedCache, cache_argument
 from stream_rlhf.kernels.logprob import logprobs_from_logits
 from stream_rlhf.models.vision_language import check_sample_images, language_model_inputs, mrope_positions
@@ -98,11 +99,16 @@ def sampling_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return probs
 
 
-def sample_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
-    """Next token per row from logits (B, V) -> (B,): argmax, or top-p sampling at temperature."""
+def sample_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
+                  uniforms: Tensor | None = None) -> Tensor:
+    """Next token per row from logits (B, V) -> (B,): argmax, or top-p sampling at temperature,
+    drawn from `generator`, or with `uniforms` (B,) in [0, 1) one number per row (`keyed_draws.py`)."""
     if params.temperature == 0:
         return logits.argmax(-1)
-    return torch.multinomial(sampling_probs(logits, params), 1, generator=generator).squeeze(-1)
+    probs = sampling_probs(logits, params)
+    if uniforms is not None:
+        return inverse_cdf(probs, uniforms)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def left_pad(prompts: list[Tensor], pad_token_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -228,15 +234,15 @@ def generate(
 
 def sample_into(logits: Tensor, params: SamplingParams, generator: torch.Generator | None, stop_ids: Tensor,
                 out_ids: Tensor, out_logp: Tensor, rows: Tensor, step: int,
-                banned: int | None = None) -> tuple[Tensor, Tensor]:
-    """Sample one token per decoding row from logits (R, V) (never `banned`), write it and its
-    log-prob at column `step` of rows `rows` of the (B, max_new) buffers; the tokens (R,) and
-    whether each is a stop token (R,)."""
+                banned: int | None = None, uniforms: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Sample one token per decoding row from logits (R, V) (never `banned`; from `generator`, or
+    with one of `uniforms` (R,) each: `sample_tokens`), write it and its log-prob at column `step`
+    of rows `rows` of the (B, max_new) buffers; the tokens (R,) and whether each is a stop token (R,)."""
     if banned is not None:
         allowed = logits.index_fill(-1, torch.tensor([banned], device=logits.device), -math.inf)
     else:
         allowed = logits
-    token = sample_tokens(allowed, params, generator)  # (R,)
+    token = sample_tokens(allowed, params, generator, uniforms)  # (R,)
     out_ids[rows, step] = token
     out_logp[rows, step] = logprobs_from_logits(logits, token, params.temperature)[0]
     return token, torch.isin(token, stop_ids)

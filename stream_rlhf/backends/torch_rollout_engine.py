@@ -80,15 +80,15 @@ class TorchRolloutEngine:
     def turn_sampler(self, batch: Batch, params: SamplingParams, slots: int, capacity: int) -> TorchTurnSampler:
         """The TurnSampler of multi-turn episodes (`envs/turns.py`): `slots` episodes at once, a slot
         cache of `capacity` positions each. The newest policy version, loaded now, samples every
-        turn until `join_turns` loads a newer one; it draws from `batch`'s generator as `generate`
-        does. Medusa heads are not used for turns. One sampler at a time, and no `generate` while
+        turn until `join_turns` loads a newer one; each turn draws from a stream seeded by its
+        episode's name and index (`seeding.TurnSeeds`, as on vLLM), so an episode's tokens do not
+        depend on its company. Medusa heads are not used for turns. One sampler at a time, and no `generate` while
         it is open: with a static decoder they share its bucket's cache."""
         self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
-        generator = seeded_generator(*rollout_seed(self.job.config.seed, batch.iteration, batch.minibatch),
-                                     device=self.device)
+        seed_parts = rollout_seed(self.job.config.seed, batch.iteration, batch.minibatch)
         precision = self.job.config.precision
         stop_text = TurnStop(params.stop_strings, self._decode) if params.stop_strings else None
-        return TorchTurnSampler(self.model, slots, capacity, params, generator, self.policy_version,
+        return TorchTurnSampler(self.model, slots, capacity, params, seed_parts, self.policy_version,
                                 self.static, precision=lambda: autocast(self.device, precision),
                                 free_positions=CUDA_FREE_POSITIONS if self.device.type == "cuda" else 0,
                                 stop_text=stop_text)

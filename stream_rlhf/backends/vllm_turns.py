@@ -17,9 +17,10 @@ episode's prompt image features each time, as `generate` does, placeholders cut 
 
 Seeds: turn t of an episode samples with a seed drawn from (TurnRequest.episode, t), in a rollout
 stage (job seed, "rollout", iteration, mini-batch, index in the mini-batch, t); a request that
-names no episode stands for (job seed, "rollout", iteration, mini-batch of the sampler, key). An
-episode samples the same tokens whatever the order and company of its turns, and whichever slot
-it holds when several mini-batches' episodes share the sampler (`join`).
+names no episode stands for (job seed, "rollout", iteration, mini-batch of the sampler, key)
+(`seeding.TurnSeeds`, as the torch sampler seeds its turns). An episode samples the same tokens
+whatever the order and company of its turns, and whichever slot it holds when several
+mini-batches' episodes share the sampler (`join`).
 
 Weight updates: the engine loads the newest version before the first mini-batch's first turn
 (`VllmRolloutEngine.turn_sampler`) and as each later one joins (`join`). With `weights.update:
@@ -35,13 +36,11 @@ import threading
 from collections.abc import Callable
 from itertools import count
 
-import torch
-
 from stream_rlhf.backends.torch_rollout import SamplingParams
 from stream_rlhf.backends.vllm_client import GenerateAbandoned, VllmClient
 from stream_rlhf.backends.vllm_protocol import Update
 from stream_rlhf.envs.turns import TurnDone, TurnRequest
-from stream_rlhf.seeding import seeded_generator
+from stream_rlhf.seeding import TurnSeeds
 from stream_rlhf.stage import StepAborted
 
 ADVANCE_S = 0.02
@@ -61,7 +60,7 @@ class VllmTurnSampler:
         turn boundary; `on_close` runs once at `close` (the engine's sleep after a mini-batch)."""
         self.engine = engine
         self.params = params
-        self.seed_parts = seed_parts
+        self.seeds = TurnSeeds(seed_parts)
         self.max_model_len = max_model_len
         self.pending_update = pending_update
         self.stopping = stopping
@@ -71,10 +70,6 @@ class VllmTurnSampler:
         """Turns started and not yet sent: request id, seed, request."""
         self.running: dict[str, int] = {}
         """Turns sent to the engine and not ended: request id -> episode key."""
-        self.turns_started: dict[tuple[int | str, ...], int] = {}
-        """Episode (TurnRequest.episode) -> turns started (the next turn's index)."""
-        self.named: dict[int, tuple[int | str, ...]] = {}
-        """Slot -> the episode it holds, for those named by their requests (forgotten at `release`)."""
         self.request_numbers = count()
         self.held_update: Update | None = None
         """An update waiting for the running turns to end; no turn is sent meanwhile."""
@@ -92,12 +87,7 @@ class VllmTurnSampler:
             raise ValueError(f"episode {request.key}: {len(request.context)} context + {request.max_new_tokens} new "
                              f"tokens exceed rollout.vllm.max_model_len={self.max_model_len} (keep "
                              "env.max_episode_tokens within it)")
-        episode = request.episode or (*self.seed_parts, request.key)
-        if request.episode:
-            self.named[request.key] = request.episode
-        turn = self.turns_started.get(episode, 0)
-        self.turns_started[episode] = turn + 1
-        seed = int(torch.randint(0, 2**62, (1,), generator=seeded_generator(*episode, turn)))
+        seed = self.seeds.next(request.key, request.episode)
         self.queued.append((f"s{self.serial}.{request.key}.{next(self.request_numbers)}", seed, request))
 
     def advance(self) -> list[TurnDone]:
@@ -134,8 +124,7 @@ class VllmTurnSampler:
         """Drop a turn of episode `key` still queued or running (none once the loop saw it end);
         its slot may take another episode."""
         self.queued = [q for q in self.queued if q[2].key != key]
-        if (episode := self.named.pop(key, None)) is not None:
-            del self.turns_started[episode]
+        self.seeds.release(key)
         dropped = [request_id for request_id, k in self.running.items() if k == key]
         if dropped:
             self.engine.abort_turns(dropped)

@@ -57,14 +57,14 @@ def evaluate(cfg: RLJobConfig, checkpoint: str, batch_size: int = 128) -> dict[s
             scores = []
             for index, (chunk, images) in enumerate(zip(chunks, chunk_images)):
                 prompts = [prompt for prompt, *_ in chunk]
-                generator = seeded_generator(cfg.seed, "eval", index * batch_size)
+                seed_parts = (cfg.seed, "eval", index * batch_size)
                 if cfg.env is not None:  # multi-turn: each prompt an episode in the job's environment
                     returns, tokens = episode_returns(cfg, model, scorer, [item[4] for item in chunk], prompts, images,
-                                                      params, generator, static)
+                                                      params, seed_parts, static)
                     result["response_tokens"] += tokens
                     scores.append(returns)
                     continue
-                gen = sample(model, prompts, params, generator, images, static)
+                gen = sample(model, prompts, params, seeded_generator(*seed_parts), images, static)
                 rollout = Rollout([torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)],
                                   torch.tensor([len(p) for p in prompts]), gen.response_logp, torch.zeros(len(chunk)))
                 result["response_tokens"] += sum(len(response) for response in gen.response_ids)

@@ -41,25 +41,25 @@ log = logging.getLogger("stream_rlhf")
 @torch.inference_mode()
 def episode_returns(cfg: RLJobConfig, model: nn.Module, scorer: Scorer, starts: list[EpisodeStart],
                     prompts: list[Tensor], images: list[SampleImages] | None, params: SamplingParams,
-                    generator: torch.Generator, static: StaticDecoder | None) -> tuple[Tensor, int]:
+                    seed_parts: tuple[int | str, ...], static: StaticDecoder | None) -> tuple[Tensor, int]:
     """(N,) each episode's return, and the policy tokens sampled."""
-    result = play_episodes(cfg, model, scorer.tokenizer, starts, prompts, images, params, generator, static)
+    result = play_episodes(cfg, model, scorer.tokenizer, starts, prompts, images, params, seed_parts, static)
     return returns_of(result, starts, scorer), sum(episode.num_policy_tokens for episode in result.episodes)
 
 
 @torch.inference_mode()
 def play_episodes(cfg: RLJobConfig, model: nn.Module, tokenizer: PreTrainedTokenizerBase, starts: list[EpisodeStart],
                   prompts: list[Tensor], images: list[SampleImages] | None, params: SamplingParams,
-                  generator: torch.Generator, static: StaticDecoder | None) -> EpisodeResult:
+                  seed_parts: tuple[int | str, ...], static: StaticDecoder | None) -> EpisodeResult:
     """One episode per prompt in the job's environment, to their ends (version 0's tokens), lockstep
-    (module docstring)."""
+    (module docstring); episode i's turns are seeded by (*seed_parts, i) (`seeding.TurnSeeds`)."""
     if cfg.env is None:
         raise ValueError("play_episodes: the job has no env section")
     env = dataclasses.replace(cfg.env, schedule="lockstep")
     runtime = EpisodeRuntime(env, env.threads(len(prompts)), tokenizer, cfg.data.chat_template, params.max_new_tokens)
     capacity = episode_capacity(prompts, params.max_new_tokens, env.max_episode_tokens)
     stop_text = TurnStop(params.stop_strings, runtime.decode) if params.stop_strings else None
-    sampler = TorchTurnSampler(model, len(prompts), capacity, params, generator, 0, static, stop_text=stop_text)
+    sampler = TorchTurnSampler(model, len(prompts), capacity, params, seed_parts, 0, static, stop_text=stop_text)
     try:
         return runtime.loop.run(starts, prompts, images, sampler, runtime.stepper, _observe(cfg, model, tokenizer))
     finally:

@@ -32,7 +32,6 @@ from stream_rlhf.driver.evaluate_episodes import play_episodes, returns_of
 from stream_rlhf.envs.episode import Episode
 from stream_rlhf.envs.episode_loop import EpisodeResult
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.reward_forward import Scorer
 from stream_rlhf.telemetry.episodes import FAILED
@@ -70,7 +69,7 @@ def try_episodes(cfg: RLJobConfig, checkpoint: str, count: int,
     started = time.perf_counter()
     with Scorer(JobContext(cfg, checkpoint, "")) as scorer:
         result = play_episodes(cfg, model, tokenizer, starts, [item[0] for item in items],
-                               prompt_features(model, items), params, seeded_generator(cfg.seed, "episodes"), static)
+                               prompt_features(model, items), params, (cfg.seed, "episodes"), static)
         returns = returns_of(result, starts, scorer).tolist()
     seconds = time.perf_counter() - started
     records = [record(result, i, tokenizer, starts[i].reference, returns[i]) for i in range(len(items))]
