@@ -85,6 +85,22 @@ class Ordered:
         return Turn(Observation("=1"), done=self.seen >= 3)
 
 
+class Delayed:
+    """Answers each turn after the delay its episode (the i of the prompt "i+i=") has in `delays`;
+    done after 3 turns."""
+
+    def __init__(self, delays: Sequence[float]):
+        self.delays, self.delay, self.seen = delays, 0.0, 0
+
+    def reset(self, start: EpisodeStart) -> None:
+        self.delay = self.delays[int(start.reference) // 2]
+
+    async def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+        self.seen += 1
+        await asyncio.sleep(self.delay)
+        return Turn(Observation("=1"), done=self.seen >= 3)
+
+
 class Closing(Scripted):
     """`Scripted` with a `close` (async or sync; raising or hanging when asked) that records, per
     environment, every call in order in EVENTS."""
@@ -123,6 +139,10 @@ EVENTS: list[list[str]] = []
 
 def scripted(**options: object) -> Scripted:
     return Scripted(**options)  # type: ignore[arg-type]
+
+
+def delayed(delays: Sequence[float]) -> Delayed:
+    return Delayed(delays)
 
 
 def closing(**options: object) -> Closing:
@@ -241,6 +261,18 @@ def test_lockstep_starts_each_round_together(lm: PreTrainedModel) -> None:
     assert result.ended == ["done"] * 4
     rounds = [turn for _, turn in CALLS]
     assert rounds == sorted(rounds)  # every turn-1 step before any turn-2 step, and so on
+
+
+def test_an_episodes_tokens_do_not_depend_on_when_the_tools_answer(lm: PreTrainedModel) -> None:
+    """The same episodes, sampled at temperature 1: under stream with the tools' delays one way and
+    the other (the episodes' turns interleave differently), and under lockstep."""
+    runs = [run(lm, "delayed", options={"delays": delays}, schedule=schedule, max_episode_tokens=200)
+            for schedule, delays in (("stream", [0.0, 0.05, 0.0, 0.1]), ("stream", [0.1, 0.0, 0.05, 0.0]),
+                                     ("lockstep", [0.0] * 4))]
+    assert all(r.ended == ["done"] * 4 for r in runs)
+    tokens = [[e.token_ids for e in r.episodes] for r in runs]
+    assert tokens[1] == tokens[0] and tokens[2] == tokens[0]
+    assert len({tuple(t) for t in tokens[0]}) == 4  # sampled, not one greedy answer
 
 
 @pytest.mark.parametrize(("options", "env", "ended"), [
