@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import time
 from collections.abc import Sequence
@@ -41,6 +42,24 @@ class FlakyCalculator(Calculator):
             file.write(self.start.reference + "\n")
         if self.start.reference.endswith("7"):
             raise OSError(f"sandbox of reference {self.start.reference} already gone")
+
+
+class Jittery:
+    """Answers every policy turn with "=1" after a delay of up to `max_delay_s` drawn from
+    (`jitter`, the reference, the turn), rewarding a turn with a digit 1; done after `turns`
+    turns. Another `jitter` makes the episodes' turns start in other orders and company."""
+
+    def __init__(self, turns: int = 3, max_delay_s: float = 0.03, jitter: int = 0):
+        self.turns, self.max_delay_s, self.jitter = turns, max_delay_s, jitter
+        self.reference, self.seen = "", 0
+
+    def reset(self, start: EpisodeStart) -> None:
+        self.reference, self.seen = start.reference, 0
+
+    async def step(self, text: str, token_ids: Sequence[int]) -> Turn:
+        self.seen += 1
+        await asyncio.sleep(self.max_delay_s * random.Random(f"{self.jitter}/{self.reference}/{self.seen}").random())
+        return Turn(Observation("=1"), reward=float("1" in text), done=self.seen >= self.turns)
 
 
 class ShowsImage:

@@ -130,3 +130,20 @@ def test_process_rewards_score_an_env_jobs_policy_steps(tmp_path):
     assert all(r["process_reward"] >= 0.5 and "env_reward" in r for r in records)  # >= 1 step, each >= 1.0
     assert max(r["turns_per_episode"] for r in records) > 1  # episodes that reached their observation
     assert SEEN and not any("=19" in step for steps in SEEN for step in steps)
+
+
+def test_an_env_job_samples_the_same_episodes_whenever_its_tools_answer(tmp_path):
+    """Two sync runs whose tools answer after other delays (so the episodes' turns start in other
+    orders and company) train the same episodes: each turn draws from its own stream
+    (`backends/keyed_draws.py`), not from a generator shared by the rows."""
+    runs, samples = [], []
+    for jitter in (1, 2):
+        env = {"factory": "tests.episode_envs:Jittery", "options": {"jitter": jitter}, "max_turns": 3,
+               "max_episode_tokens": 32}
+        cfg, records = run_inprocess(tmp_path / str(jitter), "jitter", env=env, iterations=2, schedule="sync",
+                                     overlap_depth=0, **{"reward.function": None, "algorithm.advantage": "grpo",
+                                                         "rollout_batch.samples_per_prompt": 2})
+        runs.append([(r["reward"], r["kl"], r["tokens"], r["turns_per_episode"]) for r in records])
+        samples.append((Path(cfg.run_dir) / "samples.jsonl").read_text())
+    assert runs[0] == runs[1] and samples[0] == samples[1]
+    assert runs[0][0][3] == 3  # every episode took its three turns
