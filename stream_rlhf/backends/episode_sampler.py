@@ -11,19 +11,19 @@ Each episode owns a row of one `SlotCache` for its lifetime: the row keeps the K
 episode has fed, so a turn feeds only the ids its row has not seen: its whole prompt on the first
 turn, then the previous turn's last sampled token (sampled, never fed) and the observation. The
 episodes in a turn hold the first rows (an episode's row trades places with another's, KV and all,
-when its turn starts or ends: `SlotCache.swap`), and an eager step covers only those rows, so
-the episodes waiting for their tools cost nothing. `advance` runs ONE step: each episode in a turn
-feeds its next ids (a decoding one its last token; a joining one up to the step's width Q of its
-new ids, right-padded: a row commits only its real positions), then one token is sampled for
-every episode that has fed all it had, in key order (`torch_rollout.sample_into`). Each turn
-draws from a stream of its own: its seed is the one vLLM's request for it gets (`seeding.TurnSeeds`:
-the episode's name and the turn's index), and its k-th token reads that stream's k-th number
-(`keyed_draws.py`), so an episode samples the same tokens whatever its slot, the episodes beside
-it and when their tools answer. An episode that samples a stop token (or a token that completes one of the params'
-`stop_strings`: `turn_stop.py`) or its turn's `max_new_tokens`th token ends its turn (a
-`TurnDone`) and feeds nothing until its next turn starts; the others decode on. (With a
-`StaticDecoder` an episode's row is its key and a step covers every row: a waiting episode's is
-padding, written past and never read.)
+when its turn starts or ends: `SlotCache.swap`), and an eager step covers only those rows, so the
+episodes waiting for their tools cost nothing. `advance` runs ONE step: each episode in a turn feeds
+its next ids (a decoding one its last token; a joining one up to the step's width Q of its new ids,
+right-padded: a row commits only its real positions), then one token is sampled for every episode
+that has fed all it had, in key order (`torch_rollout.sample_into`). Each turn draws from a stream
+of its own: its seed is the one vLLM's request for it gets (`seeding.TurnSeeds`: the episode's name
+and the turn's index), and its k-th token reads that stream's k-th number (`keyed_draws.py`), so an
+episode samples the same tokens whatever its slot, the episodes beside it and when their tools
+answer. An episode that samples a stop token (or a token that completes one of the params'
+`stop_strings`: `turn_stop.py`) or its turn's `max_new_tokens`th token ends its turn (a `TurnDone`)
+and feeds nothing until its next turn starts; the others decode on. (With a `StaticDecoder` an
+episode's row is its key and a step covers every row: a waiting episode's is padding, written past
+and never read.)
 
 Every row of a step computes Q positions, so Q is chosen per step (`step_width`): the widest at
 which padding is at most half the step, or which fits `free_positions` (a GPU's one-token step

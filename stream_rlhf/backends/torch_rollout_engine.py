@@ -78,12 +78,12 @@ class TorchRolloutEngine:
         return Generated(gen, self.policy_version, info)
 
     def turn_sampler(self, batch: Batch, params: SamplingParams, slots: int, capacity: int) -> TorchTurnSampler:
-        """The TurnSampler of multi-turn episodes (`envs/turns.py`): `slots` episodes at once, a slot
-        cache of `capacity` positions each. The newest policy version, loaded now, samples every
-        turn until `join_turns` loads a newer one; each turn draws from a stream seeded by its
-        episode's name and index (`seeding.TurnSeeds`, as on vLLM), so an episode's tokens do not
-        depend on its company. Medusa heads are not used for turns. One sampler at a time, and no `generate` while
-        it is open: with a static decoder they share its bucket's cache."""
+        """The TurnSampler of multi-turn episodes (`envs/turns.py`): `slots` episodes at once, a slot cache
+        of `capacity` positions each. The newest policy version, loaded now, samples every turn until
+        `join_turns` loads a newer one; each turn draws from a stream seeded by its episode's name and index
+        (`seeding.TurnSeeds`, as on vLLM), so an episode's tokens do not depend on its company. Medusa heads
+        are not used for turns. One sampler at a time, and no `generate` while it is open: with a static
+        decoder they share its bucket's cache."""
         self.policy_version = self.weights.refresh_model(self.model, self.policy_version)
         seed_parts = rollout_seed(self.job.config.seed, batch.iteration, batch.minibatch)
         precision = self.job.config.precision

@@ -42,8 +42,8 @@ class TurnRequest:
     """This turn's budget (rollout.max_new_tokens, less when env.max_episode_tokens is near)."""
     episode: tuple[int | str, ...] = ()
     """Who the episode is, whatever its slot and company: (job seed, "rollout", iteration,
-    mini-batch, index in it) in a rollout stage; a sampler that seeds each turn (vLLM) seeds from
-    it and the turn's index. Empty: the sampler's own mini-batch and the slot."""
+    mini-batch, index in it) in a rollout stage; both samplers seed each turn from it and the
+    turn's index (`seeding.TurnSeeds`). Empty: the sampler's own mini-batch and the slot."""
 
 
 @dataclass(frozen=True)
