@@ -409,11 +409,13 @@ def test_the_torch_engine_seeds_each_turn_by_its_mini_batch_and_slot(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: decode steps on cuda:0")
 @pytest.mark.parametrize("graphs", [True, False])
-def test_turns_on_cuda_give_the_cpu_tokens(lm, prompts, graphs):
-    """Greedy, fp32 (TF32 off): staggered turns through the rollout engine's CUDA path (decode
-    attention; one-token steps replayed as CUDA graphs, or eager steps over the turning episodes'
-    rows, rows trading places as turns start and end) sample the CPU's eager tokens."""
-    params = SamplingParams(temperature=0, max_new_tokens=5, stop_token_ids=STOPS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_turns_on_cuda_give_the_cpu_tokens(lm, prompts, graphs, temperature):
+    """Greedy and sampled (the keyed draws are the same numbers on both devices), fp32 (TF32 off):
+    staggered turns through the rollout engine's CUDA path (decode attention; one-token steps
+    replayed as CUDA graphs, or eager steps over the turning episodes' rows, rows trading places as
+    turns start and end) sample the CPU's eager tokens."""
+    params = SamplingParams(temperature=temperature, max_new_tokens=5, stop_token_ids=STOPS)
     observations, waits = [torch.tensor([5, 6, 9])] * 4, [3, 0, 6, 1]
     cpu, _, _ = run_episodes(sampler(lm, 4, params), prompts, [None] * 4, observations, waits, 3, 5)
     model = copy.deepcopy(lm).cuda()
