@@ -151,7 +151,8 @@ def test_a_ray_job_whose_broker_dies_fails_at_once_naming_it(tmp_path):
     assert "ignored shutdown" not in log  # no rank waited out the stop grace
     assert not [name for name, (_, pid) in where.items() if alive(pid)]
     assert raylets() <= before
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_nobroker")]  # the killed ranks' segments
+    left = [n for n in os.listdir("/dev/shm") if n.startswith("t_nobroker")]  # the killed ranks' segments
+    assert not left, (left, where, log[-3000:])  # whose segment (a pid in `where`?) and the driver's last words
 
 
 @pytest.fixture
