@@ -4,7 +4,7 @@ The trainers' losses read (n, R) log-probs, entropies and values at the response
 per-sequence path (the engine's `logprobs` / `values` lists, then `response_slices` and
 `Experience.padded`) spends a few tensor operations per sample in the forward and as many autograd
 nodes in the backward: on a GPU each is a kernel launch. The gathered path (`response_logprobs`,
-`response_values`: `models/packing.py` `padded_responses`) is one gather whatever the number of
+`response_values`: `models/response_outputs.py` `padded_responses`) is one gather whatever the number of
 samples. Both run here, interleaved, on the main job's model (`configs/mllm_ppo.yaml`'s tiny
 Qwen2-VL: an actor step of policy loss + entropy, and a critic step of value loss) and on samples
 shaped like its shapes task (one 4-token image per prompt, 1-7 response tokens):

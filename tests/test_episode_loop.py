@@ -23,6 +23,7 @@ from stream_rlhf.envs.observation_cut import ObservationCut
 from stream_rlhf.envs.stepper import EnvStepper
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.samples import unragged
+from tests.episode_envs import Jittery
 from tests.tiny_models import tiny_qwen2_config
 
 TOKENIZER = build_tokenizer()
@@ -85,22 +86,6 @@ class Ordered:
         return Turn(Observation("=1"), done=self.seen >= 3)
 
 
-class Delayed:
-    """Answers each turn after the delay its episode (the i of the prompt "i+i=") has in `delays`;
-    done after 3 turns."""
-
-    def __init__(self, delays: Sequence[float]):
-        self.delays, self.delay, self.seen = delays, 0.0, 0
-
-    def reset(self, start: EpisodeStart) -> None:
-        self.delay = self.delays[int(start.reference) // 2]
-
-    async def step(self, text: str, token_ids: Sequence[int]) -> Turn:
-        self.seen += 1
-        await asyncio.sleep(self.delay)
-        return Turn(Observation("=1"), done=self.seen >= 3)
-
-
 class Closing(Scripted):
     """`Scripted` with a `close` (async or sync; raising or hanging when asked) that records, per
     environment, every call in order in EVENTS."""
@@ -141,8 +126,8 @@ def scripted(**options: object) -> Scripted:
     return Scripted(**options)  # type: ignore[arg-type]
 
 
-def delayed(delays: Sequence[float]) -> Delayed:
-    return Delayed(delays)
+def jittery(**options: object) -> Jittery:
+    return Jittery(**options)  # type: ignore[arg-type]
 
 
 def closing(**options: object) -> Closing:
@@ -264,11 +249,10 @@ def test_lockstep_starts_each_round_together(lm: PreTrainedModel) -> None:
 
 
 def test_an_episodes_tokens_do_not_depend_on_when_the_tools_answer(lm: PreTrainedModel) -> None:
-    """The same episodes, sampled at temperature 1: under stream with the tools' delays one way and
-    the other (the episodes' turns interleave differently), and under lockstep."""
-    runs = [run(lm, "delayed", options={"delays": delays}, schedule=schedule, max_episode_tokens=200)
-            for schedule, delays in (("stream", [0.0, 0.05, 0.0, 0.1]), ("stream", [0.1, 0.0, 0.05, 0.0]),
-                                     ("lockstep", [0.0] * 4))]
+    """The same episodes, sampled at temperature 1: under stream with the tools' delays drawn one
+    way and another (`Jittery`: the episodes' turns interleave differently), and under lockstep."""
+    runs = [run(lm, "jittery", options={"jitter": jitter}, schedule=schedule, max_episode_tokens=200)
+            for schedule, jitter in (("stream", 1), ("stream", 2), ("lockstep", 0))]
     assert all(r.ended == ["done"] * 4 for r in runs)
     tokens = [[e.token_ids for e in r.episodes] for r in runs]
     assert tokens[1] == tokens[0] and tokens[2] == tokens[0]

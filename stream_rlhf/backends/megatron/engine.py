@@ -121,13 +121,13 @@ class MegatronTrainEngine:
                           with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         batch, out = self._output_for(part.sequences, part.images, part.prompt_lens)
         scored = token_scores(out, self._head_weight(), batch, part.sequences, temperature, with_entropy, self.split)
-        scored = padded_responses(scored, [len(s) - 1 for s in part.sequences], part.prompt_lens, part.mask.shape[1])
+        scored = _at_responses(scored, part)
         return scored[..., 0], scored[..., 1] if with_entropy else None  # (n, R) each
 
     def response_values(self, part: Experience) -> Tensor:
         batch, out = self._output_for(part.sequences, part.images, part.prompt_lens)
         values = flat_values(out, batch, self.split)
-        return padded_responses(values, [len(s) - 1 for s in part.sequences], part.prompt_lens, part.mask.shape[1])
+        return _at_responses(values, part)
 
     def forward_logprobs(self, sequences: list[Tensor], temperature: float,
                          images: list[SampleImages] | None = None, prompt_lens: Tensor | None = None) -> list[Tensor]:
@@ -390,3 +390,9 @@ def _broadcast_names(names: list[str], source: int) -> list[str]:
     dist.broadcast(data, src=source)
     text = data.numpy().tobytes().decode()
     return text.split("\n") if text else []
+
+
+def _at_responses(per_position: Tensor, part: Experience) -> Tensor:
+    """(n, R, ...) from `part`'s per-position outputs laid end to end: those predicting its response
+    tokens (`padded_responses`)."""
+    return padded_responses(per_position, [len(s) - 1 for s in part.sequences], part.prompt_lens, part.mask.shape[1])
