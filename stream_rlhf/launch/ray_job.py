@@ -313,6 +313,9 @@ class RayJob(BrokerClient):
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+            # a killed rank slow to exit under load (past the wait above) leaves its segments: every
+            # worker of the instance is gone or going now
+            sweep_when_gone(self.plan.flow.broker.shm_prefix, pids.get(self.hosts.driver_host, []))
         if self.key_dir is not None:
             shutil.rmtree(self.key_dir, ignore_errors=True)
             self.key_dir = None
