@@ -6,6 +6,7 @@ and the plan of a job that spans hosts (keys made by the driver, weights by broa
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from stream_rlhf.broker.payload.server import PayloadError
 from stream_rlhf.broker.payload.transport import FRAME_BYTES, ShmTransport
 from stream_rlhf.config import ConfigError, build
 from stream_rlhf.driver.plan import preview_plan
+from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.rl.config import RLJobConfig
 from tests.rl_tiny import tiny_job
 
@@ -271,6 +273,36 @@ def test_a_rank_on_another_host_writes_its_run_folder_and_weights_there(tmp_path
     assert ("rollout", "actor_train") in [pair[:2] for pair in shm.same_host]
     with pytest.raises(ValueError, match="not named after job across"):
         on_host(spec, str(tmp_path / "host" / "other"), None)
+
+
+def test_a_resumed_rank_on_another_host_reads_its_checkpoint_there_and_is_sent_what_it_reads(tmp_path):
+    """A resumed run's ranks on another host (no longer refused): `on_host` points their resume at
+    that host's run folder, and `resume_inputs` (the plan's `host_inputs`) names what each stage
+    reads of the driver's, which the launcher copies there first."""
+    from stream_rlhf.driver.plan import on_host
+    from stream_rlhf.driver.resume import resume_inputs
+    from stream_rlhf.resume.store import ResumePoint
+
+    plan = preview_plan(across(tmp_path, node_hosts=True, stage_resources=PINNED))
+    assert plan.host_inputs == "stream_rlhf.driver.resume:resume_inputs"
+    fresh = plan.flow.stages["actor_train"]
+    assert resume_inputs("actor_train", fresh) == []  # a fresh run reads nothing of the run folder
+
+    def resumed(stage: str) -> StageSpec:
+        spec = plan.flow.stages[stage]
+        job = spec.kwargs["job"]
+        point = ResumePoint(4, job.run_dir / "checkpoints" / "iter-000004")
+        return replace(spec, kwargs={**spec.kwargs, "job": replace(job, resume=point)})
+
+    assert resume_inputs("actor_train", resumed("actor_train")) == [
+        "checkpoints/iter-000004/actor", "metrics.jsonl", "samples.jsonl"]
+    assert resume_inputs("critic_train", resumed("critic_train")) == [
+        "checkpoints/iter-000004/critic", "critic_metrics.jsonl"]
+    assert resume_inputs("rollout", resumed("rollout")) == ["checkpoints/generated"]
+    assert resume_inputs("prompts", resumed("prompts")) == ["checkpoints/prompt_cursor.jsonl"]
+    assert resume_inputs("ref_forward", resumed("ref_forward")) == []
+    moved = on_host(resumed("actor_train"), str(tmp_path / "host" / "across"), None).kwargs["job"]
+    assert moved.resume == ResumePoint(4, tmp_path / "host" / "across" / "checkpoints" / "iter-000004")
 
 
 def test_critic_versions_reach_critic_forward_on_another_host_by_its_own_group(tmp_path, monkeypatch):

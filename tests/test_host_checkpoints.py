@@ -7,6 +7,7 @@ they are on two hosts, where neither host's prune finds a complete one)."""
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -128,3 +129,47 @@ def test_trainers_on_two_hosts_the_drivers_copy_is_pruned_as_their_prunes_record
     assert CheckpointStore(driver / "checkpoints").latest(PARTS).version == 4
     # checkpoint 3 holds iterations 0 to 2: of rollout's outputs only iteration 3's are still needed
     assert [p.name for p in (driver / "checkpoints" / "generated").iterdir()] == ["000003-0000-8.pt"]
+
+
+def test_a_resumed_ranks_inputs_reach_its_host_and_only_what_the_host_changes_comes_back(tmp_path):
+    """`RayHosts.relocate` of a resumed run: the named paths of the driver's run folder (a part of
+    the resume checkpoint, the metrics the trainer continues) reach the host's run folder in
+    several calls, nothing else does, and the host's mirror ships back only what changes there:
+    appended metrics as an append, a new checkpoint."""
+    from stream_rlhf.launch.ray_hosts import _HostActor
+
+    driver = tmp_path / "run"
+    store = CheckpointStore(driver / "checkpoints")
+    for version in (2, 4):
+        for part in PARTS:
+            write(store, version, part)
+    (driver / "metrics.jsonl").write_text('{"iteration": 0}\n{"iteration": 1}\n')
+    (driver / "summary.json").write_text("{}")
+    host = _HostActor()
+    host_run = Path(host.open("run", None))
+    try:
+        inputs = FolderMirror(driver, ["checkpoints/iter-000004/actor", "metrics.jsonl", "checkpoints/generated"])
+        calls = 0
+        while changes := inputs.changes(4096):  # an engine file takes 3 calls
+            host.receive(changes)
+            calls += 1
+        assert calls >= 3
+        got = sorted(p.relative_to(host_run).as_posix() for p in host_run.rglob("*") if p.is_file())
+        assert got == ["checkpoints/iter-000004/actor/MANIFEST.json", "checkpoints/iter-000004/actor/engine.pt",
+                       "checkpoints/iter-000004/actor/state.json", "metrics.jsonl"]
+        point = CheckpointStore(host_run / "checkpoints").latest(["actor"])  # whole and verified there
+        assert point is not None and point.version == 4
+        assert host.changes(1 << 20) == []  # what came from the driver does not go back
+        with (host_run / "metrics.jsonl").open("a") as f:
+            f.write('{"iteration": 2}\n')
+        write(CheckpointStore(host_run / "checkpoints"), 6, "actor")
+        changes = host.changes(1 << 20)
+        assert [(c.path, c.offset, c.whole) for c in changes if c.path == "metrics.jsonl"] == [
+            ("metrics.jsonl", len('{"iteration": 0}\n{"iteration": 1}\n'), False)]
+        assert {c.path for c in changes} - {"metrics.jsonl"} == {
+            f"checkpoints/iter-000006/actor/{name}" for name in ("MANIFEST.json", "engine.pt", "state.json")}
+        apply_changes(driver, changes)
+        assert (driver / "metrics.jsonl").read_text().count("iteration") == 3
+        assert store.versions(["actor"]) == [2, 4, 6]
+    finally:
+        shutil.rmtree(host.root)

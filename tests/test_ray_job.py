@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from stream_rlhf.resume.store import CheckpointStore
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job, write_job
 
@@ -310,11 +311,13 @@ def test_ppo_across_three_hosts_fetches_payloads_over_tcp_and_sends_weights_by_b
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_hosts")]  # every host's store is gone
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_metrics_from_another_host_arrive_while_the_job_runs_and_its_drain_checkpoint_after(tmp_path, three_hosts):
     """The trainers on a host of their own (`ray.node_hosts`): metrics.jsonl reaches the driver's
     run folder while the job still runs, and after SIGTERM the checkpoint the trainers wrote as they
-    drained is there too (the driver names it to resume from)."""
+    drained is there too (the driver names it to resume from). The run resumes from it on the same
+    three hosts: each gets what its ranks read (the trainers' parts and metrics, rollout's kept
+    outputs, the prompt cursor) and the run trains every sample once."""
     cluster, _ = three_hosts
     resources = ON_THREE_HOSTS
     process, log_file = start_job(tmp_path, "live", "placement.mode=separated", "placement.rollout_cores=[0]",
@@ -331,6 +334,28 @@ def test_metrics_from_another_host_arrive_while_the_job_runs_and_its_drain_check
     log = log_file.read_text()
     assert "continue with `stream-rlhf run" in log, log[-4000:]  # a complete checkpoint in the driver's folder
     assert len(read_metrics(metrics)) >= 1 and not list((tmp_path / "live").rglob("*.shipping"))
+
+    point = CheckpointStore(tmp_path / "live" / "checkpoints").latest(["actor", "critic"])
+    assert point is not None and point.version >= 1
+    iterations = point.version + 2
+    resume_log = tmp_path / "live-resume.log"
+    with resume_log.open("w") as out:
+        resumed = subprocess.run([sys.executable, "-m", "stream_rlhf.cli", "run", str(tmp_path / "live.yaml"),
+                                  "--resume", "--set", f"iterations={iterations}"], stdout=out,
+                                 stderr=subprocess.STDOUT, timeout=420)
+    log = resume_log.read_text()
+    assert resumed.returncode == 0, log[-4000:]
+    summary = json.loads((tmp_path / "live" / "summary.json").read_text())
+    assert summary["resumed_from"] == [point.version]
+    assert summary["samples_trained"] == iterations * 2 * 8 and summary["samples_dropped"] == 0, summary
+    assert [r["iteration"] for r in read_metrics(metrics)] == list(range(iterations))  # none lost, none twice
+    assert [r["iteration"] for r in read_metrics(tmp_path / "live" / "critic_metrics.jsonl")] == list(range(iterations))
+    got = re.findall(r"ray: host (\S+) got (.+) of the driver's run folder", log)  # one line per stage
+    sent = sorted(path for _, paths in got for path in paths.split(", "))
+    folder = f"checkpoints/{point.folder.name}"
+    assert sent == sorted([f"{folder}/actor", "metrics.jsonl", "samples.jsonl", f"{folder}/critic",
+                           "critic_metrics.jsonl", "checkpoints/generated", "checkpoints/prompt_cursor.jsonl"]), got
+    assert len({host for host, _ in got}) == 2, got  # the trainers' host and rollout's; the forwards read nothing
 
 
 def test_a_device_group_runs_as_one_ray_actor_and_trains_every_sample(tmp_path):

@@ -15,6 +15,7 @@ from torch import nn
 from stream_rlhf.backends.torch_rollout import load_weights
 from stream_rlhf.backends.vllm_protocol import receive_update
 from stream_rlhf.config import build
+from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.weight_sync import RolloutWeights, open_sender, trained_parameters
@@ -150,6 +151,28 @@ def test_rollout_weights_load_the_newest_version_through_the_jobs_transport(tmp_
         assert torch.equal(rollout.bias, trainer.bias) and torch.equal(rollout.weight, trainer.weight)
         assert weights.refresh_model(rollout, 2) == 2
         assert weights.engine_update(1) == receive_update(2) and weights.engine_update(2) is None
+    finally:
+        weights.close()
+        sender.close()
+
+
+def test_a_resumed_rollout_whose_store_lacks_the_checkpoints_version_takes_it_by_broadcast(tmp_path):
+    """A resumed run's rollout on another host than the trainer (its host's store empty: the driver
+    put the checkpoint's version in its own): the checkpoint's version is the newest it knows of, so
+    it loads that version from the resumed trainer's send instead of generating with the warm start."""
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "resumed", weights={"transport": "broadcast", "timeout_s": 20.0}))
+    job = JobContext(cfg, "unused", str(tmp_path / "weights"), resume=ResumePoint(4, tmp_path / "iter-000004"))
+    trainer, rollout = nn.Linear(4, 3), nn.Linear(4, 3)
+    sender = open_sender(job)
+    weights = RolloutWeights(job, "rollout-0")
+    try:
+        weights.join_model(rollout)
+        assert weights.store.latest_version() == -1 and weights.newest() == 4
+        with torch.no_grad():
+            trainer.bias.fill_(4.0)
+        sender.publish(trained_parameters(trainer), 4)  # the resumed trainer's first send (`_restore`)
+        assert weights.refresh_model(rollout, 0) == 4
+        assert torch.equal(rollout.bias, trainer.bias) and torch.equal(rollout.weight, trainer.weight)
     finally:
         weights.close()
         sender.close()

@@ -22,8 +22,9 @@ to critic_forward by a broadcast group of their own (`stages/critic_weights.py`)
 A rank on another host than the driver's gets its spec through `on_host` (the plan's `relocate`):
 its job writes into that host's run folder (shipped into the driver's) and keeps its weight
 versions in that host's store. Stages that still meet through one host's store are listed in the
-plan's `same_host` (the launcher refuses to split them), and a resumed run keeps its ranks on the
-driver's host (its checkpoint is read from the driver's run folder).
+plan's `same_host` (the launcher refuses to split them). A resumed run's ranks there read their
+checkpoint from that host's run folder: the launcher copies what each stage reads into it first
+(`driver/resume.py` `resume_inputs`, the plan's `host_inputs`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.launch.placement import machine_cores
 from stream_rlhf.launch.plan import Dataflow, JobPlan
 from stream_rlhf.launch.spec import StageSpec
-from stream_rlhf.resume.store import ResumePoint
+from stream_rlhf.resume.store import FOLDER, ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.weights.shm_store import weights_root
@@ -73,7 +74,8 @@ def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_languag
                       f"{cfg.ray.start_timeout_s:g} (checked when the placement group is made); {pinning}")
     plan = JobPlan(cfg.name, flow, cfg.launcher, cfg.ray, checkpoint, checkpoint_ready, dataset, dataset_ready,
                    checks, run_dir=str(Path(cfg.run_dir).resolve()), weights_root=weights,
-                   relocate="stream_rlhf.driver.plan:on_host", same_host=_same_host(cfg, flow.stages),
+                   relocate="stream_rlhf.driver.plan:on_host", host_inputs="stream_rlhf.driver.resume:resume_inputs",
+                   same_host=_same_host(cfg, flow.stages),
                    placement_auto=placement_auto)
     if not plan.spans_hosts:
         return plan
@@ -104,13 +106,11 @@ def on_host(spec: StageSpec, run_dir: str, weights_root: str | None) -> StageSpe
     """A stage's spec for a rank on another host than the driver's: its job writes into `run_dir`
     (that host's run folder) and keeps its weight versions in `weights_root`."""
     job: JobContext = spec.kwargs["job"]
-    if job.resume is not None:
-        raise ConfigError(f"run --resume: {job.config.name}'s ranks on another host than the driver's cannot read "
-                          f"the checkpoint they resume from ({job.resume.folder}, in the driver's run folder); "
-                          "resume with every rank on the driver's host")
     folder = Path(run_dir)
     if folder.name != job.config.name:
         raise ValueError(f"on_host: run folder {run_dir} is not named after job {job.config.name}")
+    if job.resume is not None:  # its files are copied there first (`resume_inputs`)
+        job = replace(job, resume=ResumePoint(job.resume.version, folder / FOLDER / job.resume.folder.name))
     moved = replace(job, config=replace(job.config, runs_dir=str(folder.parent)),
                     weights_root=weights_root or job.weights_root)
     return replace(spec, kwargs={**spec.kwargs, "job": moved})

@@ -32,11 +32,15 @@ from typing import Any
 import torch
 
 from stream_rlhf.config import ConfigError
+from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.resume.store import FOLDER, ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
-from stream_rlhf.stages.generated_store import GeneratedStore
-from stream_rlhf.stages.trainer_checkpoint import ENGINE, STATE, checkpoint_parts, checkpoint_store
+from stream_rlhf.stages.generated_store import GENERATED, GeneratedStore
+from stream_rlhf.stages.job_context import JobContext
+from stream_rlhf.stages.prompt_cursor import FILE as PROMPT_CURSORS
+from stream_rlhf.stages.trainer_checkpoint import ENGINE, STAGE_PARTS, STATE, checkpoint_parts, checkpoint_store
 from stream_rlhf.telemetry.metrics import cut_metrics
+from stream_rlhf.telemetry.sample_log import SAMPLES_FILE
 from stream_rlhf.telemetry.stage_counts import read_stage_counts
 from stream_rlhf.weights.shm_store import WeightStore
 
@@ -111,6 +115,26 @@ def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resum
              "%d kept are trained as they are, %d generated again)", point.folder, point.version, cfg.iterations,
              kept, new)
     return Resumed(point, record["eval_before"], record["start_checkpoint"], discarded + new)
+
+
+def resume_inputs(stage: str, spec: StageSpec) -> list[str]:
+    """What a rank of `stage` on another host than the driver's reads, or appends to, of the
+    driver's run folder when the run resumes (paths relative to it: the plan's `host_inputs`, which
+    the launcher copies there first): a trainer its part of the checkpoint and the metrics it
+    continues, Medusa's trainer the newest heads at or before the checkpoint, rollout its kept
+    outputs, the prompt source its cursor. Nothing for a fresh run."""
+    job: JobContext = spec.kwargs["job"]
+    if job.resume is None:
+        return []
+    if stage == "medusa_train":
+        store = checkpoint_store(job.run_dir, job.config)
+        found = [v for v in store.versions([STAGE_PARTS[stage]]) if v <= job.resume.version]
+        return [f"{FOLDER}/{store.folder(found[-1]).name}/{STAGE_PARTS[stage]}"] if found else []
+    point = f"{FOLDER}/{job.resume.folder.name}"
+    reads = {"actor_train": [f"{point}/{STAGE_PARTS['actor_train']}", "metrics.jsonl", SAMPLES_FILE],
+             "critic_train": [f"{point}/{STAGE_PARTS['critic_train']}", "critic_metrics.jsonl"],
+             "rollout": [f"{FOLDER}/{GENERATED}"], "prompts": [f"{FOLDER}/{PROMPT_CURSORS}"]}
+    return reads.get(stage, [])
 
 
 def _plain(cfg: RLJobConfig) -> dict[str, Any]:

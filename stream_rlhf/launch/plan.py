@@ -113,6 +113,10 @@ class JobPlan:
     relocate: str | None = None
     """"package.module:function" giving a stage spec the run folder and weight root of another
     host (`(spec, run_dir, weights_root) -> spec`): what in its arguments names them."""
+    host_inputs: str | None = None
+    """"package.module:function" naming what a stage's ranks on another host read from the driver's
+    run folder before they start (`(stage, spec) -> [path relative to run_dir]`: a resumed run's
+    checkpoint parts), which the launcher copies into that host's run folder first."""
     same_host: list[tuple[str, str, str]] = field(default_factory=list)
     """(stage, stage, why): pairs whose ranks must share a host (the launcher refuses a placement
     that splits them, naming the pair and why)."""

@@ -2,7 +2,7 @@
 each, mirrored into the driver's run folder while the job runs.
 
     hosts = RayHosts(plan, driver_host=host_id())
-    spec = hosts.relocate(spec, node_id, host)  # a rank's spec writing into its host's run folder
+    spec = hosts.relocate(stage, spec, node_id, host)  # a rank's spec writing into its host's run folder
     hosts.poll()                                 # from the supervision loop: ships what changed
     hosts.close(pids)                            # a last full copy; each host's folders and stray segments go
 
@@ -21,6 +21,11 @@ on its host reaches the driver as deletions. Trainers on two hosts each hold onl
 so neither host's prune finds a complete checkpoint: the driver prunes its copy as the trainers'
 prunes recorded (`resume/store.recorded_store`), and rollout's kept outputs the oldest checkpoint
 it keeps covers, whenever checkpoint files arrived.
+
+The other way, once per host and path: before a rank on another host starts, what its stage reads
+from the driver's run folder (`JobPlan.host_inputs`: a resumed run's checkpoint part, rollout's kept
+outputs, the prompt cursor) is copied into the host's run folder, where the mirror counts it as
+sent (nothing of it comes back unless a rank there changes it).
 
 Each host's clock may differ from the driver's: when its actor starts, the driver measures the
 offset over a few round trips (`telemetry/trace_clocks.py`), logs it, and keeps it in the trace
@@ -76,6 +81,14 @@ class _HostActor:
     def changes(self, max_bytes: int) -> list[FileChange]:
         return self.mirror.changes(max_bytes)
 
+    def receive(self, changes: list[FileChange]) -> None:
+        """Files of the driver's run folder into this one (what a rank reads at a resume), counted
+        as sent: they are not shipped back."""
+        apply_changes(self.run_dir, changes)
+        for change in changes:
+            if change.whole and change.last:
+                self.mirror.remember(change.path)
+
     def clock_ns(self) -> int:
         """This host's trace clock."""
         return trace.now_ns()
@@ -102,6 +115,8 @@ class RayHosts:
         self.driver_host = driver_host
         self.actors: dict[str, Any] = {}
         self.run_dirs: dict[str, str] = {}
+        self.sent_inputs: dict[str, set[str]] = {}
+        """Per host: the paths of the driver's run folder copied into its own (`relocate`)."""
         self.weight_roots: dict[str, str | None] = {}
         self.shipped_bytes = 0
         self.clocks = HostClocks(driver_host)
@@ -114,17 +129,36 @@ class RayHosts:
         """Ranks on `host` write into a run folder of their own (the driver's run folder is elsewhere)."""
         return host != self.driver_host and self.plan.run_dir is not None
 
-    def relocate(self, spec: StageSpec, node: str, host: str) -> StageSpec:
-        """`spec` writing into `host`'s run folder and weight root (unchanged on the driver's host)."""
+    def relocate(self, stage: str, spec: StageSpec, node: str, host: str) -> StageSpec:
+        """`stage`'s `spec` writing into `host`'s run folder and weight root (unchanged on the
+        driver's host), with what its ranks read from the driver's run folder copied there first."""
         if not self.remote(host):
             return spec
         run_dir = self._open(node, host)
+        if self.plan.host_inputs is not None:
+            self._send_inputs(host, import_dotted(self.plan.host_inputs, "host_inputs")(stage, spec))
         driver_run = self.plan.run_dir
         spec = replace(spec, trace=_moved(spec.trace, driver_run, run_dir),
                        counts_dir=_moved(spec.counts_dir, driver_run, run_dir))
         if self.plan.relocate is None:
             return spec
         return import_dotted(self.plan.relocate, "relocate")(spec, run_dir, self.weight_roots[host])
+
+    def _send_inputs(self, host: str, paths: list[str]) -> None:
+        """`paths` of the driver's run folder that `host` has not had yet, into its run folder."""
+        import ray
+
+        paths = [p for p in paths if p not in self.sent_inputs.setdefault(host, set())]
+        if not paths:
+            return
+        started, sent = time.monotonic(), 0
+        inputs = FolderMirror(self.plan.run_dir, paths)
+        while changes := inputs.changes(SHIP_BYTES):
+            ray.get(self.actors[host].receive.remote(changes))
+            sent += sum(len(c.data) for c in changes)
+        self.sent_inputs[host].update(paths)
+        log.info("ray: host %s got %s of the driver's run folder (%d bytes, %.1f s)", host, ", ".join(paths), sent,
+                 time.monotonic() - started)
 
     def trace_folder(self, folder: str | None, node: str, host: str) -> str | None:
         """The broker's trace folder on `host`."""

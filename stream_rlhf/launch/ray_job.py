@@ -178,12 +178,12 @@ class RayJob(BrokerClient):
             for rank, name in enumerate(names):
                 where = self.placed[name]
                 if members is not None:
-                    specs = {m: self.hosts.relocate(_under_ray(self.plan.flow.stages[m], pinned), where["node"],
+                    specs = {m: self.hosts.relocate(m, _under_ray(self.plan.flow.stages[m], pinned), where["node"],
                                                     where["host_id"]) for m in members}
                     run = actors[name].run_group.remote(unit, index, specs, self.address, self.keys, prefix, rank,
                                                         init_method, self._cwd, where["host_id"], self.book)
                 else:
-                    spec = self.hosts.relocate(_under_ray(self.plan.flow.stages[unit], pinned), where["node"],
+                    spec = self.hosts.relocate(unit, _under_ray(self.plan.flow.stages[unit], pinned), where["node"],
                                                where["host_id"])
                     run = actors[name].run.remote(unit, instance_id, spec, self.address, self.keys, prefix, rank,
                                                   init_method, self._cwd, where["host_id"], self.book)

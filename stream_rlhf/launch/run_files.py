@@ -5,6 +5,9 @@ folder the user sees (metrics, stage counts, trace events, samples, checkpoints)
     changes = mirror.changes(max_bytes=32 << 20) # [] once the driver has everything written so far
     apply_changes(driver_run_dir, changes)       # on the driver: appends, whole files, deletions
 
+    inputs = FolderMirror(driver_run_dir, ["checkpoints/iter-000004/actor"])  # the other way (a resume):
+    apply_changes(host_run_dir, inputs.changes()); mirror.remember(path)       # not shipped back
+
 Each scan compares every file with what was sent before: a file that only grew (same inode, and
 the last bytes sent are still where they were) sends what was appended (metrics.jsonl, trace
 events, samples.jsonl are appended line by line, so the driver's copy stays live); any other change
@@ -65,17 +68,25 @@ class _Sent:
 class FolderMirror:
     """The sending side: changes of `folder` since the last call (see the module docstring)."""
 
-    def __init__(self, folder: Path | str):
+    def __init__(self, folder: Path | str, paths: list[str] | None = None):
+        """`paths`: only these files and folders (relative to `folder`); None: everything in it."""
         self.folder = Path(folder)
+        self.paths = None if paths is None else [Path(p) for p in paths]
         self.sent: dict[str, _Sent] = {}
         self._partial: dict[str, tuple[os.stat_result, int]] = {}  # a whole file sent up to an offset
+
+    def remember(self, relative: str) -> None:
+        """Count the file `relative` as sent as it is now (it came from the other side)."""
+        with (self.folder / relative).open("rb") as f:
+            stat = os.fstat(f.fileno())
+            self._sent(relative, stat, stat.st_size, f)
 
     def changes(self, max_bytes: int = 32 << 20) -> list[FileChange]:
         out: list[FileChange] = []
         budget = max_bytes
         present = set()
         unfinished: set[Path] = set()  # folders with a file not all sent yet: their manifest waits
-        files = (p.relative_to(self.folder) for p in self.folder.rglob("*") if p.is_file())
+        files = (p.relative_to(self.folder) for p in self._files())
         for relative_path in sorted((r for r in files if not _staging(r)), key=_manifest_last):
             relative = relative_path.as_posix()
             present.add(relative)
@@ -97,6 +108,13 @@ class FolderMirror:
             self._partial.pop(relative, None)
             out.append(FileChange(relative, 0, b"", whole=False, deleted=True))
         return out
+
+    def _files(self) -> list[Path]:
+        """The files to compare: the folder's, or those of `paths` (a file, or a folder's files)."""
+        found = []
+        for root in [self.folder] if self.paths is None else [self.folder / p for p in self.paths]:
+            found += [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        return found
 
     def _unchanged(self, path: Path, relative: str) -> bool:
         """Every byte of the file as it is now was sent."""

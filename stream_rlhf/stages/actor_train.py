@@ -42,7 +42,7 @@ from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
-from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
+from stream_rlhf.stages.trainer_checkpoint import STAGE_PARTS, TrainerCheckpoints
 from stream_rlhf.stages.training import (
     MetricMeans,
     advantages_of,
@@ -87,7 +87,7 @@ class ActorTrain(Stage):
         self.sender = open_sender(self.job) if leader else None  # rollout's weights.transport (weights/transport.py)
         background = publishes_in_background(cfg.weights, self.engine.device)
         self.publisher = VersionPublisher(self.engine, background, "actor")
-        self.checkpoints = TrainerCheckpoints(self.job, "actor", self.engine, ctx.group)
+        self.checkpoints = TrainerCheckpoints(self.job, STAGE_PARTS["actor_train"], self.engine, ctx.group)
         if (state := self.checkpoints.resume()) is not None:
             self._restore(state)
         self.metrics = MetricsWriter(self.job.run_dir, "actor", purge_step=self.iteration) if leader else None
@@ -120,15 +120,20 @@ class ActorTrain(Stage):
 
     def _restore(self, state: dict) -> None:
         """Continue from a checkpoint: its version, KL coefficient and counters; rollout's groups get
-        its weights (the shared-memory store already has them: the driver put them there)."""
+        its weights, and so does the shared-memory store when it lacks them (the driver put them in
+        its host's: this rank may run on another)."""
         self.iteration, self.kl_ctl.coef = state["version"], state["kl_coef"]
         self.version = policy_version_at(self.iteration, self.warmup)
         self.trained, self.dropped = state["samples_trained"], state["dropped_reasons"]
         self.max_staleness = state["max_staleness"]
         self.warmup_samples = state.get("samples_critic_warmup", 0)  # (checkpoints from before warm-up existed)
-        if self.sender is not None:
+        stored = self.weights.latest_version() >= self.version  # the same on every rank of a host
+        if self.sender is not None or not stored:
             weights = self.engine.export_weights()
-            self.sender.publish([(name, weights[name]) for name in self.trained_names], self.version)
+            if not stored and self.ctx.group.is_leader:
+                self.weights.publish(weights, self.version)
+            if self.sender is not None:
+                self.sender.publish([(name, weights[name]) for name in self.trained_names], self.version)
         self.ctx.log.info("resumed from %s at policy version %d", self.job.resume.folder, self.version)
 
     def _fresh(self, batches: list[Batch]) -> list[Batch]:

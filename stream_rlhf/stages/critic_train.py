@@ -23,7 +23,7 @@ from stream_rlhf.stage import Batch, DeviceState, Output, Stage, StageContext
 from stream_rlhf.stages.critic_weights import crosses_hosts, open_critic_sender
 from stream_rlhf.stages.images import ImageInputs
 from stream_rlhf.stages.job_context import JobContext, stage_counts
-from stream_rlhf.stages.trainer_checkpoint import TrainerCheckpoints
+from stream_rlhf.stages.trainer_checkpoint import STAGE_PARTS, TrainerCheckpoints
 from stream_rlhf.stages.training import (
     MetricMeans,
     advantages_of,
@@ -55,11 +55,15 @@ class CriticTrain(Stage):
         self.sender = open_critic_sender(self.job) if ctx.group.is_leader else None
         background = publishes_in_background(cfg.weights, self.engine.device)
         self.publisher = VersionPublisher(self.engine, background, "critic")
-        self.checkpoints = TrainerCheckpoints(self.job, "critic", self.engine, ctx.group)
+        self.checkpoints = TrainerCheckpoints(self.job, STAGE_PARTS["critic_train"], self.engine, ctx.group)
         if (state := self.checkpoints.resume()) is not None:
             self.version, self.kl_ctl.coef = state["version"], state["kl_coef"]
-            if crosses_hosts():  # a resumed critic_forward asks for this version (every rank exports)
-                self._send(self.engine.export_weights(), self.version)
+            stored = self.weights.latest_version() >= self.version  # not on another host than the driver's
+            if crosses_hosts() or not stored:  # a resumed critic_forward asks for this version (every rank exports)
+                weights = self.engine.export_weights()
+                if not stored and ctx.group.is_leader:
+                    self.weights.publish(weights, self.version)
+                self._send(weights, self.version)
         self.metrics = MetricsWriter(self.job.run_dir, "critic", "critic_metrics.jsonl", purge_step=self.version) \
             if ctx.group.is_leader else None
         self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)

@@ -27,6 +27,8 @@ import torch
 from stream_rlhf.resume.store import FOLDER, CheckpointStore
 from stream_rlhf.stage import Output
 
+GENERATED = "generated"
+"""The folder of the kept outputs, in the run's checkpoint folder."""
 NAME = re.compile(r"(\d+)-(\d+)-(\d+)\.pt")
 
 
@@ -40,7 +42,7 @@ def prune_checkpoints(checkpoints: CheckpointStore, parts: list[str], run_dir: P
 
 class GeneratedStore:
     def __init__(self, run_dir: Path):
-        self.folder = Path(run_dir) / FOLDER / "generated"
+        self.folder = Path(run_dir) / FOLDER / GENERATED
 
     def save(self, output: Output) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)

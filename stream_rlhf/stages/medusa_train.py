@@ -27,12 +27,12 @@ from stream_rlhf.resume.background_writer import BackgroundWriter
 from stream_rlhf.seeding import seeded_generator
 from stream_rlhf.stage import Batch, Output, Stage, StageContext
 from stream_rlhf.stages.job_context import JobContext
-from stream_rlhf.stages.trainer_checkpoint import ENGINE, STATE, checkpoint_store, save_part
+from stream_rlhf.stages.trainer_checkpoint import ENGINE, STAGE_PARTS, STATE, checkpoint_store, save_part
 from stream_rlhf.stages.training import MetricMeans, minibatch_indices
 from stream_rlhf.telemetry.metrics import MetricsWriter
 from stream_rlhf.weights.shm_store import WeightStore
 
-PART = "medusa"
+PART = STAGE_PARTS["medusa_train"]
 """This stage's part of a run checkpoint (`resume/store.py`)."""
 
 

@@ -37,11 +37,13 @@ from stream_rlhf.telemetry import trace
 
 ENGINE = "engine.pt"
 STATE = "state.json"
+STAGE_PARTS = {"actor_train": "actor", "critic_train": "critic", "medusa_train": "medusa"}
+"""The part of a run checkpoint each training stage writes."""
 
 
 def checkpoint_parts(cfg: RLJobConfig) -> list[str]:
-    """The parts a complete checkpoint of this run has: one per trainer."""
-    return ["actor", "critic"] if cfg.algorithm.uses_critic else ["actor"]
+    """The parts a complete checkpoint of this run has: one per trainer (Medusa's is optional)."""
+    return [STAGE_PARTS["actor_train"], *([STAGE_PARTS["critic_train"]] if cfg.algorithm.uses_critic else [])]
 
 
 def checkpoint_store(run_dir: Path, cfg: RLJobConfig) -> CheckpointStore:

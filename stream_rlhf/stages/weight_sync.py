@@ -63,7 +63,7 @@ class RolloutWeights:
         self.instance_id = instance_id
         self.link = Link.of(job.weights_root, POLICY, job.config.weights)
         self.store = self.link.store()
-        self.announced = 0
+        self.announced = job.start_version  # a resumed run's: this host's store may not have it (another host's)
         self._receiver: WeightReceiver | None = None
 
     def newest(self) -> int:
