@@ -358,6 +358,35 @@ def test_metrics_from_another_host_arrive_while_the_job_runs_and_its_drain_check
     assert len({host for host, _ in got}) == 2, got  # the trainers' host and rollout's; the forwards read nothing
 
 
+@pytest.mark.timeout(600)
+def test_a_trainer_killed_on_another_host_is_recovered_there_from_the_newest_checkpoint(tmp_path, three_hosts):
+    """Crash recovery with the trainers on a host of their own (`ray.node_hosts`): actor_train's
+    worker is killed once a checkpoint has reached the driver; the run resumes from it on the same
+    hosts (each gets the files its ranks read) and trains every sample once."""
+    cluster, _ = three_hosts
+    iterations = 8
+    process, log_file = start_job(tmp_path, "recover", "placement.mode=separated", "placement.rollout_cores=[0]",
+                                  "placement.train_cores=[1]", f"iterations={iterations}", "checkpoint.every=2",
+                                  "checkpoint.recoveries=1",
+                                  ray={"address": cluster.address, "strategy": "SPREAD",
+                                       "stage_resources": ON_THREE_HOSTS, "start_timeout_s": 60, "node_hosts": True})
+    store = CheckpointStore(tmp_path / "recover" / "checkpoints")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None and store.latest(["actor", "critic"]) is None:
+        time.sleep(0.2)
+    assert process.poll() is None and store.latest(["actor", "critic"]) is not None, log_file.read_text()[-4000:]
+    os.kill(placed(log_file.read_text())["actor_train-0"][1], signal.SIGKILL)
+    assert finish(process, 420) == 0, log_file.read_text()[-4000:]
+    log = log_file.read_text()
+    assert "recovering from the failure of actor_train-0" in log, log[-4000:]
+    summary = json.loads((tmp_path / "recover" / "summary.json").read_text())
+    assert len(summary["resumed_from"]) == 1 and summary["resumed_from"][0] >= 2, summary["resumed_from"]
+    assert summary["samples_trained"] == iterations * 2 * 8 and summary["samples_dropped"] == 0, summary
+    assert [r["iteration"] for r in read_metrics(tmp_path / "recover" / "metrics.jsonl")] == list(range(iterations))
+    point = f"checkpoints/iter-{summary['resumed_from'][0]:06d}"
+    assert f"got {point}/actor, metrics.jsonl" in log and f"got {point}/critic" in log, log[-4000:]
+
+
 def test_a_device_group_runs_as_one_ray_actor_and_trains_every_sample(tmp_path):
     """`placement.device_groups` under Ray: the three forwards run in one actor (one bundle) taking
     turns, every generated sample is trained, and no actor or raylet outlives the job."""

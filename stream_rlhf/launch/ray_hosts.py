@@ -3,8 +3,8 @@ each, mirrored into the driver's run folder while the job runs.
 
     hosts = RayHosts(plan, driver_host=host_id())
     spec = hosts.relocate(stage, spec, node_id, host)  # a rank's spec writing into its host's run folder
-    hosts.poll()                                 # from the supervision loop: ships what changed
-    hosts.close(pids)                            # a last full copy; each host's folders and stray segments go
+    hosts.poll()                                       # from the supervision loop: ships what changed
+    hosts.close(pids)                                  # a last full copy; each host's folders and stray segments go
 
 A rank (or the broker) on another host than the driver's never writes into the driver's run folder
 or reads its /dev/shm: every host gets an actor (`_HostActor`, no CPUs, pinned to the node) that
