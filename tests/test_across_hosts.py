@@ -301,6 +301,14 @@ def test_a_resumed_rank_on_another_host_reads_its_checkpoint_there_and_is_sent_w
     assert resume_inputs("rollout", resumed("rollout")) == ["checkpoints/generated"]
     assert resume_inputs("prompts", resumed("prompts")) == ["checkpoints/prompt_cursor.jsonl"]
     assert resume_inputs("ref_forward", resumed("ref_forward")) == []
+    # Medusa's heads: the newest part at or before the checkpoint (not every checkpoint has one)
+    medusa = resumed("actor_train")  # medusa_train's spec carries the same job
+    assert resume_inputs("medusa_train", medusa) == []
+    checkpoints = tmp_path / "across" / "checkpoints"
+    for version in (2, 4, 6):
+        (checkpoints / f"iter-{version:06d}" / "medusa").mkdir(parents=True)
+        (checkpoints / f"iter-{version:06d}" / "medusa" / "MANIFEST.json").write_text("{}")
+    assert resume_inputs("medusa_train", medusa) == ["checkpoints/iter-000004/medusa"]
     moved = on_host(resumed("actor_train"), str(tmp_path / "host" / "across"), None).kwargs["job"]
     assert moved.resume == ResumePoint(4, tmp_path / "host" / "across" / "checkpoints" / "iter-000004")
 
