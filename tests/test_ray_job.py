@@ -364,7 +364,7 @@ def test_a_trainer_killed_on_another_host_is_recovered_there_from_the_newest_che
     worker is killed once a checkpoint has reached the driver; the run resumes from it on the same
     hosts (each gets the files its ranks read) and trains every sample once."""
     cluster, _ = three_hosts
-    iterations = 8
+    iterations = 40  # the tiny job trains ~5 a second here: the kill must land before its end
     process, log_file = start_job(tmp_path, "recover", "placement.mode=separated", "placement.rollout_cores=[0]",
                                   "placement.train_cores=[1]", f"iterations={iterations}", "checkpoint.every=2",
                                   "checkpoint.recoveries=1",
