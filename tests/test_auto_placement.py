@@ -5,6 +5,9 @@ the choice is checked against them alone."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from stream_rlhf.config import ConfigError, load_config
@@ -115,6 +118,26 @@ def test_replan_names_a_faster_placement_when_the_answers_turn_out_shorter():
     assert watch.result["measured_iteration_s"] == 0.5  # the first iteration (start-up) left out
     assert watch.result["better"]["with_rollout"] == moved
     assert watch.result["switch"]["switched"] is False and watch.switch is None  # placement.replan=warn
+
+
+def test_the_replan_counts_the_actors_iterations_not_a_critic_warm_ups(tmp_path):
+    """A warm-up's metrics lines (`critic_warmup: 1`) have no answer length: the watch waits for
+    placement.replan_after of the actor's own iterations (it once read the warm-up's and died)."""
+    cfg, flow = job(*LONG_ANSWERS, "critic.warmup_iterations=3", "placement.replan_after=2")
+    choice = choose_placement(cfg, flow, MACHINE)
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"iteration": i, "critic_warmup": 1, "iteration_s": 0.4, "samples": 32} for i in range(3)]
+    lines += [{"iteration": 3 + i, "iteration_s": 0.7, "response_len": 3.0} for i in range(2)]
+    with ReplanWatch(with_placement(cfg, choice.chosen), flow, choice, metrics, every_s=0.01) as watch:
+        metrics.write_text("".join(json.dumps(line) + "\n" for line in lines[:4]))
+        time.sleep(0.2)
+        assert watch.result is None  # 4 lines, one of them the actor's
+        metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        deadline = time.monotonic() + 10
+        while watch.result is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert watch.result is not None and watch.result["measured_iteration_s"] == 0.7
+    assert watch.result["better"]["with_rollout"]  # the answers measured 3 tokens, not 48
 
 
 def test_placement_auto_is_the_default_and_takes_keys_set_over_it(tmp_path):

@@ -3,7 +3,9 @@ stages, and the driver resumes the job from the drain's checkpoint with another 
 
 An unswitched run of this job generates and trains each of its iterations' samples once
 (iterations x 2 mini-batches x 8 prompts: `tests/test_rl_job.py`, `tests/test_resume_job.py`);
-the switched run must give the same counts."""
+the switched run must give the same counts. It starts with a critic warm-up, so its iterations
+and policy versions differ: the re-plan waits for the actor's first iteration, and the resumed
+leg starts at the checkpoint's policy version, not its iteration count."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job, write_job
 
 pytestmark = pytest.mark.slow
-ITERATIONS, PER_ITERATION = 10, 2 * 8
+ITERATIONS, PER_ITERATION, WARMUP = 10, 2 * 8, 2
 WRITE_DELAY_S = "1.0"
 """Each checkpoint write (every 2 iterations, training waiting for it) lasts this much longer, so
 that the tiny job's iterations outlast the re-plan (a look at metrics.jsonl every 0.25 s, then
@@ -33,7 +35,7 @@ def test_a_forced_switch_moves_the_job_at_a_checkpoint_and_it_trains_every_sampl
     data = tiny_job(tmp_path, "switch", iterations=ITERATIONS, overlap_depth=1, broker={"shm_prefix": "s_switch"},
                     placement={"mode": "separated", "rollout_cores": [0], "train_cores": [min(1, os.cpu_count() - 1)],
                                "with_rollout": "auto", "replan": "switch", "replan_after": 1},
-                    checkpoint={"every": 2, "background": False})
+                    checkpoint={"every": 2, "background": False}, critic={"warmup_iterations": WARMUP})
     config = write_job(tmp_path / "switch.yaml", data)
     log = tmp_path / "switch.log"
     hooks = {FORCE_SWITCH_VARIABLE: "1", WRITE_DELAY_VARIABLE: WRITE_DELAY_S}
@@ -47,7 +49,7 @@ def test_a_forced_switch_moves_the_job_at_a_checkpoint_and_it_trains_every_sampl
     placement = summary["placement"]
     [switch] = placement["switches"]
     at = switch["iteration"]
-    assert 1 <= at < ITERATIONS
+    assert WARMUP + 1 <= at < ITERATIONS  # after the actor's first iteration (the warm-up's train no actor)
     assert f"placement: switching at iteration {at} from separated with_rollout=" in text
     assert "forced by the test hook" in text
     # two placements, the second from the switch's iteration on, and the second leg ran it
@@ -64,13 +66,12 @@ def test_a_forced_switch_moves_the_job_at_a_checkpoint_and_it_trains_every_sampl
     assert summary["resumed_from"] == [at]
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["iteration"] for r in records] == list(range(ITERATIONS))
-    versions = [r["policy_version"] for r in records]
-    assert versions == list(range(versions[0], versions[0] + ITERATIONS))
+    assert [r["policy_version"] for r in records] == [0] * WARMUP + list(range(1, ITERATIONS - WARMUP + 1))
     resumed = re.findall(r"actor_train-0 .*resumed from \S+ at policy version (\d+)", text)
-    assert [int(version) for version in resumed] == [at], resumed
+    assert [int(version) for version in resumed] == [at - WARMUP], resumed
     assert all(r["staleness_max"] <= 1 for r in records)
     # the sample accounting of an unswitched run: each generated once and trained once
-    assert summary["iterations"] == ITERATIONS
+    assert summary["iterations"] == ITERATIONS and summary["samples_critic_warmup"] == WARMUP * PER_ITERATION
     assert summary["samples_generated"] == summary["samples_trained"] == ITERATIONS * PER_ITERATION
     assert summary["samples_dropped"] == summary["samples_discarded_at_resume"] == 0
     assert summary["samples_in_flight_at_stop"] == 0

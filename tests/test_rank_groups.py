@@ -97,7 +97,8 @@ def test_sigterm_leaves_a_drain_checkpoint_of_two_rank_trainers(tmp_path):
     saved = sorted((tmp_path / "drained" / "checkpoints").glob("iter-*"))
     assert saved and len(read_metrics(metrics)) >= 2, text[-3000:]
     assert all((saved[-1] / part / "MANIFEST.json").is_file() for part in ("actor", "critic"))
-    assert f"holds policy version {int(saved[-1].name[5:])}: continue with" in text
+    iteration = int(saved[-1].name[5:])
+    assert f"holds iteration {iteration} (policy version {iteration}): continue with" in text
 
 
 @pytest.mark.parametrize(("victim", "named"), [("follower", r"actor_train-0\.rank1"), ("leader", r"actor_train-0")])

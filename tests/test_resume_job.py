@@ -21,16 +21,18 @@ import pytest
 from safetensors.torch import load_file
 
 from stream_rlhf.models.medusa import has_heads
+from stream_rlhf.resume.background_writer import WRITE_DELAY_VARIABLE
 from stream_rlhf.telemetry.metrics import read_metrics
 from tests.rl_tiny import tiny_job, write_job
 
 pytestmark = pytest.mark.slow
 
 
-def _start(config: Path, log: Path, *extra: str) -> subprocess.Popen:
+def _start(config: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     with log.open("a") as out:
         return subprocess.Popen([sys.executable, "-m", "stream_rlhf.cli", "run", str(config), *extra],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
 
 
 def _stop_after(process: subprocess.Popen, metrics: Path, iterations: int, log: Path) -> None:
@@ -49,7 +51,8 @@ def _config(tmp_path: Path, name: str, **overrides) -> Path:
 
 
 def test_a_sync_run_stopped_and_resumed_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
-    shape = {"iterations": 6, "schedule": "sync", "overlap_depth": 0, "checkpoint": {"every": 2, "keep": 2},
+    shape = {"iterations": 6, "schedule": "sync", "overlap_depth": 0,
+             "checkpoint": {"every": 2, "keep": 2, "background": False},
              "algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2}
     whole = _config(tmp_path, "whole", **shape)
     log = tmp_path / "whole.log"
@@ -57,7 +60,8 @@ def test_a_sync_run_stopped_and_resumed_ends_with_the_weights_of_an_uninterrupte
 
     cut = _config(tmp_path, "cut", **shape)
     log = tmp_path / "cut.log"
-    _stop_after(_start(cut, log), tmp_path / "cut" / "metrics.jsonl", 3, log)
+    # the tiny job trains its 6 iterations in ~1.5 s: slowed, the stop lands before the end
+    _stop_after(_start(cut, log, env={WRITE_DELAY_VARIABLE: "0.5"}), tmp_path / "cut" / "metrics.jsonl", 3, log)
     stopped_at = [int(p.name[5:]) for p in (tmp_path / "cut" / "checkpoints").glob("iter-*")]
     assert max(stopped_at) >= 3  # saved at the stop, not only every 2 iterations
     assert f"continue with `stream-rlhf run {cut} --resume" in log.read_text()
@@ -77,6 +81,44 @@ def test_a_sync_run_stopped_and_resumed_ends_with_the_weights_of_an_uninterrupte
     # and trained as it was) and trained once
     assert summary["samples_trained"] == summary["samples_generated"] == 6 * 2 * 16
     assert summary["samples_discarded_at_resume"] == 0
+
+
+def test_a_sync_ppo_run_with_a_critic_warm_up_stopped_inside_it_and_after_it_ends_as_an_uninterrupted_one(tmp_path):
+    """The warm-up's iterations train no actor, so a checkpoint's iteration count and its policy
+    version differ: the resumed legs must start the actor at the policy version (0 inside the
+    warm-up) and the critic at the iteration, and still give the weights of an uninterrupted run."""
+    warmup, iterations = 3, 7
+    shape = {"iterations": iterations, "schedule": "sync", "overlap_depth": 0, "critic.warmup_iterations": warmup,
+             "checkpoint": {"every": 1, "keep": 2, "background": False}}
+    whole = _config(tmp_path, "whole", **shape)
+    log = tmp_path / "whole.log"
+    assert _start(whole, log).wait(timeout=300) == 0, log.read_text()[-3000:]
+
+    cut = _config(tmp_path, "cut", **shape)
+    log = tmp_path / "cut.log"
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    slow = {WRITE_DELAY_VARIABLE: "0.5"}  # iterations wait for each checkpoint: a stop lands where it is asked
+    _stop_after(_start(cut, log, env=slow), metrics, 1, log)
+    _stop_after(_start(cut, log, "--resume", env=slow), metrics, warmup + 2, log)
+    assert _start(cut, log, "--resume").wait(timeout=300) == 0, log.read_text()[-3000:]
+
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    inside, after = summary["resumed_from"]
+    assert 1 <= inside <= warmup < after < iterations, summary["resumed_from"]
+    resumed = [int(v) for v in re.findall(r"actor_train-0 .*resumed from \S+ at policy version (\d+)", log.read_text())]
+    assert resumed == [0, after - warmup]
+    expected = load_file(tmp_path / "whole" / "checkpoint" / "model.safetensors")
+    got = load_file(tmp_path / "cut" / "checkpoint" / "model.safetensors")
+    for name, tensor in expected.items():
+        assert (got[name] - tensor).abs().max().item() <= 1e-6, name
+    records = read_metrics(metrics)
+    assert [r["iteration"] for r in records] == list(range(iterations))
+    assert [r["policy_version"] for r in records] == [0] * warmup + list(range(1, iterations - warmup + 1))
+    assert [r["reward"] for r in records] == [r["reward"] for r in read_metrics(tmp_path / "whole" / "metrics.jsonl")]
+    critic = read_metrics(tmp_path / "cut" / "critic_metrics.jsonl")
+    assert [r.get("critic_warmup", 0) for r in critic] == [1] * warmup + [0] * (iterations - warmup)
+    assert summary["samples_trained"] == summary["samples_generated"] == iterations * 2 * 8
+    assert summary["samples_critic_warmup"] == warmup * 2 * 8 and summary["samples_discarded_at_resume"] == 0
 
 
 def test_a_streaming_ppo_run_resumes_with_its_accounting_and_staleness_bound_intact(tmp_path):

@@ -5,9 +5,10 @@
     watch.result     # planner/auto_placement.py `replan`'s figures and the decision, or None (too few iterations)
     watch.switch     # the switch it asked for (`placement_switch.py`), or None
 
-Once `placement.replan_after` iterations are in metrics.jsonl, the watch (a thread of the driver)
-takes their mean iteration time and answer length (`response_len`; the first iteration, which
-pays for the processes' start-up, left out when there are others) and predicts every placement
+Once `placement.replan_after` iterations are in metrics.jsonl (a critic warm-up's not counted: the
+actor trains nothing in them), the watch (a thread of the driver) takes their mean iteration time
+and answer length (`response_len`; the first iteration, which pays for the processes' start-up,
+left out when there are others) and predicts every placement
 auto could have chosen again at that answer length, on the figures of the first choice (nothing
 is timed during the run). When another is predicted faster than the running one by
 `placement.replan_margin`, it logs a warning naming the `--set` lines; summary.json keeps the
@@ -80,8 +81,9 @@ class ReplanWatch:
             records = read_metrics(self.path)  # once more after the job ended: a short run's last lines
             if len(records) > self._records_before and self.first_record_s is None:
                 self.first_record_s = time.monotonic() - self._started
-            if len(records) >= after:
-                self.check(records[:after], done=len(records) if not stopping else self.cfg.iterations)
+            trained = [r for r in records if "critic_warmup" not in r]  # a critic warm-up's train no actor
+            if len(trained) >= after:
+                self.check(trained[:after], done=len(records) if not stopping else self.cfg.iterations)
                 return
             if stopping:
                 return

@@ -11,8 +11,9 @@ newest complete and intact checkpoint (`resume/store.py`), refuses a config that
 the checkpoint's state depends on (model, task, training data, batch shape, advantage estimator,
 seed; a learning rate or the iteration count may change), cuts `metrics.jsonl` and
 `critic_metrics.jsonl` back to the checkpoint's iterations, and puts the checkpoint's actor (and
-critic) weights in the shared-memory weight store as the checkpoint's version, so rollout and
-the forwards start from them.
+critic) weights in the shared-memory weight store, so rollout and the forwards start from them:
+the critic's as the checkpoint's iteration count, the actor's as its policy version (the same
+number, less a critic warm-up's iterations: `policy_version_at`).
 
 What the stopped run generated after its checkpoint is in rollout's kept outputs
 (`stages/generated_store.py`): the resumed run trains it without generating it again, at the
@@ -35,6 +36,7 @@ from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.resume.store import FOLDER, ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.stages.generated_store import GENERATED, GeneratedStore
 from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.prompt_cursor import FILE as PROMPT_CURSORS
@@ -87,9 +89,6 @@ class Resumed:
 def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resumed:
     if not (run_dir / FOLDER / RUN_RECORD).is_file():
         raise ConfigError(f"--resume: {run_dir / FOLDER / RUN_RECORD} does not exist: {run_dir} holds no run to resume")
-    if cfg.algorithm.uses_critic and cfg.critic.warmup_iterations:
-        raise ConfigError(f"critic.warmup_iterations={cfg.critic.warmup_iterations}: --resume of a run with a critic "
-                          "warm-up is not built yet (its iterations and policy versions differ)")
     record = read_record(run_dir)
     _check_unchanged(record["config"], _plain(cfg))
     point = checkpoint_store(run_dir, cfg).latest(checkpoint_parts(cfg))
@@ -108,12 +107,14 @@ def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resum
     (run_dir / FOLDER / RUN_RECORD).write_text(json.dumps(record, indent=1))
     for name in ("metrics.jsonl", "critic_metrics.jsonl", "trace_metrics.jsonl"):
         cut_metrics(run_dir / name, point.version)
-    for part in checkpoint_parts(cfg):
+    policy = policy_version_at(point.version, cfg.critic.warmup_iterations)
+    for part in checkpoint_parts(cfg):  # the critic's versions count iterations, the actor's policy versions
         weights = torch.load(point.part(part) / ENGINE, map_location="cpu", weights_only=True)["model"]
-        WeightStore(weights_root, part).publish(weights, point.version)
-    log.info("resuming from %s: policy version %d of %d (of the samples the stopped run generated after it, "
-             "%d kept are trained as they are, %d generated again)", point.folder, point.version, cfg.iterations,
-             kept, new)
+        version = policy if part == STAGE_PARTS["actor_train"] else point.version
+        WeightStore(weights_root, part).publish(weights, version)
+    log.info("resuming from %s: iteration %d of %d, policy version %d (of the samples the stopped run generated "
+             "after it, %d kept are trained as they are, %d generated again)", point.folder, point.version,
+             cfg.iterations, policy, kept, new)
     return Resumed(point, record["eval_before"], record["start_checkpoint"], discarded + new)
 
 

@@ -48,6 +48,7 @@ from stream_rlhf.launch.launcher import Launcher, make_launcher
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.stages.trainer_checkpoint import checkpoint_parts, checkpoint_store
 from stream_rlhf.telemetry.episodes import episode_summary
 from stream_rlhf.telemetry.memory import MemorySampler, describe, device_peaks
@@ -232,8 +233,9 @@ class RLRun:
     def log_resume_hint(self, config: str, point: ResumePoint | None) -> None:
         """After a run that did not finish: how to continue it from `point`, if it left one."""
         if point is not None:
-            log.info("checkpoint %s holds policy version %d: continue with `stream-rlhf run %s --resume %s`",
-                     point.folder, point.version, config, self.run_dir)
+            log.info("checkpoint %s holds iteration %d (policy version %d): continue with `stream-rlhf run %s "
+                     "--resume %s`", point.folder, point.version,
+                     policy_version_at(point.version, self.cfg.critic.warmup_iterations), config, self.run_dir)
 
     def finish(self) -> dict[str, Any]:
         from stream_rlhf.driver.device_child import on_job_device

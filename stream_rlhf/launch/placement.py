@@ -122,9 +122,10 @@ class PlacementConfig:
     (rollout alone leaves its cores idle while two trainers share the train side's). Not used
     when colocated. `auto`: the driver picks from the workload's costs (planner/auto_placement.py)."""
     replan_after: Annotated[int, Meta(ge=0)] = 5
-    """After this many trained iterations the driver compares the measured iteration time and
-    answer length with the placement's prediction and says (log, summary.json `placement.replan`)
-    when another placement is predicted faster by `replan_margin`; 0: never."""
+    """After this many trained iterations (a critic warm-up's not counted) the driver compares the
+    measured iteration time and answer length with the placement's prediction and says (log,
+    summary.json `placement.replan`) when another placement is predicted faster by
+    `replan_margin`; 0: never."""
     replan_margin: Annotated[float, Meta(gt=0)] = 0.1
     """How much faster (a fraction of the iteration time) another placement must be predicted for
     the re-plan to name it."""

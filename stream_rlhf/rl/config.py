@@ -222,16 +222,12 @@ class RLJobConfig:
                 raise ConfigError(f"ray.stage_resources.{stage}: not a stage ({', '.join(STAGE_KINDS)}) or broker")
 
     def _check_critic(self) -> None:
-        """critic.init and critic.warmup_iterations need what they read (a warm-up: a run that cannot
-        resume, so no placement switch); an actor learning faster than its critic is allowed but
-        warned about (seed 004 saw PPO diverge with it)."""
+        """critic.init and critic.warmup_iterations need what they read; an actor learning faster
+        than its critic is allowed but warned about (seed 004 saw PPO diverge with it)."""
         if not self.algorithm.uses_critic:
             return
         if self.critic.init == "reward_model" and self.reward.model_path is None:
             raise ConfigError("critic.init=reward_model: needs reward.model_path (the checkpoint to start from)")
-        if self.critic.warmup_iterations and self.placement.replan == "switch":
-            raise ConfigError(f"placement.replan=switch: a switch resumes the job from a checkpoint, which a run "
-                              f"with critic.warmup_iterations={self.critic.warmup_iterations} cannot yet; use warn")
         if self.critic.warmup_iterations >= self.iterations:
             raise ConfigError(f"critic.warmup_iterations={self.critic.warmup_iterations}: leaves none of the "
                               f"iterations={self.iterations} to the actor")

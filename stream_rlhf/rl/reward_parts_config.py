@@ -89,6 +89,12 @@ def policy_version_at(iteration: int, warmup_iterations: int) -> int:
     return max(0, iteration - warmup_iterations)
 
 
+def iterations_trained_at(policy_version: int, warmup_iterations: int) -> int:
+    """The fewest iterations the actor has trained once it is at `policy_version`: the version
+    plus the warm-up's past it; 0 at version 0 (which lasts the whole warm-up)."""
+    return policy_version + warmup_iterations if policy_version > 0 else 0
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """Score = function_weight * function(prompt, response, reference) + model_weight * reward model,

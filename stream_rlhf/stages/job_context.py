@@ -7,6 +7,7 @@ from pathlib import Path
 
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
+from stream_rlhf.rl.reward_parts_config import policy_version_at
 from stream_rlhf.stage import StageContext
 from stream_rlhf.telemetry.stage_counts import StageCounts
 
@@ -24,9 +25,15 @@ class JobContext:
     """The run checkpoint this run continues from (`resume/store.py`); None: a fresh run."""
 
     @property
-    def start_version(self) -> int:
-        """The policy version the run starts from: 0, or the resumed checkpoint's."""
+    def start_iteration(self) -> int:
+        """The first iteration this run trains: 0, or the iterations the resumed checkpoint holds."""
         return self.resume.version if self.resume is not None else 0
+
+    @property
+    def start_version(self) -> int:
+        """The policy version the run starts from: the start iteration's, which a critic warm-up
+        puts behind it (`policy_version_at`; the warm-up is 0 without a critic)."""
+        return policy_version_at(self.start_iteration, self.config.critic.warmup_iterations)
 
     @property
     def run_dir(self) -> Path:

@@ -86,10 +86,10 @@ class MedusaTrain(Stage):
 
     def _resume(self, ctx: StageContext) -> None:
         """The newest medusa part at or before the resumed checkpoint, published for rollout."""
-        found = [v for v in self.checkpoints.versions([PART]) if v <= self.job.start_version]
+        found = [v for v in self.checkpoints.versions([PART]) if v <= self.job.start_iteration]
         if not found:
-            ctx.log.info("no Medusa heads in the checkpoints up to version %d: starting from the warm start's",
-                         self.job.start_version)
+            ctx.log.info("no Medusa heads in the checkpoints up to iteration %d: starting from the warm start's",
+                         self.job.start_iteration)
             return
         folder = self.checkpoints.folder(found[-1]) / PART
         self.engine.load_state(folder / ENGINE)

@@ -36,7 +36,7 @@ class PromptSource(Stage):
     def __init__(self, job: JobContext):
         self.job = job
         cfg = job.config
-        start = job.start_version  # a resumed run serves the iterations its checkpoint had not trained
+        start = job.start_iteration  # a resumed run serves the iterations its checkpoint had not trained
         self.order = [(i, m) for i in range(start, cfg.iterations) for m in range(cfg.rollout_batch.minibatches)]
 
     def setup(self, ctx: StageContext) -> None:
@@ -49,8 +49,8 @@ class PromptSource(Stage):
             count = cfg.iterations * cfg.rollout_batch.minibatches * cfg.rollout_batch.prompts_per_minibatch
             self.problems = problems(cfg.task, "train", count, cfg.task.seed)
         self.cursors = PromptCursors(self.job.run_dir)
-        if self.dataset is not None and self.job.start_version:
-            self.dataset.seek(self.cursors.at(self.job.start_version))
+        if self.dataset is not None and self.job.start_iteration:
+            self.dataset.seek(self.cursors.at(self.job.start_iteration))
         self.counts = StageCounts(self.job.run_dir, ctx.stage, ctx.instance_id)
 
     def step(self, batch: Batch | None) -> list[Output] | None:
