@@ -3,12 +3,19 @@ rollout's kept outputs."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from PIL import Image
 
+from stream_rlhf.config import load_config
+from stream_rlhf.driver.run import RLRun
+from stream_rlhf.resume.store import ResumePoint
+from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.stage import Output
 from stream_rlhf.stages.generated_store import GeneratedStore
+from stream_rlhf.stages.job_context import JobContext
 from stream_rlhf.stages.prompt_cursor import PromptCursors
 from tests.test_data_prompts import _dataset, _good, _write
 
@@ -49,3 +56,25 @@ def test_kept_outputs_come_back_whole_until_a_checkpoint_covers_their_iteration(
     store.prune(2)
     assert store.load(1, 0) is None and store.load(2, 0) is not None and store.samples_from(0) == 8
     assert store.load(7, 0) is None
+
+
+def test_a_warm_up_puts_the_resumed_policy_version_behind_the_checkpoints_iteration(tmp_path):
+    cfg = load_config(RLJobConfig, "configs/text_ppo.yaml", ["critic.warmup_iterations=3", "iterations=8"])
+    versions = {iteration: JobContext(cfg, "", "", resume=ResumePoint(iteration, tmp_path))
+                for iteration in (2, 3, 5)}
+    assert {i: (job.start_iteration, job.start_version) for i, job in versions.items()} == \
+        {2: (2, 0), 3: (3, 0), 5: (5, 2)}
+    fresh = JobContext(cfg, "", "")
+    assert (fresh.start_iteration, fresh.start_version) == (0, 0)
+
+
+def test_the_hint_after_a_stop_says_resume_or_that_the_training_had_ended(tmp_path, caplog):
+    cfg = load_config(RLJobConfig, "configs/text_ppo.yaml", ["critic.warmup_iterations=2", "iterations=6",
+                                                             f"runs_dir={tmp_path}"])
+    run = RLRun(cfg)
+    with caplog.at_level(logging.INFO, logger="stream_rlhf"):
+        run.log_resume_hint("job.yaml", ResumePoint(4, tmp_path / "iter-000004"))
+        run.log_resume_hint("job.yaml", ResumePoint(6, tmp_path / "iter-000006"))
+    middle, end = caplog.messages
+    assert "holds iteration 4 (policy version 2): continue with `stream-rlhf run job.yaml --resume" in middle
+    assert "the training had ended: checkpoint" in end and "--resume" not in end

@@ -231,8 +231,12 @@ class RLRun:
         return checkpoint_store(self.run_dir, self.cfg).latest(checkpoint_parts(self.cfg))
 
     def log_resume_hint(self, config: str, point: ResumePoint | None) -> None:
-        """After a run that did not finish: how to continue it from `point`, if it left one."""
-        if point is not None:
+        """After a run that did not finish: how to continue it from `point`, if it left one (a
+        stop in the last moments may come after the training ended: then nothing is left to train)."""
+        if point is not None and point.version >= self.cfg.iterations:
+            log.info("the training had ended: checkpoint %s holds all %d iterations (the final weights), and the "
+                     "run stopped before its eval after RL and summary.json", point.folder, point.version)
+        elif point is not None:
             log.info("checkpoint %s holds iteration %d (policy version %d): continue with `stream-rlhf run %s "
                      "--resume %s`", point.folder, point.version,
                      policy_version_at(point.version, self.cfg.critic.warmup_iterations), config, self.run_dir)
