@@ -79,8 +79,8 @@ ENV = {"factory": "stream_rlhf.envs.calculator:Calculator", "max_episode_tokens"
         ({"weights.update": "in_flight"}, "weights.update=in_flight: needs rollout.backend=vllm"),
         ({"weights.transport": "nccl"}, "weights.transport='nccl': must be one of"),
         ({"weights.bucket_mb": 0}, "weights.bucket_mb=0: must be >= 1"),
-        ({"weights.transport": "broadcast", "restarts": {"rollout": 1}},
-         "restarts.rollout=1: a restarted instance cannot rejoin its weights.transport=broadcast group"),
+        ({"weights.transport": "cuda_ipc", "restarts": {"rollout": 1}},
+         "restarts.rollout=1: a restarted instance cannot rejoin its weights.transport=cuda_ipc sender yet"),
         ({"reward.function": None}, "reward.function=None, reward.model_path=None: a reward function or a model_path "
                                     "is needed (or an env"),
         ({"env": ENV, "rollout.medusa.enabled": True},
@@ -282,7 +282,9 @@ def test_stateless_stages_restart_by_default_and_rollout_only_where_it_can_rejoi
     assert {s: shm.restarts_of(s) for s in ("rollout", "ref_forward", "actor_train", "prompts")} == {
         "rollout": 2, "ref_forward": 2, "actor_train": 0, "prompts": 0}
     broadcast = build(RLJobConfig, {"name": "r", "weights": {"transport": "broadcast"}})
-    assert broadcast.restarts_of("rollout") == 0 and broadcast.restarts_of("critic_forward") == 2
+    assert broadcast.restarts_of("rollout") == 2 and broadcast.restarts_of("critic_forward") == 2
+    cuda_ipc = build(RLJobConfig, {"name": "r", "weights": {"transport": "cuda_ipc"}})
+    assert cuda_ipc.restarts_of("rollout") == 0
     assert build(RLJobConfig, {"name": "r", "restarts": {"rollout": 0}}).restarts_of("rollout") == 0
     with pytest.raises(ConfigError, match="checkpoint.recoveries=-1"):
         build(RLJobConfig, {"name": "r", "checkpoint": {"recoveries": -1}})

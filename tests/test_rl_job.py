@@ -128,9 +128,13 @@ def test_ctrl_c_drains_and_stops_everything(tmp_path):
     assert not leftover_shm("t_sigint")  # payload segments and the weight versions
 
 
-def test_a_restartable_stage_is_restarted_and_the_run_completes(tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+def test_a_restartable_stage_is_restarted_and_the_run_completes(tmp_path, transport):
+    """With broadcast the new rollout joins its weight-sync group anew (the trainer's sender opens
+    it again) and gets the newest version, where it was once refused a restart."""
     iterations = 20  # enough that the kill lands mid-run on a fast machine too
-    process, log = start_run(tmp_path, "restart", f"iterations={iterations}", "restarts={rollout: 1}")
+    process, log = start_run(tmp_path, "restart", f"iterations={iterations}", "restarts={rollout: 1}",
+                             f"weights.transport={transport}")
     metrics = tmp_path / "restart" / "metrics.jsonl"
     wait_for_iterations(process, log, metrics)
     pid = int(re.search(r"instance rollout-0 of stage rollout joined \(pid (\d+)\)", log.read_text())[1])
@@ -146,6 +150,9 @@ def test_a_restartable_stage_is_restarted_and_the_run_completes(tmp_path):
     # the kill landed mid-run: the new process generated samples (each process counts its own)
     generated = json.loads((tmp_path / "restart" / COUNTS / f"rollout-0-{pids[1]}.json").read_text())
     assert generated["counts"]["generated"] > 0, generated
+    assert summary["samples_dropped"] == 0 and summary["max_staleness"] <= 1
+    if transport == "broadcast":
+        assert "weight-sync group 'rollout-0': the restarted receiver joined" in text
     assert not leftover_shm("t_restart")
 
 

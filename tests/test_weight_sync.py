@@ -110,6 +110,44 @@ def test_two_receiver_ranks_of_one_group_get_the_same_tensors(tmp_path, sender):
             assert_same(got, 7)
 
 
+def test_a_restarted_receiver_rejoins_its_group_however_its_predecessor_died(tmp_path, sender, caplog):
+    """A receiver process killed (1) between two receives, (2) while it waits for a version not
+    published yet, (3) before the broadcast of the version it asked for (which then fails): each
+    time a new process joins as the same rank and gets the newest version, the other group
+    never notices, and the trainer sees no failure."""
+    trainer = sender({"rollout-0": 2, "rollout-1": 2})
+    trainer.publish(weights(1), version=1)
+    with receiver_process(tmp_path, "rollout-1") as other, caplog.at_level(logging.WARNING):
+        other.joined()
+        for death, version in (("idle", 2), ("waiting", 3), ("before its broadcast", 4)):
+            with receiver_process(tmp_path, "rollout-0") as dying:
+                dying.joined()
+                dying.ask()
+                assert dying.answer()[0] == version - 1
+                if death != "idle":
+                    dying.ask(min_version=version)  # not published yet: the group's thread waits for it
+                    assert not dying.answered(within_s=0.3)
+                dying.kill()
+            if death != "waiting":
+                trainer.publish(weights(version), version=version)  # "before its broadcast": sent to the dead rank
+            with receiver_process(tmp_path, "rollout-0") as restarted:
+                restarted.joined()
+                if death == "waiting":
+                    trainer.publish(weights(version), version=version)
+                restarted.ask(min_version=version)
+                got_version, got = restarted.answer()
+                assert got_version == version, death
+                assert_same(got, version)
+            trainer.check()
+        other.ask()
+        assert other.answer()[0] == 4
+    trainer.check()
+    reopened = [r.getMessage() for r in caplog.records if "opening it again for the restarted" in r.getMessage()]
+    assert len(reopened) == 5, reopened  # every rollout-0 process after the first is a restarted one
+    assert "asked to join again (while waiting for a version >= 3)" in reopened[2]
+    assert "the broadcast of version 4 failed" in reopened[4] and "Connection closed by peer" in reopened[4]
+
+
 def test_a_waiting_receiver_fails_naming_the_group_when_the_sender_closes(tmp_path):
     trainer = BroadcastSender(tmp_path, {"rollout-0": 2}, "gloo", BUCKET_BYTES, timeout_s=20.0)
     with receiver_process(tmp_path, "rollout-0") as receiver:

@@ -67,6 +67,11 @@ class ReceiverProcess:
     def ask(self, min_version: int = 0) -> None:
         self.conn.send(min_version)
 
+    def kill(self) -> None:
+        """SIGKILL the receiver (what a crash of its rollout does) and wait for it to be gone."""
+        self.process.kill()
+        self.process.join(10)
+
     def answered(self, within_s: float) -> bool:
         return self.conn.poll(within_s)
 
@@ -98,8 +103,9 @@ def receiver_process(folder: Path, name: str, rank: int = 1, world_size: int = 2
     process.start()
     try:
         yield ReceiverProcess(parent, process)
-        parent.send(None)
-        process.join(10)
+        if process.is_alive():
+            parent.send(None)
+            process.join(10)
     finally:
         if process.is_alive():
             process.terminate()

@@ -39,7 +39,7 @@ from stream_rlhf.broker.sockets import CurveKeys
 from stream_rlhf.config import ConfigError
 from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.launch.placement import machine_cores
-from stream_rlhf.launch.plan import Dataflow, JobPlan
+from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.launch.spec import StageSpec
 from stream_rlhf.resume.store import FOLDER, ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
@@ -85,8 +85,8 @@ def compile_plan(cfg: RLJobConfig, checkpoint: str, weights: str, vision_languag
             + ", handed to every rank")
     checks = [*checks, keys, *([weights_check] if weights_check else [])]
     if "critic_forward" in flow.stages:
-        flow, critic_check = _critic_across_hosts(cfg, flow)
-        checks.append(critic_check)
+        checks.append("across hosts: each critic version goes to critic_forward by a broadcast group "
+                      "(stages/critic_weights.py)")
     return replace(plan, flow=flow, keys=CurveKeys.read(curve.key_dir) if curve else CurveKeys.generate(),
                    checks=checks)
 
@@ -132,17 +132,6 @@ def _same_host(cfg: RLJobConfig, stages: dict[str, StageSpec]) -> list[tuple[str
     return pairs
 
 
-def _critic_across_hosts(cfg: RLJobConfig, flow: Dataflow) -> tuple[Dataflow, str]:
-    """critic_forward without restarts (it could not rejoin the critic's broadcast group), and the
-    plan's line saying how the critic's versions travel."""
-    if cfg.restarts.get("critic_forward", 0):
-        raise ConfigError(f"restarts.critic_forward={cfg.restarts['critic_forward']}: the plan spans hosts, so the "
-                          "critic's versions go by a broadcast group, which a restarted critic_forward cannot rejoin")
-    stages = {**flow.stages, "critic_forward": replace(flow.stages["critic_forward"], restarts=0)}
-    return replace(flow, stages=stages), ("across hosts: each critic version goes to critic_forward by a broadcast "
-                                          "group (stages/critic_weights.py); critic_forward is not restarted")
-
-
 def _weights_across_hosts(cfg: RLJobConfig) -> tuple[RLJobConfig, str]:
     """`cfg` with weights.transport broadcast when rollout and actor_train may run on different
     hosts of `ray.node_hosts`, and the plan's line saying so ('' when nothing changed)."""
@@ -154,9 +143,6 @@ def _weights_across_hosts(cfg: RLJobConfig) -> tuple[RLJobConfig, str]:
     why = "rollout and actor_train may run on different hosts (ray.node_hosts, not pinned to the same nodes)"
     if TRANSPORTS[transport].needs_cuda:  # one GPU's: asked for on purpose, not replaced behind the user's back
         raise ConfigError(f"weights.transport={transport}: {why}; use broadcast")
-    if cfg.restarts.get("rollout", 0):
-        raise ConfigError(f"restarts.rollout={cfg.restarts['rollout']}: {why}, so the weights go by the broadcast "
-                          "group, which a restarted rollout cannot rejoin")
     return replace(cfg, weights=replace(cfg.weights, transport="broadcast")), \
         f"across hosts: weights.transport {transport} -> broadcast ({why}; /dev/shm is one host's)"
 

@@ -143,8 +143,9 @@ class RLJobConfig:
     restarts: dict[str, int] = field(default_factory=dict)
     """Stage -> how often the launcher restarts a crashed instance (stateless stages only: rollout
     and the forwards; redelivery gives the new instance the unfinished mini-batches). A stateless
-    stage left out restarts up to DEFAULT_RESTARTS = 2 times (rollout only with weights.transport
-    shm); 0 turns it off. A crash no restart covers resumes the run (`checkpoint.recoveries`)."""
+    stage left out restarts up to DEFAULT_RESTARTS = 2 times (rollout not with weights.transport
+    cuda_ipc: a restarted instance rejoins shm and broadcast only); 0 turns it off. A crash no
+    restart covers resumes the run (`checkpoint.recoveries`)."""
     precision: Precision = "auto"
     """Compute precision of the torch train and forward engines and of the torch sampler:
     `fp32`, `bf16` mixed precision (forwards under bf16 autocast; weights, gradients, optimizer
@@ -198,9 +199,9 @@ class RLJobConfig:
         if self.weights.update == "in_flight" and self.rollout.backend != "vllm":
             raise ConfigError("weights.update=in_flight: needs rollout.backend=vllm (the torch backend updates "
                               "between mini-batches)")
-        if self.weights.transport != "shm" and self.restarts.get("rollout", 0):
+        if self.weights.transport == "cuda_ipc" and self.restarts.get("rollout", 0):
             raise ConfigError(f"restarts.rollout={self.restarts['rollout']}: a restarted instance cannot rejoin "
-                              f"its weights.transport={self.weights.transport} group; use transport shm")
+                              "its weights.transport=cuda_ipc sender yet; use broadcast or shm")
         for stage, count in self.restarts.items():
             if stage not in STAGE_KINDS or not STAGE_KINDS[stage].restartable:
                 raise ConfigError(f"restarts.{stage}={count}: only {', '.join(stages_where('restartable'))} can "
@@ -360,7 +361,7 @@ class RLJobConfig:
         """How often the launcher restarts a crashed instance of `stage` (see `restarts`)."""
         if stage in self.restarts:
             return self.restarts[stage]
-        rejoins = stage != "rollout" or self.weights.transport == "shm"
+        rejoins = stage != "rollout" or self.weights.transport != "cuda_ipc"
         return DEFAULT_RESTARTS if STAGE_KINDS[stage].restartable and rejoins else 0
 
     @property

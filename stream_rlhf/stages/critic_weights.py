@@ -11,9 +11,10 @@ When the launcher names an address book (`weights/address_book.py`: ranks on sev
 versions also go by a broadcast group ("critic_forward-0": critic_train's leader, then each
 critic_forward rank) and the forward's leader writes each one it receives into its own host's
 store, where every rank loads it as before (`engine.refresh`); on the trainer's own host the
-version is there already and is not written twice. Every rank asks for the same versions (the
-batches' policy versions, a collective); a drain while waiting aborts the step. A restarted
-critic_forward could not rejoin the group, so the plan gives it no restarts (`driver/plan.py`).
+version is there already and is not written twice. Every rank asks for the same versions (what
+each batch needs: `critic_forward.py`; a collective); a drain while waiting aborts the step. A
+restarted critic_forward joins the group anew (`weights/broadcast.py`), so it restarts as on one
+host.
 Both ends are the broadcast transport's (`weights/transport.py`: the protocol rollout's use too),
 the only one of the table that crosses hosts.
 """

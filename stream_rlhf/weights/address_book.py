@@ -2,7 +2,8 @@
 a folder on one host, or a key-value store that ranks on every host reach.
 
     publish(book, "rollout-0", "10.0.0.5:41234")   # the sender, once its group's store listens
-    address = lookup(book, "rollout-0", timeout_s)  # each receiver rank
+    address, token = lookup(book, "rollout-0", timeout_s)               # each receiver rank
+    address, token = lookup(book, "rollout-0", timeout_s, after=token)  # a newer opening of the group
     forget(book, "rollout-0")                       # the sender, when it stops
     host = sender_host(book)                        # the interface the sender binds
 
@@ -11,11 +12,13 @@ a folder on one host, or a key-value store that ranks on every host reach.
 broker's node, when a plan spans hosts), each address under the key `address/<group>`. The
 launcher hands the store's address to every rank (`BOOK_ENV`); the sender then binds its
 interface on the route to that node instead of 127.0.0.1. `tcp:/HOST:PORT` (what a Path makes of
-it) is the same book.
+it) is the same book. Each publish carries a new token (`group.Announcement`), so a restarted
+receiver can wait for the group's next opening (`broadcast.py`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -25,7 +28,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 from stream_rlhf.broker.sockets import interface_towards
-from stream_rlhf.weights.group import address_file, publish_address, wait_for_address, wait_for_keys
+from stream_rlhf.weights.group import (
+    Announcement,
+    WeightSyncTimeout,
+    address_file,
+    new_token,
+    publish_address,
+    wait_for_announcement,
+    wait_for_keys,
+)
 
 BOOK_ENV = "STREAM_RLHF_WEIGHT_BOOK"
 """Set by the launcher for a rank when its weight-sync groups meet through a store (`tcp://HOST:PORT`)."""
@@ -61,18 +72,27 @@ def publish(book: Path | str, name: str, address: str) -> None:
     if where is None:
         publish_address(Path(book), name, address)
     else:
-        _client(where, 60.0).set(f"address/{name}", address)
+        _client(where, 60.0).set(f"address/{name}", json.dumps({"address": address, "token": new_token()}))
 
 
-def lookup(book: Path | str, name: str, timeout_s: float) -> str:
-    """Group `name`'s address once its sender published it; WeightSyncTimeout after `timeout_s`."""
+def lookup(book: Path | str, name: str, timeout_s: float, after: str | None = None) -> Announcement:
+    """Group `name`'s address and token once its sender published them (a token other than
+    `after`, when given); WeightSyncTimeout after `timeout_s`."""
     where = _store_address(book)
     if where is None:
-        return wait_for_address(Path(book), name, timeout_s)
+        return wait_for_announcement(Path(book), name, timeout_s, after)
     store = _client(where, timeout_s)
-    wait_for_keys(store, [f"address/{name}"], f"weight-sync group {name!r}: its address never appeared in the store "
-                  f"at {book} within {timeout_s}s (is the trainer's sender running?)", time.monotonic() + timeout_s)
-    return store.get(f"address/{name}").decode()
+    deadline = time.monotonic() + timeout_s
+    what = (f"weight-sync group {name!r}: its {'new ' if after else ''}address never appeared in the store at {book} "
+            f"within {timeout_s}s (is the trainer's sender running?)")
+    while True:
+        wait_for_keys(store, [f"address/{name}"], what, deadline)
+        record = json.loads(store.get(f"address/{name}"))
+        if record["token"] != after:
+            return Announcement(record["address"], record["token"])
+        if time.monotonic() >= deadline:
+            raise WeightSyncTimeout(what)
+        time.sleep(0.02)
 
 
 def forget(book: Path | str, name: str) -> None:

@@ -29,9 +29,17 @@ All receiver ranks of a group must call receive() the same number of times with 
 min_version (a collective); rank 1's request is the one that counts.
 
 A group's thread failing (a receiver not joining within `timeout_s`, a broadcast timing out) is
-raised in the trainer's thread by the next publish(), check() or close(). A receiver joins once
-per sender: a restarted rollout needs a new sender (group). The sender removes its groups' stale
-address files when it starts, so start it before the receivers, or give each run its own folder.
+raised in the trainer's thread by the next publish(), check() or close(). The sender removes its
+groups' stale address files when it starts, so start it before the receivers, or give each run
+its own folder.
+
+A receiver process that died is replaced by a restarted one (the launcher restarts rollout): the
+new process finds the group formed with its rank already, sets `rejoin` in its store and waits
+for the group's next opening (`group.GroupTaken`). The group's thread, waiting for a request or
+a snapshot, sees `rejoin` (or its broadcast fails: the peer is gone), closes the group and opens
+it again under a new address token, and the group goes on from request 1 with the newest
+snapshot; the other groups never notice. On NCCL a broadcast to a rank that died waits for the
+group's timeout first.
 Across hosts the addresses go through a store instead of a folder (`address_book.py`: `folder` is
 then `tcp://HOST:PORT`), and the sender binds `host`, its interface towards that store.
 """
@@ -39,7 +47,9 @@ then `tcp://HOST:PORT`), and the sender binds `host`, its interface towards that
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 from functools import partial
 from pathlib import Path
 
@@ -51,14 +61,23 @@ from stream_rlhf.weights.address_book import forget, lookup, publish
 from stream_rlhf.weights.buckets import BucketLayout, empty_buckets, unpack
 from stream_rlhf.weights.group import (
     BACKENDS,
+    REJOIN,
     Backend,
+    GroupTaken,
+    ReceiverRestarted,
     SyncGroup,
+    WeightSyncTimeout,
     open_group,
+    reachable,
     wait_for_keys,
 )
 from stream_rlhf.weights.sender import SnapshotSender
 
 SENDER_NAME = "trainer (weight sender)"
+REACH_S = 1.0
+"""A joining receiver tries an announced address this long before looking again (a group being
+opened anew closed the store of its last address)."""
+log = logging.getLogger(__name__)
 
 
 class BroadcastSender(SnapshotSender):
@@ -86,24 +105,33 @@ class BroadcastSender(SnapshotSender):
         super().__init__(folder, groups, bucket_bytes, timeout_s, host)
 
     def _serve(self, name: str, stop: threading.Event) -> None:
-        group: SyncGroup | None = None
         try:
-            group = open_group(f"{self.host}:0", 0, self.groups[name], self.backend, self.timeout_s,
-                               self.rank_names[name], name, announce=partial(publish, self.folder, name),
-                               stop=stop)
-            for request in itertools.count(1):
-                self._answer(group, request, stop)
+            for opening in itertools.count(1):  # once more each time a restarted receiver replaces one
+                group = open_group(f"{self.host}:0", 0, self.groups[name], self.backend, self.timeout_s,
+                                   self.rank_names[name], name, announce=partial(publish, self.folder, name),
+                                   stop=stop)
+                if opening > 1:
+                    log.warning("weight-sync group %r: the restarted receiver joined", name)
+                try:
+                    for request in itertools.count(1):
+                        self._answer(group, request, stop)
+                except ReceiverRestarted as exc:
+                    log.warning("weight-sync group %r: %s: opening it again for the restarted receiver (up to %.0fs)",
+                                name, exc, self.timeout_s)
+                finally:
+                    group.close()
         finally:
-            if group is not None:
-                group.close()
             forget(self.folder, name)
 
     def _answer(self, group: SyncGroup, request: int, stop: threading.Event) -> None:
-        """Wait for request `request` of the group's rank 1 and broadcast the snapshot it asks for."""
+        """Wait for request `request` of the group's rank 1 and broadcast the snapshot it asks for;
+        ReceiverRestarted when a restarted receiver asks to join again meanwhile or the broadcast
+        fails (see the module docstring)."""
         store = group.store
-        wait_for_keys(store, [f"request/{request}"], f"weight-sync group {group.name!r}", stop=stop)
+        rejoined = partial(store.check, [REJOIN])
+        wait_for_keys(store, [f"request/{request}"], f"weight-sync group {group.name!r}", stop=stop, unless=rejoined)
         min_version = int(store.get(f"request/{request}"))
-        snapshot = self._slot.acquire(min_version, stop)
+        snapshot = self._slot.acquire(min_version, stop, unless=rejoined)
         try:
             if request == 1:
                 store.set("layout", self._slot.layout.to_json())
@@ -111,7 +139,13 @@ class BroadcastSender(SnapshotSender):
             header = torch.tensor([request, snapshot.version], dtype=torch.int64, device=snapshot.buckets[0].device)
             with trace.span("weights send", "weights", version=snapshot.version, group=group.name,
                             transport="broadcast"):
-                group.broadcast_many([header, *snapshot.buckets], src=0)
+                try:
+                    group.broadcast_many([header, *snapshot.buckets], src=0)
+                except (RuntimeError, dist.DistError) as exc:
+                    if stop.is_set():
+                        raise
+                    raise ReceiverRestarted(f"the broadcast of version {snapshot.version} failed "
+                                            f"({type(exc).__name__}: {str(exc)[:200]})") from exc
         finally:
             self._slot.release(snapshot)
         store.delete_key(f"request/{request}")
@@ -134,14 +168,28 @@ class BroadcastReceiver:
              device: torch.device | str = "cpu") -> BroadcastReceiver:
         """Wait (up to `timeout_s`) for group `name`'s sender to publish its address in `folder` (an
         address book, `address_book.py`: a folder or `tcp://HOST:PORT`), then join the group as `rank`
-        (1 .. world_size-1)."""
+        (1 .. world_size-1). A process restarted in place of one that had joined waits (up to
+        `timeout_s` more) for the group's next opening (see the module docstring)."""
         if not 1 <= rank < world_size:
             raise ValueError(f"weight-sync group {name!r}: receiver rank={rank}: must be in [1, {world_size})")
         if backend == "nccl" and torch.device(device).type != "cuda":
             raise ValueError(f"weight-sync group {name!r}: backend='nccl' needs a CUDA device, not {device!r}")
-        address = lookup(folder, name, timeout_s)
-        group = open_group(address, rank, world_size, backend, timeout_s, default_rank_names(name, world_size), name)
-        return cls(group, device)
+        announced = lookup(folder, name, timeout_s)
+        deadline = time.monotonic() + timeout_s  # to join it, or a later opening of it (after a restart)
+        while True:
+            if not reachable(announced.address, min(REACH_S, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:  # its store closed and no newer one came
+                    raise WeightSyncTimeout(f"weight-sync group {name!r} at {announced.address}: rank 0 "
+                                            f"({SENDER_NAME}) was not reachable within {timeout_s}s")
+                announced = lookup(folder, name, max(0.0, deadline - time.monotonic()))  # opened again meanwhile?
+                continue
+            try:
+                group = open_group(announced.address, rank, world_size, backend, timeout_s,
+                                   default_rank_names(name, world_size), name)
+            except GroupTaken:  # the group this rank's predecessor joined: wait for its next opening
+                announced = lookup(folder, name, max(0.0, deadline - time.monotonic()), after=announced.token)
+                continue
+            return cls(group, device)
 
     def receive(self, min_version: int = 0,
                 stop: threading.Event | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:

@@ -20,7 +20,12 @@ directly on a `PrefixStore` of its own. A gloo group on a loopback address binds
 `GLOO_SOCKET_IFNAME`).
 
 Rank 0's port is only known once its store listens, so it is handed to the other ranks through a
-file: `publish_address` writes `<folder>/<name>.json` atomically, `wait_for_address` polls for it.
+file: `publish_address` writes `<folder>/<name>.json` atomically, with a token new at each
+opening of the group; `wait_for_announcement` (`wait_for_address`) polls for it.
+
+A rank that finds its `joined/<rank>` set already is a restarted process meeting the group its
+predecessor formed: it sets `rejoin` there, for rank 0 to open the group anew, and `rendezvous`
+raises `GroupTaken` (the receiver then waits for the next token: `broadcast.py`).
 Store keys are polled with `check` (not `wait`, whose every timeout logs a C++ warning), at an
 interval that grows with the time waited (1% of it, 0.2 ms to 20 ms).
 """
@@ -33,10 +38,11 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,15 +61,38 @@ class WeightSyncClosed(RuntimeError):
     """A wait was given up because the waiting side is closing."""
 
 
+class ReceiverRestarted(RuntimeError):
+    """Rank 0's group lost a receiver rank, which a restarted process replaces: open it again."""
+
+
+class GroupTaken(RuntimeError):
+    """The group at this address was formed with this rank already (by the process it restarts);
+    `rejoin` was set in its store."""
+
+
+REJOIN = "rejoin"
+"""The key a restarted rank sets in the store of the group its predecessor had joined."""
+
+
+class Announcement(NamedTuple):
+    """Where a group's rank 0 listens, and a token new at each opening of the group."""
+
+    address: str
+    token: str
+
+
 def wait_for_keys(store: dist.Store, keys: Sequence[str], what: str, deadline: float | None = None,
-                  stop: threading.Event | None = None) -> None:
+                  stop: threading.Event | None = None, unless: Callable[[], bool] | None = None) -> None:
     """Block until every key exists in `store`. Past `deadline` (a `time.monotonic()` value; None:
-    no limit) raises WeightSyncTimeout(`what`); once `stop` is set raises WeightSyncClosed."""
+    no limit) raises WeightSyncTimeout(`what`); once `stop` is set raises WeightSyncClosed; once
+    `unless()` is true raises ReceiverRestarted."""
     start = time.monotonic()
     while not store.check(list(keys)):
         now = time.monotonic()
         if stop is not None and stop.is_set():
             raise WeightSyncClosed(f"{what}: closed while waiting for store keys {list(keys)}")
+        if unless is not None and unless():
+            raise ReceiverRestarted("a restarted receiver asked to join again")
         if deadline is not None and now >= deadline:
             raise WeightSyncTimeout(what)
         time.sleep(min(max((now - start) / 100, 0.0002), 0.02))
@@ -160,6 +189,10 @@ def rendezvous(address: str, rank: int, world_size: int, timeout_s: float, rank_
                         f"({rank_names[0]}) was not reachable within {timeout_s}s")
         host_store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     store = dist.PrefixStore(name, host_store)
+    if rank != 0 and store.check([f"joined/{rank}"]):
+        store.set(REJOIN, str(rank))
+        raise GroupTaken(f"weight-sync group {name!r} at {address}: rank {rank} ({rank_names[rank]}) joined it "
+                         "before: this is a restarted process; asked rank 0 to open the group again")
     store.set(f"joined/{rank}", "1")
     if rank == 0:
         _wait_for_ranks(store, world_size, rank_names, deadline, f"weight-sync group {name!r} at {address}",
@@ -209,6 +242,16 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def reachable(address: str, within_s: float) -> bool:
+    """Whether something listens at `address` ("host:port"), tried for up to `within_s`."""
+    host, port = _split_address(address, "reachable")
+    try:
+        _wait_reachable(host, port, time.monotonic() + within_s, "")
+    except WeightSyncTimeout:
+        return False
+    return True
+
+
 def _wait_reachable(host: str, port: int, deadline: float, message: str) -> None:
     """Retry a plain TCP connect until it succeeds (TCPStore's own retry logs C++ stack traces)."""
     while True:
@@ -227,23 +270,35 @@ def address_file(folder: Path, name: str) -> Path:
 
 
 def publish_address(folder: Path, name: str, address: str) -> Path:
-    """Write `<folder>/<name>.json` atomically with the group's store address; returns its path."""
-    return write_text_atomically(address_file(folder, name),
-                                 json.dumps({"name": name, "address": address, "pid": os.getpid()}))
+    """Write `<folder>/<name>.json` atomically with the group's store address and a new token;
+    returns its path."""
+    record = {"name": name, "address": address, "token": new_token(), "pid": os.getpid()}
+    return write_text_atomically(address_file(folder, name), json.dumps(record))
 
 
-def wait_for_address(folder: Path, name: str, timeout_s: float) -> str:
-    """The address `publish_address` wrote for group `name`; raises WeightSyncTimeout naming the
-    group and the file once `timeout_s` passed without it."""
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def wait_for_announcement(folder: Path, name: str, timeout_s: float, after: str | None = None) -> Announcement:
+    """What `publish_address` wrote for group `name` (with a token other than `after`, when
+    given); raises WeightSyncTimeout naming the group and the file once `timeout_s` passed
+    without it."""
     path = address_file(folder, name)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return json.loads(path.read_text())["address"]
+            record = json.loads(path.read_text())
+            if record["token"] != after:
+                return Announcement(record["address"], record["token"])
         except FileNotFoundError:
-            if time.monotonic() >= deadline:
-                raise WeightSyncTimeout(
-                    f"weight-sync group {name!r}: its address never appeared at {path} within {timeout_s}s "
-                    "(is the trainer's sender running with this folder and group name?)"
-                ) from None
-            time.sleep(0.02)
+            pass
+        if time.monotonic() >= deadline:
+            raise WeightSyncTimeout(
+                f"weight-sync group {name!r}: its {'new ' if after else ''}address never appeared at {path} within "
+                f"{timeout_s}s (is the trainer's sender running with this folder and group name?)") from None
+        time.sleep(0.02)
+
+
+def wait_for_address(folder: Path, name: str, timeout_s: float) -> str:
+    return wait_for_announcement(folder, name, timeout_s).address

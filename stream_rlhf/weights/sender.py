@@ -32,7 +32,7 @@ import torch
 
 from stream_rlhf.telemetry import trace
 from stream_rlhf.weights.buckets import BucketLayout, pack
-from stream_rlhf.weights.group import WeightSyncClosed, WeightSyncTimeout, address_file
+from stream_rlhf.weights.group import ReceiverRestarted, WeightSyncClosed, WeightSyncTimeout, address_file
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +89,16 @@ class SnapshotSlot:
             self._last_version = version
             self._cond.notify_all()
 
-    def acquire(self, min_version: int, stop: threading.Event) -> Snapshot:
+    def acquire(self, min_version: int, stop: threading.Event, unless: Callable[[], bool] | None = None) -> Snapshot:
         """The newest snapshot once its version is >= `min_version`; hold it until `release`.
-        Raises WeightSyncClosed once `stop` is set."""
+        Raises WeightSyncClosed once `stop` is set, ReceiverRestarted once `unless()` is true."""
         with self._cond:
             while self._newest is None or self._newest.version < min_version:
                 if stop.is_set():
                     raise WeightSyncClosed(f"closed while waiting for a version >= {min_version}")
+                if unless is not None and unless():
+                    raise ReceiverRestarted(f"a restarted receiver asked to join again (while waiting for a version "
+                                            f">= {min_version})")
                 self._cond.wait(WAKE_S)
             snapshot = self._newest
             self._readers[snapshot.version] = self._readers.get(snapshot.version, 0) + 1
