@@ -10,8 +10,9 @@ import pytest
 import torch
 import zmq
 
-from stream_rlhf.broker.control.messages import Handle, Publish, decode, encode
+from stream_rlhf.broker.control.messages import FetchRequest, Handle, Publish, decode, decode_fetch_reply, encode
 from stream_rlhf.broker.payload import shm
+from stream_rlhf.broker.payload.host_server import HOST_SERVER_ENV, HostPayloadServer
 from stream_rlhf.broker.payload.memory_transport import MemoryTransport
 from stream_rlhf.broker.payload.server import PayloadError
 from stream_rlhf.broker.payload.transport import ShmTransport
@@ -270,3 +271,54 @@ def test_a_request_over_the_limit_drops_its_connection_counted_and_logged(shm_pr
         producer.close()
     assert dropped == 1
     assert "a frame over the 65,536-byte limit (payload_server.REQUEST_BYTES)" in caplog.text
+
+
+def _produce_then_die(prefix: str, endpoint: str, queue) -> None:
+    """A producer on the host whose payload server is `endpoint`: puts a large and a small payload,
+    sends their handles, and dies without releasing or closing anything (a crash)."""
+    import os
+
+    os.environ[HOST_SERVER_ENV] = endpoint
+    producer = ShmTransport(prefix=prefix)
+    large = make_handle(producer.put("large", {"x": torch.arange(LARGE, dtype=torch.float32)}), "large")
+    small = make_handle(producer.put("small", {"y": torch.full((10,), 7, dtype=torch.int64)}), "small")
+    queue.put((encode(Publish(large)), encode(Publish(small)), producer.endpoint))
+    queue.close()
+    queue.join_thread()  # flushed: _exit skips the queue's own exit handler
+    os._exit(0)
+
+
+def test_the_hosts_payload_server_serves_what_a_producer_that_died_had_published(shm_prefix):
+    """A consumer on another host (here: fetching over TCP) gets both payloads from the host's
+    server after their producer died; requests for another job's segment, a field past its
+    segment and a field without its place are refused, naming the handle."""
+    server = HostPayloadServer(shm_prefix, "127.0.0.1", None)
+    consumer = ShmTransport(prefix="unused", serve=False, prefer="tcp", fetch_timeout_s=10.0)
+    try:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_produce_then_die, args=(shm_prefix, server.endpoint, queue))
+        child.start()
+        large_bytes, small_bytes, served_by = queue.get(timeout=60)
+        child.join(30)
+        assert child.exitcode == 0 and served_by == server.endpoint  # no server of its own
+        large, small = decode(large_bytes).handle, decode(small_bytes).handle
+        assert torch.equal(consumer.get(large)["x"], torch.arange(LARGE, dtype=torch.float32))
+        assert consumer.get(small)["y"].tolist() == [7] * 10
+        spec = large.fields["x"]
+        for location, why in (
+            (msgspec.structs.replace(spec.location, segment="/other_1_0"), "is not one of this job's"),
+            (msgspec.structs.replace(spec.location, offset=spec.nbytes), "run past the"),
+        ):
+            bad = msgspec.structs.replace(large, fields={"x": msgspec.structs.replace(spec, location=location)})
+            with pytest.raises(PayloadError, match=why):
+                consumer.get(bad)
+        sock = consumer._fetch_socket(server.endpoint)
+        sock.send(encode(FetchRequest("large", ["x"])))
+        assert "serves fields by place" in decode_fetch_reply(sock.recv_multipart()[0]).error
+        assert server.counters["payload.rejected.not_held"] == 3
+    finally:
+        consumer.close()
+        server.stop()
+        for name, _ in shm.list_segments(shm_prefix):  # what the dead producer left (a host's sweep removes it)
+            shm.unlink(name)

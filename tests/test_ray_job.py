@@ -387,6 +387,41 @@ def test_a_trainer_killed_on_another_host_is_recovered_there_from_the_newest_che
     assert f"got {point}/actor, metrics.jsonl" in log and f"got {point}/critic" in log, log[-4000:]
 
 
+@pytest.mark.timeout(600)
+def test_a_rollout_and_a_critic_forward_killed_on_other_hosts_restart_there_and_rejoin_their_weight_groups(
+        tmp_path, three_hosts):
+    """Across hosts rollout gets each policy and critic_forward each critic by a broadcast group
+    (once a reason to give them no restarts): each worker killed is restarted in place, its new
+    process joins its group anew through the driver's address book, and the run trains every
+    sample without a recovery."""
+    cluster, (rollout_node, forwards_node, _) = three_hosts
+    iterations = 40  # the tiny job trains ~5 a second here: both kills must land before its end
+    process, log_file = start_job(tmp_path, "rejoin", "placement.mode=separated", "placement.rollout_cores=[0]",
+                                  "placement.train_cores=[1]", f"iterations={iterations}", "checkpoint.recoveries=0",
+                                  ray={"address": cluster.address, "strategy": "SPREAD",
+                                       "stage_resources": ON_THREE_HOSTS, "start_timeout_s": 60, "node_hosts": True})
+    metrics = tmp_path / "rejoin" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    for victim, node, after in (("rollout-0", rollout_node, 1), ("critic_forward-0", forwards_node, 4)):
+        while time.monotonic() < deadline and process.poll() is None and len(read_metrics(metrics)) < after:
+            time.sleep(0.2)
+        first = placed(log_file.read_text())[victim]
+        assert process.poll() is None, log_file.read_text()[-4000:]
+        os.kill(first[1], signal.SIGKILL)
+        while time.monotonic() < deadline and placed(log_file.read_text())[victim] == first:
+            time.sleep(0.2)
+        assert placed(log_file.read_text())[victim][0] == node, log_file.read_text()[-4000:]  # again on its host
+    assert finish(process, 420) == 0, log_file.read_text()[-4000:]
+    log = log_file.read_text()
+    assert "rollout-0 failed (its Ray worker died" in log and "critic_forward-0 failed (its Ray worker died" in log
+    summary = json.loads((tmp_path / "rejoin" / "summary.json").read_text())
+    assert summary["resumed_from"] == [] and summary["samples_dropped"] == 0, summary
+    assert summary["samples_trained"] == iterations * 2 * 8, summary
+    assert [r["iteration"] for r in read_metrics(metrics)] == list(range(iterations))
+    received = trace_events(tmp_path / "rejoin", "weights receive")  # both new processes got versions by broadcast
+    assert len([p for p in received if p.startswith("rollout-0")]) >= 1 and received.get("critic_forward-0"), received
+
+
 def test_a_device_group_runs_as_one_ray_actor_and_trains_every_sample(tmp_path):
     """`placement.device_groups` under Ray: the three forwards run in one actor (one bundle) taking
     turns, every generated sample is trained, and no actor or raylet outlives the job."""

@@ -55,7 +55,7 @@ class BrokerActor(_Worker):
         from stream_rlhf.telemetry import trace
         from stream_rlhf.weights.address_book import host_book
 
-        _enter(cwd, host, None)
+        _enter(cwd, host, None, None)
         flow = plan.flow
         if trace_folder is not None:
             trace.start(trace_folder, "broker", "broker")
@@ -94,29 +94,30 @@ class RankActor(_Worker):
             return f"tcp://{ip}:{probe.getsockname()[1]}"
 
     def run(self, stage: str, instance_id: str, spec: StageSpec, address: str, keys: CurveKeys | None, prefix: str,
-            rank: int, init_method: str | None, cwd: str, host: str, book: str | None) -> None:
+            rank: int, init_method: str | None, cwd: str, host: str, book: str | None, payloads: str | None) -> None:
         from stream_rlhf.launch.rank import run_stage
 
-        _in_worker(f"{instance_id}: rank {rank}", cwd, host, book, keys,
+        _in_worker(f"{instance_id}: rank {rank}", cwd, host, book, payloads, keys,
                    lambda key_dir: run_stage(stage, instance_id, spec, address, key_dir, prefix, rank, init_method))
 
     def run_group(self, group: str, index: int, members: dict[str, StageSpec], address: str, keys: CurveKeys | None,
-                  prefix: str, rank: int, init_method: str | None, cwd: str, host: str, book: str | None) -> None:
+                  prefix: str, rank: int, init_method: str | None, cwd: str, host: str, book: str | None,
+                  payloads: str | None) -> None:
         """Rank `rank` of every member of device group `group` in this worker, taking turns on its device."""
         from stream_rlhf.launch.rank import run_device_group
 
-        _in_worker(f"{group}-{index} ({', '.join(members)}): rank {rank}", cwd, host, book, keys,
+        _in_worker(f"{group}-{index} ({', '.join(members)}): rank {rank}", cwd, host, book, payloads, keys,
                    lambda key_dir: run_device_group(group, index, members, address, key_dir, prefix, rank,
                                                     init_method))
 
 
-def _in_worker(process: str, cwd: str, host: str, book: str | None, keys: CurveKeys | None,
+def _in_worker(process: str, cwd: str, host: str, book: str | None, payloads: str | None, keys: CurveKeys | None,
                run: Callable[[str | None], None]) -> None:
     """`run(key_dir)` in a rank's worker (`_enter`), the keys in a private folder; an error is
     logged naming `process`, then raised to the driver."""
     from stream_rlhf.telemetry import trace
 
-    _enter(cwd, host, book)
+    _enter(cwd, host, book, payloads)
     try:
         with private_key_dir(keys) as key_dir:
             run(key_dir)
@@ -127,15 +128,19 @@ def _in_worker(process: str, cwd: str, host: str, book: str | None, keys: CurveK
         trace.stop()
 
 
-def _enter(cwd: str, host: str, book: str | None) -> None:
+def _enter(cwd: str, host: str, book: str | None, payloads: str | None) -> None:
     """A worker starts in Ray's folder: run in the driver's (the config's relative paths are
     relative to it), as host `host` (the host id its payloads and the broker's segment checks go
-    by), its weight-sync groups meeting through `book` (None: a folder beside the weight store)."""
+    by), its weight-sync groups meeting through `book` (None: a folder beside the weight store),
+    its payloads served to other hosts by its host's server `payloads` (None: its own)."""
+    from stream_rlhf.broker.payload.host_server import HOST_SERVER_ENV
     from stream_rlhf.weights.address_book import BOOK_ENV
 
     setup_logging()
     os.environ["STREAM_RLHF_HOST_ID"] = host
     if book is not None:
         os.environ[BOOK_ENV] = book
+    if payloads is not None:
+        os.environ[HOST_SERVER_ENV] = payloads
     if os.path.isdir(cwd):
         os.chdir(cwd)

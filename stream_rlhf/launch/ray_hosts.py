@@ -3,6 +3,7 @@ each, mirrored into the driver's run folder while the job runs.
 
     hosts = RayHosts(plan, driver_host=host_id())
     spec = hosts.relocate(stage, spec, node_id, host)  # a rank's spec writing into its host's run folder
+    endpoint = hosts.payload_server(node_id, host, broker_address)  # its host's, named in its payloads
     hosts.poll()                                       # from the supervision loop: ships what changed
     hosts.close(pids)                                  # a last full copy; each host's folders and stray segments go
 
@@ -27,6 +28,12 @@ from the driver's run folder (`JobPlan.host_inputs`: a resumed run's checkpoint 
 outputs, the prompt cursor) is copied into the host's run folder, where the mirror counts it as
 sent (nothing of it comes back unless a rank there changes it).
 
+Under a plan across hosts every host of ranks, the driver's included, also gets a payload server
+of its own (`broker/payload/host_server.py`, in the host's actor; the driver's, in the driver):
+its ranks name it in their payloads instead of a server of each process, so a consumer on
+another host still gets what a rank that died had published, and a restarted rollout or forward
+does not fail the job.
+
 Each host's clock may differ from the driver's: when its actor starts, the driver measures the
 offset over a few round trips (`telemetry/trace_clocks.py`), logs it, and keeps it in the trace
 folder's clocks.json with the names of the events files that host's processes wrote, so the trace
@@ -49,7 +56,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from stream_rlhf.broker.payload.host_server import HostPayloadServer
 from stream_rlhf.broker.payload.shm import sweep_when_gone
+from stream_rlhf.broker.sockets import CurveKeys, interface_towards
 from stream_rlhf.config import import_dotted
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.launch.run_files import FileChange, FolderMirror, apply_changes
@@ -68,7 +77,8 @@ SHIP_BYTES = 32 << 20
 
 
 class _HostActor:
-    """A host's run folder and weight root, and what changed in the run folder since the last ask."""
+    """A host's run folder and weight root, what changed in the run folder since the last ask,
+    and the host's payload server."""
 
     def open(self, run_name: str, weights_root: str | None) -> str:
         self.root = tempfile.mkdtemp(prefix="srlhf-host-")
@@ -76,7 +86,14 @@ class _HostActor:
         Path(self.run_dir).mkdir()
         self.weights_root = weights_root
         self.mirror = FolderMirror(self.run_dir)
+        self.payloads: HostPayloadServer | None = None
         return self.run_dir
+
+    def serve_payloads(self, prefix: str, broker: str, keys: CurveKeys | None) -> str:
+        """Start the host's payload server (its keys in the host's folder); its endpoint."""
+        key_dir = str(keys.write(Path(self.root) / "keys")) if keys is not None else None
+        self.payloads = HostPayloadServer(prefix, interface_towards(broker), key_dir)
+        return self.payloads.endpoint
 
     def changes(self, max_bytes: int) -> list[FileChange]:
         return self.mirror.changes(max_bytes)
@@ -96,6 +113,8 @@ class _HostActor:
     def close(self, shm_prefix: str, pids: list[int]) -> None:
         """Remove the host's folders and, once the job's processes `pids` there have exited, the
         payload segments the killed ones left."""
+        if self.payloads is not None:
+            self.payloads.stop()
         shutil.rmtree(self.root, ignore_errors=True)
         if self.weights_root is not None:
             shutil.rmtree(self.weights_root, ignore_errors=True)
@@ -118,6 +137,10 @@ class RayHosts:
         self.sent_inputs: dict[str, set[str]] = {}
         """Per host: the paths of the driver's run folder copied into its own (`relocate`)."""
         self.weight_roots: dict[str, str | None] = {}
+        self.payload_servers: dict[str, str] = {}
+        """Per host: its payload server's endpoint (`payload_server`)."""
+        self._driver_payloads: HostPayloadServer | None = None
+        self._driver_keys: str | None = None
         self.shipped_bytes = 0
         self.clocks = HostClocks(driver_host)
         """Each host's clock offset from the driver's, and its trace events files (the trace merge's)."""
@@ -159,6 +182,28 @@ class RayHosts:
         self.sent_inputs[host].update(paths)
         log.info("ray: host %s got %s of the driver's run folder (%d bytes, %.1f s)", host, ", ".join(paths), sent,
                  time.monotonic() - started)
+
+    def payload_server(self, node: str, host: str, broker: str) -> str | None:
+        """The endpoint of `host`'s payload server, started at the first ask, which its ranks name
+        in their payloads (see the module docstring); None when the plan stays on one host."""
+        import ray
+
+        if not self.plan.spans_hosts or (host != self.driver_host and not self.remote(host)):
+            return None
+        if host not in self.payload_servers:
+            prefix = self.plan.flow.broker.shm_prefix
+            if host == self.driver_host:
+                if self.plan.keys is not None:
+                    self._driver_keys = str(self.plan.keys.write(tempfile.mkdtemp(prefix="srlhf-keys-")))
+                self._driver_payloads = HostPayloadServer(prefix, interface_towards(broker), self._driver_keys)
+                self.payload_servers[host] = self._driver_payloads.endpoint
+            else:
+                self._open(node, host)
+                self.payload_servers[host] = ray.get(
+                    self.actors[host].serve_payloads.remote(prefix, broker, self.plan.keys), timeout=60)
+            log.info("ray: host %s serves its ranks' payloads to the other hosts at %s", host,
+                     self.payload_servers[host])
+        return self.payload_servers[host]
 
     def trace_folder(self, folder: str | None, node: str, host: str) -> str | None:
         """The broker's trace folder on `host`."""
@@ -249,6 +294,12 @@ class RayHosts:
         processes there (`pids`: by host) left, and its actor goes."""
         import ray
 
+        if self._driver_payloads is not None:
+            self._driver_payloads.stop()
+            self._driver_payloads = None
+        if self._driver_keys is not None:
+            shutil.rmtree(self._driver_keys, ignore_errors=True)
+            self._driver_keys = None
         if not self.actors:
             return
         self.ship_all()

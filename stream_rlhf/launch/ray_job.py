@@ -177,16 +177,17 @@ class RayJob(BrokerClient):
             members = self.plan.flow.device_groups.get(unit)
             for rank, name in enumerate(names):
                 where = self.placed[name]
+                payloads = self.hosts.payload_server(where["node"], where["host_id"], self.address)
                 if members is not None:
                     specs = {m: self.hosts.relocate(m, _under_ray(self.plan.flow.stages[m], pinned), where["node"],
                                                     where["host_id"]) for m in members}
                     run = actors[name].run_group.remote(unit, index, specs, self.address, self.keys, prefix, rank,
-                                                        init_method, self._cwd, where["host_id"], self.book)
+                                                        init_method, self._cwd, where["host_id"], self.book, payloads)
                 else:
                     spec = self.hosts.relocate(unit, _under_ray(self.plan.flow.stages[unit], pinned), where["node"],
                                                where["host_id"])
                     run = actors[name].run.remote(unit, instance_id, spec, self.address, self.keys, prefix, rank,
-                                                  init_method, self._cwd, where["host_id"], self.book)
+                                                  init_method, self._cwd, where["host_id"], self.book, payloads)
                 self._runs[run] = name
 
     def _process_names(self, unit: str, index: int) -> list[str]:

@@ -1,5 +1,6 @@
 """The producer's side of payloads across hosts: a ROUTER socket on its own thread that answers
-FetchRequests with the bytes of the payloads its transport holds (`payload.ShmTransport`), zero-copy
+FetchRequests with the bytes its source finds (`frames_for`): the payloads a transport holds
+(`payload.ShmTransport`), or every segment of the job on the host (`host_server.py`), zero-copy
 from their segments, one frame a field.
 
     server = PayloadServer(transport, context, host, counters, key_dir)   # ShmTransport makes it
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import NamedTuple, Protocol
 
 import zmq
 
@@ -24,9 +25,6 @@ from stream_rlhf.broker import sockets
 from stream_rlhf.broker.connwatch import ConnectionWatch
 from stream_rlhf.broker.control.messages import FetchReply, FetchRequest, MessageRejected, decode_fetch_request, encode
 from stream_rlhf.broker.ratelog import RateLimitedLog, truncate
-
-if TYPE_CHECKING:
-    from stream_rlhf.broker.payload.transport import ShmTransport
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +38,29 @@ class PayloadError(RuntimeError):
     """A payload could not be stored or fetched; the message names the handle and field."""
 
 
+class ServedField(NamedTuple):
+    """One requested field's bytes, and how to send them."""
+
+    view: memoryview
+    copy: bool
+    """Copy them into the message (a small payload's slot is reused once its handle is released)."""
+    trackers: list | None
+    """Zero-copy: where the send's MessageTracker goes (its segment's, not reused before it is
+    done), or None when nothing reuses the memory."""
+
+
+class PayloadSource(Protocol):
+    def frames_for(self, request: FetchRequest) -> list[ServedField]:
+        """Each requested field's bytes; PayloadError naming the handle and field if not found."""
+
+
 class PayloadServer:
     """A ROUTER socket on its own thread answering FetchRequests from the transport's segments.
     A bad request is answered with its reason, counted in `counters` and logged (rate-limited)."""
 
-    def __init__(self, transport: ShmTransport, context: zmq.Context, host: str, counters: dict[str, float],
+    def __init__(self, source: PayloadSource, context: zmq.Context, host: str, counters: dict[str, float],
                  key_dir: str | None = None):
-        self._transport = transport
+        self._source = source
         self._socket = context.socket(zmq.ROUTER)
         self._socket.linger = 0
         self._socket.maxmsgsize = REQUEST_BYTES
@@ -92,20 +106,20 @@ class PayloadServer:
             if request == GOODBYE:
                 self._watch.goodbye(request_frame)
                 return
-            found = self._transport.frames_for(request)
+            found = self._source.frames_for(request)
         except (MessageRejected, PayloadError) as exc:
             self._reject("malformed" if isinstance(exc, MessageRejected) else "not_held", str(exc),
                          [identity, empty])
             return
-        frames = [frame for _, frame in found]
-        if any(held.slot_offset >= 0 for held, _ in found):  # small payloads: copied, their slots free to reuse
+        frames = [field.view for field in found]
+        if any(field.copy for field in found):  # small payloads: copied, their slots free to reuse
             self._socket.send_multipart([identity, empty, encode(FetchReply()), *frames])
             return
         tracker = self._socket.send_multipart(
             [identity, empty, encode(FetchReply()), *frames], copy=False, track=True
         )
-        for segment in {id(held.segment): held.segment for held, _ in found}.values():
-            segment.trackers.append(tracker)  # not reused before zmq has sent these bytes
+        for trackers in {id(f.trackers): f.trackers for f in found if f.trackers is not None}.values():
+            trackers.append(tracker)  # not reused before zmq has sent these bytes
 
     def _reject(self, kind: str, reason: str, envelope: list[zmq.Frame] | None) -> None:
         self.counters[f"payload.rejected.{kind}"] = self.counters.get(f"payload.rejected.{kind}", 0) + 1

@@ -53,7 +53,8 @@ from stream_rlhf.broker.control.messages import (
     encode,
 )
 from stream_rlhf.broker.payload import shm
-from stream_rlhf.broker.payload.server import GOODBYE, PayloadError, PayloadServer
+from stream_rlhf.broker.payload.host_server import HOST_SERVER_ENV
+from stream_rlhf.broker.payload.server import GOODBYE, PayloadError, PayloadServer, ServedField
 from stream_rlhf.broker.payload.shm import host_id
 from stream_rlhf.telemetry import trace
 
@@ -140,6 +141,9 @@ class ShmTransport:
     """Shared memory on one host, served over TCP to others. One instance per process.
 
     prefer="tcp" makes a consumer fetch over TCP even from its own host (benchmarks, tests).
+    serve: answer fetches from other hosts: with a payload server of this process's own, or, when
+    the launcher named its host's (HOST_SERVER_ENV, `host_server.py`), with that one, which
+    outlives the process (a consumer still gets what a producer that died had published).
     serve_host: interface the payload server binds for consumers on other hosts (beyond loopback
     only with `key_dir`).
     pool_bytes: released segments kept for reuse (0: a fresh segment for every handle).
@@ -173,8 +177,10 @@ class ShmTransport:
         self._arena_maps: OrderedDict[str, object] = OrderedDict()  # consumer side, small payloads
         self._fetch_sockets: dict[str, zmq.Socket] = {}
         self.counters: dict[str, float] = {}
-        self._server = PayloadServer(self, self._context, serve_host, self.counters, key_dir) if serve else None
-        self.endpoint = self._server.endpoint if self._server else ""
+        host_server = os.environ.get(HOST_SERVER_ENV) if serve else None
+        own = serve and not host_server
+        self._server = PayloadServer(self, self._context, serve_host, self.counters, key_dir) if own else None
+        self.endpoint = host_server or (self._server.endpoint if self._server else "")
 
     def put(self, handle_id: str, tensors: Tensors) -> dict[str, FieldSpec]:
         layout, offset = [], 0
@@ -305,7 +311,7 @@ class ShmTransport:
             self._fetch_sockets[endpoint] = sock
         return sock
 
-    def frames_for(self, request: FetchRequest) -> list[tuple[Held, memoryview]]:
+    def frames_for(self, request: FetchRequest) -> list[ServedField]:
         """Called by the payload server: each requested field's view and what holds it, found by
         where it sits (`request.at`: a joined handle's parts are held under their own ids) or by
         the handle's id and the field's name."""
@@ -321,7 +327,8 @@ class ShmTransport:
                 if missing := [name for name in request.fields if name not in held.spans]:
                     raise PayloadError(f"handle {request.handle_id} has no field {missing[0]!r}")
                 found = [(held, *held.spans[name]) for name in request.fields]
-        return [(held, memoryview(held.segment.mapping)[offset : offset + nbytes]) for held, offset, nbytes in found]
+        return [ServedField(memoryview(held.segment.mapping)[offset : offset + nbytes], held.slot_offset >= 0,
+                            held.segment.trackers) for held, offset, nbytes in found]
 
     def _held_at(self, handle_id: str, name: str, at: FieldAt) -> tuple[Held, int, int]:
         """The payload held here with a field at `at`, and that field's (offset, nbytes)."""

@@ -1,0 +1,89 @@
+"""One payload server per host for a job across hosts, serving the payloads of every process there.
+
+    server = HostPayloadServer("srlhf", "10.0.0.5", key_dir)   # the Ray launcher: one a host (`launch/ray_hosts.py`)
+    os.environ[HOST_SERVER_ENV] = server.endpoint              # each rank there: its payloads name this endpoint
+    server.stop()
+
+A producer's tensors stay in its host's shared memory (`shm.py`), and the segments outlive the
+process. A payload server inside the producer (`server.py`) dies with it, though, and a consumer on
+another host then waits `fetch_timeout_s` for an answer and drops the handle, which fails the job:
+a restarted rollout or forward could not save it. This server lives as long as the job (in the
+host's launcher actor) and answers by where the bytes sit (`FetchRequest.at`: segment, offset,
+size), so a handle published by a process that died since is still served. It serves only
+segments named with the job's prefix, mapped without the consumers' lock (`shm.attach_cached`:
+it never holds a producer back from reusing a released segment, and a handle is released only
+once every consumer, each of which has fetched it, acknowledged it), and keeps the newest
+`MAPPINGS` mappings.
+
+What a dead producer's segments hold after their handles are acknowledged stays on the host
+until the job ends (the host's sweep then removes it); on the broker's host the broker unlinks
+them as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections import OrderedDict
+
+import zmq
+
+from stream_rlhf.broker.control.messages import FetchRequest
+from stream_rlhf.broker.payload import shm
+from stream_rlhf.broker.payload.server import PayloadError, PayloadServer, ServedField
+
+HOST_SERVER_ENV = "STREAM_RLHF_HOST_PAYLOADS"
+"""Set by the launcher for each rank: its host's payload server, named in the rank's payloads."""
+MAPPINGS = 64
+"""Segments the host's server keeps mapped (the least recently served are dropped first)."""
+
+
+class HostSegments:
+    """The bytes at each requested place, from the host's segments of one job (`prefix`)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._mappings: OrderedDict[str, mmap.mmap] = OrderedDict()
+
+    def frames_for(self, request: FetchRequest) -> list[ServedField]:
+        if len(request.at) != len(request.fields):
+            raise PayloadError(f"handle {request.handle_id}: the host's payload server serves fields by place; the "
+                               f"request gives {len(request.at)} for {len(request.fields)} fields")
+        found = []
+        for name, at in zip(request.fields, request.at, strict=True):
+            if not shm.has_prefix(at.segment, self.prefix):
+                raise PayloadError(f"handle {request.handle_id} field {name!r}: segment {at.segment!r} is not one of "
+                                   f"this job's ({self.prefix})")
+            mapping = self._mapping(request.handle_id, name, at.segment)
+            if at.offset + at.nbytes > len(mapping):
+                raise PayloadError(f"handle {request.handle_id} field {name!r}: {at.nbytes} bytes at offset "
+                                   f"{at.offset} run past the {len(mapping)} bytes of {at.segment}")
+            # zero-copy: the message keeps the mapping alive however long zmq takes to send it
+            found.append(ServedField(memoryview(mapping)[at.offset : at.offset + at.nbytes], False, None))
+        return found
+
+    def _mapping(self, handle_id: str, name: str, segment: str) -> mmap.mmap:
+        mapping = self._mappings.pop(segment, None)
+        if mapping is None:
+            try:
+                mapping = shm.attach_cached(segment)
+            except FileNotFoundError:
+                raise PayloadError(f"handle {handle_id} field {name!r}: segment {segment} is gone from this host "
+                                   "(released or reclaimed)") from None
+        self._mappings[segment] = mapping
+        if len(self._mappings) > MAPPINGS:
+            self._mappings.popitem(last=False)
+        return mapping
+
+
+class HostPayloadServer:
+    """`HostSegments` of `prefix` behind a payload server on `host` (CURVE with `key_dir`)."""
+
+    def __init__(self, prefix: str, host: str, key_dir: str | None):
+        self.counters: dict[str, float] = {}
+        self._context = zmq.Context()  # its own: a CURVE authenticator is one per context
+        self._server = PayloadServer(HostSegments(prefix), self._context, host, self.counters, key_dir)
+        self.endpoint = self._server.endpoint
+
+    def stop(self) -> None:
+        self._server.stop()
+        self._context.term()
