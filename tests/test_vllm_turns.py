@@ -378,7 +378,8 @@ def test_an_env_job_whose_vllm_engine_dies_restarts_rollout_and_trains_every_epi
     """The vLLM engine process dies mid-run (killed here; vLLM's engine core has died of its own
     bugs): rollout's next call to it fails at once, the instance exits instead of hanging, the
     launcher restarts it with a new engine, and every episode is trained once. Weights are updated
-    between mini-batches (the default), two mini-batches' episodes in flight."""
+    between mini-batches (the default), two mini-batches' episodes in flight, and go by the
+    broadcast group, which the new engine's worker joins anew (`weights/broadcast.py`)."""
     env = {"factory": "tests.episode_envs:FlakyCalculator", "options": {"latency_s": 0.01}, "max_turns": 3,
            "max_episode_tokens": 32}
     iterations = 6  # rollout runs at most overlap_depth ahead: iterations 4 and 5 need the new engine
@@ -386,7 +387,7 @@ def test_an_env_job_whose_vllm_engine_dies_restarts_rollout_and_trains_every_epi
         tmp_path, "vllm_dies", iterations=iterations, overlap_depth=1, env=env, broker={"shm_prefix": "t_vllm_dies"},
         **{"reward.function": None, "algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2,
            "rollout.backend": "vllm", "rollout.vllm": {"python": vllm_python(), "block_size": 32},
-           "restarts": {"rollout": 1}}))
+           "restarts": {"rollout": 1}, "weights.transport": "broadcast"}))
     log = tmp_path / "vllm_dies.log"
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "stream_rlhf.cli", "run", str(config)], stdout=out,
@@ -403,6 +404,7 @@ def test_an_env_job_whose_vllm_engine_dies_restarts_rollout_and_trains_every_epi
     assert re.search(r"the vLLM engine process exited with code -9", text), text[-4000:]
     assert "rollout-0 exited with 1: restarting it in " in text, text[-4000:]
     assert len(re.findall(r"vLLM engine ready in ", text)) == 2  # the new instance's engine
+    assert "weight-sync group 'rollout-0': the restarted receiver joined" in text, text[-4000:]
     summary = json.loads((tmp_path / "vllm_dies" / "summary.json").read_text())
     assert summary["iterations"] == iterations and summary["samples_trained"] == iterations * 2 * 16
     assert summary["samples_dropped"] == 0 and summary["max_staleness"] <= 1
