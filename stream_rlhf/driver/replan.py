@@ -8,13 +8,13 @@
 Once `placement.replan_after` iterations are in metrics.jsonl (a critic warm-up's not counted: the
 actor trains nothing in them), the watch (a thread of the driver) takes their mean iteration time
 and answer length (`response_len`; the first iteration, which pays for the processes' start-up,
-left out when there are others) and predicts every placement
-auto could have chosen again at that answer length, on the figures of the first choice (nothing
-is timed during the run). When another is predicted faster than the running one by
-`placement.replan_margin`, it logs a warning naming the `--set` lines; summary.json keeps the
-figures either way (`placement.replan`). Under `placement.replan: switch` it may also switch
-(`placement_switch.py` decide): it then asks every stage to drain (`on_switch`), and the driver
-resumes the job from the checkpoint the drain leaves, with the new placement.
+left out when there are others) and predicts every placement auto could have chosen again at
+that answer length, on the figures of the first choice (nothing is timed during the run). When
+another is predicted faster than the running one by `placement.replan_margin`, it logs a warning
+naming the `--set` lines; summary.json keeps the figures either way (`placement.replan`). Under
+`placement.replan: switch` it may also switch (`placement_switch.py` decide): it then asks every
+stage to drain (`on_switch`), and the driver resumes the job from the checkpoint the drain
+leaves, with the new placement.
 
 Tests force the decision with the environment variable `STREAM_RLHF_REPLAN_FORCE_SWITCH=1`: the
 fastest placement other than the running one counts as better whatever the margin, and a switch

@@ -40,6 +40,7 @@ a snapshot, sees `rejoin` (or its broadcast fails: the peer is gone), closes the
 it again under a new address token, and the group goes on from request 1 with the newest
 snapshot; the other groups never notice. On NCCL a broadcast to a rank that died waits for the
 group's timeout first.
+
 Across hosts the addresses go through a store instead of a folder (`address_book.py`: `folder` is
 then `tcp://HOST:PORT`), and the sender binds `host`, its interface towards that store.
 """

@@ -22,12 +22,14 @@ directly on a `PrefixStore` of its own. A gloo group on a loopback address binds
 Rank 0's port is only known once its store listens, so it is handed to the other ranks through a
 file: `publish_address` writes `<folder>/<name>.json` atomically, with a token new at each
 opening of the group; `wait_for_announcement` (`wait_for_address`) polls for it.
+Store keys are polled with `check` (not `wait`, whose every timeout logs a C++ warning), at an
+interval that grows with the time waited (1% of it, 0.2 ms to 20 ms).
 
 A rank that finds its `joined/<rank>` set already is a restarted process meeting the group its
 predecessor formed: it sets `rejoin` there, for rank 0 to open the group anew, and `rendezvous`
-raises `GroupTaken` (the receiver then waits for the next token: `broadcast.py`).
-Store keys are polled with `check` (not `wait`, whose every timeout logs a C++ warning), at an
-interval that grows with the time waited (1% of it, 0.2 ms to 20 ms).
+raises `GroupTaken` (the receiver then waits for the next token: `broadcast.py`). A receiver
+that dies while the group is still forming (before every rank joined) is not replaced: rank 0
+waits for it until `timeout_s` and fails naming it.
 """
 
 from __future__ import annotations
