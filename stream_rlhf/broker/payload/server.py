@@ -55,7 +55,7 @@ class PayloadSource(Protocol):
 
 
 class PayloadServer:
-    """A ROUTER socket on its own thread answering FetchRequests from the transport's segments.
+    """A ROUTER socket on its own thread answering FetchRequests with what its source finds.
     A bad request is answered with its reason, counted in `counters` and logged (rate-limited)."""
 
     def __init__(self, source: PayloadSource, context: zmq.Context, host: str, counters: dict[str, float],

@@ -312,7 +312,7 @@ class ShmTransport:
         return sock
 
     def frames_for(self, request: FetchRequest) -> list[ServedField]:
-        """Called by the payload server: each requested field's view and what holds it, found by
+        """Called by the payload server: each requested field's bytes and how to send them, found by
         where it sits (`request.at`: a joined handle's parts are held under their own ids) or by
         the handle's id and the field's name."""
         if request.at and len(request.at) != len(request.fields):
