@@ -172,7 +172,19 @@ def test_resume_refuses_a_changed_model_naming_the_key_and_takes_a_changed_learn
     process = _start(config, log, "--resume", "--set", "actor.lr=5.0e-5", "--set", "iterations=3")
     assert process.wait(timeout=300) == 0, log.read_text()[-3000:]
     assert [r["iteration"] for r in read_metrics(tmp_path / "changed" / "metrics.jsonl")] == [0, 1, 2]
-    assert json.loads((tmp_path / "changed" / "summary.json").read_text())["resumed_from"] == [2]
+    summary = json.loads((tmp_path / "changed" / "summary.json").read_text())
+    assert summary["resumed_from"] == [2]
+    # stopped during its eval after RL (no summary.json yet): --resume trains nothing, deletes
+    # nothing, and writes what was left
+    (tmp_path / "changed" / "summary.json").unlink()
+    process = _start(config, log, "--resume", "--set", "iterations=3")
+    assert process.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert "--resume: the training had ended (all 3 iterations" in log.read_text()
+    again = json.loads((tmp_path / "changed" / "summary.json").read_text())
+    for key in ("iterations", "samples_generated", "samples_trained", "resumed_from", "eval_reward_before",
+                "eval_reward_after", "start_checkpoint"):
+        assert again[key] == summary[key], key
+    assert [r["iteration"] for r in read_metrics(tmp_path / "changed" / "metrics.jsonl")] == [0, 1, 2]
 
 
 def _live_pids(log: Path) -> dict[str, int]:

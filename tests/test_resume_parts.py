@@ -77,4 +77,5 @@ def test_the_hint_after_a_stop_says_resume_or_that_the_training_had_ended(tmp_pa
         run.log_resume_hint("job.yaml", ResumePoint(6, tmp_path / "iter-000006"))
     middle, end = caplog.messages
     assert "holds iteration 4 (policy version 2): continue with `stream-rlhf run job.yaml --resume" in middle
-    assert "the training had ended: checkpoint" in end and "--resume" not in end
+    assert "the training had ended: checkpoint" in end and "before its eval after RL and summary.json: " \
+        "`stream-rlhf run job.yaml --resume" in end

@@ -53,6 +53,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             log.warning("interrupted before the stages started")
             return 130
+        if job is None:  # --resume of a run whose training had ended: its eval after RL and summary
+            run.finish()
+            return 0
         try:
             code = supervise(job, run.cfg.name, run.cfg.timeout_s, run.progress(), watch=job.fail_on_dropped_handles)
         finally:

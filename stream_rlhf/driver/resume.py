@@ -82,8 +82,6 @@ class Resumed:
     eval_before: dict[str, Any]
     start_checkpoint: str
     """The warm start (or `model.path`) the interrupted run started from."""
-    discarded: int
-    """Samples, over every resume so far, that interrupted runs generated after their checkpoint."""
 
 
 def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resumed:
@@ -115,7 +113,7 @@ def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resum
     log.info("resuming from %s: iteration %d of %d, policy version %d (of the samples the stopped run generated "
              "after it, %d kept are trained as they are, %d generated again)", point.folder, point.version,
              cfg.iterations, policy, kept, new)
-    return Resumed(point, record["eval_before"], record["start_checkpoint"], discarded + new)
+    return Resumed(point, record["eval_before"], record["start_checkpoint"])
 
 
 def resume_inputs(stage: str, spec: StageSpec) -> list[str]:

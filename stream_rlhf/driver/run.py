@@ -107,7 +107,10 @@ class RLRun:
         self.replan: ReplanWatch | None = None
         """The re-plan after the first iterations (`progress`), when auto predicted the placement."""
 
-    def prepare(self) -> Launcher:
+    def prepare(self) -> Launcher | None:
+        """Everything before the stages start, and the launcher that starts them; None for a resumed
+        run whose training had ended (a stop during its last moments or its eval after RL): `finish`
+        is all it has left, and nothing of the stopped run is deleted."""
         from stream_rlhf.driver.device_child import on_job_device
         from stream_rlhf.driver.evaluate import evaluate
         from stream_rlhf.driver.warm_start import warm_start_off_driver
@@ -120,16 +123,21 @@ class RLRun:
             from stream_rlhf.backends.vllm_client import check_engine_python
 
             check_engine_python(self.cfg.rollout.vllm.python)
+        ended = self.resume and self.training_ended()
         for name in RUN_OUTPUTS:
             path = self.run_dir / name
-            if not (self.resume and name in RESUME_KEEPS):
+            if not (self.resume and name in RESUME_KEEPS) and not ended:
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.weights, ignore_errors=True)
         self.cfg = resolve_data(self.cfg)
-        if self.resume:
+        record = read_record(self.run_dir) if ended else None
+        if ended:
+            log.info("--resume: the training had ended (all %d iterations, %s): what is left is the eval after RL "
+                     "and summary.json", self.cfg.iterations, self.run_dir / "checkpoint")
+        elif self.resume:
             self.resumed = prepare_resume(self.run_dir, self.cfg, self.weights)
-        started_from = self.resumed.start_checkpoint if self.resumed else None
+        started_from = self.resumed.start_checkpoint if self.resumed else record["start_checkpoint"] if record else None
         if started_from and Path(started_from).is_dir():
             self.checkpoint = started_from
         else:
@@ -147,11 +155,11 @@ class RLRun:
         if self.vision_language and self.cfg.rollout.backend == "vllm" and self.cfg.weights.update == "in_flight":
             raise ConfigError("weights.update=in_flight: not with images on the vLLM backend (its encoder cache is "
                               "reset at each update, which requests in flight still use); use drain")
-        if self.resumed is None:
+        if self.resumed is None and record is None:
             self.before = on_job_device(self.cfg, "eval", evaluate, self.cfg, self.checkpoint)
             record_start(self.run_dir, self.cfg, self.before, self.checkpoint)
         else:
-            self.before = self.resumed.eval_before
+            self.before = self.resumed.eval_before if self.resumed else record["eval_before"]
         log.info("eval before RL: reward %.3f (greedy %.3f)", self.before["reward"], self.before["greedy_reward"])
         self.cfg, self.placement_choice = auto_placed(self.cfg, self.checkpoint, str(self.weights),
                                                       self.vision_language)
@@ -163,10 +171,24 @@ class RLRun:
                                  placement_auto=choice.as_dict() if choice is not None else None)
         self.left_out = self.plan.flow.left_out
         log.info("job plan:\n%s", self.plan.describe())
-        (self.run_dir / PLAN).write_text(json.dumps(self.plan.as_dict(), indent=2))
         self.job_started = time.monotonic()
+        if ended:
+            self._figures_of_trace()
+            return None
+        (self.run_dir / PLAN).write_text(json.dumps(self.plan.as_dict(), indent=2))
         self.job = make_launcher(self.plan)
         return self.job
+
+    def training_ended(self) -> bool:
+        """The run's training finished (train_summary.json, and a checkpoint of every iteration)."""
+        point = self.latest_checkpoint() if (self.run_dir / "train_summary.json").is_file() else None
+        return point is not None and point.version >= self.cfg.iterations
+
+    def _figures_of_trace(self) -> None:
+        """The trace's figures from the trace.json the stopped run merged (when it has one)."""
+        path = self.run_dir / TRACE
+        if self.cfg.trace and path.is_file():
+            self.trace_figures = trace_figures(json.loads(path.read_text())["traceEvents"], ROLLOUT_SIDE)
 
     @contextmanager
     def progress(self) -> Iterator[None]:
@@ -235,7 +257,8 @@ class RLRun:
         stop in the last moments may come after the training ended: then nothing is left to train)."""
         if point is not None and point.version >= self.cfg.iterations:
             log.info("the training had ended: checkpoint %s holds all %d iterations (the final weights), and the "
-                     "run stopped before its eval after RL and summary.json", point.folder, point.version)
+                     "run stopped before its eval after RL and summary.json: `stream-rlhf run %s --resume %s` "
+                     "makes them", point.folder, point.version, config, self.run_dir)
         elif point is not None:
             log.info("checkpoint %s holds iteration %d (policy version %d): continue with `stream-rlhf run %s "
                      "--resume %s`", point.folder, point.version,
@@ -254,7 +277,7 @@ class RLRun:
         counts = read_stage_counts(self.run_dir)
         skipped, skipped_examples = _skipped(self.run_dir)
         generated = counts.get("rollout", {}).get("generated", 0)
-        discarded = self.resumed.discarded if self.resumed else 0
+        discarded = sum(r["discarded"] for r in read_record(self.run_dir)["resumes"])  # over every resume
         summary = {
             "name": self.cfg.name,
             "algorithm": self.cfg.algorithm.advantage,
