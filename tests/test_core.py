@@ -12,12 +12,15 @@ from stream_rlhf.broker.control.messages import (
     Control,
     Deliver,
     Error,
+    FieldSpec,
     Handle,
     Heartbeat,
     Hello,
+    Location,
     Nack,
     Publish,
     Ready,
+    Reclaim,
     Release,
     Request,
 )
@@ -175,6 +178,31 @@ def test_dead_instance_handles_are_redelivered_to_a_live_one():
     redelivered = h.take(r1, Deliver)
     assert [(d.handle.id, d.attempt) for d in redelivered] == [("p0", 2), ("p1", 2)]
     assert h.core.stats["redelivered"] == 2
+
+
+def test_what_a_producer_gone_from_another_host_left_is_asked_of_that_hosts_payload_server():
+    """The broker cannot unlink segments on another host: it queues Reclaims for the payload server
+    the producer's Hello named, first for the dead process (but what its live handles point into),
+    then for each handle once acknowledged. Its own host's counter does not move."""
+    h = Harness(BrokerConfig(queue_capacity=8, shm_prefix="job", heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0))
+    h.core.host = "broker-host"
+    server = "tcp://10.0.0.6:5123"
+    src = b"src-0"
+    h.send(src, Hello(SCHEMA_VERSION, "src", "src-0", [], 4242, "host-b", server))
+    roll = h.join("rollout", "roll-0", {"prompts": 2})
+    for i in (1, 2):
+        where = Location("shm", f"/job_4242_{i}", 0, "host-b", server)
+        h.publish(src, "prompts", f"p{i}", fields={"x": FieldSpec("float32", [4], 16, where)})
+    assert len(h.take(roll, Deliver)) == 2
+    h.now = 1.5
+    h.send(roll, Heartbeat())
+    h.now = 2.6
+    h.core.tick(h.now)  # src silent for 2.6 s
+    assert h.core.reclaims == [(server, Reclaim(dead_pid=4242, keep=["/job_4242_1", "/job_4242_2"]))]
+    h.core.reclaims.clear()
+    h.send(roll, Ack(["p1"]))
+    assert h.core.reclaims == [(server, Reclaim(segments=["/job_4242_1"]))]
+    assert h.core.stats["segments_reclaimed"] == 0
 
 
 def test_nack_requeues_then_drops_poison_after_max_attempts():

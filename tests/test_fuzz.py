@@ -85,14 +85,17 @@ handles = st.builds(
 hellos = st.builds(
     Hello, schema_version=st.sampled_from([SCHEMA_VERSION, SCHEMA_VERSION + 1, -1]) | ints,
     stage=st.sampled_from(["src", "sink", "_control"]) | names, instance_id=names,
-    capabilities=st.lists(names, max_size=3), pid=ints, host=st.sampled_from(["", host_id()]) | names,
+    capabilities=st.lists(names, max_size=3), pid=ints, host=st.sampled_from(["", host_id(), "elsewhere"]) | names,
+    payload_server=st.sampled_from(["", "tcp://127.0.0.1:1", "not an address", "tcp://[::1"]) | texts,
 )
 prior_hellos = st.builds(  # registers the example's peer before its other messages, often as a
     # process of this host whose pid the heartbeat check probes once the peer falls silent
     Hello, schema_version=st.just(SCHEMA_VERSION), stage=st.sampled_from(["src", "sink", "_control"]),
     instance_id=names, capabilities=st.lists(names, max_size=3),
     pid=st.sampled_from([1, 2**31, 2**40, 2**63 - 1, PID_MAX, PID_MAX + 1, -1]) | ints,
-    host=st.sampled_from([host_id(), host_id(), ""]),
+    host=st.sampled_from([host_id(), host_id(), "", "elsewhere"]),
+    # another host's payload server, which the broker asks to reclaim once the peer is gone
+    payload_server=st.sampled_from(["", "tcp://127.0.0.1:1", "not an address"]),
 )
 MESSAGE_STRATEGIES = {
     Hello: hellos,

@@ -22,12 +22,15 @@ from stream_rlhf.broker.control.messages import (
     Nack,
     Publish,
     Ready,
+    Reclaim,
+    ReclaimReply,
     Release,
     Request,
     Stats,
     decode,
     decode_fetch_reply,
-    decode_fetch_request,
+    decode_payload_request,
+    decode_reclaim_reply,
     encode,
 )
 
@@ -67,8 +70,13 @@ def test_round_trip_every_message_type(message):
 
 
 def test_fetch_messages_round_trip():
-    assert decode_fetch_request(encode(FetchRequest("h1", ["a", "b"]))) == FetchRequest("h1", ["a", "b"])
+    assert decode_payload_request(encode(FetchRequest("h1", ["a", "b"]))) == FetchRequest("h1", ["a", "b"])
     assert decode_fetch_reply(encode(FetchReply("gone"))) == FetchReply("gone")
+    reclaim = Reclaim(segments=["/job_7_1"], dead_pid=7, keep=["/job_7_2"])
+    assert decode_payload_request(encode(reclaim)) == reclaim
+    assert decode_reclaim_reply(encode(ReclaimReply(2))) == ReclaimReply(2)
+    with pytest.raises(MessageRejected, match="Expected `int`"):
+        decode_payload_request(msgspec.msgpack.encode({"type": "reclaim", "dead_pid": "7"}))
 
 
 def test_field_of_wrong_type_is_rejected_at_decode():

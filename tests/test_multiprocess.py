@@ -13,6 +13,7 @@ import pytest
 
 from stream_rlhf.broker.control.topology import BrokerConfig, TopicConfig, Topology
 from stream_rlhf.broker.payload import shm
+from stream_rlhf.broker.payload.host_server import HOST_SERVER_ENV, HostPayloadServer
 from stream_rlhf.launch.local import LocalJob
 from stream_rlhf.launch.spec import StageFailed, StageSpec
 from tests.stages import read_records
@@ -185,7 +186,10 @@ def test_clean_shutdown_leaves_no_shared_memory(tmp_path, shm_prefix):
     assert shm.list_segments(shm_prefix) == []
 
 
-def test_killed_producer_segments_are_reclaimed(tmp_path, shm_prefix):
+@pytest.mark.parametrize("host", ["the broker's", "another"])
+def test_killed_producer_segments_are_reclaimed(tmp_path, shm_prefix, monkeypatch, host):
+    """On another host (the stages' host id differs from the broker's) the broker cannot unlink
+    them itself: it asks the payload server their Hellos named (the Ray launcher runs one a host)."""
     out = tmp_path / "sink.jsonl"
     job = make_job(
         topics={"items": {"producers": ["src"], "consumers": ["sink"]}},
@@ -195,8 +199,14 @@ def test_killed_producer_segments_are_reclaimed(tmp_path, shm_prefix):
         },
         prefix=shm_prefix,
     )
-    job.start()
+    host_server = HostPayloadServer(shm_prefix, "127.0.0.1", None) if host == "another" else None
+    job.start_broker()
+    if host_server is not None:
+        monkeypatch.setenv("STREAM_RLHF_HOST_ID", "another-host")
+        monkeypatch.setenv(HOST_SERVER_ENV, host_server.endpoint)
     try:
+        for stage in job.stages:
+            job.start_instance(stage, 0)
         wait_for(lambda: len(read_records(out)) >= 3, 60, "traffic")
         src = job.processes.pop("src-0")
         os.kill(src.pid, signal.SIGKILL)
@@ -208,9 +218,16 @@ def test_killed_producer_segments_are_reclaimed(tmp_path, shm_prefix):
             wait_for(lambda: client.stats().get("inflight_handles", 1) == 0, 30, "queue to drain")
         wait_for(lambda: shm.list_segments(shm_prefix) == [], 10, "segments to be reclaimed")
         with job.client() as client:  # a new one: the broker drops a client silent past heartbeat_timeout_s
-            assert client.stats()["segments_reclaimed"] > 0
+            stats = client.stats()
+        if host_server is None:
+            assert stats["segments_reclaimed"] > 0 and stats["segments_reclaimed_remote"] == 0
+        else:
+            assert stats["segments_reclaimed"] == 0 and stats["segments_reclaimed_remote"] > 0
+            assert host_server.counters["payload.reclaimed"] == stats["segments_reclaimed_remote"]
     finally:
         job.stop()
+        if host_server is not None:
+            host_server.stop()
     assert shm.list_segments(shm_prefix) == []
 
 

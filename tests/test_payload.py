@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
+import os
 import time
 
 import msgspec
@@ -10,10 +12,19 @@ import pytest
 import torch
 import zmq
 
-from stream_rlhf.broker.control.messages import FetchRequest, Handle, Publish, decode, decode_fetch_reply, encode
+from stream_rlhf.broker.control.messages import (
+    FetchRequest,
+    Handle,
+    Publish,
+    Reclaim,
+    decode,
+    decode_fetch_reply,
+    encode,
+)
 from stream_rlhf.broker.payload import shm
 from stream_rlhf.broker.payload.host_server import HOST_SERVER_ENV, HostPayloadServer
 from stream_rlhf.broker.payload.memory_transport import MemoryTransport
+from stream_rlhf.broker.payload.remote_reclaim import REMOTE_COUNTER, RemoteReclaimer
 from stream_rlhf.broker.payload.server import PayloadError
 from stream_rlhf.broker.payload.transport import ShmTransport
 from tests.waiting import wait_for
@@ -275,13 +286,14 @@ def test_a_request_over_the_limit_drops_its_connection_counted_and_logged(shm_pr
 
 def _produce_then_die(prefix: str, endpoint: str, queue) -> None:
     """A producer on the host whose payload server is `endpoint`: puts a large and a small payload,
-    sends their handles, and dies without releasing or closing anything (a crash)."""
+    sends their handles, puts a third it does not send, and dies without releasing or closing anything (a crash)."""
     import os
 
     os.environ[HOST_SERVER_ENV] = endpoint
     producer = ShmTransport(prefix=prefix)
     large = make_handle(producer.put("large", {"x": torch.arange(LARGE, dtype=torch.float32)}), "large")
     small = make_handle(producer.put("small", {"y": torch.full((10,), 7, dtype=torch.int64)}), "small")
+    producer.put("unsent", {"z": torch.zeros(LARGE)})  # never published
     queue.put((encode(Publish(large)), encode(Publish(small)), producer.endpoint))
     queue.close()
     queue.join_thread()  # flushed: _exit skips the queue's own exit handler
@@ -322,3 +334,54 @@ def test_the_hosts_payload_server_serves_what_a_producer_that_died_had_published
         server.stop()
         for name, _ in shm.list_segments(shm_prefix):  # what the dead producer left (a host's sweep removes it)
             shm.unlink(name)
+
+
+def test_the_hosts_payload_server_unlinks_what_the_broker_names_of_producers_gone_from_its_host(shm_prefix, caplog):
+    """The broker's reclaimer asks the host's server: a dead producer's segments go but the one a
+    live handle points into (still served); then that one once named. A live process keeps its
+    segments; another job's segment and a producer's own server are refused, and logged."""
+    server = HostPayloadServer(shm_prefix, "127.0.0.1", None)
+    context = zmq.Context()
+    stats: dict[str, float] = {}
+    reclaimer = RemoteReclaimer(context, None, stats)
+    consumer = ShmTransport(prefix="unused", serve=False, prefer="tcp", fetch_timeout_s=10.0)
+    live = ShmTransport(prefix=shm_prefix)  # this process: alive, with a payload server of its own
+    try:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_produce_then_die, args=(shm_prefix, server.endpoint, queue))
+        child.start()
+        large_bytes, _, _ = queue.get(timeout=60)
+        child.join(30)
+        large = decode(large_bytes).handle
+        kept = large.fields["x"].location.segment
+        assert len([name for name, pid in shm.list_segments(shm_prefix) if pid == child.pid]) == 3
+        live.put("mine", {"w": torch.ones(LARGE)})
+        mine = {name for name, pid in shm.list_segments(shm_prefix) if pid != child.pid}
+
+        reclaimer.send(server.endpoint, Reclaim(dead_pid=child.pid, keep=[kept]))
+        wait_for(lambda: stats[REMOTE_COUNTER] == 2, 10, "the arena and the unsent payload unlinked")
+        assert {name for name, _ in shm.list_segments(shm_prefix)} == {kept, *mine}
+        assert torch.equal(consumer.get(large)["x"], torch.arange(LARGE, dtype=torch.float32))
+
+        reclaimer.send(server.endpoint, Reclaim(dead_pid=os.getpid()))  # alive: nothing goes
+        reclaimer.send(server.endpoint, Reclaim(segments=[kept]))  # acknowledged since
+        wait_for(lambda: stats[REMOTE_COUNTER] == 3, 10, "the acknowledged payload unlinked")
+        assert {name for name, _ in shm.list_segments(shm_prefix)} == mine
+        with pytest.raises(PayloadError, match="is gone from this host"):
+            consumer.get(large)
+        assert server.counters["payload.reclaimed"] == 3
+
+        with caplog.at_level(logging.WARNING, logger="stream_rlhf.broker.payload.remote_reclaim"):
+            reclaimer.send(server.endpoint, Reclaim(segments=["/other_1_0"]))
+            reclaimer.send(live.endpoint, Reclaim(segments=list(mine)))
+            reclaimer.stop()
+        assert f"refused a reclaim: segment '/other_1_0' is not one of this job's ({shm_prefix})" in caplog.text
+        assert "refused a reclaim: this payload server holds one producer's payloads" in caplog.text
+        assert {name for name, _ in shm.list_segments(shm_prefix)} == mine and stats[REMOTE_COUNTER] == 3
+    finally:
+        reclaimer.stop()
+        context.term()
+        consumer.close()
+        live.close()
+        server.stop()

@@ -364,7 +364,7 @@ def test_stages_killed_on_other_hosts_restart_there_and_a_trainer_killed_is_reco
     """Across hosts (`ray.node_hosts`), rollout and then critic_forward killed: each restarts on its
     host, its new process joins its broadcast weight group anew (once a reason to give them no
     restarts), and what the dead one had published is still fetched from its host's payload
-    server, so the run goes on without a recovery. Then actor_train's worker, once a checkpoint has
+    server, so the run goes on without a recovery; what it left there is unlinked there. Then actor_train's worker, once a checkpoint has
     reached the driver: the run resumes from it on the same hosts (each gets the files its ranks
     read) and trains every sample once."""
     cluster, (rollout_node, forwards_node, _) = three_hosts
@@ -376,12 +376,14 @@ def test_stages_killed_on_other_hosts_restart_there_and_a_trainer_killed_is_reco
                                        "stage_resources": ON_THREE_HOSTS, "start_timeout_s": 60, "node_hosts": True})
     metrics = tmp_path / "recover" / "metrics.jsonl"
     deadline = time.monotonic() + 300
+    killed = []
     for victim, node, after in (("rollout-0", rollout_node, 1), ("critic_forward-0", forwards_node, 4)):
         while time.monotonic() < deadline and process.poll() is None and len(read_metrics(metrics)) < after:
             time.sleep(0.2)
         first = placed(log_file.read_text())[victim]
         assert process.poll() is None, log_file.read_text()[-4000:]
         os.kill(first[1], signal.SIGKILL)
+        killed.append(first[1])
         while time.monotonic() < deadline and placed(log_file.read_text())[victim] == first:
             time.sleep(0.2)
         assert placed(log_file.read_text())[victim][0] == node, log_file.read_text()[-4000:]  # again on its host
@@ -397,6 +399,12 @@ def test_stages_killed_on_other_hosts_restart_there_and_a_trainer_killed_is_reco
     assert process.poll() is None and store.latest(["actor", "critic"]) is not None, log_file.read_text()[-4000:]
     assert all('"weights receive"' in t.read_text() for t in traces), traces  # by broadcast, in the new processes
     assert "recovering from the failure" not in log_file.read_text()  # the restarts kept the run going
+    # the broker had each host's payload server unlink what the dead processes left there (their
+    # pools, their payloads once acknowledged): segments are named <prefix>_<pid>_<n>
+    left = re.compile(rf"\w+_({'|'.join(map(str, killed))})_\d+")
+    while time.monotonic() < deadline and any(left.fullmatch(p.name) for p in Path("/dev/shm").iterdir()):
+        time.sleep(0.2)
+    assert not [p.name for p in Path("/dev/shm").iterdir() if left.fullmatch(p.name)]
     os.kill(placed(log_file.read_text())["actor_train-0"][1], signal.SIGKILL)
     assert finish(process, 420) == 0, log_file.read_text()[-4000:]
     log = log_file.read_text()

@@ -1,7 +1,7 @@
 """Acks out: a handle is finished once every consumer stage (and join) acknowledged it; then its producer may free it.
 
     Ack from an instance ─► entry.pending -= its stage (journaled) ─► nothing pending:
-        Release to the producer (or, if it is gone, the payload unlinked here);
+        Release to the producer (or, if it is gone, its payload freed: `reclaim.py`);
         the handle's join parts each get their join's ack
     Nack(requeue) ─► back at the head of its queue, up to `max_attempts` deliveries per stage;
         past that, or without requeue, dropped for that stage (counted and logged)
@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from stream_rlhf.broker.control.messages import Handle, Nack
+from stream_rlhf.broker.control.messages import Nack
+from stream_rlhf.broker.control.reclaim import unlink_payload
 from stream_rlhf.broker.control.state import JOIN, RECENT_IDS, Entry, Instance
 from stream_rlhf.broker.control.stopping import shut_down_once_caught_up
-from stream_rlhf.broker.payload import shm
 
 if TYPE_CHECKING:
     from stream_rlhf.broker.control.core import BrokerCore
@@ -88,23 +88,3 @@ def finish(core: BrokerCore, entry: Entry) -> None:
         core.releases_to[peer].append(handle.id)
     else:
         unlink_payload(core, handle)
-
-
-def unlink_payload(core: BrokerCore, handle: Handle) -> None:
-    """Free a payload whose producer is gone (crashed, or stopped before every ack). Small
-    payloads share a segment, so one is unlinked only when no live handle points into it.
-    Only this job's segments (named with its shm_prefix): a handle naming another job's
-    segment does not make the broker unlink it."""
-    if handle.producer == "broker":
-        return
-    segments = {
-        s.location.segment for s in handle.fields.values()
-        if s.location.kind == "shm" and s.location.host == core.host
-        and shm.has_prefix(s.location.segment, core.config.shm_prefix)
-    }
-    if not segments:
-        return
-    still_used = {spec.location.segment for e in core.entries.values() for spec in e.handle.fields.values()}
-    for segment in segments - still_used:
-        if shm.unlink(segment):
-            core.stats["segments_reclaimed"] += 1

@@ -37,7 +37,7 @@ import uuid
 from collections import OrderedDict, defaultdict, deque
 
 from stream_rlhf.broker.control import stopping
-from stream_rlhf.broker.control.acks import on_ack, on_nack, unlink_payload
+from stream_rlhf.broker.control.acks import on_ack, on_nack
 from stream_rlhf.broker.control.admission import Admission, AdmitAll
 from stream_rlhf.broker.control.catch_up import CatchUp
 from stream_rlhf.broker.control.dispatch import dispatch, grant_producer_credit, on_credit
@@ -53,11 +53,13 @@ from stream_rlhf.broker.control.messages import (
     Message,
     Nack,
     Publish,
+    Reclaim,
     Release,
     Request,
     Stats,
 )
 from stream_rlhf.broker.control.publish import on_publish, route
+from stream_rlhf.broker.control.reclaim import unlink_payload
 from stream_rlhf.broker.control.state import JOIN, Entry, Instance
 from stream_rlhf.broker.control.topology import CONTROL_STAGE, BrokerConfig, Topology
 from stream_rlhf.broker.ratelog import RateLimitedLog, truncate
@@ -81,6 +83,10 @@ class BrokerCore:
         self.admission = admission or AdmitAll()
         self.broker_id = broker_id or uuid.uuid4().hex[:8]
         self.host = ""  # set by the server: segments of dead producers on this host are reclaimed
+        self.host_servers: dict[str, str] = {}
+        """Host id -> its payload server, from the instances' Hellos (`reclaim.py` asks them)."""
+        self.reclaims: list[tuple[str, Reclaim]] = []
+        """Reclaim requests for other hosts' payload servers, which the server loop sends."""
         self.policy_version = 0  # the initial weights; training step n publishes n + 1
         self.instances: dict[bytes, Instance] = {}
         self.by_instance_id: dict[str, bytes] = {}

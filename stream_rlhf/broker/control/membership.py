@@ -5,7 +5,8 @@
     Heartbeat("stopped"), a reconnect, or silence past `heartbeat_timeout_s` (`BrokerCore.tick`)
           ─► its deliveries requeued at the head of their queues (redelivered to another instance),
              its producer credit back to its peers, segments a dead producer left unpublished
-             unlinked, and a stopping job stops waiting for its stage to catch up
+             freed (`reclaim.py`; on another host by the payload server its Hello named), and a
+             stopping job stops waiting for its stage to catch up
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from stream_rlhf.broker.control.messages import SCHEMA_VERSION, Control, Hello, Ready
+from stream_rlhf.broker.control.reclaim import reclaim_dead
 from stream_rlhf.broker.control.state import Instance
 from stream_rlhf.broker.control.stopping import shut_down_once_caught_up
 from stream_rlhf.broker.control.topology import CONTROL_STAGE
-from stream_rlhf.broker.payload import shm
 from stream_rlhf.broker.ratelog import truncate
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ def on_hello(core: BrokerCore, peer: bytes, hello: Hello, now: float) -> None:
     if old is not None:
         remove_instance(core, old, "reconnected")
     inst = Instance(peer, hello.stage, hello.instance_id, hello.pid, hello.host, now)
+    if hello.payload_server.startswith("tcp://") and hello.host and hello.host != core.host:
+        core.host_servers[hello.host] = hello.payload_server
     core.instances[peer] = inst
     core.by_instance_id[hello.instance_id] = peer
     inputs, outputs = core.topology.inputs_of(hello.stage), core.topology.outputs_of(hello.stage)
@@ -76,18 +79,8 @@ def remove_instance(core: BrokerCore, inst: Instance, reason: str) -> None:
         if not core.has_instance(inst.stage):
             core.catch_up.give_up(inst.stage)
         shut_down_once_caught_up(core)
-    if reason != "stopped" and inst.host == core.host and inst.pid and not shm.pid_alive(inst.pid):
-        reclaim_unpublished(core, inst.pid)
-
-
-def reclaim_unpublished(core: BrokerCore, pid: int) -> None:
-    """A dead producer may have created segments it never published: unlink them."""
-    published = {
-        spec.location.segment for e in core.entries.values() for spec in e.handle.fields.values()
-    }
-    for name, owner in shm.list_segments(core.config.shm_prefix):
-        if owner == pid and name not in published and shm.unlink(name):
-            core.stats["segments_reclaimed"] += 1
+    if reason != "stopped":
+        reclaim_dead(core, inst)
 
 
 def membership_level(stage: str) -> int:

@@ -20,7 +20,8 @@ GroupSetup once after the handshake, then GroupBatch per delivered handle, Group
 weights_ready, GroupStop last.
 
 Payload plane (consumer -> producer's payload server): FetchRequest, answered by FetchReply
-followed by one raw frame per requested field (tensor bytes, sent and received zero-copy).
+followed by one raw frame per requested field (tensor bytes, sent and received zero-copy). Broker ->
+another host's payload server: Reclaim, answered by ReclaimReply.
 
 Glossary: a *handle* names one mini-batch of one topic: where its tensors are, never the tensor
 bytes. *iteration* is the rollout batch index, *minibatch* the index inside it, *policy_version*
@@ -119,6 +120,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     capabilities: Annotated[list[Name], Meta(max_length=64)] = []
     pid: Pid = 0
     host: Name = ""
+    payload_server: Text = ""
+    """The payload server of the instance's host, when the launcher runs one there
+    (`payload/host_server.py`): the broker asks it to unlink what a producer there left."""
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -229,6 +233,27 @@ class FetchReply(msgspec.Struct, tag="fetch_reply", frozen=True):
     error: Text = ""
 
 
+class Reclaim(msgspec.Struct, tag="reclaim", frozen=True):
+    """Broker -> a host's payload server (`payload/host_server.py`), for producers gone from that
+    host: unlink `segments`, and when process `dead_pid` no longer runs there, every other segment
+    it created but `keep` (those live handles still point into)."""
+
+    segments: Names = []
+    dead_pid: Pid = 0
+    keep: Names = []
+
+
+class ReclaimReply(msgspec.Struct, tag="reclaim_reply", frozen=True):
+    """How many segments the host's server unlinked, or why it did nothing."""
+
+    unlinked: Count = 0
+    error: Text = ""
+
+
+PayloadRequest = FetchRequest | Reclaim
+"""What a payload server reads."""
+
+
 class GroupSetup(msgspec.Struct, tag="group_setup", frozen=True):
     """Leader -> the other ranks of its stage instance, after its handshake: the topics it was
     registered with (they set their stage up with them)."""
@@ -264,12 +289,13 @@ class MessageRejected(ValueError):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
-_fetch_request_decoder = msgspec.msgpack.Decoder(FetchRequest)
+_payload_request_decoder = msgspec.msgpack.Decoder(PayloadRequest)
 _fetch_reply_decoder = msgspec.msgpack.Decoder(FetchReply)
+_reclaim_reply_decoder = msgspec.msgpack.Decoder(ReclaimReply)
 _group_decoder = msgspec.msgpack.Decoder(GroupMessage)
 
 
-def encode(message: Message | FetchRequest | FetchReply | GroupMessage) -> bytes:
+def encode(message: Message | PayloadRequest | FetchReply | ReclaimReply | GroupMessage) -> bytes:
     return _encoder.encode(message)
 
 
@@ -281,9 +307,9 @@ def decode(frame: bytes | memoryview) -> Message:
         raise MessageRejected(f"{type(exc).__name__}: {exc}") from None
 
 
-def decode_fetch_request(frame: bytes | memoryview) -> FetchRequest:
+def decode_payload_request(frame: bytes | memoryview) -> PayloadRequest:
     try:
-        return _fetch_request_decoder.decode(frame)
+        return _payload_request_decoder.decode(frame)
     except (msgspec.MsgspecError, ValueError) as exc:  # ValueError: e.g. invalid UTF-8 in a str
         raise MessageRejected(f"{type(exc).__name__}: {exc}") from None
 
@@ -291,6 +317,13 @@ def decode_fetch_request(frame: bytes | memoryview) -> FetchRequest:
 def decode_fetch_reply(frame: bytes | memoryview) -> FetchReply:
     try:
         return _fetch_reply_decoder.decode(frame)
+    except (msgspec.MsgspecError, ValueError) as exc:  # ValueError: e.g. invalid UTF-8 in a str
+        raise MessageRejected(f"{type(exc).__name__}: {exc}") from None
+
+
+def decode_reclaim_reply(frame: bytes | memoryview) -> ReclaimReply:
+    try:
+        return _reclaim_reply_decoder.decode(frame)
     except (msgspec.MsgspecError, ValueError) as exc:  # ValueError: e.g. invalid UTF-8 in a str
         raise MessageRejected(f"{type(exc).__name__}: {exc}") from None
 

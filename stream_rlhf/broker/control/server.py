@@ -9,7 +9,9 @@ frame far over `max_message_bytes` by closing its connection; `connwatch.py` cou
 lines about peers are rate-limited (`ratelog.py`). On SIGINT/SIGTERM or Control(shutdown) the
 stages are told to shut down (once the trainers caught up with each other: `catch_up.py`); the
 loop stops once every stage instance has left (or `shutdown_grace_s` passed), then unlinks every
-payload it still tracks and any segment of a dead process of this job.
+payload it still tracks and any segment of a dead process of this job. What producers gone from
+another host left there, the broker asks that host's payload server to unlink (`reclaim.py`,
+sent by a `RemoteReclaimer` off the loop).
 
 With a trace started in this process (`telemetry/trace.py`), the loop samples every
 QUEUE_SAMPLE_S the depth of each consumer queue (`queue <topic>><stage>`: handles waiting for
@@ -33,6 +35,7 @@ from stream_rlhf.broker.control.core import BrokerCore
 from stream_rlhf.broker.control.messages import Heartbeat, Message, MessageRejected, decode
 from stream_rlhf.broker.control.topology import CONTROL_STAGE, BrokerConfig, Topology
 from stream_rlhf.broker.payload import shm
+from stream_rlhf.broker.payload.remote_reclaim import RemoteReclaimer
 from stream_rlhf.broker.payload.shm import host_id
 from stream_rlhf.telemetry import trace
 
@@ -58,9 +61,9 @@ class BrokerServer:
         self.core.host = host_id()
         self.core.stats["segments_reclaimed"] += reclaimed
         self._context = zmq.Context()
-        self._socket, self._auth = sockets.router(
-            self._context, config.address, config.curve.key_dir if config.curve else None, config.max_message_bytes
-        )
+        key_dir = config.curve.key_dir if config.curve else None
+        self._socket, self._auth = sockets.router(self._context, config.address, key_dir, config.max_message_bytes)
+        self._reclaimer = RemoteReclaimer(self._context, key_dir, self.core.stats)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._watch = ConnectionWatch(self._socket, f"broker {self.core.broker_id}", self._socket.maxmsgsize,
                                       "max_message_bytes", self.core.ratelog, self.core.stats)
@@ -106,6 +109,7 @@ class BrokerServer:
                     self._tick(now)
                     next_tick = now + interval
                 self._send(self._flush())
+                self._send_reclaims()
                 if trace.enabled() and now >= self._next_sample:
                     self._next_sample = now + QUEUE_SAMPLE_S
                     self._trace_counters()
@@ -208,10 +212,17 @@ class BrokerServer:
                     self.core.stats["send_dropped"] += 1
                     log.debug("send to %r failed: %s", peer, exc)
 
+    def _send_reclaims(self) -> None:
+        for endpoint, request in self.core.reclaims:
+            self._reclaimer.send(endpoint, request)
+        self.core.reclaims.clear()
+
     def close(self) -> None:
         left = self.core.close()
         self.core.stats["unacked_at_shutdown"] = left
         self.core.stats["segments_reclaimed"] += shm.sweep(self.config.shm_prefix)
+        self._send_reclaims()
+        self._reclaimer.stop()
         self._watch.close()
         self._socket.close(linger=0)
         if self._auth:

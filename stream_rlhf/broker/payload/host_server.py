@@ -15,9 +15,11 @@ it never holds a producer back from reusing a released segment, and a handle is 
 once every consumer, each of which has fetched it, acknowledged it), and keeps the newest
 `MAPPINGS` mappings.
 
-What a dead producer's segments hold after their handles are acknowledged stays on the host
-until the job ends (the host's sweep then removes it); on the broker's host the broker unlinks
-them as before.
+The broker frees what producers gone from this host leave (`broker/control/reclaim.py`): it sends
+a Reclaim naming the segments of acknowledged handles, or a dead process whose other segments go
+(its pool, payloads it never published) but those live handles still point into. The server
+unlinks only the job's segments, a dead process's only once it no longer runs on this host, and
+drops its mappings of them, so their memory goes back at once.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections import OrderedDict
 
 import zmq
 
-from stream_rlhf.broker.control.messages import FetchRequest
+from stream_rlhf.broker.control.messages import FetchRequest, Reclaim
 from stream_rlhf.broker.payload import shm
 from stream_rlhf.broker.payload.server import PayloadError, PayloadServer, ServedField
 
@@ -60,6 +62,23 @@ class HostSegments:
             # zero-copy: the message keeps the mapping alive however long zmq takes to send it
             found.append(ServedField(memoryview(mapping)[at.offset : at.offset + at.nbytes], False, None))
         return found
+
+    def reclaim(self, request: Reclaim) -> int:
+        """Unlink the job's segments `request` names, and a dead creator's other segments but those
+        it keeps; returns how many were unlinked."""
+        for segment in request.segments:
+            if not shm.has_prefix(segment, self.prefix):
+                raise PayloadError(f"segment {segment!r} is not one of this job's ({self.prefix})")
+        doomed = set(request.segments)
+        if request.dead_pid and not shm.pid_alive(request.dead_pid):  # one that runs (it reconnected) keeps them
+            keep = set(request.keep)
+            doomed |= {name for name, pid in shm.list_segments(self.prefix)
+                       if pid == request.dead_pid and name not in keep}
+        unlinked = 0
+        for segment in doomed:
+            self._mappings.pop(segment, None)  # a send in flight keeps its own view alive
+            unlinked += shm.unlink(segment)
+        return unlinked
 
     def _mapping(self, handle_id: str, name: str, segment: str) -> mmap.mmap:
         mapping = self._mappings.pop(segment, None)

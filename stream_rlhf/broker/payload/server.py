@@ -1,7 +1,8 @@
 """The producer's side of payloads across hosts: a ROUTER socket on its own thread that answers
 FetchRequests with the bytes its source finds (`frames_for`): the payloads a transport holds
 (`payload.ShmTransport`), or every segment of the job on the host (`host_server.py`), zero-copy
-from their segments, one frame a field.
+from their segments, one frame a field. A host's server also answers the broker's Reclaim requests
+(`reclaim`: segments of producers gone from that host) with a ReclaimReply.
 
     server = PayloadServer(transport, context, host, counters, key_dir)   # ShmTransport makes it
     server.endpoint                                                      # "tcp://host:port", in each FieldSpec
@@ -23,7 +24,15 @@ import zmq
 
 from stream_rlhf.broker import sockets
 from stream_rlhf.broker.connwatch import ConnectionWatch
-from stream_rlhf.broker.control.messages import FetchReply, FetchRequest, MessageRejected, decode_fetch_request, encode
+from stream_rlhf.broker.control.messages import (
+    FetchReply,
+    FetchRequest,
+    MessageRejected,
+    Reclaim,
+    ReclaimReply,
+    decode_payload_request,
+    encode,
+)
 from stream_rlhf.broker.ratelog import RateLimitedLog, truncate
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,9 @@ class ServedField(NamedTuple):
 class PayloadSource(Protocol):
     def frames_for(self, request: FetchRequest) -> list[ServedField]:
         """Each requested field's bytes; PayloadError naming the handle and field if not found."""
+
+    def reclaim(self, request: Reclaim) -> int:
+        """Unlink what the broker names; the number of segments unlinked, or PayloadError."""
 
 
 class PayloadServer:
@@ -88,7 +100,7 @@ class PayloadServer:
                 try:
                     self._answer(message)
                 except Exception as exc:  # noqa: BLE001 - a bug must not stop the payload plane
-                    self._reject("internal_error", f"{type(exc).__name__}: {exc}", None)
+                    self._reject("internal_error", f"{type(exc).__name__}: {exc}", None, FetchReply)
             self._watch.judge()
             self._ratelog.flush()
         self._watch.close()
@@ -98,18 +110,25 @@ class PayloadServer:
 
     def _answer(self, message: list[zmq.Frame]) -> None:
         if len(message) != 3:
-            self._reject("malformed", f"{len(message)} frames, expected 3", None)
+            self._reject("malformed", f"{len(message)} frames, expected 3", None, FetchReply)
             return
         identity, empty, request_frame = message[0].bytes, b"", message[2]  # bytes: tracked sends take no Frames
+        reply: type[FetchReply] | type[ReclaimReply] = FetchReply
         try:
-            request = decode_fetch_request(request_frame.buffer)
+            request = decode_payload_request(request_frame.buffer)
             if request == GOODBYE:
                 self._watch.goodbye(request_frame)
+                return
+            if isinstance(request, Reclaim):
+                reply = ReclaimReply
+                unlinked = self._source.reclaim(request)
+                self.counters["payload.reclaimed"] = self.counters.get("payload.reclaimed", 0) + unlinked
+                self._socket.send_multipart([identity, empty, encode(ReclaimReply(unlinked))])
                 return
             found = self._source.frames_for(request)
         except (MessageRejected, PayloadError) as exc:
             self._reject("malformed" if isinstance(exc, MessageRejected) else "not_held", str(exc),
-                         [identity, empty])
+                         [identity, empty], reply)
             return
         frames = [field.view for field in found]
         if any(field.copy for field in found):  # small payloads: copied, their slots free to reuse
@@ -121,11 +140,12 @@ class PayloadServer:
         for trackers in {id(f.trackers): f.trackers for f in found if f.trackers is not None}.values():
             trackers.append(tracker)  # not reused before zmq has sent these bytes
 
-    def _reject(self, kind: str, reason: str, envelope: list[zmq.Frame] | None) -> None:
+    def _reject(self, kind: str, reason: str, envelope: list[zmq.Frame] | None,
+                reply: type[FetchReply] | type[ReclaimReply]) -> None:
         self.counters[f"payload.rejected.{kind}"] = self.counters.get(f"payload.rejected.{kind}", 0) + 1
-        self._ratelog.log(logging.WARNING, kind, "payload fetch rejected (%s): %s", kind, reason)
+        self._ratelog.log(logging.WARNING, kind, "payload request rejected (%s): %s", kind, reason)
         if envelope is not None:
-            self._socket.send_multipart([*envelope, encode(FetchReply(error=truncate(reason, 1000)))])
+            self._socket.send_multipart([*envelope, encode(reply(error=truncate(reason, 1000)))])
 
     def stop(self) -> None:
         self._stop.set()

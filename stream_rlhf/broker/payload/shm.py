@@ -209,6 +209,12 @@ def has_prefix(name: str, prefix: str) -> bool:
     return name.startswith("/") and _of_prefix(prefix).fullmatch(name[1:]) is not None
 
 
+def creator_pid(name: str, prefix: str) -> int | None:
+    """The pid in segment `name` of `prefix` (made by `segment_name`); None for another name."""
+    match = _of_prefix(prefix).fullmatch(name[1:]) if name.startswith("/") else None
+    return int(match.group(1)) if match else None
+
+
 def _of_prefix(prefix: str) -> re.Pattern[str]:
     return re.compile(rf"{re.escape(prefix)}_(\d+)_\d+")
 

@@ -49,6 +49,7 @@ from stream_rlhf.broker.control.messages import (
     FieldSpec,
     Handle,
     Location,
+    Reclaim,
     decode_fetch_reply,
     encode,
 )
@@ -310,6 +311,11 @@ class ShmTransport:
             sock.connect(endpoint)
             self._fetch_sockets[endpoint] = sock
         return sock
+
+    def reclaim(self, request: Reclaim) -> int:
+        """Refused: only a host's payload server (`host_server.py`) unlinks for the broker."""
+        raise PayloadError("this payload server holds one producer's payloads; the broker's Reclaim goes to a "
+                           "host's payload server")
 
     def frames_for(self, request: FetchRequest) -> list[ServedField]:
         """Called by the payload server: each requested field's bytes and how to send them, found by

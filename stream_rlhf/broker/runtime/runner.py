@@ -64,6 +64,7 @@ from stream_rlhf.broker.control.messages import (
     Stats,
     decode,
 )
+from stream_rlhf.broker.payload.host_server import HOST_SERVER_ENV
 from stream_rlhf.broker.payload.shm import host_id
 from stream_rlhf.broker.payload.transport import PayloadTransport, ShmTransport
 from stream_rlhf.broker.runtime.host import StageHost
@@ -328,7 +329,8 @@ class StageRunner:
         if now - self._last_hello < self._heartbeat_interval:
             return  # several "unknown peer" errors in a row need one hello
         self._last_hello = now
-        self._send(Hello(SCHEMA_VERSION, self.stage_name, self.instance_id, self.capabilities, os.getpid(), host_id()))
+        self._send(Hello(SCHEMA_VERSION, self.stage_name, self.instance_id, self.capabilities, os.getpid(), host_id(),
+                         os.environ.get(HOST_SERVER_ENV, "")))
 
     def _io_loop(self) -> None:
         """The io thread: owns the DEALER and closes it on every path, since `Context.term()` in
