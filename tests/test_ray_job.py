@@ -1,5 +1,6 @@
-"""`launcher: ray`: the tiny RL job as Ray actors, on a local Ray instance and on a two-node
-`ray.cluster_utils.Cluster` on this machine (stages pinned to nodes by custom resources).
+"""`launcher: ray`: the tiny RL job as Ray actors, on a local Ray instance and on clusters of two
+and three nodes on this machine (`ray.cluster_utils.Cluster`; stages pinned to nodes by custom
+resources).
 
 Ray is heavy on a 2-core machine, so these are few and slow; each stops the Ray processes it
 started, also when it fails, and checks that none is left.
@@ -125,19 +126,6 @@ def test_ray_job_on_a_local_instance_trains_every_sample_it_generated(tmp_path):
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_rayjob")]
 
 
-def test_sigterm_drains_a_ray_job_and_leaves_no_actor_or_raylet(tmp_path):
-    before = raylets()
-    process, log_file = start_training(tmp_path, "drained")
-    process.terminate()  # SIGTERM, as a scheduler stops a job: handled as Ctrl-C
-    assert finish(process, 120) == 130
-    log = log_file.read_text()
-    assert "interrupted: draining every stage" in log and "ignored shutdown" not in log, log[-4000:]
-    assert "continue with `stream-rlhf run" in log  # the trainers checkpointed as they drained
-    where = placed(log)
-    assert len(where) == 8 and not [name for name, (_, pid) in where.items() if alive(pid)]
-    assert raylets() <= before
-
-
 def test_a_ray_job_whose_broker_dies_fails_at_once_naming_it(tmp_path):
     """The broker's actor is killed mid-job: no rank can drain without it, so the driver kills
     them at once (not after the stop grace) and fails naming the broker; nothing is left running."""
@@ -173,25 +161,18 @@ def two_nodes():
 
 
 def test_ray_job_across_two_nodes_runs_each_stage_where_its_resources_are(tmp_path, two_nodes):
+    """Each stage's actor on the node its resources name; a Ray worker of a stage killed with
+    SIGKILL is restarted on its node while its stage has restarts left, then the job fails naming
+    it and stops every actor. (A whole run across nodes: the three-host tests below.)"""
     cluster, rollout_node, train_node = two_nodes
     on_rollout, on_train = {"rollout_node": 1}, {"train_node": 1}
     resources = {"prompts": on_rollout, "rollout": on_rollout, "broker": on_train, "ref_forward": on_train,
                  "reward_forward": on_train, "critic_forward": on_train, "actor_train": on_train,
                  "critic_train": on_train}
-    sets = ("placement.mode=separated", "placement.rollout_cores=[0]", "placement.train_cores=[1]")
     ray_settings = {"address": cluster.address, "strategy": "SPREAD", "stage_resources": resources,
                     "start_timeout_s": 60}
-    code, log = run_job(tmp_path, "nodes", 300, *sets, ray=ray_settings)
-    assert code == 0, log[-4000:]
-    assert_accounting(tmp_path / "nodes")
-    where = placed(log)
-    assert {where["prompts-0"][0], where["rollout-0"][0]} == {rollout_node}
-    assert {where[n][0] for n in where if n not in ("prompts-0", "rollout-0")} == {train_node}
-    assert not [name for name, (_, pid) in where.items() if alive(pid)]
-
-    # a Ray worker of a stage killed with SIGKILL: restarted while its stage has restarts left, then
-    # the job fails naming it, and stops every actor
-    process, log_file = start_job(tmp_path, "killed", *sets, "iterations=200", "restarts={rollout: 1}",
+    process, log_file = start_job(tmp_path, "killed", "placement.mode=separated", "placement.rollout_cores=[0]",
+                                  "placement.train_cores=[1]", "iterations=200", "restarts={rollout: 1}",
                                   "checkpoint.recoveries=0", ray=ray_settings)
     deadline = time.monotonic() + 180
     while (time.monotonic() < deadline and process.poll() is None
@@ -199,6 +180,9 @@ def test_ray_job_across_two_nodes_runs_each_stage_where_its_resources_are(tmp_pa
         time.sleep(0.5)
     first = placed(log_file.read_text())
     assert "rollout-0" in first and process.poll() is None, log_file.read_text()[-4000:]
+    assert {first["prompts-0"][0], first["rollout-0"][0]} == {rollout_node}
+    assert {first[n][0] for n in first if n not in ("prompts-0", "rollout-0")} == {train_node}
+    assert len(first) == 8
     os.kill(first["rollout-0"][1], signal.SIGKILL)
     while time.monotonic() < deadline and placed(log_file.read_text())["rollout-0"] == first["rollout-0"]:
         time.sleep(0.5)
@@ -213,24 +197,50 @@ def test_ray_job_across_two_nodes_runs_each_stage_where_its_resources_are(tmp_pa
     assert not [pid for pid in pids if alive(pid)]  # no actor outlived the job
 
 
-@pytest.fixture
-def three_hosts(monkeypatch):
+def test_a_device_group_runs_as_one_ray_actor_and_trains_every_sample(tmp_path):
+    """`placement.device_groups` under Ray: the three forwards run in one actor (one bundle) taking
+    turns, every generated sample is trained, and no actor or raylet outlives the job."""
+    before = raylets()
+    forwards = ["ref_forward", "reward_forward", "critic_forward"]
+    code, log = run_job(tmp_path, "raygroup", 300, "placement.mode=separated", ray={"num_cpus": 2},
+                        **{"placement.device_groups": {"forwards": forwards}})
+    assert code == 0, log[-4000:]
+    summary = assert_accounting(tmp_path / "raygroup")
+    where = placed(log)
+    assert set(where) == {"broker", "prompts-0", "rollout-0", "forwards-0", "actor_train-0", "critic_train-0"}
+    assert f"forwards-0: {', '.join(forwards)} in one process" in log  # run_device_group, in the actor's worker
+    plan = json.loads((tmp_path / "raygroup" / "plan.json").read_text())
+    assert plan["ray"]["bundles"] == 6 and {r["process"] for r in plan["ranks"]} == set(where)
+    assert next(r for r in plan["ranks"] if r["process"] == "forwards-0")["hosts"] == forwards
+    # the members with a model took turns on the device: each moved its model off for the others
+    assert set(summary["offload"]) == {"ref_forward", "critic_forward"}, summary["offload"]
+    assert all(moved["offloads"] >= 1 for moved in summary["offload"].values()), summary["offload"]
+    assert not [name for name, (_, pid) in where.items() if alive(pid)]  # no actor outlived the job
+    assert raylets() <= before
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_raygroup")]
+
+
+@pytest.fixture(scope="module")
+def three_hosts():
     """Three nodes on 127.0.0.1, one CPU each, offering `rollout_node`, `forwards_node` and
-    `train_node`: with `ray.node_hosts` each is a host of its own."""
+    `train_node`: with `ray.node_hosts` each is a host of its own. One cluster for the tests
+    below (the last of this module: a local Ray instance started while it runs could meet it);
+    each test's job is a driver of its own, whose actors end with it."""
     from ray.cluster_utils import Cluster
 
-    # the driver's ray.init would turn the cluster's 127.0.0.1 into this machine's address
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"rollout_node": 100},
-                                                            "include_dashboard": False, "node_ip_address": LOOPBACK})
-    try:
-        nodes = [cluster.add_node(num_cpus=1, resources={name: 100}, node_ip_address=LOOPBACK)
-                 for name in ("forwards_node", "train_node")]
-        cluster.wait_for_nodes(timeout=60)
-        yield cluster, [cluster.head_node.node_id, *(node.node_id for node in nodes)]
-    finally:
-        cluster.shutdown()
+    with pytest.MonkeyPatch.context() as patch:
+        # the driver's ray.init would turn the cluster's 127.0.0.1 into this machine's address
+        patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"rollout_node": 100},
+                                                                "include_dashboard": False,
+                                                                "node_ip_address": LOOPBACK})
+        try:
+            nodes = [cluster.add_node(num_cpus=1, resources={name: 100}, node_ip_address=LOOPBACK)
+                     for name in ("forwards_node", "train_node")]
+            cluster.wait_for_nodes(timeout=60)
+            yield cluster, [cluster.head_node.node_id, *(node.node_id for node in nodes)]
+        finally:
+            cluster.shutdown()
 
 
 ON_THREE_HOSTS = {stage: {f"{host}_node": 1} for host, stages in (
@@ -314,10 +324,11 @@ def test_ppo_across_three_hosts_fetches_payloads_over_tcp_and_sends_weights_by_b
 @pytest.mark.timeout(900)
 def test_metrics_from_another_host_arrive_while_the_job_runs_and_its_drain_checkpoint_after(tmp_path, three_hosts):
     """The trainers on a host of their own (`ray.node_hosts`): metrics.jsonl reaches the driver's
-    run folder while the job still runs, and after SIGTERM the checkpoint the trainers wrote as they
-    drained is there too (the driver names it to resume from). The run resumes from it on the same
-    three hosts: each gets what its ranks read (the trainers' parts and metrics, rollout's kept
-    outputs, the prompt cursor) and the run trains every sample once."""
+    run folder while the job still runs; SIGTERM drains every stage (none waits out the stop grace,
+    no actor outlives the job), and the checkpoint the trainers wrote as they drained is there too
+    (the driver names it to resume from). The run resumes from it on the same three hosts: each
+    gets what its ranks read (the trainers' parts and metrics, rollout's kept outputs, the prompt
+    cursor) and the run trains every sample once."""
     cluster, _ = three_hosts
     resources = ON_THREE_HOSTS
     process, log_file = start_job(tmp_path, "live", "placement.mode=separated", "placement.rollout_cores=[0]",
@@ -329,10 +340,13 @@ def test_metrics_from_another_host_arrive_while_the_job_runs_and_its_drain_check
     while time.monotonic() < deadline and process.poll() is None and not read_metrics(metrics):
         time.sleep(0.2)
     assert process.poll() is None and read_metrics(metrics), log_file.read_text()[-4000:]
-    process.terminate()
+    process.terminate()  # SIGTERM, as a scheduler stops a job: handled as Ctrl-C
     assert finish(process, 120) == 130
     log = log_file.read_text()
+    assert "interrupted: draining every stage" in log and "ignored shutdown" not in log, log[-4000:]
     assert "continue with `stream-rlhf run" in log, log[-4000:]  # a complete checkpoint in the driver's folder
+    where = placed(log)
+    assert len(where) == 8 and not [name for name, (_, pid) in where.items() if alive(pid)]
     assert len(read_metrics(metrics)) >= 1 and not list((tmp_path / "live").rglob("*.shipping"))
 
     point = CheckpointStore(tmp_path / "live" / "checkpoints").latest(["actor", "critic"])
@@ -364,9 +378,9 @@ def test_stages_killed_on_other_hosts_restart_there_and_a_trainer_killed_is_reco
     """Across hosts (`ray.node_hosts`), rollout and then critic_forward killed: each restarts on its
     host, its new process joins its broadcast weight group anew (once a reason to give them no
     restarts), and what the dead one had published is still fetched from its host's payload
-    server, so the run goes on without a recovery; what it left there is unlinked there. Then actor_train's worker, once a checkpoint has
-    reached the driver: the run resumes from it on the same hosts (each gets the files its ranks
-    read) and trains every sample once."""
+    server, so the run goes on without a recovery; what it left there is unlinked there. Then
+    actor_train's worker, once a checkpoint has reached the driver: the run resumes from it on the
+    same hosts (each gets the files its ranks read) and trains every sample once."""
     cluster, (rollout_node, forwards_node, _) = three_hosts
     iterations = 60  # the tiny job trains ~5 a second here: the three kills must land before its end
     process, log_file = start_job(tmp_path, "recover", "placement.mode=separated", "placement.rollout_cores=[0]",
@@ -416,26 +430,3 @@ def test_stages_killed_on_other_hosts_restart_there_and_a_trainer_killed_is_reco
     assert [r["iteration"] for r in read_metrics(metrics)] == list(range(iterations))
     point = f"checkpoints/iter-{summary['resumed_from'][0]:06d}"
     assert f"got {point}/actor, metrics.jsonl" in log and f"got {point}/critic" in log, log[-4000:]
-
-
-def test_a_device_group_runs_as_one_ray_actor_and_trains_every_sample(tmp_path):
-    """`placement.device_groups` under Ray: the three forwards run in one actor (one bundle) taking
-    turns, every generated sample is trained, and no actor or raylet outlives the job."""
-    before = raylets()
-    forwards = ["ref_forward", "reward_forward", "critic_forward"]
-    code, log = run_job(tmp_path, "raygroup", 300, "placement.mode=separated", ray={"num_cpus": 2},
-                        **{"placement.device_groups": {"forwards": forwards}})
-    assert code == 0, log[-4000:]
-    summary = assert_accounting(tmp_path / "raygroup")
-    where = placed(log)
-    assert set(where) == {"broker", "prompts-0", "rollout-0", "forwards-0", "actor_train-0", "critic_train-0"}
-    assert f"forwards-0: {', '.join(forwards)} in one process" in log  # run_device_group, in the actor's worker
-    plan = json.loads((tmp_path / "raygroup" / "plan.json").read_text())
-    assert plan["ray"]["bundles"] == 6 and {r["process"] for r in plan["ranks"]} == set(where)
-    assert next(r for r in plan["ranks"] if r["process"] == "forwards-0")["hosts"] == forwards
-    # the members with a model took turns on the device: each moved its model off for the others
-    assert set(summary["offload"]) == {"ref_forward", "critic_forward"}, summary["offload"]
-    assert all(moved["offloads"] >= 1 for moved in summary["offload"].values()), summary["offload"]
-    assert not [name for name, (_, pid) in where.items() if alive(pid)]  # no actor outlived the job
-    assert raylets() <= before
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("t_raygroup")]

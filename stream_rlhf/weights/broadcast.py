@@ -178,7 +178,7 @@ class BroadcastReceiver:
         announced = lookup(folder, name, timeout_s)
         deadline = time.monotonic() + timeout_s  # to join it, or a later opening of it (after a restart)
         while True:
-            if not reachable(announced.address, min(REACH_S, max(0.0, deadline - time.monotonic()))):
+            if not reachable(announced.address, min(REACH_S, max(0.0, deadline - time.monotonic())), name):
                 if time.monotonic() >= deadline:  # its store closed and no newer one came
                     raise WeightSyncTimeout(f"weight-sync group {name!r} at {announced.address}: rank 0 "
                                             f"({SENDER_NAME}) was not reachable within {timeout_s}s")

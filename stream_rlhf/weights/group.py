@@ -244,9 +244,9 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def reachable(address: str, within_s: float) -> bool:
-    """Whether something listens at `address` ("host:port"), tried for up to `within_s`."""
-    host, port = _split_address(address, "reachable")
+def reachable(address: str, within_s: float, name: str) -> bool:
+    """Whether something listens at group `name`'s `address` ("host:port"), tried for up to `within_s`."""
+    host, port = _split_address(address, name)
     try:
         _wait_reachable(host, port, time.monotonic() + within_s, "")
     except WeightSyncTimeout:
