@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from stream_rlhf.weights.broadcast import BroadcastReceiver, BroadcastSender
 from stream_rlhf.weights.buckets import unpack
@@ -146,6 +148,40 @@ def test_a_restarted_receiver_rejoins_its_group_however_its_predecessor_died(tmp
     assert len(reopened) == 5, reopened  # every rollout-0 process after the first is a restarted one
     assert "asked to join again (while waiting for a version >= 3)" in reopened[2]
     assert "the broadcast of version 4 failed" in reopened[4] and "Connection closed by peer" in reopened[4]
+
+
+def group_store(folder, name: str) -> dist.PrefixStore:
+    """A client of the store of group `name`'s current opening (what its ranks joined)."""
+    host, port = wait_for_address(folder, name, timeout_s=10.0).rsplit(":", 1)
+    return dist.PrefixStore(name, dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10)))
+
+
+def test_a_receiver_that_died_while_its_group_formed_is_replaced_and_the_group_formed_anew(tmp_path, sender,
+                                                                                          caplog):
+    """Ranks 1 and 2 of a four-rank group joined, rank 3 was still to come, and rank 1 died: its
+    restarted process asks to join again, the sender opens the group anew instead of waiting for
+    the dead rank until its timeout, rank 2 (inside the old opening's setup) joins the new one,
+    and all three get the weights."""
+    trainer = sender({"rollout-0": 4})
+    trainer.publish(weights(1), version=1)
+    with caplog.at_level(logging.WARNING), \
+            receiver_process(tmp_path, "rollout-0", rank=2, world_size=4) as second:
+        with receiver_process(tmp_path, "rollout-0", rank=1, world_size=4) as dying:
+            store = group_store(tmp_path, "rollout-0")
+            wait_for(lambda: store.check(["joined/1", "joined/2"]), 20, "ranks 1 and 2 to join")
+            dying.kill()
+        with receiver_process(tmp_path, "rollout-0", rank=1, world_size=4) as first:
+            wait_for(lambda: "opening it again for the restarted receiver" in caplog.text, 20,
+                     "the sender to open the group again")
+            with receiver_process(tmp_path, "rollout-0", rank=3, world_size=4) as third:
+                for receiver in (first, second, third):
+                    receiver.joined()
+                    receiver.ask()
+                for receiver in (first, second, third):
+                    version, got = receiver.answer()
+                    assert version == 1
+                    assert_same(got, 1)
+    trainer.check()
 
 
 def test_a_waiting_receiver_fails_naming_the_group_when_the_sender_closes(tmp_path):

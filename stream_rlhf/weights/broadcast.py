@@ -36,10 +36,11 @@ its own folder.
 A receiver process that died is replaced by a restarted one (the launcher restarts rollout): the
 new process finds the group formed with its rank already, sets `rejoin` in its store and waits
 for the group's next opening (`group.GroupTaken`). The group's thread, waiting for a request or
-a snapshot, sees `rejoin` (or its broadcast fails: the peer is gone), closes the group and opens
-it again under a new address token, and the group goes on from request 1 with the newest
-snapshot; the other groups never notice. On NCCL a broadcast to a rank that died waits for the
-group's timeout first.
+a snapshot (or for the other ranks of a group still forming), sees `rejoin` (or its broadcast
+fails: the peer is gone), closes the group and opens it again under a new address token, and the
+group goes on from request 1 with the newest snapshot; the other groups never notice. A rank of
+the old opening still forming the group (its store then closes) joins the new one. On NCCL a
+broadcast to a rank that died waits for the group's timeout first.
 
 Across hosts the addresses go through a store instead of a folder (`address_book.py`: `folder` is
 then `tcp://HOST:PORT`), and the sender binds `host`, its interface towards that store.
@@ -108,9 +109,14 @@ class BroadcastSender(SnapshotSender):
     def _serve(self, name: str, stop: threading.Event) -> None:
         try:
             for opening in itertools.count(1):  # once more each time a restarted receiver replaces one
-                group = open_group(f"{self.host}:0", 0, self.groups[name], self.backend, self.timeout_s,
-                                   self.rank_names[name], name, announce=partial(publish, self.folder, name),
-                                   stop=stop)
+                try:
+                    group = open_group(f"{self.host}:0", 0, self.groups[name], self.backend, self.timeout_s,
+                                       self.rank_names[name], name, announce=partial(publish, self.folder, name),
+                                       stop=stop)
+                except ReceiverRestarted as exc:
+                    log.warning("weight-sync group %r: %s: opening it again for the restarted receiver (up to %.0fs)",
+                                name, exc, self.timeout_s)
+                    continue
                 if opening > 1:
                     log.warning("weight-sync group %r: the restarted receiver joined", name)
                 try:
@@ -189,6 +195,14 @@ class BroadcastReceiver:
                                    default_rank_names(name, world_size), name)
             except GroupTaken:  # the group this rank's predecessor joined: wait for its next opening
                 announced = lookup(folder, name, max(0.0, deadline - time.monotonic()), after=announced.token)
+                continue
+            except (RuntimeError, dist.DistError) as exc:  # its store closed while forming: opened again?
+                try:
+                    announced = lookup(folder, name, REACH_S, after=announced.token)
+                except WeightSyncTimeout:
+                    raise exc from None
+                log.warning("weight-sync group %r: rank %d: the group was opened again while it formed (%s); "
+                            "joining the new one", name, rank, str(exc)[:200])
                 continue
             return cls(group, device)
 

@@ -27,9 +27,10 @@ interval that grows with the time waited (1% of it, 0.2 ms to 20 ms).
 
 A rank that finds its `joined/<rank>` set already is a restarted process meeting the group its
 predecessor formed: it sets `rejoin` there, for rank 0 to open the group anew, and `rendezvous`
-raises `GroupTaken` (the receiver then waits for the next token: `broadcast.py`). A receiver
-that dies while the group is still forming (before every rank joined) is not replaced: rank 0
-waits for it until `timeout_s` and fails naming it.
+raises `GroupTaken` (the receiver then waits for the next token: `broadcast.py`). Rank 0 waiting
+for the other ranks of a group still forming sees `rejoin` too and raises `ReceiverRestarted`
+(its predecessor joined and died before the group formed). Once every rank joined, the backend's
+own setup waits for each of them: a rank that dies inside it is waited for until `timeout_s`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -197,19 +199,31 @@ def rendezvous(address: str, rank: int, world_size: int, timeout_s: float, rank_
                          "before: this is a restarted process; asked rank 0 to open the group again")
     store.set(f"joined/{rank}", "1")
     if rank == 0:
-        _wait_for_ranks(store, world_size, rank_names, deadline, f"weight-sync group {name!r} at {address}",
-                        timeout_s, stop)
+        restarted = None
+        try:
+            _wait_for_ranks(store, world_size, rank_names, deadline, f"weight-sync group {name!r} at {address}",
+                            timeout_s, stop)
+        except ReceiverRestarted as exc:
+            restarted = str(exc)
+        if restarted is not None:  # outside the handler: no traceback keeps the store alive
+            del store, host_store  # its server stops: the ranks of this opening fail now, not at their timeout
+            raise ReceiverRestarted(restarted)
     return store, address
 
 
 def _wait_for_ranks(store: dist.Store, world_size: int, rank_names: Sequence[str], deadline: float,
                     where: str, timeout_s: float, stop: threading.Event | None) -> None:
+    """Until every rank joined; ReceiverRestarted once a restarted process asks to join again (its
+    predecessor joined and died while the others were still coming)."""
+    rejoined = partial(store.check, [REJOIN])
     try:
-        wait_for_keys(store, [f"joined/{r}" for r in range(1, world_size)], where, deadline, stop)
+        wait_for_keys(store, [f"joined/{r}" for r in range(1, world_size)], where, deadline, stop, unless=rejoined)
     except WeightSyncTimeout:
         missing = [r for r in range(1, world_size) if not store.check([f"joined/{r}"])]
         listed = ", ".join(f"{r} ({rank_names[r]})" for r in missing)
         raise WeightSyncTimeout(f"{where}: rank(s) {listed} did not join within {timeout_s}s") from None
+    if rejoined():
+        raise ReceiverRestarted("a restarted receiver asked to join again before the group formed")
 
 
 def _backend(backend: Backend, store: dist.Store, rank: int, world_size: int, host: str,
