@@ -9,7 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from stream_rlhf.config import load_config
+from stream_rlhf.config import ConfigError, load_config
+from stream_rlhf.driver.resume import prepare_resume, record_start
 from stream_rlhf.driver.run import RLRun
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
@@ -79,3 +80,27 @@ def test_the_hint_after_a_stop_says_resume_or_that_the_training_had_ended(tmp_pa
     assert "holds iteration 4 (policy version 2): continue with `stream-rlhf run job.yaml --resume" in middle
     assert "the training had ended: checkpoint" in end and "before its eval after RL and summary.json: " \
         "`stream-rlhf run job.yaml --resume" in end
+
+
+def test_resume_refuses_a_trainer_on_another_backend_or_megatron_layout_naming_the_key(tmp_path):
+    """Refused before any stage starts (a stage would fail loading its state, and so would each
+    recovery); a torch trainer's ranks may change (its state loads on any number)."""
+    def config(*sets: str) -> RLJobConfig:
+        return load_config(RLJobConfig, "configs/text_ppo.yaml", [f"runs_dir={tmp_path}", *sets])
+
+    actor = "placement.stages.actor_train"
+    tp2 = [f"{actor}.backend=megatron", f"{actor}.ranks=2", f"{actor}.megatron.tp=2"]
+    record_start(tmp_path / "megatron", config(*tp2), {}, "start")
+    for sets, refused in (
+        ([f"{actor}.backend=megatron", f"{actor}.ranks=2"], f"{actor}.megatron.tp=1: the run to resume checkpointed "
+                                                            "actor_train with 2; a trainer resumes on the backend"),
+        ([f"{actor}.backend=megatron", f"{actor}.ranks=4", f"{actor}.megatron.tp=2"], f"{actor}.ranks=4: .* with 2"),
+        ([], f"{actor}.backend='torch': the run to resume checkpointed actor_train with 'megatron'"),
+    ):
+        with pytest.raises(ConfigError, match=refused):
+            prepare_resume(tmp_path / "megatron", config(*sets), tmp_path / "weights")
+    with pytest.raises(ConfigError, match="no complete checkpoint"):  # past the check
+        prepare_resume(tmp_path / "megatron", config(*tp2), tmp_path / "weights")
+    record_start(tmp_path / "torch", config(), {}, "start")
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        prepare_resume(tmp_path / "torch", config(f"{actor}.ranks=2"), tmp_path / "weights")

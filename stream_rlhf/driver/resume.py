@@ -147,6 +147,26 @@ def _check_unchanged(saved: dict[str, Any], now: dict[str, Any]) -> None:
             if before.get(name) != after.get(name):
                 raise ConfigError(f"{name}={after.get(name)!r}: the run to resume had {before.get(name)!r}; a resumed "
                                   "run keeps its model, task, data, batch shape, advantage estimator and seed")
+    for stage in STAGE_PARTS:
+        before, after = _trainer_layout(saved, stage), _trainer_layout(now, stage)
+        for name in before:
+            if before[name] != after.get(name):
+                raise ConfigError(
+                    f"placement.stages.{stage}.{name}={after.get(name)!r}: the run to resume checkpointed {stage} "
+                    f"with {before[name]!r}; a trainer resumes on the backend that saved its state, and a megatron "
+                    "one on the layout it saved it with (ranks, tp, pp, cp: its optimizer state is per rank)")
+
+
+def _trainer_layout(cfg: dict[str, Any], stage: str) -> dict[str, Any]:
+    """What a trainer's saved state depends on: its backend and, for megatron, its ranks and
+    parallel sizes (the torch engine's state loads on any number of ranks)."""
+    placed = _at(cfg, f"placement.stages.{stage}") or {}
+    backend = placed.get("backend", "torch")
+    if backend != "megatron":
+        return {"backend": backend}
+    sizes = placed.get("megatron") or {}
+    return {"backend": backend, "ranks": placed.get("ranks", 1),
+            **{f"megatron.{size}": sizes.get(size, 1) for size in ("tp", "pp", "cp")}}
 
 
 def _at(tree: dict[str, Any], key: str) -> Any:
