@@ -39,6 +39,7 @@ class RemoteReclaimer:
         self._stats.setdefault(REMOTE_COUNTER, 0)  # set before the thread adds to it: no new key while read
         self._requests: queue.Queue[tuple[str, Reclaim] | None] = queue.Queue()
         self._sockets: dict[str, zmq.Socket] = {}
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="remote-reclaim", daemon=True)
         self._thread.start()
 
@@ -50,13 +51,15 @@ class RemoteReclaimer:
         self._requests.put(None)
         self._thread.join(drain_s)
         if self._thread.is_alive():
-            log.warning("%d reclaim request(s) to other hosts not sent: their segments stay until the job ends",
-                        self._requests.qsize())
+            self._closed = True  # the broker terminates the context next: the thread then ends quietly
+            log.warning("reclaim requests to other hosts not answered within %g s are dropped: their segments stay "
+                        "until the job ends", drain_s)
 
     def _run(self) -> None:
         try:
             while (item := self._requests.get()) is not None:
-                self._ask(*item)
+                if not self._closed:
+                    self._ask(*item)
         finally:
             for sock in self._sockets.values():
                 sock.close(linger=0)
@@ -68,7 +71,8 @@ class RemoteReclaimer:
             answered = sock.poll(ANSWER_S * 1000)
             reply = decode_reclaim_reply(sock.recv()) if answered else None
         except (sockets.CurveKeyError, zmq.ZMQError, MessageRejected) as exc:  # a bad address, keys, reply
-            log.warning("cannot ask %s to reclaim segments: %s", endpoint, exc)
+            if not self._closed:
+                log.warning("cannot ask %s to reclaim segments: %s", endpoint, exc)
             self._drop(endpoint)
             return
         if reply is None:
