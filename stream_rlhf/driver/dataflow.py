@@ -89,8 +89,7 @@ def compile_job(cfg: RLJobConfig, checkpoint: str, weights_root: str, vision_lan
                           "rollout; this machine has none (use shm or broadcast)")
     critic = cfg.algorithm.uses_critic
     left_out = left_out_stages(cfg)
-    for stage, reason in left_out.items():
-        log.info("dataflow: no %s stage: %s", stage, reason)
+    for stage in left_out:  # why each is left out: the job plan's "left out" lines
         if stage in cfg.placement.stages:
             log.warning("placement.stages.%s: not used, this config has no %s stage", stage, stage)
     if cfg.placement.with_rollout and cfg.placement.mode != "separated":
