@@ -300,6 +300,19 @@ def _produce_then_die(prefix: str, endpoint: str, queue) -> None:
     os._exit(0)
 
 
+def _a_producer_that_died(prefix: str, endpoint: str) -> tuple[tuple[Handle, Handle], int]:
+    """The large and small handles `_produce_then_die` published in a spawned process, once it
+    died; and its pid."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_produce_then_die, args=(prefix, endpoint, queue))
+    child.start()
+    large_bytes, small_bytes, served_by = queue.get(timeout=60)
+    child.join(30)
+    assert child.exitcode == 0 and served_by == endpoint  # no server of its own
+    return (decode(large_bytes).handle, decode(small_bytes).handle), child.pid
+
+
 def test_the_hosts_payload_server_serves_what_a_producer_that_died_had_published(shm_prefix):
     """A consumer on another host (here: fetching over TCP) gets both payloads from the host's
     server after their producer died; requests for another job's segment, a field past its
@@ -307,14 +320,7 @@ def test_the_hosts_payload_server_serves_what_a_producer_that_died_had_published
     server = HostPayloadServer(shm_prefix, "127.0.0.1", None)
     consumer = ShmTransport(prefix="unused", serve=False, prefer="tcp", fetch_timeout_s=10.0)
     try:
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        child = ctx.Process(target=_produce_then_die, args=(shm_prefix, server.endpoint, queue))
-        child.start()
-        large_bytes, small_bytes, served_by = queue.get(timeout=60)
-        child.join(30)
-        assert child.exitcode == 0 and served_by == server.endpoint  # no server of its own
-        large, small = decode(large_bytes).handle, decode(small_bytes).handle
+        (large, small), _ = _a_producer_that_died(shm_prefix, server.endpoint)
         assert torch.equal(consumer.get(large)["x"], torch.arange(LARGE, dtype=torch.float32))
         assert consumer.get(small)["y"].tolist() == [7] * 10
         spec = large.fields["x"]
@@ -347,19 +353,13 @@ def test_the_hosts_payload_server_unlinks_what_the_broker_names_of_producers_gon
     consumer = ShmTransport(prefix="unused", serve=False, prefer="tcp", fetch_timeout_s=10.0)
     live = ShmTransport(prefix=shm_prefix)  # this process: alive, with a payload server of its own
     try:
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        child = ctx.Process(target=_produce_then_die, args=(shm_prefix, server.endpoint, queue))
-        child.start()
-        large_bytes, _, _ = queue.get(timeout=60)
-        child.join(30)
-        large = decode(large_bytes).handle
+        (large, _), dead = _a_producer_that_died(shm_prefix, server.endpoint)
         kept = large.fields["x"].location.segment
-        assert len([name for name, pid in shm.list_segments(shm_prefix) if pid == child.pid]) == 3
+        assert len([name for name, pid in shm.list_segments(shm_prefix) if pid == dead]) == 3
         live.put("mine", {"w": torch.ones(LARGE)})
-        mine = {name for name, pid in shm.list_segments(shm_prefix) if pid != child.pid}
+        mine = {name for name, pid in shm.list_segments(shm_prefix) if pid != dead}
 
-        reclaimer.send(server.endpoint, Reclaim(dead_pid=child.pid, keep=[kept]))
+        reclaimer.send(server.endpoint, Reclaim(dead_pid=dead, keep=[kept]))
         wait_for(lambda: stats[REMOTE_COUNTER] == 2, 10, "the arena and the unsent payload unlinked")
         assert {name for name, _ in shm.list_segments(shm_prefix)} == {kept, *mine}
         assert torch.equal(consumer.get(large)["x"], torch.arange(LARGE, dtype=torch.float32))
