@@ -62,6 +62,13 @@ FORWARDS = {"forwards": ["ref_forward", "critic_forward"]}
         ({"placement.device_groups": FORWARDS, "placement.stages": {"ref_forward": {"cores": [0]}}},
          "placement.device_groups.forwards: its stages share one process, so one cores setting: "
          "stages.ref_forward.cores=[0], stages.critic_forward.cores=None"),
+        ({"placement.device": "cuda", "placement.stages": {"actor_train": {"ranks": 2, "offload": {}}}},
+         "placement.stages.actor_train.offload: actor_train has ranks=2 on the torch backend on CUDA: its model is "
+         "sharded over them (FSDP2), and moving a sharded model off the device is not built yet"),
+        ({"placement.device": "cuda", "placement.device_groups": {"trainers": ["actor_train", "critic_train"]},
+          "placement.stages": {"actor_train": {"ranks": 2}, "critic_train": {"ranks": 2}}},
+         "placement.device_groups.trainers: its members take turns on the device by offloading, and actor_train "
+         "has ranks=2 on the torch backend on CUDA"),
         ({"placement.device_groups": FORWARDS, "launcher": "ray",
           "ray": {"stage_resources": {"ref_forward": {"a": 1}}}},
          "placement.device_groups.forwards: its stages share one process, one Ray bundle on one node, so one "

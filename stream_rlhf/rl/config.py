@@ -62,6 +62,10 @@ IGNORED_ALGORITHM_KEYS = {
 }
 """The `algorithm` keys each advantage estimator never reads (`algos/advantages.py`); those without a
 critic ignore `critic.*` and the critic stages' placement too. Setting one is a config error."""
+SHARDED_STAYS = ("{stage} has ranks={ranks} on the torch backend on CUDA: its model is sharded over them (FSDP2), "
+                 "and moving a sharded model off the device is not built yet (give it one rank, backend: "
+                 "megatron, or no offload)")
+"""Why a sharded torch trainer on CUDA takes no offload policy and joins no device group."""
 
 
 @dataclass(frozen=True)
@@ -305,6 +309,8 @@ class RLJobConfig:
             if own.offload.prefetch and device_group_of(self.placement, stage) is None:
                 raise ConfigError(f"{key}.prefetch=true: {stage} is in no placement.device_groups entry (a "
                                   "prefetch overlaps another member's step)")
+            if self._sharded_on_cuda(stage):
+                raise ConfigError(f"{key}: {SHARDED_STAYS.format(stage=stage, ranks=own.ranks)}")
         for name, members in self.placement.device_groups.items():
             key = f"placement.device_groups.{name}"
             if name in STAGE_KINDS:
@@ -313,11 +319,21 @@ class RLJobConfig:
                 if member not in STAGE_KINDS or not STAGE_KINDS[member].device_group:
                     raise ConfigError(f"{key}: {member!r} cannot join a device group (only "
                                       f"{', '.join(stages_where('device_group'))} can)")
+                if self._sharded_on_cuda(member):
+                    ranks = self.placement.stages[member].ranks
+                    raise ConfigError(f"{key}: its members take turns on the device by offloading, and "
+                                      f"{SHARDED_STAYS.format(stage=member, ranks=ranks)}")
             pins = {m: self.ray.stage_resources.get(m) for m in members}
             if len({repr(sorted((p or {}).items())) for p in pins.values()}) > 1:
                 raise ConfigError(f"{key}: its stages share one process, one Ray bundle on one node, so one "
                                   "ray.stage_resources setting: "
                                   + ", ".join(f"ray.stage_resources.{m}={p}" for m, p in pins.items()))
+
+    def _sharded_on_cuda(self, stage: str) -> bool:
+        """The stage trains a torch model sharded over its ranks (FSDP2) on CUDA."""
+        own = self.placement.stages.get(stage)
+        return (own is not None and own.ranks > 1 and own.backend == "torch" and STAGE_KINDS[stage].trains
+                and self.placement.resolved_device() == "cuda")
 
     def _check_megatron(self, stage: str, own: StagePlacement, key: str) -> None:
         """A megatron stage holds a train engine and a language model (a vision-language model's
