@@ -163,9 +163,7 @@ class RLRun:
         log.info("eval before RL: reward %.3f (greedy %.3f)", self.before["reward"], self.before["greedy_reward"])
         self.cfg, self.placement_choice = auto_placed(self.cfg, self.checkpoint, str(self.weights),
                                                       self.vision_language)
-        choice = self.placement_choice
-        if choice is not None:
-            log.info("%s", choice.describe())
+        choice = self.placement_choice  # the job plan's "placement auto" line says what it chose and why
         self.plan = compile_plan(self.cfg, self.checkpoint, str(self.weights), self.vision_language,
                                  self.resumed.point if self.resumed else None,
                                  placement_auto=choice.as_dict() if choice is not None else None)

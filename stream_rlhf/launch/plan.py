@@ -39,7 +39,7 @@ class Dataflow:
     admission: OverlapAdmission | PhaseAdmission | None
     broker_cores: list[int] | None = None
     left_out: dict[str, str] = field(default_factory=dict)
-    """Stages this config does not need, with the reason (logged, and in the run's summary)."""
+    """Stages this config does not need, with the reason (the plan's "left out" lines, and the run's summary)."""
     trace_folder: str | None = None
     """Where every process appends its trace events (`telemetry/trace.py`); None: `trace: false`."""
     device_groups: dict[str, list[str]] = field(default_factory=dict)
