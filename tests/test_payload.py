@@ -14,6 +14,7 @@ import zmq
 
 from stream_rlhf.broker.control.messages import (
     FetchRequest,
+    FieldAt,
     Handle,
     Publish,
     Reclaim,
@@ -21,8 +22,8 @@ from stream_rlhf.broker.control.messages import (
     decode_fetch_reply,
     encode,
 )
-from stream_rlhf.broker.payload import shm
-from stream_rlhf.broker.payload.host_server import HOST_SERVER_ENV, HostPayloadServer
+from stream_rlhf.broker.payload import host_server, shm
+from stream_rlhf.broker.payload.host_server import HOST_SERVER_ENV, HostPayloadServer, HostSegments
 from stream_rlhf.broker.payload.memory_transport import MemoryTransport
 from stream_rlhf.broker.payload.remote_reclaim import REMOTE_COUNTER, RemoteReclaimer
 from stream_rlhf.broker.payload.server import PayloadError
@@ -385,3 +386,23 @@ def test_the_hosts_payload_server_unlinks_what_the_broker_names_of_producers_gon
         consumer.close()
         live.close()
         server.stop()
+
+
+def test_the_hosts_payload_server_lets_go_of_segments_their_producer_unlinked(shm_prefix, monkeypatch):
+    """A mapping keeps its segment's memory: once the producer unlinked the segment (its pool let
+    it go), the server's next request drops its mapping."""
+    monkeypatch.setattr(host_server, "UNLINKED_CHECK_S", 0.0)
+    segments = HostSegments(shm_prefix)
+    made = [shm.create(shm.segment_name(shm_prefix, os.getpid(), n), 4096) for n in range(2)]
+    try:
+        for n, segment in enumerate(made):
+            segment.mapping[:4] = bytes([n + 1] * 4)
+        requests = [FetchRequest(f"h{n}", ["x"], [FieldAt(segment.name, 0, 4)]) for n, segment in enumerate(made)]
+        assert bytes(segments.frames_for(requests[0])[0].view) == b"\x01" * 4
+        made[0].destroy()  # unlinked by its producer: the server's mapping alone keeps its memory
+        assert bytes(segments.frames_for(requests[1])[0].view) == b"\x02" * 4
+        assert list(segments._mappings) == [made[1].name]
+        with pytest.raises(PayloadError, match="is gone from this host"):
+            segments.frames_for(requests[0])
+    finally:
+        made[1].destroy()

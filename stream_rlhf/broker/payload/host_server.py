@@ -13,7 +13,7 @@ size), so a handle published by a process that died since is still served. It se
 segments named with the job's prefix, mapped without the consumers' lock (`shm.attach_cached`:
 it never holds a producer back from reusing a released segment, and a handle is released only
 once every consumer, each of which has fetched it, acknowledged it), and keeps the newest
-`MAPPINGS` mappings.
+`MAPPINGS` mappings, dropping those of segments unlinked since (their memory goes back).
 
 The broker frees what producers gone from this host leave (`broker/control/reclaim.py`): it sends
 a Reclaim naming the segments of acknowledged handles, or a dead process whose other segments go
@@ -25,6 +25,7 @@ drops its mappings of them, so their memory goes back at once.
 from __future__ import annotations
 
 import mmap
+import time
 from collections import OrderedDict
 
 import zmq
@@ -37,6 +38,8 @@ HOST_SERVER_ENV = "STREAM_RLHF_HOST_PAYLOADS"
 """Set by the launcher for each rank: its host's payload server, named in the rank's payloads."""
 MAPPINGS = 64
 """Segments the host's server keeps mapped (the least recently served are dropped first)."""
+UNLINKED_CHECK_S = 1.0
+"""How often (at most, on a request) the server drops its mappings of segments unlinked since."""
 
 
 class HostSegments:
@@ -45,8 +48,10 @@ class HostSegments:
     def __init__(self, prefix: str):
         self.prefix = prefix
         self._mappings: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._checked_at = 0.0
 
     def frames_for(self, request: FetchRequest) -> list[ServedField]:
+        self._drop_unlinked()
         if len(request.at) != len(request.fields):
             raise PayloadError(f"handle {request.handle_id}: the host's payload server serves fields by place; the "
                                f"request gives {len(request.at)} for {len(request.fields)} fields")
@@ -79,6 +84,16 @@ class HostSegments:
             self._mappings.pop(segment, None)  # a send in flight keeps its own view alive
             unlinked += shm.unlink(segment)
         return unlinked
+
+    def _drop_unlinked(self) -> None:
+        """A mapping keeps its segment's memory after the producer unlinked it (its pool let it go,
+        or it closed): drop those, every UNLINKED_CHECK_S at most."""
+        now = time.monotonic()
+        if now - self._checked_at < UNLINKED_CHECK_S:
+            return
+        self._checked_at = now
+        for segment in [s for s in self._mappings if not shm.exists(s)]:
+            del self._mappings[segment]  # a send in flight keeps its own view alive
 
     def _mapping(self, handle_id: str, name: str, segment: str) -> mmap.mmap:
         mapping = self._mappings.pop(segment, None)

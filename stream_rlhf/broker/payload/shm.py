@@ -200,6 +200,11 @@ def unlink(name: str) -> bool:
         return False
 
 
+def exists(name: str) -> bool:
+    """Segment `name` is still linked on this host (True where that cannot be told: no /dev/shm)."""
+    return (SHM_DIR / name.lstrip("/")).exists() if SHM_DIR.is_dir() else True
+
+
 def segment_name(prefix: str, pid: int, counter: int) -> str:
     return f"/{prefix}_{pid}_{counter}"
 
