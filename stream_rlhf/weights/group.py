@@ -168,8 +168,9 @@ def rendezvous(address: str, rank: int, world_size: int, timeout_s: float, rank_
     """Host (rank 0) or reach the store at `address` and wait until every rank joined; returns the
     group's store and the real address. `announce`, rank 0 only, is called with that address
     once the store listens, before the wait (e.g. `publish_address`). Raises WeightSyncTimeout
-    when a rank is missing after `timeout_s`, and WeightSyncClosed when rank 0's `stop` is set
-    while it waits for the others."""
+    when a rank is missing after `timeout_s`, WeightSyncClosed when rank 0's `stop` is set while
+    it waits for the others, ReceiverRestarted (rank 0) when a restarted rank asked to join again
+    meanwhile, and GroupTaken (that restarted rank)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"weight-sync group {name!r}: rank={rank}: must be in [0, world_size={world_size})")
     if len(rank_names) != world_size:
