@@ -380,6 +380,7 @@ def test_the_hosts_payload_server_unlinks_what_the_broker_names_of_producers_gon
         assert f"refused a reclaim: segment '/other_1_0' is not one of this job's ({shm_prefix})" in caplog.text
         assert "refused a reclaim: this payload server holds one producer's payloads" in caplog.text
         assert {name for name, _ in shm.list_segments(shm_prefix)} == mine and stats[REMOTE_COUNTER] == 3
+        assert server.counters["payload.rejected.refused"] == 1 and live.counters["payload.rejected.refused"] == 1
     finally:
         reclaimer.stop()
         context.term()

@@ -127,8 +127,11 @@ class PayloadServer:
                 return
             found = self._source.frames_for(request)
         except (MessageRejected, PayloadError) as exc:
-            self._reject("malformed" if isinstance(exc, MessageRejected) else "not_held", str(exc),
-                         [identity, empty], reply)
+            if isinstance(exc, MessageRejected):
+                kind = "malformed"
+            else:
+                kind = "refused" if reply is ReclaimReply else "not_held"
+            self._reject(kind, str(exc), [identity, empty], reply)
             return
         frames = [field.view for field in found]
         if any(field.copy for field in found):  # small payloads: copied, their slots free to reuse
