@@ -196,7 +196,7 @@ class BroadcastReceiver:
             except GroupTaken:  # the group this rank's predecessor joined: wait for its next opening
                 announced = lookup(folder, name, max(0.0, deadline - time.monotonic()), after=announced.token)
                 continue
-            except (RuntimeError, dist.DistError) as exc:  # its store closed while forming: opened again?
+            except RuntimeError as exc:  # (a DistError too) its store closed while forming: opened again?
                 try:
                     announced = lookup(folder, name, REACH_S, after=announced.token)
                 except WeightSyncTimeout:

@@ -211,7 +211,7 @@ def segment_name(prefix: str, pid: int, counter: int) -> str:
 
 def has_prefix(name: str, prefix: str) -> bool:
     """True if `name` is a segment name of `prefix` (made by `segment_name`)."""
-    return name.startswith("/") and _of_prefix(prefix).fullmatch(name[1:]) is not None
+    return creator_pid(name, prefix) is not None
 
 
 def creator_pid(name: str, prefix: str) -> int | None:
