@@ -80,7 +80,7 @@ class PlannedSwitch:
     def describe(self, iteration: int | None = None) -> str:
         """The log line of the switch at `iteration` (None: when it is decided, before the drain)."""
         at = "at the next iteration boundary" if iteration is None else f"at iteration {iteration}"
-        return (f"placement: switching {at} from {_short(self.from_placement)} to {_short(self.to_placement)} "
+        return (f"placement: switching {at} from {describe_placement(self.from_placement)} to {describe_placement(self.to_placement)} "
                 f"(predicted {self.predicted_to_s} s/iter vs {self.predicted_from_s})")
 
 
@@ -151,7 +151,7 @@ def placements_used(running: dict[str, Any], switches: list[dict[str, Any]]) -> 
                                                               for s in switches]
 
 
-def _short(placement: dict[str, Any]) -> str:
+def describe_placement(placement: dict[str, Any]) -> str:
     """A placement as the log says it: the mode, with_rollout when separated, device groups if any."""
     text = placement["mode"]
     if placement["mode"] == "separated":

@@ -44,6 +44,7 @@ from stream_rlhf.driver.plan import auto_placed, compile_plan
 from stream_rlhf.driver.preflight import check_rl_job
 from stream_rlhf.driver.replan import ReplanWatch
 from stream_rlhf.driver.resume import Resumed, prepare_resume, read_record, read_switches, record_start
+from stream_rlhf.driver.summary_table import print_summary
 from stream_rlhf.launch.launcher import Launcher, make_launcher
 from stream_rlhf.launch.plan import JobPlan
 from stream_rlhf.resume.store import ResumePoint
@@ -53,7 +54,7 @@ from stream_rlhf.stages.trainer_checkpoint import checkpoint_parts, checkpoint_s
 from stream_rlhf.telemetry.episodes import episode_summary
 from stream_rlhf.telemetry.memory import MemorySampler, describe, device_peaks
 from stream_rlhf.telemetry.metrics import MetricsWriter, read_metrics
-from stream_rlhf.telemetry.progress import IterationProgress, print_summary
+from stream_rlhf.telemetry.progress import IterationProgress
 from stream_rlhf.telemetry.stage_counts import read_stage_counts, read_stage_details
 from stream_rlhf.telemetry.trace import FOLDER as TRACE_FOLDER
 from stream_rlhf.telemetry.trace_figures import TraceFigures, iteration_figures, trace_figures

@@ -1,6 +1,6 @@
 """What the user watches during `stream-rlhf run`: a progress bar over iterations with reward,
-KL, tokens/s and staleness (a log line per iteration when stderr is not a terminal), and the
-summary table at the end (the trace's figures one per row).
+KL, tokens/s and staleness (a log line per iteration when stderr is not a terminal). The summary
+table at the end is `driver/summary_table.py`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from stream_rlhf.telemetry.metrics import read_metrics
 
@@ -63,19 +62,3 @@ class IterationProgress:
                 shown = len(records)
                 if stopping:
                     return
-
-
-def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
-    """One row per key; a mapping of figures (the trace's) gets a row per figure, `trace.busy.rollout`."""
-    table = Table(title=f"run {summary.get('name', '')}", show_header=False)
-    for key, value in summary.items():
-        if key != "name":
-            for label, shown in _rows(key, value):
-                table.add_row(label, shown)
-    (console or Console()).print(table)
-
-
-def _rows(key: str, value: Any) -> list[tuple[str, str]]:
-    if not isinstance(value, dict) or not value or not all(isinstance(v, (int, float, dict)) for v in value.values()):
-        return [(key, str(value))]
-    return [row for sub, v in value.items() for row in _rows(f"{key}.{sub}", v)]
