@@ -80,7 +80,8 @@ class PlannedSwitch:
     def describe(self, iteration: int | None = None) -> str:
         """The log line of the switch at `iteration` (None: when it is decided, before the drain)."""
         at = "at the next iteration boundary" if iteration is None else f"at iteration {iteration}"
-        return (f"placement: switching {at} from {describe_placement(self.from_placement)} to {describe_placement(self.to_placement)} "
+        return (f"placement: switching {at} from {describe_placement(self.from_placement)} to "
+                f"{describe_placement(self.to_placement)} "
                 f"(predicted {self.predicted_to_s} s/iter vs {self.predicted_from_s})")
 
 

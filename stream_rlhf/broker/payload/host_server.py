@@ -13,7 +13,8 @@ size), so a handle published by a process that died since is still served. It se
 segments named with the job's prefix, mapped without the consumers' lock (`shm.attach_cached`:
 it never holds a producer back from reusing a released segment, and a handle is released only
 once every consumer, each of which has fetched it, acknowledged it), and keeps the newest
-`MAPPINGS` mappings, dropping those of segments unlinked since (their memory goes back).
+`MAPPINGS` mappings, dropping those of segments unlinked since within UNLINKED_CHECK_S, whether
+requests come or not (their memory goes back).
 
 The broker frees what producers gone from this host leave (`broker/control/reclaim.py`): it sends
 a Reclaim naming the segments of acknowledged handles, or a dead process whose other segments go
@@ -39,7 +40,7 @@ HOST_SERVER_ENV = "STREAM_RLHF_HOST_PAYLOADS"
 MAPPINGS = 64
 """Segments the host's server keeps mapped (the least recently served are dropped first)."""
 UNLINKED_CHECK_S = 1.0
-"""How often (at most, on a request) the server drops its mappings of segments unlinked since."""
+"""How often the server drops its mappings of segments unlinked since (requests or none)."""
 
 
 class HostSegments:
@@ -51,7 +52,6 @@ class HostSegments:
         self._checked_at = 0.0
 
     def frames_for(self, request: FetchRequest) -> list[ServedField]:
-        self._drop_unlinked()
         if len(request.at) != len(request.fields):
             raise PayloadError(f"handle {request.handle_id}: the host's payload server serves fields by place; the "
                                f"request gives {len(request.at)} for {len(request.fields)} fields")
@@ -85,9 +85,10 @@ class HostSegments:
             unlinked += shm.unlink(segment)
         return unlinked
 
-    def _drop_unlinked(self) -> None:
+    def tidy(self) -> None:
         """A mapping keeps its segment's memory after the producer unlinked it (its pool let it go,
-        or it closed): drop those, every UNLINKED_CHECK_S at most."""
+        or it closed): drop those, every UNLINKED_CHECK_S at most (the server calls this between
+        requests, and when none come)."""
         now = time.monotonic()
         if now - self._checked_at < UNLINKED_CHECK_S:
             return

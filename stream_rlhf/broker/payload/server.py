@@ -65,6 +65,9 @@ class PayloadSource(Protocol):
     def reclaim(self, request: Reclaim) -> int:
         """Unlink what the broker names; the number of segments unlinked, or PayloadError."""
 
+    def tidy(self) -> None:
+        """Let go of what is no longer served; called each turn of the server's loop (~10 a second)."""
+
 
 class PayloadServer:
     """A ROUTER socket on its own thread answering FetchRequests with what its source finds.
@@ -101,6 +104,7 @@ class PayloadServer:
                     self._answer(message)
                 except Exception as exc:  # noqa: BLE001 - a bug must not stop the payload plane
                     self._reject("internal_error", f"{type(exc).__name__}: {exc}", None, FetchReply)
+            self._source.tidy()
             self._watch.judge()
             self._ratelog.flush()
         self._watch.close()

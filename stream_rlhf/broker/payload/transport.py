@@ -317,6 +317,10 @@ class ShmTransport:
         raise PayloadError("this payload server holds one producer's payloads; the broker's Reclaim goes to a "
                            "host's payload server")
 
+    def tidy(self) -> None:
+        """Nothing to let go: the payload server holds no mapping of its own (it serves this
+        transport's segments, which `release` and `close` unmap)."""
+
     def frames_for(self, request: FetchRequest) -> list[ServedField]:
         """Called by the payload server: each requested field's bytes and how to send them, found by
         where it sits (`request.at`: a joined handle's parts are held under their own ids) or by
