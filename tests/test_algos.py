@@ -7,14 +7,21 @@ recomputed by the formula under test. Run: `python -m pytest tests/test_algos.py
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC, gae, grpo, reinforce_pp, rloo
+from stream_rlhf.algos.aggregation import row_weights
+from stream_rlhf.algos.config import AlgorithmConfig
 from stream_rlhf.algos.kl import AdaptiveKLController, FixedKLController, kl_estimate
 from stream_rlhf.algos.losses import entropy_loss, host_metrics, kl_loss, policy_loss, value_loss
 from stream_rlhf.algos.masked import masked_mean, masked_whiten
+from stream_rlhf.config import ConfigError, load_config
+from stream_rlhf.rl.config import RLJobConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def close(actual: torch.Tensor | float, expected: list | float, atol: float = 1e-5) -> None:
@@ -137,6 +144,22 @@ def test_grpo_normalises_within_each_group():
     expected = expand([-1.0, -0.7071068, 1.0, -0.7071068, 1.4142136, 0.0])
     close(advantages, expected)
     close(returns, expected)
+
+
+def test_grpo_without_the_group_std_only_centres_dr_grpo():
+    advantages, returns = grpo(GROUP_REWARDS, GROUP_MASK, None, GROUP_IDS, 1.0, 1.0, scale=False)
+    # group 5: {1, 3} - 2 -> -1, +1; group 2: {0, 0, 3} - 1 -> -1, -1, 2; group 9 -> 0
+    expected = expand([-1.0, -1.0, 1.0, -1.0, 2.0, 0.0])
+    close(advantages, expected)
+    close(returns, expected)
+
+
+def test_group_std_false_is_grpos_alone():
+    assert not AlgorithmConfig(advantage="grpo", group_std=False).group_std
+    with pytest.raises(ConfigError, match=r"group_std=false: only grpo .*\(advantage=rloo\)"):
+        AlgorithmConfig(advantage="rloo", group_std=False)
+    with pytest.raises(ConfigError, match="algorithm.loss_aggregation='mean': must be one of 'token_mean', "):
+        load_config(RLJobConfig, CONFIGS / "text_grpo.yaml", ["algorithm.loss_aggregation=mean"])
 
 
 def test_grpo_group_with_equal_scores_gets_zero():
@@ -350,3 +373,43 @@ def test_entropy_loss_is_a_bonus():
     metrics = host_metrics(metrics)
     close(loss, -1.5)  # -(1 + 2) / 2
     assert metrics == {"entropy": pytest.approx(1.5)}
+
+
+# ---------------------------------------------------------------- loss aggregation
+
+# an optimizer step of 3 samples with 1, 3 and 0 policy tokens (the last: an episode masked out)
+AGG_MASK = torch.tensor([[1, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.float32)
+AGG_VALUES = torch.tensor([[6.0, 9.0, 9.0], [1.0, 2.0, 3.0], [7.0, 7.0, 7.0]])
+
+
+def test_row_weights_make_the_token_mean_a_sequence_mean_or_a_budgeted_sum():
+    assert row_weights(AGG_MASK, "token_mean", 8) is None
+    # 4 tokens, 2 samples with any: sequence_mean w_i = 4 / (2 n_i) -> 2, 2/3; the empty row's is
+    # never used (it has no token)
+    sequence = row_weights(AGG_MASK, "sequence_mean", 8)
+    close(sequence[:2], [2.0, 0.6666667])
+    # weighted token mean: (6 * 2 + (1 + 2 + 3) * 2/3) / 4 = 16 / 4 = 4 = mean(6, mean(1, 2, 3) = 2)
+    close(masked_mean(AGG_VALUES * sequence[:, None], AGG_MASK), 4.0)
+    # token_sum, budget 8: w = 4 / (2 * 8) = 0.25 each; (6 + 6) * 0.25 / 4 = 0.75 = mean(6 / 8, 6 / 8)
+    budget = row_weights(AGG_MASK, "token_sum", 8)
+    close(budget, [0.25, 0.25, 0.25])
+    close(masked_mean(AGG_VALUES * budget[:, None], AGG_MASK), 0.75)
+    assert row_weights(torch.zeros(2, 3), "sequence_mean", 8).tolist() == [0.0, 0.0]  # no token: no NaN
+
+
+def test_the_actors_losses_take_the_row_weights_and_report_plain_means():
+    weights = row_weights(AGG_MASK, "sequence_mean", 8)
+    logp = (-AGG_VALUES / 10).requires_grad_()
+    loss, metrics = policy_loss(logp, logp.detach(), torch.ones(3, 3), AGG_MASK, 0.2, 0.2, row_weights=weights)
+    # ratio 1, A 1: -1 per token; the sequence mean of -1 is -1, and each sample's tokens share a
+    # gradient of -1 / (samples n_i): t0 -1/2, sample 1's -1/6 each
+    close(loss, -1.0)
+    loss.backward()
+    close(logp.grad, [[-0.5, 0.0, 0.0], [-0.1666667, -0.1666667, -0.1666667], [0.0, 0.0, 0.0]])
+    assert host_metrics(metrics)["clipfrac"] == 0.0
+    entropy_term, entropy_metrics = entropy_loss(AGG_VALUES, AGG_MASK, weights)
+    close(entropy_term, -4.0)  # the sequence mean of the entropy, (6 + 2) / 2
+    close(entropy_metrics["entropy"], 3.0)  # the token mean, (6 + 1 + 2 + 3) / 4, as without weights
+    kl_term, kl_metrics = kl_loss(torch.zeros(3, 3), -AGG_VALUES, AGG_MASK, "k1", weights)
+    close(kl_term, 4.0)  # k1 = logp - ref_logp = the values: their sequence mean
+    close(kl_metrics["kl"], 3.0)

@@ -76,6 +76,24 @@ def test_critic_free_estimators_train(tmp_path, advantage):
     assert len(records) == 2 and all(r["samples"] == 32 for r in records)
 
 
+def test_dr_grpo_advantages_and_the_loss_aggregation_reach_the_actors_loss(tmp_path):
+    """group_std false without whitening (Dr. GRPO) centres each group's scores, which then sum to 0
+    over the group. At the first step (one step, ratio 1, no KL) the policy loss is minus the
+    advantages' mean under the aggregation: over samples (sequence_mean) that is 0; over tokens
+    (token_mean) long answers weigh more, and it is not; nor is it the same with the std (GRPO's)."""
+    torch.set_num_threads(1)
+    common = {"algorithm.advantage": "grpo", "algorithm.group_std": False, "algorithm.whiten_advantages": False,
+              "rollout_batch.samples_per_prompt": 2, "schedule": "sync", "overlap_depth": 0, "iterations": 1,
+              "algorithm.ppo_epochs": 1, "algorithm.train_minibatches": 1, "algorithm.kl.coef": 0.0}
+    _, by_sample = run_inprocess(tmp_path, "sequence", **common, **{"algorithm.loss_aggregation": "sequence_mean"})
+    _, by_token = run_inprocess(tmp_path, "token", **common)
+    assert by_sample[0]["reward"] == by_token[0]["reward"] and by_sample[0]["tokens"] == by_token[0]["tokens"]
+    assert by_sample[0]["loss"] == pytest.approx(0.0, abs=1e-6)  # the metrics keep 5 decimals
+    assert abs(by_token[0]["loss"]) >= 1e-4
+    _, scaled = run_inprocess(tmp_path, "scaled", **{**common, "algorithm.group_std": True})
+    assert scaled[0]["reward"] == by_token[0]["reward"] and abs(scaled[0]["loss"] - by_token[0]["loss"]) >= 1e-4
+
+
 def test_a_hugging_face_checkpoint_folder_loads_with_the_same_code(tmp_path):
     """`model.path`: any causal-LM folder with its tokenizer (here a copy of the tiny warm start)."""
     cfg = build(RLJobConfig, tiny_job(tmp_path, "source"))

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from stream_rlhf.algos.aggregation import row_weights
 from stream_rlhf.algos.losses import policy_loss, value_loss
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
@@ -52,7 +53,8 @@ def _experience(n: int = 6) -> Experience:
 def _loss(engine: TorchTrainEngine):
     def loss_fn(part: Experience, per_sample: dict[str, torch.Tensor]):
         logp, _ = engine.response_logprobs(part, 1.0)
-        return policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2)
+        return policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2,
+                           row_weights=per_sample.get("row_weights"))
     return loss_fn
 
 
@@ -65,9 +67,13 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
             engine = TorchTrainEngine(_model(), group, OptimizerConfig(lr=1e-3, max_grad_norm=0.5))
             advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
             metrics = []
-            for _ in range(3):  # a no-grad forward between training steps, as a proximal recompute does
+            # the last step a sequence mean (algorithm.loss_aggregation): each rank's share is weighted
+            # by its tokens, and the row weights, made over the whole step, still give one rank's gradient
+            weighted = {"advantages": advantages, "row_weights": row_weights(exp.mask, "sequence_mean", 8)}
+            for per_sample in ({"advantages": advantages},) * 2 + (weighted,):
+                # a no-grad forward between training steps, as a proximal recompute does
                 proximal = engine.forward_response_logprobs(exp, 1.0)
-                metrics.append(engine.train_step(exp, _loss(engine), {"advantages": advantages}))
+                metrics.append(engine.train_step(exp, _loss(engine), per_sample))
                 metrics[-1]["proximal_sum"] = float(proximal.sum())
             weights = engine.export_weights()
             engine.save(Path(out + ".checkpoint"), build_tokenizer())

@@ -71,17 +71,21 @@ def _broadcast(row_advantages: Tensor, mask: Tensor) -> Tensor:
 
 @torch.no_grad()
 def grpo(
-    token_rewards: Tensor, mask: Tensor, values: Tensor | None, group_ids: Tensor, gamma: float, lam: float
+    token_rewards: Tensor, mask: Tensor, values: Tensor | None, group_ids: Tensor, gamma: float, lam: float,
+    scale: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """GRPO: score_i = sum_t r_it over valid tokens; A_i = (score_i - mean_g) / (std_g + 1e-6) with
-    the group's mean and *population* std (unbiased=False), broadcast over row i's valid tokens.
-    A group of one has score == mean, so advantage 0. returns = advantages. values, gamma, lam
-    unused."""
+    the group's mean and *population* std (unbiased=False), broadcast over row i's valid tokens;
+    with `scale` false A_i = score_i - mean_g (Dr. GRPO, `algorithm.group_std`). A group of one has
+    score == mean, so advantage 0. returns = advantages. values, gamma, lam unused."""
     scores = _row_scores(token_rewards, mask)  # (B,)
     members = mask.bool().any(dim=-1)
     sums, sizes = _group_sum_and_size(scores, group_ids, members)
     sizes = sizes.clamp(min=1)  # a group with no member: its rows have no valid token either
     centered = scores - sums / sizes
+    if not scale:
+        advantages = _broadcast(centered, mask)
+        return advantages, advantages.clone()
     variance_sums, _ = _group_sum_and_size(centered**2, group_ids, members)
     std = torch.sqrt(variance_sums / sizes)
     advantages = _broadcast(centered / (std + GROUP_STD_EPS), mask)

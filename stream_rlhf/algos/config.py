@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from msgspec import Meta
 
 from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
+from stream_rlhf.algos.aggregation import LossAggregation
 from stream_rlhf.config import ConfigError, check_fields
 
 Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
@@ -71,6 +72,17 @@ class AlgorithmConfig:
     (the entropy is logged either way)."""
     whiten_advantages: bool = True
     """Whiten over the whole rollout batch (every mini-batch of the iteration)."""
+    group_std: bool = True
+    """grpo: divide each response's centred score by its group's std; false: centre only (Dr.
+    GRPO: no question counts more for having a small spread; set whiten_advantages false too, or the
+    batch's std scales them again)."""
+    loss_aggregation: LossAggregation = "token_mean"
+    """How the actor's per-token losses (policy, KL in the loss, entropy bonus) become one, over an
+    optimizer step's samples: `token_mean` (each token counts the same: a long answer weighs more),
+    `sequence_mean` (each sample counts the same: the mean of its tokens, then of the samples),
+    `token_sum` (each sample's token sum over the response budget, rollout.max_new_tokens or with an
+    env env.max_episode_tokens, then the mean over samples: Dr. GRPO's, no length bias). The
+    critic's value loss stays a token mean (`algos/aggregation.py`)."""
     ppo_epochs: Annotated[int, Meta(ge=1)] = 2
     """Passes of the actor (and critic) over each iteration's samples."""
     train_minibatches: Annotated[int, Meta(ge=1)] = 2
@@ -82,6 +94,8 @@ class AlgorithmConfig:
         check_fields(self)
         if self.advantage not in ADVANTAGE_ESTIMATORS:
             raise ConfigError(f"advantage={self.advantage!r}: unknown")
+        if not self.group_std and self.advantage != "grpo":
+            raise ConfigError(f"group_std=false: only grpo divides by its group's std (advantage={self.advantage})")
 
     @property
     def uses_critic(self) -> bool:

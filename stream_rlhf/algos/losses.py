@@ -1,6 +1,8 @@
 """Actor and critic losses for PPO-style updates: pure functions returning `(loss, metrics)`.
 
-Every loss is a token mean over `mask` (`masked_mean`) and every metric a detached 0-dim tensor
+Every loss is a token mean over `mask` (`masked_mean`); the actor's three (policy, KL, entropy)
+take `row_weights`, which make that mean a sequence mean or a budgeted sum
+(`algorithm.loss_aggregation`, `aggregation.py`). Every metric is a detached 0-dim tensor
 over the valid tokens, on the loss's device: reading a value to the host waits for the device, so
 the train engine reads all of a step's metrics at once (`host_metrics`: one read per optimizer step).
 Inputs are `(B, T)` per-token tensors. Only `logp`, `values` and `entropy` carry
@@ -23,6 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from stream_rlhf.algos.aggregation import weighted
 from stream_rlhf.algos.kl import MAX_LOG_RATIO, kl_estimate
 from stream_rlhf.algos.masked import masked_mean, where_valid
 
@@ -36,13 +39,15 @@ def policy_loss(
     clip_high: float,
     behavior_logp: Tensor | None = None,
     is_cap: float | None = None,
+    row_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate, optionally decoupled from the behavior policy.
 
     ratio = exp(logp - old_logp) (log-ratio clamped to [-20, 20]); per token
     -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A). With `behavior_logp`, each token
     is weighted by w = exp(old_logp - behavior_logp), detached, truncated to w <= is_cap when
-    `is_cap` is set (truncated importance sampling).
+    `is_cap` is set (truncated importance sampling). `row_weights` (B,): each sample's weight in
+    the token mean (`aggregation.row_weights`; None: 1).
 
     Metrics: `clipfrac` (fraction of tokens where the clipped term is the one taken, so the token
     gives no gradient), `approx_kl` (k3 estimate of KL(pi_old || pi): mean of ratio - 1 - log ratio),
@@ -68,7 +73,7 @@ def policy_loss(
             else masked_mean((raw_weight > is_cap).float(), mask).detach()
         )
 
-    loss = masked_mean(per_token, mask)
+    loss = masked_mean(weighted(per_token, row_weights), mask)
     with torch.no_grad():
         metrics["clipfrac"] = masked_mean((clipped < unclipped).float(), mask)
         metrics["approx_kl"] = masked_mean(ratio - 1 - log_ratio, mask)
@@ -98,19 +103,23 @@ def value_loss(
 
 
 def kl_loss(
-    logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: Literal["k1", "k2", "k3"]
+    logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: Literal["k1", "k2", "k3"], row_weights: Tensor | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL(pi || ref) penalty as a loss: token mean of `kl_estimate(logp, ref_logp, kind)`, see
-    `kl_estimate` for the kinds. Metrics: `kl` (the loss value)."""
-    loss = masked_mean(kl_estimate(where_valid(logp, mask), where_valid(ref_logp.detach(), mask), kind), mask)
-    return loss, {"kl": loss.detach()}
+    `kl_estimate` for the kinds, each sample weighted by `row_weights` (None: 1). Metrics: `kl`
+    (the plain token mean, whatever the weights)."""
+    per_token = kl_estimate(where_valid(logp, mask), where_valid(ref_logp.detach(), mask), kind)
+    loss = masked_mean(weighted(per_token, row_weights), mask)
+    return loss, {"kl": loss.detach() if row_weights is None else masked_mean(per_token.detach(), mask)}
 
 
-def entropy_loss(entropy: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """Negative token-mean entropy, so that `total = pg + coef * entropy_loss` adds an entropy bonus.
-    entropy: (B, T) per-token entropy of the policy. Metrics: `entropy` (the mean entropy)."""
-    loss = -masked_mean(where_valid(entropy, mask), mask)
-    return loss, {"entropy": -loss.detach()}
+def entropy_loss(entropy: Tensor, mask: Tensor, row_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Negative token-mean entropy, so that `total = pg + coef * entropy_loss` adds an entropy bonus,
+    each sample weighted by `row_weights` (None: 1). entropy: (B, T) per-token entropy of the
+    policy. Metrics: `entropy` (the plain mean entropy, whatever the weights)."""
+    entropy = where_valid(entropy, mask)
+    loss = -masked_mean(weighted(entropy, row_weights), mask)
+    return loss, {"entropy": -loss.detach() if row_weights is None else masked_mean(entropy.detach(), mask)}
 
 
 def host_metrics(metrics: Mapping[str, Tensor | float]) -> dict[str, float]:

@@ -32,6 +32,7 @@ import time
 import torch
 from torch import Tensor
 
+from stream_rlhf.algos.aggregation import row_weights
 from stream_rlhf.algos.losses import entropy_loss, kl_loss, policy_loss
 from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.engines import build_train_engine
@@ -72,6 +73,8 @@ class ActorTrain(Stage):
         self.warmup = cfg.critic.warmup_iterations if cfg.algorithm.uses_critic else 0
         self.warmup_samples = 0
         self.kl_ctl = kl_controller(cfg.algorithm.kl)
+        self.response_budget = cfg.env.max_episode_tokens if cfg.env is not None else cfg.rollout.max_new_tokens
+        """loss_aggregation token_sum's fixed divisor (`algos/aggregation.py`)."""
         self.trained = 0
         self.dropped: dict[str, int] = {}
         self.max_staleness = 0
@@ -213,6 +216,9 @@ class ActorTrain(Stage):
         for _ in range(algo.ppo_epochs):
             for index in minibatch_indices(exp.num_samples, algo.train_minibatches, generator):
                 per_sample = {"advantages": advantages[index]}
+                weights = row_weights(exp.mask[index], algo.loss_aggregation, self.response_budget)
+                if weights is not None:  # over the whole step, before the ranks take their shares
+                    per_sample["row_weights"] = weights
                 if proximal is not None:
                     per_sample["proximal"] = proximal[index]
                 with trace.span("optimizer step", "train", samples=len(index)):
@@ -249,22 +255,25 @@ class ActorTrain(Stage):
         return record
 
     def _loss(self, part: Experience, per_sample: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        """The policy loss of one rank's share of an optimizer step (a token mean over `part`)."""
+        """The policy loss of one rank's share of an optimizer step (a token mean over `part`, its
+        samples weighted by `row_weights` under algorithm.loss_aggregation)."""
         cfg = self.job.config
         algo = cfg.algorithm
         decoupled = cfg.overlap_depth > 0
         logp, entropy = self.engine.response_logprobs(part, cfg.rollout.temperature, with_entropy=True)  # (n, R)
         # without an actor forward the one optimizer step's own log-probs are the proximal ones
         proximal = per_sample["proximal"] if "proximal" in per_sample else logp.detach()
+        weights = per_sample.get("row_weights")  # algorithm.loss_aggregation (None: token_mean)
         loss, metrics = policy_loss(
             logp, proximal, per_sample["advantages"], part.mask, algo.clip_low, algo.clip_high,
             behavior_logp=part.behavior_logp if decoupled else None, is_cap=algo.is_cap if decoupled else None,
+            row_weights=weights,
         )
         if algo.kl.placement == "loss" and part.ref_logp is not None:
-            kl_term, kl_metrics = kl_loss(logp, part.ref_logp, part.mask, algo.kl.kind)
+            kl_term, kl_metrics = kl_loss(logp, part.ref_logp, part.mask, algo.kl.kind, weights)
             loss = loss + self.kl_ctl.coef * kl_term
             metrics.update(kl_loss=kl_metrics["kl"])
-        ent_term, ent_metrics = entropy_loss(entropy, part.mask)
+        ent_term, ent_metrics = entropy_loss(entropy, part.mask, weights)
         metrics.update(ent_metrics)  # always reported; in the loss only with a bonus
         if algo.entropy_coef > 0:
             loss = loss + algo.entropy_coef * ent_term

@@ -8,9 +8,11 @@ controllers updated the same way, so they agree on returns without talking to ea
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS
+from stream_rlhf.algos.advantages import ADVANTAGE_ESTIMATORS, grpo
 from stream_rlhf.algos.config import KLConfig
 from stream_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from stream_rlhf.algos.masked import masked_whiten
@@ -39,6 +41,8 @@ def advantages_of(exp: Experience, job: JobContext, kl_coef: float) -> tuple[tor
     algo = job.config.algorithm
     rewards = exp.token_rewards(kl_coef, algo.kl)
     estimator = ADVANTAGE_ESTIMATORS[algo.advantage]
+    if not algo.group_std:  # grpo's alone (AlgorithmConfig checks it)
+        estimator = partial(grpo, scale=False)
     advantages, returns = estimator(rewards, exp.mask, exp.values, exp.group_ids, algo.gamma, algo.lam)
     if algo.whiten_advantages:
         advantages = masked_whiten(advantages, exp.mask)
