@@ -16,7 +16,6 @@ from rich.table import Table
 from rich.text import Text
 
 from stream_rlhf.driver.placement_switch import describe_placement
-from stream_rlhf.planner.auto_placement import describe_replan
 
 Row = tuple[str, str]
 
@@ -58,6 +57,8 @@ def _rows(label: str, value: Any) -> list[Row]:
 def _placement_rows(block: dict[str, Any]) -> list[Row]:
     """summary.json's `placement` (driver/run.py): running, auto, replan and each switch (its `used` is
     the switches told from the other side)."""
+    from stream_rlhf.planner.auto_placement import describe_replan  # the planner imports the driver's dataflow
+
     rows = [("placement", describe_placement(block["running"]))]
     auto = block.get("auto")
     rows.append(("placement.auto", auto["summary"].removeprefix("placement auto: ") if auto else "-"))
