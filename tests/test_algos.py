@@ -310,6 +310,24 @@ def test_policy_loss_gradient_reaches_logp_only():
     assert behavior_logp.grad is None
 
 
+def test_policy_loss_with_sequence_ratios_gspo_by_hand():
+    # log-ratios (old_logp 0): row 0 [0.2, 0.0] (its third position padding: 7 is never read), mean
+    # 0.1, ratio e^0.1 = 1.1051709; row 1 [0.6, 0.2, 0.4], mean 0.4, ratio e^0.4 = 1.4918247 > 1.2:
+    # clipped as a whole
+    logp = torch.tensor([[0.2, 0.0, 7.0], [0.6, 0.2, 0.4]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, metrics = policy_loss(logp, torch.zeros(2, 3), torch.ones(2, 3), mask, 0.2, 0.2, sequence_ratio=True)
+    close(loss, -1.1620684)  # -(2 * 1.1051709 + 3 * 1.2) / 5
+    loss.backward()
+    # row 0's tokens share d(-2 e^m / 5)/d logp_t = -(2 / 5)(e^m / 2) = -1.1051709 / 5; row 1: clipped, 0
+    close(logp.grad, [[-0.2210342, -0.2210342, 0.0], [0.0, 0.0, 0.0]])
+    metrics = host_metrics(metrics)
+    assert metrics["clipfrac"] == pytest.approx(0.6)  # row 1's 3 tokens of 5
+    assert metrics["ratio_max"] == pytest.approx(1.4918247)
+    # (2 (1.1051709 - 1 - 0.1) + 3 (1.4918247 - 1 - 0.4)) / 5
+    assert metrics["approx_kl"] == pytest.approx(0.0571632, abs=1e-6)
+
+
 def test_policy_loss_truncated_importance_weights():
     logp, old_logp = policy_inputs()
     # w = exp(old_logp - behavior_logp) = [0.5, 2, 4, 1, 100]

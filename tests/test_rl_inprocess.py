@@ -94,6 +94,20 @@ def test_dr_grpo_advantages_and_the_loss_aggregation_reach_the_actors_loss(tmp_p
     assert scaled[0]["reward"] == by_token[0]["reward"] and abs(scaled[0]["loss"] - by_token[0]["loss"]) >= 1e-4
 
 
+def test_gspo_clips_the_actors_loss_by_sequence(tmp_path):
+    """ratio_level sequence (GSPO's clip ranges): the same samples as token-level ratios, clipped
+    otherwise (by the whole sample's ratio), so a different share of tokens clips."""
+    torch.set_num_threads(1)
+    common = {"algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2, "schedule": "sync",
+              "overlap_depth": 0, "iterations": 1, "algorithm.clip_low": 3e-4, "algorithm.clip_high": 4e-4,
+              "algorithm.loss_aggregation": "sequence_mean"}
+    _, by_token = run_inprocess(tmp_path, "token_ratio", **common)
+    _, by_sequence = run_inprocess(tmp_path, "gspo", **common, **{"algorithm.ratio_level": "sequence"})
+    assert by_sequence[0]["reward"] == by_token[0]["reward"] and by_sequence[0]["tokens"] == by_token[0]["tokens"]
+    assert by_sequence[0]["clipfrac"] > 0 and by_token[0]["clipfrac"] > 0
+    assert abs(by_sequence[0]["clipfrac"] - by_token[0]["clipfrac"]) > 1e-3
+
+
 def test_a_hugging_face_checkpoint_folder_loads_with_the_same_code(tmp_path):
     """`model.path`: any causal-LM folder with its tokenizer (here a copy of the tiny warm start)."""
     cfg = build(RLJobConfig, tiny_job(tmp_path, "source"))

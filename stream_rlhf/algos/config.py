@@ -60,6 +60,11 @@ class AlgorithmConfig:
     clip_high: Annotated[float, Meta(ge=0)] = 0.2
     """PPO's clip above: the ratio is clipped at 1 + clip_high (larger than clip_low: "clip-higher",
     more room to raise unlikely tokens)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """The probability ratio the actor's loss clips: `token` (PPO's, one per token) or `sequence`
+    (GSPO: one per sample, the geometric mean of its tokens' ratios, so a sample is clipped as a whole
+    and one odd token cannot dominate its update; the GSPO paper uses clip_low 3e-4, clip_high 4e-4
+    and loss_aggregation sequence_mean)."""
     value_clip: Annotated[float, Meta(ge=0)] = 0.2
     """gae: the critic's new values are clipped to within this of the values it predicted when the
     iteration's experience was made (the clipped value loss)."""

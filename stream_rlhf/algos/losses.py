@@ -40,22 +40,30 @@ def policy_loss(
     behavior_logp: Tensor | None = None,
     is_cap: float | None = None,
     row_weights: Tensor | None = None,
+    sequence_ratio: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate, optionally decoupled from the behavior policy.
 
     ratio = exp(logp - old_logp) (log-ratio clamped to [-20, 20]); per token
-    -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A). With `behavior_logp`, each token
-    is weighted by w = exp(old_logp - behavior_logp), detached, truncated to w <= is_cap when
-    `is_cap` is set (truncated importance sampling). `row_weights` (B,): each sample's weight in
-    the token mean (`aggregation.row_weights`; None: 1).
+    -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A). With `sequence_ratio` (GSPO,
+    `algorithm.ratio_level`) every token of a sample takes the sample's ratio, exp of the mean of
+    its tokens' log-ratios: a sample is clipped as a whole, and its tokens share its gradient. With
+    `behavior_logp`, each token is weighted by w = exp(old_logp - behavior_logp), detached,
+    truncated to w <= is_cap when `is_cap` is set (truncated importance sampling; per token with
+    either ratio). `row_weights` (B,): each sample's weight in the token mean
+    (`aggregation.row_weights`; None: 1).
 
     Metrics: `clipfrac` (fraction of tokens where the clipped term is the one taken, so the token
-    gives no gradient), `approx_kl` (k3 estimate of KL(pi_old || pi): mean of ratio - 1 - log ratio),
+    gives no gradient), `approx_kl` (k3 estimate of KL(pi_old || pi): mean of ratio - 1 - log ratio,
+    of the ratio in use),
     `ratio_max`; with `behavior_logp` also `is_weight_mean` (mean of the applied, truncated weight)
     and `is_truncated_frac` (fraction of tokens whose weight was cut to is_cap).
     """
     logp, old_logp, advantages = (where_valid(x, mask) for x in (logp, old_logp.detach(), advantages.detach()))
-    log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    log_ratio = logp - old_logp
+    if sequence_ratio:
+        log_ratio = masked_mean(log_ratio, mask, dim=-1)[:, None].expand_as(log_ratio)
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages

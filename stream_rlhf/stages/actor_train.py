@@ -267,7 +267,7 @@ class ActorTrain(Stage):
         loss, metrics = policy_loss(
             logp, proximal, per_sample["advantages"], part.mask, algo.clip_low, algo.clip_high,
             behavior_logp=part.behavior_logp if decoupled else None, is_cap=algo.is_cap if decoupled else None,
-            row_weights=weights,
+            row_weights=weights, sequence_ratio=algo.ratio_level == "sequence",
         )
         if algo.kl.placement == "loss" and part.ref_logp is not None:
             kl_term, kl_metrics = kl_loss(logp, part.ref_logp, part.mask, algo.kl.kind, weights)
