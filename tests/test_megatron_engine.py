@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from stream_rlhf.algos.aggregation import row_weights
+
 pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install -e '.[megatron]'")
 
 VOCAB = 40
@@ -128,7 +130,8 @@ def _policy_loss(engine):
 
     def loss_fn(part, per_sample):
         logp, _ = engine.response_logprobs(part, 1.0)
-        return policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2)
+        return policy_loss(logp, part.old_logp, per_sample["advantages"], part.mask, 0.2, 0.2,
+                           row_weights=per_sample.get("row_weights"))
     return loss_fn
 
 
@@ -291,8 +294,11 @@ def _one_step_each(group, parallel, shared, vlm_sequences, vlm_images) -> dict[s
     vlm_exp, advantages = _vlm_train_experience(vlm_sequences, vlm_images)
     shared_advantages = torch.linspace(-1, 1, shared.num_samples)[:, None].expand_as(shared.mask).contiguous()
     optimizer = OptimizerConfig(lr=1e-3, max_grad_norm=0.5)
+    # the shared case a sequence mean (algorithm.loss_aggregation): its row weights, made over the whole
+    # step, give each data-parallel replica's share the gradient of one
+    weighted = {"advantages": shared_advantages, "row_weights": row_weights(shared.mask, "sequence_mean", 8)}
     return {**_train_once(group, parallel, optimizer, [
-        ("shared", "qwen2", _policy_loss, shared, {"advantages": shared_advantages}),
+        ("shared", "qwen2", _policy_loss, shared, weighted),
         ("vlm", "vlm", _policy_loss, vlm_exp, {"advantages": advantages}),
         ("vlm_critic", "vlm_critic", _value_loss, vlm_exp, {"returns": advantages})]),
         **_train_once(group, dataclasses.replace(parallel, recompute=True), optimizer, [
