@@ -35,6 +35,9 @@ RL_ROWS = [
     ((*GRPO, "algorithm.lam=0.9"), "algorithm.lam=0.9: algorithm.advantage=grpo ignores it"),
     (("algorithm.advantage=reinforce_pp", "algorithm.lam=0.5"),
      "algorithm.lam=0.5: algorithm.advantage=reinforce_pp ignores it"),
+    (("algorithm.group_std=false",), "algorithm.group_std=False: algorithm.advantage=gae ignores it"),
+    (("algorithm.loss_aggregation=seq_mean",), "algorithm.loss_aggregation='seq_mean': must be one of"),
+    (("algorithm.ratio_level=sample",), "algorithm.ratio_level='sample': must be one of 'token', 'sequence'"),
     (("algorithm.advantage=rloo", "rollout_batch.samples_per_prompt=2", "placement.stages={critic_train: {}}"),
      "placement.stages.critic_train: algorithm.advantage=rloo has no critic"),
     # prompt + response within the model's positions (the longest prompt: a bos and "ab+cd=")

@@ -78,7 +78,7 @@ class AlgorithmConfig:
     whiten_advantages: bool = True
     """Whiten over the whole rollout batch (every mini-batch of the iteration)."""
     group_std: bool = True
-    """grpo: divide each response's centred score by its group's std; false: centre only (Dr.
+    """grpo only: divide each response's centred score by its group's std; false: centre only (Dr.
     GRPO: no question counts more for having a small spread; set whiten_advantages false too, or the
     batch's std scales them again)."""
     loss_aggregation: LossAggregation = "token_mean"
@@ -99,8 +99,6 @@ class AlgorithmConfig:
         check_fields(self)
         if self.advantage not in ADVANTAGE_ESTIMATORS:
             raise ConfigError(f"advantage={self.advantage!r}: unknown")
-        if not self.group_std and self.advantage != "grpo":
-            raise ConfigError(f"group_std=false: only grpo divides by its group's std (advantage={self.advantage})")
 
     @property
     def uses_critic(self) -> bool:

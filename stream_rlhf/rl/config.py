@@ -55,10 +55,10 @@ CRITIC_OPTIMIZER = CriticConfig()
 """The critic's settings when `critic` is left out."""
 log = logging.getLogger("stream_rlhf")
 IGNORED_ALGORITHM_KEYS = {
-    "gae": (),
+    "gae": ("group_std",),
     "grpo": ("gamma", "lam", "value_clip"),
-    "rloo": ("gamma", "lam", "value_clip"),
-    "reinforce_pp": ("lam", "value_clip"),
+    "rloo": ("gamma", "lam", "value_clip", "group_std"),
+    "reinforce_pp": ("lam", "value_clip", "group_std"),
 }
 """The `algorithm` keys each advantage estimator never reads (`algos/advantages.py`); those without a
 critic ignore `critic.*` and the critic stages' placement too. Setting one is a config error."""
