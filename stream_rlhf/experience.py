@@ -15,7 +15,7 @@ ragged (they are packed again for each forward pass).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -60,12 +60,15 @@ class Experience:
     token_versions: Tensor | None = None
     """(N, R) long: the policy version that sampled each token, -1 on observations and padding;
     None when the rollout handle has none (single-turn without in-flight weight updates)."""
+    truncated: Tensor | None = None
+    """(N,) bool: cut by the length limit (a response at rollout.max_new_tokens without a stop, an
+    episode ended by env.max_episode_tokens); None when no rollout handle says."""
 
     @classmethod
     def from_batches(cls, batches: list[Batch], images: list[list[SampleImages] | None] | None = None) -> Experience:
         """The experience of `batches`; `images` holds each batch's per-sample image features."""
         sequences, prompt_lens, behavior, old, ref, values, scores, groups, versions, process = ([] for _ in range(10))
-        masks, env, token_versions = [], [], []
+        masks, env, token_versions, truncated = [], [], [], []
         for batch in batches:
             t = batch.tensors
             rollout = Rollout.from_tensors(t)
@@ -80,6 +83,7 @@ class Experience:
                 env += unragged(t, "env_rewards")
             if "token_versions" in t:
                 token_versions += unragged(t, "token_versions")
+            truncated.append(t["truncated"] if "truncated" in t else torch.zeros(batch.num_samples, dtype=torch.bool))
             if "old_logp" in t:
                 old += unragged(t, "old_logp")
             if "ref_logp" in t:
@@ -107,6 +111,7 @@ class Experience:
             env_rewards=pad_right(env, 0.0) if env else None,
             token_versions=pad_right([v.long() for v in token_versions], OBSERVATION_VERSION) if token_versions
             else None,
+            truncated=torch.cat(truncated).bool() if any("truncated" in b.tensors for b in batches) else None,
         )
 
     @property
@@ -170,6 +175,11 @@ class Experience:
             else:
                 moved[f.name] = value
         return Experience(**moved)
+
+    def without_loss_on(self, rows: Tensor) -> Experience:
+        """This experience with no token of the samples where `rows` (N,) is True trained on (their
+        mask 0); everything else shared."""
+        return replace(self, mask=self.mask * (~rows.bool()).to(self.mask.dtype)[:, None])
 
     def select(self, index: Tensor) -> Experience:
         """The samples at `index` (an optimizer step's share)."""

@@ -220,6 +220,29 @@ def test_advantages_of_an_episode_are_those_of_its_policy_tokens_alone(name):
     assert advantages[valid].abs().sum() > 0
 
 
+def test_a_truncated_episode_counts_in_its_groups_advantages_but_carries_no_loss():
+    """algorithm.mask_truncated: episode 1 ended by env.max_episode_tokens (the handle's
+    `truncated`). Its score still moves its group's advantages; once the actor leaves it out
+    (`without_loss_on`), no token of it carries loss or gradient, and the others are unchanged."""
+    t = {**rollout_handle(), "truncated": torch.tensor([False, True, False, False])}
+    topic_output("rollout", t, len(GROUPS))
+    masks = unragged(t, "loss_mask")
+    joined = {**t, **ragged("behavior_logp", [torch.where(m, -0.5, 0.0) for m in masks]), "scores": SCORES}
+    exp = Experience.from_batches([Batch(Handle("h0", "experience", 0, 0, 4, len(GROUPS)), joined)])
+    assert exp.truncated.tolist() == [False, True, False, False] and exp.mask[1].any()
+    advantages, _ = ADVANTAGE_ESTIMATORS["grpo"](exp.token_rewards(0.0, KLConfig(coef=0.0)), exp.mask, None,
+                                                 exp.group_ids, 1.0, 1.0)
+    assert advantages[0].any() and advantages[1].any()  # a group of two: each other's baseline
+    trained = exp.without_loss_on(exp.truncated)
+    assert not trained.mask[1].any() and all(torch.equal(trained.mask[i], exp.mask[i]) for i in (0, 2, 3))
+    logp = exp.behavior_logp.clone().requires_grad_()
+    loss, _ = policy_loss(logp, exp.behavior_logp, advantages, trained.mask, 0.2, 0.2)
+    loss.backward()
+    assert not logp.grad[1].any() and logp.grad[0].any()
+    assert Experience.from_batches([Batch(Handle("h0", "experience", 0, 0, 4, len(GROUPS)),
+                                          {k: v for k, v in joined.items() if k != "truncated"})]).truncated is None
+
+
 def test_single_turn_handles_are_unchanged():
     """One-turn episodes without observations or turn rewards give the same experience, rewards
     and advantages as the single-turn handle without the episode fields."""

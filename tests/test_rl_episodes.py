@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from stream_rlhf.telemetry.episodes import ENDED_COUNT
 from stream_rlhf.telemetry.metrics import read_metrics
+from stream_rlhf.telemetry.stage_counts import read_stage_counts
 from tests.rl_tiny import tiny_job, write_job
 from tests.test_process_rewards import SEEN
 from tests.test_resume_job import _live_pids, _start, _stop_after
@@ -130,6 +132,19 @@ def test_process_rewards_score_an_env_jobs_policy_steps(tmp_path):
     assert all(r["process_reward"] >= 0.5 and "env_reward" in r for r in records)  # >= 1 step, each >= 1.0
     assert max(r["turns_per_episode"] for r in records) > 1  # episodes that reached their observation
     assert SEEN and not any("=19" in step for steps in SEEN for step in steps)
+
+
+def test_mask_truncated_leaves_the_episodes_cut_by_max_episode_tokens_out_of_the_actors_loss(tmp_path):
+    """algorithm.mask_truncated in an env job (in one process): the actor masks exactly the episodes
+    rollout ended at env.max_episode_tokens (its stage counts), here some of them, not the others."""
+    env = {"factory": "tests.episode_envs:Messages", "options": {"role": None, "turns": 2}, "max_turns": 3,
+           "max_episode_tokens": 14}
+    cfg, records = run_inprocess(tmp_path, "episodes_cut", env=env, iterations=2,
+                                 **{"reward.function": None, "algorithm.mask_truncated": True})
+    ended = read_stage_counts(Path(cfg.run_dir))["rollout"]
+    masked = sum(r["samples_masked_truncated"] for r in records)
+    assert masked == ended[ENDED_COUNT + "max_episode_tokens"]
+    assert 0 < masked < sum(r["samples"] for r in records) and ended[ENDED_COUNT + "done"] > 0
 
 
 def test_an_env_job_samples_the_same_episodes_whenever_its_tools_answer(tmp_path):

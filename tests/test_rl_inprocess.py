@@ -3,6 +3,7 @@ schedules, staleness and determinism without process start-up costs."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 
 from stream_rlhf.broker.runtime.inprocess import InProcessBus
 from stream_rlhf.config import build, import_dotted
+from stream_rlhf.data.tokenizer import load_tokenizer
 from stream_rlhf.driver import dataflow
 from stream_rlhf.driver.dataflow import compile_job
 from stream_rlhf.driver.warm_start import warm_start
@@ -106,6 +108,22 @@ def test_gspo_clips_the_actors_loss_by_sequence(tmp_path):
     assert by_sequence[0]["reward"] == by_token[0]["reward"] and by_sequence[0]["tokens"] == by_token[0]["tokens"]
     assert by_sequence[0]["clipfrac"] > 0 and by_token[0]["clipfrac"] > 0
     assert abs(by_sequence[0]["clipfrac"] - by_token[0]["clipfrac"]) > 1e-3
+
+
+def test_mask_truncated_leaves_the_responses_cut_by_the_length_limit_out_of_the_actors_loss(tmp_path):
+    """Two tokens at most: a response is cut unless its second token (or first) is the eos. The
+    handle's `truncated`, in every logged sample, says so, and the actor masks exactly those."""
+    torch.set_num_threads(1)
+    cfg, records = run_inprocess(tmp_path, "overlong", iterations=1, schedule="sync", overlap_depth=0,
+                                 **{"rollout.max_new_tokens": 2, "algorithm.mask_truncated": True,
+                                    "samples_log.per_minibatch": 1000})
+    eos = load_tokenizer(warm_start(cfg)).eos_token
+    logged = [json.loads(line) for line in (Path(cfg.run_dir) / "samples.jsonl").read_text().splitlines()]
+    cut = [len(sample["tokens"]) == 2 and sample["tokens"][-1] != eos for sample in logged]
+    assert len(logged) == records[0]["samples"] == 16
+    assert [sample["truncated"] for sample in logged] == cut
+    assert 0 < sum(cut) < len(cut)  # both kinds, so the count below means something
+    assert records[0]["samples_masked_truncated"] == sum(cut)
 
 
 def test_a_hugging_face_checkpoint_folder_loads_with_the_same_code(tmp_path):

@@ -88,6 +88,11 @@ class AlgorithmConfig:
     `token_sum` (each sample's token sum over the response budget, rollout.max_new_tokens or with an
     env env.max_episode_tokens, then the mean over samples: Dr. GRPO's, no length bias). The
     critic's value loss stays a token mean (`algos/aggregation.py`)."""
+    mask_truncated: bool = False
+    """Leave the responses cut by their length limit out of the actor's loss (DAPO's overlong
+    filtering): a response at rollout.max_new_tokens without a stop, an episode ended by
+    env.max_episode_tokens. Their tokens carry no policy loss, KL or entropy; their scores still
+    count in the advantages (a group's mean and std), and the critic still trains on them."""
     ppo_epochs: Annotated[int, Meta(ge=1)] = 2
     """Passes of the actor (and critic) over each iteration's samples."""
     train_minibatches: Annotated[int, Meta(ge=1)] = 2

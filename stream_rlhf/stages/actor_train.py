@@ -211,18 +211,22 @@ class ActorTrain(Stage):
             with trace.span("samples log", "train"):
                 self.samples.write(batches, exp, advantages, kl, self.version)
         proximal, recomputed = self._proximal_logp(exp, batches)
+        trained, truncated = exp, {}
+        if algo.mask_truncated and exp.truncated is not None:  # after the advantages: their scores count there
+            trained = exp.without_loss_on(exp.truncated)
+            truncated = {"samples_masked_truncated": int(exp.truncated.sum())}
         generator = seeded_generator(cfg.seed, "actor_train", self.version)
         means = MetricMeans()
         for _ in range(algo.ppo_epochs):
             for index in minibatch_indices(exp.num_samples, algo.train_minibatches, generator):
                 per_sample = {"advantages": advantages[index]}
-                weights = row_weights(exp.mask[index], algo.loss_aggregation, self.response_budget)
+                weights = row_weights(trained.mask[index], algo.loss_aggregation, self.response_budget)
                 if weights is not None:  # over the whole step, before the ranks take their shares
                     per_sample["row_weights"] = weights
                 if proximal is not None:
                     per_sample["proximal"] = proximal[index]
                 with trace.span("optimizer step", "train", samples=len(index)):
-                    means.add(self.engine.train_step(exp.select(index), self._loss, per_sample))
+                    means.add(self.engine.train_step(trained.select(index), self._loss, per_sample))
         self.kl_ctl.update(kl_mean, exp.num_samples)
         self.trained += exp.num_samples
         staleness = (self.version - exp.policy_versions).float()
@@ -231,6 +235,7 @@ class ActorTrain(Stage):
             **means.means(),
             **self._reward_metrics(exp),
             **self._token_metrics(exp),
+            **truncated,
             "kl": round(kl_mean, 5),
             "kl_coef": round(self.kl_ctl.coef, 5),
             "staleness_mean": round(staleness.mean().item(), 3),

@@ -160,6 +160,7 @@ class EpisodeRollout:
             self.log.warning("iteration %d mini-batch %d: %s", batch.iteration, batch.minibatch, failure)
         self._count_env_events(self.runtime.stepper.close_failures())
         tensors = episode_tensors(result.episodes)
+        tensors["truncated"] = torch.tensor([ended == "max_episode_tokens" for ended in result.ended])
         if self.mask_failed:  # their tokens carry no loss (experience.py)
             tensors["trained"] = torch.tensor([not ended.startswith(FAILED) for ended in result.ended])
         versions = [v for episode in result.episodes for v, m in zip(episode.policy_versions, episode.loss_mask) if m]

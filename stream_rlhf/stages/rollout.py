@@ -124,7 +124,8 @@ class RolloutStage(Stage):
         gen = out.generation
         tensors = {**ragged("sequences", [torch.cat([p, r]) for p, r in zip(prompts, gen.response_ids)]),
                    **ragged("behavior_logp", gen.response_logp),
-                   "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int32)}
+                   "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int32),
+                   "truncated": torch.tensor([reason == "length" for reason in gen.finish_reasons])}
         if out.token_versions is not None:
             tensors.update(ragged("token_versions", out.token_versions))  # (R_i,) version per token
         finished = sum(reason == "stop" for reason in gen.finish_reasons)

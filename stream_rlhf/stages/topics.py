@@ -102,6 +102,7 @@ TOPICS = {schema.topic: schema for schema in (
         Field("loss_mask", "ragged", BOOL, optional=True),  # env: True on policy tokens, False on observations
         Field("env_rewards", "ragged", FLOAT, optional=True),  # env: each turn's reward on its last policy token
         Field("trained", "per_sample", BOOL, optional=True),  # env.failed_episodes=mask: False for a failed episode
+        Field("truncated", "per_sample", BOOL, optional=True),  # cut by the length limit (algorithm.mask_truncated)
         # env, a VLM: each episode's observation images after its prompt's (envs/episode_handle.py)
         Field("episode_image_features", "ragged", FLOAT, optional=True),
         Field("episode_image_grid_thw", "ragged", INT, optional=True),

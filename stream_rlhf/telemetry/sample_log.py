@@ -83,6 +83,9 @@ class SampleRecord:
     trained: bool = True
     """False for a failed episode that `env.failed_episodes: mask` leaves out of training: none of
     its tokens carries a loss (its advantages are logged as 0)."""
+    truncated: bool = False
+    """Cut by its length limit (rollout.max_new_tokens without a stop, env.max_episode_tokens): with
+    `algorithm.mask_truncated` none of its tokens carries a loss."""
 
 
 def logged_indices(num_samples: int, per_minibatch: int) -> list[int]:
@@ -147,6 +150,7 @@ class SampleLog:
             images=paths.split("\n") if paths else [],
             turns=_turns(batch, index, width),
             trained=bool(batch.tensors["trained"][index]) if "trained" in batch.tensors else True,
+            truncated=bool(batch.tensors["truncated"][index]) if "truncated" in batch.tensors else False,
         )
 
     def _prompt_text(self, ids: list[int]) -> str:
