@@ -126,13 +126,15 @@ def test_a_multi_turn_sample_shows_its_turns(page, tmp_path):
 
 
 @pytest.mark.parametrize("page", [write_untrained_episode], indirect=True)
-def test_a_failed_episode_left_out_of_training_is_marked_and_faded(page, tmp_path):
+def test_a_failed_episode_left_out_of_training_is_marked_and_faded_and_a_cut_sample_says_so(page, tmp_path):
     assert page.get_attribute(".sample:nth-child(1)", "class") == "sample untrained"
     assert "not trained: a failed episode (env.failed_episodes: mask)" in page.inner_text(".sample:nth-child(1) .meta")
     opacity = "el => getComputedStyle(el).opacity"
     assert page.eval_on_selector(".sample:nth-child(1) .response", opacity) == "0.45"
     assert page.get_attribute(".sample:nth-child(2)", "class") == "sample"  # a trained sample as before
     assert "not trained" not in page.inner_text(".sample:nth-child(2) .meta")
+    assert "cut at its length limit" in page.inner_text(".sample:nth-child(2) .meta")  # `truncated`
+    assert "cut at" not in page.inner_text(".sample:nth-child(1) .meta")
     assert page.eval_on_selector(".sample:nth-child(2) .response", opacity) == "1"
     page.screenshot(path=SCREENSHOT or str(tmp_path / "view_untrained.png"), full_page=True)
 

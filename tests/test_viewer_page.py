@@ -69,9 +69,11 @@ def write_episode_samples(run_dir: Path) -> list[SampleRecord]:
 
 
 def write_untrained_episode(run_dir: Path) -> list[SampleRecord]:
-    """`write_episode_samples`' run with its multi-turn sample a failed episode left out of training."""
+    """`write_episode_samples`' run with its multi-turn sample a failed episode left out of training,
+    and its single-turn one cut by its length limit."""
     episode, single = write_episode_samples(run_dir)
     episode = dataclasses.replace(episode, trained=False, advantage=[0.0] * len(episode.tokens))
+    single = dataclasses.replace(single, truncated=True)
     (run_dir / SAMPLES_FILE).write_text("".join(json.dumps(asdict(r)) + "\n" for r in (episode, single)))
     return [episode, single]
 

@@ -3,7 +3,8 @@
 // textContent. A multi-turn sample (its `turns`: [start, end, kind] spans) shows one block per
 // turn: policy tokens coloured, observation tokens shaded and left out of the colour scales and
 // the mean KL (they carry no loss). A failed episode left out of training (`trained: false`,
-// env.failed_episodes: mask) is marked so in its card, its tokens faded.
+// env.failed_episodes: mask) is marked so in its card, its tokens faded; a sample its length limit
+// cut (`truncated`) says so.
 "use strict";
 
 const DATA = JSON.parse(document.getElementById("data").textContent);
@@ -89,6 +90,9 @@ function card(sample) {
   if (sample.turns) {
     const turns = sample.turns.filter(([, , kind]) => kind === "policy").length;
     meta.append(element("span", "turns", `${turns} turn${turns === 1 ? "" : "s"}`));
+  }
+  if (sample.truncated) {  // rollout.max_new_tokens or env.max_episode_tokens ended it
+    meta.append(element("span", "cut", "cut at its length limit"));
   }
   if (!sample.trained) {  // a failed episode under env.failed_episodes: mask
     node.classList.add("untrained");
