@@ -41,7 +41,7 @@ def advantages_of(exp: Experience, job: JobContext, kl_coef: float) -> tuple[tor
     algo = job.config.algorithm
     rewards = exp.token_rewards(kl_coef, algo.kl)
     estimator = ADVANTAGE_ESTIMATORS[algo.advantage]
-    if not algo.group_std:  # grpo's alone (AlgorithmConfig checks it)
+    if not algo.group_std:  # grpo alone reads it (rl/config.py IGNORED_ALGORITHM_KEYS refuses it elsewhere)
         estimator = partial(grpo, scale=False)
     advantages, returns = estimator(rewards, exp.mask, exp.values, exp.group_ids, algo.gamma, algo.lam)
     if algo.whiten_advantages:
