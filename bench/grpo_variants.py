@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from job_run import run_job  # bench/, beside this script
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "text_grpo.yaml"
@@ -44,25 +44,16 @@ COLUMNS = {
 
 def run(column: str, seed: int, iterations: int, quick: bool, eval_prompts: int) -> dict:
     name = f"bench_grpo_{column}_s{seed}" + ("_quick" if quick else "")
-    sets = [f"name={name}", f"seed={seed}", f"iterations={iterations}", f"broker.shm_prefix=b_grpo_{column}_{seed}",
+    sets = [f"seed={seed}", f"iterations={iterations}", f"broker.shm_prefix=b_grpo_{column}_{seed}",
             f"task.eval_prompts={eval_prompts}", *COLUMNS[column]]
     if quick:  # a 40-step warm start of its own (seconds)
         sets.append("model.warm_start.steps=40")
-    started = time.monotonic()
-    log = REPO / "runs" / f"{name}.log"
-    with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "stream_rlhf.cli", "run", str(CONFIG),
-                               *(x for s in sets for x in ("--set", s))],
-                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        sys.exit(f"{column} seed {seed}: the run failed (exit {done.returncode}); see {log}")
-    run_dir = REPO / "runs" / name
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary, wall_s = run_job(CONFIG, name, sets, f"{column} seed {seed}")
+    metrics = (REPO / "runs" / name / "metrics.jsonl").read_text().splitlines()
     return {"before": summary["eval_reward_before"], "after": summary["eval_reward_after"],
             "greedy_after": summary["eval_greedy_reward_after"], "samples": summary["samples_trained"],
-            "masked_truncated": sum(r.get("samples_masked_truncated", 0) for r in records),
-            "wall_s": round(time.monotonic() - started, 1)}
+            "masked_truncated": sum(json.loads(line).get("samples_masked_truncated", 0) for line in metrics),
+            "wall_s": wall_s}
 
 
 def mean(values: list[float]) -> float:

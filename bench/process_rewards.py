@@ -27,10 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from job_run import run_job  # bench/, beside this script
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "text_ppo_steps.yaml"
@@ -59,7 +59,7 @@ def prm_folder(iterations: int) -> tuple[Path, float]:
 
 def run(column: str, seed: int, iterations: int, prm: Path | None, quick: bool, eval_prompts: int) -> dict:
     name = f"bench_prm_{column}_s{seed}" + ("_quick" if quick else "")
-    sets = [f"name={name}", f"seed={seed}", f"iterations={iterations}", f"broker.shm_prefix=b_prm_{column}_{seed}",
+    sets = [f"seed={seed}", f"iterations={iterations}", f"broker.shm_prefix=b_prm_{column}_{seed}",
             f"task.eval_prompts={eval_prompts}"]
     if quick:  # a 40-step warm start of its own (seconds)
         sets.append("model.warm_start.steps=40")
@@ -67,18 +67,10 @@ def run(column: str, seed: int, iterations: int, prm: Path | None, quick: bool, 
         sets.append("reward.process=null")
     elif column == "model_prm":
         sets.append(f"reward.process={{model_path: {prm}, separator: ',', weight: 0.5}}")
-    started = time.monotonic()
-    log = REPO / "runs" / f"{name}.log"
-    with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "stream_rlhf.cli", "run", str(CONFIG),
-                               *(x for s in sets for x in ("--set", s))],
-                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        sys.exit(f"{column} seed {seed}: the run failed (exit {done.returncode}); see {log}")
-    summary = json.loads((REPO / "runs" / name / "summary.json").read_text())
+    summary, wall_s = run_job(CONFIG, name, sets, f"{column} seed {seed}")
     return {"before": summary["eval_reward_before"], "after": summary["eval_reward_after"],
             "greedy_after": summary["eval_greedy_reward_after"], "samples": summary["samples_trained"],
-            "wall_s": round(time.monotonic() - started, 1)}
+            "wall_s": wall_s}
 
 
 def mean(rows: list[dict], key: str) -> float:

@@ -124,6 +124,7 @@ def test_mask_truncated_leaves_the_responses_cut_by_the_length_limit_out_of_the_
     assert [sample["truncated"] for sample in logged] == cut
     assert 0 < sum(cut) < len(cut)  # both kinds, so the count below means something
     assert records[0]["samples_masked_truncated"] == sum(cut)
+    assert records[0]["truncated_frac"] == pytest.approx(sum(cut) / len(cut), abs=1e-4)
 
 
 def test_a_hugging_face_checkpoint_folder_loads_with_the_same_code(tmp_path):

@@ -212,9 +212,11 @@ class ActorTrain(Stage):
                 self.samples.write(batches, exp, advantages, kl, self.version)
         proximal, recomputed = self._proximal_logp(exp, batches)
         trained, truncated = exp, {}
+        if exp.truncated is not None:  # the share of answers their length limit cut: is it too short?
+            truncated["truncated_frac"] = round(exp.truncated.float().mean().item(), 4)
         if algo.mask_truncated and exp.truncated is not None:  # after the advantages: their scores count there
             trained = exp.without_loss_on(exp.truncated)
-            truncated = {"samples_masked_truncated": int(exp.truncated.sum())}
+            truncated["samples_masked_truncated"] = int(exp.truncated.sum())
         generator = seeded_generator(cfg.seed, "actor_train", self.version)
         means = MetricMeans()
         for _ in range(algo.ppo_epochs):
