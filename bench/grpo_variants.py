@@ -15,7 +15,7 @@ the samples trained and the answers masked as cut (overlong). The ratio is each 
 after RL over the baseline `grpo` column's. On this tiny model one seed's eval reward moves by a few
 hundredths between runs: read differences below that as noise.
 
-    .venv/bin/python bench/grpo_variants.py                   # 4 columns x seeds 0 1 (~6 minutes on 2 idle cores)
+    .venv/bin/python bench/grpo_variants.py                   # 4 columns x seeds 0 1 (~3 minutes on 2 idle cores)
     .venv/bin/python bench/grpo_variants.py --seeds 0 --json
     .venv/bin/python bench/grpo_variants.py --quick --json    # smoke: seed 0, 2 iterations, a 40-step warm
                                                               # start, 64 eval prompts
