@@ -38,6 +38,8 @@ RL_ROWS = [
     (("algorithm.group_std=false",), "algorithm.group_std=False: algorithm.advantage=gae ignores it"),
     (("algorithm.loss_aggregation=seq_mean",), "algorithm.loss_aggregation='seq_mean': must be one of"),
     (("algorithm.ratio_level=sample",), "algorithm.ratio_level='sample': must be one of 'token', 'sequence'"),
+    (("algorithm.sampler_correction=true", "overlap_depth=1"),
+     "algorithm.sampler_correction=true: overlap_depth=1 weights every token by proximal / behaviour already"),
     (("algorithm.advantage=rloo", "rollout_batch.samples_per_prompt=2", "placement.stages={critic_train: {}}"),
      "placement.stages.critic_train: algorithm.advantage=rloo has no critic"),
     # prompt + response within the model's positions (the longest prompt: a bos and "ab+cd=")

@@ -110,6 +110,20 @@ def test_gspo_clips_the_actors_loss_by_sequence(tmp_path):
     assert abs(by_sequence[0]["clipfrac"] - by_token[0]["clipfrac"]) > 1e-3
 
 
+def test_sampler_correction_weights_an_on_policy_runs_tokens_by_proximal_over_behaviour(tmp_path):
+    """overlap_depth 0 with algorithm.sampler_correction: the sampler's and the trainer's log-probs
+    of the same weights differ by float noise only on this CPU, so the weights are 1 to 1e-3 and
+    none is cut; without the key no token is weighted (no weight metrics)."""
+    torch.set_num_threads(1)
+    common = {"schedule": "sync", "overlap_depth": 0, "iterations": 1}
+    _, plain = run_inprocess(tmp_path, "plain", **common)
+    _, corrected = run_inprocess(tmp_path, "corrected", **common, **{"algorithm.sampler_correction": True})
+    assert "is_weight_mean" not in plain[0]
+    assert corrected[0]["is_weight_mean"] == pytest.approx(1.0, abs=1e-3) and corrected[0]["is_truncated_frac"] == 0
+    assert corrected[0]["reward"] == plain[0]["reward"] and corrected[0]["loss"] == pytest.approx(plain[0]["loss"],
+                                                                                                abs=1e-3)
+
+
 def test_mask_truncated_leaves_the_responses_cut_by_the_length_limit_out_of_the_actors_loss(tmp_path):
     """Two tokens at most: a response is cut unless its second token (or first) is the eos. The
     handle's `truncated`, in every logged sample, says so, and the actor masks exactly those."""

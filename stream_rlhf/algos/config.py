@@ -72,6 +72,11 @@ class AlgorithmConfig:
     """Decoupled PPO (overlap_depth >= 1): each token's loss is weighted by exp(old_logp -
     behavior_logp), the proximal over the behaviour policy, truncated to at most is_cap, which
     bounds how much a token sampled by an older version counts."""
+    sampler_correction: bool = False
+    """overlap_depth 0: weight each token by exp(proximal - behaviour log-prob) truncated at is_cap,
+    as decoupled PPO does with rollout ahead: corrects the gap between the sampler's numerics and
+    the trainer's (vLLM, bf16, static or graph decode: truncated importance sampling, TRL's
+    vllm_importance_sampling_correction). With overlap_depth >= 1 every token is weighted anyway."""
     entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
     """Weight of the entropy bonus in the actor's loss (loss - entropy_coef * entropy); 0: no bonus
     (the entropy is logged either way)."""

@@ -179,6 +179,9 @@ class RLJobConfig:
             raise ConfigError(f"name={self.name!r}: a non-empty folder name")
         if self.schedule == "sync" and self.overlap_depth != 0:
             raise ConfigError(f"overlap_depth={self.overlap_depth}: schedule=sync is on-policy, needs 0")
+        if self.algorithm.sampler_correction and self.overlap_depth != 0:
+            raise ConfigError(f"algorithm.sampler_correction=true: overlap_depth={self.overlap_depth} weights every "
+                              "token by proximal / behaviour already (decoupled PPO)")
         grouped = self.algorithm.advantage in ("grpo", "rloo")
         if grouped and self.rollout_batch.samples_per_prompt < 2:
             raise ConfigError(

@@ -266,7 +266,7 @@ class ActorTrain(Stage):
         samples weighted by `row_weights` under algorithm.loss_aggregation)."""
         cfg = self.job.config
         algo = cfg.algorithm
-        decoupled = cfg.overlap_depth > 0
+        decoupled = cfg.overlap_depth > 0 or algo.sampler_correction  # weighted by proximal / behaviour
         logp, entropy = self.engine.response_logprobs(part, cfg.rollout.temperature, with_entropy=True)  # (n, R)
         # without an actor forward the one optimizer step's own log-probs are the proximal ones
         proximal = per_sample["proximal"] if "proximal" in per_sample else logp.detach()
