@@ -12,13 +12,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_bench_json(script: str, tmp_path: Path, timeout_s: float) -> tuple[dict, str]:
-    """`python SCRIPT --quick --json` from the repository root: (its last line as JSON, its stdout)."""
+def run_bench_json(script: str, tmp_path: Path, timeout_s: float, *args: str) -> tuple[dict, str]:
+    """`python SCRIPT --quick --json [ARGS]` from the repository root: (its last line as JSON, its stdout)."""
     stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
     with stdout.open("w") as out, stderr.open("w") as err:  # files, not pipes: the stage processes
         try:  # inherit them and a full pipe would stall the run
             code = subprocess.run(
-                [sys.executable, script, "--quick", "--json"], check=False, cwd=REPO, stdout=out, stderr=err,
+                [sys.executable, script, "--quick", "--json", *args], check=False, cwd=REPO, stdout=out, stderr=err,
                 timeout=timeout_s,
             ).returncode
         except subprocess.TimeoutExpired:  # give timeout_s below the test's own timeout to get here

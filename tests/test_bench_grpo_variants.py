@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 
 import pytest
 
 from stream_rlhf.config import load_config
 from stream_rlhf.rl.config import RLJobConfig
-from tests.bench_run import REPO
+from tests.bench_run import REPO, run_bench_json
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +26,7 @@ def test_every_columns_settings_load_and_differ_from_the_config_as_shipped():
 
 @pytest.mark.timeout(420)
 def test_bench_grpo_variants_quick_json(tmp_path):
-    done = subprocess.run([sys.executable, "bench/grpo_variants.py", "--quick", "--json", "--columns", "overlong"],
-                          cwd=REPO, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    figures, stdout = run_bench_json("bench/grpo_variants.py", tmp_path, 400, "--columns", "overlong")
     assert figures["baseline"] == "grpo" and figures["iterations"] == 2
     columns = figures["columns"]
     assert set(columns) == {"grpo", "overlong"}  # the baseline always runs
@@ -41,4 +36,4 @@ def test_bench_grpo_variants_quick_json(tmp_path):
         assert column["gain"] == pytest.approx(column["after"] - column["before"], abs=1e-4)
     assert columns["grpo"]["before"] == columns["overlong"]["before"]  # one warm start, the same prompts
     assert columns["grpo"]["masked_truncated"] == 0 and columns["overlong"]["masked_truncated"] > 0
-    assert "after / grpo" in done.stdout  # the human table comes first
+    assert "after / grpo" in stdout  # the human table comes first

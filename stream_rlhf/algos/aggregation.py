@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 LossAggregation = Literal["token_mean", "sequence_mean", "token_sum"]
@@ -38,7 +39,7 @@ def row_weights(mask: Tensor, how: LossAggregation, budget: int) -> Tensor | Non
     if how == "sequence_mean":
         return tokens.sum() / (samples * tokens.clamp(min=1))
     if how == "token_sum":
-        return (tokens.sum() / (samples * budget)).expand_as(tokens).clone()
+        return torch.full_like(tokens, float(tokens.sum() / (samples * budget)))
     raise ValueError(f"loss aggregation {how!r}: expected token_mean, sequence_mean or token_sum")
 
 

@@ -214,9 +214,9 @@ class ActorTrain(Stage):
         trained, truncated = exp, {}
         if exp.truncated is not None:  # the share of answers their length limit cut: is it too short?
             truncated["truncated_frac"] = round(exp.truncated.float().mean().item(), 4)
-        if algo.mask_truncated and exp.truncated is not None:  # after the advantages: their scores count there
-            trained = exp.without_loss_on(exp.truncated)
-            truncated["samples_masked_truncated"] = int(exp.truncated.sum())
+            if algo.mask_truncated:  # after the advantages: their scores count there
+                trained = exp.without_loss_on(exp.truncated)
+                truncated["samples_masked_truncated"] = int(exp.truncated.sum())
         generator = seeded_generator(cfg.seed, "actor_train", self.version)
         means = MetricMeans()
         for _ in range(algo.ppo_epochs):
