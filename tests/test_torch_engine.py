@@ -21,6 +21,8 @@ from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.distributed import RankGroup, RankSpec
 from stream_rlhf.experience import Experience
+from stream_rlhf.models.lora import add_lora
+from stream_rlhf.models.lora_config import LoRAConfig
 from stream_rlhf.models.tokenizer import build_tokenizer
 from stream_rlhf.weights.shm_store import WeightStore
 from tests.tiny_models import seeded_qwen2_critic, seeded_qwen2_policy
@@ -28,8 +30,15 @@ from tests.tiny_models import seeded_qwen2_critic, seeded_qwen2_policy
 VOCAB = 40
 
 
-def _model() -> torch.nn.Module:
-    return seeded_qwen2_policy(VOCAB)
+LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+
+
+def _model(lora: LoRAConfig | None = None) -> torch.nn.Module:
+    """The tiny policy; with `lora`, its adapters (`models/lora.py`), which alone train."""
+    model = seeded_qwen2_policy(VOCAB)
+    if lora is not None:
+        add_lora(model, lora, seed=0)
+    return model
 
 
 def _critic() -> torch.nn.Module:
@@ -63,8 +72,9 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
     group = RankGroup.join(RankSpec(rank, world, f"file://{init_file}" if world > 1 else None))
     try:
         exp = _experience()
-        if case == "train":
-            engine = TorchTrainEngine(_model(), group, OptimizerConfig(lr=1e-3, max_grad_norm=0.5))
+        if case in ("train", "lora"):  # the whole model, or LoRA adapters (exports merge them)
+            lora = LORA if case == "lora" else None
+            engine = TorchTrainEngine(_model(lora), group, OptimizerConfig(lr=1e-3, max_grad_norm=0.5))
             advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
             metrics = []
             # the last step a sequence mean (algorithm.loss_aggregation): each rank's share is weighted
@@ -78,13 +88,13 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
             weights = engine.export_weights()
             engine.save(Path(out + ".checkpoint"), build_tokenizer())
             group.barrier()  # the leader has written it
-            for reloaded in (TorchTrainEngine(_model(), group, OptimizerConfig()),  # sharded like this one
-                             TorchTrainEngine(_model(), RankGroup.single())):
+            for reloaded in (TorchTrainEngine(_model(lora), group, OptimizerConfig()),  # sharded like this one
+                             TorchTrainEngine(_model(lora), RankGroup.single())):
                 reloaded.load(Path(out + ".checkpoint"))
                 again = reloaded.export_weights()
                 assert again.keys() == weights.keys() and all(torch.equal(again[k], weights[k]) for k in weights)
             _assert_resumes_exactly(engine,
-                                    lambda: TorchTrainEngine(_model(), group,
+                                    lambda: TorchTrainEngine(_model(lora), group,
                                                              OptimizerConfig(lr=1e-3, max_grad_norm=0.5)),
                                     Path(out + ".state"), exp, advantages)
             weights = engine.export_weights()
@@ -146,17 +156,21 @@ def _run_ranks(world: int, tmp_path: Path, case: str) -> str:
 
 
 @pytest.mark.slow
-def test_two_fsdp2_ranks_train_to_the_same_weights_as_one(tmp_path):
-    one = load_file(_run_ranks(1, tmp_path, "train"))
-    two = load_file(_run_ranks(2, tmp_path, "train"))
+@pytest.mark.parametrize("case", ["train", "lora"])
+def test_two_fsdp2_ranks_train_to_the_same_weights_as_one(tmp_path, case):
+    one = load_file(_run_ranks(1, tmp_path, case))
+    two = load_file(_run_ranks(2, tmp_path, case))
     start = _model().state_dict()
     assert one.keys() == two.keys()
     moved = max((one[k] - start[k]).abs().max().item() for k in one)
-    assert moved > 1e-3  # the steps changed the weights, so the comparison means something
+    assert moved > (1e-3 if case == "train" else 1e-5)  # the steps changed the weights: the comparison means something
+    if case == "lora":  # merged exports: what the adapters change, and nothing else
+        assert {k for k in one if not torch.equal(one[k], start[k])} == {
+            f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("q_proj", "v_proj")}
     for name in one:
         torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=0, msg=name)
-    m1 = torch.load(str(tmp_path / "train-1.safetensors.metrics"))
-    m2 = torch.load(str(tmp_path / "train-2.safetensors.metrics"))
+    m1 = torch.load(str(tmp_path / f"{case}-1.safetensors.metrics"))
+    m2 = torch.load(str(tmp_path / f"{case}-2.safetensors.metrics"))
     for a, b in zip(m1, m2):
         for key in ("loss", "grad_norm", "clipfrac", "approx_kl"):
             assert b[key] == pytest.approx(a[key], abs=1e-5), key

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,8 @@ from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.backends.train_engine import TrainEngine
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.models.checkpoint import load_job_critic, load_policy
+from stream_rlhf.models.lora import add_lora
+from stream_rlhf.models.lora_config import LoRAConfig
 
 if TYPE_CHECKING:  # the job's config, read here: the launcher's package is above the engines
     from stream_rlhf.launch.placement import StagePlacement
@@ -53,6 +56,7 @@ def _megatron(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | N
     return MegatronTrainEngine(model, group, optimizer, own.megatron, seed)
 
 
+log = logging.getLogger("stream_rlhf")
 TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {"torch": _torch, "megatron": _megatron}
 
 
@@ -70,12 +74,25 @@ STAGE_MODELS: dict[str, Callable[[RLJobConfig, str], nn.Module]] = {
 """Stage -> the model its engine loads from the job's checkpoint folder."""
 
 
+def _with_lora(model: nn.Module, lora: LoRAConfig, seed: int) -> None:
+    """Adapters on `model` (`models/lora.py`), which then trains those only; logs how much trains."""
+    total = sum(p.numel() for p in model.parameters())
+    wrapped = add_lora(model, lora, seed)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("LoRA rank %d (alpha %g) on %d linear layers: %s of %s parameters train (%.2f%%)", lora.rank,
+             lora.alpha, len(wrapped), f"{trained:,}", f"{total:,}", 100 * trained / total)
+
+
 def build_train_engine(config: RLJobConfig, stage: str, checkpoint: str, group: RankGroup,
                        optimizer: OptimizerConfig | None = None) -> TrainEngine:
     """The engine of `stage` (an `RLJobConfig`'s placement says which) holding the stage's model,
-    loaded from `checkpoint` (`STAGE_MODELS`); trains with `optimizer`, forward only without."""
+    loaded from `checkpoint` (`STAGE_MODELS`); trains with `optimizer`, forward only without. The
+    actor's model gets `actor.lora`'s adapters first, when set (the torch engine's: the config refuses
+    them on megatron)."""
     if stage not in STAGE_MODELS:
         raise ValueError(f"build_train_engine: stage {stage!r} holds no train engine (one of {sorted(STAGE_MODELS)})")
     own = config.placement.of(stage)
     model = STAGE_MODELS[stage](config, checkpoint)
+    if stage == "actor_train" and config.actor.lora is not None:
+        _with_lora(model, config.actor.lora, config.seed)
     return TRAIN_ENGINES[own.backend](model, group, optimizer, own, stage, config.seed, config.precision)

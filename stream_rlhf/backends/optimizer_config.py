@@ -1,5 +1,6 @@
 """The optimizer config of a train engine (`actor`, `critic`), beside the engine
-(`backends/torch_engine.py`): AdamW's learning rate and weight decay, and gradient clipping."""
+(`backends/torch_engine.py`): AdamW's learning rate and weight decay, and gradient clipping; the
+actor's adds LoRA (`actor.lora`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Annotated
 from msgspec import Meta
 
 from stream_rlhf.config import check_fields
+from stream_rlhf.models.lora_config import LoRAConfig
 
 
 @dataclass(frozen=True)
@@ -24,3 +26,13 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+@dataclass(frozen=True)
+class ActorConfig(OptimizerConfig):
+    """The actor's optimizer (as any train engine's) and what it trains: the whole policy, or LoRA
+    adapters on it."""
+
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters on the policy's decoder layers instead of all its weights
+    (`actor.lora`; the torch backend); None: full training."""

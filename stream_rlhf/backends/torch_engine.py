@@ -10,6 +10,10 @@ its share of the step's response tokens, so the averaged gradient is exactly tha
 mean over all samples, as on one rank. A forward-only engine keeps a whole copy of the model on
 every rank (data parallel: each rank computes its share of a mini-batch, then all gather).
 
+A model with LoRA adapters (`models/lora.py`, added by `engines.build_train_engine` for `actor.lora`)
+trains the adapters alone; every export (weights for rollout, checkpoint folders) merges them into
+the weights, while a resume state keeps them apart.
+
 Every forward goes through `ModelForward`, the module FSDP2 shards as the root, so that the
 embedding and the heads are gathered around it (the fused log-prob kernel reads the LM head's
 weight directly, not through the model's own forward).
@@ -41,6 +45,7 @@ from stream_rlhf.device_copy import to_device
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import save_checkpoint
+from stream_rlhf.models.lora import has_lora, merge_lora, merged_names
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.models.response_outputs import response_logprobs, response_outputs
 from stream_rlhf.samples import SampleImages
@@ -98,6 +103,7 @@ class TorchTrainEngine:
         govern(self.model)  # core lending, when the launcher turned it on for this stage
         freeze_vision_tower(self.model)
         self.sharded = optimizer is not None and group.distributed
+        self.lora = has_lora(self.model)  # adapters only train; exports merge them (`models/lora.py`)
         self.forward_module = ModelForward(self.model, self.sharded)
         if self.sharded:  # over this group's ranks, on their device type (a CPU group on a GPU machine too)
             mesh = init_device_mesh(self.device.type, (group.world_size,))
@@ -223,7 +229,15 @@ class TorchTrainEngine:
 
     def export_weights(self, trainable_only: bool = False) -> dict[str, Tensor]:
         """Full tensors in Hugging Face names, on the CPU; a sharded engine gathers them (every
-        rank must call this). Tied weights map to one tensor."""
+        rank must call this). Tied weights map to one tensor. LoRA adapters come merged into their
+        weights (`models/lora.py`): `trainable_only` then gives the weights they change."""
+        if not self.lora:
+            return self._gathered(trainable_only)
+        merged = merge_lora(self._gathered())
+        return {name: merged[name] for name in self.trained_names()} if trainable_only else merged
+
+    def _gathered(self, trainable_only: bool = False) -> dict[str, Tensor]:
+        """The model's own state (adapters apart), full tensors on the CPU: gathered when sharded."""
         named = self.model.named_parameters() if trainable_only else self.model.state_dict(keep_vars=True).items()
         full: dict[int, Tensor] = {}
         out = {}
@@ -243,9 +257,11 @@ class TorchTrainEngine:
         copied into host buffers kept for the next call (pinned, without a wait per tensor, from a GPU)."""
         if self.sharded:
             return self.export_weights()
-        return self._weight_snapshots.take(self.model.state_dict(keep_vars=True))
+        return self._weight_snapshots.take(merge_lora(self.model.state_dict(keep_vars=True)))
 
     def trained_names(self) -> list[str]:
+        if self.lora:
+            return merged_names(self.model)
         return [name for name, p in self.model.named_parameters() if p.requires_grad]
 
     def refresh(self, store: WeightStore, held: int) -> int:
@@ -287,7 +303,7 @@ class TorchTrainEngine:
         """The state `snapshot_state` copies: unsharded, the live tensors as they are (from a GPU
         they go straight into pinned memory); sharded, each full tensor gathered onto the host one
         at a time (a collective: every rank calls it)."""
-        weights = self.export_weights() if self.sharded else self.model.state_dict(keep_vars=True)
+        weights = self._gathered() if self.sharded else self.model.state_dict(keep_vars=True)  # adapters apart
         optimizer = None
         if self.optimizer is not None:
             options = StateDictOptions(full_state_dict=True, cpu_offload=self.sharded)
@@ -315,6 +331,9 @@ class TorchTrainEngine:
         if not hasattr(type(self.model), "from_pretrained"):
             raise TypeError(f"load: {type(self.model).__name__} is not a Hugging Face model class")
         full = type(self.model).from_pretrained(str(folder), dtype=torch.float32).state_dict()
+        if self.lora:  # the folder's weights are the merged ones: the adapters start again from them
+            own = self._gathered()
+            full = {**own, **full, **{name: torch.zeros_like(b) for name, b in own.items() if name.endswith(".lora_B")}}
         if self.sharded:
             set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
         else:

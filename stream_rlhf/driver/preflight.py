@@ -9,6 +9,8 @@ What is checked:
     broker.curve.key_dir          a folder holding every key file (`sockets.KEY_FILES`), each a ZMQ
                                   certificate that loads, and authorized_clients/ with a public key
     model.path                    a checkpoint folder: config.json (JSON), weights, a tokenizer
+    actor.lora.target_modules     with model.path: each names weights of its decoder layers
+                                  (`<layers>.N.<...>.<name>.weight`, read from its safetensors)
     reward.model_path,            checkpoint folders: config.json (JSON) and weights (they share the
     reward.process.model_path     policy's tokenizer)
     data.train, data.eval         readable files (their lines and images: `rl/task_data.check_prompts`)
@@ -38,6 +40,8 @@ WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.
 """A checkpoint folder holds its weights as one of these (transformers' names)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 """A tokenizer transformers loads from a folder has one of these."""
+LAYER_WEIGHT = re.compile(r"\.layers\.\d+\.(?:[^.]+\.)*?([^.]+)\.weight$")
+"""A decoder layer's weight in Hugging Face names (`model.layers.3.self_attn.q_proj.weight`): its module's name."""
 RAY_ADDRESS = re.compile(r"(?:ray://)?(?P<host>[^\s:/]+):(?P<port>\d+)")
 """HOST:PORT or ray://HOST:PORT; "auto" and "local" are Ray's words for a cluster found here."""
 
@@ -68,6 +72,8 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     check_broker(cfg.broker)
     if cfg.model.path is not None:
         check_checkpoint(cfg.model.path, "model.path", tokenizer=True)
+        if cfg.actor.lora is not None:
+            check_lora_targets(cfg.model.path, cfg.actor.lora.target_modules)
     if cfg.reward.model_path is not None:
         check_checkpoint(cfg.reward.model_path, "reward.model_path", tokenizer=False)
     if cfg.reward.process is not None and cfg.reward.process.model_path is not None:
@@ -92,6 +98,29 @@ def check_checkpoint(folder: str, key: str, tokenizer: bool) -> None:
         raise ConfigError(f"{key}={folder!r}: no weights there (expected {', '.join(WEIGHT_FILES)})")
     if tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(f"{key}={folder!r}: no tokenizer there (expected one of {', '.join(TOKENIZER_FILES)})")
+
+
+def check_lora_targets(folder: str, targets: list[str]) -> None:
+    """Each of `targets` names a linear layer of the decoder layers of the checkpoint in `folder`
+    (its safetensors' weight names; a checkpoint of .bin files is left to the engine's own check)."""
+    path = Path(folder)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = list(json.loads(index.read_text())["weight_map"])
+    else:
+        from safetensors import safe_open  # with torch: an RL job's preflight only
+
+        names = []
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(file, "pt") as weights:
+                names += list(weights.keys())
+        if not names:
+            return
+    layer_weights = [m.group(1) for name in names if (m := LAYER_WEIGHT.search(name))]
+    missing = [t for t in targets if t not in layer_weights]
+    if missing:
+        raise ConfigError(f"actor.lora.target_modules: {missing} name no linear layer of the decoder layers of "
+                          f"model.path={folder!r} (they have {sorted(set(layer_weights))})")
 
 
 def check_ray_address(address: str) -> None:

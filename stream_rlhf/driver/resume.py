@@ -34,6 +34,7 @@ import torch
 
 from stream_rlhf.config import ConfigError
 from stream_rlhf.launch.spec import StageSpec
+from stream_rlhf.models.lora import merge_lora
 from stream_rlhf.resume.store import FOLDER, ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.reward_parts_config import policy_version_at
@@ -107,7 +108,7 @@ def prepare_resume(run_dir: Path, cfg: RLJobConfig, weights_root: Path) -> Resum
         cut_metrics(run_dir / name, point.version)
     policy = policy_version_at(point.version, cfg.critic.warmup_iterations)
     for part in checkpoint_parts(cfg):  # the critic's versions count iterations, the actor's policy versions
-        weights = torch.load(point.part(part) / ENGINE, map_location="cpu", weights_only=True)["model"]
+        weights = merge_lora(torch.load(point.part(part) / ENGINE, map_location="cpu", weights_only=True)["model"])
         version = policy if part == STAGE_PARTS["actor_train"] else point.version
         WeightStore(weights_root, part).publish(weights, version)
     log.info("resuming from %s: iteration %d of %d, policy version %d (of the samples the stopped run generated "

@@ -32,7 +32,7 @@ from msgspec import Meta
 
 from stream_rlhf.algos.config import AlgorithmConfig
 from stream_rlhf.backends.megatron.config import check_model
-from stream_rlhf.backends.optimizer_config import OptimizerConfig
+from stream_rlhf.backends.optimizer_config import ActorConfig
 from stream_rlhf.backends.precision import Precision
 from stream_rlhf.backends.rollout_config import RolloutConfig
 from stream_rlhf.broker.control.topology import BrokerConfig
@@ -41,6 +41,7 @@ from stream_rlhf.data.task_config import DataConfig, TaskConfig
 from stream_rlhf.envs.config import EnvConfig
 from stream_rlhf.launch.placement import AUTO, PlacementConfig, StagePlacement, device_group_of
 from stream_rlhf.launch.ray_config import RayConfig
+from stream_rlhf.models.lora_config import ALL_PROJECTIONS
 from stream_rlhf.models.model_config import ModelConfig, VisionConfig
 from stream_rlhf.resume.config import CheckpointConfig
 from stream_rlhf.rl.reward_parts_config import CriticConfig, RewardConfig
@@ -123,8 +124,8 @@ class RLJobConfig:
     env: EnvConfig | None = None
     """Multi-turn / tool-using episodes: the environment each sample runs in and the engine's
     limits on episodes (`envs/config.py`, docs/environments.md); None: one response per prompt."""
-    actor: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """The actor's (policy's) optimizer."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The actor's (policy's) optimizer, and LoRA adapters if it trains those only."""
     critic: CriticConfig = field(default_factory=lambda: CRITIC_OPTIMIZER)
     """The critic's optimizer, initialisation and warm-up (gae only)."""
     placement: PlacementConfig | Literal["auto"] = field(default_factory=PlacementConfig)
@@ -221,6 +222,7 @@ class RLJobConfig:
         self._check_launcher()
         self._check_critic()
         self._check_reward_and_env()
+        self._check_lora()
 
     def _check_launcher(self) -> None:
         if self.launcher != "ray" and self.ray != RayConfig():
@@ -265,6 +267,20 @@ class RLJobConfig:
         if room is not None and self.env.max_episode_tokens > room:
             raise ConfigError(f"env.max_episode_tokens={self.env.max_episode_tokens}: more than {key}={room}, "
                               "the positions an episode's prompt, turns and observations must fit in")
+
+    def _check_lora(self) -> None:
+        """LoRA is the torch engine's; the embedded model's layers have the projections only (a
+        `model.path` checkpoint's names are checked at preflight, `driver/preflight.py`)."""
+        lora = self.actor.lora
+        if lora is None:
+            return
+        if self.placement.of("actor_train").backend == "megatron":
+            raise ConfigError("actor.lora: LoRA adapters are built for the torch backend, and "
+                              "placement.stages.actor_train.backend=megatron")
+        unknown = [name for name in lora.target_modules if name not in ALL_PROJECTIONS]
+        if self.model.path is None and unknown:
+            raise ConfigError(f"actor.lora.target_modules: {unknown} name no linear layer of the embedded model's "
+                              f"decoder layers ({', '.join(ALL_PROJECTIONS)})")
 
     def _check_stage_placements(self) -> None:
         for stage in self.placement.with_rollout:

@@ -1,0 +1,92 @@
+"""LoRA adapters on the decoder layers of a Hugging Face causal LM, and their merge back into
+plain weights (what rollout, the forwards and checkpoint folders see).
+
+    targets = add_lora(model, LoRAConfig(rank=8), seed=0)  # the base frozen: only A and B train
+    plain = merge_lora(model.state_dict())                 # W + (alpha / rank) B A; no adapter keys
+
+A targeted `nn.Linear` becomes a `LoRALinear` that keeps its `weight` and `bias` under their
+names, beside `lora_A` (rank, in), `lora_B` (out, rank) and the scale `lora_scale` (a buffer, so a
+saved state merges without its config). `merge_lora` works on any state dict, a gathered one of a
+sharded model included, and leaves one without adapter keys as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from stream_rlhf.models.lora_config import LoRAConfig
+
+ADAPTER_KEYS = ("lora_A", "lora_B", "lora_scale")
+"""The state-dict entries a `LoRALinear` adds to its linear layer's."""
+
+
+class LoRALinear(nn.Linear):
+    """A linear layer with a low-rank adapter beside its frozen weight: W x + b + scale B A x."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        a = torch.empty(rank, base.in_features)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # as nn.Linear's own init
+        self.lora_A = nn.Parameter(a.to(base.weight.device, base.weight.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device,
+                                               dtype=base.weight.dtype))  # zero: the model starts unchanged
+        self.register_buffer("lora_scale", torch.tensor(alpha / rank))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
+
+
+def add_lora(model: nn.Module, cfg: LoRAConfig, seed: int) -> list[str]:
+    """Freeze `model` and give the linear layers `cfg.target_modules` names inside its decoder
+    layers an adapter each (A drawn from `seed`: the same on every rank); returns their module
+    names. A ValueError names the targets that match no linear layer there."""
+    model.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    wrapped, found = [], set()
+    layers = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("DecoderLayer")]
+    for layer_name, layer in layers:
+        for name, module in list(layer.named_modules()):
+            leaf = name.rpartition(".")[2]
+            if leaf in cfg.target_modules and type(module) is nn.Linear:
+                parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+                setattr(parent, leaf, LoRALinear(module, cfg.rank, cfg.alpha, generator))
+                wrapped.append(f"{layer_name}.{name}")
+                found.add(leaf)
+    missing = [t for t in cfg.target_modules if t not in found]
+    if missing:
+        present = sorted({n.rpartition(".")[2] for _, layer in layers[:1] for n, m in layer.named_modules()
+                          if isinstance(m, nn.Linear)})
+        raise ValueError(f"actor.lora.target_modules: {missing} name no linear layer of the model's decoder layers "
+                         f"(they have {present})")
+    return wrapped
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def merged_names(model: nn.Module) -> list[str]:
+    """The weights the adapters change, in Hugging Face names (`<module>.weight`), in model order."""
+    return [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def merge_lora(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`state` with each adapted weight replaced by W + scale B A (a new tensor, in W's dtype, on
+    W's device) and the adapter entries left out; a state without adapters comes back as it is."""
+    prefixes = [key[: -len(".lora_A")] for key in state if key.endswith(".lora_A")]
+    if not prefixes:
+        return state
+    out = {key: value for key, value in state.items() if key.rpartition(".")[2] not in ADAPTER_KEYS}
+    with torch.no_grad():
+        for prefix in prefixes:
+            weight = state[f"{prefix}.weight"]
+            delta = state[f"{prefix}.lora_B"].float() @ state[f"{prefix}.lora_A"].float()  # (out, in)
+            out[f"{prefix}.weight"] = (weight.float() + delta * state[f"{prefix}.lora_scale"].float()).to(weight.dtype)
+    return out

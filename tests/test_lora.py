@@ -1,0 +1,112 @@
+"""LoRA adapters (`models/lora.py`) and the torch engine training them (`actor.lora`): the model
+starts unchanged, only the adapters train, every export is the merged plain model, and a resume
+state keeps the adapters apart and resumes exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stream_rlhf.backends.optimizer_config import OptimizerConfig
+from stream_rlhf.backends.torch_engine import TorchTrainEngine
+from stream_rlhf.distributed import RankGroup
+from stream_rlhf.models.lora import LoRALinear, add_lora, merge_lora, merged_names
+from stream_rlhf.models.lora_config import LoRAConfig
+from stream_rlhf.models.tokenizer import build_tokenizer
+from tests.test_torch_engine import LORA as ATTENTION
+from tests.test_torch_engine import VOCAB, _experience, _loss, _model
+
+
+def _lora_model() -> torch.nn.Module:
+    return _model(ATTENTION)
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_adapters_start_at_the_checkpoint_and_alone_train():
+    plain, adapted = _model(), _model()
+    wrapped = add_lora(adapted, ATTENTION, seed=0)
+    assert wrapped == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
+    ids = torch.randint(1, VOCAB, (2, 7))
+    assert torch.equal(_logits(adapted, ids), _logits(plain, ids))  # B = 0
+    trained = {name for name, p in adapted.named_parameters() if p.requires_grad}
+    assert trained == {f"{w}.lora_{ab}" for w in wrapped for ab in "AB"}
+    assert merged_names(adapted) == [f"{w}.weight" for w in wrapped]
+
+
+def test_the_merged_weights_are_the_adapted_model():
+    adapted = _lora_model()
+    for module in adapted.modules():
+        if isinstance(module, LoRALinear):
+            torch.nn.init.normal_(module.lora_B, std=0.05)
+    merged = merge_lora(adapted.state_dict())
+    assert not any("lora" in key for key in merged) and merged.keys() == _model().state_dict().keys()
+    plain = _model()
+    plain.load_state_dict(merged)
+    ids = torch.randint(1, VOCAB, (2, 7))
+    torch.testing.assert_close(_logits(plain, ids), _logits(adapted, ids), atol=1e-5, rtol=0)
+    assert merge_lora(plain.state_dict()) is not None and merge_lora(merged) is merged  # no adapters: as it is
+
+
+def test_a_target_the_layers_lack_is_named():
+    with pytest.raises(ValueError, match=r"\['qkv'\] name no linear layer.*'q_proj'"):
+        add_lora(_model(), LoRAConfig(target_modules=["q_proj", "qkv"]), seed=0)
+
+
+def test_the_engine_trains_the_adapters_and_exports_merged_weights(tmp_path):
+    start = _model().state_dict()
+    engine = TorchTrainEngine(_lora_model(), RankGroup.single(), OptimizerConfig(lr=1e-2))
+    exp = _experience()
+    advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
+    for _ in range(2):
+        engine.train_step(exp, _loss(engine), {"advantages": advantages})
+    adapted = [m for m in engine.model.modules() if isinstance(m, LoRALinear)]
+    assert sum(s["exp_avg"].numel() for s in engine.optimizer.state.values()) == sum(  # optimizer state: adapters'
+        p.numel() for p in engine.trainable) == sum(4 * (m.in_features + m.out_features) for m in adapted)
+    full = engine.export_weights()
+    assert full.keys() == start.keys()
+    changed = {name for name in start if not torch.equal(full[name], start[name])}
+    assert changed == set(engine.trained_names()) == set(merged_names(engine.model))
+    sent = engine.export_weights(trainable_only=True)
+    assert list(sent) == engine.trained_names() and all(torch.equal(sent[k], full[k]) for k in sent)
+    snapshot = engine.snapshot_weights()
+    assert snapshot.keys() == full.keys() and all(torch.equal(snapshot[k], full[k]) for k in full)
+
+    # a plain model with the exported weights computes the engine's log-probs (what rollout samples from)
+    plain = TorchTrainEngine(_model(), RankGroup.single())
+    plain.model.load_state_dict(full)
+    torch.testing.assert_close(plain.forward_logprobs(exp.sequences, 1.0), engine.forward_logprobs(exp.sequences, 1.0),
+                               atol=1e-5, rtol=0)
+
+    # a resume state keeps the adapters apart and trains on exactly as the engine does
+    state = engine.snapshot_state()
+    assert any(key.endswith("lora_A") for key in state["model"])
+    assert torch.equal(state["model"]["model.layers.0.self_attn.q_proj.weight"],
+                       start["model.layers.0.self_attn.q_proj.weight"])  # the base, frozen
+    torch.save(state, tmp_path / "engine.pt")
+    resumed = TorchTrainEngine(_lora_model(), RankGroup.single(), OptimizerConfig(lr=1e-2))
+    resumed.load_state(tmp_path / "engine.pt")
+    for trainer in (engine, resumed):
+        trainer.train_step(exp, _loss(trainer), {"advantages": advantages})
+    a, b = engine.export_weights(), resumed.export_weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert merge_lora(torch.load(tmp_path / "engine.pt", weights_only=True)["model"]).keys() == start.keys()
+
+
+def test_a_saved_folder_is_the_plain_merged_model(tmp_path):
+    engine = TorchTrainEngine(_lora_model(), RankGroup.single(), OptimizerConfig(lr=1e-2))
+    exp = _experience()
+    engine.train_step(exp, _loss(engine), {"advantages": torch.ones_like(exp.mask)})
+    engine.save(Path(tmp_path / "folder"), build_tokenizer())
+    reloaded = type(_model()).from_pretrained(str(tmp_path / "folder"))
+    assert not any("lora" in key for key in reloaded.state_dict())
+    weights = engine.export_weights()
+    assert all(torch.equal(reloaded.state_dict()[k], weights[k]) for k in weights)
+    again = TorchTrainEngine(_lora_model(), RankGroup.single(), OptimizerConfig(lr=1e-2))
+    again.load(tmp_path / "folder")  # the merged weights become the base, the adapters start again at zero
+    assert all(torch.equal(again.export_weights()[k], weights[k]) for k in weights)
