@@ -21,7 +21,9 @@ from PIL import Image
 
 from stream_rlhf import cli
 from stream_rlhf.launch.placement import split_cores
+from stream_rlhf.models.tokenizer import build_tokenizer
 from tests.rl_tiny import VISION, tiny_job, write_job
+from tests.tiny_models import seeded_qwen2_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = str(ROOT / "configs" / "broker_demo.yaml")
@@ -78,6 +80,13 @@ RL_ROWS = [
     (("precision=fp16",), "precision='fp16': must be one of 'auto', 'fp32', 'bf16'"),
     (("precision=bf16", "placement.stages={actor_train: {backend: megatron}}"),
      "precision=bf16: placement.stages.actor_train.backend=megatron computes in fp32 only"),
+    # LoRA: the torch engine's, on layers the model has
+    (("actor.lora={rank: 4}", "placement.stages={actor_train: {backend: megatron}}"),
+     "actor.lora: LoRA adapters are built for the torch backend, and placement.stages.actor_train.backend=megatron"),
+    (("actor.lora={target_modules: [q_proj, qkv]}",),
+     "actor.lora.target_modules: ['qkv'] name no linear layer of the embedded model's decoder layers (q_proj, "),
+    (("actor.lora={rank: 0}",), "actor.lora.rank=0: must be >= 1"),
+    (("actor.lora={target_modules: []}",), "actor.lora.target_modules=[]: name at least one linear layer"),
     (("placement.rollout_cores=[-1]",), "placement.rollout_cores=[-1]: core numbers are >= 0"),
     (("placement.stages={actor_train: {devices: [-1]}}",), "placement.stages.actor_train.devices=[-1]: device "
                                                            "indices are >= 0"),
@@ -126,6 +135,19 @@ def _image_data(folder: Path, images: list[str]) -> list[str]:
     (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
     (folder / "eval.jsonl").write_text(lines[0] + "\n")
     return [f"data.train={folder / 'train.jsonl'}", f"data.eval={folder / 'eval.jsonl'}"]
+
+
+def test_lora_targets_a_checkpoint_folder_lacks_are_named_before_the_warm_start(tmp_path, capsys):
+    folder = tmp_path / "checkpoint"
+    seeded_qwen2_policy(40).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    path = write_job(tmp_path / "job.yaml", tiny_job(tmp_path, "bad"))
+    code, err = _run(["run", str(path), f"--set=model.path={folder}", "--set=actor.lora={target_modules: [c_attn]}"],
+                     capsys)
+    assert code == 2, err[-2000:]
+    assert (f"actor.lora.target_modules: ['c_attn'] name no linear layer of the decoder layers of "
+            f"model.path='{folder}' (they have ['down_proj', 'gate_proj', 'input_layernorm', 'k_proj', ") in err
+    _assert_nothing_started(tmp_path / "bad")
 
 
 def test_a_bad_json_line_of_the_training_file_is_named_before_the_warm_start(tmp_path, capsys):

@@ -50,10 +50,14 @@ def _config(tmp_path: Path, name: str, **overrides) -> Path:
     return write_job(tmp_path / f"{name}.yaml", data)
 
 
-def test_a_sync_run_stopped_and_resumed_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_sync_run_stopped_and_resumed_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, lora):
+    """With actor.lora too: the checkpoint keeps the adapters apart, the resumed weight store gets
+    them merged, and the adapters train on from where they were."""
     shape = {"iterations": 6, "schedule": "sync", "overlap_depth": 0,
              "checkpoint": {"every": 2, "keep": 2, "background": False},
-             "algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2}
+             "algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2,
+             **({"actor": {"lr": 0.01, "lora": {"rank": 4}}} if lora else {})}
     whole = _config(tmp_path, "whole", **shape)
     log = tmp_path / "whole.log"
     assert _start(whole, log).wait(timeout=300) == 0, log.read_text()[-3000:]

@@ -141,6 +141,25 @@ def test_mask_truncated_leaves_the_responses_cut_by_the_length_limit_out_of_the_
     assert records[0]["truncated_frac"] == pytest.approx(sum(cut) / len(cut), abs=1e-4)
 
 
+def test_lora_trains_the_adapters_and_rollout_samples_from_the_merged_weights(tmp_path):
+    """actor.lora: the policy's final folder differs from the start in the targeted weights alone,
+    and at the second iteration rollout's log-probs (the merged version 1 it loaded) are the
+    trainer's (its adapters): the sampler-correction weights are 1 to 1e-4 (float noise; version 0's
+    log-probs would be off by the policy's move, approx_kl 0.004 here)."""
+    torch.set_num_threads(1)
+    cfg, records = run_inprocess(tmp_path, "lora", iterations=2, schedule="sync", overlap_depth=0, **{
+        "actor.lr": 0.02, "actor.lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+        "algorithm.sampler_correction": True, "algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2})
+    start = load_file(warm_start(cfg) / "model.safetensors")
+    final = load_file(Path(cfg.run_dir) / "checkpoint" / "model.safetensors")
+    moved = {key: (final[key] - start[key]).abs().max().item() for key in start}
+    targeted = {key for key in start if key.endswith(("q_proj.weight", "v_proj.weight"))}
+    assert {key for key, change in moved.items() if change > 0} == targeted
+    assert min(moved[key] for key in targeted) > 1e-3
+    assert [r["samples"] for r in records] == [32, 32] and records[1]["staleness_max"] == 0
+    assert records[1]["is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and records[1]["is_truncated_frac"] == 0
+
+
 def test_a_hugging_face_checkpoint_folder_loads_with_the_same_code(tmp_path):
     """`model.path`: any causal-LM folder with its tokenizer (here a copy of the tiny warm start)."""
     cfg = build(RLJobConfig, tiny_job(tmp_path, "source"))
