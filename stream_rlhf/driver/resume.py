@@ -147,7 +147,8 @@ def _check_unchanged(saved: dict[str, Any], now: dict[str, Any]) -> None:
         for name in sorted(before.keys() | after.keys()):
             if before.get(name) != after.get(name):
                 raise ConfigError(f"{name}={after.get(name)!r}: the run to resume had {before.get(name)!r}; a resumed "
-                                  "run keeps its model, task, data, batch shape, advantage estimator, LoRA adapters and seed")
+                                  "run keeps its model, task, data, batch shape, advantage estimator, LoRA adapters "
+                                  "and seed")
     for stage in STAGE_PARTS:
         before, after = _trainer_layout(saved, stage), _trainer_layout(now, stage)
         for name in before:
