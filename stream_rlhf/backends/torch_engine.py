@@ -264,6 +264,10 @@ class TorchTrainEngine:
             return merged_names(self.model)
         return [name for name, p in self.model.named_parameters() if p.requires_grad]
 
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trained, all) parameters (a sharded DTensor counts its whole shape)."""
+        return sum(p.numel() for p in self.trainable), sum(p.numel() for p in self.model.parameters())
+
     def refresh(self, store: WeightStore, held: int) -> int:
         """Every rank loads the same version: the newest any rank has seen, when newer than `held`."""
         if self.sharded:

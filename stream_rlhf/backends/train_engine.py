@@ -84,6 +84,10 @@ class TrainEngine(Protocol):
         """Hugging Face names of the trained parameters (a tied LM head once, as the embedding;
         no frozen vision tower): what weight sync sends to rollout."""
 
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trained, all) parameters of the whole model, every rank's share together (a tied head
+        once): what `actor.lora` saves, in the run summary."""
+
     def refresh(self, store: object, held: int) -> int:
         """Load the newest version of a `WeightStore` if newer than `held` (every rank the same
         version); returns the version held."""

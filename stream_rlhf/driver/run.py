@@ -324,6 +324,7 @@ class RLRun:
             "replan": first["replan"] if first else self.replan.result if self.replan else None,
             "used": placements_used(running, switches),
             "switches": [{k: s[k] for k in ("iteration", "from", "to", "predicted_iteration_s")} for s in switches]}
+        summary["actor_parameters"] = _actor_parameters(self.run_dir, self.cfg)
         summary["offload"] = offload_summary(counts, {n: s.offload for n, s in self.plan.flow.stages.items()})
         memory = self.memory.summary(device_peaks(self.run_dir, self.plan.flow.stages)) if self.memory else None
         summary["memory"] = memory
@@ -341,6 +342,18 @@ class RLRun:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print_summary({**summary, "memory": describe(memory) if memory else None})  # one row, not one a process
         return summary
+
+
+def _actor_parameters(run_dir: Path, cfg: RLJobConfig) -> dict[str, Any] | None:
+    """The policy's parameters, those the actor trains (all but a frozen vision tower, or the LoRA
+    adapters) and their share, from actor_train's stage details; None if it never got that far."""
+    found = [d for d in read_stage_details(run_dir, "actor_train") if "parameters" in d]
+    if not found:
+        return None
+    trained, total = found[-1]["parameters_trained"], found[-1]["parameters"]
+    lora = cfg.actor.lora
+    adapters = None if lora is None else f"rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}"
+    return {"total": total, "trained": trained, "trained_share": round(trained / max(total, 1), 4), "lora": adapters}
 
 
 def _skipped(run_dir: Path) -> tuple[dict[str, int], list[str]]:

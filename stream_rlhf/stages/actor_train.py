@@ -84,7 +84,10 @@ class ActorTrain(Stage):
         cfg = self.job.config
         self.engine = build_train_engine(self.job.config, "actor_train", self.job.checkpoint, ctx.group, cfg.actor)
         self.trained_names = self.engine.trained_names()
-        self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
+        counts = stage_counts(self.job, ctx)
+        trained, total = self.engine.parameter_counts()
+        counts.set_details(parameters_trained=trained, parameters=total)  # the summary's actor_parameters
+        self.images = ImageInputs(self.job, counts, ctx.group.device)
         self.weights = WeightStore(self.job.weights_root, "actor")
         leader = ctx.group.is_leader
         self.sender = open_sender(self.job) if leader else None  # rollout's weights.transport (weights/transport.py)

@@ -31,6 +31,7 @@ host memory and back storage by storage (`offload.py`), so megatron's views into
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -286,6 +287,14 @@ class MegatronTrainEngine:
     def trained_names(self) -> list[str]:
         return [name for name in self.layout.hf_shapes
                 if name not in self.frozen and not (self.layout.tied and name == self.layout.arch.lm_head)]
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trained, all) parameters of the Hugging Face model it holds, from their shapes (a tied
+        head once)."""
+        shapes = self.layout.hf_shapes
+        total = sum(math.prod(shapes[name]) for name in shapes
+                    if not (self.layout.tied and name == self.layout.arch.lm_head))
+        return sum(math.prod(shapes[name]) for name in self.trained_names()), total
 
     def refresh(self, store: WeightStore, held: int) -> int:
         """Every rank loads the same version: the newest any rank has seen, when newer than `held`."""
