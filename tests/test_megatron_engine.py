@@ -184,6 +184,7 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
         found[f"{name}.round_trip"] = exported.keys() == original.keys() and all(
             torch.equal(exported[k], original[k]) for k in original)
         reference = TorchTrainEngine(_models()[name], RankGroup.single())
+        found[f"{name}.parameter_counts"] = engine.parameter_counts() == reference.parameter_counts()
         if name == "vlm":
             found[f"{name}.logprobs"] = _max_diff(engine.forward_logprobs(vlm_sequences, 0.7, images=vlm_images),
                                                   reference.forward_logprobs(vlm_sequences, 0.7, images=vlm_images))
@@ -327,6 +328,7 @@ def test_megatron_engine_matches_the_torch_engine(tmp_path, world, tp, pp):
     found = _run_ranks(tmp_path, _rank_main, world, tp, pp)
     for name in ("qwen2", "qwen3", "llama", "critic", "vlm", "vlm_critic"):
         assert found[f"{name}.round_trip"] is True, name
+        assert found[f"{name}.parameter_counts"] is True, name  # the run summary's actor_parameters
     for name in ("qwen2", "qwen3", "llama"):
         assert found[f"{name}.logprobs"] < 1e-5 and found[f"{name}.shared.logprobs"] < 1e-5, name
     assert found["vlm.logprobs"] < 1e-5

@@ -76,8 +76,8 @@ STAGE_MODELS: dict[str, Callable[[RLJobConfig, str], nn.Module]] = {
 
 def _with_lora(model: nn.Module, lora: LoRAConfig, seed: int) -> None:
     """Adapters on `model` (`models/lora.py`), which then trains those only; logs how much trains."""
-    total = sum(p.numel() for p in model.parameters())
     wrapped = add_lora(model, lora, seed)
+    total = sum(p.numel() for p in model.parameters())  # the adapters included, as summary.json counts
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("LoRA rank %d (alpha %g) on %d linear layers: %s of %s parameters train (%.2f%%)", lora.rank,
              lora.alpha, len(wrapped), f"{trained:,}", f"{total:,}", 100 * trained / total)
