@@ -86,6 +86,9 @@ RL_ROWS = [
     (("actor.lora={target_modules: [q_proj, qkv]}",),
      "actor.lora.target_modules: ['qkv'] name no linear layer of the embedded model's decoder layers (q_proj, "),
     (("actor.lora={rank: 0}",), "actor.lora.rank=0: must be >= 1"),
+    (("placement.stages={critic_train: {backend: megatron}}", "critic.lora={rank: 4}"),
+     "critic.lora: LoRA adapters are built for the torch backend, and placement.stages.critic_train.backend=megatron"),
+    ((*GRPO, "critic.lora={rank: 4}"), "critic.lora=LoRAConfig(rank=4, alpha=16.0, target_modules=['q_proj', "),
     (("actor.lora={target_modules: []}",), "actor.lora.target_modules=[]: name at least one linear layer"),
     (("placement.rollout_cores=[-1]",), "placement.rollout_cores=[-1]: core numbers are >= 0"),
     (("placement.stages={actor_train: {devices: [-1]}}",), "placement.stages.actor_train.devices=[-1]: device "

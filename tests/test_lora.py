@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stream_rlhf.algos.losses import value_loss
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.distributed import RankGroup
@@ -16,7 +17,7 @@ from stream_rlhf.models.lora import LoRALinear, add_lora, merge_lora, merged_nam
 from stream_rlhf.models.lora_config import LoRAConfig
 from stream_rlhf.models.tokenizer import build_tokenizer
 from tests.test_torch_engine import LORA as ATTENTION
-from tests.test_torch_engine import VOCAB, _experience, _loss, _model
+from tests.test_torch_engine import VOCAB, _critic, _experience, _loss, _model
 
 
 def _lora_model() -> torch.nn.Module:
@@ -110,3 +111,30 @@ def test_a_saved_folder_is_the_plain_merged_model(tmp_path):
     again = TorchTrainEngine(_lora_model(), RankGroup.single(), OptimizerConfig(lr=1e-2))
     again.load(tmp_path / "folder")  # the merged weights become the base, the adapters start again at zero
     assert all(torch.equal(again.export_weights()[k], weights[k]) for k in weights)
+
+
+def test_a_critics_adapters_train_with_its_whole_value_head():
+    """critic.lora: the head (`score`) trains whole beside the adapters, and is sent with the
+    merged weights."""
+    critic = _critic()
+    add_lora(critic, ATTENTION, seed=0, key="critic.lora")
+    engine = TorchTrainEngine(critic, RankGroup.single(), OptimizerConfig(lr=1e-2))
+    exp = _experience()
+    exp.values = torch.zeros_like(exp.mask)
+    returns = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
+
+    def loss_fn(part, per_sample):
+        return value_loss(engine.response_values(part), part.values, per_sample["returns"], part.mask, 10.0)
+
+    for _ in range(2):
+        engine.train_step(exp, loss_fn, {"returns": returns})
+    start = _critic().state_dict()
+    full = engine.export_weights()
+    assert full.keys() == start.keys()
+    assert {name for name in start if not torch.equal(full[name], start[name])} == set(engine.trained_names())
+    head = ["score.weight", "score.bias"]
+    assert [n for n in engine.trained_names() if not n.endswith(("q_proj.weight", "v_proj.weight"))] == head
+    trained, total = engine.parameter_counts()
+    head_size = sum(start[name].numel() for name in head)
+    assert trained == sum(p.numel() for p in engine.trainable) > head_size
+    assert total == sum(t.numel() for t in start.values()) + trained - head_size  # the base, the adapters beside it

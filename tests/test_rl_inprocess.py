@@ -160,6 +160,18 @@ def test_lora_trains_the_adapters_and_rollout_samples_from_the_merged_weights(tm
     assert records[1]["is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and records[1]["is_truncated_frac"] == 0
 
 
+def test_ppo_with_adapters_on_the_actor_and_the_critic_trains_both(tmp_path):
+    """critic.lora too: critic_forward loads each merged critic version (its head included) and
+    the critic's value loss falls."""
+    torch.set_num_threads(1)
+    adapters = {"rank": 4, "target_modules": ["q_proj", "v_proj"]}
+    cfg, records = run_inprocess(tmp_path, "ppo_lora", iterations=3, **{"actor.lora": adapters,
+                                                                       "critic.lora": adapters})
+    critic = read_metrics(Path(cfg.run_dir) / "critic_metrics.jsonl")
+    assert [r["iteration"] for r in records] == [r["iteration"] for r in critic] == [0, 1, 2]
+    assert critic[-1]["value_loss"] < critic[0]["value_loss"]
+
+
 def test_a_hugging_face_checkpoint_folder_loads_with_the_same_code(tmp_path):
     """`model.path`: any causal-LM folder with its tokenizer (here a copy of the tiny warm start)."""
     cfg = build(RLJobConfig, tiny_job(tmp_path, "source"))

@@ -74,9 +74,10 @@ STAGE_MODELS: dict[str, Callable[[RLJobConfig, str], nn.Module]] = {
 """Stage -> the model its engine loads from the job's checkpoint folder."""
 
 
-def _with_lora(model: nn.Module, lora: LoRAConfig, seed: int) -> None:
-    """Adapters on `model` (`models/lora.py`), which then trains those only; logs how much trains."""
-    wrapped = add_lora(model, lora, seed)
+def _with_lora(model: nn.Module, lora: LoRAConfig, seed: int, key: str) -> None:
+    """Adapters on `model` (`models/lora.py`, config `key`), which then trains those only (and a
+    critic's head); logs how much trains."""
+    wrapped = add_lora(model, lora, seed, key)
     total = sum(p.numel() for p in model.parameters())  # the adapters included, as summary.json counts
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("LoRA rank %d (alpha %g) on %d linear layers: %s of %s parameters train (%.2f%%)", lora.rank,
@@ -87,12 +88,13 @@ def build_train_engine(config: RLJobConfig, stage: str, checkpoint: str, group: 
                        optimizer: OptimizerConfig | None = None) -> TrainEngine:
     """The engine of `stage` (an `RLJobConfig`'s placement says which) holding the stage's model,
     loaded from `checkpoint` (`STAGE_MODELS`); trains with `optimizer`, forward only without. The
-    actor's model gets `actor.lora`'s adapters first, when set (the torch engine's: the config refuses
-    them on megatron)."""
+    trainers' models get `actor.lora`'s and `critic.lora`'s adapters first, when set (the torch
+    engine's: the config refuses them on megatron)."""
     if stage not in STAGE_MODELS:
         raise ValueError(f"build_train_engine: stage {stage!r} holds no train engine (one of {sorted(STAGE_MODELS)})")
     own = config.placement.of(stage)
     model = STAGE_MODELS[stage](config, checkpoint)
-    if stage == "actor_train" and config.actor.lora is not None:
-        _with_lora(model, config.actor.lora, config.seed)
+    lora = {"actor_train": config.actor.lora, "critic_train": config.critic.lora}.get(stage)
+    if lora is not None:
+        _with_lora(model, lora, config.seed, f"{stage.partition('_')[0]}.lora")
     return TRAIN_ENGINES[own.backend](model, group, optimizer, own, stage, config.seed, config.precision)

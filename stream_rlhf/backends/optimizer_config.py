@@ -1,6 +1,6 @@
 """The optimizer config of a train engine (`actor`, `critic`), beside the engine
-(`backends/torch_engine.py`): AdamW's learning rate and weight decay, and gradient clipping; the
-actor's adds LoRA (`actor.lora`)."""
+(`backends/torch_engine.py`): AdamW's learning rate and weight decay, gradient clipping, and what
+it trains (the whole model, or LoRA adapters: `models/lora.py`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from stream_rlhf.models.lora_config import LoRAConfig
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """A train engine's AdamW optimizer and gradient clipping."""
+    """A train engine's AdamW optimizer, gradient clipping and what it trains."""
 
     lr: Annotated[float, Meta(gt=0)] = 1e-4
     """AdamW's learning rate."""
@@ -23,16 +23,10 @@ class OptimizerConfig:
     """AdamW's decoupled weight decay."""
     max_grad_norm: Annotated[float, Meta(gt=0)] = 1.0
     """Gradients are clipped to this total norm (over every rank's shard) before each step."""
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters on the model's decoder layers instead of all its weights (the torch
+    backend; a critic's value head still trains whole); None: full training."""
 
     def __post_init__(self) -> None:
         check_fields(self)
 
-
-@dataclass(frozen=True)
-class ActorConfig(OptimizerConfig):
-    """The actor's optimizer (as any train engine's) and what it trains: the whole policy, or LoRA
-    adapters on it."""
-
-    lora: LoRAConfig | None = None
-    """Train low-rank adapters on the policy's decoder layers instead of all its weights
-    (`actor.lora`; the torch backend); None: full training."""

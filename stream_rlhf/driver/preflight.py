@@ -9,7 +9,7 @@ What is checked:
     broker.curve.key_dir          a folder holding every key file (`sockets.KEY_FILES`), each a ZMQ
                                   certificate that loads, and authorized_clients/ with a public key
     model.path                    a checkpoint folder: config.json (JSON), weights, a tokenizer
-    actor.lora.target_modules     with model.path: each names weights of its decoder layers
+    actor|critic.lora             with model.path: each of target_modules names weights of its decoder layers
                                   (`<layers>.N.<...>.<name>.weight`, read from its safetensors)
     reward.model_path,            checkpoint folders: config.json (JSON) and weights (they share the
     reward.process.model_path     policy's tokenizer)
@@ -72,8 +72,9 @@ def check_rl_job(cfg: RLJobConfig) -> None:
     check_broker(cfg.broker)
     if cfg.model.path is not None:
         check_checkpoint(cfg.model.path, "model.path", tokenizer=True)
-        if cfg.actor.lora is not None:
-            check_lora_targets(cfg.model.path, cfg.actor.lora.target_modules)
+        for key, lora in (("actor", cfg.actor.lora), ("critic", cfg.critic.lora)):
+            if lora is not None:
+                check_lora_targets(cfg.model.path, lora.target_modules, f"{key}.lora")
     if cfg.reward.model_path is not None:
         check_checkpoint(cfg.reward.model_path, "reward.model_path", tokenizer=False)
     if cfg.reward.process is not None and cfg.reward.process.model_path is not None:
@@ -100,9 +101,10 @@ def check_checkpoint(folder: str, key: str, tokenizer: bool) -> None:
         raise ConfigError(f"{key}={folder!r}: no tokenizer there (expected one of {', '.join(TOKENIZER_FILES)})")
 
 
-def check_lora_targets(folder: str, targets: list[str]) -> None:
-    """Each of `targets` names a linear layer of the decoder layers of the checkpoint in `folder`
-    (its safetensors' weight names; a checkpoint of .bin files is left to the engine's own check)."""
+def check_lora_targets(folder: str, targets: list[str], key: str) -> None:
+    """Each of `targets` (`key`.target_modules) names a linear layer of the decoder layers of the
+    checkpoint in `folder` (its safetensors' weight names; a checkpoint of .bin files is left to
+    the engine's own check)."""
     path = Path(folder)
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -119,7 +121,7 @@ def check_lora_targets(folder: str, targets: list[str]) -> None:
     layer_weights = [m.group(1) for name in names if (m := LAYER_WEIGHT.search(name))]
     missing = [t for t in targets if t not in layer_weights]
     if missing:
-        raise ConfigError(f"actor.lora.target_modules: {missing} name no linear layer of the decoder layers of "
+        raise ConfigError(f"{key}.target_modules: {missing} name no linear layer of the decoder layers of "
                           f"model.path={folder!r} (they have {sorted(set(layer_weights))})")
 
 

@@ -49,7 +49,8 @@ from stream_rlhf.weights.shm_store import WeightStore
 
 log = logging.getLogger("stream_rlhf")
 RUN_RECORD = "run.json"
-FIXED_KEYS = ("model", "task", "data.train", "rollout_batch", "algorithm.advantage", "actor.lora", "seed")
+FIXED_KEYS = ("model", "task", "data.train", "rollout_batch", "algorithm.advantage", "actor.lora", "critic.lora",
+              "seed")
 """Config keys a resumed run must share with its checkpoint (and every key below them)."""
 
 

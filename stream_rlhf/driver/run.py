@@ -47,6 +47,7 @@ from stream_rlhf.driver.resume import Resumed, prepare_resume, read_record, read
 from stream_rlhf.driver.summary_table import print_summary
 from stream_rlhf.launch.launcher import Launcher, make_launcher
 from stream_rlhf.launch.plan import JobPlan
+from stream_rlhf.models.lora_config import LoRAConfig
 from stream_rlhf.resume.store import ResumePoint
 from stream_rlhf.rl.config import RLJobConfig
 from stream_rlhf.rl.reward_parts_config import policy_version_at
@@ -324,7 +325,9 @@ class RLRun:
             "replan": first["replan"] if first else self.replan.result if self.replan else None,
             "used": placements_used(running, switches),
             "switches": [{k: s[k] for k in ("iteration", "from", "to", "predicted_iteration_s")} for s in switches]}
-        summary["actor_parameters"] = _actor_parameters(self.run_dir, self.cfg)
+        summary["actor_parameters"] = _parameters(self.run_dir, "actor_train", self.cfg.actor.lora)
+        if self.cfg.algorithm.uses_critic:
+            summary["critic_parameters"] = _parameters(self.run_dir, "critic_train", self.cfg.critic.lora)
         summary["offload"] = offload_summary(counts, {n: s.offload for n, s in self.plan.flow.stages.items()})
         memory = self.memory.summary(device_peaks(self.run_dir, self.plan.flow.stages)) if self.memory else None
         summary["memory"] = memory
@@ -344,14 +347,14 @@ class RLRun:
         return summary
 
 
-def _actor_parameters(run_dir: Path, cfg: RLJobConfig) -> dict[str, Any] | None:
-    """The policy's parameters, those the actor trains (all but a frozen vision tower, or the LoRA
-    adapters) and their share, from actor_train's stage details; None if it never got that far."""
-    found = [d for d in read_stage_details(run_dir, "actor_train") if "parameters" in d]
+def _parameters(run_dir: Path, stage: str, lora: LoRAConfig | None) -> dict[str, Any] | None:
+    """The trainer's model's parameters, those it trains (all but a frozen vision tower, or the
+    LoRA adapters and a critic's head) and their share, from its stage details; None if it never
+    got that far."""
+    found = [d for d in read_stage_details(run_dir, stage) if "parameters" in d]
     if not found:
         return None
     trained, total = found[-1]["parameters_trained"], found[-1]["parameters"]
-    lora = cfg.actor.lora
     adapters = None if lora is None else f"rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}"
     return {"total": total, "trained": trained, "trained_share": round(trained / max(total, 1), 4), "lora": adapters}
 

@@ -43,11 +43,15 @@ class LoRALinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
 
 
-def add_lora(model: nn.Module, cfg: LoRAConfig, seed: int) -> list[str]:
-    """Freeze `model` and give the linear layers `cfg.target_modules` names inside its decoder
-    layers an adapter each (A drawn from `seed`: the same on every rank); returns their module
-    names. A ValueError names the targets that match no linear layer there."""
+def add_lora(model: nn.Module, cfg: LoRAConfig, seed: int, key: str = "actor.lora") -> list[str]:
+    """Freeze `model` but a value model's head (`score`: it starts at zero, so it trains whole) and
+    give the linear layers `cfg.target_modules` names inside its decoder layers an adapter each (A
+    drawn from `seed`: the same on every rank); returns their module names. A ValueError names the
+    targets (`key`.target_modules) that match no linear layer there."""
     model.requires_grad_(False)
+    head = getattr(model, "score", None)
+    if head is not None:
+        head.requires_grad_(True)
     generator = torch.Generator().manual_seed(seed)
     wrapped, found = [], set()
     layers = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("DecoderLayer")]
@@ -63,7 +67,7 @@ def add_lora(model: nn.Module, cfg: LoRAConfig, seed: int) -> list[str]:
     if missing:
         present = sorted({n.rpartition(".")[2] for _, layer in layers[:1] for n, m in layer.named_modules()
                           if isinstance(m, nn.Linear)})
-        raise ValueError(f"actor.lora.target_modules: {missing} name no linear layer of the model's decoder layers "
+        raise ValueError(f"{key}.target_modules: {missing} name no linear layer of the model's decoder layers "
                          f"(they have {present})")
     return wrapped
 
@@ -73,8 +77,11 @@ def has_lora(model: nn.Module) -> bool:
 
 
 def merged_names(model: nn.Module) -> list[str]:
-    """The weights the adapters change, in Hugging Face names (`<module>.weight`), in model order."""
-    return [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    """The weights training changes, in Hugging Face names and model order: each adapted layer's
+    (`<module>.weight`, merged) and the parameters that train whole (a value head)."""
+    adapted = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    return [name for name, p in model.named_parameters()
+            if name in adapted or (p.requires_grad and name.rpartition(".")[2] not in ADAPTER_KEYS)]
 
 
 def merge_lora(state: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -32,7 +32,7 @@ from msgspec import Meta
 
 from stream_rlhf.algos.config import AlgorithmConfig
 from stream_rlhf.backends.megatron.config import check_model
-from stream_rlhf.backends.optimizer_config import ActorConfig
+from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision
 from stream_rlhf.backends.rollout_config import RolloutConfig
 from stream_rlhf.broker.control.topology import BrokerConfig
@@ -124,7 +124,7 @@ class RLJobConfig:
     env: EnvConfig | None = None
     """Multi-turn / tool-using episodes: the environment each sample runs in and the engine's
     limits on episodes (`envs/config.py`, docs/environments.md); None: one response per prompt."""
-    actor: ActorConfig = field(default_factory=ActorConfig)
+    actor: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The actor's (policy's) optimizer, and LoRA adapters if it trains those only."""
     critic: CriticConfig = field(default_factory=lambda: CRITIC_OPTIMIZER)
     """The critic's optimizer, initialisation and warm-up (gae only)."""
@@ -271,16 +271,17 @@ class RLJobConfig:
     def _check_lora(self) -> None:
         """LoRA is the torch engine's; the embedded model's layers have the projections only (a
         `model.path` checkpoint's names are checked at preflight, `driver/preflight.py`)."""
-        lora = self.actor.lora
-        if lora is None:
-            return
-        if self.placement.of("actor_train").backend == "megatron":
-            raise ConfigError("actor.lora: LoRA adapters are built for the torch backend, and "
-                              "placement.stages.actor_train.backend=megatron")
-        unknown = [name for name in lora.target_modules if name not in ALL_PROJECTIONS]
-        if self.model.path is None and unknown:
-            raise ConfigError(f"actor.lora.target_modules: {unknown} name no linear layer of the embedded model's "
-                              f"decoder layers ({', '.join(ALL_PROJECTIONS)})")
+        for key, stage in (("actor", "actor_train"), ("critic", "critic_train")):
+            lora = getattr(self, key).lora
+            if lora is None:
+                continue
+            if self.placement.of(stage).backend == "megatron":
+                raise ConfigError(f"{key}.lora: LoRA adapters are built for the torch backend, and "
+                                  f"placement.stages.{stage}.backend=megatron")
+            unknown = [name for name in lora.target_modules if name not in ALL_PROJECTIONS]
+            if self.model.path is None and unknown:
+                raise ConfigError(f"{key}.lora.target_modules: {unknown} name no linear layer of the embedded model's "
+                                  f"decoder layers ({', '.join(ALL_PROJECTIONS)})")
 
     def _check_stage_placements(self) -> None:
         for stage in self.placement.with_rollout:

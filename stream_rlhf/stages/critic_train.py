@@ -66,7 +66,10 @@ class CriticTrain(Stage):
                 self._send(weights, self.version)
         self.metrics = MetricsWriter(self.job.run_dir, "critic", "critic_metrics.jsonl", purge_step=self.version) \
             if ctx.group.is_leader else None
-        self.images = ImageInputs(self.job, stage_counts(self.job, ctx), ctx.group.device)
+        counts = stage_counts(self.job, ctx)
+        trained, total = self.engine.parameter_counts()
+        counts.set_details(parameters_trained=trained, parameters=total)  # the summary's critic_parameters
+        self.images = ImageInputs(self.job, counts, ctx.group.device)
 
     def device_state(self) -> list[DeviceState]:
         return [self.engine]
