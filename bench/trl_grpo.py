@@ -2,15 +2,17 @@
 
     .venv-trl/bin/python bench/trl_grpo.py --checkpoint runs/.cache/<warm start> --steps 20 \
         --prompts 16 --samples 4 --max-new-tokens 5 --lr 2e-4 --out /tmp/trl.json [--min-new-tokens 48] \
-        [--device cuda]
+        [--device cuda] [--lora-rank 8]
 
 Runs in TRL's own environment (see bench/vs_trl.py for the one-line setup); it imports only
 `stream_rlhf.data.arithmetic` from this repository (put on sys.path here), for the same prompts
 and the same reward rule. One optimizer step per step (16 prompts x 4 samples), no KL (beta=0),
 temperature 1. Writes per step: wall seconds, tokens (prompt + completion), mean reward.
 
-Precision is explicit: fp32 unless `--bf16` (GRPOConfig's own default is bf16 mixed precision, also
-on the CPU, which the rows of bench/vs_trl.py before 2026-11-26 ran against our fp32).
+`--lora-rank R` trains PEFT LoRA adapters (alpha 2R, every projection of the decoder layers, no
+dropout), as `actor.lora` does on our side. Precision is explicit: fp32 unless `--bf16`
+(GRPOConfig's own default is bf16 mixed precision, also on the CPU, which the rows of
+bench/vs_trl.py before 2026-11-26 ran against our fp32).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast); default fp32")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: use_cpu=False")
+    parser.add_argument("--lora-rank", type=int, default=0, help="> 0: train PEFT LoRA adapters of this rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -82,8 +85,15 @@ def main() -> None:
         generation_kwargs=generation, disable_tqdm=True, dataloader_num_workers=0, bf16=args.bf16,
     )
     clock = StepClock()
+    peft_config = None
+    if args.lora_rank:
+        from peft import LoraConfig  # in TRL's environment (scripts/setup_trl.sh)
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
+                                 task_type="CAUSAL_LM", target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                        "gate_proj", "up_proj", "down_proj"])
     trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[clock])
+                          processing_class=tokenizer, callbacks=[clock], peft_config=peft_config)
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     cumulative = [int(entry["num_tokens"]) for entry in logs]

@@ -12,6 +12,9 @@ optimizer step per step, no KL (TRL's default beta=0), temperature 1, learning r
                                                                  TRL: min_new_tokens=48)
     12M fixed48 bf16   the same, bf16 mixed precision on both sides (ours: `precision: bf16`;
                        TRL: `bf16=True`, autocast)
+    12M fixed48 lora   the same in fp32, training LoRA adapters (rank 8, alpha 16, on the 7
+                       projections of every layer) on both sides (ours: `actor.lora`; TRL: a PEFT
+                       LoraConfig); not a default row, nor 0.4M_eos_lora (the same at 0.4M)
     90M fixed64        hidden 1024, 8 layers (90.2M parameters)  64 tokens, fp32    (GPU rows, issue 32:
     358M fixed64 bf16  Qwen2-0.5B's layer shapes (358M)          64 tokens, bf16     --device cuda)
 
@@ -32,7 +35,7 @@ Figures per side, over the steps after the first SKIP (start-up, first compilati
 TRL is not a dependency of this project. Set up its environment once, pinned to this torch
 (`scripts/setup_trl.sh` does the same):
 
-    python3 -m venv .venv-trl && .venv-trl/bin/pip install -c constraints/cpu.txt torch trl==1.16.0
+    python3 -m venv .venv-trl && .venv-trl/bin/pip install -c constraints/cpu.txt torch trl==1.16.0 peft==0.21.0
 
 Run from the repository root (our side runs in this interpreter's environment):
 
@@ -70,7 +73,10 @@ TARGET = 1.0
 GPU_WARM_START = ["model.warm_start.steps=100"]
 """--device cuda: a shorter warm start (trained on the GPU): the answers have a fixed length, so how
 well the policy sums does not change the work a step does, and device time is scarce."""
-TRL_SETUP = "python3 -m venv .venv-trl && .venv-trl/bin/pip install -c constraints/cpu.txt torch trl==1.16.0"
+TRL_SETUP = ("python3 -m venv .venv-trl && .venv-trl/bin/pip install -c constraints/cpu.txt torch trl==1.16.0 "
+             "peft==0.21.0")
+LORA_RANK = 8
+"""The LoRA rows' adapters: this rank, alpha twice it, every projection (both sides' defaults)."""
 MODEL_12M = ["model.tiny.hidden_size=512", "model.tiny.intermediate_size=1376", "model.tiny.num_hidden_layers=4",
              "model.tiny.num_attention_heads=8", "model.tiny.num_key_value_heads=8", "model.tiny.head_dim=64"]
 SHAPE = ["rollout_batch.prompts_per_minibatch=16", "rollout_batch.minibatches=1", "rollout_batch.samples_per_prompt=4",
@@ -95,6 +101,8 @@ class Row:
     """Answers of exactly max_new_tokens tokens."""
     bf16: bool = False
     """bf16 mixed precision on both sides; fp32 otherwise."""
+    lora: bool = False
+    """LoRA adapters (rank LORA_RANK) train on both sides instead of the whole policy."""
 
 
 ROWS = {
@@ -102,6 +110,8 @@ ROWS = {
     "12M_eos": Row("12M_eos", MODEL_12M, 5, False),
     "12M_fixed48": Row("12M_fixed48", MODEL_12M, 48, True),
     "12M_fixed48_bf16": Row("12M_fixed48_bf16", MODEL_12M, 48, True, bf16=True),
+    "0.4M_eos_lora": Row("0.4M_eos_lora", [], 5, False, lora=True),
+    "12M_fixed48_lora": Row("12M_fixed48_lora", MODEL_12M, 48, True, lora=True),
     "90M_fixed64": Row("90M_fixed64", MODEL_90M, 64, True),
     "358M_fixed64_bf16": Row("358M_fixed64_bf16", MODEL_358M, 64, True, bf16=True),
 }
@@ -163,7 +173,8 @@ def run_ours(row: Row, steps: int, device: str) -> tuple[dict, str]:
     name = f"bench_vs_trl_{row.name}" + ("_cuda" if device == "cuda" else "")
     overrides = [f"name={name}", f"iterations={steps}", f"rollout.max_new_tokens={row.max_new_tokens}",
                  *(["rollout.stop=[]"] if row.fixed else []), f"precision={'bf16' if row.bf16 else 'fp32'}",
-                 *([f"placement.device={device}", *GPU_WARM_START] if device != "cpu" else []), *SHAPE, *row.model]
+                 *([f"placement.device={device}", *GPU_WARM_START] if device != "cpu" else []), *SHAPE, *row.model,
+                 *([f"actor.lora={{rank: {LORA_RANK}, alpha: {2 * LORA_RANK}}}"] if row.lora else [])]
     command = [sys.executable, "-m", "stream_rlhf.cli", "run", CONFIG, *(f"--set={o}" for o in overrides)]
     peak = run_watched(command, REPO / "runs" / f"{name}.log", 1800)
     run_dir = REPO / "runs" / name
@@ -178,7 +189,8 @@ def run_trl(trl_python: str, row: Row, steps: int, checkpoint: str, device: str)
     out = REPO / "runs" / f"bench_vs_trl_{row.name}_trl.json"
     command = [trl_python, "bench/trl_grpo.py", "--checkpoint", checkpoint, "--steps", str(steps),
                "--max-new-tokens", str(row.max_new_tokens), "--out", str(out), "--device", device,
-               *(["--min-new-tokens", str(row.max_new_tokens)] if row.fixed else []), *(["--bf16"] if row.bf16 else [])]
+               *(["--min-new-tokens", str(row.max_new_tokens)] if row.fixed else []), *(["--bf16"] if row.bf16 else []),
+               *(["--lora-rank", str(LORA_RANK)] if row.lora else [])]
     peak = run_watched(command, REPO / "runs" / f"bench_vs_trl_{row.name}_trl.log", 1800)
     r = json.loads(out.read_text())
     return side_figures(r["step_s"], r["tokens"], r["reward"], r["completion_len"], peak)

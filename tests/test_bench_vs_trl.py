@@ -24,13 +24,14 @@ def test_without_trl_it_names_the_setup_and_exits_2(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not TRL_PYTHON.exists(), reason="TRL's environment .venv-trl is not set up; "
                     "bench/vs_trl.py's docstring has the one-line setup that makes this test run")
-def test_a_row_runs_both_sides_on_the_same_samples():
-    result = subprocess.run([sys.executable, "bench/vs_trl.py", "--rows", "0.4M_eos", "--steps", "4", "--json"],
+@pytest.mark.parametrize("row", ["0.4M_eos", "0.4M_eos_lora"])  # the whole policy, and LoRA on both sides
+def test_a_row_runs_both_sides_on_the_same_samples(row):
+    result = subprocess.run([sys.executable, "bench/vs_trl.py", "--rows", row, "--steps", "4", "--json"],
                             cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])["0.4M_eos"]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])[row]
     for side in ("ours", "trl"):
         assert len(figures[side]["reward_curve"]) == 4
         assert figures[side]["tokens_per_s"] > 0 and figures[side]["peak_mb"] > 0
     assert figures["ratio"] == pytest.approx(figures["ours"]["tokens_per_s"] / figures["trl"]["tokens_per_s"])
-    assert "0.4M_eos  (ours / TRL tokens/s = " in result.stdout
+    assert f"{row}  (ours / TRL tokens/s = " in result.stdout

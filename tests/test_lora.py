@@ -4,6 +4,7 @@ state keeps the adapters apart and resumes exactly."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,20 @@ from stream_rlhf.models.lora_config import LoRAConfig
 from stream_rlhf.models.tokenizer import build_tokenizer
 from tests.test_torch_engine import LORA as ATTENTION
 from tests.test_torch_engine import VOCAB, _critic, _experience, _loss, _model
+
+PEFT_PYTHON = Path(__file__).resolve().parent.parent / ".venv-trl" / "bin" / "python"
+"""TRL's environment (scripts/setup_trl.sh) has PEFT: the reader a saved adapter is for."""
+PEFT_MERGE = """
+import sys, torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+base = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+merged = PeftModel.from_pretrained(base, sys.argv[2] + "/adapter").merge_and_unload().state_dict()
+ours = load_file(sys.argv[2] + "/model.safetensors")
+assert merged.keys() >= ours.keys(), sorted(ours.keys() - merged.keys())
+print(max((merged[k] - ours[k]).abs().max().item() for k in ours))
+"""
 
 
 def _lora_model() -> torch.nn.Module:
@@ -138,3 +153,19 @@ def test_a_critics_adapters_train_with_its_whole_value_head():
     head_size = sum(start[name].numel() for name in head)
     assert trained == sum(p.numel() for p in engine.trainable) > head_size
     assert total == sum(t.numel() for t in start.values()) + trained - head_size  # the base, the adapters beside it
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PEFT_PYTHON.exists(), reason="needs TRL's environment .venv-trl with PEFT: run "
+                    "scripts/setup_trl.sh")
+def test_the_saved_adapter_is_one_peft_loads_onto_the_starting_checkpoint(tmp_path):
+    _model().save_pretrained(tmp_path / "base")
+    engine = TorchTrainEngine(_lora_model(), RankGroup.single(), OptimizerConfig(lr=1e-2))
+    exp = _experience()
+    for _ in range(2):
+        engine.train_step(exp, _loss(engine), {"advantages": torch.ones_like(exp.mask)})
+    engine.save(tmp_path / "trained", build_tokenizer())
+    done = subprocess.run([str(PEFT_PYTHON), "-c", PEFT_MERGE, str(tmp_path / "base"), str(tmp_path / "trained")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) < 1e-6  # PEFT's merge of our adapter is our merged policy

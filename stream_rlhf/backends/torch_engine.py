@@ -45,7 +45,7 @@ from stream_rlhf.device_copy import to_device
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import save_checkpoint
-from stream_rlhf.models.lora import has_lora, merge_lora, merged_names
+from stream_rlhf.models.lora import ADAPTER_FOLDER, has_lora, merge_lora, merged_names, save_adapter
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.models.response_outputs import response_logprobs, response_outputs
 from stream_rlhf.samples import SampleImages
@@ -284,10 +284,14 @@ class TorchTrainEngine:
 
     def save(self, folder: Path, tokenizer: object) -> None:
         """The weights as a Hugging Face checkpoint folder (gathered on every rank, written by the
-        leader). `snapshot_state` keeps what training resumes from."""
-        state = self.export_weights()
+        leader); with LoRA the merged weights, and the adapters alone in `folder/adapter` (PEFT's
+        format). `snapshot_state` keeps what training resumes from."""
+        own = self._gathered()
+        state = merge_lora(own)
         if self.group.is_leader:
             save_checkpoint(self.model, tokenizer, folder, state_dict=state)
+            if self.lora:
+                save_adapter(own, folder / ADAPTER_FOLDER)
 
     def snapshot_state(self) -> dict | None:
         """Everything training resumes from, as a host copy training no longer changes

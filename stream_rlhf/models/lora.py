@@ -3,6 +3,7 @@ plain weights (what rollout, the forwards and checkpoint folders see).
 
     targets = add_lora(model, LoRAConfig(rank=8), seed=0)  # the base frozen: only A and B train
     plain = merge_lora(model.state_dict())                 # W + (alpha / rank) B A; no adapter keys
+    save_adapter(model.state_dict(), folder / "adapter")   # the adapters alone, as PEFT saves them
 
 A targeted `nn.Linear` becomes a `LoRALinear` that keeps its `weight` and `bias` under their
 names, beside `lora_A` (rank, in), `lora_B` (out, rank) and the scale `lora_scale` (a buffer, so a
@@ -12,9 +13,12 @@ sharded model included, and leaves one without adapter keys as it is.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -22,6 +26,8 @@ from stream_rlhf.models.lora_config import LoRAConfig
 
 ADAPTER_KEYS = ("lora_A", "lora_B", "lora_scale")
 """The state-dict entries a `LoRALinear` adds to its linear layer's."""
+ADAPTER_FOLDER = "adapter"
+"""Where a saved checkpoint folder keeps its adapters alone (`save_adapter`)."""
 
 
 class LoRALinear(nn.Linear):
@@ -97,3 +103,23 @@ def merge_lora(state: dict[str, Tensor]) -> dict[str, Tensor]:
             delta = state[f"{prefix}.lora_B"].float() @ state[f"{prefix}.lora_A"].float()  # (out, in)
             out[f"{prefix}.weight"] = (weight.float() + delta * state[f"{prefix}.lora_scale"].float()).to(weight.dtype)
     return out
+
+
+def save_adapter(state: dict[str, Tensor], folder: Path) -> None:
+    """The adapters of `state` (a LoRA model's own state, adapter keys included) as a PEFT LoRA
+    adapter folder (`adapter_config.json`, `adapter_model.safetensors`): `PeftModel.from_pretrained(
+    base, folder)` on the starting checkpoint gives the trained policy (peft's names:
+    `base_model.model.<module>.lora_A.weight`)."""
+    prefixes = [key[: -len(".lora_A")] for key in state if key.endswith(".lora_A")]
+    if not prefixes:
+        raise ValueError("save_adapter: the state holds no LoRA adapters")
+    rank = state[f"{prefixes[0]}.lora_A"].shape[0]
+    alpha = float(state[f"{prefixes[0]}.lora_scale"]) * rank
+    tensors = {f"base_model.model.{prefix}.lora_{ab}.weight": state[f"{prefix}.lora_{ab}"].detach().cpu().contiguous()
+               for prefix in prefixes for ab in "AB"}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+              "target_modules": sorted({p.rpartition(".")[2] for p in prefixes}), "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": None}
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=1))
