@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # the job's config, read here: the launcher's package is abov
     from stream_rlhf.launch.placement import StagePlacement
     from stream_rlhf.rl.config import RLJobConfig
 
+log = logging.getLogger("stream_rlhf")
+
 
 def _torch(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None, own: StagePlacement,
            stage: str, seed: int, precision: Precision) -> TrainEngine:
@@ -56,7 +58,6 @@ def _megatron(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | N
     return MegatronTrainEngine(model, group, optimizer, own.megatron, seed)
 
 
-log = logging.getLogger("stream_rlhf")
 TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {"torch": _torch, "megatron": _megatron}
 
 

@@ -29,4 +29,3 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-

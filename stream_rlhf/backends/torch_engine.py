@@ -10,9 +10,10 @@ its share of the step's response tokens, so the averaged gradient is exactly tha
 mean over all samples, as on one rank. A forward-only engine keeps a whole copy of the model on
 every rank (data parallel: each rank computes its share of a mini-batch, then all gather).
 
-A model with LoRA adapters (`models/lora.py`, added by `engines.build_train_engine` for `actor.lora`)
-trains the adapters alone; every export (weights for rollout, checkpoint folders) merges them into
-the weights, while a resume state keeps them apart.
+A model with LoRA adapters (`models/lora.py`, added by `engines.build_train_engine` for
+`actor.lora` and `critic.lora`) trains the adapters alone (and a critic's head); every export
+(weights for rollout, checkpoint folders) merges them into the weights, while a resume state keeps
+them apart.
 
 Every forward goes through `ModelForward`, the module FSDP2 shards as the root, so that the
 embedding and the heads are gathered around it (the fused log-prob kernel reads the LM head's
@@ -237,7 +238,8 @@ class TorchTrainEngine:
         return {name: merged[name] for name in self.trained_names()} if trainable_only else merged
 
     def _gathered(self, trainable_only: bool = False) -> dict[str, Tensor]:
-        """The model's own state (adapters apart), full tensors on the CPU: gathered when sharded."""
+        """The model's own state, LoRA adapters as their own entries (unmerged), full tensors on the
+        CPU: gathered when sharded."""
         named = self.model.named_parameters() if trainable_only else self.model.state_dict(keep_vars=True).items()
         full: dict[int, Tensor] = {}
         out = {}
