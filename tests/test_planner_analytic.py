@@ -52,6 +52,31 @@ def test_costs_of_a_tiny_job_at_a_known_rate():
     assert profile.inputs == PPO and profile.rollout_side == {"prompts", "rollout"}
 
 
+def test_a_lora_trainer_costs_its_frozen_weights_no_gradient_and_steps_its_adapters_only():
+    """Rank 1 on q_proj (4 + 4) and v_proj (4 + 2): 14 adapter parameters. A pass: 4 x 204 + 6 x 14
+    = 900 FLOP a token (the full model's: 6 x 204); a step: 14 x 28 bytes."""
+    lora = replace(SHAPE, lora_rank=1, lora_targets=("q_proj", "v_proj"))
+    assert lora.trained == 14 and SHAPE.trained == SHAPE.params
+    profile = analytic_profile(PPO, SHAPE, WORK, MEGA, shapes={"actor_train": lora})
+    assert profile.step_s["actor_train"] == pytest.approx((0.0, (900 * 32 + 14 * 28 + 13056) * 1e-6))
+
+
+def test_the_adapter_count_is_the_real_models():
+    """The embedded tiny model with `actor.lora` rank 8 on every projection: what the engine trains."""
+    from stream_rlhf.models.lora import add_lora
+    from stream_rlhf.models.lora_config import LoRAConfig
+    from tests.tiny_models import seeded_qwen2_policy, tiny_qwen2_config
+
+    model = seeded_qwen2_policy(40)
+    add_lora(model, LoRAConfig(rank=8), seed=0)
+    config = tiny_qwen2_config(40)
+    shape = ModelShape(hidden=config.hidden_size, intermediate=config.intermediate_size,
+                       layers=config.num_hidden_layers, heads=config.num_attention_heads,
+                       kv_heads=config.num_key_value_heads, head_dim=config.head_dim, vocab=40, lora_rank=8,
+                       lora_targets=tuple(LoRAConfig().target_modules))
+    assert shape.trained == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def test_decode_is_bandwidth_bound_when_the_weights_take_longer_than_the_flops():
     slow_memory = replace(MEGA, bandwidth=1e5)  # 408 bytes: 4080 us a step against 816
     rollout = analytic_profile(PPO, SHAPE, WORK, slow_memory).step_s["rollout"]

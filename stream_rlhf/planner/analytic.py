@@ -13,7 +13,9 @@ layer of a decode step), split over n ranks (data parallel, efficiency e when n 
     train        ppo_epochs x (6 P T / (n e F) + 3 (L + 1) o)  + steps x (P x 28 / B + all-reduce)
                  steps = ppo_epochs x train_minibatches optimizer steps, each reading and writing
                  weights, gradients and Adam's two moments in fp32 (28 bytes a weight); all-reduce
-                 2 (n - 1) / n x P b / link bandwidth
+                 2 (n - 1) / n x P b / link bandwidth. With LoRA adapters of P_a parameters (the
+                 trainer's `lora_rank`): 4 P T + 6 P_a T FLOPs a pass (no gradient of a frozen
+                 weight), and the step and the all-reduce over P_a
     rollout      prefill: a forward over rows x prompt tokens; then per response token one decode
                  step  max(2 P rows / F, P b / B) + (L + 1) o_d; n instances take mini-batches in
                  turn: / n
@@ -54,6 +56,21 @@ class ModelShape:
     vocab: int
     tied: bool = True
     """The output head shares the embedding's weights."""
+    lora_rank: int = 0
+    """A trainer's LoRA adapters (`actor.lora`, `critic.lora`): their rank; 0: the whole model trains."""
+    lora_targets: tuple[str, ...] = ()
+    """The projections the adapters are on (`lora.target_modules`)."""
+
+    @property
+    def trained(self) -> int:
+        """Parameters an optimizer step updates: all of them, or the adapters (rank x (in + out) per
+        targeted projection and layer; a projection not of this table counted hidden x hidden)."""
+        if not self.lora_rank:
+            return self.params
+        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        sides = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h, "gate_proj": h + i,
+                 "up_proj": h + i, "down_proj": i + h}
+        return self.layers * self.lora_rank * sum(sides.get(name, 2 * h) for name in self.lora_targets)
 
     @property
     def params(self) -> int:
@@ -91,15 +108,16 @@ def forward_s(shape: ModelShape, tokens: float, device: DeviceFigures, ranks: in
 def train_s(shape: ModelShape, work: Workload, device: DeviceFigures, ranks: int = 1) -> float:
     """One iteration's training: every mini-batch's tokens, ppo_epochs times."""
     tokens = work.tokens * work.minibatches
-    passes = work.ppo_epochs * (6 * shape.params * tokens / _rate(device, ranks)
+    flops = 6 * shape.params if not shape.lora_rank else 4 * shape.params + 6 * shape.trained  # per token
+    passes = work.ppo_epochs * (flops * tokens / _rate(device, ranks)
                                 + 3 * (shape.layers + 1) * device.layer_overhead_s * work.train_minibatches)
     steps = work.ppo_epochs * work.train_minibatches
-    return passes + steps * (shape.params * ADAM_BYTES / ranks / device.bandwidth + allreduce_s(shape, device, ranks))
+    return passes + steps * (shape.trained * ADAM_BYTES / ranks / device.bandwidth + allreduce_s(shape, device, ranks))
 
 
 def allreduce_s(shape: ModelShape, device: DeviceFigures, ranks: int) -> float:
     """A ring all-reduce of the gradients over `ranks` devices."""
-    return 2 * (ranks - 1) / ranks * shape.params * device.bytes_per_param / device.link_bandwidth
+    return 2 * (ranks - 1) / ranks * shape.trained * device.bytes_per_param / device.link_bandwidth
 
 
 def rollout_s(shape: ModelShape, work: Workload, device: DeviceFigures, instances: int = 1) -> float:

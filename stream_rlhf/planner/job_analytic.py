@@ -6,7 +6,8 @@
 
 The model's shape comes from the tiny model's config keys (`model.tiny`, the vocabulary from the
 project's tokenizer) or from `model.path`'s config.json (a vision-language model's text part);
-a critic of `critic.init: reward_model` and a reward model (`reward.model_path`) from theirs.
+a critic of `critic.init: reward_model` and a reward model (`reward.model_path`) from theirs; a
+trainer with LoRA adapters (`actor.lora`, `critic.lora`) trains their parameters only.
 Tokens per mini-batch: prompts x samples per prompt x (prompt + response); the prompt's tokens
 are the arithmetic task's mean (its bos included) unless given, the response's
 `rollout.max_new_tokens` unless given (a response that stops at <eos> is shorter: give its mean;
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,10 @@ def job_analytic_profile(cfg: RLJobConfig, flow: Dataflow, device: DeviceFigures
         shapes["reward_forward"] = shape_of_checkpoint(Path(cfg.reward.model_path))
         if cfg.critic.init == "reward_model":
             shapes["critic_forward"] = shapes["critic_train"] = shapes["reward_forward"]
+    for stage, lora in (("actor_train", cfg.actor.lora), ("critic_train", cfg.critic.lora)):
+        if lora is not None:  # the trainer's cheaper passes and steps
+            shapes[stage] = replace(shapes.get(stage, shape), lora_rank=lora.rank,
+                                    lora_targets=tuple(lora.target_modules))
     return analytic_profile(stage_inputs(flow), shape, work, device, ranks, shapes), device
 
 
