@@ -172,6 +172,23 @@ def test_ppo_with_adapters_on_the_actor_and_the_critic_trains_both(tmp_path):
     assert critic[-1]["value_loss"] < critic[0]["value_loss"]
 
 
+def test_micro_batches_and_activation_checkpointing_train_as_one_pass(tmp_path):
+    """actor.* and critic.* micro_batch_tokens and gradient_checkpointing: the same samples and
+    losses, and the same final weights to float noise, as one pass keeping every activation."""
+    torch.set_num_threads(1)
+    common = {"schedule": "sync", "overlap_depth": 0, "iterations": 1}
+    lean = {f"{trainer}.{key}": value for trainer in ("actor", "critic")
+            for key, value in (("micro_batch_tokens", 24), ("gradient_checkpointing", True))}
+    whole_cfg, whole = run_inprocess(tmp_path, "one_pass", **common)
+    lean_cfg, lean_records = run_inprocess(tmp_path, "lean", **common, **lean)
+    assert lean_records[0]["reward"] == whole[0]["reward"] and lean_records[0]["samples"] == whole[0]["samples"]
+    assert lean_records[0]["loss"] == pytest.approx(whole[0]["loss"], abs=1e-5)
+    expected = load_file(Path(whole_cfg.run_dir) / "checkpoint" / "model.safetensors")
+    got = load_file(Path(lean_cfg.run_dir) / "checkpoint" / "model.safetensors")
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
 def test_a_hugging_face_checkpoint_folder_loads_with_the_same_code(tmp_path):
     """`model.path`: any causal-LM folder with its tokenizer (here a copy of the tiny warm start)."""
     cfg = build(RLJobConfig, tiny_job(tmp_path, "source"))

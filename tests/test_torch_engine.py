@@ -72,9 +72,11 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
     group = RankGroup.join(RankSpec(rank, world, f"file://{init_file}" if world > 1 else None))
     try:
         exp = _experience()
-        if case in ("train", "lora"):  # the whole model, or LoRA adapters (exports merge them)
+        if case in ("train", "lora", "micro"):  # the whole model, LoRA adapters (exports merge them), micro-batches
             lora = LORA if case == "lora" else None
-            engine = TorchTrainEngine(_model(lora), group, OptimizerConfig(lr=1e-3, max_grad_norm=0.5))
+            micro = 9 if case == "micro" else None  # tokens: runs of 1 or 2 samples of 3-10 tokens
+            engine = TorchTrainEngine(_model(lora), group, OptimizerConfig(lr=1e-3, max_grad_norm=0.5,
+                                                                           micro_batch_tokens=micro))
             advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
             metrics = []
             # the last step a sequence mean (algorithm.loss_aggregation): each rank's share is weighted
@@ -94,8 +96,8 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, case: str) -> No
                 again = reloaded.export_weights()
                 assert again.keys() == weights.keys() and all(torch.equal(again[k], weights[k]) for k in weights)
             _assert_resumes_exactly(engine,
-                                    lambda: TorchTrainEngine(_model(lora), group,
-                                                             OptimizerConfig(lr=1e-3, max_grad_norm=0.5)),
+                                    lambda: TorchTrainEngine(_model(lora), group, OptimizerConfig(
+                                        lr=1e-3, max_grad_norm=0.5, micro_batch_tokens=micro)),
                                     Path(out + ".state"), exp, advantages)
             weights = engine.export_weights()
             if group.is_leader:
@@ -175,6 +177,22 @@ def test_two_fsdp2_ranks_train_to_the_same_weights_as_one(tmp_path, case):
         for key in ("loss", "grad_norm", "clipfrac", "approx_kl"):
             assert b[key] == pytest.approx(a[key], abs=1e-5), key
         assert b["proximal_sum"] == pytest.approx(a["proximal_sum"], rel=1e-6)  # a float32 sum of ~140
+
+
+@pytest.mark.slow
+def test_micro_batches_on_two_fsdp2_ranks_train_to_the_weights_of_one_pass_on_one(tmp_path):
+    """actor.micro_batch_tokens: each rank's samples in runs of at most 9 tokens (the ranks need
+    different numbers of runs: the one with fewer takes part in the others' with nothing), the
+    gradient reduced once; the same weights and metrics as one rank in one pass."""
+    one = load_file(_run_ranks(1, tmp_path, "train"))
+    two = load_file(_run_ranks(2, tmp_path, "micro"))
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=0, msg=name)
+    m1 = torch.load(str(tmp_path / "train-1.safetensors.metrics"))
+    m2 = torch.load(str(tmp_path / "micro-2.safetensors.metrics"))
+    for a, b in zip(m1, m2):
+        for key in ("loss", "grad_norm", "clipfrac", "approx_kl", "ratio_max"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
 
 
 @pytest.mark.slow

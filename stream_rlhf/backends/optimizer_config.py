@@ -23,6 +23,13 @@ class OptimizerConfig:
     """AdamW's decoupled weight decay."""
     max_grad_norm: Annotated[float, Meta(gt=0)] = 1.0
     """Gradients are clipped to this total norm (over every rank's shard) before each step."""
+    micro_batch_tokens: Annotated[int, Meta(ge=1)] | None = None
+    """Split each rank's share of an optimizer step into micro-batches of at most this many tokens
+    (prompt + response; whole samples, a longer one alone) whose gradients accumulate to the one
+    pass's: the step holds one micro-batch's activations (the torch backend). None: one pass."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    (activation checkpointing: less memory, about a third more compute; the torch backend)."""
     lora: LoRAConfig | None = None
     """Train low-rank adapters on the model's decoder layers instead of all its weights (the torch
     backend; a critic's value head still trains whole); None: full training."""

@@ -41,6 +41,7 @@ from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision, autocast, resolve_precision
+from stream_rlhf.backends.step_memory import accumulate, checkpoint_activations, micro_batches
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.device_copy import to_device
 from stream_rlhf.distributed import RankGroup
@@ -105,6 +106,8 @@ class TorchTrainEngine:
         freeze_vision_tower(self.model)
         self.sharded = optimizer is not None and group.distributed
         self.lora = has_lora(self.model)  # adapters only train; exports merge them (`models/lora.py`)
+        if optimizer is not None and optimizer.gradient_checkpointing:
+            checkpoint_activations(self.model)
         self.forward_module = ModelForward(self.model, self.sharded)
         if self.sharded:  # over this group's ranks, on their device type (a CPU group on a GPU machine too)
             mesh = init_device_mesh(self.device.type, (group.world_size,))
@@ -113,6 +116,7 @@ class TorchTrainEngine:
             fully_shard(self.forward_module, mesh=mesh)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # sharded ones, if sharded
         self.max_grad_norm = optimizer.max_grad_norm if optimizer else 0.0
+        self.micro_batch_tokens = optimizer.micro_batch_tokens if optimizer else None
         self.optimizer = None if optimizer is None else torch.optim.AdamW(  # fused: one kernel per step on CUDA
             self.trainable, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
             fused=True if self.device.type == "cuda" else None)
@@ -192,26 +196,41 @@ class TorchTrainEngine:
 
     def train_step(self, part: Experience, loss_fn: LossFn, per_sample: dict[str, Tensor]) -> dict[str, float]:
         """One optimizer step that waits for the device once, to read its metrics (`host_metrics`);
-        the step's samples go to the device from pinned memory without blocking (`to_device`)."""
+        the step's samples go to the device from pinned memory without blocking (`to_device`).
+        With `micro_batch_tokens`, this rank's samples pass in micro-batches (`step_memory.py`),
+        each loss scaled by its share of the rank's tokens: the gradients add up to the one pass's.
+        Sharded, every rank runs as many as the rank that needs most (the others' extra passes
+        weigh nothing: FSDP2's gathers are collectives) and gradients are reduced once, at the last."""
         if self.optimizer is None:
             raise RuntimeError("train_step: this engine was built without an optimizer (forward only)")
         index = torch.arange(part.num_samples)[self.group.shard(part.num_samples)]
         mine = part.select(index)  # on the host
-        local = mine.to(self.device, keep_on_host=HOST_FIELDS)
-        local_per_sample = {name: to_device(t[index], self.device) for name, t in per_sample.items()}
-        loss, metrics = loss_fn(local, local_per_sample)
-        self.optimizer.zero_grad()
+        tokens = float(mine.mask.sum())  # a host tensor: no wait for the device
+        scale = 1.0
         if self.group.distributed:  # each rank's loss scaled by its share of the step's tokens
-            tokens = float(mine.mask.sum())  # a host tensor: no wait for the device
             total = self.group.sum([tokens])[0]
-            (loss * (tokens * self.group.world_size / max(total, 1.0))).backward()
-        else:
-            loss.backward()
+            scale = tokens * self.group.world_size / max(total, 1.0)
+        runs = micro_batches(torch.tensor([len(s) for s in mine.sequences]), self.micro_batch_tokens)
+        if self.sharded and self.micro_batch_tokens is not None:
+            runs += [torch.arange(0)] * (int(self.group.max([float(len(runs))])[0]) - len(runs))
+        self.optimizer.zero_grad()
+        loss, metrics = None, {}
+        for number, run in enumerate(runs):
+            if self.sharded and len(runs) > 1:
+                self.forward_module.set_requires_gradient_sync(number == len(runs) - 1)
+            share = 1.0 if len(runs) == 1 else float(mine.mask[run].sum()) / max(tokens, 1.0)
+            picked = run if len(run) else torch.arange(1)  # an extra pass: one sample, weighing nothing
+            local = mine.select(picked).to(self.device, keep_on_host=HOST_FIELDS)
+            local_per_sample = {name: to_device(t[index][picked], self.device) for name, t in per_sample.items()}
+            run_loss, run_metrics = loss_fn(local, local_per_sample)
+            (run_loss * (share * scale) if share * scale != 1.0 else run_loss).backward()
+            if len(run):
+                loss, metrics = accumulate(loss, metrics, run_loss.detach(), run_metrics, share)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
-        read = host_metrics({**metrics, "loss": loss.detach(), "grad_norm": grad_norm})
+        read = host_metrics({**metrics, "loss": loss, "grad_norm": grad_norm})
         allocator_counter(self.device)
         grad_norm_value = read.pop("grad_norm")
         if self.group.distributed:

@@ -222,7 +222,7 @@ class RLJobConfig:
         self._check_launcher()
         self._check_critic()
         self._check_reward_and_env()
-        self._check_lora()
+        self._check_torch_trainer_keys()
 
     def _check_launcher(self) -> None:
         if self.launcher != "ray" and self.ray != RayConfig():
@@ -268,16 +268,20 @@ class RLJobConfig:
             raise ConfigError(f"env.max_episode_tokens={self.env.max_episode_tokens}: more than {key}={room}, "
                               "the positions an episode's prompt, turns and observations must fit in")
 
-    def _check_lora(self) -> None:
-        """LoRA is the torch engine's; the embedded model's layers have the projections only (a
-        `model.path` checkpoint's names are checked at preflight, `driver/preflight.py`)."""
+    def _check_torch_trainer_keys(self) -> None:
+        """LoRA, micro-batches and activation checkpointing are the torch engine's; the embedded
+        model's layers have the projections only (a `model.path` checkpoint's names are checked at
+        preflight, `driver/preflight.py`)."""
         for key, stage in (("actor", "actor_train"), ("critic", "critic_train")):
-            lora = getattr(self, key).lora
+            trainer = getattr(self, key)
+            if self.placement.of(stage).backend == "megatron":
+                for name in ("lora", "micro_batch_tokens", "gradient_checkpointing"):
+                    if getattr(trainer, name) not in (None, False):
+                        raise ConfigError(f"{key}.{name}: built for the torch backend, and "
+                                          f"placement.stages.{stage}.backend=megatron")
+            lora = trainer.lora
             if lora is None:
                 continue
-            if self.placement.of(stage).backend == "megatron":
-                raise ConfigError(f"{key}.lora: LoRA adapters are built for the torch backend, and "
-                                  f"placement.stages.{stage}.backend=megatron")
             unknown = [name for name in lora.target_modules if name not in ALL_PROJECTIONS]
             if self.model.path is None and unknown:
                 raise ConfigError(f"{key}.lora.target_modules: {unknown} name no linear layer of the embedded model's "

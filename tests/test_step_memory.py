@@ -1,0 +1,76 @@
+"""How a training step fits in memory (`backends/step_memory.py`): micro-batches whose gradients
+add up to the one pass's, and activation checkpointing, on the torch engine (one rank here; two
+FSDP2 ranks in tests/test_torch_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stream_rlhf.algos.aggregation import row_weights
+from stream_rlhf.backends.optimizer_config import OptimizerConfig
+from stream_rlhf.backends.step_memory import micro_batches
+from stream_rlhf.backends.torch_engine import TorchTrainEngine
+from stream_rlhf.distributed import RankGroup
+from tests.test_torch_engine import _experience, _loss, _model
+
+
+def test_runs_are_whole_samples_in_order_within_the_budget():
+    runs = micro_batches(torch.tensor([3, 4, 2, 9, 1, 1]), budget=7)
+    assert [r.tolist() for r in runs] == [[0, 1], [2], [3], [4, 5]]  # 9 > 7 alone
+    assert [r.tolist() for r in micro_batches(torch.tensor([3, 4]), None)] == [[0, 1]]
+
+
+def _trained(optimizer: OptimizerConfig, steps: int = 2) -> tuple[TorchTrainEngine, list[dict[str, float]]]:
+    """An engine after `steps` optimizer steps (the last under sequence_mean row weights; its
+    gradients are still on the parameters) and each step's metrics."""
+    engine = TorchTrainEngine(_model(), RankGroup.single(), optimizer)
+    exp = _experience()
+    advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
+    weighted = {"advantages": advantages, "row_weights": row_weights(exp.mask, "sequence_mean", 8)}
+    metrics = [engine.train_step(exp, _loss(engine), per_sample)
+               for per_sample in [{"advantages": advantages}] * (steps - 1) + [weighted]]
+    return engine, metrics
+
+
+@pytest.mark.parametrize("budget", [1, 9, 20])  # a run per sample; runs of 1-2 samples; of 2-4
+def test_micro_batches_accumulate_the_one_pass_gradients(budget):
+    """The gradients to float noise (Adam's first steps divide tiny gradients by their own size,
+    so the weights are compared at the noise that amplifies: 1e-5 at lr 1e-3)."""
+    whole, whole_metrics = _trained(OptimizerConfig(lr=1e-3, max_grad_norm=0.5))
+    micro, micro_metrics = _trained(OptimizerConfig(lr=1e-3, max_grad_norm=0.5, micro_batch_tokens=budget))
+    for (name, a), b in zip(whole.model.named_parameters(), micro.model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+    weights, again = whole.export_weights(), micro.export_weights()
+    for name in weights:
+        torch.testing.assert_close(again[name], weights[name], atol=1e-5, rtol=0, msg=name)
+    for a, b in zip(whole_metrics, micro_metrics):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
+
+
+def _saved_bytes(engine: TorchTrainEngine) -> int:
+    """Bytes autograd keeps for the backward of one actor loss (what activation memory is)."""
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    exp = _experience()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss, _ = _loss(engine)(exp, {"advantages": torch.ones_like(exp.mask)})
+    loss.backward()
+    return sum(saved)
+
+
+def test_activation_checkpointing_keeps_less_for_the_backward_and_trains_the_same():
+    kept = _saved_bytes(TorchTrainEngine(_model(), RankGroup.single(), OptimizerConfig()))
+    recomputed = _saved_bytes(TorchTrainEngine(_model(), RankGroup.single(), OptimizerConfig(
+        gradient_checkpointing=True)))
+    assert recomputed < 0.7 * kept, (recomputed, kept)
+    whole, _ = _trained(OptimizerConfig(lr=1e-3))
+    again, _ = _trained(OptimizerConfig(lr=1e-3, gradient_checkpointing=True))
+    for (name, a), b in zip(whole.model.named_parameters(), again.model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
