@@ -48,10 +48,11 @@
 #   profile   issue 32's main-job median, 150 s at most: the main job on cuda:0 with py-spy (native frames) on
 #             actor_train and critic_train for 20 s each (OUT_DIR/<stage>.raw; carry py-spy's wheel in .whl/),
 #             then its iteration times and the trainers' phases from its trace (seconds per iteration)
-#   trainstep issue 32's host-bound trainers, 150 s at most: tests/test_train_step_device.py's gpu tests (one
+#   trainstep issue 32's host-bound trainers, 210 s at most: tests/test_train_step_device.py's gpu tests (one
 #             synchronisation of ours per step, text and vision-language), then bench/train_step.py --device cuda
 #             (an actor and a critic step of the main job's model, 128 samples: the loss's inputs gathered at once
-#             against the per-sample path; ms, aten ops and autograd nodes per step)
+#             against the per-sample path; ms, aten ops and autograd nodes per step), then bench/step_memory.py
+#             --device cuda (a 12M actor step in micro-batches and with activation checkpointing: CUDA peak MB)
 #
 # Each part writes OUT_DIR/<part>.log (and its --json figures as the log's last line); one failing
 # part does not stop the others; the exit status is the number of parts that failed.
@@ -199,7 +200,8 @@ run_part() {
         sharing) timeout 420 "$python" bench/gpu_sharing.py --iterations "${SHARING_ITERATIONS:-6}" --json ;;
         profile) profile_trainers ;;
         trainstep) timeout 60 "$python" -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_train_step_device.py &&
-                   timeout 90 "$python" bench/train_step.py --device cuda --json ;;
+                   timeout 90 "$python" bench/train_step.py --device cuda --json &&
+                   timeout 60 "$python" bench/step_memory.py --device cuda --json ;;
         *) echo "unknown part $1: tests megatron sampler offload kernels weights medusa jobs pipeline speed medusa358 agentic sharing profile trainstep" >&2
            return 2 ;;
     esac
