@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from job_run import run_job  # bench/, beside this script
+from job_run import mean, print_table, run_columns, run_job  # bench/, beside this script
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "text_grpo.yaml"
@@ -56,10 +55,6 @@ def run(column: str, seed: int, iterations: int, quick: bool, eval_prompts: int)
             "wall_s": wall_s}
 
 
-def mean(values: list[float]) -> float:
-    return round(sum(values) / len(values), 4)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -73,14 +68,8 @@ def main() -> None:
     iterations = args.iterations or (2 if args.quick else 30)
     eval_prompts = args.eval_prompts or (64 if args.quick else 1024)
     columns = [BASELINE, *(c for c in args.columns if c != BASELINE)]
-    results: dict[str, list[dict]] = {column: [] for column in columns}
-    for seed in seeds:
-        for column in columns:
-            print(f"[bench] {column} seed {seed}: running", file=sys.stderr, flush=True)
-            results[column].append(run(column, seed, iterations, args.quick, eval_prompts))
-            last = results[column][-1]
-            print(f"[bench] {column} seed {seed}: eval reward {last['before']:.3f} -> {last['after']:.3f} "
-                  f"({last['wall_s']} s)", file=sys.stderr, flush=True)
+    results = run_columns(columns, seeds,
+                          lambda column, seed: run(column, seed, iterations, args.quick, eval_prompts))
     figures = {}
     for column, runs in results.items():
         after = mean([r["after"] for r in runs])
@@ -90,13 +79,10 @@ def main() -> None:
                            "samples": runs[0]["samples"], "masked_truncated": sum(r["masked_truncated"] for r in runs),
                            "after_by_seed": [r["after"] for r in runs]}
     baseline = figures[BASELINE]["after"]
-    header = f"{'':18}" + "".join(f"{c:>12}" for c in columns)
     rows = [("eval before", "before", "{:.3f}"), ("eval after", "after", "{:.3f}"), ("gain", "gain", "{:+.3f}"),
             ("greedy after", "greedy_after", "{:.3f}"), ("samples trained", "samples", "{:d}"),
             ("masked as cut", "masked_truncated", "{:d}")]
-    print(header)
-    for label, key, fmt in rows:
-        print(f"{label:18}" + "".join(f"{fmt.format(figures[c][key]):>12}" for c in columns))
+    print_table(figures, columns, rows)
     print(f"{'after / ' + BASELINE:18}" + "".join(f"{figures[c]['after'] / max(baseline, 1e-9):>12.2f}"
                                                for c in columns))
     print(f"\nconfigs/text_grpo.yaml, {iterations} iterations, seeds {seeds}, {eval_prompts} eval prompts; "

@@ -1,7 +1,10 @@
-"""One `stream-rlhf run` subprocess for the benchmarks that compare whole jobs (a helper, not a
-benchmark): its output in runs/<name>.log, its summary.json and wall seconds back.
+"""`stream-rlhf run` subprocesses for the benchmarks that compare whole jobs (a helper, not a
+benchmark): one run's output in runs/<name>.log, its summary.json and wall seconds back; every
+column of a benchmark for every seed, with a progress line each.
 
     summary, wall_s = run_job(CONFIG, "bench_x_s0", ["seed=0", ...], "column x seed 0")
+    results = run_columns(["base", "x"], [0, 1], lambda column, seed: {...})  # column -> one dict a seed
+    print_table(figures, ["base", "x"], [("eval after", "after", "{:.3f}"), ...])
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,3 +31,28 @@ def run_job(config: Path, name: str, sets: list[str], what: str) -> tuple[dict, 
     if done.returncode != 0:
         sys.exit(f"{what}: the run failed (exit {done.returncode}); see {log}")
     return json.loads((REPO / "runs" / name / "summary.json").read_text()), round(time.monotonic() - started, 1)
+
+
+def run_columns(columns: list[str], seeds: list[int], run: Callable[[str, int], dict]) -> dict[str, list[dict]]:
+    """`run(column, seed)` for every seed, each column in turn, with a line on stderr before and
+    after each (the eval reward it reached, from the dict's `before`, `after` and `wall_s`)."""
+    results: dict[str, list[dict]] = {column: [] for column in columns}
+    for seed in seeds:
+        for column in columns:
+            print(f"[bench] {column} seed {seed}: running", file=sys.stderr, flush=True)
+            results[column].append(run(column, seed))
+            last = results[column][-1]
+            print(f"[bench] {column} seed {seed}: eval reward {last['before']:.3f} -> {last['after']:.3f} "
+                  f"({last['wall_s']} s)", file=sys.stderr, flush=True)
+    return results
+
+
+def mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 4)
+
+
+def print_table(figures: dict[str, dict], columns: list[str], rows: list[tuple[str, str, str]]) -> None:
+    """The columns side by side, one line per (label, key of each column's figures, format)."""
+    print(f"{'':18}" + "".join(f"{c:>12}" for c in columns))
+    for label, key, fmt in rows:
+        print(f"{label:18}" + "".join(f"{fmt.format(figures[c][key]):>12}" for c in columns))

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from job_run import run_job  # bench/, beside this script
+from job_run import mean, print_table, run_columns, run_job  # bench/, beside this script
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "text_grpo.yaml"
@@ -55,10 +54,6 @@ def run(column: str, seed: int, iterations: int, quick: bool, eval_prompts: int)
             "tokens_per_s": summary["tokens_per_s"], "wall_s": wall_s}
 
 
-def mean(values: list[float]) -> float:
-    return round(sum(values) / len(values), 4)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -70,14 +65,8 @@ def main() -> None:
     seeds = [0] if args.quick else args.seeds
     iterations = args.iterations or (2 if args.quick else 30)
     eval_prompts = args.eval_prompts or (64 if args.quick else 1024)
-    results: dict[str, list[dict]] = {column: [] for column in COLUMNS}
-    for seed in seeds:
-        for column in COLUMNS:
-            print(f"[bench] {column} seed {seed}: running", file=sys.stderr, flush=True)
-            results[column].append(run(column, seed, iterations, args.quick, eval_prompts))
-            last = results[column][-1]
-            print(f"[bench] {column} seed {seed}: eval reward {last['before']:.3f} -> {last['after']:.3f} "
-                  f"({last['wall_s']} s)", file=sys.stderr, flush=True)
+    results = run_columns(list(COLUMNS), seeds,
+                          lambda column, seed: run(column, seed, iterations, args.quick, eval_prompts))
     figures = {}
     for column, runs in results.items():
         after, before = mean([r["after"] for r in runs]), mean([r["before"] for r in runs])
@@ -98,9 +87,7 @@ def main() -> None:
             ("greedy after", "greedy_after", "{:.3f}"), ("params trained", "trained", "{:,d}"),
             ("of params", "total", "{:,d}"), ("AdamW state MB", "optimizer_mb", "{:.3f}"),
             ("iteration s", "iteration_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:.0f}")]
-    print(f"{'':18}" + "".join(f"{c:>12}" for c in COLUMNS))
-    for label, key, fmt in rows:
-        print(f"{label:18}" + "".join(f"{fmt.format(figures[c][key]):>12}" for c in COLUMNS))
+    print_table(figures, list(COLUMNS), rows)
     for label, key in (("eval after", "eval_after"), ("AdamW state", "optimizer_memory"), ("tokens/s", "tokens_per_s")):
         print(f"{label + ' / ' + BASELINE:18}" + "".join(f"{figures[c]['ratios'][key]:>12.2f}" for c in COLUMNS))
     print(f"\nconfigs/text_grpo.yaml, {iterations} iterations, seeds {seeds}, {eval_prompts} eval prompts; "
