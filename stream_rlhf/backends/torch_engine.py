@@ -205,14 +205,15 @@ class TorchTrainEngine:
             raise RuntimeError("train_step: this engine was built without an optimizer (forward only)")
         index = torch.arange(part.num_samples)[self.group.shard(part.num_samples)]
         mine = part.select(index)  # on the host
-        tokens = float(mine.mask.sum())  # a host tensor: no wait for the device
-        scale = 1.0
-        if self.group.distributed:  # each rank's loss scaled by its share of the step's tokens
-            total = self.group.sum([tokens])[0]
-            scale = tokens * self.group.world_size / max(total, 1.0)
         runs = micro_batches(torch.tensor([len(s) for s in mine.sequences]), self.micro_batch_tokens)
         if self.sharded and self.micro_batch_tokens is not None:
             runs += [torch.arange(0)] * (int(self.group.max([float(len(runs))])[0]) - len(runs))
+        scale, tokens = 1.0, 0.0
+        if self.group.distributed or len(runs) > 1:  # the host-side mask: no wait for the device
+            tokens = float(mine.mask.sum())
+        if self.group.distributed:  # each rank's loss scaled by its share of the step's tokens
+            total = self.group.sum([tokens])[0]
+            scale = tokens * self.group.world_size / max(total, 1.0)
         self.optimizer.zero_grad()
         loss, metrics = None, {}
         for number, run in enumerate(runs):
