@@ -86,6 +86,8 @@ RL_ROWS = [
     (("actor.micro_batch_tokens=512", "placement.stages={actor_train: {backend: megatron}}"),
      "actor.micro_batch_tokens: built for the torch backend, and placement.stages.actor_train.backend=megatron"),
     (("critic.micro_batch_tokens=0",), "critic.micro_batch_tokens=0: must be >= 1"),
+    (("placement.stages={ref_forward: {backend: megatron}}", "actor.micro_batch_tokens=512"),
+     "actor.micro_batch_tokens: built for the torch backend, and placement.stages.ref_forward.backend=megatron"),
     (("actor.lora={target_modules: [q_proj, qkv]}",),
      "actor.lora.target_modules: ['qkv'] name no linear layer of the embedded model's decoder layers (q_proj, "),
     (("actor.lora={rank: 0}",), "actor.lora.rank=0: must be >= 1"),

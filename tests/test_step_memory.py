@@ -12,7 +12,7 @@ from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.step_memory import micro_batches
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.distributed import RankGroup
-from tests.test_torch_engine import _experience, _loss, _model
+from tests.test_torch_engine import _critic, _experience, _loss, _model
 
 
 def test_runs_are_whole_samples_in_order_within_the_budget():
@@ -74,3 +74,20 @@ def test_activation_checkpointing_keeps_less_for_the_backward_and_trains_the_sam
     again, _ = _trained(OptimizerConfig(lr=1e-3, gradient_checkpointing=True))
     for (name, a), b in zip(whole.model.named_parameters(), again.model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_the_forwards_in_runs_give_the_one_pass_outputs():
+    """A forward-only engine's budget (the reference and the forward stages take their trainer's):
+    log-probs, values and the (N, R) response log-probs as in one pass."""
+    exp = _experience()
+    whole = TorchTrainEngine(_model(), RankGroup.single())
+    runs = TorchTrainEngine(_model(), RankGroup.single(), micro_batch_tokens=9)
+    for a, b in zip(whole.forward_logprobs(exp.sequences, 0.7, prompt_lens=exp.prompt_lens),
+                    runs.forward_logprobs(exp.sequences, 0.7, prompt_lens=exp.prompt_lens)):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    torch.testing.assert_close(runs.forward_response_logprobs(exp, 1.0), whole.forward_response_logprobs(exp, 1.0),
+                               atol=1e-6, rtol=0)
+    critic, critic_runs = (TorchTrainEngine(_critic(), RankGroup.single(), micro_batch_tokens=budget)
+                           for budget in (None, 9))
+    for a, b in zip(critic.forward_values(exp.sequences), critic_runs.forward_values(exp.sequences)):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)

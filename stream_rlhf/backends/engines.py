@@ -40,14 +40,15 @@ log = logging.getLogger("stream_rlhf")
 
 
 def _torch(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None, own: StagePlacement,
-           stage: str, seed: int, precision: Precision) -> TrainEngine:
-    engine = TorchTrainEngine(model, group, optimizer, precision)
+           stage: str, seed: int, precision: Precision, micro_batch_tokens: int | None) -> TrainEngine:
+    engine = TorchTrainEngine(model, group, optimizer, precision, micro_batch_tokens)
     warm_up_logprob_kernels(engine, trains=optimizer is not None)  # compiles here, not in the first steps
     return engine
 
 
 def _megatron(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None, own: StagePlacement,
-              stage: str, seed: int, precision: Precision) -> TrainEngine:
+              stage: str, seed: int, precision: Precision, micro_batch_tokens: int | None) -> TrainEngine:
+    """(`micro_batch_tokens` is the torch engine's: the config refuses it here.)"""
     from stream_rlhf.backends.megatron.config import check_parallel
     from stream_rlhf.backends.megatron.engine import MegatronTrainEngine  # megatron-core: the megatron extra
     from stream_rlhf.backends.megatron.model import text_config
@@ -89,13 +90,15 @@ def build_train_engine(config: RLJobConfig, stage: str, checkpoint: str, group: 
                        optimizer: OptimizerConfig | None = None) -> TrainEngine:
     """The engine of `stage` (an `RLJobConfig`'s placement says which) holding the stage's model,
     loaded from `checkpoint` (`STAGE_MODELS`); trains with `optimizer`, forward only without. The
-    trainers' models get `actor.lora`'s and `critic.lora`'s adapters first, when set (the torch
-    engine's: the config refuses them on megatron)."""
+    trainers' models get `actor.lora`'s and `critic.lora`'s adapters first, when set, and every stage
+    of a model takes its trainer's `micro_batch_tokens` (the torch engine's: the config refuses both
+    on megatron)."""
     if stage not in STAGE_MODELS:
         raise ValueError(f"build_train_engine: stage {stage!r} holds no train engine (one of {sorted(STAGE_MODELS)})")
     own = config.placement.of(stage)
     model = STAGE_MODELS[stage](config, checkpoint)
-    lora = {"actor_train": config.actor.lora, "critic_train": config.critic.lora}.get(stage)
-    if lora is not None:
-        _with_lora(model, lora, config.seed, f"{stage.partition('_')[0]}.lora")
-    return TRAIN_ENGINES[own.backend](model, group, optimizer, own, stage, config.seed, config.precision)
+    trainer = config.actor if STAGE_MODELS[stage] is _policy else config.critic  # whose model it is
+    if trainer.lora is not None and stage in ("actor_train", "critic_train"):
+        _with_lora(model, trainer.lora, config.seed, f"{stage.partition('_')[0]}.lora")
+    return TRAIN_ENGINES[own.backend](model, group, optimizer, own, stage, config.seed, config.precision,
+                                      trainer.micro_batch_tokens)

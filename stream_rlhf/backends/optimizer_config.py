@@ -26,7 +26,9 @@ class OptimizerConfig:
     micro_batch_tokens: Annotated[int, Meta(ge=1)] | None = None
     """Split each rank's share of an optimizer step into micro-batches of at most this many tokens
     (prompt + response; whole samples, a longer one alone) whose gradients accumulate to the one
-    pass's: the step holds one micro-batch's activations (the torch backend). None: one pass."""
+    pass's: the step holds one micro-batch's activations. The forwards of the same model (actor's:
+    the reference, actor forward and proximal log-probs; critic's: its values) pass in runs of this
+    budget too (the torch backend). None: one pass."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them
     (activation checkpointing: less memory, about a third more compute; the torch backend)."""

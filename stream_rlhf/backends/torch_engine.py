@@ -96,8 +96,10 @@ class ModelForward(nn.Module):
 
 class TorchTrainEngine:
     def __init__(self, model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None = None,
-                 precision: Precision = "fp32"):
-        """`precision` bf16 (or auto on CUDA): every forward under bf16 autocast (`backends/precision.py`)."""
+                 precision: Precision = "fp32", micro_batch_tokens: int | None = None):
+        """`precision` bf16 (or auto on CUDA): every forward under bf16 autocast (`backends/precision.py`).
+        `micro_batch_tokens`: a forward-only engine's budget per pass (`step_memory.py`); a training
+        engine takes its optimizer config's, for its steps and its forwards."""
         self.group = group
         self.device = group.device
         self.precision = resolve_precision(precision, self.device)
@@ -116,7 +118,7 @@ class TorchTrainEngine:
             fully_shard(self.forward_module, mesh=mesh)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # sharded ones, if sharded
         self.max_grad_norm = optimizer.max_grad_norm if optimizer else 0.0
-        self.micro_batch_tokens = optimizer.micro_batch_tokens if optimizer else None
+        self.micro_batch_tokens = optimizer.micro_batch_tokens if optimizer else micro_batch_tokens
         self.optimizer = None if optimizer is None else torch.optim.AdamW(  # fused: one kernel per step on CUDA
             self.trainable, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
             fused=True if self.device.type == "cuda" else None)
@@ -165,32 +167,45 @@ class TorchTrainEngine:
         each rank computes its share (one copy to the host), then all gather."""
         width = exp.mask.shape[1]
         mine = exp.select(torch.arange(exp.num_samples)[self.group.shard(exp.num_samples)])
+        parts = [torch.zeros(0, width)]
         with torch.no_grad() if self.sharded else torch.inference_mode():
-            if mine.num_samples:
-                local = self.response_logprobs(mine, temperature)[0].float().cpu()
-            else:
-                local = torch.zeros(0, width)
-                if self.sharded:  # a sharded model's forward is a collective: take part with one token
+            for run in self._runs([len(s) for s in mine.sequences]):
+                if len(run):
+                    parts.append(self.response_logprobs(mine.select(run), temperature)[0].float().cpu())
+                elif self.sharded:  # a sharded model's forward is a collective: take part with one token
                     self.logprobs(exp.sequences[:1], temperature,
                                   images=exp.images[:1] if exp.images is not None else None)
-        return torch.cat(self.group.gather_ragged([local.flatten()])).view(-1, width)
+        return torch.cat(self.group.gather_ragged([torch.cat(parts).flatten()])).view(-1, width)
 
     def _shared(self, forward, sequences: list[Tensor], images: list[SampleImages] | None,
                 prompt_lens: Tensor | None) -> list[Tensor]:
         """`forward` over this rank's share of `sequences` (no grad), gathered from every rank."""
         mine = self.group.shard(len(sequences))
         local_sequences = sequences[mine]
+        local_images = images[mine] if images is not None else None
         local_lens = prompt_lens[mine] if prompt_lens is not None else None
+        local: list[Tensor] = []
         # no inference mode on a sharded engine: FSDP2 reuses its all-gather buffers in the training
         # forwards, and an inference tensor cannot be written to outside inference mode
         with torch.no_grad() if self.sharded else torch.inference_mode():
-            if local_sequences:
-                local = forward(local_sequences, images[mine] if images is not None else None, local_lens)
-            else:
-                local = []
-                if self.sharded:  # a sharded model's forward is a collective: take part with one token
+            for run in self._runs([len(s) for s in local_sequences]):
+                if len(run):
+                    picked = run.tolist()
+                    local += forward([local_sequences[i] for i in picked],
+                                     [local_images[i] for i in picked] if local_images is not None else None,
+                                     local_lens[run] if local_lens is not None else None)
+                elif self.sharded:  # a sharded model's forward is a collective: take part with one token
                     forward(sequences[:1], images[:1] if images is not None else None, None)
         return [t.float() for t in self.group.gather_ragged(local)]  # (cast on the host)
+
+    def _runs(self, lengths: list[int]) -> list[Tensor]:
+        """This rank's micro-batches of samples of `lengths` tokens (`step_memory.micro_batches`;
+        one run without a budget, an empty one without samples); sharded, as many as the rank that
+        needs most, empty ones at the end (each pass of a sharded model is a collective)."""
+        runs = micro_batches(torch.tensor(lengths, dtype=torch.long), self.micro_batch_tokens)
+        if self.sharded and self.micro_batch_tokens is not None:
+            runs += [torch.arange(0)] * (int(self.group.max([float(len(runs))])[0]) - len(runs))
+        return runs
 
     # ---- training ----------------------------------------------------------------------------
 
@@ -205,9 +220,7 @@ class TorchTrainEngine:
             raise RuntimeError("train_step: this engine was built without an optimizer (forward only)")
         index = torch.arange(part.num_samples)[self.group.shard(part.num_samples)]
         mine = part.select(index)  # on the host
-        runs = micro_batches(torch.tensor([len(s) for s in mine.sequences]), self.micro_batch_tokens)
-        if self.sharded and self.micro_batch_tokens is not None:
-            runs += [torch.arange(0)] * (int(self.group.max([float(len(runs))])[0]) - len(runs))
+        runs = self._runs([len(s) for s in mine.sequences])
         scale, tokens = 1.0, 0.0
         if self.group.distributed or len(runs) > 1:  # the host-side mask: no wait for the device
             tokens = float(mine.mask.sum())

@@ -272,13 +272,15 @@ class RLJobConfig:
         """LoRA, micro-batches and activation checkpointing are the torch engine's; the embedded
         model's layers have the projections only (a `model.path` checkpoint's names are checked at
         preflight, `driver/preflight.py`)."""
-        for key, stage in (("actor", "actor_train"), ("critic", "critic_train")):
+        for key, stage, forwards in (("actor", "actor_train", ("actor_forward", "ref_forward")),
+                                     ("critic", "critic_train", ("critic_forward",))):
             trainer = getattr(self, key)
-            if self.placement.of(stage).backend == "megatron":
-                for name in ("lora", "micro_batch_tokens", "gradient_checkpointing"):
-                    if getattr(trainer, name) not in (None, False):
-                        raise ConfigError(f"{key}.{name}: built for the torch backend, and "
-                                          f"placement.stages.{stage}.backend=megatron")
+            for name in ("lora", "micro_batch_tokens", "gradient_checkpointing"):
+                on = (stage, *forwards) if name == "micro_batch_tokens" else (stage,)  # the forwards pass in runs too
+                megatron = [s for s in on if self.placement.of(s).backend == "megatron"]
+                if getattr(trainer, name) not in (None, False) and megatron:
+                    raise ConfigError(f"{key}.{name}: built for the torch backend, and "
+                                      f"placement.stages.{megatron[0]}.backend=megatron")
             lora = trainer.lora
             if lora is None:
                 continue
