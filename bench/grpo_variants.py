@@ -27,7 +27,7 @@ import argparse
 import json
 from pathlib import Path
 
-from job_run import mean, print_table, run_columns, run_job  # bench/, beside this script
+from job_run import mean, print_footer, print_table, run_column, run_columns  # bench/, beside this script
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "text_grpo.yaml"
@@ -42,12 +42,7 @@ COLUMNS = {
 
 
 def run(column: str, seed: int, iterations: int, quick: bool, eval_prompts: int) -> dict:
-    name = f"bench_grpo_{column}_s{seed}" + ("_quick" if quick else "")
-    sets = [f"seed={seed}", f"iterations={iterations}", f"broker.shm_prefix=b_grpo_{column}_{seed}",
-            f"task.eval_prompts={eval_prompts}", *COLUMNS[column]]
-    if quick:  # a 40-step warm start of its own (seconds)
-        sets.append("model.warm_start.steps=40")
-    summary, wall_s = run_job(CONFIG, name, sets, f"{column} seed {seed}")
+    summary, wall_s, name = run_column(CONFIG, "grpo", column, seed, iterations, quick, eval_prompts, COLUMNS[column])
     metrics = (REPO / "runs" / name / "metrics.jsonl").read_text().splitlines()
     return {"before": summary["eval_reward_before"], "after": summary["eval_reward_after"],
             "greedy_after": summary["eval_greedy_reward_after"], "samples": summary["samples_trained"],
@@ -85,10 +80,7 @@ def main() -> None:
     print_table(figures, columns, rows)
     print(f"{'after / ' + BASELINE:18}" + "".join(f"{figures[c]['after'] / max(baseline, 1e-9):>12.2f}"
                                                for c in columns))
-    print(f"\nconfigs/text_grpo.yaml, {iterations} iterations, seeds {seeds}, {eval_prompts} eval prompts; "
-          "means over the seeds")
-    if args.json:
-        print(json.dumps({"baseline": BASELINE, "iterations": iterations, "seeds": seeds, "columns": figures}))
+    print_footer(figures, BASELINE, iterations, seeds, eval_prompts, args.json)
 
 
 if __name__ == "__main__":

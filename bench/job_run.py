@@ -33,6 +33,17 @@ def run_job(config: Path, name: str, sets: list[str], what: str) -> tuple[dict, 
     return json.loads((REPO / "runs" / name / "summary.json").read_text()), round(time.monotonic() - started, 1)
 
 
+def run_column(config: Path, bench: str, column: str, seed: int, iterations: int, quick: bool, eval_prompts: int,
+               sets: list[str]) -> tuple[dict, float, str]:
+    """One column's run for one seed, runs/bench_<bench>_<column>_s<seed>[_quick] (`quick`: a 40-step
+    warm start of its own, seconds): its summary, wall seconds and run name."""
+    name = f"bench_{bench}_{column}_s{seed}" + ("_quick" if quick else "")
+    sets = [f"seed={seed}", f"iterations={iterations}", f"broker.shm_prefix=b_{bench}_{column}_{seed}",
+            f"task.eval_prompts={eval_prompts}", *sets, *(["model.warm_start.steps=40"] if quick else [])]
+    summary, wall_s = run_job(config, name, sets, f"{column} seed {seed}")
+    return summary, wall_s, name
+
+
 def run_columns(columns: list[str], seeds: list[int], run: Callable[[str, int], dict]) -> dict[str, list[dict]]:
     """`run(column, seed)` for every seed, each column in turn, with a line on stderr before and
     after each (the eval reward it reached, from the dict's `before`, `after` and `wall_s`)."""
@@ -56,3 +67,12 @@ def print_table(figures: dict[str, dict], columns: list[str], rows: list[tuple[s
     print(f"{'':18}" + "".join(f"{c:>12}" for c in columns))
     for label, key, fmt in rows:
         print(f"{label:18}" + "".join(f"{fmt.format(figures[c][key]):>12}" for c in columns))
+
+
+def print_footer(figures: dict[str, dict], baseline: str, iterations: int, seeds: list[int], eval_prompts: int,
+                 as_json: bool) -> None:
+    """What the figures are of, and with `as_json` every figure as one JSON line."""
+    print(f"\nconfigs/text_grpo.yaml, {iterations} iterations, seeds {seeds}, {eval_prompts} eval prompts; "
+          "means over the seeds")
+    if as_json:
+        print(json.dumps({"baseline": baseline, "iterations": iterations, "seeds": seeds, "columns": figures}))

@@ -24,10 +24,9 @@ two extra matmuls per layer cost about what the frozen weights' skipped gradient
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from job_run import mean, print_table, run_columns, run_job  # bench/, beside this script
+from job_run import mean, print_footer, print_table, run_column, run_columns  # bench/, beside this script
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "text_grpo.yaml"
@@ -41,12 +40,7 @@ ADAM_BYTES = 8
 
 
 def run(column: str, seed: int, iterations: int, quick: bool, eval_prompts: int) -> dict:
-    name = f"bench_lora_{column}_s{seed}" + ("_quick" if quick else "")
-    sets = [f"seed={seed}", f"iterations={iterations}", f"broker.shm_prefix=b_lora_{column}_{seed}",
-            f"task.eval_prompts={eval_prompts}", *COLUMNS[column]]
-    if quick:  # a 40-step warm start of its own (seconds)
-        sets.append("model.warm_start.steps=40")
-    summary, wall_s = run_job(CONFIG, name, sets, f"{column} seed {seed}")
+    summary, wall_s, _ = run_column(CONFIG, "lora", column, seed, iterations, quick, eval_prompts, COLUMNS[column])
     parameters = summary["actor_parameters"]
     return {"before": summary["eval_reward_before"], "after": summary["eval_reward_after"],
             "greedy_after": summary["eval_greedy_reward_after"], "trained": parameters["trained"],
@@ -90,10 +84,7 @@ def main() -> None:
     print_table(figures, list(COLUMNS), rows)
     for label, key in (("eval after", "eval_after"), ("AdamW state", "optimizer_memory"), ("tokens/s", "tokens_per_s")):
         print(f"{label + ' / ' + BASELINE:18}" + "".join(f"{figures[c]['ratios'][key]:>12.2f}" for c in COLUMNS))
-    print(f"\nconfigs/text_grpo.yaml, {iterations} iterations, seeds {seeds}, {eval_prompts} eval prompts; "
-          "means over the seeds")
-    if args.json:
-        print(json.dumps({"baseline": BASELINE, "iterations": iterations, "seeds": seeds, "columns": figures}))
+    print_footer(figures, BASELINE, iterations, seeds, eval_prompts, args.json)
 
 
 if __name__ == "__main__":
