@@ -14,7 +14,8 @@ optimizer step per step, no KL (TRL's default beta=0), temperature 1, learning r
                        TRL: `bf16=True`, autocast)
     12M fixed48 lora   the same in fp32, training LoRA adapters (rank 8, alpha 16, on the 7
                        projections of every layer) on both sides (ours: `actor.lora`; TRL: a PEFT
-                       LoraConfig); not a default row, nor 0.4M_eos_lora (the same at 0.4M)
+                       LoraConfig); not a default row, nor 0.4M_eos_lora (the same at 0.4M) nor
+                       358M_fixed64_bf16_lora (the GPU row with LoRA, --device cuda)
     90M fixed64        hidden 1024, 8 layers (90.2M parameters)  64 tokens, fp32    (GPU rows, issue 32:
     358M fixed64 bf16  Qwen2-0.5B's layer shapes (358M)          64 tokens, bf16     --device cuda)
 
@@ -114,6 +115,7 @@ ROWS = {
     "12M_fixed48_lora": Row("12M_fixed48_lora", MODEL_12M, 48, True, lora=True),
     "90M_fixed64": Row("90M_fixed64", MODEL_90M, 64, True),
     "358M_fixed64_bf16": Row("358M_fixed64_bf16", MODEL_358M, 64, True, bf16=True),
+    "358M_fixed64_bf16_lora": Row("358M_fixed64_bf16_lora", MODEL_358M, 64, True, bf16=True, lora=True),
 }
 DEFAULT_ROWS = {"cpu": ["0.4M_eos", "12M_eos", "12M_fixed48", "12M_fixed48_bf16"],
                 "cuda": ["90M_fixed64", "358M_fixed64_bf16"]}
