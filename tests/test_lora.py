@@ -1,6 +1,7 @@
-"""LoRA adapters (`models/lora.py`) and the torch engine training them (`actor.lora`): the model
-starts unchanged, only the adapters train, every export is the merged plain model, and a resume
-state keeps the adapters apart and resumes exactly."""
+"""LoRA adapters (`models/lora.py`) and the torch engine training them (`actor.lora`,
+`critic.lora`): the model starts unchanged, only the adapters (and a critic's head) train, every
+export is the merged plain model, a resume state keeps the adapters apart and resumes exactly,
+and a saved adapter is one PEFT loads."""
 
 from __future__ import annotations
 
