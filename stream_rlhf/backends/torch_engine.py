@@ -46,7 +46,7 @@ from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.device_copy import to_device
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
-from stream_rlhf.models.checkpoint import save_checkpoint
+from stream_rlhf.models.checkpoint import decoder_layers, save_checkpoint
 from stream_rlhf.models.lora import ADAPTER_FOLDER, has_lora, merge_lora, merged_names, save_adapter
 from stream_rlhf.models.packing import packed_forward, sequence_logprobs
 from stream_rlhf.models.response_outputs import response_logprobs, response_outputs
@@ -171,7 +171,8 @@ class TorchTrainEngine:
         with torch.no_grad() if self.sharded else torch.inference_mode():
             for run in self._runs([len(s) for s in mine.sequences]):
                 if len(run):
-                    parts.append(self.response_logprobs(mine.select(run), temperature)[0].float().cpu())
+                    part = mine if len(run) == mine.num_samples else mine.select(run)  # one run: no copy
+                    parts.append(self.response_logprobs(part, temperature)[0].float().cpu())
                 elif self.sharded:  # a sharded model's forward is a collective: take part with one token
                     self.logprobs(exp.sequences[:1], temperature,
                                   images=exp.images[:1] if exp.images is not None else None)
@@ -234,8 +235,10 @@ class TorchTrainEngine:
                 self.forward_module.set_requires_gradient_sync(number == len(runs) - 1)
             share = 1.0 if len(runs) == 1 else float(mine.mask[run].sum()) / max(tokens, 1.0)
             picked = run if len(run) else torch.arange(1)  # an extra pass: one sample, weighing nothing
-            local = mine.select(picked).to(self.device, keep_on_host=HOST_FIELDS)
-            local_per_sample = {name: to_device(t[index][picked], self.device) for name, t in per_sample.items()}
+            whole = len(picked) == mine.num_samples  # one run of every sample: no copies
+            local = (mine if whole else mine.select(picked)).to(self.device, keep_on_host=HOST_FIELDS)
+            local_per_sample = {name: to_device(t[index] if whole else t[index][picked], self.device)
+                                for name, t in per_sample.items()}
             run_loss, run_metrics = loss_fn(local, local_per_sample)
             (run_loss * (share * scale) if share * scale != 1.0 else run_loss).backward()
             if len(run):
@@ -432,11 +435,6 @@ class TorchTrainEngine:
         if to_host:
             torch.cuda.empty_cache()  # what left can serve another process on this device (vLLM, a stage)
         return moved
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face model (the units FSDP2 shards one by one)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 def freeze_vision_tower(model: nn.Module) -> list[nn.Parameter]:

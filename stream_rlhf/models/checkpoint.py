@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -43,6 +44,12 @@ def build_tiny(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: i
     with `cfg.vision` a vision-language one (the tokenizer must then hold `VISION_TOKENS`)."""
     torch.manual_seed(seed)
     return tiny_model(cfg, tokenizer)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a Hugging Face model (the units FSDP2 shards one by one, and the
+    layers LoRA adapts: `lora.py`)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 def is_vision_language(path: str | Path) -> bool:

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from stream_rlhf.models.checkpoint import decoder_layers
 from stream_rlhf.models.lora_config import LoRAConfig
 
 ADAPTER_KEYS = ("lora_A", "lora_B", "lora_scale")
@@ -60,7 +61,8 @@ def add_lora(model: nn.Module, cfg: LoRAConfig, seed: int, key: str = "actor.lor
         head.requires_grad_(True)
     generator = torch.Generator().manual_seed(seed)
     wrapped, found = [], set()
-    layers = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("DecoderLayer")]
+    names = {id(m): name for name, m in model.named_modules()}
+    layers = [(names[id(m)], m) for m in decoder_layers(model)]
     for layer_name, layer in layers:
         for name, module in list(layer.named_modules()):
             leaf = name.rpartition(".")[2]
@@ -90,10 +92,15 @@ def merged_names(model: nn.Module) -> list[str]:
             if name in adapted or (p.requires_grad and name.rpartition(".")[2] not in ADAPTER_KEYS)]
 
 
+def _adapted(state: dict[str, Tensor]) -> list[str]:
+    """The module names of the adapted layers of a state dict (those with a `lora_A`)."""
+    return [key[: -len(".lora_A")] for key in state if key.endswith(".lora_A")]
+
+
 def merge_lora(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """`state` with each adapted weight replaced by W + scale B A (a new tensor, in W's dtype, on
     W's device) and the adapter entries left out; a state without adapters comes back as it is."""
-    prefixes = [key[: -len(".lora_A")] for key in state if key.endswith(".lora_A")]
+    prefixes = _adapted(state)
     if not prefixes:
         return state
     out = {key: value for key, value in state.items() if key.rpartition(".")[2] not in ADAPTER_KEYS}
@@ -110,7 +117,7 @@ def save_adapter(state: dict[str, Tensor], folder: Path) -> None:
     adapter folder (`adapter_config.json`, `adapter_model.safetensors`): `PeftModel.from_pretrained(
     base, folder)` on the starting checkpoint gives the trained policy (peft's names:
     `base_model.model.<module>.lora_A.weight`)."""
-    prefixes = [key[: -len(".lora_A")] for key in state if key.endswith(".lora_A")]
+    prefixes = _adapted(state)
     if not prefixes:
         raise ValueError("save_adapter: the state holds no LoRA adapters")
     rank = state[f"{prefixes[0]}.lora_A"].shape[0]

@@ -1,4 +1,5 @@
-"""Config of the actor's LoRA adapters (`actor.lora`), beside the modules it selects (`lora.py`)."""
+"""Config of a trainer's LoRA adapters (`actor.lora`, `critic.lora`), beside the modules it selects
+(`lora.py`)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Low-rank adapters (LoRA, Hu et al. 2021): each targeted linear layer W of the policy's
+    """Low-rank adapters (LoRA, Hu et al. 2021): each targeted linear layer W of the model's
     decoder layers computes W x + (alpha / rank) B A x, with A (rank, in) and B (out, rank) the only
-    weights the actor trains (B starts at zero: the first version is the checkpoint). The optimizer
+    weights its trainer trains (and a critic's head; B starts at zero: the first version is the
+    checkpoint). The optimizer
     holds state for the adapters alone; rollout, the forwards, checkpoints folders and the final
     policy get the merged weights W + (alpha / rank) B A, so they see a plain model."""
 
