@@ -83,11 +83,10 @@ RL_ROWS = [
     # LoRA: the torch engine's, on layers the model has
     (("actor.lora={rank: 4}", "placement.stages={actor_train: {backend: megatron}}"),
      "actor.lora: built for the torch backend, and placement.stages.actor_train.backend=megatron"),
-    (("actor.micro_batch_tokens=512", "placement.stages={actor_train: {backend: megatron}}"),
-     "actor.micro_batch_tokens: built for the torch backend, and placement.stages.actor_train.backend=megatron"),
+    (("actor.gradient_checkpointing=true", "placement.stages={actor_train: {backend: megatron}}"),
+     "actor.gradient_checkpointing: the torch backend's switch; placement.stages.actor_train.backend=megatron "
+     "recomputes with placement.stages.actor_train.megatron.recompute: true"),
     (("critic.micro_batch_tokens=0",), "critic.micro_batch_tokens=0: must be >= 1"),
-    (("placement.stages={ref_forward: {backend: megatron}}", "actor.micro_batch_tokens=512"),
-     "actor.micro_batch_tokens: built for the torch backend, and placement.stages.ref_forward.backend=megatron"),
     (("actor.lora={target_modules: [q_proj, qkv]}",),
      "actor.lora.target_modules: ['qkv'] name no linear layer of the embedded model's decoder layers (q_proj, "),
     (("actor.lora={rank: 0}",), "actor.lora.rank=0: must be >= 1"),

@@ -2,6 +2,8 @@
 
 - The batch is `models/packing.py`'s layout: its mask inverted (megatron's True = masked out), rows
   padded to a multiple of 2 x cp with padding that sees itself only, positions as three equal rows.
+- A pipeline step's micro-batches are padded to one shape (rows and width), the padding again
+  seeing itself only, and read back as before.
 - Log-probs and values read out of the rows equal `sequence_logprobs` / `packed_forward` with
   shared prompts, on hidden states a Hugging Face model computes on the batch's own inputs.
 Needs the `megatron` extra (the batch module imports megatron's parallel state).
@@ -15,7 +17,13 @@ from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install -e '.[megatron]'")
 
-from stream_rlhf.backends.megatron.batch import packed_batch, token_logprobs, token_values  # noqa: E402
+from stream_rlhf.backends.megatron.batch import (  # noqa: E402
+    common_shape,
+    packed_batch,
+    run_of,
+    token_logprobs,
+    token_values,
+)
 from stream_rlhf.backends.megatron.context import ContextSplit  # noqa: E402
 from stream_rlhf.models.packing import pack_shared, packed_forward, sequence_logprobs  # noqa: E402
 from tests.test_megatron_engine import VOCAB, _shared_experience  # noqa: E402
@@ -25,8 +33,8 @@ from tests.tiny_models import tiny_qwen2_config  # noqa: E402
 def test_the_batch_is_the_packed_layout_padded_for_cp():
     shared = _shared_experience()
     splits = [ContextSplit(2, rank) for rank in range(2)]
-    batch, other = (packed_batch(shared.sequences, None, shared.prompt_lens, split, None, torch.device("cpu"))
-                    for split in splits)
+    run = run_of(shared.sequences, None, shared.prompt_lens, None)
+    batch, other = (packed_batch(run, split, None, torch.device("cpu")) for split in splits)
     layout = pack_shared(shared.sequences, shared.prompt_lens)
     rows, width = layout.input_ids.shape
     assert batch.ids.shape == (rows, 12) and width == 9  # 9 -> a multiple of 2 x cp
@@ -42,9 +50,31 @@ def test_the_batch_is_the_packed_layout_padded_for_cp():
     assert all(torch.equal(batch.positions[axis, :, :width], layout.position_ids) for axis in range(3))
 
 
-def test_logprobs_and_values_read_from_the_rows_equal_the_packed_forwards():
+def test_a_pipeline_step_pads_its_micro_batches_to_one_shape():
+    """Under pp > 1 every micro-batch of a step takes the largest one's rows and width (a multiple
+    of 2 x cp); the rows and columns added attend to themselves only."""
     shared = _shared_experience()
-    batch = packed_batch(shared.sequences, None, shared.prompt_lens, ContextSplit(1, 0), None, torch.device("cpu"))
+    runs = [run_of(shared.sequences[:2], None, shared.prompt_lens[:2], None),
+            run_of(shared.sequences[2:], None, None, None)]
+    shape = common_shape(runs, ContextSplit(2, 0))
+    assert [tuple(r.layout.input_ids.shape) for r in runs] == [(1, 9), (4, 8)]
+    assert shape == (4, 12)  # the most rows, and the widest padded to a multiple of 2 x cp
+    small = packed_batch(runs[0], ContextSplit(1, 0), None, torch.device("cpu"), shape)
+    rows, width = runs[0].layout.input_ids.shape
+    assert small.ids.shape == shape and small.positions.shape == (3, *shape)
+    assert small.mask.shape == (shape[0], 1, 12, 12)
+    assert torch.equal(small.ids[:rows, :width], runs[0].layout.input_ids) and not small.ids[rows:].any()
+    assert torch.equal(~small.mask[:rows, :, :width, :width], runs[0].layout.attention_mask)
+    assert torch.equal(~small.mask[rows:, 0], torch.eye(12, dtype=torch.bool).expand(shape[0] - rows, -1, -1))
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["own-shape", "padded"])
+def test_logprobs_and_values_read_from_the_rows_equal_the_packed_forwards(padded):
+    """Also from a batch padded to a larger shape, as a pipeline step's micro-batches are."""
+    shared = _shared_experience()
+    run = run_of(shared.sequences, None, shared.prompt_lens, None)
+    shape = (run.layout.input_ids.shape[0] + 2, run.layout.input_ids.shape[1] + 5) if padded else None
+    batch = packed_batch(run, ContextSplit(1, 0), None, torch.device("cpu"), shape)
     assert batch.layout.shares_prefixes
     torch.manual_seed(0)
     lm = Qwen2ForCausalLM(tiny_qwen2_config(VOCAB)).eval()

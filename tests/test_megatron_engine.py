@@ -13,7 +13,10 @@ models, and writes what it measured for the test to assert:
   (`pack_shared`) on both;
 - two optimizer steps of the actor and of the critic give the torch engine's losses, gradient
   norms and weights (1e-5 and 1e-4); one step of the VLM actor, of the VLM critic and of the actor
-  on shared prompts likewise; saved state resumes training exactly; a saved HF folder loads back.
+  on shared prompts likewise; saved state resumes training exactly; a saved HF folder loads back;
+- with `micro_batch_tokens` a step passes in several micro-batches of megatron's schedule (1F1B
+  under pp 2, padded to one shape) and gives the torch engine's one pass, and forwards in
+  micro-batches give its log-probs and values.
 Needs the `megatron` extra.
 """
 
@@ -34,6 +37,9 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra: pip insta
 
 VOCAB = 40
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (2, 1, 2), (2, 1, 1)]  # (ranks, tp, pp); the last is dp = 2
+MICRO_TOKENS = 12
+"""`micro_batch_tokens` of the micro-batch cases: `_shared_experience`'s samples of 5, 7, 8, 6, 6 and
+4 tokens pass in 4 micro-batches on one replica, 2 on each of two."""
 
 
 def _models():
@@ -194,6 +200,10 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
         elif name == "critic":
             found[f"{name}.values"] = _max_diff(engine.forward_values(exp.sequences),
                                                 reference.forward_values(exp.sequences))
+            runs = MegatronTrainEngine(_models()[name], group, parallel=parallel, micro_batch_tokens=MICRO_TOKENS)
+            found[f"{name}.micro.values"] = _max_diff(
+                runs.forward_values(shared.sequences, prompt_lens=shared.prompt_lens),
+                reference.forward_values(shared.sequences, prompt_lens=shared.prompt_lens))
             found[f"{name}.shared.values"] = _max_diff(
                 engine.forward_values(shared.sequences, prompt_lens=shared.prompt_lens),
                 reference.forward_values(shared.sequences, prompt_lens=shared.prompt_lens))
@@ -202,6 +212,10 @@ def _rank_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str
                                                   reference.forward_logprobs(exp.sequences, 0.7))
             found[f"{name}.shared.logprobs"] = _max_diff(
                 engine.forward_logprobs(shared.sequences, 0.7, prompt_lens=shared.prompt_lens),
+                reference.forward_logprobs(shared.sequences, 0.7, prompt_lens=shared.prompt_lens))
+            runs = MegatronTrainEngine(_models()[name], group, parallel=parallel, micro_batch_tokens=MICRO_TOKENS)
+            found[f"{name}.micro.logprobs"] = _max_diff(
+                runs.forward_logprobs(shared.sequences, 0.7, prompt_lens=shared.prompt_lens),
                 reference.forward_logprobs(shared.sequences, 0.7, prompt_lens=shared.prompt_lens))
     found.update(_rows(engine, exp, shared))
 
@@ -256,17 +270,19 @@ def _rows(engine, exp, shared) -> dict[str, int | bool]:
             "shared.shares": with_prompts.layout.shares_prefixes}
 
 
-def _train_once(group, parallel, optimizer, cases) -> dict[str, float]:
+def _train_once(group, parallel, optimizer, cases, micro_batch_tokens: int | None = None) -> dict[str, float]:
     """One optimizer step of each case (case, model name, loss, part, per-sample tensors) on the
-    megatron engine and on a one-rank torch engine: the differences of their loss, gradient norm
-    and weights, and how far the torch engine's weights moved."""
+    megatron engine (in micro-batches of `micro_batch_tokens`) and on a one-rank torch engine (one
+    pass): the differences of their loss, gradient norm and weights, and how far the torch
+    engine's weights moved."""
     from stream_rlhf.backends.megatron.engine import MegatronTrainEngine
     from stream_rlhf.backends.torch_engine import TorchTrainEngine
     from stream_rlhf.distributed import RankGroup
 
     found = {}
     for case, name, loss_of, part, per_sample in cases:
-        engine = MegatronTrainEngine(_models()[name], group, optimizer, parallel)
+        engine = MegatronTrainEngine(_models()[name], group,
+                                     dataclasses.replace(optimizer, micro_batch_tokens=micro_batch_tokens), parallel)
         reference = TorchTrainEngine(_models()[name], RankGroup.single(), optimizer)
         layers = [m for n, m in engine.model.named_modules() if n.rsplit(".", 1)[-1].isdigit() and ".layers." in n]
         calls = []
@@ -274,7 +290,7 @@ def _train_once(group, parallel, optimizer, cases) -> dict[str, float]:
         mine = engine.train_step(part, loss_of(engine), per_sample)
         for hook in hooks:
             hook.remove()
-        found[f"{case}.forwards_per_layer"] = len(calls) / max(len(layers), 1)  # 2 with recompute
+        found[f"{case}.forwards_per_layer"] = len(calls) / max(len(layers), 1)  # x2 with recompute, per micro-batch
         theirs = reference.train_step(part, loss_of(reference), per_sample)
         for metric in ("loss", "grad_norm"):
             found[f"{case}.train.{metric}"] = abs(mine[metric] - theirs[metric])
@@ -285,8 +301,8 @@ def _train_once(group, parallel, optimizer, cases) -> dict[str, float]:
 
 
 def _one_step_each(group, parallel, shared, vlm_sequences, vlm_images) -> dict[str, float]:
-    """`_train_once` of the actor on shared prompts (also with activation recompute), the VLM actor
-    and the VLM critic. At a learning
+    """`_train_once` of the actor on shared prompts (also with activation recompute, and in
+    micro-batches), the VLM actor and the VLM critic. At a learning
     rate of 1e-3: Adam's first step moves a weight by about the learning rate whatever its
     gradient, so one whose gradient is float noise (~1e-9, near Adam's eps) moves differently on the
     two engines by a fraction of it."""
@@ -303,13 +319,17 @@ def _one_step_each(group, parallel, shared, vlm_sequences, vlm_images) -> dict[s
         ("vlm", "vlm", _policy_loss, vlm_exp, {"advantages": advantages}),
         ("vlm_critic", "vlm_critic", _value_loss, vlm_exp, {"returns": advantages})]),
         **_train_once(group, dataclasses.replace(parallel, recompute=True), optimizer, [
-            ("recompute", "qwen2", _policy_loss, shared, {"advantages": shared_advantages})])}
+            ("recompute", "qwen2", _policy_loss, shared, {"advantages": shared_advantages})]),
+        **_train_once(group, parallel, optimizer, [
+            ("micro", "qwen2", _policy_loss, shared, weighted),
+            ("micro_critic", "critic", _value_loss, shared, {"returns": shared_advantages})], MICRO_TOKENS)}
 
 
 def _assert_one_step_each(found: dict) -> None:
     assert found["shared.forwards_per_layer"] >= 1  # the hooks saw the layers
     assert found["recompute.forwards_per_layer"] == 2 * found["shared.forwards_per_layer"]  # it did recompute
-    for case in ("shared", "vlm", "vlm_critic", "recompute"):
+    assert found["micro.forwards_per_layer"] == found["micro_critic.forwards_per_layer"] >= 2  # several micro-batches
+    for case in ("shared", "vlm", "vlm_critic", "recompute", "micro", "micro_critic"):
         assert found[f"{case}.train.moved"] > 5e-4, case  # training moved the weights: the comparison means something
         assert found[f"{case}.train.weights"] < 1e-4, case
         assert found[f"{case}.train.loss"] < 1e-5 and found[f"{case}.train.grad_norm"] < 1e-5, case
@@ -333,6 +353,9 @@ def test_megatron_engine_matches_the_torch_engine(tmp_path, world, tp, pp):
         assert found[f"{name}.logprobs"] < 1e-5 and found[f"{name}.shared.logprobs"] < 1e-5, name
     assert found["vlm.logprobs"] < 1e-5
     assert found["critic.values"] < 1e-5 and found["critic.shared.values"] < 1e-5 and found["vlm_critic.values"] < 1e-5
+    for name in ("qwen2", "qwen3", "llama"):  # forwards in micro-batches
+        assert found[f"{name}.micro.logprobs"] < 1e-5, name
+    assert found["critic.micro.values"] < 1e-5
     _assert_packed(found)
     for name in ("qwen2", "critic"):
         assert found[f"{name}.train.moved"] > 1e-3  # training moved the weights: the comparison means something

@@ -1,7 +1,8 @@
-"""A whole RL job whose actor trains on the megatron backend (tp 2 over a group of two ranks) and
-whose reference forward runs on it too: every generated sample is trained, each iteration's
-weights reach rollout, and the first iteration (same starting weights, same samples) trains to
-the torch backend's loss and gradient norm. Needs the `megatron` extra."""
+"""A whole RL job whose actor trains on the megatron backend (tp 2 over a group of two ranks, in
+micro-batches of `actor.micro_batch_tokens`) and whose reference forward runs on it too: every
+generated sample is trained, each iteration's weights reach rollout, and the first iteration (same
+starting weights, same samples) trains to the torch backend's loss and gradient norm (one pass
+there). Needs the `megatron` extra."""
 
 from __future__ import annotations
 
@@ -25,17 +26,21 @@ which for a group of equal scores is the KL alone, so a 1e-7 difference in the r
 log-probs would move the advantages by O(1)."""
 MEGATRON = ("placement.stages={actor_train: {ranks: 2, backend: megatron, megatron: {tp: 2}}, "
             "ref_forward: {ranks: 2, backend: megatron, megatron: {tp: 2}}}")
+MICRO = "actor.micro_batch_tokens=96"
+"""A few of the tiny task's samples per micro-batch: a step of the megatron actor, and the reference
+forward, pass in several."""
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a group of two ranks needs two cores (one each)")
 def test_a_job_trains_its_actor_on_megatron_with_tp_2(tmp_path):
-    megatron, megatron_log = start_run(tmp_path, "megatron", *JOB, MEGATRON)
+    megatron, megatron_log = start_run(tmp_path, "megatron", *JOB, MEGATRON, MICRO)
     assert megatron.wait(timeout=300) == 0, megatron_log.read_text()[-3000:]
     torch_run, torch_log = start_run(tmp_path, "torch", *JOB)
     assert torch_run.wait(timeout=300) == 0, torch_log.read_text()[-3000:]
     text = megatron_log.read_text()
     for stage in ("actor_train", "ref_forward"):
         assert re.search(rf"{stage}-0 rank 1 of 2 \(pid \d+\) follows its leader on cpu", text), stage
+        assert f"{stage}: passes in micro-batches of at most 96 tokens (megatron engine)" in text, stage
     summary = json.loads((tmp_path / "megatron" / "summary.json").read_text())
     # iterations x mini-batches x prompts x samples
     assert summary["samples_trained"] == summary["samples_generated"] == 3 * 2 * 8 * 2

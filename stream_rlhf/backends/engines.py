@@ -48,7 +48,6 @@ def _torch(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None
 
 def _megatron(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None, own: StagePlacement,
               stage: str, seed: int, precision: Precision, micro_batch_tokens: int | None) -> TrainEngine:
-    """(`micro_batch_tokens` is the torch engine's: the config refuses it here.)"""
     from stream_rlhf.backends.megatron.config import check_parallel
     from stream_rlhf.backends.megatron.engine import MegatronTrainEngine  # megatron-core: the megatron extra
     from stream_rlhf.backends.megatron.model import text_config
@@ -56,7 +55,7 @@ def _megatron(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | N
     cfg = text_config(model.config)
     check_parallel(own.megatron, group.world_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                    cfg.num_hidden_layers, f"placement.stages.{stage}.megatron")
-    return MegatronTrainEngine(model, group, optimizer, own.megatron, seed)
+    return MegatronTrainEngine(model, group, optimizer, own.megatron, seed, micro_batch_tokens)
 
 
 TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {"torch": _torch, "megatron": _megatron}
@@ -90,9 +89,9 @@ def build_train_engine(config: RLJobConfig, stage: str, checkpoint: str, group: 
                        optimizer: OptimizerConfig | None = None) -> TrainEngine:
     """The engine of `stage` (an `RLJobConfig`'s placement says which) holding the stage's model,
     loaded from `checkpoint` (`STAGE_MODELS`); trains with `optimizer`, forward only without. The
-    trainers' models get `actor.lora`'s and `critic.lora`'s adapters first, when set, and every stage
-    of a model takes its trainer's `micro_batch_tokens` (the torch engine's: the config refuses both
-    on megatron)."""
+    trainers' models get `actor.lora`'s and `critic.lora`'s adapters first, when set (the torch
+    engine's: the config refuses them on megatron), and every stage of a model takes its trainer's
+    `micro_batch_tokens`."""
     if stage not in STAGE_MODELS:
         raise ValueError(f"build_train_engine: stage {stage!r} holds no train engine (one of {sorted(STAGE_MODELS)})")
     own = config.placement.of(stage)
@@ -100,5 +99,8 @@ def build_train_engine(config: RLJobConfig, stage: str, checkpoint: str, group: 
     trainer = config.actor if STAGE_MODELS[stage] is _policy else config.critic  # whose model it is
     if trainer.lora is not None and stage in ("actor_train", "critic_train"):
         _with_lora(model, trainer.lora, config.seed, f"{stage.partition('_')[0]}.lora")
+    if trainer.micro_batch_tokens is not None:
+        log.info("%s: passes in micro-batches of at most %d tokens (%s engine)", stage, trainer.micro_batch_tokens,
+                 own.backend)
     return TRAIN_ENGINES[own.backend](model, group, optimizer, own, stage, config.seed, config.precision,
                                       trainer.micro_batch_tokens)

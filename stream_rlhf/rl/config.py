@@ -269,18 +269,19 @@ class RLJobConfig:
                               "the positions an episode's prompt, turns and observations must fit in")
 
     def _check_torch_trainer_keys(self) -> None:
-        """LoRA, micro-batches and activation checkpointing are the torch engine's; the embedded
-        model's layers have the projections only (a `model.path` checkpoint's names are checked at
-        preflight, `driver/preflight.py`)."""
-        for key, stage, forwards in (("actor", "actor_train", ("actor_forward", "ref_forward")),
-                                     ("critic", "critic_train", ("critic_forward",))):
+        """LoRA and `gradient_checkpointing` are the torch engine's (megatron recomputes with its own
+        `megatron.recompute`); the embedded model's layers have the projections only (a `model.path`
+        checkpoint's names are checked at preflight, `driver/preflight.py`)."""
+        for key, stage in (("actor", "actor_train"), ("critic", "critic_train")):
             trainer = getattr(self, key)
-            for name in ("lora", "micro_batch_tokens", "gradient_checkpointing"):
-                on = (stage, *forwards) if name == "micro_batch_tokens" else (stage,)  # the forwards pass in runs too
-                megatron = [s for s in on if self.placement.of(s).backend == "megatron"]
-                if getattr(trainer, name) not in (None, False) and megatron:
-                    raise ConfigError(f"{key}.{name}: built for the torch backend, and "
-                                      f"placement.stages.{megatron[0]}.backend=megatron")
+            if self.placement.of(stage).backend == "megatron":
+                if trainer.lora is not None:
+                    raise ConfigError(f"{key}.lora: built for the torch backend, and "
+                                      f"placement.stages.{stage}.backend=megatron")
+                if trainer.gradient_checkpointing:
+                    raise ConfigError(f"{key}.gradient_checkpointing: the torch backend's switch; "
+                                      f"placement.stages.{stage}.backend=megatron recomputes with "
+                                      f"placement.stages.{stage}.megatron.recompute: true")
             lora = trainer.lora
             if lora is None:
                 continue

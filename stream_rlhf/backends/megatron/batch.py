@@ -1,7 +1,8 @@
 """The megatron engine's micro-batch: sequences packed padding-free into rows, and each sequence's
 per-token results read back out of the rows.
 
-    batch = packed_batch(sequences, images, prompt_lens, split, vision_config, device)
+    run = run_of(sequences, images, prompt_lens, vision_config)     # the packing, on the host
+    batch = packed_batch(run, split, vision_config, device)         # shape=common_shape(runs, split) under pp > 1
     out = model(split.take(batch.ids, 1), batch.positions, batch.mask)
     logp, entropy = token_logprobs(out, head_weight, batch, sequences, 0.7, True, split)
     values = token_values(out, batch, split)
@@ -11,10 +12,11 @@ positions restarting at 0 per sequence (M-RoPE ones per sequence for a vision-la
 with `prompt_lens` (text models) the samples of one prompt sharing one copy of it. megatron gets
 the layout's attention mask as its explicit mask, inverted (True = masked out): block-diagonal
 causal, a shared prompt's samples each seeing the prompt and their own response only. Rows are
-right-padded to a multiple of 2 x cp under context parallelism (`context.py`); padding attends to
-itself only. Every model takes (3, R, C) positions: megatron's `rope` numbers positions 0..S-1 by
-itself, so the engine runs a text model's rotary embedding as M-RoPE too, its three rows equal
-(`model.py`).
+right-padded to a multiple of 2 x cp under context parallelism (`context.py`), and under pipeline
+parallelism every micro-batch of a step to one shape (rows and width: the schedule passes
+activations of one shape between stages); padding attends to itself only. Every model takes
+(3, R, C) positions: megatron's `rope` numbers positions 0..S-1 by itself, so the engine runs a
+text model's rotary embedding as M-RoPE too, its three rows equal (`model.py`).
 
 Log-probs are those of each (position, next token) pair of the layout, each pair once
 (`next_token_pairs`), by the fused kernel on the hidden states of the pairs' positions. Under cp > 1
@@ -39,7 +41,8 @@ from stream_rlhf.samples import SampleImages
 
 class Batch(NamedTuple):
     ids: Tensor
-    """(R, C) long: the packed rows, right-padded with 0 (C a multiple of 2 x cp under cp > 1)."""
+    """(R, C) long: the packed rows, right-padded with 0 (C a multiple of 2 x cp under cp > 1), and
+    padding rows below them when padded to a step's common shape."""
     positions: Tensor
     """(3, R, C) long: each sequence's positions from 0 (M-RoPE ones with images; a text model's
     three rows equal); 0 on padding."""
@@ -52,25 +55,49 @@ class Batch(NamedTuple):
     """The packing before the cp padding (its flat positions count in its own width)."""
 
 
-def packed_batch(sequences: list[Tensor], images: list[SampleImages] | None, prompt_lens: Tensor | None,
-                 split: ContextSplit, vision_config, device: torch.device) -> Batch:
+class Run(NamedTuple):
+    """One micro-batch's samples and their packing (`run_of`), before any tensor goes to the device."""
+
+    sequences: list[Tensor]
+    images: list[SampleImages] | None
+    prompt_lens: Tensor | None
+    layout: Packed
+
+
+def run_of(sequences: list[Tensor], images: list[SampleImages] | None, prompt_lens: Tensor | None,
+           vision_config) -> Run:
     """`sequences` packed as the torch engine packs them (`prompt_lens`: a prompt's samples share
-    it, text models only), padded for `split`, on `device`. `vision_config`: a VLM's config, or None."""
+    it, text models only). `vision_config`: a VLM's config, or None."""
     if images is not None and vision_config is None:
         raise ValueError("megatron backend: images given to a text model")
-    layout = packed_layout(sequences, None, images, prompt_lens)
+    return Run(sequences, images, prompt_lens, packed_layout(sequences, None, images, prompt_lens))
+
+
+def common_shape(runs: list[Run], split: ContextSplit) -> tuple[int, int]:
+    """(rows, width) that every run's batch fits: megatron's pipeline schedule passes activations
+    of one shape between its stages for every micro-batch of a step."""
+    return (max(run.layout.input_ids.shape[0] for run in runs),
+            split.width(max(run.layout.input_ids.shape[1] for run in runs)))
+
+
+def packed_batch(run: Run, split: ContextSplit, vision_config, device: torch.device,
+                 shape: tuple[int, int] | None = None) -> Batch:
+    """`run`'s packed rows, right-padded for `split` (and to at least `shape`, rows and width), on
+    `device`; padding rows and columns attend to themselves only."""
+    layout = run.layout
     rows, width = layout.input_ids.shape
-    extra = split.width(width) - width
-    attend = torch.eye(width + extra, dtype=torch.bool).repeat(rows, 1, 1, 1)  # (R, 1, C, C): padding sees itself
-    attend[:, :, :width, :width] = layout.attention_mask
+    extra = max(split.width(width), shape[1] if shape is not None else 0) - width
+    more = max(shape[0] - rows, 0) if shape is not None else 0
+    attend = torch.eye(width + extra, dtype=torch.bool).repeat(rows + more, 1, 1, 1)  # (R, 1, C, C)
+    attend[:rows, :, :width, :width] = layout.attention_mask
     features = None
-    if images is None:
+    if run.images is None:
         positions = layout.position_ids.expand(3, rows, width)
     else:
-        positions, features = vision_inputs(layout, sequences, images, vision_config)
+        positions, features = vision_inputs(layout, run.sequences, run.images, vision_config)
         features = features.to(device)
-    return Batch(F.pad(layout.input_ids, (0, extra)).to(device), F.pad(positions, (0, extra)).to(device),
-                 split.take(~attend, 2).to(device), features, layout)
+    return Batch(F.pad(layout.input_ids, (0, extra, 0, more)).to(device),
+                 F.pad(positions, (0, extra, 0, more)).to(device), split.take(~attend, 2).to(device), features, layout)
 
 
 def token_logprobs(hidden: Tensor, head_weight: Tensor, batch: Batch, sequences: list[Tensor], temperature: float,

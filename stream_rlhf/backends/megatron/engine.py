@@ -7,10 +7,12 @@
 
 The same `TrainEngine` protocol as the torch backend (`backends/train_engine.py`), so the stages and
 losses (`algos/`) are the same. Each data-parallel replica (tp x pp x cp ranks) takes its share of
-the samples; every forward and training pass runs through megatron's pipeline schedule with one
-micro-batch, the share packed padding-free as the torch engine packs it (`batch.py`: several
-sequences per row, positions restarting per sequence, the layout's block-diagonal causal mask as
-megatron's explicit mask; with `prompt_lens` a prompt's samples share its forward). A
+the samples; every forward and training pass runs through megatron's pipeline schedule, the share
+as one micro-batch or, with `micro_batch_tokens`, in micro-batches of whole samples
+(`step_memory.micro_batches`; 1F1B under pp > 1, every micro-batch padded to one shape), each
+packed padding-free as the torch engine packs it (`batch.py`: several sequences per row, positions
+restarting per sequence, the layout's block-diagonal causal mask as megatron's explicit mask; with
+`prompt_lens` a prompt's samples share its forward). A
 vision-language model's first stage embeds the rows and puts the vision stage's features in at the
 image tokens, with Qwen2-VL's M-RoPE (3, R, C) positions; its frozen vision tower never enters
 megatron (its weights are exported as they came); its critic (`VisionLanguageCritic`) is the same
@@ -22,11 +24,13 @@ and only per-token floats cross the cp ranks, so callers see the same (L_i - 1,)
 cp = 1. Inside `train_step`, `logprobs` / `values` read the hidden states of the step's own forward
 (packed by the part's `prompt_lens`, as the stages' losses ask), so a loss function written for the
 torch engine works unchanged.
-Gradients are averaged over dp x cp by megatron's DDP (each rank's loss scaled by its share of the
-step's tokens, as in the torch engine), clipped to `max_grad_norm` and stepped by megatron's
-distributed optimizer (AdamW; megatron leaves biases and norms out of weight decay). On CUDA,
-`offload`/`onload` move the parameters, DDP's gradient buffers and the optimizer state to pinned
-host memory and back storage by storage (`offload.py`), so megatron's views into them stay valid.
+Gradients are averaged over dp x cp by megatron's DDP after the last micro-batch (each
+micro-batch's loss scaled by its share of the step's tokens, as in the torch engine), clipped to
+`max_grad_norm` and stepped by megatron's distributed optimizer (AdamW; megatron leaves biases and
+norms out of weight decay); the step's metrics are read from the device once (`step_metrics.py`
+combines the replicas'). On CUDA, `offload`/`onload` move the parameters, DDP's gradient buffers
+and the optimizer state to pinned host memory and back storage by storage (`offload.py`), so
+megatron's views into them stay valid.
 """
 
 from __future__ import annotations
@@ -46,8 +50,11 @@ from stream_rlhf.backends.host_snapshot import HostSnapshots
 from stream_rlhf.backends.megatron.arch_qwen2_vl import VISION_PREFIX
 from stream_rlhf.backends.megatron.batch import (
     Batch,
+    Run,
+    common_shape,
     flat_values,
     packed_batch,
+    run_of,
     token_logprobs,
     token_scores,
     token_values,
@@ -58,7 +65,9 @@ from stream_rlhf.backends.megatron.model import architecture, build_model, dims,
 from stream_rlhf.backends.megatron.offload import HostCopies
 from stream_rlhf.backends.megatron.optimizer import MegatronOptimizer
 from stream_rlhf.backends.megatron.state import Layout, export_hf_state, load_hf_state
+from stream_rlhf.backends.megatron.step_metrics import replica_metrics
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
+from stream_rlhf.backends.step_memory import accumulate, micro_batches
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
@@ -71,10 +80,11 @@ from stream_rlhf.weights.shm_store import WeightStore
 
 class MegatronTrainEngine:
     def __init__(self, model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None = None,
-                 parallel: MegatronConfig | None = None, seed: int = 0):
+                 parallel: MegatronConfig | None = None, seed: int = 0, micro_batch_tokens: int | None = None):
         """`model`: the Hugging Face policy or critic (a token classifier, or a VLM's
         `VisionLanguageCritic`, with a `score` head) whose config and weights the megatron model
-        takes; it is kept on the meta device for `save`."""
+        takes; it is kept on the meta device for `save`. `micro_batch_tokens`: a forward-only
+        engine's budget per micro-batch (a training engine's is its `optimizer`'s)."""
         critic = hasattr(model, "score")
         self.vision_config = model.config if hasattr(model.config, "vision_config") else None
         parallel = parallel or MegatronConfig()
@@ -98,6 +108,7 @@ class MegatronTrainEngine:
         self.hf_model = model.to("meta")
         del hf_state
         self.optimizer = MegatronOptimizer(self.model, optimizer) if optimizer is not None else None
+        self.micro_batch_tokens = optimizer.micro_batch_tokens if optimizer is not None else micro_batch_tokens
         self.model.train(optimizer is not None)
         # in train_step: (sequences, batch, output)
         self._step_outputs: tuple[list[Tensor], Batch, Tensor] | None = None
@@ -160,7 +171,20 @@ class MegatronTrainEngine:
         return batch, self._call(self.model, batch)
 
     def _batch(self, sequences: list[Tensor], images: list[SampleImages] | None, prompt_lens: Tensor | None) -> Batch:
-        return packed_batch(sequences, images, prompt_lens, self.split, self.vision_config, self.device)
+        return packed_batch(run_of(sequences, images, prompt_lens, self.vision_config), self.split,
+                            self.vision_config, self.device)
+
+    def _runs(self, sequences: list[Tensor], images: list[SampleImages] | None,
+              prompt_lens: Tensor | None) -> tuple[list[Tensor], list[Run]]:
+        """The micro-batches of these samples (`step_memory.micro_batches` at `micro_batch_tokens`:
+        one without a budget): each one's sample indices and packing."""
+        runs = micro_batches(torch.tensor([len(s) for s in sequences], dtype=torch.long), self.micro_batch_tokens)
+        if len(runs) == 1:
+            return runs, [run_of(sequences, images, prompt_lens, self.vision_config)]
+        return runs, [run_of([sequences[i] for i in run.tolist()],
+                             [images[i] for i in run.tolist()] if images is not None else None,
+                             prompt_lens[run] if prompt_lens is not None else None, self.vision_config)
+                      for run in runs]
 
     def _call(self, model: nn.Module, batch: Batch) -> Tensor:
         """`model` (the megatron model or its DDP wrapper) on this cp rank's part of `batch`; with
@@ -191,12 +215,17 @@ class MegatronTrainEngine:
         offsets = [0] + torch.tensor(lengths).cumsum(0).tolist()
         flat = torch.zeros(offsets[-1], dtype=torch.float32)
         if local:
-            batch = self._batch(local, images[mine] if images is not None else None,
-                                prompt_lens[mine] if prompt_lens is not None else None)
+            _, runs = self._runs(local, images[mine] if images is not None else None,
+                                 prompt_lens[mine] if prompt_lens is not None else None)
+
+            def loss_of(number: int, batch: Batch):
+                return lambda out: (out.sum() * 0, {"out": result(out, batch, runs[number].sequences)})
+
             with torch.no_grad():
-                outputs = self._schedule(batch, lambda out: (out.sum() * 0, {"out": result(out, batch, local)}), True)
+                outputs = self._schedule(runs, loss_of, True)
             if outputs and self.parallel.tp_rank == 0 and self.parallel.cp_rank == 0:
-                flat[offsets[mine.start]: offsets[mine.stop]] = torch.cat(outputs[0]["out"]).float().cpu()
+                flat[offsets[mine.start]: offsets[mine.stop]] = torch.cat(
+                    [t for output in outputs for t in output["out"]]).float().cpu()
         if self.group.distributed:
             dist.all_reduce(flat)  # one writer per sample: the last stage's tp and cp rank 0 of its replica
         return list(flat.split(lengths))
@@ -208,16 +237,24 @@ class MegatronTrainEngine:
         start = rank * base + min(rank, extra)
         return slice(start, start + base + (rank < extra))
 
-    def _schedule(self, batch: Batch, loss, forward_only: bool) -> list[dict]:
-        """One micro-batch through megatron's pipeline schedule; `loss(output)` runs on the last
-        stage and returns (loss, extras); the last stage gets the list of extras."""
-        def forward_step(_iterator, model):
-            return self._call(model, batch), loss
+    def _schedule(self, runs: list[Run], loss_of, forward_only: bool) -> list[dict]:
+        """`runs` as the micro-batches of megatron's pipeline schedule (1F1B under pp > 1, every
+        one padded to their common shape), each put on the device when its forward starts;
+        `loss_of(number, batch)(output)` runs on the last stage and returns (loss, extras); the last
+        stage gets the list of extras, in order. megatron's schedule multiplies each loss by cp and
+        divides it by the number of micro-batches; DDP reduces the gradients after the last."""
+        shape = common_shape(runs, self.split) if self.parallel.config.pp > 1 else None
 
+        def forward_step(numbers, model):
+            number = next(numbers)
+            batch = packed_batch(runs[number], self.split, self.vision_config, self.device, shape)
+            return self._call(model, batch), loss_of(number, batch)
+
+        rows, width = shape or (0, 0)  # (sizes of the activations passed between pipeline stages)
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([None]),
-            model=[self.optimizer.ddp if self.optimizer is not None else self.model], num_microbatches=1,
-            seq_length=batch.ids.shape[1], micro_batch_size=batch.ids.shape[0], forward_only=forward_only)
+            forward_step_func=forward_step, data_iterator=iter(range(len(runs))),
+            model=[self.optimizer.ddp if self.optimizer is not None else self.model], num_microbatches=len(runs),
+            seq_length=width, micro_batch_size=rows, forward_only=forward_only)
 
     # ---- training ----------------------------------------------------------------------------
 
@@ -227,50 +264,44 @@ class MegatronTrainEngine:
         mine = self._share(part.num_samples)
         index = torch.arange(part.num_samples)[mine]
         empty = len(index) == 0  # fewer samples than replicas: take part in the collectives with a zero loss
-        host = part.select(index if not empty else torch.arange(1))
+        index = index if not empty else torch.arange(1)
+        host = part.select(index)
         tokens = 0.0 if empty else float(host.mask.sum())  # read before the move: no wait for the device
-        local = host.to(self.device)
-        local_per_sample = {name: t[index if not empty else torch.arange(1)].to(self.device)
-                            for name, t in per_sample.items()}
         total = self.group.sum([tokens])[0] / self.parallel.config.model_parallel
         # DDP averages the gradients over dp x cp; megatron's schedule multiplies the loss by cp (each
-        # cp rank's backward carries its own positions' part of the replica's loss: `cp_gather`)
+        # cp rank's backward carries its own positions' part of the replica's loss: `cp_gather`) and
+        # divides it by the micro-batches, each of which weighs its share of this replica's tokens
         scale = tokens * self.parallel.dp / max(total, 1.0)
+        indices, runs = self._runs(host.sequences, host.images, host.prompt_lens)
+        shares = [1.0] if len(runs) == 1 else [float(host.mask[run].sum()) / max(tokens, 1.0) for run in indices]
 
-        batch = self._batch(local.sequences, local.images, local.prompt_lens)
+        def loss_of(number: int, batch: Batch):
+            run = indices[number]
+            local = (host if len(runs) == 1 else host.select(run)).to(self.device)
+            local_per_sample = {name: t[index][run].to(self.device) for name, t in per_sample.items()}
 
-        def loss(output: Tensor):
-            self._step_outputs = (local.sequences, batch, output)
-            try:
-                value, metrics = loss_fn(local, local_per_sample)
-            finally:
-                self._step_outputs = None
-            return value * scale, {"metrics": host_metrics({**metrics, "loss": value.detach()})}
+            def loss(output: Tensor):
+                self._step_outputs = (local.sequences, batch, output)
+                try:
+                    value, metrics = loss_fn(local, local_per_sample)
+                finally:
+                    self._step_outputs = None
+                weight = scale * shares[number] * len(runs)
+                detached = {name: metric.detach() for name, metric in metrics.items()}
+                return value * weight, {"loss": value.detach(), "metrics": detached}
+            return loss
 
         self.optimizer.zero_grad()
-        outputs = self._schedule(batch, loss, False)
+        outputs = self._schedule(runs, loss_of, False)
         grad_norm = self.optimizer.step()
-        metrics = outputs[0]["metrics"] if outputs else {}
-        return {**self._reduced(metrics, tokens, total), "grad_norm": grad_norm}
-
-    def _reduced(self, metrics: dict[str, float], tokens: float, total: float) -> dict[str, float]:
-        """Token-weighted means (maxima for `*_max`) over the replicas, on every rank. The last
-        stage's tp and cp rank 0 of each replica contributes; the names come from the lowest-ranked of
-        those, broadcast as text."""
-        if not self.group.distributed:
-            return metrics
-        writer = self.parallel.tp_rank == 0 and self.parallel.cp_rank == 0 and self.parallel.last_stage
-        first_writer = torch.tensor([dist.get_rank() if writer else dist.get_world_size()])
-        dist.all_reduce(first_writer, op=dist.ReduceOp.MIN)
-        names = _broadcast_names(sorted(metrics), int(first_writer.item()))
-        means = [n for n in names if not n.endswith("_max")]
-        tops = [n for n in names if n.endswith("_max")]
-        summed = torch.tensor([metrics[n] * tokens / max(total, 1.0) if writer else 0.0 for n in means],
-                              dtype=torch.float64)
-        dist.all_reduce(summed)
-        top = torch.tensor([metrics[n] if writer else -float("inf") for n in tops], dtype=torch.float64)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        return {**dict(zip(means, summed.tolist())), **dict(zip(tops, top.tolist()))}
+        loss, metrics = None, {}
+        for output, share in zip(outputs, shares):  # on the device: read once
+            loss, metrics = accumulate(loss, metrics, output["loss"], output["metrics"], share)
+        metrics = host_metrics({**metrics, "loss": loss}) if outputs else {}
+        if self.group.distributed:
+            writer = self.parallel.tp_rank == 0 and self.parallel.cp_rank == 0 and self.parallel.last_stage
+            metrics = replica_metrics(metrics, writer, tokens, total)
+        return {**metrics, "grad_norm": grad_norm}
 
     # ---- weights -----------------------------------------------------------------------------
 
@@ -385,20 +416,6 @@ class MegatronTrainEngine:
         else:
             found = self.optimizer.state_tensors() if self.optimizer is not None else []
         return [t for t in found if t.device.type != "cpu"]
-
-
-def _broadcast_names(names: list[str], source: int) -> list[str]:
-    """`names` of global rank `source`, on every rank (UTF-8 over the default group)."""
-    frame = "\n".join(names).encode() if dist.get_rank() == source else b""
-    size = torch.tensor([len(frame)], dtype=torch.int64)
-    dist.broadcast(size, src=source)
-    if frame:
-        data = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
-    else:
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(data, src=source)
-    text = data.numpy().tobytes().decode()
-    return text.split("\n") if text else []
 
 
 def _at_responses(per_position: Tensor, part: Experience) -> Tensor:
