@@ -78,8 +78,6 @@ RL_ROWS = [
     (("data.max_pixels=1", "data.min_pixels=4"), "data.min_pixels=4, max_pixels=1: need 1 <= min <= max"),
     (("broker.queue_capacity=0",), "broker.queue_capacity=0: must be >= 1"),
     (("precision=fp16",), "precision='fp16': must be one of 'auto', 'fp32', 'bf16'"),
-    (("precision=bf16", "placement.stages={actor_train: {backend: megatron}}"),
-     "precision=bf16: placement.stages.actor_train.backend=megatron computes in fp32 only"),
     # LoRA: the torch engine's, on layers the model has
     (("actor.lora={rank: 4}", "placement.stages={actor_train: {backend: megatron}}"),
      "actor.lora: built for the torch backend, and placement.stages.actor_train.backend=megatron"),

@@ -13,7 +13,9 @@ Two spawned processes (megatron's parallel state is per process) measure, and th
     storages and frees at least the bytes it reports; onload brings every byte back, and training
     goes on bit-identically to an engine that never offloaded (both optimizers);
 - `single`: no process group of its own, as a one-rank CUDA stage of a job runs: `join_megatron`
-  makes its one-rank group; a forward and two training steps still match the torch engine.
+  makes its one-rank group; a forward and two training steps still match the torch engine; and
+  `precision` bf16 (what `auto` gives on CUDA): matmuls in bf16, log-probs and weights fp32, a
+  step (in one pass and in micro-batches) within bf16 rounding of the fp32 one.
 Needs CUDA and megatron-core (on the GPU machine carried as a wheel: `scripts/gpu_checks.sh`).
 """
 
@@ -165,6 +167,31 @@ def _offload(group, found: dict, optimizer, trained: dict) -> None:
         found[f"offload.{name}.weights_diff"] = _weights_diff(engine, trained[name])
 
 
+def _bf16(group, found: dict, optimizer) -> None:
+    """The distributed-optimizer engine in bf16 (one pass, and micro-batches) against fp32."""
+    import dataclasses
+
+    from stream_rlhf.backends.megatron.engine import MegatronTrainEngine
+    from tests.test_megatron_engine import MICRO_TOKENS, _models, _policy_loss, _shared_experience, _update_cosine
+
+    shared = _shared_experience()
+    advantages = torch.linspace(-1, 1, shared.num_samples)[:, None].expand_as(shared.mask).contiguous()
+    start = _models()["qwen2"].state_dict()
+    steps = {}
+    for case, precision, tokens in (("fp32", "fp32", None), ("bf16", "bf16", None),
+                                    ("bf16_micro", "bf16", MICRO_TOKENS)):
+        engine = MegatronTrainEngine(_models()["qwen2"], group,
+                                     dataclasses.replace(optimizer, micro_batch_tokens=tokens), precision=precision)
+        logp = engine.forward_logprobs(shared.sequences, 0.7, prompt_lens=shared.prompt_lens)
+        metrics = engine.train_step(shared, _policy_loss(engine), {"advantages": advantages})
+        steps[case] = (logp, metrics, engine.export_weights())
+    found["bf16.logprobs"] = _max_diff(steps["fp32"][0], steps["bf16"][0])
+    found["bf16.logprobs_dtype"] = str(steps["bf16"][0][0].dtype)
+    for case in ("bf16", "bf16_micro"):
+        found[f"{case}.loss_rel"] = abs(steps[case][1]["loss"] / steps["fp32"][1]["loss"] - 1)
+        found[f"{case}.update_cosine"] = _update_cosine(start, steps[case][2], steps["fp32"][2])
+
+
 def _checks(kind: str, init_file: str, found: dict, save) -> None:
     """`save()` after each phase: a process that hangs later still leaves what it measured."""
     torch.cuda.set_device(0)
@@ -184,6 +211,8 @@ def _checks(kind: str, init_file: str, found: dict, save) -> None:
     save()
     if kind == "nccl":
         _offload(group, found, optimizer, trained)
+    else:
+        _bf16(group, found, optimizer)
 
 
 def _rank_main(kind: str, init_file: str, out: str) -> None:
@@ -260,3 +289,11 @@ def test_a_one_rank_cuda_stage_without_a_process_group_trains_as_the_torch_engin
     for step in range(2):
         assert _measured(found, "single", f"train.distributed-torch.loss.{step}") < LOGPROB_TOL
     assert _measured(found, "single", "train.distributed-torch.weights") < WEIGHT_TOL
+
+
+def test_bf16_on_cuda_computes_in_bf16_and_trains_as_fp32_does(found):
+    assert _measured(found, "single", "bf16.logprobs_dtype") == "torch.float32"
+    assert 0 < _measured(found, "single", "bf16.logprobs") < 0.05  # bf16 matmuls: rounded, not the fp32 values
+    for case in ("bf16", "bf16_micro"):
+        assert _measured(found, "single", f"{case}.loss_rel") < 1e-2, case
+        assert _measured(found, "single", f"{case}.update_cosine") > 0.98, case

@@ -366,3 +366,81 @@ def test_megatron_engine_matches_the_torch_engine(tmp_path, world, tp, pp):
         assert found[f"{name}.weights_snapshot_kept"] is True, name  # a background publish writes it as it was
     _assert_one_step_each(found)
     assert found["save_load"] is True
+
+
+def _bf16_main(rank: int, world: int, tp: int, pp: int, init_file: str, out: str) -> None:
+    """`precision` bf16 against fp32 on the same layout: forwards, an actor step (also with
+    recompute, and in micro-batches) and a critic step."""
+    torch.set_num_threads(1)
+    from stream_rlhf.backends.megatron.config import MegatronConfig
+    from stream_rlhf.backends.megatron.engine import MegatronTrainEngine
+    from stream_rlhf.backends.optimizer_config import OptimizerConfig
+    from stream_rlhf.distributed import RankGroup, RankSpec
+
+    group = RankGroup.join(RankSpec(rank, world, f"file://{init_file}" if world > 1 else None))
+    parallel = MegatronConfig(tp=tp, pp=pp)
+    shared = _shared_experience()
+    advantages = torch.linspace(-1, 1, shared.num_samples)[:, None].expand_as(shared.mask).contiguous()
+    found: dict[str, float | bool | str] = {}
+    logps = {}
+    for precision in ("fp32", "bf16"):
+        engine = MegatronTrainEngine(_models()["qwen2"], group, parallel=parallel, precision=precision)
+        seen = []
+        hooks = [m.register_forward_hook(lambda _m, _i, o, seen=seen: seen.append(str(o[0].dtype)))
+                 for name, m in engine.model.named_modules() if name.endswith("linear_fc1")]
+        logps[precision] = engine.forward_logprobs(shared.sequences, 0.7, prompt_lens=shared.prompt_lens)
+        for hook in hooks:
+            hook.remove()
+        found[f"{precision}.matmul_dtypes"] = sorted(set(seen))
+    found["logprobs.diff"] = _max_diff(logps["fp32"], logps["bf16"])
+    found["logprobs.dtype"] = str(logps["bf16"][0].dtype)
+    optimizer = OptimizerConfig(lr=1e-3, max_grad_norm=0.5)
+    steps = {}
+    start = _models()["qwen2"].state_dict()
+    recompute = dataclasses.replace(parallel, recompute=True)
+    for case, precision, config, tokens in (("fp32", "fp32", parallel, None), ("bf16", "bf16", parallel, None),
+                                            ("bf16_recompute", "bf16", recompute, None),
+                                            ("bf16_micro", "bf16", parallel, MICRO_TOKENS)):
+        engine = MegatronTrainEngine(_models()["qwen2"], group,
+                                     dataclasses.replace(optimizer, micro_batch_tokens=tokens), config,
+                                     precision=precision)
+        metrics = engine.train_step(shared, _policy_loss(engine), {"advantages": advantages})
+        steps[case] = (metrics, engine.export_weights())
+    for case in ("bf16", "bf16_recompute", "bf16_micro"):
+        for metric in ("loss", "grad_norm"):
+            found[f"{case}.{metric}.rel"] = abs(steps[case][0][metric] / steps["fp32"][0][metric] - 1)
+        found[f"{case}.update_cosine"] = _update_cosine(start, steps[case][1], steps["fp32"][1])
+    found["weights.dtypes"] = sorted({str(t.dtype) for t in steps["bf16"][1].values()})
+    plain, recomputed = steps["bf16"][1], steps["bf16_recompute"][1]
+    found["recompute.same"] = all(torch.equal(plain[k], recomputed[k]) for k in plain)
+    critic = MegatronTrainEngine(_models()["critic"], group, optimizer, parallel, precision="bf16")
+    values = critic.forward_values(shared.sequences, prompt_lens=shared.prompt_lens)
+    found["critic.values.dtype"] = str(values[0].dtype)
+    found["critic.loss"] = critic.train_step(shared, _value_loss(critic), {"returns": advantages})["loss"]
+    _finish(group, found, out)
+
+
+def _update_cosine(start: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The cosine of two optimizer steps' updates from `start`, over every weight."""
+    first = torch.cat([(a[k] - start[k]).flatten() for k in start])
+    second = torch.cat([(b[k] - start[k]).flatten() for k in start])
+    return torch.nn.functional.cosine_similarity(first, second, dim=0).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,tp,pp", LAYOUTS[:3], ids=[f"ranks{w}-tp{t}-pp{p}" for w, t, p in LAYOUTS[:3]])
+def test_megatron_bf16_computes_in_bf16_and_keeps_weights_and_log_probs_fp32(tmp_path, world, tp, pp):
+    """`precision: bf16` on megatron is the torch engine's mixed precision: matmuls in bf16 under
+    autocast (the activations between pipeline stages bf16, as megatron's residual stream is),
+    weights, gradients, optimizer state and log-probs fp32; a step lands within bf16 rounding of
+    the fp32 one, and recompute (run under the same autocast) changes nothing."""
+    found = _run_ranks(tmp_path, _bf16_main, world, tp, pp)
+    assert found["fp32.matmul_dtypes"] == ["torch.float32"] and found["bf16.matmul_dtypes"] == ["torch.bfloat16"]
+    assert found["logprobs.dtype"] == "torch.float32" and 0 < found["logprobs.diff"] < 0.05
+    assert found["weights.dtypes"] == ["torch.float32"]
+    for case in ("bf16", "bf16_recompute", "bf16_micro"):
+        assert found[f"{case}.loss.rel"] < 1e-2 and found[f"{case}.grad_norm.rel"] < 2e-2, case
+        # Adam's first step moves every weight by about lr, whatever its gradient: the updates' direction tells
+        assert found[f"{case}.update_cosine"] > 0.98, case
+    assert found["recompute.same"] is True
+    assert found["critic.values.dtype"] == "torch.float32" and found["critic.loss"] > 0

@@ -40,7 +40,7 @@ def test_a_job_trains_its_actor_on_megatron_with_tp_2(tmp_path):
     text = megatron_log.read_text()
     for stage in ("actor_train", "ref_forward"):
         assert re.search(rf"{stage}-0 rank 1 of 2 \(pid \d+\) follows its leader on cpu", text), stage
-        assert f"{stage}: passes in micro-batches of at most 96 tokens (megatron engine)" in text, stage
+        assert f"{stage}: megatron engine, fp32, micro-batches of at most 96 tokens" in text, stage
     summary = json.loads((tmp_path / "megatron" / "summary.json").read_text())
     # iterations x mini-batches x prompts x samples
     assert summary["samples_trained"] == summary["samples_generated"] == 3 * 2 * 8 * 2
@@ -55,3 +55,22 @@ def test_a_job_trains_its_actor_on_megatron_with_tp_2(tmp_path):
         assert records[0][key] == pytest.approx(first[key], abs=1e-4), key
     assert (tmp_path / "megatron" / "checkpoint" / "model.safetensors").is_file()
     assert not leftover_shm("t_megatron")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a group of two ranks needs two cores (one each)")
+def test_a_job_trains_its_actor_on_megatron_in_bf16_over_two_pipeline_stages(tmp_path):
+    """`precision: bf16` reaches the megatron stages (bf16 activations between pipeline stages: a
+    two-layer model, one per stage), and every sample still trains."""
+    pipeline = ("placement.stages={actor_train: {ranks: 2, backend: megatron, megatron: {pp: 2}}, "
+                "ref_forward: {ranks: 2, backend: megatron, megatron: {pp: 2}}}")
+    run, log = start_run(tmp_path, "bf16", *JOB, pipeline, MICRO, "precision=bf16", "model.tiny.num_hidden_layers=2")
+    assert run.wait(timeout=300) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    for stage in ("actor_train", "ref_forward"):
+        assert f"{stage}: megatron engine, bf16, micro-batches of at most 96 tokens" in text, stage
+    summary = json.loads((tmp_path / "bf16" / "summary.json").read_text())
+    assert summary["samples_trained"] == summary["samples_generated"] == 3 * 2 * 8 * 2
+    records = read_metrics(tmp_path / "bf16" / "metrics.jsonl")
+    assert [r["policy_version"] for r in records] == [1, 2, 3]
+    assert all(0 < r["grad_norm"] < 1e3 for r in records)
+    assert not leftover_shm("t_bf16")

@@ -24,7 +24,7 @@ from torch import nn
 
 from stream_rlhf.backends.kernel_warm_up import warm_up_logprob_kernels
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
-from stream_rlhf.backends.precision import Precision
+from stream_rlhf.backends.precision import Precision, resolve_precision
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.backends.train_engine import TrainEngine
 from stream_rlhf.distributed import RankGroup
@@ -55,7 +55,7 @@ def _megatron(model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | N
     cfg = text_config(model.config)
     check_parallel(own.megatron, group.world_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                    cfg.num_hidden_layers, f"placement.stages.{stage}.megatron")
-    return MegatronTrainEngine(model, group, optimizer, own.megatron, seed, micro_batch_tokens)
+    return MegatronTrainEngine(model, group, optimizer, own.megatron, seed, micro_batch_tokens, precision)
 
 
 TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {"torch": _torch, "megatron": _megatron}
@@ -99,8 +99,9 @@ def build_train_engine(config: RLJobConfig, stage: str, checkpoint: str, group: 
     trainer = config.actor if STAGE_MODELS[stage] is _policy else config.critic  # whose model it is
     if trainer.lora is not None and stage in ("actor_train", "critic_train"):
         _with_lora(model, trainer.lora, config.seed, f"{stage.partition('_')[0]}.lora")
+    details = [f"{own.backend} engine", resolve_precision(config.precision, group.device)]
     if trainer.micro_batch_tokens is not None:
-        log.info("%s: passes in micro-batches of at most %d tokens (%s engine)", stage, trainer.micro_batch_tokens,
-                 own.backend)
+        details.append(f"micro-batches of at most {trainer.micro_batch_tokens} tokens")
+    log.info("%s: %s", stage, ", ".join(details))
     return TRAIN_ENGINES[own.backend](model, group, optimizer, own, stage, config.seed, config.precision,
                                       trainer.micro_batch_tokens)

@@ -152,10 +152,10 @@ class RLJobConfig:
     cuda_ipc: a restarted instance rejoins shm and broadcast only); 0 turns it off. A crash no
     restart covers resumes the run (`checkpoint.recoveries`)."""
     precision: Precision = "auto"
-    """Compute precision of the torch train and forward engines and of the torch sampler:
-    `fp32`, `bf16` mixed precision (forwards under bf16 autocast; weights, gradients, optimizer
-    state and the LM head's log-probs stay fp32: `backends/precision.py`), or `auto`: bf16 on a
-    CUDA device, fp32 on the CPU (megatron engines: fp32). vLLM runs in its own dtype."""
+    """Compute precision of the train and forward engines (torch and megatron) and of the torch
+    sampler: `fp32`, `bf16` mixed precision (forwards under bf16 autocast; weights, gradients,
+    optimizer state and the LM head's log-probs stay fp32: `backends/precision.py`), or `auto`:
+    bf16 on a CUDA device, fp32 on the CPU. vLLM runs in its own dtype."""
     trace: bool = True
     """Record every stage step, wait, payload fetch, weight publish and load and checkpoint save, and
     the broker's queue depths, in runs/<name>/trace.json (Perfetto / chrome://tracing format,
@@ -369,9 +369,6 @@ class RLJobConfig:
         if not STAGE_KINDS[stage].groupable:
             raise ConfigError(f"{key}.backend=megatron: only {', '.join(stages_where('groupable'))} hold a train "
                               "engine")
-        if self.precision == "bf16":
-            raise ConfigError(f"precision={self.precision}: {key}.backend=megatron computes in fp32 only here "
-                              "(megatron's own bf16 is not wired in); use precision fp32 or backend torch")
         if self.model.path is None:
             tiny = self.model.tiny
             if tiny.architecture == "qwen3" and tiny.vision is not None:

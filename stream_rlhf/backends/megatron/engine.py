@@ -28,7 +28,10 @@ Gradients are averaged over dp x cp by megatron's DDP after the last micro-batch
 micro-batch's loss scaled by its share of the step's tokens, as in the torch engine), clipped to
 `max_grad_norm` and stepped by megatron's distributed optimizer (AdamW; megatron leaves biases and
 norms out of weight decay); the step's metrics are read from the device once (`step_metrics.py`
-combines the replicas'). On CUDA, `offload`/`onload` move the parameters, DDP's gradient buffers
+combines the replicas'). With `precision` bf16 (`auto` on CUDA) the schedule, forward and backward,
+runs under bf16 autocast, the torch engine's mixed precision: weights, gradients and optimizer
+state fp32, log-probs from fp32 hidden states; megatron's residual stream follows its layers'
+bf16 outputs, so the pipeline passes bf16 activations (`model.py`). On CUDA, `offload`/`onload` move the parameters, DDP's gradient buffers
 and the optimizer state to pinned host memory and back storage by storage (`offload.py`), so
 megatron's views into them stay valid.
 """
@@ -67,6 +70,7 @@ from stream_rlhf.backends.megatron.optimizer import MegatronOptimizer
 from stream_rlhf.backends.megatron.state import Layout, export_hf_state, load_hf_state
 from stream_rlhf.backends.megatron.step_metrics import replica_metrics
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
+from stream_rlhf.backends.precision import Precision, autocast, resolve_precision
 from stream_rlhf.backends.step_memory import accumulate, micro_batches
 from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.distributed import RankGroup
@@ -80,11 +84,14 @@ from stream_rlhf.weights.shm_store import WeightStore
 
 class MegatronTrainEngine:
     def __init__(self, model: nn.Module, group: RankGroup, optimizer: OptimizerConfig | None = None,
-                 parallel: MegatronConfig | None = None, seed: int = 0, micro_batch_tokens: int | None = None):
+                 parallel: MegatronConfig | None = None, seed: int = 0, micro_batch_tokens: int | None = None,
+                 precision: Precision = "fp32"):
         """`model`: the Hugging Face policy or critic (a token classifier, or a VLM's
         `VisionLanguageCritic`, with a `score` head) whose config and weights the megatron model
         takes; it is kept on the meta device for `save`. `micro_batch_tokens`: a forward-only
-        engine's budget per micro-batch (a training engine's is its `optimizer`'s)."""
+        engine's budget per micro-batch (a training engine's is its `optimizer`'s). `precision`
+        bf16 (or auto on CUDA): forwards and backwards under bf16 autocast, weights, gradients and
+        optimizer state fp32 (`backends/precision.py`)."""
         critic = hasattr(model, "score")
         self.vision_config = model.config if hasattr(model.config, "vision_config") else None
         parallel = parallel or MegatronConfig()
@@ -95,6 +102,7 @@ class MegatronTrainEngine:
         self.device = group.device
         self.parallel = join_megatron(group, parallel, seed)
         self.split = ContextSplit(parallel.cp, self.parallel.cp_rank)
+        self.precision = resolve_precision(precision, self.device)
         hf_state = model.state_dict()
         self.frozen = {k: v.detach().clone() for k, v in hf_state.items() if k.startswith(VISION_PREFIX)}
         self.layout = Layout(architecture(model.config, critic), dims(model.config, self.parallel.config.tp),
@@ -102,7 +110,7 @@ class MegatronTrainEngine:
                              bool(getattr(model.config, "tie_word_embeddings", False)) and not critic, critic,
                              self.parallel, {k: tuple(v.shape) for k, v in hf_state.items()},
                              {k: v.dtype for k, v in hf_state.items()})
-        self.model = build_model(model.config, self.parallel, critic)
+        self.model = build_model(model.config, self.parallel, critic, bf16=self.precision == "bf16")
         load_hf_state(self.model, hf_state, self.layout)
         self.model.to(self.device)
         self.hf_model = model.to("meta")
@@ -168,7 +176,8 @@ class MegatronTrainEngine:
         if self.parallel.config.pp > 1:
             raise RuntimeError("megatron: with pp > 1 a forward runs through forward_* or train_step only")
         batch = self._batch(sequences, images, prompt_lens)
-        return batch, self._call(self.model, batch)
+        with autocast(self.device, self.precision):
+            return batch, self._call(self.model, batch)
 
     def _batch(self, sequences: list[Tensor], images: list[SampleImages] | None, prompt_lens: Tensor | None) -> Batch:
         return packed_batch(run_of(sequences, images, prompt_lens, self.vision_config), self.split,
@@ -251,10 +260,11 @@ class MegatronTrainEngine:
             return self._call(model, batch), loss_of(number, batch)
 
         rows, width = shape or (0, 0)  # (sizes of the activations passed between pipeline stages)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(range(len(runs))),
-            model=[self.optimizer.ddp if self.optimizer is not None else self.model], num_microbatches=len(runs),
-            seq_length=width, micro_batch_size=rows, forward_only=forward_only)
+        with autocast(self.device, self.precision):  # the backward too: a recompute runs as the forward did
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(range(len(runs))),
+                model=[self.optimizer.ddp if self.optimizer is not None else self.model], num_microbatches=len(runs),
+                seq_length=width, micro_batch_size=rows, forward_only=forward_only)
 
     # ---- training ----------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """megatron-core's GPTModel built from a Hugging Face config, on this rank's share of the stage group.
 
     parallel = join_megatron(group, MegatronConfig(tp=2), seed=0)    # once per process
-    model = build_model(hf_model.config, parallel, critic=False)      # this rank's tp/pp shard
+    model = build_model(hf_model.config, parallel, critic=False)      # this rank's tp/pp shard (bf16=True: autocast)
     out = model(ids, positions, mask)   # (3, B, S) positions, (B, 1, S, S) mask: (B, S, H) hidden or (B, S) values
 
 The model is megatron's local layer spec (no transformer-engine): RMSNorm, rotary positions (M-RoPE
@@ -133,7 +133,9 @@ def rope_theta(cfg) -> float:
     return float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
-def transformer_config(hf_config, parallel: MegatronConfig) -> TransformerConfig:
+def transformer_config(hf_config, parallel: MegatronConfig, bf16: bool = False) -> TransformerConfig:
+    """`bf16`: the model runs under bf16 autocast, weights fp32; megatron casts the residual stream to
+    its layers' output dtype, so the activations passed between pipeline stages are bf16 too."""
     cfg = text_config(hf_config)
     arch = architecture(hf_config)
     if getattr(cfg, "mlp_bias", False) or (not arch.qkv_bias and getattr(cfg, "attention_bias", False)):
@@ -148,7 +150,8 @@ def transformer_config(hf_config, parallel: MegatronConfig) -> TransformerConfig
         ffn_hidden_size=cfg.intermediate_size, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
         context_parallel_size=parallel.cp, use_cpu_initialization=True, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
@@ -186,13 +189,15 @@ class MegatronGPT(GPTModel):
         return False
 
     def _postprocess(self, hidden_states: Tensor, **_) -> Tensor:
+        """fp32 out of the last stage under bf16 autocast too: the fused log-prob kernel takes the
+        hidden states in the output layer's dtype, and values are compared with fp32 returns."""
         if not self.post_process:
             return hidden_states  # (S, B, H)
         if self.critic:
-            return self.value_head(hidden_states).squeeze(-1).transpose(0, 1)  # (B, S)
-        return hidden_states.transpose(0, 1)  # (B, S, H)
+            return self.value_head(hidden_states).squeeze(-1).transpose(0, 1).float()  # (B, S)
+        return hidden_states.transpose(0, 1).float()  # (B, S, H)
 
 
-def build_model(hf_config, parallel: Parallel, critic: bool) -> MegatronGPT:
-    config = transformer_config(hf_config, parallel.config)
+def build_model(hf_config, parallel: Parallel, critic: bool, bf16: bool = False) -> MegatronGPT:
+    config = transformer_config(hf_config, parallel.config, bf16)
     return MegatronGPT(config, hf_config, critic, pre_process=parallel.first_stage, post_process=parallel.last_stage)
