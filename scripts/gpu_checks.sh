@@ -10,8 +10,8 @@
 #             references, CUDA IPC weight sync, engine offload round trip, whole jobs on cuda:0
 #             (not the files of the two parts below)
 #   megatron  tests/test_megatron_cuda.py: the megatron engine on cuda:0 vs the torch engine
-#             (forward, training with the distributed optimizer, offload), every number in the log;
-#             then text_ppo on cuda with both trainers on megatron (tp 1): its summary (time, memory);
+#             (forward, training with the distributed optimizer, offload, bf16), every number in the log;
+#             then text_ppo on cuda with both trainers on megatron (tp 1, bf16 by precision auto): its summary;
 #             then 10 iterations of it with the forwards and the trainers on megatron in two device groups
 #   sampler   tests/test_sampler_cuda.py: decode attention and KV cache on cuda:0 vs the CPU and eager;
 #             tests/test_static_decode_cuda.py: decode steps as CUDA graphs vs static and eager, captures;
