@@ -31,9 +31,9 @@ norms out of weight decay); the step's metrics are read from the device once (`s
 combines the replicas'). With `precision` bf16 (`auto` on CUDA) the schedule, forward and backward,
 runs under bf16 autocast, the torch engine's mixed precision: weights, gradients and optimizer
 state fp32, log-probs from fp32 hidden states; megatron's residual stream follows its layers'
-bf16 outputs, so the pipeline passes bf16 activations (`model.py`). On CUDA, `offload`/`onload` move the parameters, DDP's gradient buffers
-and the optimizer state to pinned host memory and back storage by storage (`offload.py`), so
-megatron's views into them stay valid.
+bf16 outputs, so the pipeline passes bf16 activations (`model.py`). On CUDA, `offload`/`onload`
+move the parameters, DDP's gradient buffers and the optimizer state to pinned host memory and back
+storage by storage (`offload.py`), so megatron's views into them stay valid.
 """
 
 from __future__ import annotations
