@@ -85,6 +85,14 @@ RL_ROWS = [
      "actor.gradient_checkpointing: the torch backend's switch; placement.stages.actor_train.backend=megatron "
      "recomputes with placement.stages.actor_train.megatron.recompute: true"),
     (("critic.micro_batch_tokens=0",), "critic.micro_batch_tokens=0: must be >= 1"),
+    # dynamic sampling: among groups of group-relative advantages, at most an iteration's groups
+    (("algorithm.dynamic_sampling={}",), "algorithm.dynamic_sampling: leaves out groups whose advantages are all "
+                                         "zero, which needs a group-relative advantage (grpo, rloo), not gae"),
+    ((*GRPO, "algorithm.dynamic_sampling={groups: 17}"),
+     "algorithm.dynamic_sampling.groups=17: more than the 16 groups an iteration generates"),
+    ((*GRPO, "algorithm.dynamic_sampling={groups: 0}"), "algorithm.dynamic_sampling.groups=0: must be >= 1"),
+    ((*GRPO, "algorithm.dynamic_sampling={}", "reward.process={function: stream_rlhf.data.arithmetic:step_reward}"),
+     "algorithm.dynamic_sampling: with reward.process the samples of a group of equal returns still differ"),
     (("actor.lora={target_modules: [q_proj, qkv]}",),
      "actor.lora.target_modules: ['qkv'] name no linear layer of the embedded model's decoder layers (q_proj, "),
     (("actor.lora={rank: 0}",), "actor.lora.rank=0: must be >= 1"),

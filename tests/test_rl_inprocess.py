@@ -141,6 +141,68 @@ def test_mask_truncated_leaves_the_responses_cut_by_the_length_limit_out_of_the_
     assert records[0]["truncated_frac"] == pytest.approx(sum(cut) / len(cut), abs=1e-4)
 
 
+def _logged_groups(cfg: RLJobConfig) -> dict[int, list[list[float]]]:
+    """Per iteration, the rewards of each logged group (a prompt's consecutive samples), in order."""
+    per_prompt = cfg.rollout_batch.samples_per_prompt
+    groups: dict[int, list[list[float]]] = {}
+    for line in (Path(cfg.run_dir) / "samples.jsonl").read_text().splitlines():
+        sample = json.loads(line)
+        if sample["sample"] % per_prompt == 0:
+            groups.setdefault(sample["iteration"], []).append([])
+        groups[sample["iteration"]][-1].append(sample["reward"])
+    return groups
+
+
+@pytest.mark.parametrize("keep", [None, 3], ids=["filter", "keep3"])
+def test_dynamic_sampling_trains_only_the_groups_whose_rewards_differ(tmp_path, keep):
+    """algorithm.dynamic_sampling (DAPO): every sample logged, the groups of equal rewards (and with
+    `groups` those past the first informative ones) left out of training and counted as dropped."""
+    torch.set_num_threads(1)
+    cfg, records = run_inprocess(
+        tmp_path, f"dynamic_{keep}", schedule="sync", overlap_depth=0, samples_log={"per_minibatch": 1000},
+        rollout_batch={"prompts_per_minibatch": 8, "minibatches": 2, "samples_per_prompt": 4},
+        **{"algorithm.advantage": "grpo", "algorithm.dynamic_sampling": {} if keep is None else {"groups": keep}})
+    summary = json.loads((Path(cfg.run_dir) / "train_summary.json").read_text())
+    logged = _logged_groups(cfg)
+    uniform = trained = 0
+    for record in records:
+        groups = logged[record["iteration"]]
+        assert len(groups) == 16 and all(len(g) == 4 for g in groups)  # every generated sample logged
+        informative = sum(len(set(g)) > 1 for g in groups)
+        expected = informative if keep is None else min(keep, informative)
+        assert record["groups_trained"] == expected and record["samples"] == 4 * expected
+        assert record["groups_short"] == (0 if keep is None else max(keep - informative, 0))
+        assert record["groups_uniform_frac"] == pytest.approx((16 - informative) / 16, abs=1e-4)
+        uniform += 4 * (16 - informative)
+        trained += 4 * expected
+    assert 0 < uniform < 2 * 64  # both kinds of group: the counts above mean something
+    assert summary["samples_trained"] == trained
+    reasons = summary["dropped_reasons"]
+    assert reasons.get("dynamic sampling: group returns all equal", 0) == uniform
+    assert reasons.get("dynamic sampling: surplus group", 0) == 2 * 64 - uniform - trained
+    assert (keep is None) == ("dynamic sampling: surplus group" not in reasons)  # keep 3 left some out
+    assert summary["samples_dropped"] == 2 * 64 - trained  # generated = trained + dropped
+
+
+def same_score(prompt: str, response: str, reference: str) -> float:
+    """A reward function that scores every answer alike: every group's returns are equal."""
+    return 0.5
+
+
+def test_dynamic_sampling_with_no_informative_group_trains_nothing_and_the_policy_version_still_advances(tmp_path):
+    torch.set_num_threads(1)
+    cfg, records = run_inprocess(
+        tmp_path, "all_equal", schedule="sync", overlap_depth=0,
+        rollout_batch={"prompts_per_minibatch": 4, "minibatches": 2, "samples_per_prompt": 2},
+        **{"algorithm.advantage": "rloo", "algorithm.dynamic_sampling": {},
+           "reward.function": "tests.test_rl_inprocess:same_score"})
+    summary = json.loads((Path(cfg.run_dir) / "train_summary.json").read_text())
+    assert [(r["samples"], r["groups_trained"], r["groups_uniform_frac"]) for r in records] == [(0, 0, 1.0)] * 2
+    assert [r["policy_version"] for r in records] == [1, 2] and summary["policy_version"] == 2
+    assert summary["samples_trained"] == 0
+    assert summary["dropped_reasons"] == {"dynamic sampling: group returns all equal": 2 * 16}
+
+
 def test_lora_trains_the_adapters_and_rollout_samples_from_the_merged_weights(tmp_path):
     """actor.lora: the policy's final folder differs from the start in the targeted weights alone,
     and at the second iteration rollout's log-probs (the merged version 1 it loaded) are the

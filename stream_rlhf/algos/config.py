@@ -40,6 +40,23 @@ class KLConfig:
 
 
 @dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (`algos/group_filter.py`): the groups whose returns are all equal
+    (every answer right, or every one wrong) give no policy gradient and are left out of training,
+    counted in summary.json's `dropped_reasons`."""
+
+    groups: Annotated[int, Meta(ge=1)] | None = None
+    """Groups trained per iteration: the first this many informative ones, in mini-batch order; the
+    later informative ones are left out as surplus. Over-sample by generating more prompts per
+    iteration than this (rollout_batch.prompts_per_minibatch x minibatches), as DAPO fills a fixed
+    batch of informative groups; an iteration that finds fewer trains those (metric `groups_short`).
+    None: every informative group trains."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     """The advantage estimator and the PPO loss (`algos/advantages.py`, `algos/losses.py`)."""
 
@@ -98,6 +115,10 @@ class AlgorithmConfig:
     filtering): a response at rollout.max_new_tokens without a stop, an episode ended by
     env.max_episode_tokens. Their tokens carry no policy loss, KL or entropy; their scores still
     count in the advantages (a group's mean and std), and the critic still trains on them."""
+    dynamic_sampling: DynamicSamplingConfig | None = None
+    """Train only on groups whose returns differ (DAPO's dynamic sampling, verl's filter_groups;
+    grpo and rloo): `{}` leaves out the groups of equal returns, `{groups: N}` also trains at most N
+    groups per iteration. None: every sample trains."""
     ppo_epochs: Annotated[int, Meta(ge=1)] = 2
     """Passes of the actor (and critic) over each iteration's samples."""
     train_minibatches: Annotated[int, Meta(ge=1)] = 2

@@ -189,6 +189,7 @@ class RLJobConfig:
                 f"rollout_batch.samples_per_prompt={self.rollout_batch.samples_per_prompt}: "
                 f"algorithm.advantage={self.algorithm.advantage} needs >= 2 samples per prompt"
             )
+        self._check_dynamic_sampling(grouped)
         samples = self.rollout_batch.samples_per_minibatch * self.rollout_batch.minibatches
         if self.algorithm.train_minibatches > samples:
             raise ConfigError(
@@ -267,6 +268,23 @@ class RLJobConfig:
         if room is not None and self.env.max_episode_tokens > room:
             raise ConfigError(f"env.max_episode_tokens={self.env.max_episode_tokens}: more than {key}={room}, "
                               "the positions an episode's prompt, turns and observations must fit in")
+
+    def _check_dynamic_sampling(self, grouped: bool) -> None:
+        """Dynamic sampling chooses among groups of group-relative advantages, up to the groups an
+        iteration generates."""
+        sampling = self.algorithm.dynamic_sampling
+        if sampling is None:
+            return
+        if not grouped:
+            raise ConfigError(f"algorithm.dynamic_sampling: leaves out groups whose advantages are all zero, which "
+                              f"needs a group-relative advantage (grpo, rloo), not {self.algorithm.advantage}")
+        if self.reward.process is not None:
+            raise ConfigError("algorithm.dynamic_sampling: with reward.process the samples of a group of equal "
+                              "returns still differ in their step rewards, and so in their advantages")
+        prompts = self.rollout_batch.prompts_per_minibatch * self.rollout_batch.minibatches
+        if sampling.groups is not None and sampling.groups > prompts:
+            raise ConfigError(f"algorithm.dynamic_sampling.groups={sampling.groups}: more than the {prompts} groups "
+                              "an iteration generates (rollout_batch.prompts_per_minibatch x minibatches)")
 
     def _check_torch_trainer_keys(self) -> None:
         """LoRA and `gradient_checkpointing` are the torch engine's (megatron recomputes with its own

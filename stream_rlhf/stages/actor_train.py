@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from stream_rlhf.algos.aggregation import row_weights
+from stream_rlhf.algos.group_filter import choose_groups
 from stream_rlhf.algos.losses import entropy_loss, kl_loss, policy_loss
 from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.engines import build_train_engine
@@ -213,6 +214,13 @@ class ActorTrain(Stage):
         if self.samples is not None:
             with trace.span("samples log", "train"):
                 self.samples.write(batches, exp, advantages, kl, self.version)
+        generated, chosen = exp, {}
+        if algo.dynamic_sampling is not None:
+            exp, advantages, chosen = self._chosen_groups(exp, advantages)
+            if exp is None:  # no group of this iteration differs: nothing to train on
+                self.kl_ctl.update(kl_mean, generated.num_samples)
+                return {**self._reward_metrics(generated), **chosen, "kl": round(kl_mean, 5), "samples": 0,
+                        "tokens": 0}
         proximal, recomputed = self._proximal_logp(exp, batches)
         trained, truncated = exp, {}
         if exp.truncated is not None:  # the share of answers their length limit cut: is it too short?
@@ -232,15 +240,16 @@ class ActorTrain(Stage):
                     per_sample["proximal"] = proximal[index]
                 with trace.span("optimizer step", "train", samples=len(index)):
                     means.add(self.engine.train_step(trained.select(index), self._loss, per_sample))
-        self.kl_ctl.update(kl_mean, exp.num_samples)
+        self.kl_ctl.update(kl_mean, generated.num_samples)
         self.trained += exp.num_samples
         staleness = (self.version - exp.policy_versions).float()
         response_lens = torch.tensor([len(s) for s in exp.sequences]) - exp.prompt_lens  # (N,)
         return {
             **means.means(),
-            **self._reward_metrics(exp),
+            **self._reward_metrics(generated),
             **self._token_metrics(exp),
             **truncated,
+            **chosen,
             "kl": round(kl_mean, 5),
             "kl_coef": round(self.kl_ctl.coef, 5),
             "staleness_mean": round(staleness.mean().item(), 3),
@@ -251,6 +260,25 @@ class ActorTrain(Stage):
             "samples": exp.num_samples,
             "tokens": exp.num_tokens,
         }
+
+    def _chosen_groups(self, exp: Experience,
+                       advantages: Tensor) -> tuple[Experience | None, Tensor | None, dict[str, float]]:
+        """DAPO's dynamic sampling (`algos/group_filter.py`): the samples of the groups that train
+        and their advantages (None when no group does), and the iteration's figures; the samples
+        left out are counted as dropped, with their reason."""
+        chosen = choose_groups(exp.sample_returns(), exp.group_ids, self.job.config.algorithm.dynamic_sampling.groups)
+        for reason, count in (("dynamic sampling: group returns all equal", chosen.uniform),
+                              ("dynamic sampling: surplus group", chosen.surplus)):
+            if count:
+                self.dropped[reason] = self.dropped.get(reason, 0) + count
+        record = {"groups_trained": chosen.groups, "groups_short": chosen.short,
+                  "groups_uniform_frac": round(chosen.uniform / exp.num_samples, 4)}
+        if not chosen.groups:
+            self.ctx.log.warning("iteration %d: every group's returns are equal, no sample trains", self.iteration)
+            return None, None, record
+        if len(chosen.index) == exp.num_samples:
+            return exp, advantages, record
+        return exp.select(chosen.index), advantages[chosen.index], record
 
     def _token_metrics(self, exp: Experience) -> dict[str, float]:
         """With per-token policy versions, the mean staleness over the trained tokens (tokens of one
