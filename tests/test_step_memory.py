@@ -15,10 +15,27 @@ from stream_rlhf.distributed import RankGroup
 from tests.test_torch_engine import _critic, _experience, _loss, _model
 
 
+def _tokens(*lengths: int) -> list[torch.Tensor]:
+    return [torch.arange(1, n + 1) for n in lengths]
+
+
 def test_runs_are_whole_samples_in_order_within_the_budget():
-    runs = micro_batches(torch.tensor([3, 4, 2, 9, 1, 1]), budget=7)
+    runs = micro_batches(_tokens(3, 4, 2, 9, 1, 1), 7)
     assert [r.tolist() for r in runs] == [[0, 1], [2], [3], [4, 5]]  # 9 > 7 alone
-    assert [r.tolist() for r in micro_batches(torch.tensor([3, 4]), None)] == [[0, 1]]
+    assert [r.tolist() for r in micro_batches(_tokens(3, 4), None)] == [[0, 1]]
+
+
+def test_a_prompt_its_samples_share_counts_once_in_the_budget():
+    """A group of four samples of a 20-token prompt and 5-token answers computes 20 + 4 x 5 = 40
+    tokens packed (`pack_shared`): one run of 40, where counting whole samples (25 each) would cut
+    the group in four and run the prompt four times. A new run counts the prompt again."""
+    prompt = torch.arange(1, 21)
+    group = [torch.cat([prompt, torch.full((5,), 30 + i)]) for i in range(4)]
+    other = torch.cat([torch.arange(50, 60), torch.full((5,), 7)])  # another prompt: its whole 15 tokens
+    prompt_lens = torch.tensor([20, 20, 20, 20, 10])
+    assert [r.tolist() for r in micro_batches(group + [other], 40, prompt_lens)] == [[0, 1, 2, 3], [4]]
+    assert [r.tolist() for r in micro_batches(group + [other], 40)] == [[0], [1], [2], [3, 4]]  # no prompt_lens
+    assert [r.tolist() for r in micro_batches(group, 34, prompt_lens[:4])] == [[0, 1], [2, 3]]  # 20+5+5, again
 
 
 def _trained(optimizer: OptimizerConfig, steps: int = 2) -> tuple[TorchTrainEngine, list[dict[str, float]]]:

@@ -25,10 +25,10 @@ class OptimizerConfig:
     """Gradients are clipped to this total norm (over every rank's shard) before each step."""
     micro_batch_tokens: Annotated[int, Meta(ge=1)] | None = None
     """Split each rank's share of an optimizer step into micro-batches of at most this many tokens
-    (prompt + response; whole samples, a longer one alone) whose gradients accumulate to the one
-    pass's: the step holds one micro-batch's activations. The forwards of the same model (actor's:
-    the reference, actor forward and proximal log-probs; critic's: its values) pass in runs of this
-    budget too. On megatron the micro-batches are its pipeline schedule's (1F1B under pp > 1).
+    (prompt + response, a prompt its samples share counted once; whole samples, a longer one alone)
+    whose gradients accumulate to the one pass's: the step holds one micro-batch's activations.
+    The forwards of the same model (actor's: the reference, actor forward and proximal log-probs;
+    critic's: its values) pass in runs of this budget too. On megatron the micro-batches are its pipeline schedule's (1F1B under pp > 1).
     None: one pass."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them

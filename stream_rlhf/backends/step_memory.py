@@ -1,15 +1,16 @@
-"""How a training step fits in memory (`actor.*`, `critic.*` of the torch backend):
+"""How a training step fits in memory (`actor.*`, `critic.*`; micro-batches on megatron too):
 
 - micro-batches (`micro_batch_tokens`): a rank's share of an optimizer step in runs of whole
-  samples, in order, each at most the token budget (a sample longer than it alone), whose
-  gradients accumulate: the step holds one run's activations, not the whole step's. The engine
-  scales each run's token-mean loss by its share of the rank's tokens, so the sum is exactly the
-  one pass's gradient (`torch_engine.TorchTrainEngine.train_step`);
-- activation checkpointing (`gradient_checkpointing`): each decoder layer's activations are
-  recomputed in the backward pass instead of kept.
+  samples, in order, each computing at most the token budget (a prompt its samples share counted
+  once, as the packing runs it; a sample longer than the budget alone), whose gradients
+  accumulate: the step holds one run's activations, not the whole step's. The engine scales each
+  run's token-mean loss by its share of the rank's tokens, so the sum is exactly the one pass's
+  gradient (`torch_engine.TorchTrainEngine.train_step`, `megatron/engine.py`);
+- activation checkpointing (`gradient_checkpointing`, the torch engine's): each decoder layer's
+  activations are recomputed in the backward pass instead of kept.
 
-    runs = micro_batches(lengths, budget=4096)   # [tensor([0, 1, 2]), tensor([3]), ...]; budget None: one run
-    checkpoint_activations(model)                # the Hugging Face model's own switch
+    runs = micro_batches(sequences, 4096, prompt_lens)   # [tensor([0, 1, 2]), tensor([3]), ...]; None: one run
+    checkpoint_activations(model)                        # the Hugging Face model's own switch
 """
 
 from __future__ import annotations
@@ -18,19 +19,27 @@ import torch
 from torch import Tensor, nn
 
 
-def micro_batches(lengths: Tensor, budget: int | None) -> list[Tensor]:
-    """Runs of sample indices (greedy, in order) of at most `budget` tokens each, from each
-    sample's tokens `lengths` (N,); one run of every sample when `budget` is None."""
-    if budget is None or len(lengths) == 0:
-        return [torch.arange(len(lengths))]
+def micro_batches(sequences: list[Tensor], budget: int | None, prompt_lens: Tensor | None = None) -> list[Tensor]:
+    """Runs of sample indices (greedy, in order) computing at most `budget` tokens each: a
+    sample's tokens, less its prompt when an earlier sample of its run has the same one and
+    `prompt_lens` (N,) says where prompts end (the packing then shares it: text models,
+    `models/packing.pack_shared`). One run of every sample when `budget` is None."""
+    if budget is None or not sequences:
+        return [torch.arange(len(sequences))]
     runs: list[list[int]] = [[]]
     held = 0
-    for index, length in enumerate(lengths.tolist()):
-        if runs[-1] and held + length > budget:
+    prompts: set[tuple[int, ...]] = set()  # the prompts the current run holds
+    for index, sequence in enumerate(sequences):
+        prompt = int(prompt_lens[index]) if prompt_lens is not None else 0
+        key = tuple(sequence[:prompt].tolist()) if 0 < prompt < len(sequence) else None
+        cost = len(sequence) - prompt if key in prompts else len(sequence)
+        if runs[-1] and held + cost > budget:
             runs.append([])
-            held = 0
+            held, prompts, cost = 0, set(), len(sequence)
         runs[-1].append(index)
-        held += length
+        held += cost
+        if key is not None:
+            prompts.add(key)
     return [torch.tensor(run, dtype=torch.long) for run in runs]
 
 

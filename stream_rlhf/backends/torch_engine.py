@@ -169,7 +169,7 @@ class TorchTrainEngine:
         mine = exp.select(torch.arange(exp.num_samples)[self.group.shard(exp.num_samples)])
         parts = [torch.zeros(0, width)]
         with torch.no_grad() if self.sharded else torch.inference_mode():
-            for run in self._runs([len(s) for s in mine.sequences]):
+            for run in self._runs(mine.sequences, mine.images, mine.prompt_lens):
                 if len(run):
                     part = mine if len(run) == mine.num_samples else mine.select(run)  # one run: no copy
                     parts.append(self.response_logprobs(part, temperature)[0].float().cpu())
@@ -189,7 +189,7 @@ class TorchTrainEngine:
         # no inference mode on a sharded engine: FSDP2 reuses its all-gather buffers in the training
         # forwards, and an inference tensor cannot be written to outside inference mode
         with torch.no_grad() if self.sharded else torch.inference_mode():
-            for run in self._runs([len(s) for s in local_sequences]):
+            for run in self._runs(local_sequences, local_images, local_lens):
                 if len(run):
                     picked = run.tolist()
                     local += forward([local_sequences[i] for i in picked],
@@ -199,11 +199,13 @@ class TorchTrainEngine:
                     forward(sequences[:1], images[:1] if images is not None else None, None)
         return [t.float() for t in self.group.gather_ragged(local)]  # (cast on the host)
 
-    def _runs(self, lengths: list[int]) -> list[Tensor]:
-        """This rank's micro-batches of samples of `lengths` tokens (`step_memory.micro_batches`;
-        one run without a budget, an empty one without samples); sharded, as many as the rank that
-        needs most, empty ones at the end (each pass of a sharded model is a collective)."""
-        runs = micro_batches(torch.tensor(lengths, dtype=torch.long), self.micro_batch_tokens)
+    def _runs(self, sequences: list[Tensor], images: list[SampleImages] | None,
+              prompt_lens: Tensor | None) -> list[Tensor]:
+        """This rank's micro-batches of these samples (`step_memory.micro_batches`, a shared prompt
+        counted once: text models; one run without a budget, an empty one without samples);
+        sharded, as many as the rank that needs most, empty ones at the end (each pass of a sharded
+        model is a collective)."""
+        runs = micro_batches(sequences, self.micro_batch_tokens, prompt_lens if images is None else None)
         if self.sharded and self.micro_batch_tokens is not None:
             runs += [torch.arange(0)] * (int(self.group.max([float(len(runs))])[0]) - len(runs))
         return runs
@@ -221,7 +223,7 @@ class TorchTrainEngine:
             raise RuntimeError("train_step: this engine was built without an optimizer (forward only)")
         index = torch.arange(part.num_samples)[self.group.shard(part.num_samples)]
         mine = part.select(index)  # on the host
-        runs = self._runs([len(s) for s in mine.sequences])
+        runs = self._runs(mine.sequences, mine.images, mine.prompt_lens)
         scale, tokens = 1.0, 0.0
         if self.group.distributed or len(runs) > 1:  # the host-side mask: no wait for the device
             tokens = float(mine.mask.sum())

@@ -185,9 +185,10 @@ class MegatronTrainEngine:
 
     def _runs(self, sequences: list[Tensor], images: list[SampleImages] | None,
               prompt_lens: Tensor | None) -> tuple[list[Tensor], list[Run]]:
-        """The micro-batches of these samples (`step_memory.micro_batches` at `micro_batch_tokens`:
-        one without a budget): each one's sample indices and packing."""
-        runs = micro_batches(torch.tensor([len(s) for s in sequences], dtype=torch.long), self.micro_batch_tokens)
+        """The micro-batches of these samples (`step_memory.micro_batches` at `micro_batch_tokens`, a
+        shared prompt counted once: text models; one without a budget): each one's sample indices
+        and packing."""
+        runs = micro_batches(sequences, self.micro_batch_tokens, prompt_lens if images is None else None)
         if len(runs) == 1:
             return runs, [run_of(sequences, images, prompt_lens, self.vision_config)]
         return runs, [run_of([sequences[i] for i in run.tolist()],
