@@ -28,8 +28,8 @@ class OptimizerConfig:
     (prompt + response, a prompt its samples share counted once; whole samples, a longer one alone)
     whose gradients accumulate to the one pass's: the step holds one micro-batch's activations.
     The forwards of the same model (actor's: the reference, actor forward and proximal log-probs;
-    critic's: its values) pass in runs of this budget too. On megatron the micro-batches are its pipeline schedule's (1F1B under pp > 1).
-    None: one pass."""
+    critic's: its values) pass in runs of this budget too. On megatron the micro-batches are its
+    pipeline schedule's (1F1B under pp > 1). None: one pass."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them
     (activation checkpointing: less memory, about a third more compute; the torch backend, megatron's

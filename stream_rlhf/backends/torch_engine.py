@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from stream_rlhf.algos.losses import host_metrics
 from stream_rlhf.backends.core_lending import govern
 from stream_rlhf.backends.host_snapshot import HostSnapshots
+from stream_rlhf.backends.model_forward import ModelForward
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.precision import Precision, autocast, resolve_precision
 from stream_rlhf.backends.step_memory import accumulate, checkpoint_activations, micro_batches
@@ -48,8 +49,6 @@ from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import decoder_layers, save_checkpoint
 from stream_rlhf.models.lora import ADAPTER_FOLDER, has_lora, merge_lora, merged_names, save_adapter
-from stream_rlhf.models.packing import packed_forward, sequence_logprobs
-from stream_rlhf.models.response_outputs import response_logprobs, response_outputs
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.telemetry.cuda_allocator import allocator_counter
 from stream_rlhf.weights.shm_store import WeightStore
@@ -57,41 +56,6 @@ from stream_rlhf.weights.shm_store import WeightStore
 HOST_FIELDS = ("sequences", "prompt_lens")
 """What a train step leaves on the host: the packing reads the tokens and lengths there (slices, shared
 prompts) and moves each packed tensor once, so nothing in the step waits for the device to read them."""
-
-
-class ModelForward(nn.Module):
-    """The model's forward passes as one module's forward, the root FSDP2 shards: a causal LM's
-    token log-probs (and entropies) through the fused kernel, which reads the LM head's weight
-    directly (not through the model's own forward), or a value model's per-position outputs."""
-
-    def __init__(self, model: nn.Module, sharded: bool):
-        super().__init__()
-        self.model = model
-        self.sharded = sharded
-
-    def forward(self, sequences: list[Tensor], images: list[SampleImages] | None, temperature: float | None = None,
-                with_entropy: bool = False, prompt_lens: Tensor | None = None,
-                responses: int | None = None) -> tuple[list[Tensor] | Tensor, list[Tensor] | Tensor | None]:
-        """temperature None: (per-position outputs (L_i, ...), None); else sequence_logprobs. With
-        `prompt_lens` the samples of a prompt share its forward (`models/packing.py`). With
-        `responses` = W (and `prompt_lens`): each output is one (N, W, ...) tensor of the positions
-        predicting the response tokens instead (`response_outputs`, `response_logprobs`): a
-        gather, not an operation per sequence. Sharded, each output is a tensor of its own, not a
-        view into the packed rows: FSDP2 hooks the backward of a module's outputs, and warns of
-        views (B x L floats: cheap to copy)."""
-        if responses is not None:
-            if temperature is None:
-                return response_outputs(self.model, sequences, prompt_lens, responses, images=images), None
-            return response_logprobs(self.model, sequences, temperature, prompt_lens, responses,
-                                     with_entropy=with_entropy, images=images)
-        if temperature is None:
-            return self._own(packed_forward(self.model, sequences, images=images, prompt_lens=prompt_lens)), None
-        logp, entropy = sequence_logprobs(self.model, sequences, temperature, with_entropy=with_entropy, images=images,
-                                          prompt_lens=prompt_lens)
-        return self._own(logp), self._own(entropy) if entropy is not None else None
-
-    def _own(self, tensors: list[Tensor]) -> list[Tensor]:
-        return [t.clone() for t in tensors] if self.sharded else tensors
 
 
 class TorchTrainEngine:
