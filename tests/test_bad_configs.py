@@ -85,6 +85,14 @@ RL_ROWS = [
      "actor.gradient_checkpointing: the torch backend's switch; placement.stages.actor_train.backend=megatron "
      "recomputes with placement.stages.actor_train.megatron.recompute: true"),
     (("critic.micro_batch_tokens=0",), "critic.micro_batch_tokens=0: must be >= 1"),
+    # the LoRA base as the reference: under actor.lora, with a KL, without a critic
+    (("algorithm.kl.reference=lora_base",), "algorithm.kl.reference=lora_base: the actor's model is the starting "
+                                           "checkpoint with its adapters off only under actor.lora"),
+    ((*GRPO, "actor.lora={rank: 4}", "algorithm.kl={reference: lora_base, coef: 0}"),
+     "algorithm.kl.reference=lora_base: algorithm.kl.coef=0 and fixed: there is no KL"),
+    (("actor.lora={rank: 4}", "algorithm.kl.reference=lora_base"),
+     "algorithm.kl.reference=lora_base: critic_train also reads the reference log-probs"),
+    ((*GRPO, "algorithm.kl.reference=stage"), "algorithm.kl.reference='stage': must be one of 'ref_forward', "),
     # dynamic sampling: among groups of group-relative advantages, at most an iteration's groups
     (("algorithm.dynamic_sampling={}",), "algorithm.dynamic_sampling: leaves out groups whose advantages are all "
                                          "zero, which needs a group-relative advantage (grpo, rloo), not gae"),

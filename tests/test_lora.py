@@ -15,7 +15,7 @@ from stream_rlhf.algos.losses import value_loss
 from stream_rlhf.backends.optimizer_config import OptimizerConfig
 from stream_rlhf.backends.torch_engine import TorchTrainEngine
 from stream_rlhf.distributed import RankGroup
-from stream_rlhf.models.lora import LoRALinear, add_lora, merge_lora, merged_names
+from stream_rlhf.models.lora import LoRALinear, adapters_off, add_lora, merge_lora, merged_names
 from stream_rlhf.models.lora_config import LoRAConfig
 from stream_rlhf.models.tokenizer import build_tokenizer
 from tests.test_torch_engine import LORA as ATTENTION
@@ -68,6 +68,27 @@ def test_the_merged_weights_are_the_adapted_model():
     ids = torch.randint(1, VOCAB, (2, 7))
     torch.testing.assert_close(_logits(plain, ids), _logits(adapted, ids), atol=1e-5, rtol=0)
     assert merge_lora(merged) is merged  # no adapters: as it is
+
+
+def test_with_the_adapters_off_the_model_is_its_base_and_the_engine_gives_the_base_log_probs():
+    """`adapters_off`: the starting checkpoint's outputs exactly, after the adapters have moved; the
+    engine's `forward_response_logprobs(base=True)` (algorithm.kl.reference lora_base) likewise,
+    and it refuses a model without adapters."""
+    plain = _model()
+    engine = TorchTrainEngine(_lora_model(), RankGroup.single(), OptimizerConfig(lr=1e-2))
+    exp = _experience()
+    advantages = torch.linspace(-1, 1, exp.num_samples)[:, None].expand_as(exp.mask).contiguous()
+    engine.train_step(exp, _loss(engine), {"advantages": advantages})
+    ids = torch.randint(1, VOCAB, (2, 7))
+    assert not torch.equal(_logits(engine.model, ids), _logits(plain, ids))  # the adapters moved
+    with adapters_off(engine.model):
+        assert torch.equal(_logits(engine.model, ids), _logits(plain, ids))
+    assert not torch.equal(_logits(engine.model, ids), _logits(plain, ids))  # on again after the block
+    reference = TorchTrainEngine(_model(), RankGroup.single())
+    torch.testing.assert_close(engine.forward_response_logprobs(exp, 0.7, base=True),
+                               reference.forward_response_logprobs(exp, 0.7), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="has no LoRA adapters"):
+        reference.forward_response_logprobs(exp, 0.7, base=True)
 
 
 def test_a_target_the_layers_lack_is_named():

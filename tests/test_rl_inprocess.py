@@ -222,6 +222,32 @@ def test_lora_trains_the_adapters_and_rollout_samples_from_the_merged_weights(tm
     assert records[1]["is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and records[1]["is_truncated_frac"] == 0
 
 
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_the_lora_base_as_reference_trains_as_the_ref_forward_stage_does(tmp_path, placement):
+    """algorithm.kl.reference=lora_base: no ref_forward stage, actor_train's policy with its
+    adapters off gives the reference log-probs; the same KL, losses and final weights as the job with
+    the stage (the starting checkpoint), the KL in the loss or in the reward."""
+    torch.set_num_threads(1)
+    common = {"iterations": 2, "schedule": "sync", "overlap_depth": 0, "actor.lr": 0.02,
+              "actor.lora": {"rank": 4}, "algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2,
+              "algorithm.kl": {"coef": 0.5, "kind": "k3", "placement": placement}}
+    stage_cfg, stage = run_inprocess(tmp_path, f"ref_stage_{placement}", **common)
+    base_cfg, base = run_inprocess(tmp_path, f"ref_base_{placement}", **{
+        **common, "algorithm.kl": {**common["algorithm.kl"], "reference": "lora_base"}})
+    assert "ref_forward" in compile_job(stage_cfg, "checkpoint", "weights").stages
+    flow = compile_job(base_cfg, "checkpoint", "weights")
+    assert "ref_forward" not in flow.stages and "lora_base" in flow.left_out["ref_forward"]
+    assert stage[1]["kl"] > 0  # the policy moved from the reference: the comparison means something
+    for mine, theirs in zip(base, stage, strict=True):
+        assert mine["reward"] == theirs["reward"]
+        for key in ("kl", "loss", "grad_norm"):
+            assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
+    expected = load_file(Path(stage_cfg.run_dir) / "checkpoint" / "model.safetensors")
+    got = load_file(Path(base_cfg.run_dir) / "checkpoint" / "model.safetensors")
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
 def test_ppo_with_adapters_on_the_actor_and_the_critic_trains_both(tmp_path):
     """critic.lora too: critic_forward loads each merged critic version (its head included) and
     the critic's value loss falls."""

@@ -34,6 +34,11 @@ class KLConfig:
     horizon: Annotated[int, Meta(ge=1)] = 10_000
     """Adaptive coefficient only: each update moves it by at most 20% times (samples measured /
     horizon); larger is slower."""
+    reference: Literal["ref_forward", "lora_base"] = "ref_forward"
+    """Where the reference log-probs come from: `ref_forward`, a stage holding the starting
+    checkpoint; `lora_base` (with actor.lora, no critic): the actor's own model with its adapters
+    off, which is the starting checkpoint, computed by actor_train once per iteration. The job then
+    runs no ref_forward stage: one model copy and process fewer, one forward more in the trainer."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -48,7 +48,7 @@ from stream_rlhf.device_copy import to_device
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import decoder_layers, save_checkpoint
-from stream_rlhf.models.lora import ADAPTER_FOLDER, has_lora, merge_lora, merged_names, save_adapter
+from stream_rlhf.models.lora import ADAPTER_FOLDER, adapters_off, has_lora, merge_lora, merged_names, save_adapter
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.telemetry.cuda_allocator import allocator_counter
 from stream_rlhf.weights.shm_store import WeightStore
@@ -126,9 +126,15 @@ class TorchTrainEngine:
                        prompt_lens: Tensor | None = None) -> list[Tensor]:
         return self._shared(self.values, sequences, images, prompt_lens)
 
-    def forward_response_logprobs(self, exp: Experience, temperature: float) -> Tensor:
+    def forward_response_logprobs(self, exp: Experience, temperature: float, base: bool = False) -> Tensor:
         """(N, R) `response_logprobs` of a whole mini-batch, no gradient, on the CPU on every rank:
-        each rank computes its share (one copy to the host), then all gather."""
+        each rank computes its share (one copy to the host), then all gather. `base`: the model's
+        without its LoRA adapters (the starting checkpoint's: the reference policy's)."""
+        if base:
+            if not self.lora:
+                raise ValueError("forward_response_logprobs(base=True): this engine's model has no LoRA adapters")
+            with adapters_off(self.model):
+                return self.forward_response_logprobs(exp, temperature)
         width = exp.mask.shape[1]
         mine = exp.select(torch.arange(exp.num_samples)[self.group.shard(exp.num_samples)])
         parts = [torch.zeros(0, width)]

@@ -63,8 +63,9 @@ class TrainEngine(Protocol):
                        prompt_lens: Tensor | None = None) -> list[Tensor]:
         """`values` of a whole mini-batch, shared like `forward_logprobs`."""
 
-    def forward_response_logprobs(self, exp: Experience, temperature: float) -> Tensor:
-        """(N, R) `response_logprobs` of a whole mini-batch, no gradient, shared like `forward_logprobs`."""
+    def forward_response_logprobs(self, exp: Experience, temperature: float, base: bool = False) -> Tensor:
+        """(N, R) `response_logprobs` of a whole mini-batch, no gradient, shared like `forward_logprobs`.
+        `base`: the model's without its LoRA adapters (ValueError when it has none)."""
 
     def train_step(self, part: Experience, loss_fn: LossFn, per_sample: dict[str, Tensor]) -> dict[str, float]:
         """One optimizer step on `part`: each rank takes its share of the samples (and of each

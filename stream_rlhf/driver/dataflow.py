@@ -5,7 +5,8 @@
                         ├─► actor_forward ──┤──────────► experience ─┬─► actor_train ─► weights v+1
                         └─► critic_forward ─┘  (PPO)                 └─► critic_train (PPO)
 
-The forwards a config never needs are left out (`left_out_stages`): the reference without a KL,
+The forwards a config never needs are left out (`left_out_stages`): the reference without a KL
+or when actor_train computes it (`algorithm.kl.reference: lora_base`),
 the actor forward whenever rollout may run ahead (overlap_depth >= 1: actor_train computes the
 proximal log-probs itself) or one optimizer step gives them, the critic's without a critic.
 Without an actor forward the KL is the sampling policy's (its behaviour log-probs) against the
@@ -70,6 +71,9 @@ def left_out_stages(cfg: RLJobConfig) -> dict[str, str]:
         out["critic_forward"] = f"algorithm.advantage={algo.advantage} has no critic"
     if algo.kl.coef == 0 and algo.kl.target is None:
         out["ref_forward"] = "algorithm.kl.coef=0 and fixed (no kl.target): no KL to compute"
+    elif algo.kl.reference == "lora_base":
+        out["ref_forward"] = ("algorithm.kl.reference=lora_base: actor_train computes the reference log-probs with "
+                              "its LoRA adapters off")
     if cfg.overlap_depth >= 1:
         out["actor_forward"] = (f"overlap_depth={cfg.overlap_depth}: rollout runs ahead of training, so a forward "
                                 "before training would have older weights than the proximal policy; actor_train "

@@ -4,6 +4,7 @@ plain weights (what rollout, the forwards and checkpoint folders see).
     targets = add_lora(model, LoRAConfig(rank=8), seed=0)  # the base frozen: only A and B train
     plain = merge_lora(model.state_dict())                 # W + (alpha / rank) B A; no adapter keys
     save_adapter(model.state_dict(), folder / "adapter")   # the adapters alone, as PEFT saves them
+    with adapters_off(model): ...                          # the base model: the starting checkpoint
 
 A targeted `nn.Linear` becomes a `LoRALinear` that keeps its `weight` and `bias` under their
 names, beside `lora_A` (rank, in), `lora_B` (out, rank) and the scale `lora_scale` (a buffer, so a
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -45,9 +48,14 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device,
                                                dtype=base.weight.dtype))  # zero: the model starts unchanged
         self.register_buffer("lora_scale", torch.tensor(alpha / rank))
+        self.adapter_on = True
+        """False: the frozen layer alone (`adapters_off`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
+        base = F.linear(x, self.weight, self.bias)
+        if not self.adapter_on:
+            return base
+        return base + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
 
 
 def add_lora(model: nn.Module, cfg: LoRAConfig, seed: int, key: str = "actor.lora") -> list[str]:
@@ -78,6 +86,20 @@ def add_lora(model: nn.Module, cfg: LoRAConfig, seed: int, key: str = "actor.lor
         raise ValueError(f"{key}.target_modules: {missing} name no linear layer of the model's decoder layers "
                          f"(they have {present})")
     return wrapped
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """`model` without its adapters inside the block: its frozen weights alone, which under LoRA
+    are the starting checkpoint's (the reference policy's)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for layer in layers:
+        layer.adapter_on = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapter_on = True
 
 
 def has_lora(model: nn.Module) -> bool:

@@ -190,6 +190,7 @@ class RLJobConfig:
                 f"algorithm.advantage={self.algorithm.advantage} needs >= 2 samples per prompt"
             )
         self._check_dynamic_sampling(grouped)
+        self._check_lora_reference()
         samples = self.rollout_batch.samples_per_minibatch * self.rollout_batch.minibatches
         if self.algorithm.train_minibatches > samples:
             raise ConfigError(
@@ -285,6 +286,22 @@ class RLJobConfig:
         if sampling.groups is not None and sampling.groups > prompts:
             raise ConfigError(f"algorithm.dynamic_sampling.groups={sampling.groups}: more than the {prompts} groups "
                               "an iteration generates (rollout_batch.prompts_per_minibatch x minibatches)")
+
+    def _check_lora_reference(self) -> None:
+        """The actor's base model is the reference only under LoRA, and only the actor gets it."""
+        kl = self.algorithm.kl
+        if kl.reference != "lora_base":
+            return
+        key = "algorithm.kl.reference=lora_base"
+        if self.actor.lora is None:
+            raise ConfigError(f"{key}: the actor's model is the starting checkpoint with its adapters off only "
+                              "under actor.lora; set it, or use ref_forward")
+        if kl.coef == 0 and kl.target is None:
+            raise ConfigError(f"{key}: algorithm.kl.coef=0 and fixed: there is no KL to compute a reference for")
+        if self.algorithm.uses_critic:
+            raise ConfigError(f"{key}: critic_train also reads the reference log-probs (its returns carry the KL), "
+                              f"and only actor_train would have them; with algorithm.advantage="
+                              f"{self.algorithm.advantage} use ref_forward")
 
     def _check_torch_trainer_keys(self) -> None:
         """LoRA and `gradient_checkpointing` are the torch engine's (megatron recomputes with its own

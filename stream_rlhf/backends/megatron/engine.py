@@ -160,7 +160,9 @@ class MegatronTrainEngine:
                        prompt_lens: Tensor | None = None) -> list[Tensor]:
         return self._shared(sequences, images, prompt_lens, lambda out, batch, _: token_values(out, batch, self.split))
 
-    def forward_response_logprobs(self, exp: Experience, temperature: float) -> Tensor:
+    def forward_response_logprobs(self, exp: Experience, temperature: float, base: bool = False) -> Tensor:
+        if base:
+            raise ValueError("forward_response_logprobs(base=True): the megatron engine holds no LoRA adapters")
         logp = self.forward_logprobs(exp.sequences, temperature, images=exp.images, prompt_lens=exp.prompt_lens)
         return exp.padded(response_slices(logp, exp.prompt_lens))
 
