@@ -1,11 +1,12 @@
 """DAPO's dynamic sampling choice (`algos/group_filter.py`): which groups train, in which order,
-and what is counted as left out."""
+and what is counted as left out; and the progress line that shows it."""
 
 from __future__ import annotations
 
 import torch
 
 from stream_rlhf.algos.group_filter import choose_groups
+from stream_rlhf.telemetry.progress import describe
 
 RETURNS = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.1, 0.1, 1.0, 0.0, 0.0, 0.5])
 GROUPS = torch.tensor([7, 7, 3, 3, 9, 9, 1, 1, 5, 5])  # ids out of order: the samples' order decides
@@ -40,3 +41,10 @@ def test_a_difference_in_the_last_bit_counts_and_groups_may_be_interleaved():
     returns = torch.tensor([0.3, 0.3, 0.3, torch.nextafter(torch.tensor(0.3), torch.tensor(1.0)).item()])
     chosen = choose_groups(returns, torch.tensor([4, 2, 4, 2]), None)
     assert chosen.index.tolist() == [1, 3] and chosen.uniform == 2
+
+
+def test_the_progress_line_shows_the_groups_trained_only_with_dynamic_sampling():
+    record = {"iteration": 0, "reward": 0.5, "kl": 0.01, "tokens_per_s": 100.0}
+    assert "groups" not in describe(record)
+    line = describe(record | {"groups_trained": 21, "groups_uniform_frac": 0.34375, "groups_short": 0})
+    assert line.endswith("21 groups trained (34% alike left out)")

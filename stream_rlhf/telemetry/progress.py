@@ -1,5 +1,6 @@
 """What the user watches during `stream-rlhf run`: a progress bar over iterations with reward,
-KL, tokens/s and staleness (a log line per iteration when stderr is not a terminal). The summary
+KL, tokens/s and staleness, the turns of a multi-turn job and the groups dynamic sampling trained
+(a log line per iteration when stderr is not a terminal). The summary
 table at the end is `driver/summary_table.py`.
 """
 
@@ -24,6 +25,8 @@ def describe(record: dict[str, Any]) -> str:
             f"/{record.get('staleness_max', 0)}")
     if "turns_per_episode" in record:  # a multi-turn job (env:)
         line += f"  {record['turns_per_episode']:.2f} turns/ep  tool hidden {record['tool_hidden_frac']:.0%}"
+    if "groups_trained" in record:  # algorithm.dynamic_sampling
+        line += f"  {record['groups_trained']} groups trained ({record['groups_uniform_frac']:.0%} alike left out)"
     return line
 
 

@@ -289,11 +289,10 @@ class MegatronTrainEngine:
         shares = [1.0] if len(runs) == 1 else [float(host.mask[run].sum()) / max(tokens, 1.0) for run in indices]
 
         def loss_of(number: int, batch: Batch):
-            run = indices[number]
-            local = (host if len(runs) == 1 else host.select(run)).to(self.device)
-            local_per_sample = {name: t[index][run].to(self.device) for name, t in per_sample.items()}
-
-            def loss(output: Tensor):
+            def loss(output: Tensor):  # on the last pipeline stage
+                run = indices[number]
+                local = (host if len(runs) == 1 else host.select(run)).to(self.device)
+                local_per_sample = {name: t[index][run].to(self.device) for name, t in per_sample.items()}
                 self._step_outputs = (local.sequences, batch, output)
                 try:
                     value, metrics = loss_fn(local, local_per_sample)
