@@ -141,22 +141,24 @@ def test_mask_truncated_leaves_the_responses_cut_by_the_length_limit_out_of_the_
     assert records[0]["truncated_frac"] == pytest.approx(sum(cut) / len(cut), abs=1e-4)
 
 
-def _logged_groups(cfg: RLJobConfig) -> dict[int, list[list[float]]]:
-    """Per iteration, the rewards of each logged group (a prompt's consecutive samples), in order."""
+def _logged_groups(cfg: RLJobConfig) -> dict[int, list[list[tuple[float, str | None]]]]:
+    """Per iteration, each logged group (a prompt's consecutive samples) in order: its samples'
+    (reward, why dynamic sampling left it out)."""
     per_prompt = cfg.rollout_batch.samples_per_prompt
-    groups: dict[int, list[list[float]]] = {}
+    groups: dict[int, list[list[tuple[float, str | None]]]] = {}
     for line in (Path(cfg.run_dir) / "samples.jsonl").read_text().splitlines():
         sample = json.loads(line)
         if sample["sample"] % per_prompt == 0:
             groups.setdefault(sample["iteration"], []).append([])
-        groups[sample["iteration"]][-1].append(sample["reward"])
+        groups[sample["iteration"]][-1].append((sample["reward"], sample["left_out"]))
     return groups
 
 
 @pytest.mark.parametrize("keep", [None, 3], ids=["filter", "keep3"])
 def test_dynamic_sampling_trains_only_the_groups_whose_rewards_differ(tmp_path, keep):
     """algorithm.dynamic_sampling (DAPO): every sample logged, the groups of equal rewards (and with
-    `groups` those past the first informative ones) left out of training and counted as dropped."""
+    `groups` those past the first informative ones) left out of training, counted as dropped and
+    marked so in the samples log."""
     torch.set_num_threads(1)
     cfg, records = run_inprocess(
         tmp_path, f"dynamic_{keep}", schedule="sync", overlap_depth=0, samples_log={"per_minibatch": 1000},
@@ -168,8 +170,14 @@ def test_dynamic_sampling_trains_only_the_groups_whose_rewards_differ(tmp_path, 
     for record in records:
         groups = logged[record["iteration"]]
         assert len(groups) == 16 and all(len(g) == 4 for g in groups)  # every generated sample logged
-        informative = sum(len(set(g)) > 1 for g in groups)
+        informative = sum(len({reward for reward, _ in g}) > 1 for g in groups)
         expected = informative if keep is None else min(keep, informative)
+        seen = 0  # informative groups so far
+        for group in groups:
+            alike = len({reward for reward, _ in group}) == 1
+            seen += not alike
+            why = "group returns all equal" if alike else "surplus group" if seen > expected else None
+            assert [left_out for _, left_out in group] == [why] * 4
         assert record["groups_trained"] == expected and record["samples"] == 4 * expected
         assert record["groups_short"] == (0 if keep is None else max(keep - informative, 0))
         assert record["groups_uniform_frac"] == pytest.approx((16 - informative) / 16, abs=1e-4)

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from stream_rlhf.viewer.page import write_page
-from tests.test_viewer_page import BAD_LINES, write_episode_samples, write_samples, write_untrained_episode
+from tests.test_viewer_page import (
+    BAD_LINES,
+    write_episode_samples,
+    write_left_out_samples,
+    write_samples,
+    write_untrained_episode,
+)
 
 pytestmark = pytest.mark.slow  # a real Chromium process (scripts/setup_browser.sh installs it before the full suite)
 CHROMIUM = Path("/usr/bin/chromium")
@@ -137,6 +143,16 @@ def test_a_failed_episode_left_out_of_training_is_marked_and_faded_and_a_cut_sam
     assert "cut at" not in page.inner_text(".sample:nth-child(1) .meta")
     assert page.eval_on_selector(".sample:nth-child(2) .response", opacity) == "1"
     page.screenshot(path=SCREENSHOT or str(tmp_path / "view_untrained.png"), full_page=True)
+
+
+@pytest.mark.parametrize("page", [write_left_out_samples], indirect=True)
+def test_a_sample_dynamic_sampling_left_out_is_marked_and_faded(page, tmp_path):
+    first = '.sample[data-line="1"]'
+    assert page.get_attribute(first, "class") == "sample untrained"
+    assert "not trained: group returns all equal (algorithm.dynamic_sampling)" in page.inner_text(f"{first} .meta")
+    assert page.eval_on_selector(f"{first} .response", "el => getComputedStyle(el).opacity") == "0.45"
+    assert page.locator(".sample.untrained").count() == 1  # the others trained
+    page.screenshot(path=SCREENSHOT or str(tmp_path / "view_left_out.png"), full_page=True)
 
 
 def _rgb(css: str) -> tuple[int, int, int]:

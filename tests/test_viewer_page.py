@@ -78,6 +78,16 @@ def write_untrained_episode(run_dir: Path) -> list[SampleRecord]:
     return [episode, single]
 
 
+def write_left_out_samples(run_dir: Path) -> list[SampleRecord]:
+    """`write_samples`' run with its first sample in a group dynamic sampling left out."""
+    good = write_samples(run_dir)
+    good[0] = dataclasses.replace(good[0], left_out="group returns all equal")
+    lines = (run_dir / SAMPLES_FILE).read_text().splitlines()
+    lines[0] = json.dumps(asdict(good[0]))
+    (run_dir / SAMPLES_FILE).write_text("\n".join(lines) + "\n")
+    return good
+
+
 def test_bad_lines_are_skipped_with_line_and_reason(tmp_path):
     good = write_samples(tmp_path)
     logged, skipped = read_samples(tmp_path / SAMPLES_FILE)

@@ -3,6 +3,7 @@
     chosen = choose_groups(exp.sample_returns(), exp.group_ids, keep=24)
     trained = exp.select(chosen.index)       # the first 24 groups whose returns differ, in order
     chosen.uniform, chosen.surplus           # samples left out: groups of equal returns, groups past 24
+    chosen.reasons                           # per sample: None (trains), UNIFORM or SURPLUS
 
 A group (a prompt's samples) whose returns are all equal has a zero group-relative advantage on
 every sample (GRPO, RLOO, Dr. GRPO): it gives the policy no gradient, yet its tokens dilute the
@@ -20,6 +21,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+UNIFORM = "group returns all equal"
+SURPLUS = "surplus group"
+"""Why a sample is left out (`ChosenGroups.reasons`)."""
+
 
 class ChosenGroups(NamedTuple):
     index: Tensor
@@ -32,6 +37,8 @@ class ChosenGroups(NamedTuple):
     """Samples of informative groups past `keep`, left out."""
     short: int
     """Informative groups missing to reach `keep` (0 without `keep`)."""
+    reasons: list[str | None]
+    """(N,) why each sample is left out: UNIFORM, SURPLUS, or None when it trains."""
 
 
 def choose_groups(returns: Tensor, group_ids: Tensor, keep: int | None) -> ChosenGroups:
@@ -50,8 +57,9 @@ def choose_groups(returns: Tensor, group_ids: Tensor, keep: int | None) -> Chose
     kept_group = torch.zeros(len(ids), dtype=torch.bool)
     kept_group[chosen] = True
     kept = kept_group[inverse]
-    uniform = int((~informative[inverse]).sum())
-    return ChosenGroups(index=torch.nonzero(kept).flatten(), groups=len(chosen), uniform=uniform,
-                        surplus=len(returns) - int(kept.sum()) - uniform,
-                        short=max(keep - len(chosen), 0) if keep is not None else 0)
+    alike = ~informative[inverse]
+    reasons = [None if k else UNIFORM if a else SURPLUS for k, a in zip(kept.tolist(), alike.tolist(), strict=True)]
+    return ChosenGroups(index=torch.nonzero(kept).flatten(), groups=len(chosen), uniform=reasons.count(UNIFORM),
+                        surplus=reasons.count(SURPLUS), short=max(keep - len(chosen), 0) if keep is not None else 0,
+                        reasons=reasons)
 

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from stream_rlhf.algos.aggregation import row_weights
-from stream_rlhf.algos.group_filter import choose_groups
+from stream_rlhf.algos.group_filter import ChosenGroups, choose_groups
 from stream_rlhf.algos.losses import entropy_loss, kl_loss, policy_loss
 from stream_rlhf.algos.masked import masked_mean
 from stream_rlhf.backends.engines import build_train_engine
@@ -216,12 +216,15 @@ class ActorTrain(Stage):
             kl = exp.kl(algo.kl.kind)  # (N, R)
             kl_mean = masked_mean(kl, exp.mask).item()
             advantages, _ = advantages_of(exp, self.job, self.kl_ctl.coef)
+        groups = None if algo.dynamic_sampling is None else choose_groups(exp.sample_returns(), exp.group_ids,
+                                                                          algo.dynamic_sampling.groups)
         if self.samples is not None:
             with trace.span("samples log", "train"):
-                self.samples.write(batches, exp, advantages, kl, self.version)
+                self.samples.write(batches, exp, advantages, kl, self.version,
+                                   left_out=groups.reasons if groups is not None else None)
         generated, chosen = exp, {}
-        if algo.dynamic_sampling is not None:
-            exp, advantages, chosen = self._chosen_groups(exp, advantages)
+        if groups is not None:
+            exp, advantages, chosen = self._chosen_groups(exp, advantages, groups)
             if exp is None:  # no group of this iteration differs: nothing to train on
                 self.kl_ctl.update(kl_mean, generated.num_samples)
                 return {**self._reward_metrics(generated), **chosen, "kl": round(kl_mean, 5), "samples": 0,
@@ -266,16 +269,15 @@ class ActorTrain(Stage):
             "tokens": exp.num_tokens,
         }
 
-    def _chosen_groups(self, exp: Experience,
-                       advantages: Tensor) -> tuple[Experience | None, Tensor | None, dict[str, float]]:
+    def _chosen_groups(self, exp: Experience, advantages: Tensor,
+                       chosen: ChosenGroups) -> tuple[Experience | None, Tensor | None, dict[str, float]]:
         """DAPO's dynamic sampling (`algos/group_filter.py`): the samples of the groups that train
         and their advantages (None when no group does), and the iteration's figures; the samples
         left out are counted as dropped, with their reason."""
-        chosen = choose_groups(exp.sample_returns(), exp.group_ids, self.job.config.algorithm.dynamic_sampling.groups)
-        for reason, count in (("dynamic sampling: group returns all equal", chosen.uniform),
-                              ("dynamic sampling: surplus group", chosen.surplus)):
-            if count:
-                self.dropped[reason] = self.dropped.get(reason, 0) + count
+        for reason in chosen.reasons:
+            if reason is not None:
+                key = f"dynamic sampling: {reason}"
+                self.dropped[key] = self.dropped.get(key, 0) + 1
         record = {"groups_trained": chosen.groups, "groups_short": chosen.short,
                   "groups_uniform_frac": round(chosen.uniform / exp.num_samples, 4)}
         if not chosen.groups:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -86,6 +86,9 @@ class SampleRecord:
     truncated: bool = False
     """Cut by its length limit (rollout.max_new_tokens without a stop, env.max_episode_tokens): with
     `algorithm.mask_truncated` none of its tokens carries a loss."""
+    left_out: str | None = None
+    """Why `algorithm.dynamic_sampling` left it out of the actor's training ("group returns all
+    equal", "surplus group"); None: not left out."""
 
 
 def logged_indices(num_samples: int, per_minibatch: int) -> list[int]:
@@ -117,9 +120,11 @@ class SampleLog:
         self.per_minibatch = cfg.per_minibatch
         self.tokenizer = tokenizer
 
-    def write(self, batches: list[Batch], exp: Experience, advantages: Tensor, kl: Tensor, version: int) -> None:
+    def write(self, batches: list[Batch], exp: Experience, advantages: Tensor, kl: Tensor, version: int,
+              left_out: list[str | None] | None = None) -> None:
         """Log the chosen samples of `batches` (the mini-batches `exp` was built from, in order);
-        `advantages` and `kl` are (N, R) like `exp.mask`, `version` the trainer's policy version."""
+        `advantages` and `kl` are (N, R) like `exp.mask`, `version` the trainer's policy version,
+        `left_out` (N,) why dynamic sampling left each sample out of training (None: it trains)."""
         lines, offset = [], 0
         for batch in batches:
             paths = batch.metadata.get(IMAGE_PATHS) or [""] * batch.num_samples
@@ -127,6 +132,8 @@ class SampleLog:
                 n = offset + index
                 record = self._record(batch, index, exp, n, advantages[n], kl[n] if exp.ref_logp is not None else None,
                                       version, paths[index])
+                if left_out is not None and left_out[n] is not None:
+                    record = replace(record, left_out=left_out[n])
                 lines.append(json.dumps(asdict(record)) + "\n")
             offset += batch.num_samples
         with self.path.open("a") as f:

@@ -3,7 +3,8 @@
 // textContent. A multi-turn sample (its `turns`: [start, end, kind] spans) shows one block per
 // turn: policy tokens coloured, observation tokens shaded and left out of the colour scales and
 // the mean KL (they carry no loss). A failed episode left out of training (`trained: false`,
-// env.failed_episodes: mask) is marked so in its card, its tokens faded; a sample its length limit
+// env.failed_episodes: mask) is marked so in its card, its tokens faded, and so is a sample
+// dynamic sampling left out (`left_out`: algorithm.dynamic_sampling); a sample its length limit
 // cut (`truncated`) says so.
 "use strict";
 
@@ -97,6 +98,9 @@ function card(sample) {
   if (!sample.trained) {  // a failed episode under env.failed_episodes: mask
     node.classList.add("untrained");
     meta.append(element("span", "untrained", "not trained: a failed episode (env.failed_episodes: mask)"));
+  } else if (sample.left_out) {  // its group left out by algorithm.dynamic_sampling
+    node.classList.add("untrained");
+    meta.append(element("span", "untrained", `not trained: ${sample.left_out} (algorithm.dynamic_sampling)`));
   }
   const prompt = element("div", "prompt row");
   prompt.append(element("span", "label", "prompt"));
