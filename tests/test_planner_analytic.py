@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from stream_rlhf.cli import main
-from stream_rlhf.config import ConfigError
+from stream_rlhf.config import ConfigError, build
 from stream_rlhf.planner import job_analytic
 from stream_rlhf.planner.analytic import ModelShape, Workload, analytic_profile
 from stream_rlhf.planner.devices import DeviceFigures, device_figures
 from stream_rlhf.planner.rank_search import rank_splits, search_ranks
+from stream_rlhf.rl.config import RLJobConfig
 from tests.rl_tiny import tiny_job, write_job
 
 SHAPE = ModelShape(hidden=4, intermediate=8, layers=1, heads=2, kv_heads=1, head_dim=2, vocab=10)
@@ -59,6 +60,19 @@ def test_a_lora_trainer_costs_its_frozen_weights_no_gradient_and_steps_its_adapt
     assert lora.trained == 14 and SHAPE.trained == SHAPE.params
     profile = analytic_profile(PPO, SHAPE, WORK, MEGA, shapes={"actor_train": lora})
     assert profile.step_s["actor_train"] == pytest.approx((0.0, (900 * 32 + 14 * 28 + 13056) * 1e-6))
+
+
+def test_with_the_lora_base_as_reference_actor_train_also_runs_the_reference_forward(tmp_path):
+    """algorithm.kl.reference lora_base: no ref_forward stage, and actor_train's step grows by a
+    forward over the iteration's 32 tokens (2 x 204 x 32 = 13056 FLOP), beside the proximal one."""
+    stages = {name: inputs for name, inputs in PPO.items() if name != "ref_forward"} | {"actor_train": ("rollout",)}
+    plain = analytic_profile(stages, SHAPE, WORK, MEGA).step_s["actor_train"][-1]
+    base = analytic_profile(stages, SHAPE, replace(WORK, reference_in_trainer=True), MEGA).step_s["actor_train"][-1]
+    assert base - plain == pytest.approx(13056e-6)
+    cfg = build(RLJobConfig, tiny_job(tmp_path, "w", **{
+        "algorithm.advantage": "grpo", "rollout_batch.samples_per_prompt": 2, "actor.lora": {"rank": 4},
+        "algorithm.kl.reference": "lora_base"}))
+    assert job_analytic.job_workload(cfg).reference_in_trainer is True
 
 
 def test_the_adapter_count_is_the_real_models():

@@ -23,7 +23,8 @@ layer of a decode step), split over n ranks (data parallel, efficiency e when n 
 
 A trainer trains on an iteration's last mini-batch (its cost is all at that position, as a
 calibrated profile's); actor_train also runs the forward of the proximal log-probs when the
-job has no actor_forward stage (overlap_depth >= 1). Not modelled: attention's FLOPs (they grow
+job has no actor_forward stage (overlap_depth >= 1), and the reference's with
+`algorithm.kl.reference: lora_base` (`Workload.reference_in_trainer`). Not modelled: attention's FLOPs (they grow
 with the sequence: short sequences here), the vision tower (vision_prefetch costs 0), Medusa
 heads (medusa_train costs 0), reward functions (0; a reward model: a forward) and the broker's
 transfers.
@@ -94,6 +95,8 @@ class Workload:
     ppo_epochs: int = 1
     train_minibatches: int = 1
     """Optimizer steps per epoch."""
+    reference_in_trainer: bool = False
+    """actor_train computes the reference log-probs too (`algorithm.kl.reference: lora_base`)."""
 
     @property
     def tokens(self) -> float:
@@ -143,8 +146,9 @@ def stage_step_s(stage: str, stages: set[str], shape: ModelShape, work: Workload
         return (forward_s(shape, work.tokens, device, ranks),) * work.minibatches
     if policy_sized and kind.trains:
         cost = train_s(shape, work, device, ranks)
-        if stage == "actor_train" and "actor_forward" not in stages:
-            cost += forward_s(shape, work.tokens * work.minibatches, device, ranks)
+        if stage == "actor_train":  # the proximal forward without an actor_forward; the reference's with lora_base
+            forwards = ("actor_forward" not in stages) + work.reference_in_trainer
+            cost += forwards * forward_s(shape, work.tokens * work.minibatches, device, ranks)
         return (*flat[:-1], cost)
     return flat  # prompts, reward functions, vision_prefetch, medusa_train: not modelled
 

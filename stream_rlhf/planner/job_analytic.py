@@ -103,7 +103,8 @@ def job_workload(cfg: RLJobConfig, prompt_tokens: float | None = None,
                     response_tokens=planned_response_tokens(cfg, prompt_tokens)[0] if response_tokens is None
                     else response_tokens,
                     minibatches=batch.minibatches, ppo_epochs=cfg.algorithm.ppo_epochs,
-                    train_minibatches=cfg.algorithm.train_minibatches)
+                    train_minibatches=cfg.algorithm.train_minibatches,
+                    reference_in_trainer=cfg.algorithm.kl.reference == "lora_base")
 
 
 def planned_response_tokens(cfg: RLJobConfig, prompt_tokens: float) -> tuple[float, str]:
