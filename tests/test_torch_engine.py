@@ -169,14 +169,7 @@ def test_two_fsdp2_ranks_train_to_the_same_weights_as_one(tmp_path, case):
     if case == "lora":  # merged exports: what the adapters change, and nothing else
         assert {k for k in one if not torch.equal(one[k], start[k])} == {
             f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("q_proj", "v_proj")}
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=0, msg=name)
-    m1 = torch.load(str(tmp_path / f"{case}-1.safetensors.metrics"))
-    m2 = torch.load(str(tmp_path / f"{case}-2.safetensors.metrics"))
-    for a, b in zip(m1, m2):
-        for key in ("loss", "grad_norm", "clipfrac", "approx_kl"):
-            assert b[key] == pytest.approx(a[key], abs=1e-5), key
-        assert b["proximal_sum"] == pytest.approx(a["proximal_sum"], rel=1e-6)  # a float32 sum of ~140
+    _assert_trained_alike(tmp_path, f"{case}-1", f"{case}-2", ("loss", "grad_norm", "clipfrac", "approx_kl"))
 
 
 @pytest.mark.slow
@@ -184,16 +177,23 @@ def test_micro_batches_on_two_fsdp2_ranks_train_to_the_weights_of_one_pass_on_on
     """actor.micro_batch_tokens: each rank's samples in runs of at most 9 tokens (the ranks need
     different numbers of runs: the one with fewer takes part in the others' with nothing), the
     gradient reduced once; the same weights and metrics as one rank in one pass."""
-    one = load_file(_run_ranks(1, tmp_path, "train"))
-    two = load_file(_run_ranks(2, tmp_path, "micro"))
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=0, msg=name)
-    m1 = torch.load(str(tmp_path / "train-1.safetensors.metrics"))
-    m2 = torch.load(str(tmp_path / "micro-2.safetensors.metrics"))
-    for a, b in zip(m1, m2):
-        for key in ("loss", "grad_norm", "clipfrac", "approx_kl", "ratio_max"):
+    _run_ranks(1, tmp_path, "train")
+    _run_ranks(2, tmp_path, "micro")  # the sharded proximal forward passes in runs too
+    _assert_trained_alike(tmp_path, "train-1", "micro-2", ("loss", "grad_norm", "clipfrac", "approx_kl", "ratio_max"))
+
+
+def _assert_trained_alike(tmp_path: Path, one: str, two: str, keys: tuple[str, ...]) -> None:
+    """Runs `one` and `two` of `_run_ranks` (case-world) ended at the same weights (1e-5), each
+    step's metrics `keys` agree (1e-5) and so does the proximal forward's sum (a float32 sum of
+    ~140: 1e-6 relative)."""
+    first, second = (load_file(str(tmp_path / f"{run}.safetensors")) for run in (one, two))
+    for name in first:
+        torch.testing.assert_close(second[name], first[name], atol=1e-5, rtol=0, msg=name)
+    m1, m2 = (torch.load(str(tmp_path / f"{run}.safetensors.metrics")) for run in (one, two))
+    for a, b in zip(m1, m2, strict=True):
+        for key in keys:
             assert b[key] == pytest.approx(a[key], abs=1e-5), key
-        assert b["proximal_sum"] == pytest.approx(a["proximal_sum"], rel=1e-6)  # the sharded forward, in runs too
+        assert b["proximal_sum"] == pytest.approx(a["proximal_sum"], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -31,14 +31,20 @@ class ChosenGroups(NamedTuple):
     """(M,) long: the samples that train, in their order."""
     groups: int
     """Groups that train."""
-    uniform: int
-    """Samples left out because their group's returns are all equal."""
-    surplus: int
-    """Samples of informative groups past `keep`, left out."""
     short: int
     """Informative groups missing to reach `keep` (0 without `keep`)."""
     reasons: list[str | None]
     """(N,) why each sample is left out: UNIFORM, SURPLUS, or None when it trains."""
+
+    @property
+    def uniform(self) -> int:
+        """Samples left out because their group's returns are all equal."""
+        return self.reasons.count(UNIFORM)
+
+    @property
+    def surplus(self) -> int:
+        """Samples of informative groups past `keep`, left out."""
+        return self.reasons.count(SURPLUS)
 
 
 def choose_groups(returns: Tensor, group_ids: Tensor, keep: int | None) -> ChosenGroups:
@@ -59,7 +65,6 @@ def choose_groups(returns: Tensor, group_ids: Tensor, keep: int | None) -> Chose
     kept = kept_group[inverse]
     alike = ~informative[inverse]
     reasons = [None if k else UNIFORM if a else SURPLUS for k, a in zip(kept.tolist(), alike.tolist(), strict=True)]
-    return ChosenGroups(index=torch.nonzero(kept).flatten(), groups=len(chosen), uniform=reasons.count(UNIFORM),
-                        surplus=reasons.count(SURPLUS), short=max(keep - len(chosen), 0) if keep is not None else 0,
-                        reasons=reasons)
+    return ChosenGroups(index=torch.nonzero(kept).flatten(), groups=len(chosen),
+                        short=max(keep - len(chosen), 0) if keep is not None else 0, reasons=reasons)
 

@@ -49,6 +49,7 @@ from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import decoder_layers, save_checkpoint
 from stream_rlhf.models.lora import ADAPTER_FOLDER, adapters_off, has_lora, merge_lora, merged_names, save_adapter
+from stream_rlhf.models.packing import shared_prompt_lens
 from stream_rlhf.samples import SampleImages
 from stream_rlhf.telemetry.cuda_allocator import allocator_counter
 from stream_rlhf.weights.shm_store import WeightStore
@@ -175,7 +176,7 @@ class TorchTrainEngine:
         counted once: text models; one run without a budget, an empty one without samples);
         sharded, as many as the rank that needs most, empty ones at the end (each pass of a sharded
         model is a collective)."""
-        runs = micro_batches(sequences, self.micro_batch_tokens, prompt_lens if images is None else None)
+        runs = micro_batches(sequences, self.micro_batch_tokens, shared_prompt_lens(prompt_lens, images))
         if self.sharded and self.micro_batch_tokens is not None:
             runs += [torch.arange(0)] * (int(self.group.max([float(len(runs))])[0]) - len(runs))
         return runs

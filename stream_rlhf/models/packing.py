@@ -301,13 +301,18 @@ def _model_inputs(
     return {**inputs, "position_ids": to_device(position_ids, device), "attention_mask": mask}
 
 
+def shared_prompt_lens(prompt_lens: Tensor | None, images: list[SampleImages] | None) -> Tensor | None:
+    """The prompt lengths by which a forward's samples share their prompts: `prompt_lens` for a
+    text model, None with images (a vision-language model's M-RoPE positions are placed per whole
+    sequence)."""
+    return prompt_lens if images is None else None
+
+
 def packed_layout(sequences: list[Tensor], capacity: int | None, images: list[SampleImages] | None,
                   prompt_lens: Tensor | None) -> Packed:
-    """The layout of a forward: prompts shared by their samples when `prompt_lens` is given (text
-    models; a vision-language model's M-RoPE positions are placed per whole sequence)."""
-    if prompt_lens is None or images is not None:
-        return pack(sequences, capacity)
-    return pack_shared(sequences, prompt_lens, capacity)
+    """The layout of a forward: prompts shared by their samples as `shared_prompt_lens` says."""
+    shared = shared_prompt_lens(prompt_lens, images)
+    return pack(sequences, capacity) if shared is None else pack_shared(sequences, shared, capacity)
 
 
 def packed_forward(

@@ -76,6 +76,7 @@ from stream_rlhf.backends.train_engine import LossFn, Offloadable
 from stream_rlhf.distributed import RankGroup
 from stream_rlhf.experience import Experience
 from stream_rlhf.models.checkpoint import save_checkpoint
+from stream_rlhf.models.packing import shared_prompt_lens
 from stream_rlhf.models.response_outputs import padded_responses
 from stream_rlhf.models.vision_language import scatter_image_features
 from stream_rlhf.samples import SampleImages, response_slices
@@ -190,7 +191,7 @@ class MegatronTrainEngine:
         """The micro-batches of these samples (`step_memory.micro_batches` at `micro_batch_tokens`, a
         shared prompt counted once: text models; one without a budget): each one's sample indices
         and packing."""
-        runs = micro_batches(sequences, self.micro_batch_tokens, prompt_lens if images is None else None)
+        runs = micro_batches(sequences, self.micro_batch_tokens, shared_prompt_lens(prompt_lens, images))
         if len(runs) == 1:
             return runs, [run_of(sequences, images, prompt_lens, self.vision_config)]
         return runs, [run_of([sequences[i] for i in run.tolist()],
